@@ -1,1 +1,16 @@
-//! placeholder
+//! `vgpu-host-shim`: the GPU HAL ([`hal::Gpu`]) and the `sim` software GPU.
+
+pub mod clock;
+pub mod gpu_view;
+pub mod hal;
+pub mod kernels;
+pub mod mmu;
+pub mod shared_mem;
+pub mod sim;
+pub mod vram;
+
+pub use hal::{
+    ChannelConfig, ChannelCounters, ChannelId, ContextId, EventSink, FdRange, Gpu, GpuEvent,
+    GpuInfo, HalError, HostRange, MapFlags, MapTarget, PageSize, SysMemory, VramAlloc,
+};
+pub use sim::{SimConfig, SimGpu, SimStats};

@@ -79,10 +79,25 @@ impl KernelId {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum KernelArgs {
     Empty,
-    Spin { ns: u64 },
-    Memset { dst: u64, len: u64, pattern: u32 },
-    Memcpy { dst: u64, src: u64, len: u64 },
-    Saxpy { x: u64, y: u64, n: u64, a: f32 },
+    Spin {
+        ns: u64,
+    },
+    Memset {
+        dst: u64,
+        len: u64,
+        pattern: u32,
+    },
+    Memcpy {
+        dst: u64,
+        src: u64,
+        len: u64,
+    },
+    Saxpy {
+        x: u64,
+        y: u64,
+        n: u64,
+        a: f32,
+    },
     Sgemm {
         a: u64,
         b: u64,
@@ -93,8 +108,16 @@ pub enum KernelArgs {
         alpha: f32,
         beta: f32,
     },
-    ReduceSum { src: u64, n: u64, dst: u64 },
-    Checksum { src: u64, len: u64, dst: u64 },
+    ReduceSum {
+        src: u64,
+        n: u64,
+        dst: u64,
+    },
+    Checksum {
+        src: u64,
+        len: u64,
+        dst: u64,
+    },
     Stencil2d {
         src: u64,
         dst: u64,
@@ -103,7 +126,9 @@ pub enum KernelArgs {
         c_center: f32,
         c_neighbor: f32,
     },
-    Timestamp { dst: u64 },
+    Timestamp {
+        dst: u64,
+    },
 }
 
 /// Why an argument block was rejected.
@@ -202,11 +227,7 @@ impl KernelArgs {
                 put32(&mut o, 0);
             }
             KernelArgs::Memcpy { dst, src, len }
-            | KernelArgs::ReduceSum {
-                src,
-                n: len,
-                dst,
-            }
+            | KernelArgs::ReduceSum { src, n: len, dst }
             | KernelArgs::Checksum { src, len, dst } => {
                 // Memcpy is (dst, src, len); the reductions are (src, n, dst).
                 if let KernelArgs::Memcpy { .. } = self {
@@ -432,7 +453,16 @@ mod tests {
                 .prop_map(|(dst, src, len)| KernelArgs::Memcpy { dst, src, len }),
             (a4(), a4(), 0..MAX_KERNEL_BYTES / 4, -1e6f32..1e6)
                 .prop_map(|(x, y, n, a)| KernelArgs::Saxpy { x, y, n, a }),
-            (a4(), a4(), a4(), 1..=1024u32, 1..=1024u32, 1..=1024u32, -4f32..4.0, -4f32..4.0)
+            (
+                a4(),
+                a4(),
+                a4(),
+                1..=1024u32,
+                1..=1024u32,
+                1..=1024u32,
+                -4f32..4.0,
+                -4f32..4.0
+            )
                 .prop_map(|(a, b, c, m, n, k, alpha, beta)| KernelArgs::Sgemm {
                     a,
                     b,
@@ -443,8 +473,11 @@ mod tests {
                     alpha,
                     beta
                 }),
-            (a4(), 0..MAX_KERNEL_BYTES / 4, a4())
-                .prop_map(|(src, n, dst)| KernelArgs::ReduceSum { src, n, dst }),
+            (a4(), 0..MAX_KERNEL_BYTES / 4, a4()).prop_map(|(src, n, dst)| KernelArgs::ReduceSum {
+                src,
+                n,
+                dst
+            }),
             (any::<u64>(), 0..=MAX_KERNEL_BYTES, a4())
                 .prop_map(|(src, len, dst)| KernelArgs::Checksum { src, len, dst }),
             (a4(), a4(), 1..=MAX_DIM, 1..=MAX_DIM, -1f32..1.0, -1f32..1.0).prop_map(
@@ -483,28 +516,77 @@ mod tests {
         let bad = |k, a: KernelArgs| {
             assert!(KernelArgs::decode(k, &a.encode()).is_err(), "{a:?}");
         };
-        bad(KernelId::Spin, KernelArgs::Spin { ns: MAX_SPIN_NS + 1 });
-        bad(KernelId::Memset, KernelArgs::Memset { dst: 0, len: 3, pattern: 0 });
-        bad(KernelId::Memset, KernelArgs::Memset { dst: 2, len: 4, pattern: 0 });
+        bad(
+            KernelId::Spin,
+            KernelArgs::Spin {
+                ns: MAX_SPIN_NS + 1,
+            },
+        );
+        bad(
+            KernelId::Memset,
+            KernelArgs::Memset {
+                dst: 0,
+                len: 3,
+                pattern: 0,
+            },
+        );
+        bad(
+            KernelId::Memset,
+            KernelArgs::Memset {
+                dst: 2,
+                len: 4,
+                pattern: 0,
+            },
+        );
         bad(
             KernelId::Saxpy,
-            KernelArgs::Saxpy { x: 0, y: 0, n: u64::MAX / 2, a: 1.0 },
+            KernelArgs::Saxpy {
+                x: 0,
+                y: 0,
+                n: u64::MAX / 2,
+                a: 1.0,
+            },
         );
         bad(
             KernelId::Sgemm,
-            KernelArgs::Sgemm { a: 0, b: 0, c: 0, m: 0, n: 1, k: 1, alpha: 1.0, beta: 0.0 },
+            KernelArgs::Sgemm {
+                a: 0,
+                b: 0,
+                c: 0,
+                m: 0,
+                n: 1,
+                k: 1,
+                alpha: 1.0,
+                beta: 0.0,
+            },
         );
         bad(
             KernelId::Stencil2d,
-            KernelArgs::Stencil2d { src: 0, dst: 0, width: MAX_DIM + 1, height: 1, c_center: 0.0, c_neighbor: 0.0 },
+            KernelArgs::Stencil2d {
+                src: 0,
+                dst: 0,
+                width: MAX_DIM + 1,
+                height: 1,
+                c_center: 0.0,
+                c_neighbor: 0.0,
+            },
         );
         bad(KernelId::Timestamp, KernelArgs::Timestamp { dst: 4 });
         assert!(matches!(
             KernelArgs::decode(KernelId::Spin, &[0; 7]),
-            Err(KernelArgsError::WrongLength { expected: 8, got: 7, .. })
+            Err(KernelArgsError::WrongLength {
+                expected: 8,
+                got: 7,
+                ..
+            })
         ));
         // Non-zero padding is rejected, so an encoding is unique.
-        let mut raw = KernelArgs::Memset { dst: 0, len: 4, pattern: 1 }.encode();
+        let mut raw = KernelArgs::Memset {
+            dst: 0,
+            len: 4,
+            pattern: 1,
+        }
+        .encode();
         raw[20] = 1;
         assert!(KernelArgs::decode(KernelId::Memset, &raw).is_err());
     }

@@ -44,9 +44,17 @@ pub enum Method {
         args_len: u32,
     },
     /// DMA `len` bytes between two GPU virtual ranges (copy engine).
-    Copy { src: u64, dst: u64, len: u64 },
+    Copy {
+        src: u64,
+        dst: u64,
+        len: u64,
+    },
     /// Write `value` to the 4-byte semaphore at `va` once all earlier work is done.
-    SemRelease { va: u64, value: u32, timestamp: bool },
+    SemRelease {
+        va: u64,
+        value: u32,
+        timestamp: bool,
+    },
     /// Stall the channel until the semaphore at `va` satisfies `mode` against `value`.
     SemAcquire {
         va: u64,
@@ -54,9 +62,13 @@ pub enum Method {
         mode: SemaphoreMode,
     },
     /// Write `value` to the control page's REF field.
-    SetRef { value: u32 },
+    SetRef {
+        value: u32,
+    },
     /// Raise a notify event (an interrupt to the channel's owner) carrying `token`.
-    Notify { token: u32 },
+    Notify {
+        token: u32,
+    },
 }
 
 /// Why a method was rejected. `offset` is the word offset of the header in the segment.
@@ -66,7 +78,9 @@ pub enum MethodError {
     UnknownOpcode { offset: usize, opcode: u8 },
     #[error("word {offset}: reserved header bits set ({header:#x})")]
     ReservedBits { offset: usize, header: u32 },
-    #[error("word {offset}: opcode {opcode:#x} takes {expected} argument words, header says {got}")]
+    #[error(
+        "word {offset}: opcode {opcode:#x} takes {expected} argument words, header says {got}"
+    )]
     WrongArgCount {
         offset: usize,
         opcode: u8,
@@ -254,7 +268,11 @@ impl Method {
                 let timestamp = flags & SEM_RELEASE_TIMESTAMP != 0;
                 let align = if timestamp { 8 } else { 4 };
                 if va % align != 0 {
-                    return Err(MethodError::BadSemaphore { offset, va, mode: 0 });
+                    return Err(MethodError::BadSemaphore {
+                        offset,
+                        va,
+                        mode: 0,
+                    });
                 }
                 Method::SemRelease {
                     va,
@@ -267,7 +285,13 @@ impl Method {
                 let mode = match a[3] {
                     0 => SemaphoreMode::Equal,
                     1 => SemaphoreMode::AtLeast,
-                    m => return Err(MethodError::BadSemaphore { offset, va, mode: m }),
+                    m => {
+                        return Err(MethodError::BadSemaphore {
+                            offset,
+                            va,
+                            mode: m,
+                        })
+                    }
                 };
                 if va % 4 != 0 {
                     return Err(MethodError::BadSemaphore {
@@ -361,16 +385,25 @@ mod tests {
         let kernel = proptest::sample::select(KernelId::ALL.to_vec());
         prop_oneof![
             Just(Method::Nop),
-            (kernel, 1u32..64, 1u32..64, 1u32..64, any::<u64>(), any::<u32>()).prop_map(
-                |(kernel, x, y, z, args_va, args_len)| Method::Launch {
+            (
+                kernel,
+                1u32..64,
+                1u32..64,
+                1u32..64,
+                any::<u64>(),
+                any::<u32>()
+            )
+                .prop_map(|(kernel, x, y, z, args_va, args_len)| Method::Launch {
                     kernel,
                     grid: [x, y, z],
                     args_va,
                     args_len
-                }
-            ),
-            (any::<u64>(), any::<u64>(), any::<u64>())
-                .prop_map(|(src, dst, len)| Method::Copy { src, dst, len }),
+                }),
+            (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(src, dst, len)| Method::Copy {
+                src,
+                dst,
+                len
+            }),
             (any::<u64>(), any::<u32>(), any::<bool>()).prop_map(|(va, value, timestamp)| {
                 Method::SemRelease {
                     va: va & !7,
@@ -423,25 +456,46 @@ mod tests {
     #[test]
     fn rejects_each_malformation() {
         let e = |w: &[u32]| decode_all(w).unwrap_err();
-        assert!(matches!(e(&[0xff]), MethodError::UnknownOpcode { opcode: 0xff, .. }));
+        assert!(matches!(
+            e(&[0xff]),
+            MethodError::UnknownOpcode { opcode: 0xff, .. }
+        ));
         assert!(matches!(e(&[0x1_0000]), MethodError::ReservedBits { .. }));
         assert!(matches!(e(&[0x0005]), MethodError::WrongArgCount { .. }));
-        assert!(matches!(e(&[0x0205, 1, 2]), MethodError::WrongArgCount { .. }));
+        assert!(matches!(
+            e(&[0x0205, 1, 2]),
+            MethodError::WrongArgCount { .. }
+        ));
         assert!(matches!(e(&[0x0100]), MethodError::WrongArgCount { .. }));
         assert!(matches!(e(&[0x0106]), MethodError::Truncated { .. }));
         assert!(matches!(
             e(&[0x0701, 999, 1, 1, 1, 0, 0, 0]),
             MethodError::UnknownKernel { id: 999, .. }
         ));
-        assert!(matches!(e(&[0x0701, 0, 0, 1, 1, 0, 0, 0]), MethodError::BadGrid { .. }));
+        assert!(matches!(
+            e(&[0x0701, 0, 0, 1, 1, 0, 0, 0]),
+            MethodError::BadGrid { .. }
+        ));
         assert!(matches!(
             e(&[0x0701, 0, 65536, 65536, 1, 0, 0, 0]),
             MethodError::BadGrid { .. }
         ));
-        assert!(matches!(e(&[0x0403, 2, 0, 0, 0]), MethodError::BadSemaphore { .. }));
-        assert!(matches!(e(&[0x0403, 4, 0, 0, 1]), MethodError::BadSemaphore { .. }));
-        assert!(matches!(e(&[0x0403, 8, 0, 0, 2]), MethodError::ReservedFlags { .. }));
-        assert!(matches!(e(&[0x0404, 8, 0, 0, 2]), MethodError::BadSemaphore { .. }));
+        assert!(matches!(
+            e(&[0x0403, 2, 0, 0, 0]),
+            MethodError::BadSemaphore { .. }
+        ));
+        assert!(matches!(
+            e(&[0x0403, 4, 0, 0, 1]),
+            MethodError::BadSemaphore { .. }
+        ));
+        assert!(matches!(
+            e(&[0x0403, 8, 0, 0, 2]),
+            MethodError::ReservedFlags { .. }
+        ));
+        assert!(matches!(
+            e(&[0x0404, 8, 0, 0, 2]),
+            MethodError::BadSemaphore { .. }
+        ));
         // The error carries the offset of the bad method, not of the first.
         assert_eq!(e(&[0, 0, 0xff]).offset(), 2);
     }

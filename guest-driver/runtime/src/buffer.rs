@@ -1,0 +1,238 @@
+//! `Buffer`: memory the GPU sees at a fixed virtual address and the CPU can read/write.
+
+use std::cell::OnceCell;
+use std::sync::Arc;
+
+use vgpu_host_shim::hal::{MapFlags, PageSize};
+
+use crate::context::CtxInner;
+use crate::error::{Error, Result};
+use crate::transport::{CpuPtr, MemHandle, MemKind};
+
+/// A GPU-mapped allocation. Unmapped and freed on drop.
+///
+/// CPU accesses copy through raw pointers into the transport's mapping; no Rust
+/// reference into GPU-visible memory is ever formed. Synchronise with the GPU (wait on a
+/// fence) before reading results or overwriting inputs of work in flight.
+pub struct Buffer {
+    ctx: Arc<CtxInner>,
+    mem: MemHandle,
+    kind: MemKind,
+    va: u64,
+    len: u64,
+    mapped: u64,
+    page: PageSize,
+    cpu: OnceCell<CpuPtr>,
+}
+
+impl std::fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Buffer")
+            .field("kind", &self.kind)
+            .field("va", &format_args!("{:#x}", self.va))
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl Buffer {
+    pub(crate) fn new(ctx: Arc<CtxInner>, kind: MemKind, len: u64, page: PageSize) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("zero-sized buffer"));
+        }
+        let p = page.bytes();
+        let mapped = len
+            .checked_add(p - 1)
+            .map(|v| v & !(p - 1))
+            .ok_or(Error::InvalidArgument("buffer too large"))?;
+        let va = ctx.va().alloc(mapped, page).ok_or(Error::OutOfVa(mapped))?;
+        let t = &ctx.transport;
+        let mem = match kind {
+            MemKind::Vram => t.alloc_vram(ctx.handle, mapped, p),
+            MemKind::Host => t.alloc_host(ctx.handle, mapped, p),
+        };
+        let mem = match mem {
+            Ok(m) => m,
+            Err(e) => {
+                ctx.va().release(va, mapped, page);
+                return Err(e);
+            }
+        };
+        if let Err(e) = t.gpu_map(ctx.handle, mem, va, page, MapFlags::default()) {
+            if let Err(e2) = t.free_mem(ctx.handle, mem) {
+                log::warn!("freeing unmappable buffer: {e2}");
+            }
+            ctx.va().release(va, mapped, page);
+            return Err(e);
+        }
+        log::trace!("{kind:?} buffer {len:#x} bytes at {va:#x}");
+        Ok(Buffer {
+            ctx,
+            mem,
+            kind,
+            va,
+            len,
+            mapped,
+            page,
+            cpu: OnceCell::new(),
+        })
+    }
+
+    /// The buffer's GPU virtual address (fixed for its whole life).
+    pub fn gpu_va(&self) -> u64 {
+        self.va
+    }
+
+    /// Bytes asked for (the mapping may be larger, up to the page size).
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn kind(&self) -> MemKind {
+        self.kind
+    }
+
+    /// GPU page size of the mapping.
+    pub fn page_size(&self) -> PageSize {
+        self.page
+    }
+
+    /// Address of byte `offset`, checked so that `len` bytes from there stay inside.
+    fn at(&self, offset: u64, len: usize) -> Result<*mut u8> {
+        let oob = || Error::OutOfBounds {
+            offset,
+            len: len as u64,
+            size: self.len,
+        };
+        let end = offset.checked_add(len as u64).ok_or_else(oob)?;
+        if end > self.len {
+            return Err(oob());
+        }
+        let cpu = match self.cpu.get() {
+            Some(c) => *c,
+            None => {
+                let c = self.ctx.transport.cpu_map(self.ctx.handle, self.mem)?;
+                if (c.len() as u64) < self.len {
+                    return Err(Error::InvalidArgument("transport CPU view too short"));
+                }
+                *self.cpu.get_or_init(|| c)
+            }
+        };
+        let off = usize::try_from(offset).map_err(|_| oob())?;
+        // SAFETY: `off + len <= self.len <= cpu.len()` (checked above), so the result
+        // stays inside the transport's mapping, which lives as long as `self.mem`.
+        Ok(unsafe { cpu.as_ptr().add(off) })
+    }
+
+    /// Copies `data` into the buffer at byte `offset`.
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
+        let dst = self.at(offset, data.len())?;
+        // SAFETY: `dst` has room for `data.len()` bytes (checked by `at`); `data` is a
+        // Rust slice, which cannot overlap the transport's GPU mapping.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+        Ok(())
+    }
+
+    /// Copies bytes at `offset` into `out`.
+    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        let src = self.at(offset, out.len())?;
+        // SAFETY: `src` has `out.len()` readable bytes (checked by `at`); `out` is a Rust
+        // slice and cannot overlap the mapping.
+        unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    /// Fills `len` bytes at `offset` with `byte`.
+    pub fn fill(&self, offset: u64, len: u64, byte: u8) -> Result<()> {
+        let n = usize::try_from(len).map_err(|_| Error::InvalidArgument("fill too long"))?;
+        let dst = self.at(offset, n)?;
+        // SAFETY: `dst` has room for `n` bytes (checked by `at`).
+        unsafe { std::ptr::write_bytes(dst, byte, n) };
+        Ok(())
+    }
+
+    fn write_words<T: Copy>(&self, offset: u64, data: &[T], enc: impl Fn(T) -> [u8; 4]) -> Result<()> {
+        let bytes = data
+            .len()
+            .checked_mul(4)
+            .ok_or(Error::InvalidArgument("slice too long"))?;
+        let dst = self.at(offset, bytes)?;
+        for (i, &v) in data.iter().enumerate() {
+            // SAFETY: element `i` lies inside the `bytes` checked by `at`; unaligned
+            // writes are used because `offset` need not be 4-aligned.
+            unsafe { dst.add(i * 4).cast::<[u8; 4]>().write_unaligned(enc(v)) };
+        }
+        Ok(())
+    }
+
+    fn read_words<T>(&self, offset: u64, out: &mut [T], dec: impl Fn([u8; 4]) -> T) -> Result<()> {
+        let bytes = out
+            .len()
+            .checked_mul(4)
+            .ok_or(Error::InvalidArgument("slice too long"))?;
+        let src = self.at(offset, bytes)?;
+        for (i, o) in out.iter_mut().enumerate() {
+            // SAFETY: element `i` lies inside the `bytes` checked by `at`.
+            *o = dec(unsafe { src.add(i * 4).cast::<[u8; 4]>().read_unaligned() });
+        }
+        Ok(())
+    }
+
+    /// Writes f32 values (little-endian) starting at byte `offset`.
+    pub fn write_f32(&self, offset: u64, data: &[f32]) -> Result<()> {
+        self.write_words(offset, data, |v| v.to_le_bytes())
+    }
+
+    pub fn read_f32(&self, offset: u64, out: &mut [f32]) -> Result<()> {
+        self.read_words(offset, out, f32::from_le_bytes)
+    }
+
+    /// Reads `count` f32 values starting at byte `offset`.
+    pub fn read_f32_vec(&self, offset: u64, count: usize) -> Result<Vec<f32>> {
+        let mut v = vec![0f32; count];
+        self.read_f32(offset, &mut v)?;
+        Ok(v)
+    }
+
+    /// Writes u32 values (little-endian) starting at byte `offset`.
+    pub fn write_u32(&self, offset: u64, data: &[u32]) -> Result<()> {
+        self.write_words(offset, data, |v| v.to_le_bytes())
+    }
+
+    pub fn read_u32(&self, offset: u64, out: &mut [u32]) -> Result<()> {
+        self.read_words(offset, out, u32::from_le_bytes)
+    }
+
+    pub fn read_u32_vec(&self, offset: u64, count: usize) -> Result<Vec<u32>> {
+        let mut v = vec![0u32; count];
+        self.read_u32(offset, &mut v)?;
+        Ok(v)
+    }
+
+    /// Reads one little-endian u64 (kernel results such as checksums and timestamps).
+    pub fn read_u64(&self, offset: u64) -> Result<u64> {
+        let mut b = [0u8; 8];
+        self.read(offset, &mut b)?;
+        Ok(u64::from_le_bytes(b))
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        let t = &self.ctx.transport;
+        let h = self.ctx.handle;
+        if let Err(e) = t.gpu_unmap(h, self.va, self.mapped) {
+            // The GPU may still reach the memory: keep it (and the VA) rather than free it.
+            log::warn!("unmapping buffer at {:#x}: {e}; leaking it", self.va);
+            return;
+        }
+        if let Err(e) = t.free_mem(h, self.mem) {
+            log::warn!("freeing buffer at {:#x}: {e}", self.va);
+        }
+        self.ctx.va().release(self.va, self.mapped, self.page);
+    }
+}

@@ -1,0 +1,432 @@
+//! `Channel`: records methods, submits them through the GP ring, and waits on fences.
+//!
+//! Submission is the fast path and never involves the transport: the runtime writes the
+//! push buffer and a GP entry into host memory it owns, then stores GP_PUT into the
+//! mapped control page. Ring slots and arena space are reused only after GP_GET shows
+//! the GPU has finished with them.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vgpu_protocol::channel::valid_gp_entries;
+use vgpu_protocol::gp::GP_ENTRY_SIZE;
+use vgpu_protocol::{ErrorCode, GpEntry, KernelArgs, KernelId, Method, SemaphoreMode};
+
+use crate::arena::{Alloc, RingArena};
+use crate::buffer::Buffer;
+use crate::context::{Context, CtxInner};
+use crate::control::ControlView;
+use crate::error::{Error, Result};
+use crate::pushbuf::PushBuffer;
+use crate::transport::ChanHandle;
+use crate::wait::poll_until;
+
+/// Sizes of a channel's ring and arenas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChannelOptions {
+    /// GP ring entries: a power of two (see `valid_gp_entries`).
+    pub gp_entries: u32,
+    /// Bytes of push-buffer arena (a multiple of 4 KiB). Two full segments fit by default.
+    pub pushbuf_bytes: u64,
+    /// Bytes of kernel-argument arena (a multiple of 4 KiB).
+    pub arg_bytes: u64,
+}
+
+impl Default for ChannelOptions {
+    fn default() -> Self {
+        ChannelOptions {
+            gp_entries: 1024,
+            pushbuf_bytes: 512 << 10,
+            arg_bytes: 64 << 10,
+        }
+    }
+}
+
+/// Completion marker of one submission: done once the channel's REF reaches `value`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fence {
+    channel: u64,
+    value: u32,
+}
+
+impl Fence {
+    /// The `SET_REF` value that signals this fence.
+    pub fn value(&self) -> u32 {
+        self.value
+    }
+}
+
+static NEXT_CHANNEL_UID: AtomicU64 = AtomicU64::new(1);
+
+const PB_ALIGN: u64 = 16;
+const ARG_ALIGN: u64 = 16;
+const SETUP_ALIGN: u64 = 4096;
+
+/// A command-submission channel.
+pub struct Channel {
+    ctx: Arc<CtxInner>,
+    handle: ChanHandle,
+    control: ControlView,
+    /// GP ring, push-buffer arena and argument arena, in that order.
+    mem: Buffer,
+    uid: u64,
+    gp_entries: u32,
+    pb_base: u64,
+    arg_base: u64,
+    /// GP_PUT as this channel last published it.
+    put: u32,
+    next_fence: u32,
+    pending: PushBuffer,
+    pb: RingArena,
+    args: RingArena,
+    submitted: u64,
+}
+
+impl std::fmt::Debug for Channel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Channel")
+            .field("handle", &self.handle)
+            .field("put", &self.put)
+            .field("gp_entries", &self.gp_entries)
+            .finish()
+    }
+}
+
+fn round_setup(v: u64) -> Option<u64> {
+    Some(v.checked_add(SETUP_ALIGN - 1)? & !(SETUP_ALIGN - 1))
+}
+
+/// Waits until GP_GET reaches `seq` (wrapping), failing if the channel stops first.
+fn wait_gp_get(control: &ControlView, seq: u32, deadline: Option<Instant>) -> Result<()> {
+    poll_until(deadline, || {
+        if (control.gp_get().wrapping_sub(seq) as i32) >= 0 {
+            return Ok(Some(()));
+        }
+        control.check()?;
+        Ok(None)
+    })
+}
+
+/// Allocates arena space, waiting for the GPU to finish older submissions if needed.
+fn alloc_wait(arena: &mut RingArena, control: &ControlView, len: u64, align: u64) -> Result<u64> {
+    loop {
+        match arena.alloc(len, align, control.gp_get()) {
+            Alloc::At(off) => return Ok(off),
+            Alloc::WaitFor(seq) => wait_gp_get(control, seq, None)?,
+            Alloc::TooLarge => {
+                return Err(Error::SubmissionTooLarge(
+                    "does not fit the channel's arena; submit more often",
+                ))
+            }
+        }
+    }
+}
+
+impl Channel {
+    pub(crate) fn new(ctx: &Context, opts: ChannelOptions) -> Result<Self> {
+        if !valid_gp_entries(opts.gp_entries) {
+            return Err(Error::InvalidArgument("GP ring size must be a power of two in range"));
+        }
+        if opts.pushbuf_bytes == 0
+            || opts.arg_bytes == 0
+            || opts.pushbuf_bytes % SETUP_ALIGN != 0
+            || opts.arg_bytes % SETUP_ALIGN != 0
+        {
+            return Err(Error::InvalidArgument("arena sizes must be non-zero multiples of 4 KiB"));
+        }
+        let ring_bytes = round_setup(opts.gp_entries as u64 * GP_ENTRY_SIZE as u64)
+            .ok_or(Error::InvalidArgument("ring too large"))?;
+        let pb_base = ring_bytes;
+        let arg_base = pb_base
+            .checked_add(opts.pushbuf_bytes)
+            .ok_or(Error::InvalidArgument("arena too large"))?;
+        let total = arg_base
+            .checked_add(opts.arg_bytes)
+            .ok_or(Error::InvalidArgument("arena too large"))?;
+        let mem = ctx.alloc_host(total)?;
+        let inner = ctx.inner().clone();
+        let desc =
+            inner
+                .transport
+                .create_channel(inner.handle, mem.gpu_va(), opts.gp_entries)?;
+        let destroy = |e: Error| {
+            if let Err(e2) = inner.transport.destroy_channel(inner.handle, desc.handle) {
+                log::warn!("destroying half-created channel: {e2}");
+            }
+            e
+        };
+        let control = ControlView::new(desc.control).map_err(destroy)?;
+        let version = control.version();
+        if version >> 16 != vgpu_protocol::PROTOCOL_VERSION >> 16 {
+            log::warn!("channel speaks protocol {version:#x}");
+            return Err(destroy(Error::Device(ErrorCode::VersionMismatch)));
+        }
+        let put = control.gp_put();
+        let next_fence = control.reference().wrapping_add(1);
+        log::debug!(
+            "channel {} in context {}: ring at {:#x}, {} entries",
+            desc.handle.0,
+            inner.handle.0,
+            mem.gpu_va(),
+            opts.gp_entries
+        );
+        Ok(Channel {
+            ctx: inner,
+            handle: desc.handle,
+            control,
+            mem,
+            uid: NEXT_CHANNEL_UID.fetch_add(1, Ordering::Relaxed),
+            gp_entries: opts.gp_entries,
+            pb_base,
+            arg_base,
+            put,
+            next_fence,
+            pending: PushBuffer::default(),
+            pb: RingArena::new(opts.pushbuf_bytes),
+            args: RingArena::new(opts.arg_bytes),
+            submitted: 0,
+        })
+    }
+
+    /// Records a kernel launch; the argument block is copied into the argument arena.
+    pub fn launch(&mut self, args: &KernelArgs, grid: [u32; 3]) -> Result<()> {
+        self.launch_bytes(args.kernel(), grid, &args.encode())
+    }
+
+    /// Records a launch with an argument block given as raw bytes (which the GPU
+    /// validates; tests use this to send malformed blocks).
+    pub fn launch_bytes(&mut self, kernel: KernelId, grid: [u32; 3], args: &[u8]) -> Result<()> {
+        let m_len = Method::Launch {
+            kernel,
+            grid,
+            args_va: 0,
+            args_len: 0,
+        }
+        .len_words();
+        self.pending.room_for(m_len)?;
+        let args_len =
+            u32::try_from(args.len()).map_err(|_| Error::InvalidArgument("argument block too large"))?;
+        let args_va = if args.is_empty() {
+            0
+        } else {
+            let off = alloc_wait(&mut self.args, &self.control, args.len() as u64, ARG_ALIGN)?;
+            let at = self.arg_base + off;
+            self.mem.write(at, args)?;
+            self.mem.gpu_va() + at
+        };
+        self.pending.push(&Method::Launch {
+            kernel,
+            grid,
+            args_va,
+            args_len,
+        })
+    }
+
+    /// Records a copy-engine DMA of `len` bytes.
+    pub fn copy(&mut self, dst_va: u64, src_va: u64, len: u64) -> Result<()> {
+        self.pending.push(&Method::Copy {
+            src: src_va,
+            dst: dst_va,
+            len,
+        })
+    }
+
+    /// Records a semaphore release: writes `value` at `va` after earlier work is done.
+    pub fn sem_release(&mut self, va: u64, value: u32) -> Result<()> {
+        self.pending.push(&Method::SemRelease {
+            va,
+            value,
+            timestamp: false,
+        })
+    }
+
+    /// Like [`Channel::sem_release`], also writing the GPU clock (u64 ns) at `va + 8`.
+    pub fn sem_release_timestamp(&mut self, va: u64, value: u32) -> Result<()> {
+        self.pending.push(&Method::SemRelease {
+            va,
+            value,
+            timestamp: true,
+        })
+    }
+
+    /// Records a semaphore acquire: the channel stalls until `va` satisfies `mode`.
+    pub fn sem_acquire(&mut self, va: u64, value: u32, mode: SemaphoreMode) -> Result<()> {
+        self.pending.push(&Method::SemAcquire { va, value, mode })
+    }
+
+    /// Records a notify event carrying `token`.
+    pub fn notify(&mut self, token: u32) -> Result<()> {
+        self.pending.push(&Method::Notify { token })
+    }
+
+    /// Records any method.
+    pub fn push_method(&mut self, m: &Method) -> Result<()> {
+        self.pending.push(m)
+    }
+
+    /// Appends raw push-buffer words, unchecked (for tests of the GPU's validation).
+    pub fn push_raw_words(&mut self, words: &[u32]) -> Result<()> {
+        self.pending.push_raw(words)
+    }
+
+    /// Whether methods are recorded but not yet submitted.
+    pub fn has_pending(&self) -> bool {
+        self.pending.len() > 0
+    }
+
+    /// Waits until the ring slot for the next entry is free (the GPU completed the
+    /// entry that used it last).
+    fn reserve_slot(&self) -> Result<u64> {
+        let in_flight = self.put.wrapping_sub(self.control.gp_get());
+        if in_flight >= self.gp_entries {
+            let need = self.put.wrapping_sub(self.gp_entries).wrapping_add(1);
+            wait_gp_get(&self.control, need, None)?;
+        }
+        Ok((self.put % self.gp_entries) as u64 * GP_ENTRY_SIZE as u64)
+    }
+
+    /// Writes `entry` into the next ring slot and publishes it.
+    fn publish(&mut self, entry: &[u8; GP_ENTRY_SIZE]) -> Result<u32> {
+        let slot = self.reserve_slot()?;
+        self.mem.write(slot, entry)?;
+        let seq = self.put.wrapping_add(1);
+        self.control.set_gp_put(seq);
+        self.ctx.transport.doorbell(self.handle);
+        self.put = seq;
+        self.submitted += 1;
+        Ok(seq)
+    }
+
+    fn submit_pending(&mut self) -> Result<()> {
+        self.control.check()?;
+        let words = self.pending.words();
+        let bytes = words.len() as u64 * 4;
+        let len_words = u32::try_from(words.len())
+            .map_err(|_| Error::SubmissionTooLarge("push buffer segment"))?;
+        let off = alloc_wait(&mut self.pb, &self.control, bytes, PB_ALIGN)?;
+        let at = self.pb_base + off;
+        self.mem.write_u32(at, self.pending.words())?;
+        let entry = GpEntry::new(self.mem.gpu_va() + at, len_words)?;
+        // Everything allocated for this submission is reusable once it completes.
+        let seq = self.put.wrapping_add(1);
+        self.pb.commit(seq);
+        self.args.commit(seq);
+        self.publish(&entry.encode())?;
+        Ok(())
+    }
+
+    /// Submits the recorded methods as one GP entry closed by a `SET_REF`; the fence
+    /// signals when all of them have completed. Submitting nothing is allowed.
+    pub fn submit(&mut self) -> Result<Fence> {
+        let fence = self.next_fence;
+        let mark = self.pending.len();
+        self.pending.close(fence);
+        if let Err(e) = self.submit_pending() {
+            self.pending.truncate(mark);
+            return Err(e);
+        }
+        self.pending.clear();
+        self.next_fence = fence.wrapping_add(1);
+        Ok(Fence {
+            channel: self.uid,
+            value: fence,
+        })
+    }
+
+    /// Writes a raw, possibly malformed GP entry into the next ring slot and publishes
+    /// it; returns the GP_PUT value after it. Pending methods stay pending.
+    pub fn submit_raw_gp(&mut self, entry: [u8; GP_ENTRY_SIZE]) -> Result<u32> {
+        self.publish(&entry)
+    }
+
+    /// Submits and waits.
+    pub fn finish(&mut self) -> Result<()> {
+        let f = self.submit()?;
+        self.wait(f)
+    }
+
+    fn reached(&self, fence: Fence) -> Result<bool> {
+        if fence.channel != self.uid {
+            return Err(Error::WrongChannel);
+        }
+        if (self.control.reference().wrapping_sub(fence.value) as i32) >= 0 {
+            return Ok(true);
+        }
+        self.control.check()?;
+        Ok(false)
+    }
+
+    /// Whether `fence` has signalled; an error if the channel stopped before it did.
+    pub fn is_complete(&self, fence: Fence) -> Result<bool> {
+        self.reached(fence)
+    }
+
+    /// Waits until `fence` signals, or fails with the channel's error.
+    pub fn wait(&self, fence: Fence) -> Result<()> {
+        self.wait_deadline(fence, None)
+    }
+
+    /// Like [`Channel::wait`], failing with `Error::Timeout` after `timeout`.
+    pub fn wait_timeout(&self, fence: Fence, timeout: Duration) -> Result<()> {
+        self.wait_deadline(fence, Instant::now().checked_add(timeout))
+    }
+
+    fn wait_deadline(&self, fence: Fence, deadline: Option<Instant>) -> Result<()> {
+        poll_until(deadline, || Ok(self.reached(fence)?.then_some(())))
+    }
+
+    /// Waits until GP_GET reaches `seq` (e.g. a value from [`Channel::submit_raw_gp`]).
+    pub fn wait_gp_get(&self, seq: u32, timeout: Option<Duration>) -> Result<()> {
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        wait_gp_get(&self.control, seq, deadline)
+    }
+
+    /// The channel's error and its detail (faulting address or method offset), if any.
+    pub fn error(&self) -> Option<(ErrorCode, u64)> {
+        self.control.error()
+    }
+
+    /// GP_PUT as this channel published it.
+    pub fn gp_put(&self) -> u32 {
+        self.put
+    }
+
+    /// GP_GET: entries the GPU has completed.
+    pub fn gp_get(&self) -> u32 {
+        self.control.gp_get()
+    }
+
+    /// The REF field: the last fence value the GPU signalled.
+    pub fn reference(&self) -> u32 {
+        self.control.reference()
+    }
+
+    /// Count of notify methods executed.
+    pub fn notify_seq(&self) -> u32 {
+        self.control.notify_seq()
+    }
+
+    pub fn gp_entries(&self) -> u32 {
+        self.gp_entries
+    }
+
+    /// GP entries this channel has published.
+    pub fn submitted(&self) -> u64 {
+        self.submitted
+    }
+
+    /// The transport's name for this channel (for logs and host-side lookups).
+    pub fn handle(&self) -> ChanHandle {
+        self.handle
+    }
+}
+
+impl Drop for Channel {
+    fn drop(&mut self) {
+        // Destroy first: the GPU must stop reading the ring before its memory goes.
+        if let Err(e) = self.ctx.transport.destroy_channel(self.ctx.handle, self.handle) {
+            log::warn!("destroying channel {}: {e}", self.handle.0);
+        }
+    }
+}

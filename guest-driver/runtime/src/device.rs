@@ -1,0 +1,50 @@
+//! `Device`: a GPU reached through some transport; the root of the public API.
+
+use std::sync::Arc;
+
+use vgpu_host_shim::hal::Gpu;
+
+use crate::context::Context;
+use crate::error::Result;
+use crate::native::NativeTransport;
+use crate::transport::{DeviceInfo, Transport};
+
+/// An opened GPU. Cheap to clone; contexts keep the transport alive on their own.
+#[derive(Clone)]
+pub struct Device {
+    transport: Arc<dyn Transport>,
+    info: DeviceInfo,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device").field("info", &self.info).finish()
+    }
+}
+
+impl Device {
+    /// Opens a device over any transport.
+    pub fn new(transport: Arc<dyn Transport>) -> Result<Self> {
+        let info = transport.info()?;
+        log::debug!("opened {} device {:?}", info.transport, info.name);
+        Ok(Device { transport, info })
+    }
+
+    /// Opens a GPU of this process directly (the baseline without virtualization).
+    pub fn native(gpu: Arc<dyn Gpu>) -> Result<Self> {
+        Self::new(Arc::new(NativeTransport::new(gpu)))
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    pub fn transport(&self) -> &Arc<dyn Transport> {
+        &self.transport
+    }
+
+    /// Creates a GPU address space.
+    pub fn create_context(&self) -> Result<Context> {
+        Context::new(self.transport.clone())
+    }
+}

@@ -1,0 +1,131 @@
+//! What differs between the ways a process reaches the GPU.
+//!
+//! The runtime's public types (`Device`, `Context`, `Buffer`, `Channel`) are written once
+//! against this trait. A transport hands out opaque handles and raw CPU pointers into
+//! mappings *it* owns (an `mmap` of the GPU's memfds natively, a window of the device BAR
+//! in the loopback transport, an `mmap` of `/dev/vgpu` in a guest). Pointers stay valid
+//! until the object they belong to is freed through the same transport. The fast path —
+//! writing GP entries and storing GP_PUT — never goes through the transport.
+
+use std::ptr::NonNull;
+
+use vgpu_host_shim::hal::{MapFlags, PageSize};
+
+use crate::error::Result;
+
+/// A GPU address space, as named by the transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CtxHandle(pub u64);
+
+/// A memory allocation (VRAM or host memory), as named by the transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MemHandle(pub u64);
+
+/// A channel, as named by the transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ChanHandle(pub u64);
+
+/// Where an allocation lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MemKind {
+    /// GPU memory; CPU access goes through an aperture mapping.
+    Vram,
+    /// System memory the GPU reaches through its MMU (SYSRAM target).
+    Host,
+}
+
+/// A CPU view of transport-owned memory: `len` bytes at `ptr`.
+#[derive(Debug, Clone, Copy)]
+pub struct CpuPtr {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a `CpuPtr` is only an address; whoever dereferences it must uphold the
+// transport's validity contract and synchronise with the GPU, on any thread.
+unsafe impl Send for CpuPtr {}
+// SAFETY: as for `Send`: sharing the address itself is harmless.
+unsafe impl Sync for CpuPtr {}
+
+impl CpuPtr {
+    /// # Safety
+    /// `ptr..ptr+len` must be mapped read/write memory that stays mapped until the object
+    /// it was handed out for is freed through the transport that handed it out.
+    pub unsafe fn new(ptr: NonNull<u8>, len: usize) -> Self {
+        CpuPtr { ptr, len }
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// A newly created channel: its handle and its mapped control page.
+#[derive(Debug, Clone, Copy)]
+pub struct ChannelDesc {
+    pub handle: ChanHandle,
+    /// The channel's 4 KiB control page (see `vgpu_protocol::ControlPage`).
+    pub control: CpuPtr,
+}
+
+/// Facts about the device a transport reaches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// Which transport carries requests (`native`, `loopback`, `devvgpu`).
+    pub transport: &'static str,
+    pub name: String,
+    pub protocol_version: u32,
+    pub vram_bytes: u64,
+    pub compute_engines: u32,
+    pub max_channels: u32,
+    pub max_contexts: u32,
+}
+
+/// The resource-management half of the device interface. Object safe; implementations
+/// must be callable from any thread. Sizes and addresses passed in are already aligned
+/// to the page size the caller chose.
+pub trait Transport: Send + Sync {
+    fn info(&self) -> Result<DeviceInfo>;
+
+    fn create_context(&self) -> Result<CtxHandle>;
+    /// Destroys the address space and anything of it still alive (channels first).
+    fn destroy_context(&self, ctx: CtxHandle) -> Result<()>;
+
+    /// Allocates `size` bytes of VRAM aligned to `align` (a power of two).
+    fn alloc_vram(&self, ctx: CtxHandle, size: u64, align: u64) -> Result<MemHandle>;
+    /// Allocates `size` bytes of zeroed host memory the GPU can reach, aligned to `align`.
+    fn alloc_host(&self, ctx: CtxHandle, size: u64, align: u64) -> Result<MemHandle>;
+    /// Frees an allocation (its GPU mappings must be gone) and any CPU view of it.
+    fn free_mem(&self, ctx: CtxHandle, mem: MemHandle) -> Result<()>;
+    /// A CPU view of the whole allocation, valid until `free_mem`. May be created lazily
+    /// (VRAM apertures cost a mapping); repeated calls return the same view.
+    fn cpu_map(&self, ctx: CtxHandle, mem: MemHandle) -> Result<CpuPtr>;
+
+    /// Maps the whole allocation at `va` in the context's GPU address space.
+    fn gpu_map(
+        &self,
+        ctx: CtxHandle,
+        mem: MemHandle,
+        va: u64,
+        page: PageSize,
+        flags: MapFlags,
+    ) -> Result<()>;
+    /// Unmaps `va..va+size`; when it returns the GPU no longer uses the old translation.
+    fn gpu_unmap(&self, ctx: CtxHandle, va: u64, size: u64) -> Result<()>;
+
+    /// Creates a channel whose GP ring of `gp_entries` entries lives at `gp_ring_va`.
+    fn create_channel(&self, ctx: CtxHandle, gp_ring_va: u64, gp_entries: u32)
+        -> Result<ChannelDesc>;
+    /// Destroys a channel; its control page must no longer be touched afterwards.
+    fn destroy_channel(&self, ctx: CtxHandle, ch: ChanHandle) -> Result<()>;
+    /// Hints the GPU to look at the channel now. Optional for correctness: the GPU polls.
+    fn doorbell(&self, ch: ChanHandle);
+}

@@ -1,0 +1,256 @@
+//! The GPU hardware abstraction layer: what the backend and the native runtime may ask of
+//! a GPU. The `sim` GPU implements it; real GPU executors can implement it later.
+//!
+//! The interface is deliberately hardware-shaped: the scheduler controls channels only
+//! through the control pages it maps for a VM (and GP_PUT values it writes itself), never
+//! through a hidden "pause" switch, so there is none here.
+
+use std::os::fd::RawFd;
+use std::sync::Arc;
+
+use thiserror::Error;
+use vgpu_protocol::ErrorCode;
+
+/// A GPU address space (one per guest process context).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ContextId(pub u32);
+
+/// A command-submission channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ChannelId(pub u32);
+
+/// A VRAM allocation: `size` bytes at `offset` in VRAM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VramAlloc {
+    pub offset: u64,
+    pub size: u64,
+}
+
+/// GPU page sizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PageSize {
+    Small4K,
+    Big64K,
+    Huge2M,
+}
+
+impl PageSize {
+    pub const ALL: [PageSize; 3] = [PageSize::Small4K, PageSize::Big64K, PageSize::Huge2M];
+
+    pub fn bytes(self) -> u64 {
+        match self {
+            PageSize::Small4K => 4 << 10,
+            PageSize::Big64K => 64 << 10,
+            PageSize::Huge2M => 2 << 20,
+        }
+    }
+}
+
+/// Where a mapping points.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MapTarget {
+    /// Byte offset in VRAM.
+    Vram { offset: u64 },
+    /// Address in the context's system memory (see [`SysMemory`]).
+    Sysram { addr: u64 },
+}
+
+/// Mapping attributes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MapFlags {
+    pub read_only: bool,
+}
+
+/// A channel's GP ring, fixed at creation (GPU-private state, not in the control page).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChannelConfig {
+    /// GPU virtual address of the ring (16-byte entries), in the channel's context.
+    pub gp_ring_va: u64,
+    /// Ring size in entries: a power of two, see `vgpu_protocol::channel::valid_gp_entries`.
+    pub gp_entries: u32,
+}
+
+/// Per-channel accounting, as real GPUs expose it to the host.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ChannelCounters {
+    /// Nanoseconds the channel occupied an engine.
+    pub busy_ns: u64,
+    /// GP entries completed.
+    pub gp_completed: u64,
+    /// Kernels completed.
+    pub kernels: u64,
+    /// Copy methods completed.
+    pub copies: u64,
+}
+
+/// Something the GPU tells a channel's owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuEvent {
+    /// A `NOTIFY` method executed.
+    Notify { channel: ChannelId, token: u32 },
+    /// The channel faulted and stopped; `info` is the faulting address or method offset.
+    Error {
+        channel: ChannelId,
+        code: ErrorCode,
+        info: u64,
+    },
+}
+
+/// Receives a channel's events. Called from GPU threads: must not block for long.
+pub trait EventSink: Send + Sync {
+    fn event(&self, ev: GpuEvent);
+}
+
+/// A contiguous piece of host memory backing system-memory addresses.
+#[derive(Debug, Clone, Copy)]
+pub struct HostRange {
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+
+/// Translates a context's system-memory addresses to host memory.
+///
+/// The native runtime backs it with its own allocations; the backend will back it with a
+/// VM's guest RAM, so the GPU can reach only what the backend put in the translation.
+pub trait SysMemory: Send + Sync {
+    /// The host memory at `addr`: a non-empty range of at most `len` bytes that starts at
+    /// `addr` and stays valid while `self` lives, or `None` if `addr` is not backed.
+    fn translate(&self, addr: u64, len: u64) -> Option<HostRange>;
+}
+
+/// A range of a file descriptor owned by the GPU (valid while the GPU lives); map it with
+/// `mmap(MAP_SHARED)` to see what the GPU sees, from this process or another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FdRange {
+    pub fd: RawFd,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// Static facts about a GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuInfo {
+    pub name: String,
+    pub vram_bytes: u64,
+    pub compute_engines: u32,
+    pub max_channels: u32,
+    pub max_contexts: u32,
+    /// Whether [`Gpu::channel_counters`] reports busy time. A scheduler must fall back to
+    /// observing GP_GET when it does not.
+    pub has_busy_counters: bool,
+}
+
+/// HAL errors.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum HalError {
+    #[error("no such context {0:?}")]
+    NoContext(ContextId),
+    #[error("no such channel {0:?}")]
+    NoChannel(ChannelId),
+    #[error("no VRAM allocation at offset {0:#x}")]
+    NoAllocation(u64),
+    #[error("out of VRAM (asked for {0} bytes)")]
+    OutOfVram(u64),
+    #[error("too many {0}")]
+    TooMany(&'static str),
+    #[error("invalid argument: {0}")]
+    InvalidArgument(&'static str),
+    #[error("range {va:#x}+{size:#x} overlaps an existing mapping")]
+    Overlap { va: u64, size: u64 },
+    #[error("range {va:#x}+{size:#x} is not mapped")]
+    NotMapped { va: u64, size: u64 },
+    #[error("mixing page sizes within one 2 MiB region at {0:#x}")]
+    PageSizeConflict(u64),
+    #[error("host memory: {0}")]
+    Os(String),
+}
+
+impl HalError {
+    /// The protocol error code a guest should see for this failure.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            HalError::NoContext(_) | HalError::NoChannel(_) | HalError::NoAllocation(_) => {
+                ErrorCode::NotFound
+            }
+            HalError::OutOfVram(_) => ErrorCode::NoMemory,
+            HalError::TooMany(_) => ErrorCode::LimitExceeded,
+            HalError::InvalidArgument(_)
+            | HalError::Overlap { .. }
+            | HalError::NotMapped { .. }
+            | HalError::PageSizeConflict(_) => ErrorCode::InvalidArgument,
+            HalError::Os(_) => ErrorCode::Internal,
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, HalError>;
+
+/// The GPU HAL.
+pub trait Gpu: Send + Sync {
+    fn info(&self) -> GpuInfo;
+
+    /// Creates an address space whose system-memory targets resolve through `sysmem`.
+    fn create_context(&self, sysmem: Arc<dyn SysMemory>) -> Result<ContextId>;
+    /// Destroys an address space and every channel in it.
+    fn destroy_context(&self, ctx: ContextId) -> Result<()>;
+
+    /// Allocates VRAM; `align` is a power of two (at least 4 KiB is used).
+    fn alloc_vram(&self, size: u64, align: u64) -> Result<VramAlloc>;
+    /// Frees the allocation that starts at `offset`.
+    fn free_vram(&self, offset: u64) -> Result<()>;
+    /// Bytes of VRAM not allocated.
+    fn vram_free_bytes(&self) -> u64;
+    /// The whole of VRAM as a file range (for aperture mappings).
+    fn vram_fd(&self) -> FdRange;
+    /// Host reads and writes of VRAM (bounds-checked).
+    fn vram_read(&self, offset: u64, buf: &mut [u8]) -> Result<()>;
+    fn vram_write(&self, offset: u64, buf: &[u8]) -> Result<()>;
+
+    /// Maps `size` bytes at `va` to `target` with pages of `page`. `va`, `size` and the
+    /// target must be aligned to the page size; the range must be unmapped.
+    fn map(
+        &self,
+        ctx: ContextId,
+        va: u64,
+        size: u64,
+        target: MapTarget,
+        page: PageSize,
+        flags: MapFlags,
+    ) -> Result<()>;
+    /// Unmaps whole pages covering exactly `va..va+size`.
+    fn unmap(&self, ctx: ContextId, va: u64, size: u64) -> Result<()>;
+    /// Rewrites the targets of existing mappings (for VRAM↔SYSRAM migration). Takes effect
+    /// for the GPU only after [`Gpu::invalidate_tlb`].
+    fn remap(&self, ctx: ContextId, va: u64, size: u64, target: MapTarget) -> Result<()>;
+    /// Drops cached translations: page-table changes become visible to the engines.
+    fn invalidate_tlb(&self, ctx: ContextId) -> Result<()>;
+    /// Per-page access counts for the pages covering `va..va+size` (one entry per mapped
+    /// page, in address order: page VA and count); `reset` zeroes them after reading.
+    fn access_counts(
+        &self,
+        ctx: ContextId,
+        va: u64,
+        size: u64,
+        reset: bool,
+    ) -> Result<Vec<(u64, u32)>>;
+
+    /// Creates a channel in `ctx`; its events go to `sink`.
+    fn create_channel(
+        &self,
+        ctx: ContextId,
+        cfg: ChannelConfig,
+        sink: Arc<dyn EventSink>,
+    ) -> Result<ChannelId>;
+    /// Destroys a channel at any moment; work in flight is abandoned.
+    fn destroy_channel(&self, ch: ChannelId) -> Result<()>;
+    /// The channel's 4 KiB control page.
+    fn control_page(&self, ch: ChannelId) -> Result<FdRange>;
+    /// Optional doorbell: tells the GPU to look at the channel now instead of at its next poll.
+    fn doorbell(&self, ch: ChannelId);
+    fn channel_counters(&self, ch: ChannelId) -> Result<ChannelCounters>;
+    /// The channel's error, if it has stopped on one.
+    fn channel_error(&self, ch: ChannelId) -> Result<Option<(ErrorCode, u64)>>;
+    /// Stops a channel with an error (the watchdog's tool): a running kernel is abandoned,
+    /// the owner gets an error event, other channels continue.
+    fn kill_channel(&self, ch: ChannelId, code: ErrorCode) -> Result<()>;
+}

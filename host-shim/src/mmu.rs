@@ -1,0 +1,586 @@
+//! The GPU MMU: one address space per context, two-level page tables with small (4 KiB),
+//! big (64 KiB) and huge (2 MiB) pages, VRAM and SYSRAM targets, valid/read-only bits,
+//! per-page access counters, and a TLB that holds translations until explicitly
+//! invalidated (so page-table rewrites that skip the invalidation are visibly wrong,
+//! as on hardware).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use vgpu_protocol::gp::GPU_VA_LIMIT;
+
+use crate::hal::{HalError, MapFlags, MapTarget, PageSize, Result, SysMemory};
+
+/// VA span of one page directory entry.
+const PDE_SPAN: u64 = 2 << 20;
+/// TLB capacity in entries; on overflow it is simply flushed.
+const TLB_ENTRIES: usize = 1024;
+
+/// A page-table entry. The access counter is shared with TLB entries so hits count too.
+#[derive(Debug, Clone)]
+struct Pte {
+    target: MapTarget,
+    read_only: bool,
+    accesses: Arc<AtomicU32>,
+}
+
+#[derive(Debug)]
+enum Pde {
+    Huge(Pte),
+    Big(Box<[Option<Pte>]>),
+    Small(Box<[Option<Pte>]>),
+}
+
+impl Pde {
+    fn page_size(&self) -> PageSize {
+        match self {
+            Pde::Huge(_) => PageSize::Huge2M,
+            Pde::Big(_) => PageSize::Big64K,
+            Pde::Small(_) => PageSize::Small4K,
+        }
+    }
+
+    /// The slot for `va` in a table of big or small pages; a huge PDE has none.
+    fn slot(&mut self, va: u64) -> Option<&mut Option<Pte>> {
+        match self {
+            Pde::Big(t) => t.get_mut(((va % PDE_SPAN) >> 16) as usize),
+            Pde::Small(t) => t.get_mut(((va % PDE_SPAN) >> 12) as usize),
+            Pde::Huge(_) => None,
+        }
+    }
+
+    fn get(&self, va: u64) -> Option<&Pte> {
+        match self {
+            Pde::Huge(p) => Some(p),
+            Pde::Big(t) => t.get(((va % PDE_SPAN) >> 16) as usize)?.as_ref(),
+            Pde::Small(t) => t.get(((va % PDE_SPAN) >> 12) as usize)?.as_ref(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        match self {
+            Pde::Huge(_) => false,
+            Pde::Big(t) | Pde::Small(t) => t.iter().all(Option::is_none),
+        }
+    }
+}
+
+/// A successful translation: the target at `va` and how many bytes stay contiguous (to
+/// the end of the page).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Translation {
+    pub target: MapTarget,
+    pub contiguous: u64,
+}
+
+/// Why a translation failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TranslateError {
+    NotMapped,
+    ReadOnly,
+}
+
+#[derive(Debug, Clone)]
+struct TlbEntry {
+    page: PageSize,
+    target: MapTarget,
+    read_only: bool,
+    accesses: Arc<AtomicU32>,
+}
+
+/// One GPU address space.
+pub struct AddressSpace {
+    tables: RwLock<HashMap<u64, Pde>>,
+    /// page base VA → cached entry. Filled on miss, emptied by `invalidate_tlb`.
+    tlb: Mutex<HashMap<u64, TlbEntry>>,
+    sysmem: Arc<dyn SysMemory>,
+}
+
+fn offset_target(t: MapTarget, by: u64) -> MapTarget {
+    match t {
+        MapTarget::Vram { offset } => MapTarget::Vram {
+            offset: offset.wrapping_add(by),
+        },
+        MapTarget::Sysram { addr } => MapTarget::Sysram {
+            addr: addr.wrapping_add(by),
+        },
+    }
+}
+
+fn target_addr(t: MapTarget) -> u64 {
+    match t {
+        MapTarget::Vram { offset } => offset,
+        MapTarget::Sysram { addr } => addr,
+    }
+}
+
+fn check_range(va: u64, size: u64, align: u64) -> Result<()> {
+    if size == 0 {
+        return Err(HalError::InvalidArgument("empty range"));
+    }
+    if va % align != 0 || size % align != 0 {
+        return Err(HalError::InvalidArgument(
+            "range not aligned to the page size",
+        ));
+    }
+    match va.checked_add(size) {
+        Some(end) if end <= GPU_VA_LIMIT => Ok(()),
+        _ => Err(HalError::InvalidArgument(
+            "range outside the GPU address space",
+        )),
+    }
+}
+
+impl AddressSpace {
+    pub fn new(sysmem: Arc<dyn SysMemory>) -> Self {
+        AddressSpace {
+            tables: RwLock::new(HashMap::new()),
+            tlb: Mutex::new(HashMap::new()),
+            sysmem,
+        }
+    }
+
+    pub fn sysmem(&self) -> &dyn SysMemory {
+        &*self.sysmem
+    }
+
+    fn read_tables(&self) -> std::sync::RwLockReadGuard<'_, HashMap<u64, Pde>> {
+        self.tables.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write_tables(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<u64, Pde>> {
+        self.tables.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn lock_tlb(&self) -> std::sync::MutexGuard<'_, HashMap<u64, TlbEntry>> {
+        self.tlb.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Maps `size` bytes at `va` to consecutive target addresses from `target`.
+    pub fn map(
+        &self,
+        va: u64,
+        size: u64,
+        target: MapTarget,
+        page: PageSize,
+        flags: MapFlags,
+    ) -> Result<()> {
+        let ps = page.bytes();
+        check_range(va, size, ps)?;
+        if target_addr(target) % ps != 0 {
+            return Err(HalError::InvalidArgument(
+                "target not aligned to the page size",
+            ));
+        }
+        if target_addr(target).checked_add(size).is_none() {
+            return Err(HalError::InvalidArgument("target range overflows"));
+        }
+        let mut tables = self.write_tables();
+        // Validate everything first so a failed map changes nothing.
+        let mut p = va;
+        while p < va + size {
+            if let Some(pde) = tables.get(&(p / PDE_SPAN)) {
+                if pde.page_size() != page {
+                    return Err(HalError::PageSizeConflict(p - p % PDE_SPAN));
+                }
+                if pde.get(p).is_some() {
+                    return Err(HalError::Overlap { va, size });
+                }
+            }
+            p += ps;
+        }
+        let mut p = va;
+        while p < va + size {
+            let pte = Pte {
+                target: offset_target(target, p - va),
+                read_only: flags.read_only,
+                accesses: Arc::new(AtomicU32::new(0)),
+            };
+            let key = p / PDE_SPAN;
+            match page {
+                PageSize::Huge2M => {
+                    tables.insert(key, Pde::Huge(pte));
+                }
+                PageSize::Big64K | PageSize::Small4K => {
+                    let pde = tables.entry(key).or_insert_with(|| {
+                        let n = (PDE_SPAN / ps) as usize;
+                        let t = vec![None; n].into_boxed_slice();
+                        if page == PageSize::Big64K {
+                            Pde::Big(t)
+                        } else {
+                            Pde::Small(t)
+                        }
+                    });
+                    if let Some(slot) = pde.slot(p) {
+                        *slot = Some(pte);
+                    }
+                }
+            }
+            p += ps;
+        }
+        Ok(())
+    }
+
+    /// Visits every page in `va..va+size`, which must be covered exactly by mapped pages.
+    fn for_each_mapped(
+        tables: &mut HashMap<u64, Pde>,
+        va: u64,
+        size: u64,
+        mut f: impl FnMut(u64, &mut Pde),
+    ) -> Result<()> {
+        check_range(va, size, PageSize::Small4K.bytes())?;
+        // First pass: the range must consist of whole mapped pages.
+        let mut p = va;
+        while p < va + size {
+            let pde = tables
+                .get(&(p / PDE_SPAN))
+                .ok_or(HalError::NotMapped { va, size })?;
+            let ps = pde.page_size().bytes();
+            if p % ps != 0 || p + ps > va + size || pde.get(p).is_none() {
+                return Err(HalError::NotMapped { va, size });
+            }
+            p += ps;
+        }
+        let mut p = va;
+        while p < va + size {
+            let key = p / PDE_SPAN;
+            let Some(pde) = tables.get_mut(&key) else {
+                break;
+            };
+            let ps = pde.page_size().bytes();
+            f(p, pde);
+            p += ps;
+        }
+        Ok(())
+    }
+
+    /// Unmaps whole pages covering exactly `va..va+size`. Needs a TLB invalidation to take
+    /// effect for the engines.
+    pub fn unmap(&self, va: u64, size: u64) -> Result<()> {
+        let mut tables = self.write_tables();
+        let mut emptied = Vec::new();
+        Self::for_each_mapped(&mut tables, va, size, |p, pde| {
+            if let Pde::Huge(_) = pde {
+                emptied.push(p / PDE_SPAN);
+            } else {
+                if let Some(slot) = pde.slot(p) {
+                    *slot = None;
+                }
+                if pde.is_empty() {
+                    emptied.push(p / PDE_SPAN);
+                }
+            }
+        })?;
+        for k in emptied {
+            tables.remove(&k);
+        }
+        Ok(())
+    }
+
+    /// Points the existing pages of `va..va+size` at consecutive addresses from `target`,
+    /// keeping page sizes, flags and access counters.
+    pub fn remap(&self, va: u64, size: u64, target: MapTarget) -> Result<()> {
+        let mut tables = self.write_tables();
+        // The new target must be aligned like every page it backs; check the largest.
+        let mut largest = PageSize::Small4K.bytes();
+        Self::for_each_mapped(&mut tables, va, size, |_, pde| {
+            largest = largest.max(pde.page_size().bytes());
+        })?;
+        if target_addr(target) % largest != 0 || target_addr(target).checked_add(size).is_none() {
+            return Err(HalError::InvalidArgument(
+                "target not aligned to the page size",
+            ));
+        }
+        Self::for_each_mapped(&mut tables, va, size, |p, pde| {
+            let new = offset_target(target, p - va);
+            match pde {
+                Pde::Huge(pte) => pte.target = new,
+                _ => {
+                    if let Some(Some(pte)) = pde.slot(p) {
+                        pte.target = new;
+                    }
+                }
+            }
+        })
+    }
+
+    /// Drops every cached translation.
+    pub fn invalidate_tlb(&self) {
+        self.lock_tlb().clear();
+    }
+
+    /// Translates `va` for a read or write, through the TLB, counting the access.
+    pub fn translate(
+        &self,
+        va: u64,
+        write: bool,
+    ) -> std::result::Result<Translation, TranslateError> {
+        let mut tlb = self.lock_tlb();
+        let entry = PageSize::ALL.iter().find_map(|ps| {
+            let base = va - va % ps.bytes();
+            tlb.get(&base)
+                .filter(|e| e.page == *ps)
+                .map(|e| (base, e.clone()))
+        });
+        let (base, entry) = match entry {
+            Some(hit) => hit,
+            None => {
+                let tables = self.read_tables();
+                let pde = tables
+                    .get(&(va / PDE_SPAN))
+                    .ok_or(TranslateError::NotMapped)?;
+                let pte = pde.get(va).ok_or(TranslateError::NotMapped)?;
+                let page = pde.page_size();
+                let base = va - va % page.bytes();
+                let e = TlbEntry {
+                    page,
+                    target: pte.target,
+                    read_only: pte.read_only,
+                    accesses: pte.accesses.clone(),
+                };
+                if tlb.len() >= TLB_ENTRIES {
+                    tlb.clear();
+                }
+                tlb.insert(base, e.clone());
+                (base, e)
+            }
+        };
+        drop(tlb);
+        if write && entry.read_only {
+            return Err(TranslateError::ReadOnly);
+        }
+        entry.accesses.fetch_add(1, Ordering::Relaxed);
+        let off = va - base;
+        Ok(Translation {
+            target: offset_target(entry.target, off),
+            contiguous: entry.page.bytes() - off,
+        })
+    }
+
+    /// Access counts of the mapped pages overlapping `va..va+size`, in address order.
+    pub fn access_counts(&self, va: u64, size: u64, reset: bool) -> Result<Vec<(u64, u32)>> {
+        let end = va.checked_add(size).filter(|&e| e <= GPU_VA_LIMIT).ok_or(
+            HalError::InvalidArgument("range outside the GPU address space"),
+        )?;
+        let tables = self.read_tables();
+        let mut out = Vec::new();
+        let mut key = va / PDE_SPAN;
+        while key * PDE_SPAN < end {
+            if let Some(pde) = tables.get(&key) {
+                let ps = pde.page_size().bytes();
+                let mut p = key * PDE_SPAN;
+                while p < (key + 1) * PDE_SPAN {
+                    if p + ps > va && p < end {
+                        if let Some(pte) = pde.get(p) {
+                            let n = if reset {
+                                pte.accesses.swap(0, Ordering::Relaxed)
+                            } else {
+                                pte.accesses.load(Ordering::Relaxed)
+                            };
+                            out.push((p, n));
+                        }
+                    }
+                    p += ps;
+                }
+            }
+            key += 1;
+        }
+        Ok(out)
+    }
+
+    /// Number of mapped pages (for leak checks).
+    pub fn mapped_pages(&self) -> usize {
+        self.read_tables()
+            .values()
+            .map(|pde| match pde {
+                Pde::Huge(_) => 1,
+                Pde::Big(t) | Pde::Small(t) => t.iter().filter(|p| p.is_some()).count(),
+            })
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hal::HostRange;
+
+    struct NoSys;
+    impl SysMemory for NoSys {
+        fn translate(&self, _: u64, _: u64) -> Option<HostRange> {
+            None
+        }
+    }
+
+    fn space() -> AddressSpace {
+        AddressSpace::new(Arc::new(NoSys))
+    }
+
+    const RW: MapFlags = MapFlags { read_only: false };
+
+    #[test]
+    fn translate_each_page_size() {
+        let s = space();
+        s.map(
+            0x20_0000,
+            0x40_0000,
+            MapTarget::Vram { offset: 0x60_0000 },
+            PageSize::Huge2M,
+            RW,
+        )
+        .unwrap();
+        s.map(
+            0x100_0000,
+            0x2_0000,
+            MapTarget::Vram { offset: 0x1_0000 },
+            PageSize::Big64K,
+            RW,
+        )
+        .unwrap();
+        s.map(
+            0x200_0000,
+            0x2000,
+            MapTarget::Sysram { addr: 0x5000 },
+            PageSize::Small4K,
+            RW,
+        )
+        .unwrap();
+        let t = s.translate(0x20_0000 + 0x20_0123, false).unwrap();
+        assert_eq!(t.target, MapTarget::Vram { offset: 0x80_0123 });
+        assert_eq!(t.contiguous, 0x20_0000 - 0x123);
+        let t = s.translate(0x101_0010, true).unwrap();
+        assert_eq!(t.target, MapTarget::Vram { offset: 0x2_0010 });
+        let t = s.translate(0x200_1fff, false).unwrap();
+        assert_eq!(t.target, MapTarget::Sysram { addr: 0x6fff });
+        assert_eq!(t.contiguous, 1);
+        assert_eq!(
+            s.translate(0x200_2000, false),
+            Err(TranslateError::NotMapped)
+        );
+        assert_eq!(s.translate(u64::MAX, false), Err(TranslateError::NotMapped));
+    }
+
+    #[test]
+    fn rejects_bad_maps_without_side_effects() {
+        let s = space();
+        let v = MapTarget::Vram { offset: 0 };
+        assert!(s.map(0x1000, 0x1000, v, PageSize::Big64K, RW).is_err());
+        assert!(s.map(0, 0, v, PageSize::Small4K, RW).is_err());
+        assert!(s
+            .map(GPU_VA_LIMIT - 0x1000, 0x2000, v, PageSize::Small4K, RW)
+            .is_err());
+        assert!(s
+            .map(
+                0,
+                0x1000,
+                MapTarget::Vram { offset: 0x800 },
+                PageSize::Small4K,
+                RW
+            )
+            .is_err());
+        s.map(0x3000, 0x1000, v, PageSize::Small4K, RW).unwrap();
+        // Overlap: the whole map fails, including its non-overlapping first page.
+        assert!(matches!(
+            s.map(0x2000, 0x2000, v, PageSize::Small4K, RW),
+            Err(HalError::Overlap { .. })
+        ));
+        assert_eq!(s.translate(0x2000, false), Err(TranslateError::NotMapped));
+        assert!(matches!(
+            s.map(0x1_0000, 0x1_0000, v, PageSize::Big64K, RW),
+            Err(HalError::PageSizeConflict(0))
+        ));
+        assert_eq!(s.mapped_pages(), 1);
+    }
+
+    #[test]
+    fn read_only_faults_writes() {
+        let s = space();
+        s.map(
+            0,
+            0x1000,
+            MapTarget::Vram { offset: 0 },
+            PageSize::Small4K,
+            MapFlags { read_only: true },
+        )
+        .unwrap();
+        assert!(s.translate(0, false).is_ok());
+        assert_eq!(s.translate(8, true), Err(TranslateError::ReadOnly));
+    }
+
+    #[test]
+    fn tlb_holds_stale_translations_until_invalidated() {
+        let s = space();
+        s.map(
+            0,
+            0x1000,
+            MapTarget::Vram { offset: 0 },
+            PageSize::Small4K,
+            RW,
+        )
+        .unwrap();
+        assert_eq!(
+            s.translate(0, false).unwrap().target,
+            MapTarget::Vram { offset: 0 }
+        );
+        s.remap(0, 0x1000, MapTarget::Sysram { addr: 0x9000 })
+            .unwrap();
+        assert_eq!(
+            s.translate(0, false).unwrap().target,
+            MapTarget::Vram { offset: 0 }
+        );
+        s.invalidate_tlb();
+        assert_eq!(
+            s.translate(0, false).unwrap().target,
+            MapTarget::Sysram { addr: 0x9000 }
+        );
+        s.unmap(0, 0x1000).unwrap();
+        assert!(s.translate(0, false).is_ok(), "stale until invalidated");
+        s.invalidate_tlb();
+        assert_eq!(s.translate(0, false), Err(TranslateError::NotMapped));
+        assert_eq!(s.mapped_pages(), 0);
+    }
+
+    #[test]
+    fn unmap_needs_whole_pages() {
+        let s = space();
+        s.map(
+            0,
+            0x2_0000,
+            MapTarget::Vram { offset: 0 },
+            PageSize::Big64K,
+            RW,
+        )
+        .unwrap();
+        assert!(s.unmap(0, 0x1000).is_err());
+        assert!(s.unmap(0, 0x3_0000).is_err());
+        assert_eq!(s.mapped_pages(), 2);
+        s.unmap(0x1_0000, 0x1_0000).unwrap();
+        assert_eq!(s.mapped_pages(), 1);
+    }
+
+    #[test]
+    fn access_counts_count_hits_and_reset() {
+        let s = space();
+        s.map(
+            0,
+            0x3000,
+            MapTarget::Vram { offset: 0 },
+            PageSize::Small4K,
+            RW,
+        )
+        .unwrap();
+        for _ in 0..3 {
+            s.translate(0x1008, false).unwrap();
+        }
+        s.translate(0x2000, true).unwrap();
+        assert_eq!(
+            s.access_counts(0, 0x3000, true).unwrap(),
+            vec![(0, 0), (0x1000, 3), (0x2000, 1)]
+        );
+        assert_eq!(
+            s.access_counts(0x1000, 1, false).unwrap(),
+            vec![(0x1000, 0)]
+        );
+    }
+}

@@ -1,0 +1,91 @@
+//! The memfd that holds every channel's control page, one 4 KiB slot per channel.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use vgpu_protocol::{ControlPage, PAGE_SIZE};
+
+use crate::hal::FdRange;
+use crate::shared_mem::{SharedMem, SharedMemError};
+
+pub struct ControlPages {
+    mem: SharedMem,
+    free: Mutex<Vec<u32>>,
+}
+
+impl ControlPages {
+    pub fn new(slots: u32) -> Result<Self, SharedMemError> {
+        let mem = SharedMem::new("vgpu-control-pages", slots as u64 * PAGE_SIZE)?;
+        // Hand out low slots first.
+        let free = Mutex::new((0..slots).rev().collect());
+        Ok(ControlPages { mem, free })
+    }
+
+    fn lock_free(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {
+        self.free.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes a zeroed slot.
+    pub fn take(&self) -> Option<u32> {
+        let slot = self.lock_free().pop()?;
+        self.mem.zero(slot as u64 * PAGE_SIZE, PAGE_SIZE);
+        Some(slot)
+    }
+
+    pub fn give_back(&self, slot: u32) {
+        self.lock_free().push(slot);
+    }
+
+    pub fn slots_in_use(&self) -> usize {
+        (self.mem.len() / PAGE_SIZE) as usize - self.lock_free().len()
+    }
+
+    pub fn fd_range(&self, slot: u32) -> FdRange {
+        FdRange {
+            fd: self.mem.fd(),
+            offset: slot as u64 * PAGE_SIZE,
+            len: PAGE_SIZE,
+        }
+    }
+
+    fn word(&self, slot: u32, field: usize) -> Option<&AtomicU32> {
+        self.mem.atomic_u32(slot as u64 * PAGE_SIZE + field as u64)
+    }
+
+    /// Loads a control-page field (Acquire: GP_PUT publishes the ring entry before it).
+    pub fn load(&self, slot: u32, field: usize) -> u32 {
+        self.word(slot, field)
+            .map(|w| w.load(Ordering::Acquire))
+            .unwrap_or(0)
+    }
+
+    /// Stores a control-page field (Release: results are visible before GP_GET/REF move).
+    pub fn store(&self, slot: u32, field: usize, v: u32) {
+        if let Some(w) = self.word(slot, field) {
+            w.store(v, Ordering::Release);
+        }
+    }
+
+    pub fn store_u64(&self, slot: u32, field: usize, v: u64) {
+        if let Some(w) = self.mem.atomic_u64(slot as u64 * PAGE_SIZE + field as u64) {
+            w.store(v, Ordering::Release);
+        }
+    }
+
+    pub fn bump(&self, slot: u32, field: usize) {
+        if let Some(w) = self.word(slot, field) {
+            w.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Writes the fields a fresh channel starts with.
+    pub fn init(&self, slot: u32, gp_entries: u32) {
+        self.store(slot, ControlPage::VERSION, vgpu_protocol::PROTOCOL_VERSION);
+        self.store(slot, ControlPage::GP_ENTRIES, gp_entries);
+    }
+}
+
+/// Atomic 64-bit counter helper used by channel accounting.
+pub fn add(c: &AtomicU64, v: u64) {
+    c.fetch_add(v, Ordering::Relaxed);
+}

@@ -1,0 +1,160 @@
+//! Fetching GP entries and executing their methods: the part shared by the PFIFO's inline
+//! compute engine and the copy engine thread.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use vgpu_protocol::gp::GP_ENTRY_SIZE;
+use vgpu_protocol::method::{decode_all, Method};
+use vgpu_protocol::{ControlPage, ErrorCode, GpEntry, KernelArgs};
+
+use super::channel::SimChannel;
+use super::control_pages::add;
+use crate::clock::now_ns;
+use crate::gpu_view::{CopyError, GpuView};
+use crate::kernels::{run_kernel, KernelError, KernelMemory};
+use crate::shared_mem::SharedMem;
+
+/// Which engine a piece of work needs next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineKind {
+    Compute,
+    Copy,
+    /// Only cheap host-side methods (semaphores, refs, notifies): run by the PFIFO itself.
+    None,
+}
+
+/// The decoded methods of one GP entry and how far they have run.
+#[derive(Debug)]
+pub struct WorkItem {
+    pub methods: Vec<Method>,
+    pub pc: usize,
+}
+
+impl WorkItem {
+    /// Entries are routed whole: to compute if they launch anything, else to the copy
+    /// engine if they copy, else to no engine.
+    pub fn engine(&self) -> EngineKind {
+        let rest = self.methods.get(self.pc..).unwrap_or(&[]);
+        if rest.iter().any(|m| matches!(m, Method::Launch { .. })) {
+            EngineKind::Compute
+        } else if rest.iter().any(|m| matches!(m, Method::Copy { .. })) {
+            EngineKind::Copy
+        } else {
+            EngineKind::None
+        }
+    }
+}
+
+/// How a run of a work item ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// Every method ran.
+    Done,
+    /// A semaphore acquire is not yet satisfied; retry later from the same method.
+    Stalled,
+    /// A spin kernel started: the engine is busy for `ns`, then the item continues.
+    Spin { ns: u64 },
+    /// The channel must stop with this error.
+    Fault(ErrorCode, u64),
+    /// The channel was killed or destroyed while the item ran.
+    Aborted,
+}
+
+/// Reads and decodes GP entry number `get` of the channel's ring and its push buffer.
+pub fn fetch(ch: &SimChannel, vram: &SharedMem, get: u32) -> Result<WorkItem, (ErrorCode, u64)> {
+    let mut view = GpuView::new(&ch.space, vram);
+    let index = (get % ch.cfg.gp_entries) as u64;
+    let entry_va = ch.cfg.gp_ring_va + index * GP_ENTRY_SIZE as u64;
+    let mut raw = [0u8; GP_ENTRY_SIZE];
+    view.read(entry_va, &mut raw)
+        .map_err(|f| (ErrorCode::MmuFault, f.va))?;
+    let entry = GpEntry::decode(&raw).map_err(|_| (ErrorCode::BadGpEntry, entry_va))?;
+    let mut bytes = vec![0u8; entry.len_bytes() as usize];
+    view.read(entry.pb_va, &mut bytes)
+        .map_err(|f| (ErrorCode::MmuFault, f.va))?;
+    let words: Vec<u32> = bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let methods = decode_all(&words)
+        .map_err(|e| (ErrorCode::BadMethod, entry.pb_va + e.offset() as u64 * 4))?;
+    Ok(WorkItem { methods, pc: 0 })
+}
+
+/// Runs `item` from its current method until it finishes, stalls, starts a spin or fails.
+pub fn run(ch: &SimChannel, vram: &SharedMem, item: &mut WorkItem, abort: &AtomicBool) -> Step {
+    let mut view = GpuView::new(&ch.space, vram);
+    while let Some(&m) = item.methods.get(item.pc) {
+        if ch.is_stopped() || abort.load(Ordering::Relaxed) {
+            return Step::Aborted;
+        }
+        match m {
+            Method::Nop => {}
+            Method::SetRef { value } => ch.store(ControlPage::REF, value),
+            Method::Notify { token } => ch.notify(token),
+            Method::SemRelease {
+                va,
+                value,
+                timestamp,
+            } => {
+                if let Err(f) = view.write(va, &value.to_le_bytes()) {
+                    return Step::Fault(ErrorCode::MmuFault, f.va);
+                }
+                if timestamp {
+                    let at = va.wrapping_add(8);
+                    if let Err(f) = view.write(at, &now_ns().to_le_bytes()) {
+                        return Step::Fault(ErrorCode::MmuFault, f.va);
+                    }
+                }
+            }
+            Method::SemAcquire { va, value, mode } => {
+                let mut b = [0u8; 4];
+                if let Err(f) = view.read(va, &mut b) {
+                    return Step::Fault(ErrorCode::MmuFault, f.va);
+                }
+                if !mode.satisfied(u32::from_le_bytes(b), value) {
+                    return Step::Stalled;
+                }
+            }
+            Method::Launch {
+                kernel,
+                args_va,
+                args_len,
+                ..
+            } => {
+                if args_len as usize != KernelArgs::encoded_len(kernel) {
+                    return Step::Fault(ErrorCode::BadKernelArgs, args_va);
+                }
+                let mut raw = [0u8; 64];
+                let raw = &mut raw[..args_len as usize];
+                if let Err(f) = view.read(args_va, raw) {
+                    return Step::Fault(ErrorCode::MmuFault, f.va);
+                }
+                let args = match KernelArgs::decode(kernel, raw) {
+                    Ok(a) => a,
+                    Err(_) => return Step::Fault(ErrorCode::BadKernelArgs, args_va),
+                };
+                add(&ch.kernels, 1);
+                if let KernelArgs::Spin { ns } = args {
+                    item.pc += 1;
+                    return Step::Spin { ns };
+                }
+                match run_kernel(&args, &mut view, abort, &now_ns) {
+                    Ok(()) => {}
+                    Err(KernelError::Fault(f)) => return Step::Fault(ErrorCode::MmuFault, f.va),
+                    Err(KernelError::TooLarge(_)) => {
+                        return Step::Fault(ErrorCode::BadKernelArgs, args_va)
+                    }
+                    Err(KernelError::Aborted) => return Step::Aborted,
+                }
+            }
+            Method::Copy { src, dst, len } => match view.copy(dst, src, len, abort) {
+                Ok(()) => add(&ch.copies, 1),
+                Err(CopyError::Fault(f)) => return Step::Fault(ErrorCode::MmuFault, f.va),
+                Err(CopyError::Aborted) => return Step::Aborted,
+            },
+        }
+        item.pc += 1;
+    }
+    Step::Done
+}

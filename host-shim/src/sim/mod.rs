@@ -1,0 +1,494 @@
+//! `sim`: a software GPU that behaves like the Fermi-class hardware in the seeds —
+//! memory-mapped channel control pages polled by a round-robin PFIFO, non-preemptible
+//! kernels, a concurrent copy engine, a paging MMU per context, and per-channel counters.
+
+mod channel;
+mod control_pages;
+mod copy_engine;
+mod exec;
+mod pfifo;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::thread::{JoinHandle, Thread};
+
+use vgpu_protocol::channel::valid_gp_entries;
+use vgpu_protocol::gp::{GPU_VA_LIMIT, GP_ENTRY_SIZE};
+use vgpu_protocol::ErrorCode;
+
+use self::channel::SimChannel;
+use self::control_pages::ControlPages;
+use self::exec::{Step, WorkItem};
+use crate::hal::*;
+use crate::mmu::AddressSpace;
+use crate::shared_mem::SharedMem;
+use crate::vram::VramAllocator;
+
+/// Sizes and polling behaviour of a sim GPU.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    pub vram_bytes: u64,
+    pub compute_engines: u32,
+    pub max_channels: u32,
+    pub max_contexts: u32,
+    /// After activity, the PFIFO busy-polls this long before it starts sleeping.
+    pub busy_poll_ns: u64,
+    /// Shortest and longest sleep between polls when idle (the sleep doubles each time).
+    pub min_idle_sleep_ns: u64,
+    pub max_idle_sleep_ns: u64,
+    /// Spin kernels are timed by sleeping, then spinning for this last stretch.
+    pub spin_window_ns: u64,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            vram_bytes: 1 << 30,
+            compute_engines: 1,
+            max_channels: 256,
+            max_contexts: 256,
+            busy_poll_ns: 200_000,
+            min_idle_sleep_ns: 10_000,
+            max_idle_sleep_ns: 1_000_000,
+            spin_window_ns: 20_000,
+        }
+    }
+}
+
+/// Work handed to the copy engine.
+pub(crate) struct CopyJob {
+    ch: Arc<SimChannel>,
+    item: WorkItem,
+}
+
+/// The copy engine's answer.
+pub(crate) struct CopyResult {
+    chan: ChannelId,
+    item: WorkItem,
+    step: Step,
+    busy_ns: u64,
+}
+
+/// State shared by the API, the PFIFO thread and the copy engine.
+pub(crate) struct Shared {
+    cfg: SimConfig,
+    vram: SharedMem,
+    channels: RwLock<BTreeMap<ChannelId, Arc<SimChannel>>>,
+    /// Bumped whenever `channels` changes, so the PFIFO re-reads it only then.
+    gen: AtomicU64,
+    copy_done: Mutex<Vec<CopyResult>>,
+    shutdown: AtomicBool,
+    pfifo_thread: OnceLock<Thread>,
+    pfifo_cpu_ns: AtomicU64,
+    copy_cpu_ns: AtomicU64,
+}
+
+impl Shared {
+    fn channels_snapshot(&self) -> Vec<Arc<SimChannel>> {
+        self.channels
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    fn take_copy_results(&self) -> Vec<CopyResult> {
+        std::mem::take(&mut *self.copy_done.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn push_copy_result(&self, r: CopyResult) {
+        self.copy_done
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(r);
+        self.wake_pfifo();
+    }
+
+    fn wake_pfifo(&self) {
+        if let Some(t) = self.pfifo_thread.get() {
+            t.unpark();
+        }
+    }
+}
+
+struct Context {
+    space: Arc<AddressSpace>,
+}
+
+/// Counts of live objects, for leak checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SimStats {
+    pub contexts: usize,
+    pub channels: usize,
+    pub control_slots_in_use: usize,
+    pub vram_allocations: usize,
+    pub vram_free_bytes: u64,
+}
+
+/// The sim GPU. Dropping it stops its engine threads.
+pub struct SimGpu {
+    shared: Arc<Shared>,
+    pages: Arc<ControlPages>,
+    vram_alloc: Mutex<VramAllocator>,
+    contexts: Mutex<HashMap<ContextId, Context>>,
+    next_context: AtomicU32,
+    next_channel: AtomicU32,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+fn os_err(e: impl std::fmt::Display) -> HalError {
+    HalError::Os(e.to_string())
+}
+
+impl SimGpu {
+    pub fn new(cfg: SimConfig) -> Result<Arc<Self>> {
+        if cfg.compute_engines == 0 || cfg.max_channels == 0 || cfg.vram_bytes < 1 << 20 {
+            return Err(HalError::InvalidArgument(
+                "sim needs at least one engine, one channel and 1 MiB of VRAM",
+            ));
+        }
+        let vram = SharedMem::new("vgpu-vram", cfg.vram_bytes).map_err(os_err)?;
+        let pages = Arc::new(ControlPages::new(cfg.max_channels).map_err(os_err)?);
+        let shared = Arc::new(Shared {
+            vram,
+            channels: RwLock::new(BTreeMap::new()),
+            gen: AtomicU64::new(0),
+            copy_done: Mutex::new(Vec::new()),
+            shutdown: AtomicBool::new(false),
+            pfifo_thread: OnceLock::new(),
+            pfifo_cpu_ns: AtomicU64::new(0),
+            copy_cpu_ns: AtomicU64::new(0),
+            cfg: cfg.clone(),
+        });
+        let (tx, rx) = mpsc::channel();
+        let s = shared.clone();
+        let copy = std::thread::Builder::new()
+            .name("sim-copy".into())
+            .spawn(move || copy_engine::run(s, rx))
+            .map_err(os_err)?;
+        let s = shared.clone();
+        let pfifo = std::thread::Builder::new()
+            .name("sim-pfifo".into())
+            .spawn(move || pfifo::Pfifo::new(s, tx).run())
+            .map_err(os_err)?;
+        let _ = shared.pfifo_thread.set(pfifo.thread().clone());
+        Ok(Arc::new(SimGpu {
+            shared,
+            pages,
+            vram_alloc: Mutex::new(VramAllocator::new(cfg.vram_bytes)),
+            contexts: Mutex::new(HashMap::new()),
+            next_context: AtomicU32::new(1),
+            next_channel: AtomicU32::new(1),
+            threads: Mutex::new(vec![pfifo, copy]),
+        }))
+    }
+
+    fn lock_contexts(&self) -> std::sync::MutexGuard<'_, HashMap<ContextId, Context>> {
+        self.contexts.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn lock_vram(&self) -> std::sync::MutexGuard<'_, VramAllocator> {
+        self.vram_alloc.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn space(&self, ctx: ContextId) -> Result<Arc<AddressSpace>> {
+        self.lock_contexts()
+            .get(&ctx)
+            .map(|c| c.space.clone())
+            .ok_or(HalError::NoContext(ctx))
+    }
+
+    fn channel(&self, ch: ChannelId) -> Result<Arc<SimChannel>> {
+        self.shared
+            .channels
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&ch)
+            .cloned()
+            .ok_or(HalError::NoChannel(ch))
+    }
+
+    fn remove_channels(&self, pred: impl Fn(&SimChannel) -> bool) -> usize {
+        let mut chans = self
+            .shared
+            .channels
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
+        let before = chans.len();
+        chans.retain(|_, c| {
+            let drop_it = pred(c);
+            if drop_it {
+                c.stop();
+            }
+            !drop_it
+        });
+        let removed = before - chans.len();
+        drop(chans);
+        if removed > 0 {
+            self.shared.gen.fetch_add(1, Ordering::AcqRel);
+            self.shared.wake_pfifo();
+        }
+        removed
+    }
+
+    /// Live object counts.
+    pub fn stats(&self) -> SimStats {
+        let vram = self.lock_vram();
+        SimStats {
+            contexts: self.lock_contexts().len(),
+            channels: self
+                .shared
+                .channels
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .len(),
+            control_slots_in_use: self.pages.slots_in_use(),
+            vram_allocations: vram.allocations(),
+            vram_free_bytes: vram.free_bytes(),
+        }
+    }
+
+    /// CPU time the GPU model's own threads (PFIFO and copy engine) have consumed, in ns.
+    /// Benchmarks report it so that no figure is an artifact of engine threads competing
+    /// with the workload for a core.
+    pub fn engine_cpu_ns(&self) -> u64 {
+        self.shared.pfifo_cpu_ns.load(Ordering::Relaxed)
+            + self.shared.copy_cpu_ns.load(Ordering::Relaxed)
+    }
+
+    /// Mapped pages in a context (leak checks).
+    pub fn mapped_pages(&self, ctx: ContextId) -> Result<usize> {
+        Ok(self.space(ctx)?.mapped_pages())
+    }
+}
+
+impl Drop for SimGpu {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::Release);
+        self.shared.wake_pfifo();
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Gpu for SimGpu {
+    fn info(&self) -> GpuInfo {
+        let cfg = &self.shared.cfg;
+        GpuInfo {
+            name: "sim".into(),
+            vram_bytes: self.lock_vram().size(),
+            compute_engines: cfg.compute_engines,
+            max_channels: cfg.max_channels,
+            max_contexts: cfg.max_contexts,
+            has_busy_counters: true,
+        }
+    }
+
+    fn create_context(&self, sysmem: Arc<dyn SysMemory>) -> Result<ContextId> {
+        let mut ctxs = self.lock_contexts();
+        if ctxs.len() >= self.shared.cfg.max_contexts as usize {
+            return Err(HalError::TooMany("contexts"));
+        }
+        let id = ContextId(self.next_context.fetch_add(1, Ordering::Relaxed));
+        ctxs.insert(
+            id,
+            Context {
+                space: Arc::new(AddressSpace::new(sysmem)),
+            },
+        );
+        Ok(id)
+    }
+
+    fn destroy_context(&self, ctx: ContextId) -> Result<()> {
+        self.lock_contexts()
+            .remove(&ctx)
+            .ok_or(HalError::NoContext(ctx))?;
+        self.remove_channels(|c| c.ctx == ctx);
+        Ok(())
+    }
+
+    fn alloc_vram(&self, size: u64, align: u64) -> Result<VramAlloc> {
+        if size == 0 || !align.is_power_of_two() {
+            return Err(HalError::InvalidArgument(
+                "VRAM size zero or alignment not a power of two",
+            ));
+        }
+        let (offset, size) = self
+            .lock_vram()
+            .alloc(size, align)
+            .ok_or(HalError::OutOfVram(size))?;
+        Ok(VramAlloc { offset, size })
+    }
+
+    fn free_vram(&self, offset: u64) -> Result<()> {
+        self.lock_vram()
+            .free(offset)
+            .map(|_| ())
+            .ok_or(HalError::NoAllocation(offset))
+    }
+
+    fn vram_free_bytes(&self) -> u64 {
+        self.lock_vram().free_bytes()
+    }
+
+    fn vram_fd(&self) -> FdRange {
+        FdRange {
+            fd: self.shared.vram.fd(),
+            offset: 0,
+            len: self.shared.vram.len(),
+        }
+    }
+
+    fn vram_read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        if self.shared.vram.read(offset, buf) {
+            Ok(())
+        } else {
+            Err(HalError::InvalidArgument("VRAM range out of bounds"))
+        }
+    }
+
+    fn vram_write(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        if self.shared.vram.write(offset, buf) {
+            Ok(())
+        } else {
+            Err(HalError::InvalidArgument("VRAM range out of bounds"))
+        }
+    }
+
+    fn map(
+        &self,
+        ctx: ContextId,
+        va: u64,
+        size: u64,
+        target: MapTarget,
+        page: PageSize,
+        flags: MapFlags,
+    ) -> Result<()> {
+        if let MapTarget::Vram { offset } = target {
+            if offset
+                .checked_add(size)
+                .is_none_or(|end| end > self.shared.vram.len())
+            {
+                return Err(HalError::InvalidArgument("VRAM target out of bounds"));
+            }
+        }
+        self.space(ctx)?.map(va, size, target, page, flags)
+    }
+
+    fn unmap(&self, ctx: ContextId, va: u64, size: u64) -> Result<()> {
+        self.space(ctx)?.unmap(va, size)
+    }
+
+    fn remap(&self, ctx: ContextId, va: u64, size: u64, target: MapTarget) -> Result<()> {
+        if let MapTarget::Vram { offset } = target {
+            if offset
+                .checked_add(size)
+                .is_none_or(|end| end > self.shared.vram.len())
+            {
+                return Err(HalError::InvalidArgument("VRAM target out of bounds"));
+            }
+        }
+        self.space(ctx)?.remap(va, size, target)
+    }
+
+    fn invalidate_tlb(&self, ctx: ContextId) -> Result<()> {
+        self.space(ctx)?.invalidate_tlb();
+        Ok(())
+    }
+
+    fn access_counts(
+        &self,
+        ctx: ContextId,
+        va: u64,
+        size: u64,
+        reset: bool,
+    ) -> Result<Vec<(u64, u32)>> {
+        self.space(ctx)?.access_counts(va, size, reset)
+    }
+
+    fn create_channel(
+        &self,
+        ctx: ContextId,
+        cfg: ChannelConfig,
+        sink: Arc<dyn EventSink>,
+    ) -> Result<ChannelId> {
+        if !valid_gp_entries(cfg.gp_entries) {
+            return Err(HalError::InvalidArgument(
+                "GP ring size must be a power of two in 2..=65536",
+            ));
+        }
+        let ring_bytes = cfg.gp_entries as u64 * GP_ENTRY_SIZE as u64;
+        if cfg.gp_ring_va % GP_ENTRY_SIZE as u64 != 0
+            || cfg
+                .gp_ring_va
+                .checked_add(ring_bytes)
+                .is_none_or(|e| e > GPU_VA_LIMIT)
+        {
+            return Err(HalError::InvalidArgument(
+                "GP ring misaligned or outside the address space",
+            ));
+        }
+        let space = self.space(ctx)?;
+        let slot = self.pages.take().ok_or(HalError::TooMany("channels"))?;
+        let id = ChannelId(self.next_channel.fetch_add(1, Ordering::Relaxed));
+        let ch = Arc::new(SimChannel::new(
+            id,
+            ctx,
+            space,
+            cfg,
+            slot,
+            self.pages.clone(),
+            sink,
+        ));
+        {
+            // The context may have been destroyed meanwhile; check under the channel lock
+            // order (contexts, then channels) so no channel outlives its context.
+            let ctxs = self.lock_contexts();
+            if !ctxs.contains_key(&ctx) {
+                return Err(HalError::NoContext(ctx));
+            }
+            self.shared
+                .channels
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id, ch);
+        }
+        self.shared.gen.fetch_add(1, Ordering::AcqRel);
+        self.shared.wake_pfifo();
+        Ok(id)
+    }
+
+    fn destroy_channel(&self, ch: ChannelId) -> Result<()> {
+        if self.remove_channels(|c| c.id == ch) == 0 {
+            return Err(HalError::NoChannel(ch));
+        }
+        Ok(())
+    }
+
+    fn control_page(&self, ch: ChannelId) -> Result<FdRange> {
+        Ok(self.pages.fd_range(self.channel(ch)?.slot))
+    }
+
+    fn doorbell(&self, _ch: ChannelId) {
+        self.shared.wake_pfifo();
+    }
+
+    fn channel_counters(&self, ch: ChannelId) -> Result<ChannelCounters> {
+        Ok(self.channel(ch)?.counters())
+    }
+
+    fn channel_error(&self, ch: ChannelId) -> Result<Option<(ErrorCode, u64)>> {
+        Ok(self.channel(ch)?.error())
+    }
+
+    fn kill_channel(&self, ch: ChannelId, code: ErrorCode) -> Result<()> {
+        self.channel(ch)?.fault(code, 0);
+        self.shared.wake_pfifo();
+        Ok(())
+    }
+}

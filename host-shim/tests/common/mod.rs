@@ -1,0 +1,306 @@
+//! Raw test harness: drives the sim through the HAL and a mapped control page, exactly as
+//! a guest would (GP entries and push buffers written to memory, GP_PUT stored).
+
+#![allow(dead_code)]
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use vgpu_host_shim::*;
+use vgpu_protocol::method::encode_all;
+use vgpu_protocol::{ControlPage, ErrorCode, GpEntry, KernelArgs, KernelId, Method};
+
+/// System memory of a test "process": one zeroed allocation at a fixed bus address.
+pub struct TestSysMem {
+    pub base: u64,
+    mem: Box<[u8]>,
+}
+
+// SAFETY: the allocation lives as long as the struct; the GPU and the test access it
+// concurrently through raw pointers, as with guest RAM.
+unsafe impl Send for TestSysMem {}
+// SAFETY: see Send.
+unsafe impl Sync for TestSysMem {}
+
+impl TestSysMem {
+    pub fn new(base: u64, len: usize) -> Self {
+        TestSysMem {
+            base,
+            mem: vec![0u8; len].into_boxed_slice(),
+        }
+    }
+    pub fn ptr(&self, addr: u64) -> *mut u8 {
+        assert!(addr >= self.base && addr < self.base + self.mem.len() as u64);
+        (self.mem.as_ptr() as *mut u8).wrapping_add((addr - self.base) as usize)
+    }
+    pub fn write(&self, addr: u64, b: &[u8]) {
+        assert!(addr + b.len() as u64 <= self.base + self.mem.len() as u64);
+        // SAFETY: bounds checked above.
+        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.ptr(addr), b.len()) }
+    }
+    pub fn read(&self, addr: u64, b: &mut [u8]) {
+        assert!(addr + b.len() as u64 <= self.base + self.mem.len() as u64);
+        // SAFETY: bounds checked above.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr(addr), b.as_mut_ptr(), b.len()) }
+    }
+}
+
+impl SysMemory for TestSysMem {
+    fn translate(&self, addr: u64, len: u64) -> Option<HostRange> {
+        let end = self.base + self.mem.len() as u64;
+        if addr < self.base || addr >= end {
+            return None;
+        }
+        Some(HostRange {
+            ptr: self.ptr(addr),
+            len: (len.min(end - addr)) as usize,
+        })
+    }
+}
+
+/// Collects events.
+#[derive(Default)]
+pub struct Events(pub Mutex<Vec<GpuEvent>>);
+
+impl EventSink for Events {
+    fn event(&self, ev: GpuEvent) {
+        self.0.lock().unwrap().push(ev);
+    }
+}
+
+/// A mapped control page.
+pub struct CtrlMap {
+    ptr: *mut u8,
+}
+
+// SAFETY: shared memory mapping, accessed through atomics only.
+unsafe impl Send for CtrlMap {}
+// SAFETY: see Send.
+unsafe impl Sync for CtrlMap {}
+
+impl CtrlMap {
+    pub fn new(r: FdRange) -> Self {
+        // SAFETY: mapping a page of a memfd the GPU owns; checked for failure.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                r.len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                r.fd,
+                r.offset as libc::off_t,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        CtrlMap { ptr: p.cast() }
+    }
+    pub fn field(&self, off: usize) -> &AtomicU32 {
+        // SAFETY: `off` is a control-page field offset inside the mapped page, 4-aligned.
+        unsafe { &*(self.ptr.add(off) as *const AtomicU32) }
+    }
+    pub fn load(&self, off: usize) -> u32 {
+        self.field(off).load(Ordering::Acquire)
+    }
+    pub fn store(&self, off: usize, v: u32) {
+        self.field(off).store(v, Ordering::Release)
+    }
+}
+
+impl Drop for CtrlMap {
+    fn drop(&mut self) {
+        // SAFETY: unmapping the page mapped in `new`.
+        unsafe { libc::munmap(self.ptr.cast(), 4096) };
+    }
+}
+
+/// Where the harness puts things in each context's address space.
+pub const SYS_BASE: u64 = 0x4000_0000;
+pub const SYS_VA: u64 = 0x10_0000_0000;
+pub const SYS_LEN: usize = 8 << 20;
+pub const RING_OFF: u64 = 0;
+pub const PB_OFF: u64 = 0x10_0000;
+pub const ARGS_OFF: u64 = 0x20_0000;
+/// Free for test data (offset from SYS_VA).
+pub const DATA_OFF: u64 = 0x40_0000;
+pub const ENTRIES: u32 = 64;
+
+/// A context with its system memory mapped at SYS_VA, and channels on it.
+pub struct Proc {
+    pub gpu: Arc<SimGpu>,
+    pub ctx: ContextId,
+    pub sys: Arc<TestSysMem>,
+}
+
+impl Proc {
+    pub fn new(gpu: &Arc<SimGpu>, base: u64) -> Self {
+        let sys = Arc::new(TestSysMem::new(base, SYS_LEN));
+        let ctx = gpu.create_context(sys.clone()).unwrap();
+        gpu.map(
+            ctx,
+            SYS_VA,
+            SYS_LEN as u64,
+            MapTarget::Sysram { addr: base },
+            PageSize::Big64K,
+            MapFlags::default(),
+        )
+        .unwrap();
+        Proc {
+            gpu: gpu.clone(),
+            ctx,
+            sys,
+        }
+    }
+
+    /// Writes `bytes` at SYS_VA + off.
+    pub fn poke(&self, off: u64, bytes: &[u8]) {
+        self.sys.write(self.sys.base + off, bytes);
+    }
+
+    pub fn peek(&self, off: u64, len: usize) -> Vec<u8> {
+        let mut v = vec![0; len];
+        self.sys.read(self.sys.base + off, &mut v);
+        v
+    }
+
+    /// A channel whose ring, push buffers and args live in this process's memory; each
+    /// channel gets its own 256 KiB piece of the ring/pb/args areas.
+    pub fn channel(&self, index: u64) -> Chan {
+        let events = Arc::new(Events::default());
+        let ring_off = RING_OFF + index * 0x4000;
+        let id = self
+            .gpu
+            .create_channel(
+                self.ctx,
+                ChannelConfig {
+                    gp_ring_va: SYS_VA + ring_off,
+                    gp_entries: ENTRIES,
+                },
+                events.clone(),
+            )
+            .unwrap();
+        let ctrl = CtrlMap::new(self.gpu.control_page(id).unwrap());
+        Chan {
+            id,
+            ctrl,
+            events,
+            sys: self.sys.clone(),
+            ring_off,
+            pb_off: PB_OFF + index * 0x4000,
+            args_off: ARGS_OFF + index * 0x4000,
+            put: 0,
+            pb_cursor: 0,
+            args_cursor: 0,
+        }
+    }
+}
+
+pub struct Chan {
+    pub id: ChannelId,
+    pub ctrl: CtrlMap,
+    pub events: Arc<Events>,
+    sys: Arc<TestSysMem>,
+    ring_off: u64,
+    pb_off: u64,
+    args_off: u64,
+    pub put: u32,
+    pb_cursor: u64,
+    args_cursor: u64,
+}
+
+impl Chan {
+    /// Stores kernel args in the args area; returns their VA.
+    pub fn args(&mut self, a: &KernelArgs) -> u64 {
+        let bytes = a.encode();
+        let off = self.args_off + (self.args_cursor % 0x3f00);
+        self.args_cursor += 64;
+        self.sys.write(self.sys.base + off, &bytes);
+        SYS_VA + off
+    }
+
+    pub fn launch(&mut self, a: &KernelArgs) -> Method {
+        let va = self.args(a);
+        Method::Launch {
+            kernel: a.kernel(),
+            grid: [1, 1, 1],
+            args_va: va,
+            args_len: KernelArgs::encoded_len(a.kernel()) as u32,
+        }
+    }
+
+    /// Writes raw push-buffer words and one GP entry for them, then stores GP_PUT.
+    pub fn submit_words(&mut self, words: &[u32]) {
+        // Wait for ring space (never overwrite unexecuted entries).
+        while self.put.wrapping_sub(self.ctrl.load(ControlPage::GP_GET)) >= ENTRIES - 1 {
+            std::thread::yield_now();
+        }
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let off = self.pb_off + (self.pb_cursor % 0x3000);
+        self.pb_cursor += 0x100;
+        assert!(bytes.len() <= 0x100);
+        self.sys.write(self.sys.base + off, &bytes);
+        let e = GpEntry::new(SYS_VA + off, words.len() as u32).unwrap();
+        self.write_entry(&e.encode());
+    }
+
+    /// Writes a raw 16-byte entry into the next ring slot and publishes it.
+    pub fn write_entry(&mut self, raw: &[u8; 16]) {
+        self.stage_entry(raw);
+        self.ctrl.store(ControlPage::GP_PUT, self.put);
+    }
+
+    /// Writes a raw entry into the next ring slot without storing GP_PUT.
+    pub fn stage_entry(&mut self, raw: &[u8; 16]) {
+        let slot = (self.put % ENTRIES) as u64;
+        self.sys
+            .write(self.sys.base + self.ring_off + slot * 16, raw);
+        self.put = self.put.wrapping_add(1);
+    }
+
+    /// Writes a push buffer and its entry without storing GP_PUT.
+    pub fn stage(&mut self, methods: &[Method]) {
+        let words = encode_all(methods);
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let off = self.pb_off + (self.pb_cursor % 0x3000);
+        self.pb_cursor += 0x100;
+        self.sys.write(self.sys.base + off, &bytes);
+        let e = GpEntry::new(SYS_VA + off, words.len() as u32).unwrap();
+        self.stage_entry(&e.encode());
+    }
+
+    pub fn submit(&mut self, methods: &[Method]) {
+        self.submit_words(&encode_all(methods));
+    }
+
+    /// Waits until every submitted entry completed; Err on channel error or timeout.
+    pub fn wait_idle(&self, timeout: Duration) -> Result<(), ErrorCode> {
+        let t0 = Instant::now();
+        loop {
+            let err = self.ctrl.load(ControlPage::ERROR);
+            if err != 0 {
+                return Err(ErrorCode::from_u32(err).unwrap_or(ErrorCode::Internal));
+            }
+            if self.ctrl.load(ControlPage::GP_GET) == self.put {
+                return Ok(());
+            }
+            if t0.elapsed() > timeout {
+                return Err(ErrorCode::Busy);
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+}
+
+pub fn spin(ns: u64) -> KernelArgs {
+    KernelArgs::Spin { ns }
+}
+
+pub fn gpu() -> Arc<SimGpu> {
+    SimGpu::new(SimConfig {
+        vram_bytes: 64 << 20,
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+pub const _K: KernelId = KernelId::Empty;
