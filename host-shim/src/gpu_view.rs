@@ -29,7 +29,8 @@ impl<'a> GpuView<'a> {
         GpuView { space, vram }
     }
 
-    /// Host pointer and length of the contiguous run at `va` (at most `len` bytes).
+    /// Host pointer and length of the contiguous run at `va` (at most `len` bytes). Only
+    /// valid while the caller holds the address space's access guard.
     fn host_run(&self, va: u64, len: usize, write: bool) -> Result<(*mut u8, usize), MemFault> {
         let fault = |kind| MemFault { va, write, kind };
         let t = self.space.translate(va, write).map_err(|e| match e {
@@ -68,6 +69,7 @@ impl<'a> GpuView<'a> {
                 }
             };
             let want = ((len - done) as usize).min(COPY_PIECE);
+            let _access = self.space.access_guard();
             let (sp, sn) = self.host_run(s, want, false).map_err(CopyError::Fault)?;
             let (dp, dn) = self.host_run(d, sn, true).map_err(CopyError::Fault)?;
             let n = sn.min(dn);
@@ -89,6 +91,7 @@ impl KernelMemory for GpuView<'_> {
                 write: false,
                 kind: FaultKind::NotMapped,
             })?;
+            let _access = self.space.access_guard();
             let (p, n) = self.host_run(at, buf.len() - done, false)?;
             // SAFETY: `p` points at `n` readable bytes (see `host_run`); `buf[done..done+n]`
             // is in bounds because `n <= buf.len() - done`, and GPU memory never aliases it.
@@ -106,6 +109,7 @@ impl KernelMemory for GpuView<'_> {
                 write: true,
                 kind: FaultKind::NotMapped,
             })?;
+            let _access = self.space.access_guard();
             let (p, n) = self.host_run(at, buf.len() - done, true)?;
             // SAFETY: as in `read`, with the direction reversed.
             unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(done), p, n) };

@@ -191,7 +191,8 @@ pub trait Gpu: Send + Sync {
 
     /// Creates an address space whose system-memory targets resolve through `sysmem`.
     fn create_context(&self, sysmem: Arc<dyn SysMemory>) -> Result<ContextId>;
-    /// Destroys an address space and every channel in it.
+    /// Destroys an address space and every channel in it. When it returns, no engine
+    /// touches memory through that address space any more.
     fn destroy_context(&self, ctx: ContextId) -> Result<()>;
 
     /// Allocates VRAM; `align` is a power of two (at least 4 KiB is used).
@@ -222,7 +223,9 @@ pub trait Gpu: Send + Sync {
     /// Rewrites the targets of existing mappings (for VRAM↔SYSRAM migration). Takes effect
     /// for the GPU only after [`Gpu::invalidate_tlb`].
     fn remap(&self, ctx: ContextId, va: u64, size: u64, target: MapTarget) -> Result<()>;
-    /// Drops cached translations: page-table changes become visible to the engines.
+    /// Drops cached translations: page-table changes become visible to the engines. When it
+    /// returns, no engine still uses memory reached through a dropped translation, so the
+    /// owner may free memory it unmapped (or removed from the context's `SysMemory`).
     fn invalidate_tlb(&self, ctx: ContextId) -> Result<()>;
     /// Per-page access counts for the pages covering `va..va+size` (one entry per mapped
     /// page, in address order: page VA and count); `reset` zeroes them after reading.

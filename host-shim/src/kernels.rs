@@ -187,6 +187,15 @@ fn elem_va(base: u64, index: usize, write: bool) -> Result<u64, KernelError> {
     byte_va(base, off, write)
 }
 
+/// Address of row `row` of a row-major f32 matrix at `base` with `row_len` elements per row.
+fn row_va(base: u64, row: u64, row_len: u64, write: bool) -> Result<u64, KernelError> {
+    let off = row
+        .checked_mul(row_len)
+        .and_then(|e| e.checked_mul(4))
+        .ok_or(wrap_fault(base, write))?;
+    byte_va(base, off, write)
+}
+
 /// Size of the next chunk of a `len`-byte stream that has `done` bytes behind it.
 fn chunk_at(len: u64, done: u64) -> usize {
     // Bounded by CHUNK_BYTES, so the cast cannot truncate.
@@ -377,25 +386,19 @@ fn sgemm(gpu: &mut Gpu<'_>, g: Gemm) -> Result<(), KernelError> {
     let mut i0 = 0u64;
     while i0 < g.m {
         let r = (g.m - i0).min(rows as u64) as usize;
-        let first = usize::try_from(i0).map_err(|_| wrap_fault(g.a, false))?;
+        let c_va = row_va(g.c, i0, g.n, false)?;
         cpanel.clear();
         if k == 0 {
             // Empty dot products: C = alpha·0 + beta·C, as in the reference.
-            let c_va = elem_va(g.c, first * n, false)?;
             gpu.read_f32s(c_va, r * n, &mut cpanel, &mut scratch)?;
             for cv in cpanel.iter_mut() {
                 *cv = g.alpha * 0.0 + g.beta * *cv;
             }
         } else {
             arows.clear();
-            gpu.read_f32s(
-                elem_va(g.a, first * k, false)?,
-                r * k,
-                &mut arows,
-                &mut scratch,
-            )?;
+            let a_va = row_va(g.a, i0, g.k, false)?;
+            gpu.read_f32s(a_va, r * k, &mut arows, &mut scratch)?;
             pack_a(&arows, k, r, &mut apack);
-            let c_va = elem_va(g.c, first * n, false)?;
             gpu.read_f32s(c_va, r * n, &mut cpanel, &mut scratch)?;
             for (s, bstrip) in bpack.chunks_exact(k * NR).enumerate() {
                 gpu.poll()?;
@@ -413,7 +416,7 @@ fn sgemm(gpu: &mut Gpu<'_>, g: Gemm) -> Result<(), KernelError> {
                 }
             }
         }
-        gpu.write_f32s(elem_va(g.c, first * n, true)?, &cpanel, &mut scratch)?;
+        gpu.write_f32s(row_va(g.c, i0, g.n, true)?, &cpanel, &mut scratch)?;
         i0 += r as u64;
     }
     Ok(())
@@ -429,7 +432,8 @@ fn pack_b(gpu: &mut Gpu<'_>, b: u64, k: usize, n: usize) -> Result<Vec<f32>, Ker
     while p0 < k {
         let cnt = (k - p0).min(rows_per_read);
         rows.clear();
-        gpu.read_f32s(elem_va(b, p0 * n, false)?, cnt * n, &mut rows, &mut scratch)?;
+        let va = row_va(b, p0 as u64, n as u64, false)?;
+        gpu.read_f32s(va, cnt * n, &mut rows, &mut scratch)?;
         for (dp, brow) in rows.chunks_exact(n).enumerate() {
             let p = p0 + dp;
             for (s, seg) in brow.chunks(NR).enumerate() {
@@ -551,12 +555,8 @@ fn stencil2d(
         let (lo, hi) = (y0.saturating_sub(1), (y1 + 1).min(h));
         let (keep_lo, keep_hi) = (lo.max(win_lo), hi.min(win_hi));
         let mut read_rows = |gpu: &mut Gpu<'_>, from: usize, to: usize, next: &mut Vec<f32>| {
-            gpu.read_f32s(
-                elem_va(src, from * w, false)?,
-                (to - from) * w,
-                next,
-                &mut scratch,
-            )
+            let va = row_va(src, from as u64, width.into(), false)?;
+            gpu.read_f32s(va, (to - from) * w, next, &mut scratch)
         };
         next.clear();
         if keep_lo < keep_hi {
@@ -576,7 +576,8 @@ fn stencil2d(
             let (north, south) = (row(y.saturating_sub(1)), row((y + 1).min(h - 1)));
             stencil_row(c_center, c_neighbor, north, row(y), south, orow);
         }
-        gpu.write_f32s(elem_va(dst, y0 * w, true)?, &out, &mut out_bytes)?;
+        let va = row_va(dst, y0 as u64, width.into(), true)?;
+        gpu.write_f32s(va, &out, &mut out_bytes)?;
     }
     Ok(())
 }
@@ -808,10 +809,9 @@ mod tests {
         v.iter().map(|x| x.to_bits()).collect()
     }
 
+    /// The textbook i-j-p loop, to check the faster reference against.
     fn naive_sgemm(
-        m: usize,
-        n: usize,
-        k: usize,
+        (m, n, k): (usize, usize, usize),
         alpha: f32,
         a: &[f32],
         b: &[f32],
@@ -889,7 +889,8 @@ mod tests {
         assert_eq!(mem.f32s(xva, n).len(), n);
     }
 
-    fn check_sgemm(m: usize, n: usize, k: usize, alpha: f32, beta: f32, seed: u64) {
+    /// Returns the largest memory access the kernel made.
+    fn check_sgemm(m: usize, n: usize, k: usize, alpha: f32, beta: f32, seed: u64) -> usize {
         let (a, b, c) = (
             noise(seed, m * k),
             noise(seed + 1, k * n),
@@ -915,7 +916,7 @@ mod tests {
         let mut want = c.clone();
         reference::sgemm(m, n, k, alpha, &a, &b, beta, &mut want);
         let mut naive = c;
-        naive_sgemm(m, n, k, alpha, &a, &b, beta, &mut naive);
+        naive_sgemm((m, n, k), alpha, &a, &b, beta, &mut naive);
         assert_eq!(bits(&want), bits(&naive), "reference vs naive {m}x{n}x{k}");
         assert_eq!(
             bits(&mem.f32s(cva, m * n)),
@@ -923,6 +924,7 @@ mod tests {
             "sgemm {m}x{n}x{k}"
         );
         assert_eq!(*mem.data.last().unwrap(), 0, "sgemm wrote past C");
+        mem.largest_access
     }
 
     fn check_reduce(x: &[f32]) {
@@ -1160,7 +1162,7 @@ mod tests {
         let mut dst = [0.0; 4];
         reference::stencil2d(2, 2, 1.0, 1.0, &src, &mut dst);
         // Cell (0,0): c=1, n=1 (clamped), s=3, e=2, w=1 (clamped).
-        assert_eq!(dst, [1.0 + 7.0, 2.0 + 10.0, 3.0 + 10.0, 4.0 + 13.0]);
+        assert_eq!(dst, [1.0 + 7.0, 2.0 + 9.0, 3.0 + 11.0, 4.0 + 13.0]);
     }
 
     #[test]
@@ -1210,6 +1212,7 @@ mod tests {
         assert_eq!(run(args, &mut mem), Err(KernelError::Fault(fault)));
 
         // Write into a read-only range.
+        mem.holes.clear();
         let ro = BASE + 2 * CHUNK_BYTES as u64 + 8;
         mem.read_only = Some(ro..ro + 64);
         let args = KernelArgs::Memset {
@@ -1524,7 +1527,8 @@ mod tests {
             alpha: 1.0,
             beta: 0.0,
         };
-        assert!(matches!(run(gemm, &mut mem), Err(KernelError::Fault(_))));
+        let mut empty = FlatMemory::new(0);
+        assert!(matches!(run(gemm, &mut empty), Err(KernelError::Fault(_))));
         // B dimensions whose product overflows.
         let gemm = KernelArgs::Sgemm {
             a: 0,
@@ -1563,9 +1567,9 @@ mod tests {
             &mut mem,
         )
         .unwrap();
-        let n = 1024;
-        check_sgemm(n / 8, n, n, 1.0, 0.0, 31);
         assert!(mem.largest_access <= CHUNK_BYTES);
+        // B is 4 MiB, A and C 512 KiB.
+        assert!(check_sgemm(128, 1024, 1024, 1.0, 0.0, 31) <= CHUNK_BYTES);
     }
 
     #[test]

@@ -5,8 +5,8 @@
 //! as on hardware).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 
 use vgpu_protocol::gp::GPU_VA_LIMIT;
 
@@ -95,6 +95,12 @@ pub struct AddressSpace {
     /// page base VA → cached entry. Filled on miss, emptied by `invalidate_tlb`.
     tlb: Mutex<HashMap<u64, TlbEntry>>,
     sysmem: Arc<dyn SysMemory>,
+    /// Engines hold this for reading while they touch memory through a translation;
+    /// invalidation and teardown take it for writing, so once they return no engine is
+    /// still using a host pointer obtained before (the owner may then free that memory).
+    access: RwLock<()>,
+    /// Set when the context is destroyed: every later access faults.
+    dead: AtomicBool,
 }
 
 fn offset_target(t: MapTarget, by: u64) -> MapTarget {
@@ -119,7 +125,7 @@ fn check_range(va: u64, size: u64, align: u64) -> Result<()> {
     if size == 0 {
         return Err(HalError::InvalidArgument("empty range"));
     }
-    if va % align != 0 || size % align != 0 {
+    if !va.is_multiple_of(align) || !size.is_multiple_of(align) {
         return Err(HalError::InvalidArgument(
             "range not aligned to the page size",
         ));
@@ -138,6 +144,8 @@ impl AddressSpace {
             tables: RwLock::new(HashMap::new()),
             tlb: Mutex::new(HashMap::new()),
             sysmem,
+            access: RwLock::new(()),
+            dead: AtomicBool::new(false),
         }
     }
 
@@ -168,7 +176,7 @@ impl AddressSpace {
     ) -> Result<()> {
         let ps = page.bytes();
         check_range(va, size, ps)?;
-        if target_addr(target) % ps != 0 {
+        if !target_addr(target).is_multiple_of(ps) {
             return Err(HalError::InvalidArgument(
                 "target not aligned to the page size",
             ));
@@ -237,7 +245,7 @@ impl AddressSpace {
                 .get(&(p / PDE_SPAN))
                 .ok_or(HalError::NotMapped { va, size })?;
             let ps = pde.page_size().bytes();
-            if p % ps != 0 || p + ps > va + size || pde.get(p).is_none() {
+            if !p.is_multiple_of(ps) || p + ps > va + size || pde.get(p).is_none() {
                 return Err(HalError::NotMapped { va, size });
             }
             p += ps;
@@ -287,7 +295,9 @@ impl AddressSpace {
         Self::for_each_mapped(&mut tables, va, size, |_, pde| {
             largest = largest.max(pde.page_size().bytes());
         })?;
-        if target_addr(target) % largest != 0 || target_addr(target).checked_add(size).is_none() {
+        if !target_addr(target).is_multiple_of(largest)
+            || target_addr(target).checked_add(size).is_none()
+        {
             return Err(HalError::InvalidArgument(
                 "target not aligned to the page size",
             ));
@@ -305,9 +315,23 @@ impl AddressSpace {
         })
     }
 
-    /// Drops every cached translation.
+    /// Drops every cached translation, after waiting for engine accesses in progress.
     pub fn invalidate_tlb(&self) {
+        let _quiesced = self.access.write().unwrap_or_else(|e| e.into_inner());
         self.lock_tlb().clear();
+    }
+
+    /// Marks the address space destroyed: waits for accesses in progress, then makes every
+    /// later translation fail.
+    pub fn kill(&self) {
+        let _quiesced = self.access.write().unwrap_or_else(|e| e.into_inner());
+        self.dead.store(true, Ordering::Release);
+        self.lock_tlb().clear();
+    }
+
+    /// Held by an engine for the duration of one access through a translation.
+    pub fn access_guard(&self) -> RwLockReadGuard<'_, ()> {
+        self.access.read().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Translates `va` for a read or write, through the TLB, counting the access.

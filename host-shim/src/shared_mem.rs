@@ -140,7 +140,7 @@ impl SharedMem {
 
     /// The 32-bit word at `offset` as an atomic, for fields shared with other agents.
     pub fn atomic_u32(&self, offset: u64) -> Option<&AtomicU32> {
-        if offset % 4 != 0 {
+        if !offset.is_multiple_of(4) {
             return None;
         }
         let p = self.range_ptr(offset, 4)?;
@@ -151,7 +151,7 @@ impl SharedMem {
 
     /// The 64-bit word at `offset` as an atomic.
     pub fn atomic_u64(&self, offset: u64) -> Option<&AtomicU64> {
-        if offset % 8 != 0 {
+        if !offset.is_multiple_of(8) {
             return None;
         }
         let p = self.range_ptr(offset, 8)?;

@@ -42,7 +42,7 @@ impl GpEntry {
     }
 
     fn validate(&self) -> Result<(), GpEntryError> {
-        if self.pb_va % 4 != 0 {
+        if !self.pb_va.is_multiple_of(4) {
             return Err(GpEntryError::Misaligned(self.pb_va));
         }
         if self.len_words == 0 || self.len_words > MAX_PB_WORDS {

@@ -410,7 +410,7 @@ impl KernelArgs {
             }
             KernelId::Timestamp => {
                 let dst = f.u64();
-                if dst % 8 != 0 {
+                if !dst.is_multiple_of(8) {
                     return bad("timestamp must be 8-byte aligned");
                 }
                 KernelArgs::Timestamp { dst }

@@ -243,8 +243,10 @@ impl Method {
                 let kernel = KernelId::from_u32(a[0])
                     .ok_or(MethodError::UnknownKernel { offset, id: a[0] })?;
                 let grid = [a[1], a[2], a[3]];
-                let threads = grid.iter().map(|&g| g as u64).product::<u64>();
-                if threads == 0 || threads > MAX_GRID_THREADS {
+                let threads = grid
+                    .iter()
+                    .try_fold(1u64, |acc, &g| acc.checked_mul(g as u64));
+                if threads.is_none_or(|t| t == 0 || t > MAX_GRID_THREADS) {
                     return Err(MethodError::BadGrid { offset, grid });
                 }
                 Method::Launch {
@@ -267,7 +269,7 @@ impl Method {
                 }
                 let timestamp = flags & SEM_RELEASE_TIMESTAMP != 0;
                 let align = if timestamp { 8 } else { 4 };
-                if va % align != 0 {
+                if !va.is_multiple_of(align) {
                     return Err(MethodError::BadSemaphore {
                         offset,
                         va,
@@ -293,7 +295,7 @@ impl Method {
                         })
                     }
                 };
-                if va % 4 != 0 {
+                if !va.is_multiple_of(4) {
                     return Err(MethodError::BadSemaphore {
                         offset,
                         va,

@@ -155,7 +155,12 @@ impl Buffer {
         Ok(())
     }
 
-    fn write_words<T: Copy>(&self, offset: u64, data: &[T], enc: impl Fn(T) -> [u8; 4]) -> Result<()> {
+    fn write_words<T: Copy>(
+        &self,
+        offset: u64,
+        data: &[T],
+        enc: impl Fn(T) -> [u8; 4],
+    ) -> Result<()> {
         let bytes = data
             .len()
             .checked_mul(4)

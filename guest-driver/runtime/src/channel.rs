@@ -126,14 +126,18 @@ fn alloc_wait(arena: &mut RingArena, control: &ControlView, len: u64, align: u64
 impl Channel {
     pub(crate) fn new(ctx: &Context, opts: ChannelOptions) -> Result<Self> {
         if !valid_gp_entries(opts.gp_entries) {
-            return Err(Error::InvalidArgument("GP ring size must be a power of two in range"));
+            return Err(Error::InvalidArgument(
+                "GP ring size must be a power of two in range",
+            ));
         }
         if opts.pushbuf_bytes == 0
             || opts.arg_bytes == 0
-            || opts.pushbuf_bytes % SETUP_ALIGN != 0
-            || opts.arg_bytes % SETUP_ALIGN != 0
+            || opts.pushbuf_bytes & (SETUP_ALIGN - 1) != 0
+            || opts.arg_bytes & (SETUP_ALIGN - 1) != 0
         {
-            return Err(Error::InvalidArgument("arena sizes must be non-zero multiples of 4 KiB"));
+            return Err(Error::InvalidArgument(
+                "arena sizes must be non-zero multiples of 4 KiB",
+            ));
         }
         let ring_bytes = round_setup(opts.gp_entries as u64 * GP_ENTRY_SIZE as u64)
             .ok_or(Error::InvalidArgument("ring too large"))?;
@@ -146,10 +150,9 @@ impl Channel {
             .ok_or(Error::InvalidArgument("arena too large"))?;
         let mem = ctx.alloc_host(total)?;
         let inner = ctx.inner().clone();
-        let desc =
-            inner
-                .transport
-                .create_channel(inner.handle, mem.gpu_va(), opts.gp_entries)?;
+        let desc = inner
+            .transport
+            .create_channel(inner.handle, mem.gpu_va(), opts.gp_entries)?;
         let destroy = |e: Error| {
             if let Err(e2) = inner.transport.destroy_channel(inner.handle, desc.handle) {
                 log::warn!("destroying half-created channel: {e2}");
@@ -205,8 +208,8 @@ impl Channel {
         }
         .len_words();
         self.pending.room_for(m_len)?;
-        let args_len =
-            u32::try_from(args.len()).map_err(|_| Error::InvalidArgument("argument block too large"))?;
+        let args_len = u32::try_from(args.len())
+            .map_err(|_| Error::InvalidArgument("argument block too large"))?;
         let args_va = if args.is_empty() {
             0
         } else {
@@ -425,7 +428,11 @@ impl Channel {
 impl Drop for Channel {
     fn drop(&mut self) {
         // Destroy first: the GPU must stop reading the ring before its memory goes.
-        if let Err(e) = self.ctx.transport.destroy_channel(self.ctx.handle, self.handle) {
+        if let Err(e) = self
+            .ctx
+            .transport
+            .destroy_channel(self.ctx.handle, self.handle)
+        {
             log::warn!("destroying channel {}: {e}", self.handle.0);
         }
     }

@@ -48,9 +48,13 @@ impl std::fmt::Debug for Context {
 
 /// Buffers at least this large use 64 KiB GPU pages (fewer page-table entries).
 pub const BIG_PAGE_THRESHOLD: u64 = 64 << 10;
+/// Buffers at least this large use 2 MiB GPU pages: fewer translations per byte moved.
+pub const HUGE_PAGE_THRESHOLD: u64 = 2 << 20;
 
 fn page_for(bytes: u64) -> PageSize {
-    if bytes >= BIG_PAGE_THRESHOLD {
+    if bytes >= HUGE_PAGE_THRESHOLD {
+        PageSize::Huge2M
+    } else if bytes >= BIG_PAGE_THRESHOLD {
         PageSize::Big64K
     } else {
         PageSize::Small4K
@@ -58,6 +62,12 @@ fn page_for(bytes: u64) -> PageSize {
 }
 
 impl Context {
+    /// The transport's handle for this context (for tools that correlate with the GPU's
+    /// own accounting).
+    pub fn handle(&self) -> CtxHandle {
+        self.inner.handle
+    }
+
     pub(crate) fn new(transport: Arc<dyn Transport>) -> Result<Self> {
         let handle = transport.create_context()?;
         Ok(Context {

@@ -16,8 +16,10 @@ pub(crate) struct ControlView {
 
 impl ControlView {
     pub(crate) fn new(page: CpuPtr) -> Result<Self> {
-        if page.len() < ControlPage::USED_BYTES || page.as_ptr() as usize % 8 != 0 {
-            return Err(Error::InvalidArgument("control page mapping too small or misaligned"));
+        if page.len() < ControlPage::USED_BYTES || page.as_ptr() as usize & 7 != 0 {
+            return Err(Error::InvalidArgument(
+                "control page mapping too small or misaligned",
+            ));
         }
         Ok(ControlView { page })
     }

@@ -26,7 +26,9 @@ impl Mmap {
     /// (a power of two, at least the host page). Over-maps and trims the slack.
     pub fn anonymous(len: usize, align: usize) -> Result<Self> {
         if len == 0 || !align.is_power_of_two() || align < HOST_PAGE {
-            return Err(Error::InvalidArgument("anonymous mapping size or alignment"));
+            return Err(Error::InvalidArgument(
+                "anonymous mapping size or alignment",
+            ));
         }
         let len = round_up(len, HOST_PAGE).ok_or(Error::InvalidArgument("mapping too large"))?;
         let slack = align - HOST_PAGE;
@@ -70,7 +72,7 @@ impl Mmap {
 
     /// Maps `len` bytes of `fd` at `offset` shared and read/write (what the GPU sees).
     pub fn shared(fd: RawFd, offset: u64, len: usize) -> Result<Self> {
-        if len == 0 || offset % HOST_PAGE as u64 != 0 {
+        if len == 0 || offset & (HOST_PAGE as u64 - 1) != 0 {
             return Err(Error::InvalidArgument("shared mapping size or offset"));
         }
         let off = libc::off_t::try_from(offset)
@@ -98,6 +100,10 @@ impl Mmap {
 
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
+    }
+
+    pub fn as_non_null(&self) -> NonNull<u8> {
+        self.ptr
     }
 
     pub fn len(&self) -> usize {

@@ -6,13 +6,12 @@
 //! addresses through (identity map: the GPU address of host memory is its host address).
 
 use std::collections::{BTreeMap, HashMap};
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use vgpu_host_shim::hal::{
-    ChannelConfig, ChannelId, ContextId, EventSink, Gpu, GpuEvent, HostRange, MapFlags,
-    MapTarget, PageSize, SysMemory, VramAlloc,
+    ChannelConfig, ChannelId, ContextId, EventSink, Gpu, GpuEvent, HostRange, MapFlags, MapTarget,
+    PageSize, SysMemory, VramAlloc,
 };
 use vgpu_protocol::PAGE_SIZE;
 
@@ -161,6 +160,9 @@ impl NativeTransport {
             Backing::Host { map } => {
                 if let Some(c) = state.contexts.get(&mem.ctx) {
                     c.sysmem.remove(map.as_ptr() as u64);
+                    // Waits until no engine still uses a pointer into the mapping. A
+                    // destroyed context fails here, but its teardown already waited.
+                    let _ = self.gpu.invalidate_tlb(c.id);
                 }
                 drop(map);
             }
@@ -172,7 +174,7 @@ impl NativeTransport {
 fn cpu_ptr(map: &Mmap) -> CpuPtr {
     // SAFETY: the mapping is owned by the transport's state and dropped only when the
     // object is freed, which is the validity contract of `CpuPtr`.
-    unsafe { CpuPtr::new(NonNull::new_unchecked(map.as_ptr()), map.len()) }
+    unsafe { CpuPtr::new(map.as_non_null(), map.len()) }
 }
 
 fn usize_of(v: u64) -> Result<usize> {

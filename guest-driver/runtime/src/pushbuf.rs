@@ -18,7 +18,9 @@ impl PushBuffer {
     /// Fails unless `n` more words fit in this segment.
     pub(crate) fn room_for(&self, n: usize) -> Result<()> {
         if self.words.len() + n + RESERVED_WORDS > MAX_PB_WORDS as usize {
-            return Err(Error::SubmissionTooLarge("push buffer segment full; submit first"));
+            return Err(Error::SubmissionTooLarge(
+                "push buffer segment full; submit first",
+            ));
         }
         Ok(())
     }

@@ -122,8 +122,12 @@ pub trait Transport: Send + Sync {
     fn gpu_unmap(&self, ctx: CtxHandle, va: u64, size: u64) -> Result<()>;
 
     /// Creates a channel whose GP ring of `gp_entries` entries lives at `gp_ring_va`.
-    fn create_channel(&self, ctx: CtxHandle, gp_ring_va: u64, gp_entries: u32)
-        -> Result<ChannelDesc>;
+    fn create_channel(
+        &self,
+        ctx: CtxHandle,
+        gp_ring_va: u64,
+        gp_entries: u32,
+    ) -> Result<ChannelDesc>;
     /// Destroys a channel; its control page must no longer be touched afterwards.
     fn destroy_channel(&self, ctx: CtxHandle, ch: ChanHandle) -> Result<()>;
     /// Hints the GPU to look at the channel now. Optional for correctness: the GPU polls.

@@ -14,6 +14,8 @@ use vgpu_host_shim::hal::PageSize;
 pub const SMALL_BASE: u64 = 0x1_0000_0000;
 /// Where big-page buffers start (and small-page ones end).
 pub const BIG_BASE: u64 = 0x40_0000_0000;
+/// Where huge-page buffers start (and big-page ones end).
+pub const HUGE_BASE: u64 = 0x400_0000_0000;
 /// End of the runtime's part of the address space.
 pub const VA_END: u64 = 0x8000_0000_0000;
 
@@ -69,13 +71,15 @@ impl Arena {
 pub struct VaSpace {
     small: Arena,
     big: Arena,
+    huge: Arena,
 }
 
 impl Default for VaSpace {
     fn default() -> Self {
         VaSpace {
             small: Arena::new(SMALL_BASE, BIG_BASE),
-            big: Arena::new(BIG_BASE, VA_END),
+            big: Arena::new(BIG_BASE, HUGE_BASE),
+            huge: Arena::new(HUGE_BASE, VA_END),
         }
     }
 }
@@ -84,7 +88,8 @@ impl VaSpace {
     fn arena(&mut self, page: PageSize) -> &mut Arena {
         match page {
             PageSize::Small4K => &mut self.small,
-            _ => &mut self.big,
+            PageSize::Big64K => &mut self.big,
+            PageSize::Huge2M => &mut self.huge,
         }
     }
 
@@ -115,6 +120,12 @@ mod tests {
         assert_eq!(b, a + 0x2000, "one guard page between buffers");
         let c = v.alloc(0x10000, PageSize::Big64K).unwrap();
         assert_eq!(c, BIG_BASE);
+        let d = v.alloc(2 << 20, PageSize::Huge2M).unwrap();
+        assert_eq!(d, HUGE_BASE);
+        assert_eq!(
+            v.alloc(2 << 20, PageSize::Huge2M),
+            Some(HUGE_BASE + (4 << 20))
+        );
         v.release(a, 0x1000, PageSize::Small4K);
         v.release(b, 0x2000, PageSize::Small4K);
         // Coalesced back into one range: the next allocation starts at the base again.

@@ -1,1 +1,6 @@
-//! placeholder
+//! Tools built on the `vgpu-guest` runtime: the `vgpu-bench` suites, the multi-tenant
+//! demo, and shared helpers for reporting figures.
+
+pub mod report;
+pub mod stats;
+pub mod suites;

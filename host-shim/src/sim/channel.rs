@@ -18,7 +18,9 @@ pub struct SimChannel {
     pub slot: u32,
     pages: Arc<ControlPages>,
     sink: Arc<dyn EventSink>,
-    pub busy_ns: AtomicU64,
+    busy_ns: AtomicU64,
+    /// The context's running total, which outlives its channels.
+    context_busy_ns: Arc<AtomicU64>,
     pub gp_completed: AtomicU64,
     pub kernels: AtomicU64,
     pub copies: AtomicU64,
@@ -36,6 +38,7 @@ impl SimChannel {
         slot: u32,
         pages: Arc<ControlPages>,
         sink: Arc<dyn EventSink>,
+        context_busy_ns: Arc<AtomicU64>,
     ) -> Self {
         pages.init(slot, cfg.gp_entries);
         SimChannel {
@@ -47,6 +50,7 @@ impl SimChannel {
             pages,
             sink,
             busy_ns: AtomicU64::new(0),
+            context_busy_ns,
             gp_completed: AtomicU64::new(0),
             kernels: AtomicU64::new(0),
             copies: AtomicU64::new(0),
@@ -96,6 +100,12 @@ impl SimChannel {
     /// Stops the channel without an error event (destroy).
     pub fn stop(&self) {
         self.stopped.store(true, Ordering::Release);
+    }
+
+    /// Charges engine time to the channel and its context.
+    pub fn charge(&self, ns: u64) {
+        self.busy_ns.fetch_add(ns, Ordering::Relaxed);
+        self.context_busy_ns.fetch_add(ns, Ordering::Relaxed);
     }
 
     pub fn notify(&self, token: u32) {

@@ -116,6 +116,7 @@ impl Shared {
 
 struct Context {
     space: Arc<AddressSpace>,
+    busy_ns: Arc<AtomicU64>,
 }
 
 /// Counts of live objects, for leak checks.
@@ -201,6 +202,15 @@ impl SimGpu {
             .ok_or(HalError::NoContext(ctx))
     }
 
+    /// Engine time used by all channels a context ever had (tools and demos; the backend
+    /// keeps its own books from channel counters).
+    pub fn context_busy_ns(&self, ctx: ContextId) -> Result<u64> {
+        self.lock_contexts()
+            .get(&ctx)
+            .map(|c| c.busy_ns.load(Ordering::Relaxed))
+            .ok_or(HalError::NoContext(ctx))
+    }
+
     fn channel(&self, ch: ChannelId) -> Result<Arc<SimChannel>> {
         self.shared
             .channels
@@ -259,6 +269,16 @@ impl SimGpu {
             + self.shared.copy_cpu_ns.load(Ordering::Relaxed)
     }
 
+    /// Every live channel with its context and counters (for tools and demos; the backend
+    /// keeps its own books).
+    pub fn channels(&self) -> Vec<(ChannelId, ContextId, ChannelCounters)> {
+        self.shared
+            .channels_snapshot()
+            .iter()
+            .map(|c| (c.id, c.ctx, c.counters()))
+            .collect()
+    }
+
     /// Mapped pages in a context (leak checks).
     pub fn mapped_pages(&self, ctx: ContextId) -> Result<usize> {
         Ok(self.space(ctx)?.mapped_pages())
@@ -299,16 +319,21 @@ impl Gpu for SimGpu {
             id,
             Context {
                 space: Arc::new(AddressSpace::new(sysmem)),
+                busy_ns: Arc::new(AtomicU64::new(0)),
             },
         );
         Ok(id)
     }
 
     fn destroy_context(&self, ctx: ContextId) -> Result<()> {
-        self.lock_contexts()
+        let context = self
+            .lock_contexts()
             .remove(&ctx)
             .ok_or(HalError::NoContext(ctx))?;
         self.remove_channels(|c| c.ctx == ctx);
+        // Engines may still hold the address space; from here on they cannot touch its
+        // memory, so the owner may free it as soon as this returns.
+        context.space.kill();
         Ok(())
     }
 
@@ -423,7 +448,7 @@ impl Gpu for SimGpu {
             ));
         }
         let ring_bytes = cfg.gp_entries as u64 * GP_ENTRY_SIZE as u64;
-        if cfg.gp_ring_va % GP_ENTRY_SIZE as u64 != 0
+        if !cfg.gp_ring_va.is_multiple_of(GP_ENTRY_SIZE as u64)
             || cfg
                 .gp_ring_va
                 .checked_add(ring_bytes)
@@ -433,7 +458,11 @@ impl Gpu for SimGpu {
                 "GP ring misaligned or outside the address space",
             ));
         }
-        let space = self.space(ctx)?;
+        let (space, ctx_busy) = self
+            .lock_contexts()
+            .get(&ctx)
+            .map(|c| (c.space.clone(), c.busy_ns.clone()))
+            .ok_or(HalError::NoContext(ctx))?;
         let slot = self.pages.take().ok_or(HalError::TooMany("channels"))?;
         let id = ChannelId(self.next_channel.fetch_add(1, Ordering::Relaxed));
         let ch = Arc::new(SimChannel::new(
@@ -444,6 +473,7 @@ impl Gpu for SimGpu {
             slot,
             self.pages.clone(),
             sink,
+            ctx_busy,
         ));
         {
             // The context may have been destroyed meanwhile; check under the channel lock

@@ -85,7 +85,7 @@ impl Pfifo {
             if progress {
                 self.last_activity = now_ns();
                 self.idle_sleep_ns = 0;
-                if iterations % 256 == 0 {
+                if iterations.is_multiple_of(256) {
                     self.publish_cpu();
                 }
             } else {
@@ -154,7 +154,7 @@ impl Pfifo {
             }
             progress = true;
             let e = &mut self.chans[i];
-            add(&e.ch.busy_ns, now.min(until).saturating_sub(start));
+            e.ch.charge(now.min(until).saturating_sub(start));
             self.slots[s] = Slot::Idle;
             if stopped {
                 e.item = None;
@@ -180,7 +180,7 @@ impl Pfifo {
             if let Some(i) = self.index_of(r.chan) {
                 let e = &mut self.chans[i];
                 e.item = Some(r.item);
-                add(&e.ch.busy_ns, r.busy_ns);
+                e.ch.charge(r.busy_ns);
                 finish(e, r.step, now_ns());
             }
         }
@@ -321,15 +321,15 @@ fn finish(e: &mut ChanExec, step: Step, start: u64) -> Slot {
             };
         }
         Step::Done => {
-            add(&e.ch.busy_ns, now - start);
+            e.ch.charge(now - start);
             e.get = e.get.wrapping_add(1);
             e.ch.store(ControlPage::GP_GET, e.get);
             add(&e.ch.gp_completed, 1);
             e.item = None;
         }
-        Step::Stalled => add(&e.ch.busy_ns, now - start),
+        Step::Stalled => e.ch.charge(now - start),
         Step::Fault(code, info) => {
-            add(&e.ch.busy_ns, now - start);
+            e.ch.charge(now - start);
             e.ch.fault(code, info);
             e.item = None;
         }

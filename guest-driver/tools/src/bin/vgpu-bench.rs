@@ -1,0 +1,53 @@
+//! `vgpu-bench`: the project's benchmark runner. One subcommand per suite; a table for
+//! people by default, `--json` for one JSON object per figure per line.
+
+use clap::{Parser, Subcommand};
+use vgpu_tools::report::{print_json, print_table, Figure};
+use vgpu_tools::suites::sim::{self, SimOpts};
+
+#[derive(Parser)]
+#[command(version, about = "vgpu benchmarks")]
+struct Cli {
+    /// Print one JSON object per figure instead of a table.
+    #[arg(long, global = true)]
+    json: bool,
+    /// Small sizes: a smoke run, not a measurement.
+    #[arg(long, global = true)]
+    quick: bool,
+    #[command(subcommand)]
+    suite: Suite,
+}
+
+#[derive(Subcommand)]
+enum Suite {
+    /// The GPU model natively: dispatch rate, submission latency, copy engine, sgemm.
+    Sim,
+}
+
+fn main() {
+    env_logger::init();
+    let cli = Cli::parse();
+    let result: Result<Vec<Figure>, String> = match cli.suite {
+        Suite::Sim => {
+            let opts = if cli.quick {
+                SimOpts::quick()
+            } else {
+                SimOpts::full()
+            };
+            sim::run(&opts).map_err(|e| e.to_string())
+        }
+    };
+    match result {
+        Ok(figs) => {
+            if cli.json {
+                print_json(&figs)
+            } else {
+                print_table(&figs)
+            }
+        }
+        Err(e) => {
+            eprintln!("vgpu-bench: {e}");
+            std::process::exit(1);
+        }
+    }
+}

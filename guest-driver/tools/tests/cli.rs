@@ -1,0 +1,70 @@
+//! The tools as a user runs them: `vgpu-bench --json` prints parseable figures with the
+//! documented fields, and the demo runs its tenants to a summary with no failures.
+
+use std::process::Command;
+
+#[test]
+fn bench_sim_quick_json() {
+    let out = Command::new(env!("CARGO_BIN_EXE_vgpu-bench"))
+        .args(["--json", "--quick", "sim"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let mut names = Vec::new();
+    for line in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        for key in ["suite", "name", "value", "unit", "better", "target"] {
+            assert!(v.get(key).is_some(), "{key} missing in {line}");
+        }
+        assert_eq!(v["suite"], "sim");
+        assert!(v["value"].as_f64().unwrap().is_finite());
+        names.push(v["name"].as_str().unwrap().to_string());
+    }
+    for n in [
+        "dispatch_empty_kernels",
+        "submit_latency_p50",
+        "submit_latency_p99",
+        "copy_engine_vs_memcpy",
+        "sgemm",
+        "engine_threads_cpu",
+    ] {
+        assert!(names.iter().any(|x| x == n), "{n} missing: {names:?}");
+    }
+}
+
+#[test]
+fn demo_runs_every_tenant() {
+    let out = Command::new(env!("CARGO_BIN_EXE_vgpu-demo"))
+        .args(["--duration", "1.5", "--interval", "0.5", "--quick"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary = text.split("summary").nth(1).expect("summary table");
+    for t in [
+        "vm1/throttle-2ms",
+        "vm2/throttle-200us",
+        "vm3/saxpy",
+        "vm3/hotspot",
+        "vm4/sgemm",
+    ] {
+        let row = summary.lines().find(|l| l.starts_with(t)).expect(t);
+        let share: f64 = row
+            .split_whitespace()
+            .nth(1)
+            .unwrap()
+            .trim_end_matches('%')
+            .parse()
+            .unwrap();
+        assert!(share > 0.0, "{t} got no GPU time: {row}");
+    }
+}

@@ -1,0 +1,43 @@
+//! Every decoder of guest-written bytes, fed arbitrary input: none may panic, and whatever
+//! decodes must re-encode to the same bytes.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use vgpu_protocol::method::{encode_all, MethodDecoder};
+use vgpu_protocol::{ErrorCode, GpEntry, KernelArgs, KernelId};
+
+fuzz_target!(|data: &[u8]| {
+    let Some((&selector, rest)) = data.split_first() else {
+        return;
+    };
+    match selector % 4 {
+        0 => {
+            if let Ok(e) = GpEntry::decode(rest) {
+                assert_eq!(&e.encode()[..], &rest[..16]);
+            }
+        }
+        1 => {
+            let words: Vec<u32> = rest
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            let ok: Vec<_> = MethodDecoder::new(&words).map_while(Result::ok).collect();
+            let re = encode_all(&ok);
+            assert_eq!(&re[..], &words[..re.len()]);
+        }
+        2 => {
+            let kernel = KernelId::ALL[(selector as usize / 4) % KernelId::ALL.len()];
+            if let Ok(a) = KernelArgs::decode(kernel, rest) {
+                assert_eq!(a.encode(), rest);
+            }
+        }
+        _ => {
+            if rest.len() >= 4 {
+                let v = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]);
+                if let Ok(c) = ErrorCode::from_u32(v) {
+                    assert_eq!(c.as_u32(), v);
+                }
+            }
+        }
+    }
+});
