@@ -29,18 +29,28 @@ pub struct SimChannel {
     pub stopped: AtomicBool,
 }
 
+/// What a channel shares with its context.
+pub struct Owner {
+    pub ctx: ContextId,
+    pub space: Arc<AddressSpace>,
+    pub busy_ns: Arc<AtomicU64>,
+}
+
 impl SimChannel {
     pub fn new(
         id: ChannelId,
-        ctx: ContextId,
-        space: Arc<AddressSpace>,
+        owner: Owner,
         cfg: ChannelConfig,
         slot: u32,
         pages: Arc<ControlPages>,
         sink: Arc<dyn EventSink>,
-        context_busy_ns: Arc<AtomicU64>,
     ) -> Self {
         pages.init(slot, cfg.gp_entries);
+        let Owner {
+            ctx,
+            space,
+            busy_ns: context_busy_ns,
+        } = owner;
         SimChannel {
             id,
             ctx,

@@ -458,22 +458,24 @@ impl Gpu for SimGpu {
                 "GP ring misaligned or outside the address space",
             ));
         }
-        let (space, ctx_busy) = self
+        let owner = self
             .lock_contexts()
             .get(&ctx)
-            .map(|c| (c.space.clone(), c.busy_ns.clone()))
+            .map(|c| channel::Owner {
+                ctx,
+                space: c.space.clone(),
+                busy_ns: c.busy_ns.clone(),
+            })
             .ok_or(HalError::NoContext(ctx))?;
         let slot = self.pages.take().ok_or(HalError::TooMany("channels"))?;
         let id = ChannelId(self.next_channel.fetch_add(1, Ordering::Relaxed));
         let ch = Arc::new(SimChannel::new(
             id,
-            ctx,
-            space,
+            owner,
             cfg,
             slot,
             self.pages.clone(),
             sink,
-            ctx_busy,
         ));
         {
             // The context may have been destroyed meanwhile; check under the channel lock
