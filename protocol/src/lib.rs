@@ -6,10 +6,12 @@
 //! cargo-fuzz target in `protocol/fuzz`).
 
 pub mod channel;
+pub mod device;
 pub mod error;
 pub mod gp;
 pub mod kernel;
 pub mod method;
+pub mod request;
 
 pub use channel::ControlPage;
 pub use error::ErrorCode;

@@ -4,13 +4,14 @@
 
 use libfuzzer_sys::fuzz_target;
 use vgpu_protocol::method::{encode_all, MethodDecoder};
+use vgpu_protocol::request::{decode_reply, Event, Request};
 use vgpu_protocol::{ErrorCode, GpEntry, KernelArgs, KernelId};
 
 fuzz_target!(|data: &[u8]| {
     let Some((&selector, rest)) = data.split_first() else {
         return;
     };
-    match selector % 4 {
+    match selector % 7 {
         0 => {
             if let Ok(e) = GpEntry::decode(rest) {
                 assert_eq!(&e.encode()[..], &rest[..16]);
@@ -30,6 +31,18 @@ fuzz_target!(|data: &[u8]| {
             if let Ok(a) = KernelArgs::decode(kernel, rest) {
                 assert_eq!(a.encode(), rest);
             }
+        }
+        3 => {
+            // Control-queue requests come from the guest: the backend's first parser.
+            if let Ok(r) = Request::decode(rest) {
+                assert_eq!(r.encode(), rest);
+            }
+        }
+        4 => {
+            let _ = decode_reply(selector as u32 / 7, rest);
+        }
+        5 => {
+            let _ = Event::decode(rest);
         }
         _ => {
             if rest.len() >= 4 {

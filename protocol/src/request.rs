@@ -1,0 +1,686 @@
+//! Control-queue requests (driver → device) and their replies, and event-queue events
+//! (device → driver). Every request names the guest process (PID) it acts for; objects
+//! a process creates belong to it, and a request naming another process's object fails.
+//!
+//! Wire format, little-endian:
+//! - request: header `{ op: u32, pid: u32, ctx: u32, reserved: u32 = 0 }` then the op's
+//!   body (fixed layout, below); trailing bytes are an error.
+//! - reply: `{ status: u32 (ErrorCode), len: u32 }` then `len` bytes of the op's result.
+//! - event: 24 bytes `{ kind: u32, channel: u32, value: u32, reserved: u32, info: u64 }`.
+
+use thiserror::Error;
+
+use crate::ErrorCode;
+
+/// Opcodes.
+pub mod op {
+    pub const GET_INFO: u32 = 1;
+    pub const CREATE_CONTEXT: u32 = 2;
+    pub const DESTROY_CONTEXT: u32 = 3;
+    pub const ALLOC_VRAM: u32 = 4;
+    pub const FREE_MEM: u32 = 5;
+    pub const MAP_VRAM: u32 = 6;
+    pub const MAP_GUEST: u32 = 7;
+    pub const UNMAP: u32 = 8;
+    pub const MAP_APERTURE: u32 = 9;
+    pub const UNMAP_APERTURE: u32 = 10;
+    pub const CREATE_CHANNEL: u32 = 11;
+    pub const DESTROY_CHANNEL: u32 = 12;
+    pub const GET_STATS: u32 = 13;
+}
+
+pub const HEADER_SIZE: usize = 16;
+pub const REPLY_HEADER_SIZE: usize = 8;
+/// Most scatter-gather ranges one MAP_GUEST may carry.
+pub const MAX_SG_ENTRIES: usize = 512;
+/// Largest valid request.
+pub const MAX_REQUEST_SIZE: usize = HEADER_SIZE + 24 + MAX_SG_ENTRIES * 16;
+/// Largest reply payload.
+pub const MAX_REPLY_SIZE: usize = REPLY_HEADER_SIZE + 64;
+
+/// Page size codes in requests.
+pub const PAGE_4K: u32 = 0;
+pub const PAGE_64K: u32 = 1;
+pub const PAGE_2M: u32 = 2;
+
+/// Mapping flag: read-only for the GPU.
+pub const MAP_READ_ONLY: u32 = 1;
+
+/// A guest-physical range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GuestRange {
+    pub gpa: u64,
+    pub len: u64,
+}
+
+/// A decoded request body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Op {
+    GetInfo,
+    CreateContext,
+    DestroyContext,
+    AllocVram {
+        size: u64,
+        align: u64,
+    },
+    FreeMem {
+        mem: u32,
+    },
+    MapVram {
+        mem: u32,
+        flags: u32,
+        va: u64,
+        page: u32,
+    },
+    MapGuest {
+        va: u64,
+        page: u32,
+        flags: u32,
+        ranges: Vec<GuestRange>,
+    },
+    Unmap {
+        va: u64,
+    },
+    MapAperture {
+        mem: u32,
+    },
+    UnmapAperture {
+        mem: u32,
+    },
+    CreateChannel {
+        gp_ring_va: u64,
+        gp_entries: u32,
+    },
+    DestroyChannel {
+        channel: u32,
+    },
+    GetStats,
+}
+
+/// A request: who asks (`pid`), in which context (`ctx`, 0 where none applies), what.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    pub pid: u32,
+    pub ctx: u32,
+    pub op: Op,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
+pub enum RequestError {
+    #[error("request shorter than its layout ({0} bytes)")]
+    Truncated(usize),
+    #[error("request has {0} trailing bytes")]
+    Trailing(usize),
+    #[error("unknown opcode {0}")]
+    UnknownOp(u32),
+    #[error("reserved field not zero")]
+    Reserved,
+    #[error("bad scatter-gather count {0}")]
+    BadSgCount(u32),
+    #[error("bad page size code {0}")]
+    BadPage(u32),
+    #[error("unknown flags {0:#x}")]
+    BadFlags(u32),
+}
+
+impl RequestError {
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            RequestError::UnknownOp(_) => ErrorCode::Unsupported,
+            _ => ErrorCode::InvalidArgument,
+        }
+    }
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl Reader<'_> {
+    fn take<const N: usize>(&mut self) -> Result<[u8; N], RequestError> {
+        let s = self
+            .b
+            .get(self.at..self.at + N)
+            .ok_or(RequestError::Truncated(self.b.len()))?;
+        self.at += N;
+        let mut out = [0u8; N];
+        out.copy_from_slice(s);
+        Ok(out)
+    }
+    fn u32(&mut self) -> Result<u32, RequestError> {
+        Ok(u32::from_le_bytes(self.take::<4>()?))
+    }
+    fn u64(&mut self) -> Result<u64, RequestError> {
+        Ok(u64::from_le_bytes(self.take::<8>()?))
+    }
+    fn zero32(&mut self) -> Result<(), RequestError> {
+        match self.u32()? {
+            0 => Ok(()),
+            _ => Err(RequestError::Reserved),
+        }
+    }
+}
+
+fn check_page(page: u32) -> Result<u32, RequestError> {
+    if page <= PAGE_2M {
+        Ok(page)
+    } else {
+        Err(RequestError::BadPage(page))
+    }
+}
+
+fn check_flags(flags: u32) -> Result<u32, RequestError> {
+    if flags & !MAP_READ_ONLY == 0 {
+        Ok(flags)
+    } else {
+        Err(RequestError::BadFlags(flags))
+    }
+}
+
+impl Request {
+    pub fn opcode(&self) -> u32 {
+        match self.op {
+            Op::GetInfo => op::GET_INFO,
+            Op::CreateContext => op::CREATE_CONTEXT,
+            Op::DestroyContext => op::DESTROY_CONTEXT,
+            Op::AllocVram { .. } => op::ALLOC_VRAM,
+            Op::FreeMem { .. } => op::FREE_MEM,
+            Op::MapVram { .. } => op::MAP_VRAM,
+            Op::MapGuest { .. } => op::MAP_GUEST,
+            Op::Unmap { .. } => op::UNMAP,
+            Op::MapAperture { .. } => op::MAP_APERTURE,
+            Op::UnmapAperture { .. } => op::UNMAP_APERTURE,
+            Op::CreateChannel { .. } => op::CREATE_CHANNEL,
+            Op::DestroyChannel { .. } => op::DESTROY_CHANNEL,
+            Op::GetStats => op::GET_STATS,
+        }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut o = Vec::with_capacity(64);
+        let p32 = |o: &mut Vec<u8>, v: u32| o.extend_from_slice(&v.to_le_bytes());
+        let p64 = |o: &mut Vec<u8>, v: u64| o.extend_from_slice(&v.to_le_bytes());
+        p32(&mut o, self.opcode());
+        p32(&mut o, self.pid);
+        p32(&mut o, self.ctx);
+        p32(&mut o, 0);
+        match &self.op {
+            Op::GetInfo | Op::CreateContext | Op::DestroyContext | Op::GetStats => {}
+            Op::AllocVram { size, align } => {
+                p64(&mut o, *size);
+                p64(&mut o, *align);
+            }
+            Op::FreeMem { mem } | Op::MapAperture { mem } | Op::UnmapAperture { mem } => {
+                p32(&mut o, *mem);
+                p32(&mut o, 0);
+            }
+            Op::MapVram {
+                mem,
+                flags,
+                va,
+                page,
+            } => {
+                p32(&mut o, *mem);
+                p32(&mut o, *flags);
+                p64(&mut o, *va);
+                p32(&mut o, *page);
+                p32(&mut o, 0);
+            }
+            Op::MapGuest {
+                va,
+                page,
+                flags,
+                ranges,
+            } => {
+                p64(&mut o, *va);
+                p32(&mut o, *page);
+                p32(&mut o, *flags);
+                p32(&mut o, ranges.len() as u32);
+                p32(&mut o, 0);
+                for r in ranges {
+                    p64(&mut o, r.gpa);
+                    p64(&mut o, r.len);
+                }
+            }
+            Op::Unmap { va } => p64(&mut o, *va),
+            Op::CreateChannel {
+                gp_ring_va,
+                gp_entries,
+            } => {
+                p64(&mut o, *gp_ring_va);
+                p32(&mut o, *gp_entries);
+                p32(&mut o, 0);
+            }
+            Op::DestroyChannel { channel } => {
+                p32(&mut o, *channel);
+                p32(&mut o, 0);
+            }
+        }
+        o
+    }
+
+    /// Decodes a request read from guest memory. Rejects anything that is not exactly one
+    /// well-formed request.
+    pub fn decode(b: &[u8]) -> Result<Self, RequestError> {
+        if b.len() > MAX_REQUEST_SIZE {
+            return Err(RequestError::Trailing(b.len() - MAX_REQUEST_SIZE));
+        }
+        let mut r = Reader { b, at: 0 };
+        let opcode = r.u32()?;
+        let pid = r.u32()?;
+        let ctx = r.u32()?;
+        r.zero32()?;
+        let op = match opcode {
+            op::GET_INFO => Op::GetInfo,
+            op::CREATE_CONTEXT => Op::CreateContext,
+            op::DESTROY_CONTEXT => Op::DestroyContext,
+            op::GET_STATS => Op::GetStats,
+            op::ALLOC_VRAM => Op::AllocVram {
+                size: r.u64()?,
+                align: r.u64()?,
+            },
+            op::FREE_MEM | op::MAP_APERTURE | op::UNMAP_APERTURE => {
+                let mem = r.u32()?;
+                r.zero32()?;
+                match opcode {
+                    op::FREE_MEM => Op::FreeMem { mem },
+                    op::MAP_APERTURE => Op::MapAperture { mem },
+                    _ => Op::UnmapAperture { mem },
+                }
+            }
+            op::MAP_VRAM => {
+                let mem = r.u32()?;
+                let flags = check_flags(r.u32()?)?;
+                let va = r.u64()?;
+                let page = check_page(r.u32()?)?;
+                r.zero32()?;
+                Op::MapVram {
+                    mem,
+                    flags,
+                    va,
+                    page,
+                }
+            }
+            op::MAP_GUEST => {
+                let va = r.u64()?;
+                let page = check_page(r.u32()?)?;
+                let flags = check_flags(r.u32()?)?;
+                let count = r.u32()?;
+                r.zero32()?;
+                if count == 0 || count as usize > MAX_SG_ENTRIES {
+                    return Err(RequestError::BadSgCount(count));
+                }
+                let mut ranges = Vec::with_capacity(count as usize);
+                for _ in 0..count {
+                    ranges.push(GuestRange {
+                        gpa: r.u64()?,
+                        len: r.u64()?,
+                    });
+                }
+                Op::MapGuest {
+                    va,
+                    page,
+                    flags,
+                    ranges,
+                }
+            }
+            op::UNMAP => Op::Unmap { va: r.u64()? },
+            op::CREATE_CHANNEL => {
+                let gp_ring_va = r.u64()?;
+                let gp_entries = r.u32()?;
+                r.zero32()?;
+                Op::CreateChannel {
+                    gp_ring_va,
+                    gp_entries,
+                }
+            }
+            op::DESTROY_CHANNEL => {
+                let channel = r.u32()?;
+                r.zero32()?;
+                Op::DestroyChannel { channel }
+            }
+            other => return Err(RequestError::UnknownOp(other)),
+        };
+        if r.at != b.len() {
+            return Err(RequestError::Trailing(b.len() - r.at));
+        }
+        Ok(Request { pid, ctx, op })
+    }
+}
+
+/// Successful reply payloads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplyBody {
+    Empty,
+    Info(InfoReply),
+    Context { ctx: u32 },
+    Mem { mem: u32, size: u64 },
+    Aperture { offset: u64 },
+    Channel { channel: u32, slot: u32 },
+    Stats(StatsReply),
+}
+
+/// GET_INFO result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InfoReply {
+    pub version: u32,
+    pub compute_engines: u32,
+    pub vram_bytes: u64,
+    pub channel_slots: u32,
+    pub max_contexts: u32,
+}
+
+/// GET_STATS result: this VM's usage and limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StatsReply {
+    pub contexts: u32,
+    pub channels: u32,
+    pub vram_bytes: u64,
+    pub mapped_guest_bytes: u64,
+    pub aperture_bytes: u64,
+    pub vram_limit: u64,
+}
+
+fn put32(o: &mut Vec<u8>, v: u32) {
+    o.extend_from_slice(&v.to_le_bytes());
+}
+fn put64(o: &mut Vec<u8>, v: u64) {
+    o.extend_from_slice(&v.to_le_bytes());
+}
+
+/// Encodes a reply: status and payload.
+pub fn encode_reply(result: Result<ReplyBody, ErrorCode>) -> Vec<u8> {
+    let mut body = Vec::new();
+    let status = match result {
+        Ok(b) => {
+            match b {
+                ReplyBody::Empty => {}
+                ReplyBody::Info(i) => {
+                    put32(&mut body, i.version);
+                    put32(&mut body, i.compute_engines);
+                    put64(&mut body, i.vram_bytes);
+                    put32(&mut body, i.channel_slots);
+                    put32(&mut body, i.max_contexts);
+                }
+                ReplyBody::Context { ctx } => {
+                    put32(&mut body, ctx);
+                    put32(&mut body, 0);
+                }
+                ReplyBody::Mem { mem, size } => {
+                    put32(&mut body, mem);
+                    put32(&mut body, 0);
+                    put64(&mut body, size);
+                }
+                ReplyBody::Aperture { offset } => put64(&mut body, offset),
+                ReplyBody::Channel { channel, slot } => {
+                    put32(&mut body, channel);
+                    put32(&mut body, slot);
+                }
+                ReplyBody::Stats(s) => {
+                    put32(&mut body, s.contexts);
+                    put32(&mut body, s.channels);
+                    put64(&mut body, s.vram_bytes);
+                    put64(&mut body, s.mapped_guest_bytes);
+                    put64(&mut body, s.aperture_bytes);
+                    put64(&mut body, s.vram_limit);
+                }
+            }
+            ErrorCode::Ok
+        }
+        Err(code) => code,
+    };
+    let mut o = Vec::with_capacity(REPLY_HEADER_SIZE + body.len());
+    put32(&mut o, status.as_u32());
+    put32(&mut o, body.len() as u32);
+    o.extend_from_slice(&body);
+    o
+}
+
+/// Decodes a reply to a request with opcode `opcode` (driver side).
+pub fn decode_reply(opcode: u32, b: &[u8]) -> Result<Result<ReplyBody, ErrorCode>, RequestError> {
+    let mut r = Reader { b, at: 0 };
+    let status = r.u32()?;
+    let len = r.u32()? as usize;
+    if b.len() < REPLY_HEADER_SIZE + len {
+        return Err(RequestError::Truncated(b.len()));
+    }
+    let code = ErrorCode::from_u32(status).map_err(|_| RequestError::Reserved)?;
+    if code != ErrorCode::Ok {
+        return Ok(Err(code));
+    }
+    let body = match opcode {
+        op::GET_INFO => ReplyBody::Info(InfoReply {
+            version: r.u32()?,
+            compute_engines: r.u32()?,
+            vram_bytes: r.u64()?,
+            channel_slots: r.u32()?,
+            max_contexts: r.u32()?,
+        }),
+        op::CREATE_CONTEXT => {
+            let ctx = r.u32()?;
+            r.u32()?;
+            ReplyBody::Context { ctx }
+        }
+        op::ALLOC_VRAM => {
+            let mem = r.u32()?;
+            r.u32()?;
+            ReplyBody::Mem {
+                mem,
+                size: r.u64()?,
+            }
+        }
+        op::MAP_APERTURE => ReplyBody::Aperture { offset: r.u64()? },
+        op::CREATE_CHANNEL => ReplyBody::Channel {
+            channel: r.u32()?,
+            slot: r.u32()?,
+        },
+        op::GET_STATS => ReplyBody::Stats(StatsReply {
+            contexts: r.u32()?,
+            channels: r.u32()?,
+            vram_bytes: r.u64()?,
+            mapped_guest_bytes: r.u64()?,
+            aperture_bytes: r.u64()?,
+            vram_limit: r.u64()?,
+        }),
+        _ => ReplyBody::Empty,
+    };
+    Ok(Ok(body))
+}
+
+/// Event kinds.
+pub mod event {
+    pub const NOTIFY: u32 = 1;
+    pub const CHANNEL_ERROR: u32 = 2;
+}
+
+pub const EVENT_SIZE: usize = 24;
+
+/// An event-queue event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Event {
+    pub kind: u32,
+    pub channel: u32,
+    /// Notify token, or the ErrorCode of a channel error.
+    pub value: u32,
+    pub info: u64,
+}
+
+impl Event {
+    pub fn encode(&self) -> [u8; EVENT_SIZE] {
+        let mut b = [0u8; EVENT_SIZE];
+        b[0..4].copy_from_slice(&self.kind.to_le_bytes());
+        b[4..8].copy_from_slice(&self.channel.to_le_bytes());
+        b[8..12].copy_from_slice(&self.value.to_le_bytes());
+        b[16..24].copy_from_slice(&self.info.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Option<Self> {
+        let mut r = Reader { b, at: 0 };
+        let kind = r.u32().ok()?;
+        let channel = r.u32().ok()?;
+        let value = r.u32().ok()?;
+        r.u32().ok()?;
+        let info = r.u64().ok()?;
+        Some(Event {
+            kind,
+            channel,
+            value,
+            info,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn any_op() -> impl Strategy<Value = Op> {
+        let range = (any::<u64>(), any::<u64>()).prop_map(|(gpa, len)| GuestRange { gpa, len });
+        prop_oneof![
+            Just(Op::GetInfo),
+            Just(Op::CreateContext),
+            Just(Op::DestroyContext),
+            Just(Op::GetStats),
+            (any::<u64>(), any::<u64>()).prop_map(|(size, align)| Op::AllocVram { size, align }),
+            any::<u32>().prop_map(|mem| Op::FreeMem { mem }),
+            any::<u32>().prop_map(|mem| Op::MapAperture { mem }),
+            any::<u32>().prop_map(|mem| Op::UnmapAperture { mem }),
+            (any::<u32>(), 0..=1u32, any::<u64>(), 0..=2u32).prop_map(|(mem, flags, va, page)| {
+                Op::MapVram {
+                    mem,
+                    flags,
+                    va,
+                    page,
+                }
+            }),
+            (
+                any::<u64>(),
+                0..=2u32,
+                0..=1u32,
+                proptest::collection::vec(range, 1..8)
+            )
+                .prop_map(|(va, page, flags, ranges)| Op::MapGuest {
+                    va,
+                    page,
+                    flags,
+                    ranges
+                }),
+            any::<u64>().prop_map(|va| Op::Unmap { va }),
+            (any::<u64>(), any::<u32>()).prop_map(|(gp_ring_va, gp_entries)| Op::CreateChannel {
+                gp_ring_va,
+                gp_entries
+            }),
+            any::<u32>().prop_map(|channel| Op::DestroyChannel { channel }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn round_trip(pid in any::<u32>(), ctx in any::<u32>(), op in any_op()) {
+            let r = Request { pid, ctx, op };
+            prop_assert_eq!(Request::decode(&r.encode()), Ok(r));
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(b in proptest::collection::vec(any::<u8>(), 0..128)) {
+            if let Ok(r) = Request::decode(&b) {
+                prop_assert_eq!(r.encode(), b);
+            }
+        }
+
+        #[test]
+        fn replies_round_trip(mem in any::<u32>(), size in any::<u64>()) {
+            let b = encode_reply(Ok(ReplyBody::Mem { mem, size }));
+            prop_assert_eq!(decode_reply(op::ALLOC_VRAM, &b), Ok(Ok(ReplyBody::Mem { mem, size })));
+        }
+    }
+
+    #[test]
+    fn rejects_malformed() {
+        let good = Request {
+            pid: 1,
+            ctx: 2,
+            op: Op::FreeMem { mem: 3 },
+        }
+        .encode();
+        assert_eq!(
+            Request::decode(&good[..20]),
+            Err(RequestError::Truncated(20))
+        );
+        let mut extra = good.clone();
+        extra.push(0);
+        assert_eq!(Request::decode(&extra), Err(RequestError::Trailing(1)));
+        let mut reserved = good.clone();
+        reserved[12] = 1;
+        assert_eq!(Request::decode(&reserved), Err(RequestError::Reserved));
+        let mut unknown = good.clone();
+        unknown[0] = 99;
+        assert_eq!(Request::decode(&unknown), Err(RequestError::UnknownOp(99)));
+        assert_eq!(RequestError::UnknownOp(99).code(), ErrorCode::Unsupported);
+        let sg = |count: u32| {
+            let mut v = Request {
+                pid: 0,
+                ctx: 0,
+                op: Op::Unmap { va: 0 },
+            }
+            .encode();
+            v[0] = op::MAP_GUEST as u8;
+            v.truncate(16);
+            v.extend_from_slice(&0u64.to_le_bytes());
+            v.extend_from_slice(&0u32.to_le_bytes());
+            v.extend_from_slice(&0u32.to_le_bytes());
+            v.extend_from_slice(&count.to_le_bytes());
+            v.extend_from_slice(&0u32.to_le_bytes());
+            v
+        };
+        assert_eq!(Request::decode(&sg(0)), Err(RequestError::BadSgCount(0)));
+        assert_eq!(
+            Request::decode(&sg(513)),
+            Err(RequestError::BadSgCount(513))
+        );
+        assert_eq!(Request::decode(&sg(1)), Err(RequestError::Truncated(40)));
+        let bad_page = Request {
+            pid: 0,
+            ctx: 0,
+            op: Op::MapVram {
+                mem: 0,
+                flags: 0,
+                va: 0,
+                page: 3,
+            },
+        }
+        .encode();
+        assert_eq!(Request::decode(&bad_page), Err(RequestError::BadPage(3)));
+        let bad_flags = Request {
+            pid: 0,
+            ctx: 0,
+            op: Op::MapVram {
+                mem: 0,
+                flags: 2,
+                va: 0,
+                page: 0,
+            },
+        }
+        .encode();
+        assert_eq!(Request::decode(&bad_flags), Err(RequestError::BadFlags(2)));
+        assert_eq!(
+            Request::decode(&vec![0; MAX_REQUEST_SIZE + 1]),
+            Err(RequestError::Trailing(1))
+        );
+    }
+
+    #[test]
+    fn events_round_trip() {
+        let e = Event {
+            kind: event::CHANNEL_ERROR,
+            channel: 7,
+            value: 8,
+            info: 0xdead,
+        };
+        assert_eq!(Event::decode(&e.encode()), Some(e));
+        assert_eq!(Event::decode(&[0; 23]), None);
+    }
+}
