@@ -81,6 +81,8 @@ pub struct Channel {
     pb: RingArena,
     args: RingArena,
     submitted: u64,
+    /// Publish GP_PUT through the transport (API-remoting baseline) instead of a store.
+    api_remoting: bool,
 }
 
 impl std::fmt::Debug for Channel {
@@ -189,6 +191,7 @@ impl Channel {
             pb: RingArena::new(opts.pushbuf_bytes),
             args: RingArena::new(opts.arg_bytes),
             submitted: 0,
+            api_remoting: false,
         })
     }
 
@@ -294,8 +297,14 @@ impl Channel {
         let slot = self.reserve_slot()?;
         self.mem.write(slot, entry)?;
         let seq = self.put.wrapping_add(1);
-        self.control.set_gp_put(seq);
-        self.ctx.transport.doorbell(self.handle);
+        if self.api_remoting {
+            self.ctx
+                .transport
+                .remote_submit(self.ctx.handle, self.handle, seq)?;
+        } else {
+            self.control.set_gp_put(seq);
+            self.ctx.transport.doorbell(self.handle);
+        }
         self.put = seq;
         self.submitted += 1;
         Ok(seq)
@@ -341,6 +350,12 @@ impl Channel {
     /// it; returns the GP_PUT value after it. Pending methods stay pending.
     pub fn submit_raw_gp(&mut self, entry: [u8; GP_ENTRY_SIZE]) -> Result<u32> {
         self.publish(&entry)
+    }
+
+    /// API-remoting mode, the baseline the direct path is measured against: GP_PUT is
+    /// sent to the host in a request (which stores it) instead of stored by the guest.
+    pub fn set_api_remoting(&mut self, on: bool) {
+        self.api_remoting = on;
     }
 
     /// Submits and waits.

@@ -132,4 +132,10 @@ pub trait Transport: Send + Sync {
     fn destroy_channel(&self, ctx: CtxHandle, ch: ChanHandle) -> Result<()>;
     /// Hints the GPU to look at the channel now. Optional for correctness: the GPU polls.
     fn doorbell(&self, ch: ChanHandle);
+
+    /// Has the host store `gp_put` into the channel's control page: the API-remoting
+    /// baseline, one request per submission. Transports without a host side refuse.
+    fn remote_submit(&self, _ctx: CtxHandle, _ch: ChanHandle, _gp_put: u32) -> Result<()> {
+        Err(crate::error::Error::Device(vgpu_protocol::ErrorCode::Unsupported))
+    }
 }
