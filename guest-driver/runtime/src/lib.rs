@@ -25,8 +25,6 @@ mod context;
 mod control;
 mod device;
 mod error;
-#[cfg(feature = "loopback")]
-pub mod loopback;
 pub mod mmap;
 mod native;
 mod pushbuf;

@@ -1,4 +1,3 @@
 //! `vgpu-bench` suites: one module per suite, each returning its figures.
 
 pub mod sim;
-pub mod virt;
