@@ -340,6 +340,9 @@ impl AddressSpace {
         va: u64,
         write: bool,
     ) -> std::result::Result<Translation, TranslateError> {
+        if self.dead.load(Ordering::Acquire) {
+            return Err(TranslateError::NotMapped);
+        }
         let mut tlb = self.lock_tlb();
         let entry = PageSize::ALL.iter().find_map(|ps| {
             let base = va - va % ps.bytes();
@@ -515,6 +518,22 @@ mod tests {
             Err(HalError::PageSizeConflict(0))
         ));
         assert_eq!(s.mapped_pages(), 1);
+    }
+
+    #[test]
+    fn killed_space_translates_nothing() {
+        let s = space();
+        s.map(
+            0,
+            0x1000,
+            MapTarget::Vram { offset: 0 },
+            PageSize::Small4K,
+            RW,
+        )
+        .unwrap();
+        assert!(s.translate(0, false).is_ok());
+        s.kill();
+        assert_eq!(s.translate(0, false), Err(TranslateError::NotMapped));
     }
 
     #[test]

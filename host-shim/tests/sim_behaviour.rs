@@ -344,3 +344,62 @@ fn child_store(spec: &str) {
     println!("child saw REF={:#x}", ctrl.load(ControlPage::REF));
     ctrl.store(ControlPage::GP_PUT, v[2] as u32);
 }
+
+/// A channel waiting on a semaphore holds no engine, is charged no GPU time, does not
+/// make the PFIFO spin, and resumes once another channel releases the semaphore.
+#[test]
+fn semaphore_wait_is_cheap_and_resumes() {
+    let gpu = gpu();
+    let p = Proc::new(&gpu, SYS_BASE);
+    let mut waiter = p.channel(0);
+    let mut other = p.channel(1);
+    let sem = SYS_VA + DATA_OFF;
+    waiter.submit(&[
+        Method::SemAcquire {
+            va: sem,
+            value: 1,
+            mode: vgpu_protocol::SemaphoreMode::AtLeast,
+        },
+        Method::SetRef { value: 42 },
+    ]);
+    // A copy-engine entry waiting the same way.
+    let mut copier = p.channel(2);
+    copier.submit(&[
+        Method::SemAcquire {
+            va: sem,
+            value: 1,
+            mode: vgpu_protocol::SemaphoreMode::AtLeast,
+        },
+        Method::Copy {
+            src: SYS_VA + DATA_OFF + 0x1000,
+            dst: SYS_VA + DATA_OFF + 0x2000,
+            len: 64,
+        },
+    ]);
+    std::thread::sleep(Duration::from_millis(50));
+    let cpu0 = gpu.engine_cpu_ns();
+    let t0 = std::time::Instant::now();
+    std::thread::sleep(Duration::from_millis(300));
+    let cpu = (gpu.engine_cpu_ns() - cpu0) as f64 / t0.elapsed().as_nanos() as f64;
+    assert!(
+        cpu < 0.3,
+        "PFIFO burned {:.0}% of a core on a semaphore wait",
+        cpu * 100.0
+    );
+    assert_eq!(gpu.channel_counters(waiter.id).unwrap().busy_ns, 0);
+    assert_eq!(waiter.ctrl.load(ControlPage::REF), 0);
+    // The other channel keeps running and releases the semaphore.
+    let m = other.launch(&spin(100_000));
+    other.submit(&[
+        m,
+        Method::SemRelease {
+            va: sem,
+            value: 1,
+            timestamp: false,
+        },
+    ]);
+    waiter.wait_idle(T).unwrap();
+    copier.wait_idle(T).unwrap();
+    assert_eq!(waiter.ctrl.load(ControlPage::REF), 42);
+    assert_eq!(gpu.channel_counters(copier.id).unwrap().copies, 1);
+}

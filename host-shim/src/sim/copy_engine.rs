@@ -23,6 +23,7 @@ pub fn run(shared: Arc<Shared>, rx: Receiver<CopyJob>) {
         };
         let CopyJob { ch, mut item } = job;
         let t0 = now_ns();
+        let pc_before = item.pc;
         let step = exec::run(&ch, &shared.vram, &mut item, &ch.stopped);
         let busy_ns = now_ns() - t0;
         shared.copy_cpu_ns.store(thread_cpu_ns(), Ordering::Relaxed);
@@ -31,6 +32,7 @@ pub fn run(shared: Arc<Shared>, rx: Receiver<CopyJob>) {
             item,
             step,
             busy_ns,
+            pc_before,
         });
     }
 }

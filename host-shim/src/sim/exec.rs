@@ -58,6 +58,29 @@ pub enum Step {
     Fault(ErrorCode, u64),
     /// The channel was killed or destroyed while the item ran.
     Aborted,
+    /// (`host_prefix` only) the next method needs an engine.
+    Ready,
+}
+
+/// Runs the host-side methods at the head of `item` (semaphores, refs, notifies) up to
+/// the first method that needs an engine. The PFIFO does this before handing an entry to
+/// the copy engine, so a semaphore wait never bounces between the two threads.
+pub fn host_prefix(ch: &SimChannel, vram: &SharedMem, item: &mut WorkItem) -> Step {
+    let head = item.methods[item.pc.min(item.methods.len())..]
+        .iter()
+        .position(|m| matches!(m, Method::Launch { .. } | Method::Copy { .. }))
+        .map(|i| item.pc + i)
+        .unwrap_or(item.methods.len());
+    let mut prefix = WorkItem {
+        methods: item.methods[..head].to_vec(),
+        pc: item.pc,
+    };
+    let step = run(ch, vram, &mut prefix, &ch.stopped);
+    item.pc = prefix.pc;
+    match step {
+        Step::Done if head < item.methods.len() => Step::Ready,
+        other => other,
+    }
 }
 
 /// Reads and decodes GP entry number `get` of the channel's ring and its push buffer.
@@ -97,14 +120,15 @@ pub fn run(ch: &SimChannel, vram: &SharedMem, item: &mut WorkItem, abort: &Atomi
                 value,
                 timestamp,
             } => {
-                if let Err(f) = view.write(va, &value.to_le_bytes()) {
-                    return Step::Fault(ErrorCode::MmuFault, f.va);
-                }
+                // The timestamp goes first, so whoever sees the value sees its timestamp.
                 if timestamp {
                     let at = va.wrapping_add(8);
                     if let Err(f) = view.write(at, &now_ns().to_le_bytes()) {
                         return Step::Fault(ErrorCode::MmuFault, f.va);
                     }
+                }
+                if let Err(f) = view.write(va, &value.to_le_bytes()) {
+                    return Step::Fault(ErrorCode::MmuFault, f.va);
                 }
             }
             Method::SemAcquire { va, value, mode } => {

@@ -69,6 +69,8 @@ pub(crate) struct CopyResult {
     item: WorkItem,
     step: Step,
     busy_ns: u64,
+    /// Where the item started on the copy engine (to tell a bare stall from progress).
+    pc_before: usize,
 }
 
 /// State shared by the API, the PFIFO thread and the copy engine.

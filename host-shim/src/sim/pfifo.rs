@@ -162,26 +162,25 @@ impl Pfifo {
                 continue;
             }
             // The entry keeps its engine: run the rest of its methods.
-            let t0 = now_ns();
-            let step = match e.item.as_mut() {
-                Some(item) => exec::run(&e.ch, &self.shared.vram, item, &e.ch.stopped),
-                None => Step::Done,
-            };
-            self.slots[s] = finish(e, step, t0);
+            self.slots[s] = run_entry(e, &self.shared).0;
         }
         progress
     }
 
     fn reap_copies(&mut self) -> bool {
         let done = self.shared.take_copy_results();
-        let progress = !done.is_empty();
+        let mut progress = false;
         for r in done {
             self.copy_busy = false;
+            progress |= !(r.step == Step::Stalled && r.item.pc == r.pc_before);
             if let Some(i) = self.index_of(r.chan) {
                 let e = &mut self.chans[i];
+                let stalled_at_once = r.step == Step::Stalled && r.item.pc == r.pc_before;
                 e.item = Some(r.item);
-                e.ch.charge(r.busy_ns);
-                finish(e, r.step, now_ns());
+                if !stalled_at_once {
+                    e.ch.charge(r.busy_ns);
+                }
+                finish(e, r.step, now_ns(), !stalled_at_once);
             }
         }
         progress
@@ -217,15 +216,32 @@ impl Pfifo {
                     let Some(s) = self.slots.iter().position(|s| matches!(s, Slot::Idle)) else {
                         continue;
                     };
-                    let t0 = now_ns();
-                    let step = match e.item.as_mut() {
-                        Some(item) => exec::run(&e.ch, &self.shared.vram, item, &e.ch.stopped),
-                        None => Step::Done,
-                    };
-                    self.slots[s] = finish(e, step, t0);
+                    let (slot, moved) = run_entry(e, &self.shared);
+                    self.slots[s] = slot;
+                    if !moved {
+                        continue;
+                    }
                 }
                 EngineKind::Copy => {
                     if self.copy_busy {
+                        continue;
+                    }
+                    // Semaphore waits at the head are checked here, not on the copy engine.
+                    let t0 = now_ns();
+                    let (step, pc) = match e.item.as_mut() {
+                        Some(item) => {
+                            let pc = item.pc;
+                            (exec::host_prefix(&e.ch, &self.shared.vram, item), pc)
+                        }
+                        None => continue,
+                    };
+                    if step != Step::Ready {
+                        let moved = e.item.as_ref().is_none_or(|it| it.pc != pc);
+                        finish(e, step, t0, moved);
+                        if step == Step::Stalled && !moved {
+                            continue;
+                        }
+                        progress = true;
                         continue;
                     }
                     let Some(item) = e.item.take() else {
@@ -244,12 +260,9 @@ impl Pfifo {
                     self.copy_busy = true;
                 }
                 EngineKind::None => {
-                    let t0 = now_ns();
-                    let step = match e.item.as_mut() {
-                        Some(item) => exec::run(&e.ch, &self.shared.vram, item, &e.ch.stopped),
-                        None => Step::Done,
-                    };
-                    finish(e, step, t0);
+                    if !run_entry(e, &self.shared).1 {
+                        continue;
+                    }
                 }
             }
             progress = true;
@@ -308,8 +321,26 @@ fn next_entry(e: &mut ChanExec, shared: &Shared) -> Result<Option<WorkItem>, (Er
     exec::fetch(&e.ch, &shared.vram, e.get).map(Some)
 }
 
+/// Runs the channel's current entry from where it stopped. Returns the engine slot's
+/// state and whether anything happened: an entry that stalls on a semaphore before
+/// running any method made no progress (and is charged no engine time), so the PFIFO
+/// may back off instead of spinning on it.
+fn run_entry(e: &mut ChanExec, shared: &Shared) -> (Slot, bool) {
+    let t0 = now_ns();
+    let (step, moved) = match e.item.as_mut() {
+        Some(item) => {
+            let pc = item.pc;
+            let step = exec::run(&e.ch, &shared.vram, item, &e.ch.stopped);
+            (step, step != Step::Stalled || item.pc != pc)
+        }
+        None => (Step::Done, true),
+    };
+    (finish(e, step, t0, moved), moved)
+}
+
 /// Applies the outcome of running an entry; returns the state of the engine slot it used.
-fn finish(e: &mut ChanExec, step: Step, start: u64) -> Slot {
+/// `charge` is false when nothing ran (a stall at the first method tried).
+fn finish(e: &mut ChanExec, step: Step, start: u64, charge: bool) -> Slot {
     let now = now_ns();
     match step {
         Step::Spin { ns } => {
@@ -327,13 +358,19 @@ fn finish(e: &mut ChanExec, step: Step, start: u64) -> Slot {
             add(&e.ch.gp_completed, 1);
             e.item = None;
         }
-        Step::Stalled => e.ch.charge(now - start),
+        Step::Stalled => {
+            if charge {
+                e.ch.charge(now - start);
+            }
+        }
         Step::Fault(code, info) => {
             e.ch.charge(now - start);
             e.ch.fault(code, info);
             e.item = None;
         }
         Step::Aborted => e.item = None,
+        // Engine work is next: the caller hands the entry to an engine.
+        Step::Ready => {}
     }
     e.on_engine = false;
     Slot::Idle
