@@ -77,7 +77,7 @@ pub struct ChannelCounters {
     pub busy_ns: u64,
     /// GP entries completed.
     pub gp_completed: u64,
-    /// Kernels completed.
+    /// Kernels launched (counted at launch, so faulted or aborted ones are included).
     pub kernels: u64,
     /// Copy methods completed.
     pub copies: u64,

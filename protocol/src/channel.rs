@@ -26,7 +26,8 @@ impl ControlPage {
     pub const GP_ENTRIES: usize = 0x14;
     /// Count of `NOTIFY` methods executed (wrapping).
     pub const NOTIFY_SEQ: usize = 0x18;
-    /// `u64`: detail for `ERROR` (faulting GPU virtual address, or method word offset).
+    /// `u64`: detail for `ERROR`: the faulting GPU virtual address, or the GPU address of
+    /// the malformed GP entry or method header.
     pub const ERROR_INFO: usize = 0x20;
     /// Bytes of the page that carry state; the rest reads as zero.
     pub const USED_BYTES: usize = 0x28;

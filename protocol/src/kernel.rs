@@ -35,7 +35,8 @@ pub enum KernelId {
     /// FNV-1a 64 over `len` bytes, written as u64.
     Checksum = 7,
     /// One 5-point stencil step over a `width`×`height` f32 grid (hotspot-style):
-    /// `dst = c_center * s + c_neighbor * (n + s + e + w)`, edges clamped.
+    /// `dst = c_center * c + c_neighbor * (n + s + e + w)` for centre `c` and neighbours
+    /// north/south/east/west, edges clamped.
     Stencil2d = 8,
     /// Writes the GPU's nanosecond clock at kernel start as u64.
     Timestamp = 9,
