@@ -136,6 +136,8 @@ pub trait Transport: Send + Sync {
     /// Has the host store `gp_put` into the channel's control page: the API-remoting
     /// baseline, one request per submission. Transports without a host side refuse.
     fn remote_submit(&self, _ctx: CtxHandle, _ch: ChanHandle, _gp_put: u32) -> Result<()> {
-        Err(crate::error::Error::Device(vgpu_protocol::ErrorCode::Unsupported))
+        Err(crate::error::Error::Device(
+            vgpu_protocol::ErrorCode::Unsupported,
+        ))
     }
 }
