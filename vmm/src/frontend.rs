@@ -1,0 +1,329 @@
+//! The vhost-user frontend: connection, feature negotiation, backend-request channel and
+//! vring setup. Transport-agnostic: the loopback frontend and the KVM VMM both drive a
+//! device through this type (the VMM translating the driver's ring GPAs to host
+//! addresses and wiring the call/kick eventfds to irqfd/ioeventfd).
+//!
+//! Message order (as QEMU / Cloud Hypervisor do it):
+//! `connect`: SET_OWNER, GET_FEATURES, GET_PROTOCOL_FEATURES, SET_PROTOCOL_FEATURES,
+//! GET_QUEUE_NUM, SET_BACKEND_REQ_FD, GET_SHMEM_CONFIG, GET_CONFIG;
+//! `activate`: SET_FEATURES, SET_MEM_TABLE, then per queue SET_VRING_NUM, SET_VRING_ADDR,
+//! SET_VRING_BASE, SET_VRING_CALL, SET_VRING_KICK, SET_VRING_ENABLE.
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::path::Path;
+use std::sync::Arc;
+
+use log::{debug, info};
+use thiserror::Error;
+use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserHeaderFlag};
+use vhost::vhost_user::{
+    Frontend, VhostUserFrontend, VhostUserFrontendReqHandler, VhostUserProtocolFeatures,
+    VhostUserVirtioFeatures,
+};
+use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::shm_window::{BackendReqThread, ShmWindowError};
+
+#[derive(Debug, Error)]
+pub enum FrontendError {
+    #[error("connecting to {path}: {source}")]
+    Connect { path: String, source: vhost::Error },
+    #[error("vhost-user {step} failed: {source}")]
+    Protocol {
+        step: &'static str,
+        source: vhost::Error,
+    },
+    #[error("backend does not offer virtio feature bits {0:#x}")]
+    MissingFeatures(u64),
+    #[error("backend does not offer protocol features {0:?}")]
+    MissingProtocolFeatures(VhostUserProtocolFeatures),
+    #[error("backend has {have} queues, need {need}")]
+    TooFewQueues { have: u64, need: usize },
+    #[error("shared-memory region {id}: backend says {have:#x} bytes, expected {want:#x}")]
+    ShmSize { id: u8, have: u64, want: u64 },
+    #[error("backend request channel: {0}")]
+    BackendReq(#[from] ShmWindowError),
+    #[error("device not active / already disconnected")]
+    Disconnected,
+    #[error("bad queue setup: {0}")]
+    BadQueue(&'static str),
+}
+
+fn proto(step: &'static str) -> impl FnOnce(vhost::Error) -> FrontendError {
+    move |source| FrontendError::Protocol { step, source }
+}
+
+/// What the frontend needs from the device.
+#[derive(Debug, Clone)]
+pub struct DeviceRequirements {
+    /// Virtqueues the device must have.
+    pub num_queues: usize,
+    /// Virtio feature bits the driver wants besides VERSION_1 / PROTOCOL_FEATURES (acked
+    /// where offered).
+    pub virtio_features: u64,
+    /// Protocol features that must be offered; exactly these are acked.
+    pub protocol_features: VhostUserProtocolFeatures,
+    /// Shared-memory regions `(id, size)` the device must report in GET_SHMEM_CONFIG.
+    pub shm_regions: Vec<(u8, u64)>,
+    /// Bytes of config space to read at connect.
+    pub config_size: u32,
+}
+
+/// One virtqueue as the driver set it up: ring addresses in *this process* (user
+/// addresses inside a region passed in SET_MEM_TABLE) and its eventfds.
+pub struct QueueSetup<'a> {
+    pub index: usize,
+    pub size: u16,
+    pub desc_addr: u64,
+    pub avail_addr: u64,
+    pub used_addr: u64,
+    /// Signalled by the backend when it adds used buffers (irqfd in the KVM VMM).
+    pub call: &'a EventFd,
+    /// Signalled by the driver when it adds available buffers (ioeventfd in the KVM VMM).
+    pub kick: &'a EventFd,
+}
+
+/// A connected vhost-user device.
+pub struct VhostUserDevice {
+    frontend: Option<Frontend>,
+    offered_features: u64,
+    acked_features: u64,
+    protocol_features: VhostUserProtocolFeatures,
+    queue_num: u64,
+    shm_sizes: Vec<u64>,
+    config: Vec<u8>,
+    backend_req: Option<BackendReqThread>,
+    socket_fd: RawFd,
+}
+
+impl VhostUserDevice {
+    /// Connects to `path` and negotiates; `backend_req_handler` serves the backend's
+    /// requests (SHMEM_MAP/UNMAP) from the moment SET_BACKEND_REQ_FD is sent.
+    pub fn connect<S>(
+        path: &Path,
+        req: &DeviceRequirements,
+        backend_req_handler: Arc<S>,
+    ) -> Result<Self, FrontendError>
+    where
+        S: VhostUserFrontendReqHandler + Send + Sync + 'static,
+    {
+        let mut fe = Frontend::connect(path, req.num_queues as u64).map_err(|source| {
+            FrontendError::Connect {
+                path: path.display().to_string(),
+                source,
+            }
+        })?;
+        let socket_fd = fe.as_raw_fd();
+
+        fe.set_owner().map_err(proto("SET_OWNER"))?;
+        let offered = fe.get_features().map_err(proto("GET_FEATURES"))?;
+        let must = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() | 1u64 << VIRTIO_F_VERSION_1;
+        if offered & must != must {
+            return Err(FrontendError::MissingFeatures(must & !offered));
+        }
+
+        let offered_proto = fe
+            .get_protocol_features()
+            .map_err(proto("GET_PROTOCOL_FEATURES"))?;
+        if !offered_proto.contains(req.protocol_features) {
+            return Err(FrontendError::MissingProtocolFeatures(
+                req.protocol_features - offered_proto,
+            ));
+        }
+        let acked_proto = req.protocol_features;
+        fe.set_protocol_features(acked_proto)
+            .map_err(proto("SET_PROTOCOL_FEATURES"))?;
+
+        let queue_num = if acked_proto.contains(VhostUserProtocolFeatures::MQ) {
+            fe.get_queue_num().map_err(proto("GET_QUEUE_NUM"))?
+        } else {
+            1
+        };
+        if queue_num < req.num_queues as u64 {
+            return Err(FrontendError::TooFewQueues {
+                have: queue_num,
+                need: req.num_queues,
+            });
+        }
+
+        let mut backend_req = None;
+        if acked_proto.contains(VhostUserProtocolFeatures::BACKEND_REQ) {
+            let reply_ack = acked_proto.contains(VhostUserProtocolFeatures::REPLY_ACK);
+            let (thread, fd) = BackendReqThread::start(backend_req_handler, reply_ack)?;
+            fe.set_backend_request_fd(&fd)
+                .map_err(proto("SET_BACKEND_REQ_FD"))?;
+            backend_req = Some(thread);
+        }
+
+        let mut shm_sizes = Vec::new();
+        if acked_proto.contains(VhostUserProtocolFeatures::SHMEM) {
+            let c = fe.get_shmem_config().map_err(proto("GET_SHMEM_CONFIG"))?;
+            let n = (c.nregions as usize).min(c.memory_sizes.len());
+            shm_sizes = c.memory_sizes.to_vec();
+            // Regions are indexed by id; keep the sizes up to the last non-zero one.
+            let last = shm_sizes.iter().rposition(|&s| s != 0).map_or(0, |i| i + 1);
+            shm_sizes.truncate(last.max(n));
+        }
+        for &(id, want) in &req.shm_regions {
+            let have = shm_sizes.get(id as usize).copied().unwrap_or(0);
+            if have != want {
+                return Err(FrontendError::ShmSize { id, have, want });
+            }
+        }
+
+        let mut config = Vec::new();
+        if req.config_size > 0 && acked_proto.contains(VhostUserProtocolFeatures::CONFIG) {
+            let buf = vec![0u8; req.config_size as usize];
+            let (_, payload) = fe
+                .get_config(0, req.config_size, VhostUserConfigFlags::empty(), &buf)
+                .map_err(proto("GET_CONFIG"))?;
+            config = payload;
+        }
+
+        info!(
+            "vhost-user {}: features {offered:#x}, protocol {acked_proto:?}, {queue_num} queues, shm {shm_sizes:x?}",
+            path.display()
+        );
+        Ok(VhostUserDevice {
+            frontend: Some(fe),
+            offered_features: offered,
+            acked_features: 0,
+            protocol_features: acked_proto,
+            queue_num,
+            shm_sizes,
+            config,
+            backend_req,
+            socket_fd,
+        })
+    }
+
+    fn fe(&mut self) -> Result<&mut Frontend, FrontendError> {
+        self.frontend.as_mut().ok_or(FrontendError::Disconnected)
+    }
+
+    /// Virtio features the backend offers.
+    pub fn offered_features(&self) -> u64 {
+        self.offered_features
+    }
+    /// Virtio features acked by `activate`.
+    pub fn acked_features(&self) -> u64 {
+        self.acked_features
+    }
+    pub fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        self.protocol_features
+    }
+    pub fn queue_num(&self) -> u64 {
+        self.queue_num
+    }
+    /// Shared-memory region sizes, indexed by region id.
+    pub fn shm_sizes(&self) -> &[u64] {
+        &self.shm_sizes
+    }
+    /// Config space read at connect.
+    pub fn config(&self) -> &[u8] {
+        &self.config
+    }
+    /// The vhost-user socket (for watching it for hang-up; do not read or write it).
+    pub fn socket_fd(&self) -> RawFd {
+        self.socket_fd
+    }
+
+    /// Reads `len` bytes of config space at `offset` (GET_CONFIG).
+    pub fn read_config(&mut self, offset: u32, len: u32) -> Result<Vec<u8>, FrontendError> {
+        let buf = vec![0u8; len as usize];
+        let (_, payload) = self
+            .fe()?
+            .get_config(offset, len, VhostUserConfigFlags::empty(), &buf)
+            .map_err(proto("GET_CONFIG"))?;
+        Ok(payload)
+    }
+
+    /// Starts the device: acks `driver_features` (plus PROTOCOL_FEATURES; only bits the
+    /// backend offers), shares guest memory and sets up and enables the queues.
+    pub fn activate(
+        &mut self,
+        driver_features: u64,
+        mem: &[VhostUserMemoryRegionInfo],
+        queues: &[QueueSetup<'_>],
+    ) -> Result<(), FrontendError> {
+        let acked = (driver_features | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits())
+            & self.offered_features;
+        let reply_ack = self
+            .protocol_features
+            .contains(VhostUserProtocolFeatures::REPLY_ACK);
+        let queue_num = self.queue_num;
+        let fe = self.fe()?;
+        fe.set_features(acked).map_err(proto("SET_FEATURES"))?;
+        // The backend answers REPLY_ACK only once PROTOCOL_FEATURES is acked, so ask for
+        // acks from here on: every later setup step then reports the backend's verdict.
+        if reply_ack {
+            fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+        }
+        fe.set_mem_table(mem).map_err(proto("SET_MEM_TABLE"))?;
+        for q in queues {
+            if q.index as u64 >= queue_num {
+                return Err(FrontendError::BadQueue("queue index out of range"));
+            }
+            if q.size == 0 || !q.size.is_power_of_two() {
+                return Err(FrontendError::BadQueue("queue size not a power of two"));
+            }
+            fe.set_vring_num(q.index, q.size)
+                .map_err(proto("SET_VRING_NUM"))?;
+            let cfg = VringConfigData {
+                queue_max_size: q.size,
+                queue_size: q.size,
+                flags: 0,
+                desc_table_addr: q.desc_addr,
+                used_ring_addr: q.used_addr,
+                avail_ring_addr: q.avail_addr,
+                log_addr: None,
+            };
+            fe.set_vring_addr(q.index, &cfg)
+                .map_err(proto("SET_VRING_ADDR"))?;
+            fe.set_vring_base(q.index, 0)
+                .map_err(proto("SET_VRING_BASE"))?;
+            fe.set_vring_call(q.index, q.call)
+                .map_err(proto("SET_VRING_CALL"))?;
+            fe.set_vring_kick(q.index, q.kick)
+                .map_err(proto("SET_VRING_KICK"))?;
+            fe.set_vring_enable(q.index, true)
+                .map_err(proto("SET_VRING_ENABLE"))?;
+            debug!("vring {} enabled ({} entries)", q.index, q.size);
+        }
+        self.acked_features = acked;
+        Ok(())
+    }
+
+    /// Whether the backend-request channel has stopped (closed or broken).
+    pub fn backend_req_stopped(&self) -> bool {
+        self.backend_req.as_ref().is_some_and(|t| t.stopped())
+    }
+
+    /// Closes the connection: the backend sees the socket hang up. Idempotent.
+    pub fn disconnect(&mut self) {
+        if let Some(fe) = self.frontend.take() {
+            // SAFETY: shutting down a socket we own (it stays open until `fe` drops
+            // below); this wakes the peer even if another clone of the fd lingers.
+            unsafe {
+                libc::shutdown(fe.as_raw_fd(), libc::SHUT_RDWR);
+            }
+            drop(fe);
+            info!("vhost-user connection closed");
+        }
+        if let Some(mut t) = self.backend_req.take() {
+            t.stop();
+        }
+    }
+
+    pub fn is_connected(&self) -> bool {
+        self.frontend.is_some()
+    }
+}
+
+impl Drop for VhostUserDevice {
+    fn drop(&mut self) {
+        self.disconnect();
+    }
+}

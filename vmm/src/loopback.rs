@@ -1,0 +1,686 @@
+//! The loopback frontend: a "VM" without KVM. Guest RAM, the device's BAR window and the
+//! two virtqueues live in this process; threads of the test or benchmark act as guest
+//! processes. Everything the backend sees is exactly what a real VM would show it.
+
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use log::{debug, error, info, warn};
+use thiserror::Error;
+use vgpu_protocol::device::{
+    DeviceConfig, CONTROL_QUEUE, EVENT_QUEUE, NUM_QUEUES, QUEUE_SIZE, SHM_REGION_ID, SHM_SIZE,
+};
+use vgpu_protocol::request::{Event, EVENT_SIZE, MAX_REPLY_SIZE, MAX_REQUEST_SIZE};
+use vhost::vhost_user::VhostUserProtocolFeatures;
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::frontend::{DeviceRequirements, FrontendError, QueueSetup, VhostUserDevice};
+use crate::guest_memory::{GuestMemoryError, GuestRam, PageAllocator, PAGE_SIZE};
+use crate::shm_window::{ShmHandler, ShmWindow, ShmWindowError};
+use crate::virtq::{Buffer, SplitQueue, VirtqError};
+
+#[derive(Debug, Error)]
+pub enum LoopbackError {
+    #[error(transparent)]
+    Frontend(#[from] FrontendError),
+    #[error(transparent)]
+    Shm(#[from] ShmWindowError),
+    #[error(transparent)]
+    Memory(#[from] GuestMemoryError),
+    #[error("virtqueue: {0}")]
+    Virtq(#[from] VirtqError),
+    #[error("eventfd: {0}")]
+    EventFd(io::Error),
+    #[error("spawning a thread: {0}")]
+    Spawn(io::Error),
+    #[error("bad configuration: {0}")]
+    Config(&'static str),
+    #[error("request of {0} bytes (must be 1..={max})", max = MAX_REQUEST_SIZE)]
+    RequestSize(usize),
+    #[error("device config space is malformed")]
+    BadDeviceConfig,
+    #[error("disconnected from the backend")]
+    Disconnected,
+}
+
+/// Loopback VM parameters.
+#[derive(Debug, Clone)]
+pub struct LoopbackConfig {
+    /// Guest RAM size (page multiple, at least 4 MiB).
+    pub mem_bytes: u64,
+}
+
+impl Default for LoopbackConfig {
+    fn default() -> Self {
+        LoopbackConfig {
+            mem_bytes: 256 << 20,
+        }
+    }
+}
+
+/// A guest RAM allocation: guest-physical address and this process's view of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GuestAlloc {
+    pub gpa: u64,
+    pub ptr: *mut u8,
+    pub len: u64,
+}
+
+// SAFETY: a GuestAlloc is only an address pair; dereferencing `ptr` is the holder's
+// (unsafe) business and is valid for any thread while the LoopbackVm lives.
+unsafe impl Send for GuestAlloc {}
+// SAFETY: see `Send`.
+unsafe impl Sync for GuestAlloc {}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic elsewhere while holding one of these locks leaves plain data behind that is
+    // still consistent enough to shut down; do not propagate the poison.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn new_eventfd() -> Result<EventFd, LoopbackError> {
+    EventFd::new(libc::EFD_CLOEXEC | libc::EFD_NONBLOCK).map_err(LoopbackError::EventFd)
+}
+
+/// Drains an eventfd (ignores "nothing to read").
+fn drain(fd: &EventFd) {
+    match fd.read() {
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+        Err(e) => warn!("eventfd read: {e}"),
+    }
+}
+
+fn kick(fd: &EventFd) {
+    if let Err(e) = fd.write(1) {
+        error!("kick failed: {e}");
+    }
+}
+
+/// Guest buffers of one control-request slot (host addresses kept as integers).
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    req_gpa: u64,
+    req_host: usize,
+    reply_gpa: u64,
+    reply_host: usize,
+}
+
+struct CtrlState {
+    q: SplitQueue,
+    free_slots: Vec<usize>,
+    head_slot: Vec<Option<usize>>,
+    done: Vec<Option<u32>>,
+    dead: bool,
+}
+
+/// The control queue: requests from many threads, at most one per slot in flight.
+struct Ctrl {
+    st: Mutex<CtrlState>,
+    cv: Condvar,
+    slots: Vec<Slot>,
+    kick: EventFd,
+    call: EventFd,
+}
+
+impl Ctrl {
+    fn request(&self, req: &[u8]) -> Result<Vec<u8>, LoopbackError> {
+        if req.is_empty() || req.len() > MAX_REQUEST_SIZE {
+            return Err(LoopbackError::RequestSize(req.len()));
+        }
+        let mut st = lock(&self.st);
+        let slot = loop {
+            if st.dead {
+                return Err(LoopbackError::Disconnected);
+            }
+            if let Some(s) = st.free_slots.pop() {
+                break s;
+            }
+            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        };
+        let s = self.slots[slot];
+        // SAFETY: the slot's buffers (MAX_REQUEST_SIZE and MAX_REPLY_SIZE bytes of guest
+        // RAM) belong to this request until it completes; req.len() <= MAX_REQUEST_SIZE.
+        unsafe {
+            std::ptr::copy_nonoverlapping(req.as_ptr(), s.req_host as *mut u8, req.len());
+            std::ptr::write_bytes(s.reply_host as *mut u8, 0, MAX_REPLY_SIZE);
+        }
+        let chain = [
+            Buffer {
+                gpa: s.req_gpa,
+                len: req.len() as u64,
+                write: false,
+            },
+            Buffer {
+                gpa: s.reply_gpa,
+                len: MAX_REPLY_SIZE as u64,
+                write: true,
+            },
+        ];
+        let head = match st.q.add(&chain) {
+            Ok(h) => h,
+            Err(e) => {
+                st.free_slots.push(slot);
+                return Err(e.into());
+            }
+        };
+        st.head_slot[head as usize] = Some(slot);
+        st.done[slot] = None;
+        drop(st);
+        kick(&self.kick);
+
+        let mut st = lock(&self.st);
+        let len = loop {
+            if let Some(len) = st.done[slot].take() {
+                break len;
+            }
+            if st.dead {
+                return Err(LoopbackError::Disconnected);
+            }
+            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        };
+        let n = (len as usize).min(MAX_REPLY_SIZE);
+        let mut reply = vec![0u8; n];
+        // SAFETY: the device has completed the chain; the reply buffer holds n <=
+        // MAX_REPLY_SIZE bytes and is still ours until the slot is freed below.
+        unsafe {
+            std::ptr::copy_nonoverlapping(s.reply_host as *const u8, reply.as_mut_ptr(), n);
+        }
+        st.free_slots.push(slot);
+        drop(st);
+        self.cv.notify_all();
+        Ok(reply)
+    }
+
+    fn harvest(&self) {
+        let mut st = lock(&self.st);
+        let mut any = false;
+        loop {
+            match st.q.pop_used() {
+                Ok(Some(u)) => {
+                    if let Some(slot) = st.head_slot[u.id as usize].take() {
+                        st.done[slot] = Some(u.len);
+                        any = true;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    error!("control queue: {e}");
+                    break;
+                }
+            }
+        }
+        drop(st);
+        if any {
+            self.cv.notify_all();
+        }
+    }
+
+    fn kill(&self) {
+        lock(&self.st).dead = true;
+        self.cv.notify_all();
+    }
+}
+
+struct EvState {
+    q: SplitQueue,
+    head_buf: Vec<Option<usize>>,
+    pending: VecDeque<(Event, usize)>,
+    dead: bool,
+}
+
+/// The event queue: pre-filled with writable EVENT_SIZE buffers, refilled as events are
+/// consumed.
+struct Events {
+    st: Mutex<EvState>,
+    cv: Condvar,
+    /// Per buffer: (gpa, host address).
+    bufs: Vec<(u64, usize)>,
+    kick: EventFd,
+    call: EventFd,
+}
+
+impl Events {
+    fn post(&self, st: &mut EvState, buf: usize) -> Result<(), VirtqError> {
+        let (gpa, host) = self.bufs[buf];
+        // SAFETY: buffer `buf` is EVENT_SIZE bytes of guest RAM owned by this queue and not
+        // currently posted to the device.
+        unsafe { std::ptr::write_bytes(host as *mut u8, 0, EVENT_SIZE) };
+        let head = st.q.add(&[Buffer {
+            gpa,
+            len: EVENT_SIZE as u64,
+            write: true,
+        }])?;
+        st.head_buf[head as usize] = Some(buf);
+        Ok(())
+    }
+
+    fn harvest(&self) {
+        let mut st = lock(&self.st);
+        let mut any = false;
+        let mut reposted = false;
+        loop {
+            match st.q.pop_used() {
+                Ok(Some(u)) => {
+                    let Some(buf) = st.head_buf[u.id as usize].take() else {
+                        continue;
+                    };
+                    let mut b = [0u8; EVENT_SIZE];
+                    // SAFETY: the device has completed buffer `buf` (EVENT_SIZE bytes).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            self.bufs[buf].1 as *const u8,
+                            b.as_mut_ptr(),
+                            EVENT_SIZE,
+                        )
+                    };
+                    match Event::decode(&b).filter(|_| u.len as usize >= EVENT_SIZE) {
+                        Some(ev) => {
+                            st.pending.push_back((ev, buf));
+                            any = true;
+                        }
+                        None => {
+                            warn!("event queue: short event ({} bytes) dropped", u.len);
+                            if let Err(e) = self.post(&mut st, buf) {
+                                error!("event queue: {e}");
+                            }
+                            reposted = true;
+                        }
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    error!("event queue: {e}");
+                    break;
+                }
+            }
+        }
+        drop(st);
+        if reposted {
+            kick(&self.kick);
+        }
+        if any {
+            self.cv.notify_all();
+        }
+    }
+
+    fn next(&self, timeout: Duration) -> Option<Event> {
+        let deadline = Instant::now() + timeout;
+        let mut st = lock(&self.st);
+        loop {
+            if let Some((ev, buf)) = st.pending.pop_front() {
+                if !st.dead {
+                    match self.post(&mut st, buf) {
+                        Ok(()) => {
+                            drop(st);
+                            kick(&self.kick);
+                        }
+                        Err(e) => error!("event queue: {e}"),
+                    }
+                }
+                return Some(ev);
+            }
+            if st.dead {
+                return None;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            st = self
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    fn kill(&self) {
+        lock(&self.st).dead = true;
+        self.cv.notify_all();
+    }
+}
+
+/// The "interrupt" thread: waits on the call eventfds and harvests used rings; also
+/// notices the backend hanging up.
+struct IrqThread {
+    exit: EventFd,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl IrqThread {
+    fn start(
+        ctrl: Arc<Ctrl>,
+        events: Arc<Events>,
+        shm: Arc<ShmWindow>,
+        sock: RawFd,
+    ) -> Result<Self, LoopbackError> {
+        let exit = new_eventfd()?;
+        let exit_fd = exit.as_raw_fd();
+        let thread = std::thread::Builder::new()
+            .name("vgpu-loopback-irq".into())
+            .spawn(move || irq_loop(&ctrl, &events, &shm, exit_fd, sock))
+            .map_err(LoopbackError::Spawn)?;
+        Ok(IrqThread {
+            exit,
+            thread: Some(thread),
+        })
+    }
+
+    fn stop(&mut self) {
+        if let Some(t) = self.thread.take() {
+            kick(&self.exit);
+            if t.join().is_err() {
+                error!("irq thread panicked");
+            }
+        }
+    }
+}
+
+fn irq_loop(ctrl: &Ctrl, events: &Events, shm: &ShmWindow, exit_fd: RawFd, mut sock: RawFd) {
+    loop {
+        let mut fds = [
+            libc::pollfd {
+                fd: exit_fd,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: ctrl.call.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: events.call.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                // Negative fds are ignored by poll.
+                fd: sock,
+                events: libc::POLLRDHUP,
+                revents: 0,
+            },
+        ];
+        // SAFETY: `fds` is a valid array of 4 pollfd for the duration of the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 100) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                error!("irq thread: poll: {e}");
+                return;
+            }
+            continue;
+        }
+        if fds[0].revents != 0 {
+            return;
+        }
+        if fds[3].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+            warn!("backend hung up");
+            sock = -1;
+            ctrl.kill();
+            events.kill();
+            // The backend has freed what it mapped into the BAR.
+            shm.clear();
+        }
+        if fds[1].revents != 0 {
+            drain(&ctrl.call);
+        }
+        if fds[2].revents != 0 {
+            drain(&events.call);
+        }
+        // Harvest unconditionally: cheap, and robust against a lost notification.
+        ctrl.harvest();
+        events.harvest();
+    }
+}
+
+/// A loopback VM connected to a vgpu backend.
+pub struct LoopbackVm {
+    dev: Mutex<VhostUserDevice>,
+    ctrl: Arc<Ctrl>,
+    events: Arc<Events>,
+    irq: Mutex<IrqThread>,
+    shm: Arc<ShmWindow>,
+    alloc: Mutex<PageAllocator>,
+    connected: AtomicBool,
+    // Last: dropped after everything that points into it.
+    ram: GuestRam,
+}
+
+const _: () = {
+    const fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<LoopbackVm>();
+};
+
+impl LoopbackVm {
+    /// Connects to the backend socket, negotiates, shares guest RAM and starts the queues.
+    pub fn connect(socket: &Path, cfg: LoopbackConfig) -> Result<Arc<LoopbackVm>, LoopbackError> {
+        if cfg.mem_bytes < 4 << 20 || !cfg.mem_bytes.is_multiple_of(PAGE_SIZE) {
+            return Err(LoopbackError::Config(
+                "mem_bytes must be a page multiple of at least 4 MiB",
+            ));
+        }
+        let ram = GuestRam::new(&[(0, cfg.mem_bytes)])?;
+        // Keep GPA page 0 out of circulation so that 0 never is a valid buffer address.
+        let mut alloc = PageAllocator::new(PAGE_SIZE, cfg.mem_bytes - PAGE_SIZE);
+
+        let shm = Arc::new(ShmWindow::new(SHM_REGION_ID, SHM_SIZE)?);
+        let handler = Arc::new(ShmHandler::new(vec![shm.clone()]));
+        let reqs = DeviceRequirements {
+            num_queues: NUM_QUEUES,
+            virtio_features: 1 << VIRTIO_F_VERSION_1,
+            protocol_features: VhostUserProtocolFeatures::MQ
+                | VhostUserProtocolFeatures::CONFIG
+                | VhostUserProtocolFeatures::BACKEND_REQ
+                | VhostUserProtocolFeatures::REPLY_ACK
+                | VhostUserProtocolFeatures::SHMEM,
+            shm_regions: vec![(SHM_REGION_ID, SHM_SIZE)],
+            config_size: DeviceConfig::SIZE as u32,
+        };
+        let mut dev = VhostUserDevice::connect(socket, &reqs, handler)?;
+        if DeviceConfig::decode(dev.config()).is_none() {
+            return Err(LoopbackError::BadDeviceConfig);
+        }
+
+        // Control queue: two descriptors per request.
+        let ctrl_q = SplitQueue::new(QUEUE_SIZE, &ram, &mut alloc)?;
+        let nslots = QUEUE_SIZE as usize / 2;
+        let slot_bytes = (MAX_REQUEST_SIZE + MAX_REPLY_SIZE).next_multiple_of(64) as u64;
+        let (sgpa, slen) = alloc.alloc(slot_bytes * nslots as u64, PAGE_SIZE)?;
+        let shost = ram
+            .host_ptr(sgpa, slen)
+            .ok_or(LoopbackError::Config("slot buffers outside RAM"))? as usize;
+        let slots = (0..nslots as u64)
+            .map(|i| Slot {
+                req_gpa: sgpa + i * slot_bytes,
+                req_host: shost + (i * slot_bytes) as usize,
+                reply_gpa: sgpa + i * slot_bytes + MAX_REQUEST_SIZE as u64,
+                reply_host: shost + (i * slot_bytes) as usize + MAX_REQUEST_SIZE,
+            })
+            .collect();
+        let ctrl = Arc::new(Ctrl {
+            st: Mutex::new(CtrlState {
+                q: ctrl_q,
+                free_slots: (0..nslots).rev().collect(),
+                head_slot: vec![None; QUEUE_SIZE as usize],
+                done: vec![None; nslots],
+                dead: false,
+            }),
+            cv: Condvar::new(),
+            slots,
+            kick: new_eventfd()?,
+            call: new_eventfd()?,
+        });
+
+        // Event queue: one writable buffer per descriptor, all posted up front.
+        let ev_q = SplitQueue::new(QUEUE_SIZE, &ram, &mut alloc)?;
+        let (egpa, elen) = alloc.alloc(EVENT_SIZE as u64 * QUEUE_SIZE as u64, PAGE_SIZE)?;
+        let ehost =
+            ram.host_ptr(egpa, elen)
+                .ok_or(LoopbackError::Config("event buffers outside RAM"))? as usize;
+        let bufs = (0..QUEUE_SIZE as usize)
+            .map(|i| (egpa + (i * EVENT_SIZE) as u64, ehost + i * EVENT_SIZE))
+            .collect();
+        let events = Arc::new(Events {
+            st: Mutex::new(EvState {
+                q: ev_q,
+                head_buf: vec![None; QUEUE_SIZE as usize],
+                pending: VecDeque::new(),
+                dead: false,
+            }),
+            cv: Condvar::new(),
+            bufs,
+            kick: new_eventfd()?,
+            call: new_eventfd()?,
+        });
+        {
+            let mut st = lock(&events.st);
+            for i in 0..QUEUE_SIZE as usize {
+                events.post(&mut st, i)?;
+            }
+        }
+
+        {
+            let cst = lock(&ctrl.st);
+            let est = lock(&events.st);
+            let (cd, ca, cu) = cst.q.host_addrs();
+            let (ed, ea, eu) = est.q.host_addrs();
+            let queues = [
+                QueueSetup {
+                    index: CONTROL_QUEUE as usize,
+                    size: QUEUE_SIZE,
+                    desc_addr: cd,
+                    avail_addr: ca,
+                    used_addr: cu,
+                    call: &ctrl.call,
+                    kick: &ctrl.kick,
+                },
+                QueueSetup {
+                    index: EVENT_QUEUE as usize,
+                    size: QUEUE_SIZE,
+                    desc_addr: ed,
+                    avail_addr: ea,
+                    used_addr: eu,
+                    call: &events.call,
+                    kick: &events.kick,
+                },
+            ];
+            dev.activate(1 << VIRTIO_F_VERSION_1, &ram.vhost_regions(), &queues)?;
+        }
+        kick(&events.kick);
+
+        let irq = IrqThread::start(ctrl.clone(), events.clone(), shm.clone(), dev.socket_fd())?;
+        info!(
+            "loopback VM up: {} MiB RAM, features {:#x}",
+            cfg.mem_bytes >> 20,
+            dev.acked_features()
+        );
+        Ok(Arc::new(LoopbackVm {
+            dev: Mutex::new(dev),
+            ctrl,
+            events,
+            irq: Mutex::new(irq),
+            shm,
+            alloc: Mutex::new(alloc),
+            connected: AtomicBool::new(true),
+            ram,
+        }))
+    }
+
+    /// Sends one control request (bytes from `vgpu_protocol::request::Request::encode`)
+    /// and returns the reply bytes. Thread-safe; up to QUEUE_SIZE/2 requests are in flight
+    /// at once, further callers wait for a free slot.
+    pub fn request(&self, req: &[u8]) -> Result<Vec<u8>, LoopbackError> {
+        self.ctrl.request(req)
+    }
+
+    /// Reads the device config space (GET_CONFIG).
+    pub fn config(&self) -> Result<DeviceConfig, LoopbackError> {
+        let bytes = lock(&self.dev).read_config(0, DeviceConfig::SIZE as u32)?;
+        DeviceConfig::decode(&bytes).ok_or(LoopbackError::BadDeviceConfig)
+    }
+
+    /// Host view of the shared-memory region (the BAR). Pages the backend SHMEM_MAPped are
+    /// live there; the rest is PROT_NONE (all of it again after a disconnect). The
+    /// address range stays reserved while this LoopbackVm lives.
+    pub fn shm_base(&self) -> *mut u8 {
+        self.shm.base()
+    }
+
+    pub fn shm_len(&self) -> u64 {
+        self.shm.len()
+    }
+
+    /// Allocates zeroed guest RAM: page-aligned (at least), contiguous in GPA space.
+    pub fn alloc_guest(&self, size: u64, align: u64) -> Result<GuestAlloc, LoopbackError> {
+        let (gpa, len) = lock(&self.alloc).alloc(size, align)?;
+        let Some(ptr) = self.ram.host_ptr(gpa, len) else {
+            // Cannot happen: the allocator only hands out RAM ranges.
+            let _ = lock(&self.alloc).free(gpa);
+            return Err(LoopbackError::Config("allocation outside RAM"));
+        };
+        // SAFETY: `ptr` addresses `len` bytes of guest RAM just allocated to the caller.
+        unsafe { std::ptr::write_bytes(ptr, 0, len as usize) };
+        Ok(GuestAlloc { gpa, ptr, len })
+    }
+
+    /// Frees an allocation made by `alloc_guest`.
+    pub fn free_guest(&self, gpa: u64) -> Result<(), LoopbackError> {
+        lock(&self.alloc).free(gpa)?;
+        Ok(())
+    }
+
+    /// Host address of guest-physical `[gpa, gpa+len)` (if inside RAM).
+    pub fn guest_ptr(&self, gpa: u64, len: u64) -> Option<*mut u8> {
+        self.ram.host_ptr(gpa, len)
+    }
+
+    /// Next event from the event queue, waiting up to `timeout`.
+    pub fn next_event(&self, timeout: Duration) -> Option<Event> {
+        self.events.next(timeout)
+    }
+
+    /// Number of SHMEM_MAP requests served.
+    pub fn shmem_maps(&self) -> u64 {
+        self.shm.maps()
+    }
+
+    /// Number of SHMEM_UNMAP requests served.
+    pub fn shmem_unmaps(&self) -> u64 {
+        self.shm.unmaps()
+    }
+
+    /// Whether the connection is up (neither side has closed it).
+    pub fn is_connected(&self) -> bool {
+        self.connected.load(Ordering::Acquire) && !lock(&self.ctrl.st).dead
+    }
+
+    /// Closes the vhost-user connection (the backend frees the VM's resources). Pending
+    /// and later requests fail with `Disconnected`. Idempotent; also done on drop.
+    pub fn disconnect(&self) {
+        if !self.connected.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        self.ctrl.kill();
+        self.events.kill();
+        lock(&self.irq).stop();
+        lock(&self.dev).disconnect();
+        // The backend frees the VM's objects; drop our view of them.
+        self.shm.clear();
+        debug!("loopback VM disconnected");
+    }
+}
+
+impl Drop for LoopbackVm {
+    fn drop(&mut self) {
+        self.disconnect();
+    }
+}

@@ -1,0 +1,425 @@
+//! The shared-memory window (the device's BAR): a reserved range of this process's address
+//! space into which the backend maps pages with SHMEM_MAP and out of which it takes them
+//! with SHMEM_UNMAP. In the KVM VMM the window is registered as a memslot, so a remap here
+//! is seen by the guest at once.
+
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use log::{debug, error, warn};
+use thiserror::Error;
+use vhost::vhost_user::message::{VhostUserMMap, VhostUserMMapFlags};
+use vhost::vhost_user::{
+    Error as VuError, FrontendReqHandler, HandlerResult, VhostUserFrontendReqHandler,
+};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::guest_memory::PAGE_SIZE;
+
+#[derive(Debug, Error)]
+pub enum ShmWindowError {
+    #[error("window size {0:#x} is not a non-zero multiple of the page size")]
+    BadSize(u64),
+    #[error("reserving the shared-memory window failed: {0}")]
+    Reserve(io::Error),
+    #[error("creating the backend request handler failed: {0}")]
+    Handler(VuError),
+    #[error("creating an eventfd failed: {0}")]
+    EventFd(io::Error),
+    #[error("spawning the backend request thread failed: {0}")]
+    Spawn(io::Error),
+}
+
+/// A reserved window of `len` bytes, PROT_NONE where nothing is mapped.
+#[derive(Debug)]
+pub struct ShmWindow {
+    shmid: u8,
+    base: *mut u8,
+    len: u64,
+    maps: AtomicU64,
+    unmaps: AtomicU64,
+    /// Serializes remaps of overlapping ranges against each other (cheap: one backend
+    /// thread sends them anyway).
+    lock: Mutex<()>,
+}
+
+// SAFETY: the window is an mmap reservation owned by this struct; its address is only
+// used in mmap/munmap calls made under `lock`, and by users who dereference it at their
+// own risk (like guest memory).
+unsafe impl Send for ShmWindow {}
+// SAFETY: see `Send`; all mutation goes through `lock` or atomics.
+unsafe impl Sync for ShmWindow {}
+
+impl ShmWindow {
+    /// Reserves `len` bytes of address space for shared-memory region `shmid`.
+    pub fn new(shmid: u8, len: u64) -> Result<Self, ShmWindowError> {
+        if len == 0 || !len.is_multiple_of(PAGE_SIZE) || usize::try_from(len).is_err() {
+            return Err(ShmWindowError::BadSize(len));
+        }
+        // SAFETY: a fresh anonymous PROT_NONE reservation at an address of the kernel's
+        // choosing; it touches no existing mapping.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len as usize,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(ShmWindowError::Reserve(io::Error::last_os_error()));
+        }
+        Ok(ShmWindow {
+            shmid,
+            base: base.cast(),
+            len,
+            maps: AtomicU64::new(0),
+            unmaps: AtomicU64::new(0),
+            lock: Mutex::new(()),
+        })
+    }
+
+    pub fn base(&self) -> *mut u8 {
+        self.base
+    }
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn shmid(&self) -> u8 {
+        self.shmid
+    }
+    /// SHMEM_MAP requests served successfully.
+    pub fn maps(&self) -> u64 {
+        self.maps.load(Ordering::Relaxed)
+    }
+    /// SHMEM_UNMAP requests served successfully.
+    pub fn unmaps(&self) -> u64 {
+        self.unmaps.load(Ordering::Relaxed)
+    }
+
+    fn check(&self, shmid: u8, shm_offset: u64, len: u64) -> io::Result<()> {
+        let inval = || io::Error::from_raw_os_error(libc::EINVAL);
+        if shmid != self.shmid {
+            return Err(inval());
+        }
+        if len == 0 || !len.is_multiple_of(PAGE_SIZE) || !shm_offset.is_multiple_of(PAGE_SIZE) {
+            return Err(inval());
+        }
+        let end = shm_offset.checked_add(len).ok_or_else(inval)?;
+        if end > self.len {
+            return Err(inval());
+        }
+        Ok(())
+    }
+
+    /// Maps `len` bytes of `fd` at `fd_offset` at `shm_offset` in the window.
+    pub fn map(
+        &self,
+        shmid: u8,
+        shm_offset: u64,
+        len: u64,
+        fd: RawFd,
+        fd_offset: u64,
+        writable: bool,
+    ) -> io::Result<()> {
+        self.check(shmid, shm_offset, len)?;
+        if !fd_offset.is_multiple_of(PAGE_SIZE) || i64::try_from(fd_offset).is_err() {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        let prot = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
+        let _g = self.lock.lock().map_err(|_| io::Error::other("poisoned"))?;
+        // SAFETY: `check` proved `[shm_offset, shm_offset+len)` lies inside the window.
+        let at = unsafe { self.base.add(shm_offset as usize) };
+        // SAFETY: MAP_FIXED replaces only pages inside our own reservation (bounds checked
+        // above); the fd is valid for the duration of the call (it is owned by the caller).
+        let p = unsafe {
+            libc::mmap(
+                at.cast(),
+                len as usize,
+                prot,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                fd,
+                fd_offset as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            let e = io::Error::last_os_error();
+            // A failed MAP_FIXED may have removed the old mapping: put the hole back.
+            self.protect_none(at, len);
+            return Err(e);
+        }
+        self.maps.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Puts PROT_NONE anonymous memory back over `[shm_offset, shm_offset+len)`.
+    pub fn unmap(&self, shmid: u8, shm_offset: u64, len: u64) -> io::Result<()> {
+        self.check(shmid, shm_offset, len)?;
+        let _g = self.lock.lock().map_err(|_| io::Error::other("poisoned"))?;
+        // SAFETY: bounds checked above.
+        let at = unsafe { self.base.add(shm_offset as usize) };
+        if !self.protect_none(at, len) {
+            return Err(io::Error::last_os_error());
+        }
+        self.unmaps.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Drops every mapping in the window (all PROT_NONE again). Done when the connection
+    /// ends: the backend frees the VM's objects and may hand the pages to another VM.
+    pub fn clear(&self) {
+        let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.protect_none(self.base, self.len);
+    }
+
+    fn protect_none(&self, at: *mut u8, len: u64) -> bool {
+        // SAFETY: callers pass a range inside the window; replacing it with a fresh
+        // PROT_NONE anonymous mapping affects nothing outside the reservation.
+        let p = unsafe {
+            libc::mmap(
+                at.cast(),
+                len as usize,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            error!(
+                "cannot restore PROT_NONE over shm window range: {}",
+                io::Error::last_os_error()
+            );
+            return false;
+        }
+        true
+    }
+}
+
+impl Drop for ShmWindow {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`len` are the reservation made in `new` (sub-ranges may have been
+        // replaced by MAP_FIXED mappings, which munmap of the whole range removes too).
+        unsafe {
+            libc::munmap(self.base.cast(), self.len as usize);
+        }
+    }
+}
+
+/// Serves backend requests on the window(s): SHMEM_MAP / SHMEM_UNMAP.
+#[derive(Debug)]
+pub struct ShmHandler {
+    windows: Vec<Arc<ShmWindow>>,
+}
+
+impl ShmHandler {
+    pub fn new(windows: Vec<Arc<ShmWindow>>) -> Self {
+        ShmHandler { windows }
+    }
+
+    fn window(&self, shmid: u8) -> io::Result<&ShmWindow> {
+        self.windows
+            .iter()
+            .find(|w| w.shmid == shmid)
+            .map(|w| &**w)
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))
+    }
+}
+
+impl VhostUserFrontendReqHandler for ShmHandler {
+    fn shmem_map(&self, req: &VhostUserMMap, fd: &dyn AsRawFd) -> HandlerResult<u64> {
+        let (shmid, shm_offset, len, fd_offset, flags) =
+            (req.shmid, req.shm_offset, req.len, req.fd_offset, req.flags);
+        let writable =
+            VhostUserMMapFlags::from_bits_truncate(flags).contains(VhostUserMMapFlags::WRITABLE);
+        let r = self
+            .window(shmid)
+            .and_then(|w| w.map(shmid, shm_offset, len, fd.as_raw_fd(), fd_offset, writable));
+        match &r {
+            Ok(()) => debug!("SHMEM_MAP shm {shmid} [{shm_offset:#x}+{len:#x}] <- fd@{fd_offset:#x} w={writable}"),
+            Err(e) => warn!("refused SHMEM_MAP shm {shmid} [{shm_offset:#x}+{len:#x}] fd@{fd_offset:#x}: {e}"),
+        }
+        r.map(|()| 0)
+    }
+
+    fn shmem_unmap(&self, req: &VhostUserMMap) -> HandlerResult<u64> {
+        let (shmid, shm_offset, len) = (req.shmid, req.shm_offset, req.len);
+        let r = self
+            .window(shmid)
+            .and_then(|w| w.unmap(shmid, shm_offset, len));
+        match &r {
+            Ok(()) => debug!("SHMEM_UNMAP shm {shmid} [{shm_offset:#x}+{len:#x}]"),
+            Err(e) => warn!("refused SHMEM_UNMAP shm {shmid} [{shm_offset:#x}+{len:#x}]: {e}"),
+        }
+        r.map(|()| 0)
+    }
+}
+
+/// A thread running the backend-request loop of a [`FrontendReqHandler`].
+pub struct BackendReqThread {
+    exit: EventFd,
+    stopped: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl BackendReqThread {
+    /// Starts serving `handler`. `reply_ack` must say whether REPLY_ACK was negotiated.
+    /// Returns the thread and the fd to send with SET_BACKEND_REQ_FD (it stays valid while
+    /// the thread lives; the backend gets its own copy with the message).
+    pub fn start<S>(handler: Arc<S>, reply_ack: bool) -> Result<(Self, RawFd), ShmWindowError>
+    where
+        S: VhostUserFrontendReqHandler + Send + Sync + 'static,
+    {
+        let mut server = FrontendReqHandler::new(handler).map_err(ShmWindowError::Handler)?;
+        server.set_reply_ack_flag(reply_ack);
+        let tx_fd = server.get_tx_raw_fd();
+        let exit = EventFd::new(libc::EFD_CLOEXEC).map_err(ShmWindowError::EventFd)?;
+        let exit_fd = exit.as_raw_fd();
+        let stopped = Arc::new(AtomicBool::new(false));
+        let stopped2 = stopped.clone();
+        let thread = std::thread::Builder::new()
+            .name("vu-backend-req".into())
+            .spawn(move || {
+                serve(&mut server, exit_fd);
+                stopped2.store(true, Ordering::Release);
+                // `server` (both socket ends) is dropped here: the backend sees the channel close.
+            })
+            .map_err(ShmWindowError::Spawn)?;
+        Ok((
+            BackendReqThread {
+                exit,
+                stopped,
+                thread: Some(thread),
+            },
+            tx_fd,
+        ))
+    }
+
+    /// Whether the loop has ended (channel closed or broken).
+    pub fn stopped(&self) -> bool {
+        self.stopped.load(Ordering::Acquire)
+    }
+
+    /// Stops the loop and joins the thread.
+    pub fn stop(&mut self) {
+        if let Some(t) = self.thread.take() {
+            if let Err(e) = self.exit.write(1) {
+                error!("cannot signal backend request thread: {e}");
+            }
+            if t.join().is_err() {
+                error!("backend request thread panicked");
+            }
+        }
+    }
+}
+
+impl Drop for BackendReqThread {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn serve<S: VhostUserFrontendReqHandler>(server: &mut FrontendReqHandler<S>, exit_fd: RawFd) {
+    let sock = server.as_raw_fd();
+    loop {
+        let mut fds = [
+            libc::pollfd {
+                fd: sock,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: exit_fd,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: `fds` is a valid array of two pollfd structs for the duration of the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            error!("poll on backend request channel failed: {e}");
+            return;
+        }
+        if fds[1].revents != 0 {
+            debug!("backend request thread: exit requested");
+            return;
+        }
+        if fds[0].revents == 0 {
+            continue;
+        }
+        match server.handle_request() {
+            Ok(_) => {}
+            // The handler refused the request; the error reply has been sent.
+            Err(VuError::ReqHandlerError(e)) => debug!("backend request refused: {e}"),
+            Err(VuError::Disconnected) | Err(VuError::PartialMessage) => {
+                debug!("backend request channel closed");
+                return;
+            }
+            // Anything else leaves the channel in an unknown state (possibly with the
+            // backend waiting for a reply that will never come): close it.
+            Err(e) => {
+                warn!("backend request channel broken, closing it: {e}");
+                return;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::FromRawFd;
+
+    fn memfd_page(fill: u8) -> std::fs::File {
+        // SAFETY: valid NUL-terminated name.
+        let fd = unsafe { libc::memfd_create(c"t".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: fresh fd.
+        let f = unsafe { std::fs::File::from_raw_fd(fd) };
+        use std::os::unix::fs::FileExt;
+        f.write_all_at(&[fill; 4096], 0).unwrap();
+        f
+    }
+
+    #[test]
+    fn map_unmap_bounds() {
+        let w = ShmWindow::new(0, 16 * PAGE_SIZE).unwrap();
+        let f = memfd_page(0x5a);
+        w.map(0, PAGE_SIZE, PAGE_SIZE, f.as_raw_fd(), 0, true)
+            .unwrap();
+        // SAFETY: test; the page was just mapped readable.
+        assert_eq!(
+            unsafe { w.base().add(PAGE_SIZE as usize + 7).read_volatile() },
+            0x5a
+        );
+        assert!(w
+            .map(0, 16 * PAGE_SIZE, PAGE_SIZE, f.as_raw_fd(), 0, true)
+            .is_err());
+        assert!(w
+            .map(0, 15 * PAGE_SIZE, 2 * PAGE_SIZE, f.as_raw_fd(), 0, true)
+            .is_err());
+        assert!(w.map(0, !0xfff, PAGE_SIZE, f.as_raw_fd(), 0, true).is_err());
+        assert!(w.map(0, 100, PAGE_SIZE, f.as_raw_fd(), 0, true).is_err());
+        assert!(w.map(1, 0, PAGE_SIZE, f.as_raw_fd(), 0, true).is_err());
+        assert!(w.map(0, 0, PAGE_SIZE, f.as_raw_fd(), 1, true).is_err());
+        w.unmap(0, PAGE_SIZE, PAGE_SIZE).unwrap();
+        assert!(w.unmap(0, 0, 17 * PAGE_SIZE).is_err());
+        assert_eq!((w.maps(), w.unmaps()), (1, 1));
+    }
+}
