@@ -11,13 +11,22 @@ cargo test --workspace --release 2>&1
 
 if [ "${SKIP_FUZZ:-0}" != "1" ]; then
     ci/install-fuzz.sh
-    for target in $(cd protocol && cargo fuzz list); do
-        echo "== fuzz protocol/$target for ${FUZZ_SECONDS}s"
-        # cargo-fuzz needs nightly flags; RUSTC_BOOTSTRAP lets the stable toolchain accept them.
-        (cd protocol && RUSTC_BOOTSTRAP=1 cargo fuzz run "$target" -- \
-            -max_total_time="$FUZZ_SECONDS" -rss_limit_mb=2048 2>&1 | grep -E "^(Done|#[0-9]+.*DONE)|panicked|SUMMARY" || true)
-        (cd protocol && test ! -d "fuzz/artifacts/$target" -o -z "$(ls -A "fuzz/artifacts/$target" 2>/dev/null)") || {
-            echo "fuzz target $target found a crash:"; ls "protocol/fuzz/artifacts/$target"; exit 1; }
+    # Every parser of guest input has a fuzz target: the protocol decoders and the
+    # backend's request handling (a whole session driven by arbitrary bytes).
+    for crate in protocol vgpu-backend; do
+        for target in $(cd "$crate" && cargo fuzz list); do
+            echo "== fuzz $crate/$target for ${FUZZ_SECONDS}s"
+            rm -rf "$crate/fuzz/artifacts/$target"
+            # cargo-fuzz needs nightly flags; RUSTC_BOOTSTRAP lets stable accept them.
+            (cd "$crate" && RUSTC_BOOTSTRAP=1 cargo fuzz run "$target" -- \
+                -max_total_time="$FUZZ_SECONDS" -rss_limit_mb=2048 2>&1 \
+                | grep -E "^Done|panicked|SUMMARY|deadly" || true)
+            if [ -n "$(ls -A "$crate/fuzz/artifacts/$target" 2>/dev/null)" ]; then
+                echo "fuzz target $crate/$target found a crash:"
+                ls "$crate/fuzz/artifacts/$target"
+                exit 1
+            fi
+        done
     done
 fi
 echo "== all tests passed"

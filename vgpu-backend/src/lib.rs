@@ -1,1 +1,343 @@
-//! placeholder
+//! `vgpu-backend`: the vhost-user backend of the vgpu paravirtual GPU. One process serves
+//! many VMs (one unix socket each) and multiplexes one GPU (a [`Gpu`] HAL) among them.
+//!
+//! Layout, in the style of rust-vmm's vhost-device crates:
+//! - [`vhu_vgpu`]: `VhostUserBackend` — features, config space, shared-memory region,
+//!   control and event virtqueues;
+//! - [`session`]: per-VM state (what each guest process owns) and teardown;
+//! - [`requests`]: validation and execution of control requests;
+//! - [`guest_mem`]: the GPU's view of a VM's guest memory ([`SysMemory`](vgpu_host_shim::SysMemory));
+//! - [`shmem`]: the BAR window (control-page slots, VRAM aperture) and SHMEM_MAP/UNMAP;
+//! - [`events`]: GPU events → per-VM FIFO → event virtqueue.
+//!
+//! # What a frontend must do
+//!
+//! - Negotiate `VHOST_USER_F_PROTOCOL_FEATURES` and the protocol features `CONFIG`,
+//!   `BACKEND_REQ` (+ `BACKEND_SEND_FD`), `REPLY_ACK` and `SHMEM` (offered besides:
+//!   `MQ`, `CONFIGURE_MEM_SLOTS`, `RESET_DEVICE` — a frontend that acks the latter should
+//!   send `RESET_DEVICE` when the driver resets the device, which frees the guest's GPU
+//!   objects; without it they are freed only on disconnect). Virtio features offered: `VERSION_1`, `INDIRECT_DESC`,
+//!   `EVENT_IDX`, `NOTIFY_ON_EMPTY`.
+//! - Send `SET_BACKEND_REQ_FD` before the driver creates a channel or maps an aperture:
+//!   without it those requests fail with `Unsupported` (everything else works). With
+//!   `REPLY_ACK` acked, every SHMEM_MAP/UNMAP waits for the frontend's ack, so a request's
+//!   reply is only sent once the BAR shows the mapping. Without `REPLY_ACK` the backend
+//!   cannot know whether a mapping failed.
+//! - Serve backend requests on a thread that is not blocked waiting for replies on the
+//!   main socket: a control request may send SHMEM_MAP while the frontend talks to us.
+//! - Expose the shared-memory region reported by `GET_SHMEM_CONFIG` (one region, id
+//!   [`SHM_REGION_ID`](vgpu_protocol::device::SHM_REGION_ID), size
+//!   [`SHM_SIZE`](vgpu_protocol::device::SHM_SIZE)) as the device's BAR window.
+//! - On disconnect, drop every mapping it placed in that region: the backend frees the
+//!   VM's GPU objects (VRAM and control pages may then go to another VM) without being
+//!   able to send SHMEM_UNMAP over a dead connection.
+//!
+//! # Restart and reconnect
+//!
+//! Each VM socket serves one frontend connection at a time; when it closes, all of the
+//! VM's contexts, channels and VRAM are destroyed in the HAL and the socket listens again
+//! (the same happens on `RESET_DEVICE`, with SHMEM_UNMAPs since the frontend is still
+//! there). Nothing of a guest's GPU state survives a disconnect or a backend restart: the
+//! guest driver must re-create its contexts, buffers and channels. Per-PID busy-time books
+//! and the request/error/disconnect counters of a VM do survive reconnects (not restarts).
+
+pub mod error;
+pub mod events;
+pub mod guest_mem;
+pub mod requests;
+pub mod session;
+pub mod shmem;
+pub mod vhu_vgpu;
+
+use std::collections::BTreeMap;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use log::{error, info, warn};
+use vhost::vhost_user::{Error as VhostUserError, Listener};
+use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
+use vm_memory::GuestMemoryAtomic;
+use vmm_sys_util::epoll::EventSet;
+
+pub use error::{BackendError, ShmError};
+pub use events::{EventQueue, EVENT_FIFO_CAPACITY};
+pub use guest_mem::{GuestMemory, GuestSysMemory};
+pub use session::{Session, SessionShared, SessionState, VmLimits, VmStats};
+pub use shmem::{NullShm, ShmMapper, VhostShm};
+pub use vgpu_host_shim::Gpu;
+
+use crate::shmem::NullShm as Gone;
+use crate::vhu_vgpu::{VhuVgpu, EVENT_FD_TOKEN};
+
+/// One served VM.
+pub(crate) struct VmState {
+    pub(crate) name: String,
+    socket: PathBuf,
+    limits: VmLimits,
+    gpu_vram: u64,
+    pub(crate) shared: Arc<SessionShared>,
+    session: Mutex<Session>,
+    connected: AtomicBool,
+    conn: Mutex<Option<ShutdownHandle>>,
+}
+
+impl VmState {
+    pub(crate) fn lock_session(&self) -> MutexGuard<'_, Session> {
+        self.session.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// VRAM the config space advertises: the VM's limit, at most the GPU's size.
+    pub(crate) fn config_vram_bytes(&self) -> u64 {
+        self.limits.vram_bytes.min(self.gpu_vram)
+    }
+}
+
+/// The backend: a GPU shared by the VMs it serves.
+pub struct VgpuBackend {
+    gpu: Arc<dyn Gpu>,
+    defaults: VmLimits,
+    vms: Mutex<BTreeMap<String, Arc<VmState>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    stop: Arc<AtomicBool>,
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        && !name.starts_with('.')
+}
+
+impl VgpuBackend {
+    /// A backend for `gpu`; VMs get `defaults` as their limits unless told otherwise.
+    pub fn new(gpu: Arc<dyn Gpu>, defaults: VmLimits) -> Arc<Self> {
+        Arc::new(VgpuBackend {
+            gpu,
+            defaults,
+            vms: Mutex::new(BTreeMap::new()),
+            threads: Mutex::new(Vec::new()),
+            stop: Arc::new(AtomicBool::new(false)),
+        })
+    }
+
+    pub fn gpu(&self) -> &Arc<dyn Gpu> {
+        &self.gpu
+    }
+
+    fn lock_vms(&self) -> MutexGuard<'_, BTreeMap<String, Arc<VmState>>> {
+        self.vms.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn vm(&self, name: &str) -> Option<Arc<VmState>> {
+        self.lock_vms().get(name).cloned()
+    }
+
+    /// Serves VM `name` on the unix socket `socket` with the default limits.
+    pub fn serve_vm(self: &Arc<Self>, name: &str, socket: &Path) -> Result<(), BackendError> {
+        self.serve_vm_with_limits(name, socket, self.defaults)
+    }
+
+    /// Serves VM `name` on `socket`: a thread listens (a stale socket file is removed
+    /// first), serves one frontend at a time, tears the VM's GPU state down when the
+    /// frontend disconnects, and listens again.
+    pub fn serve_vm_with_limits(
+        self: &Arc<Self>,
+        name: &str,
+        socket: &Path,
+        limits: VmLimits,
+    ) -> Result<(), BackendError> {
+        if self.stop.load(Ordering::Acquire) {
+            return Err(BackendError::ShuttingDown);
+        }
+        if !valid_name(name) {
+            return Err(BackendError::InvalidName(name.to_string()));
+        }
+        let mut vms = self.lock_vms();
+        if vms.contains_key(name) {
+            return Err(BackendError::DuplicateVm(name.to_string()));
+        }
+        match std::fs::symlink_metadata(socket) {
+            Ok(md) if md.file_type().is_socket() => {
+                std::fs::remove_file(socket).map_err(|source| BackendError::Socket {
+                    path: socket.to_path_buf(),
+                    source,
+                })?;
+            }
+            Ok(_) => {
+                return Err(BackendError::NotASocket {
+                    path: socket.to_path_buf(),
+                })
+            }
+            Err(_) => {}
+        }
+        let listener = Listener::new(socket, true).map_err(|e| BackendError::Socket {
+            path: socket.to_path_buf(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        let events = Arc::new(EventQueue::new(EVENT_FIFO_CAPACITY).map_err(BackendError::EventFd)?);
+        let shared = Arc::new(SessionShared::new(events));
+        let vm = Arc::new(VmState {
+            name: name.to_string(),
+            socket: socket.to_path_buf(),
+            limits,
+            gpu_vram: self.gpu.info().vram_bytes,
+            session: Mutex::new(Session::with_shared(
+                self.gpu.clone(),
+                limits,
+                shared.clone(),
+            )),
+            shared,
+            connected: AtomicBool::new(false),
+            conn: Mutex::new(None),
+        });
+        let stop = self.stop.clone();
+        let vm2 = vm.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("vgpu-vm-{name}"))
+            .spawn(move || serve_loop(vm2, listener, stop))
+            .map_err(BackendError::Thread)?;
+        vms.insert(name.to_string(), vm);
+        self.threads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(handle);
+        info!("VM {name}: listening on {}", socket.display());
+        Ok(())
+    }
+
+    /// Names of the served VMs.
+    pub fn vm_names(&self) -> Vec<String> {
+        self.lock_vms().keys().cloned().collect()
+    }
+
+    /// Usage and counters of a VM.
+    pub fn vm_stats(&self, name: &str) -> Option<VmStats> {
+        let vm = self.vm(name)?;
+        let mut s = vm.shared.stats();
+        s.connected = vm.connected.load(Ordering::Acquire);
+        Some(s)
+    }
+
+    /// The limits a VM runs with.
+    pub fn vm_limits(&self, name: &str) -> Option<VmLimits> {
+        self.vm(name).map(|vm| vm.limits)
+    }
+
+    /// GPU busy time of a VM per guest PID (live and destroyed channels), sorted by PID.
+    pub fn process_busy_ns(&self, name: &str) -> Vec<(u32, u64)> {
+        match self.vm(name) {
+            Some(vm) => vm.shared.process_busy_ns(self.gpu.as_ref()),
+            None => Vec::new(),
+        }
+    }
+
+    /// Stops serving (best effort): closes connections, wakes listeners, tears sessions
+    /// down and waits a few seconds for the VM threads.
+    pub fn shutdown(&self) {
+        if self.stop.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let vms: Vec<Arc<VmState>> = self.lock_vms().values().cloned().collect();
+        for vm in &vms {
+            if let Some(h) = vm.conn.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+                h.shutdown();
+            }
+            // Wake a thread blocked in accept(); it sees the stop flag.
+            if let Ok(s) = UnixStream::connect(&vm.socket) {
+                drop(s);
+            }
+        }
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for t in threads {
+            while !t.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if t.is_finished() {
+                let _ = t.join();
+            } else {
+                warn!("a VM thread did not stop in time");
+            }
+        }
+        for vm in &vms {
+            vm.lock_session().teardown(&Gone);
+        }
+    }
+}
+
+impl Drop for VgpuBackend {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn serve_loop(vm: Arc<VmState>, mut listener: Listener, stop: Arc<AtomicBool>) {
+    while !stop.load(Ordering::Acquire) {
+        if let Err(e) = serve_connection(&vm, &mut listener, &stop) {
+            error!("VM {}: {e}", vm.name);
+            // Do not spin on a persistent error.
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    let _ = std::fs::remove_file(&vm.socket);
+    info!("VM {}: stopped serving", vm.name);
+}
+
+fn vhost_err(e: impl std::fmt::Display) -> BackendError {
+    BackendError::VhostUser(e.to_string())
+}
+
+/// Serves one frontend connection, then tears the VM's session down.
+fn serve_connection(
+    vm: &Arc<VmState>,
+    listener: &mut Listener,
+    stop: &AtomicBool,
+) -> Result<(), BackendError> {
+    let mem = GuestMemoryAtomic::new(GuestMemory::new());
+    let dev = Arc::new(VhuVgpu::new(vm.clone(), mem.clone()).map_err(BackendError::EventFd)?);
+    let mut daemon =
+        VhostUserDaemon::new(format!("vgpu-{}", vm.name), dev.clone(), mem).map_err(vhost_err)?;
+    if let Some(fd) = vm.shared.events.notifier() {
+        for h in daemon.get_epoll_handlers() {
+            h.register_listener(fd.as_raw_fd(), EventSet::IN, EVENT_FD_TOKEN)
+                .map_err(BackendError::EventFd)?;
+        }
+    }
+    // Blocks until a frontend connects.
+    daemon.start(listener).map_err(vhost_err)?;
+    if stop.load(Ordering::Acquire) {
+        daemon.request_shutdown();
+    }
+    *vm.conn.lock().unwrap_or_else(|e| e.into_inner()) = daemon.shutdown_handle();
+    vm.connected.store(true, Ordering::Release);
+    if !stop.load(Ordering::Acquire) {
+        info!("VM {}: frontend connected", vm.name);
+    }
+    let result = daemon.wait();
+    vm.connected.store(false, Ordering::Release);
+    *vm.conn.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    dev.stop_worker();
+    // Dropping the daemon joins its vring worker: no request runs after this.
+    drop(daemon);
+    vm.lock_session().teardown(&Gone);
+    vm.shared.count_disconnect();
+    info!("VM {}: frontend disconnected, GPU state freed", vm.name);
+    match result {
+        Ok(()) => Ok(()),
+        Err(vhost_user_backend::Error::HandleRequest(
+            VhostUserError::Disconnected | VhostUserError::PartialMessage,
+        )) => Ok(()),
+        Err(e) => Err(vhost_err(e)),
+    }
+}
+
+#[cfg(test)]
+mod session_tests;

@@ -35,6 +35,12 @@ impl Device {
         Self::new(Arc::new(NativeTransport::new(gpu)))
     }
 
+    /// Opens the vgpu device of a loopback VM as guest process `pid`.
+    #[cfg(feature = "loopback")]
+    pub fn loopback(vm: Arc<vgpu_vmm::loopback::LoopbackVm>, pid: u32) -> Result<Self> {
+        Self::new(Arc::new(crate::loopback::LoopbackTransport::new(vm, pid)))
+    }
+
     pub fn info(&self) -> &DeviceInfo {
         &self.info
     }

@@ -25,6 +25,8 @@ mod context;
 mod control;
 mod device;
 mod error;
+#[cfg(feature = "loopback")]
+pub mod loopback;
 pub mod mmap;
 mod native;
 mod pushbuf;

@@ -50,21 +50,27 @@ fn demo_runs_every_tenant() {
         String::from_utf8_lossy(&out.stderr)
     );
     let summary = text.split("summary").nth(1).expect("summary table");
-    for t in [
-        "vm1/throttle-2ms",
-        "vm2/throttle-200us",
-        "vm3/saxpy",
-        "vm3/hotspot",
-        "vm4/sgemm",
+    // Every guest process of every VM got GPU time through the backend.
+    for (vm, pid, w) in [
+        ("vm1", "101", "throttle-2ms"),
+        ("vm2", "201", "throttle-200us"),
+        ("vm3", "301", "saxpy"),
+        ("vm3", "302", "hotspot"),
+        ("vm4", "401", "sgemm"),
     ] {
-        let row = summary.lines().find(|l| l.starts_with(t)).expect(t);
+        let row = summary
+            .lines()
+            .find(|l| l.split_whitespace().take(3).eq([vm, pid, w]))
+            .unwrap_or_else(|| panic!("{vm}/{w} missing:\n{summary}"));
         let share: f64 = row
             .split_whitespace()
-            .nth(1)
+            .nth(3)
             .unwrap()
             .trim_end_matches('%')
             .parse()
             .unwrap();
-        assert!(share > 0.0, "{t} got no GPU time: {row}");
+        assert!(share > 0.0, "{vm}/{w} got no GPU time: {row}");
+        let failures: u64 = row.split_whitespace().last().unwrap().parse().unwrap();
+        assert_eq!(failures, 0, "{row}");
     }
 }

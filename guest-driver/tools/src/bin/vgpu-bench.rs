@@ -4,6 +4,7 @@
 use clap::{Parser, Subcommand};
 use vgpu_tools::report::{print_json, print_table, Figure};
 use vgpu_tools::suites::sim::{self, SimOpts};
+use vgpu_tools::suites::virt::{self, VirtOpts};
 
 #[derive(Parser)]
 #[command(version, about = "vgpu benchmarks")]
@@ -22,6 +23,8 @@ struct Cli {
 enum Suite {
     /// The GPU model natively: dispatch rate, submission latency, copy engine, sgemm.
     Sim,
+    /// The same workloads natively and through vgpu-backend + a loopback VM, side by side.
+    Virt,
 }
 
 fn main() {
@@ -35,6 +38,14 @@ fn main() {
                 SimOpts::full()
             };
             sim::run(&opts).map_err(|e| e.to_string())
+        }
+        Suite::Virt => {
+            let opts = if cli.quick {
+                VirtOpts::quick()
+            } else {
+                VirtOpts::full()
+            };
+            virt::run(&opts).map_err(|e| e.to_string())
         }
     };
     match result {

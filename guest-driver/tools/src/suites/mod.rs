@@ -1,3 +1,4 @@
 //! `vgpu-bench` suites: one module per suite, each returning its figures.
 
 pub mod sim;
+pub mod virt;

@@ -1,0 +1,334 @@
+//! The loopback transport: resource requests go over the vgpu device's control virtqueue
+//! to a real `vgpu-backend` through the loopback vhost-user frontend, exactly as a guest
+//! driver would send them; channel control pages and VRAM apertures are pages the backend
+//! mapped into the device's shared-memory window (the BAR). Host buffers are guest RAM
+//! handed to the backend as guest-physical scatter-gather lists.
+
+use std::collections::HashMap;
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex};
+
+use vgpu_host_shim::hal::{MapFlags, PageSize};
+use vgpu_protocol::device::slot_offset;
+use vgpu_protocol::request::{
+    decode_reply, GuestRange, Op, ReplyBody, Request, MAP_READ_ONLY, PAGE_2M, PAGE_4K, PAGE_64K,
+};
+use vgpu_protocol::ErrorCode;
+use vgpu_vmm::{GuestAlloc, LoopbackVm};
+
+use crate::error::{Error, Result};
+use crate::transport::{
+    ChanHandle, ChannelDesc, CpuPtr, CtxHandle, DeviceInfo, MemHandle, Transport,
+};
+
+enum Backing {
+    Vram { mem: u32, aperture: Option<u64> },
+    Host { alloc: GuestAlloc },
+}
+
+struct Mem {
+    ctx: CtxHandle,
+    size: u64,
+    backing: Backing,
+}
+
+#[derive(Default)]
+struct State {
+    mems: HashMap<MemHandle, Mem>,
+    next: u64,
+}
+
+/// One guest "process" (identified by `pid`) talking to the device of a loopback VM.
+pub struct LoopbackTransport {
+    vm: Arc<LoopbackVm>,
+    pid: u32,
+    state: Mutex<State>,
+}
+
+fn page_code(page: PageSize) -> u32 {
+    match page {
+        PageSize::Small4K => PAGE_4K,
+        PageSize::Big64K => PAGE_64K,
+        PageSize::Huge2M => PAGE_2M,
+    }
+}
+
+fn transport_err(e: impl std::fmt::Display) -> Error {
+    Error::Os {
+        what: "loopback device",
+        source: std::io::Error::other(e.to_string()),
+    }
+}
+
+impl LoopbackTransport {
+    pub fn new(vm: Arc<LoopbackVm>, pid: u32) -> Self {
+        LoopbackTransport {
+            vm,
+            pid,
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Sends one request and decodes its reply.
+    fn call(&self, ctx: u32, op: Op) -> Result<ReplyBody> {
+        let req = Request {
+            pid: self.pid,
+            ctx,
+            op,
+        };
+        let reply = self.vm.request(&req.encode()).map_err(transport_err)?;
+        match decode_reply(req.opcode(), &reply).map_err(transport_err)? {
+            Ok(body) => Ok(body),
+            Err(code) => Err(Error::Device(code)),
+        }
+    }
+
+    fn ctx_id(ctx: CtxHandle) -> Result<u32> {
+        u32::try_from(ctx.0).map_err(|_| Error::UnknownHandle("context"))
+    }
+
+    fn shm_ptr(&self, offset: u64, len: u64) -> Result<CpuPtr> {
+        let end = offset
+            .checked_add(len)
+            .filter(|&e| e <= self.vm.shm_len())
+            .ok_or(Error::Device(ErrorCode::Internal))?;
+        let _ = end;
+        let p = self.vm.shm_base().wrapping_add(offset as usize);
+        let p = NonNull::new(p).ok_or(Error::Device(ErrorCode::Internal))?;
+        // SAFETY: the range lies inside the VM's shared-memory window (checked above),
+        // which stays reserved while the LoopbackVm lives; the backend keeps the page
+        // mapped there until the object is destroyed through this transport.
+        Ok(unsafe { CpuPtr::new(p, len as usize) })
+    }
+
+    fn release(&self, m: Mem) -> Result<()> {
+        let ctx = Self::ctx_id(m.ctx)?;
+        match m.backing {
+            Backing::Vram { mem, aperture } => {
+                if aperture.is_some() {
+                    self.call(ctx, Op::UnmapAperture { mem })?;
+                }
+                self.call(ctx, Op::FreeMem { mem })?;
+            }
+            Backing::Host { alloc } => {
+                self.vm.free_guest(alloc.gpa).map_err(transport_err)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Transport for LoopbackTransport {
+    fn info(&self) -> Result<DeviceInfo> {
+        match self.call(0, Op::GetInfo)? {
+            ReplyBody::Info(i) => Ok(DeviceInfo {
+                transport: "loopback",
+                name: "vgpu (loopback)".into(),
+                protocol_version: i.version,
+                vram_bytes: i.vram_bytes,
+                compute_engines: i.compute_engines,
+                max_channels: i.channel_slots,
+                max_contexts: i.max_contexts,
+            }),
+            _ => Err(Error::Device(ErrorCode::Internal)),
+        }
+    }
+
+    fn create_context(&self) -> Result<CtxHandle> {
+        match self.call(0, Op::CreateContext)? {
+            ReplyBody::Context { ctx } => Ok(CtxHandle(ctx as u64)),
+            _ => Err(Error::Device(ErrorCode::Internal)),
+        }
+    }
+
+    fn destroy_context(&self, ctx: CtxHandle) -> Result<()> {
+        // The backend frees the context's channels, mappings and VRAM; guest RAM is ours.
+        self.call(Self::ctx_id(ctx)?, Op::DestroyContext)?;
+        let mut st = self.state();
+        let handles: Vec<MemHandle> = st
+            .mems
+            .iter()
+            .filter(|(_, m)| m.ctx == ctx)
+            .map(|(h, _)| *h)
+            .collect();
+        for h in handles {
+            if let Some(Mem {
+                backing: Backing::Host { alloc },
+                ..
+            }) = st.mems.remove(&h)
+            {
+                if let Err(e) = self.vm.free_guest(alloc.gpa) {
+                    log::warn!("freeing guest memory of a destroyed context: {e}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn alloc_vram(&self, ctx: CtxHandle, size: u64, align: u64) -> Result<MemHandle> {
+        let (mem, size) = match self.call(Self::ctx_id(ctx)?, Op::AllocVram { size, align })? {
+            ReplyBody::Mem { mem, size } => (mem, size),
+            _ => return Err(Error::Device(ErrorCode::Internal)),
+        };
+        let mut st = self.state();
+        st.next += 1;
+        let h = MemHandle(st.next);
+        st.mems.insert(
+            h,
+            Mem {
+                ctx,
+                size,
+                backing: Backing::Vram {
+                    mem,
+                    aperture: None,
+                },
+            },
+        );
+        Ok(h)
+    }
+
+    fn alloc_host(&self, ctx: CtxHandle, size: u64, align: u64) -> Result<MemHandle> {
+        let alloc = self.vm.alloc_guest(size, align).map_err(transport_err)?;
+        // SAFETY: `alloc` is a fresh allocation of `alloc.len` bytes of guest RAM mapped
+        // in this process; nothing else uses it yet.
+        unsafe { std::ptr::write_bytes(alloc.ptr, 0, alloc.len as usize) };
+        let mut st = self.state();
+        st.next += 1;
+        let h = MemHandle(st.next);
+        st.mems.insert(
+            h,
+            Mem {
+                ctx,
+                size,
+                backing: Backing::Host { alloc },
+            },
+        );
+        Ok(h)
+    }
+
+    fn free_mem(&self, ctx: CtxHandle, mem: MemHandle) -> Result<()> {
+        let m = {
+            let mut st = self.state();
+            match st.mems.get(&mem) {
+                Some(m) if m.ctx == ctx => {}
+                _ => return Err(Error::UnknownHandle("memory")),
+            }
+            st.mems.remove(&mem).ok_or(Error::UnknownHandle("memory"))?
+        };
+        self.release(m)
+    }
+
+    fn cpu_map(&self, ctx: CtxHandle, mem: MemHandle) -> Result<CpuPtr> {
+        let (vram_mem, size) = {
+            let st = self.state();
+            let m = st
+                .mems
+                .get(&mem)
+                .filter(|m| m.ctx == ctx)
+                .ok_or(Error::UnknownHandle("memory"))?;
+            match &m.backing {
+                Backing::Host { alloc } => {
+                    let p = NonNull::new(alloc.ptr).ok_or(Error::UnknownHandle("memory"))?;
+                    // SAFETY: guest RAM of this VM, owned by this allocation until freed.
+                    return Ok(unsafe { CpuPtr::new(p, alloc.len as usize) });
+                }
+                Backing::Vram {
+                    aperture: Some(off),
+                    ..
+                } => return self.shm_ptr(*off, m.size),
+                Backing::Vram {
+                    mem,
+                    aperture: None,
+                } => (*mem, m.size),
+            }
+        };
+        let offset = match self.call(Self::ctx_id(ctx)?, Op::MapAperture { mem: vram_mem })? {
+            ReplyBody::Aperture { offset } => offset,
+            _ => return Err(Error::Device(ErrorCode::Internal)),
+        };
+        if let Some(Mem {
+            backing: Backing::Vram { aperture, .. },
+            ..
+        }) = self.state().mems.get_mut(&mem)
+        {
+            *aperture = Some(offset);
+        }
+        self.shm_ptr(offset, size)
+    }
+
+    fn gpu_map(
+        &self,
+        ctx: CtxHandle,
+        mem: MemHandle,
+        va: u64,
+        page: PageSize,
+        flags: MapFlags,
+    ) -> Result<()> {
+        let flags = if flags.read_only { MAP_READ_ONLY } else { 0 };
+        let op = {
+            let st = self.state();
+            let m = st
+                .mems
+                .get(&mem)
+                .filter(|m| m.ctx == ctx)
+                .ok_or(Error::UnknownHandle("memory"))?;
+            match &m.backing {
+                Backing::Vram { mem, .. } => Op::MapVram {
+                    mem: *mem,
+                    flags,
+                    va,
+                    page: page_code(page),
+                },
+                Backing::Host { alloc } => Op::MapGuest {
+                    va,
+                    page: page_code(page),
+                    flags,
+                    ranges: vec![GuestRange {
+                        gpa: alloc.gpa,
+                        len: m.size,
+                    }],
+                },
+            }
+        };
+        self.call(Self::ctx_id(ctx)?, op).map(|_| ())
+    }
+
+    fn gpu_unmap(&self, ctx: CtxHandle, va: u64, _size: u64) -> Result<()> {
+        self.call(Self::ctx_id(ctx)?, Op::Unmap { va }).map(|_| ())
+    }
+
+    fn create_channel(
+        &self,
+        ctx: CtxHandle,
+        gp_ring_va: u64,
+        gp_entries: u32,
+    ) -> Result<ChannelDesc> {
+        let op = Op::CreateChannel {
+            gp_ring_va,
+            gp_entries,
+        };
+        let (channel, slot) = match self.call(Self::ctx_id(ctx)?, op)? {
+            ReplyBody::Channel { channel, slot } => (channel, slot),
+            _ => return Err(Error::Device(ErrorCode::Internal)),
+        };
+        let offset = slot_offset(slot).ok_or(Error::Device(ErrorCode::Internal))?;
+        Ok(ChannelDesc {
+            handle: ChanHandle(channel as u64),
+            control: self.shm_ptr(offset, vgpu_protocol::PAGE_SIZE)?,
+        })
+    }
+
+    fn destroy_channel(&self, ctx: CtxHandle, ch: ChanHandle) -> Result<()> {
+        let channel = u32::try_from(ch.0).map_err(|_| Error::UnknownHandle("channel"))?;
+        self.call(Self::ctx_id(ctx)?, Op::DestroyChannel { channel })
+            .map(|_| ())
+    }
+
+    fn doorbell(&self, _ch: ChanHandle) {
+        // No doorbell: ringing one would be an exit. The GPU polls GP_PUT.
+    }
+}

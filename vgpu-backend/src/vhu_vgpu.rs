@@ -1,0 +1,411 @@
+//! The vhost-user device: `VhostUserBackend` for one connection of one VM.
+//!
+//! Queues: 0 = control (driver → device requests, each chain = readable request then a
+//! writable reply buffer), 1 = event (driver posts writable buffers, the device fills them
+//! with 24-byte events). Both are served by the single vring worker thread that
+//! vhost-user-backend runs per connection; GPU events reach it through an eventfd that is
+//! registered as an extra listener of the worker's epoll set (see [`crate::events`]).
+//!
+//! Teardown happens on disconnect (see the crate docs) and on `VHOST_USER_RESET_DEVICE`.
+//! Stopping a vring (`GET_VRING_BASE`) keeps the session: a stopped VM (or one being
+//! migrated) keeps its GPU objects.
+//!
+//! vhost-user-backend registers the exit eventfd we return from `exit_event` with
+//! `into_raw_fd` and never closes it: one eventfd per connection stays open. Without an
+//! exit event the library could not stop the vring worker at all.
+//!
+//! Nothing here trusts the guest: malformed chains get an error reply (or a zero-length
+//! used entry when there is nowhere to write one), never a panic or a disconnect; errors
+//! from `handle_event` would stop the worker thread, so it only returns errors for
+//! failures of the host side (eventfds).
+
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+
+use log::{debug, warn};
+use vgpu_protocol::device::{
+    DeviceConfig, APERTURE_OFFSET, APERTURE_SIZE, CHANNEL_SLOTS, CONTROL_QUEUE, EVENT_QUEUE,
+    NUM_QUEUES, QUEUE_SIZE, SHM_REGION_ID, SHM_SIZE,
+};
+use vgpu_protocol::request::{EVENT_SIZE, MAX_REQUEST_SIZE};
+use vgpu_protocol::{ErrorCode, PROTOCOL_VERSION};
+use vhost::vhost_user::message::{
+    VhostUserProtocolFeatures, VhostUserShMemConfig, VhostUserVirtioFeatures,
+};
+use vhost::vhost_user::Backend;
+use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
+use virtio_bindings::bindings::virtio_config::{VIRTIO_F_NOTIFY_ON_EMPTY, VIRTIO_F_VERSION_1};
+use virtio_bindings::bindings::virtio_ring::{
+    VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
+};
+use virtio_queue::{DescriptorChain, QueueT};
+use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{
+    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
+};
+
+use crate::guest_mem::GuestMemory;
+use crate::shmem::VhostShm;
+use crate::VmState;
+
+/// Guest memory as vhost-user-backend hands it over.
+pub type GuestMemoryAtomicMmap = GuestMemoryAtomic<GuestMemory>;
+/// The vring type of this device.
+pub type Vring = VringRwLock<GuestMemoryAtomicMmap>;
+
+/// Epoll token of the per-VM event eventfd (tokens `0..=NUM_QUEUES` are the library's).
+pub const EVENT_FD_TOKEN: u64 = NUM_QUEUES as u64 + 1;
+
+/// Virtio feature bits the device offers.
+pub fn device_features() -> u64 {
+    (1 << VIRTIO_F_VERSION_1)
+        | (1 << VIRTIO_F_NOTIFY_ON_EMPTY)
+        | (1 << VIRTIO_RING_F_INDIRECT_DESC)
+        | (1 << VIRTIO_RING_F_EVENT_IDX)
+        | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+}
+
+/// vhost-user protocol features the device offers.
+pub fn device_protocol_features() -> VhostUserProtocolFeatures {
+    VhostUserProtocolFeatures::MQ
+        | VhostUserProtocolFeatures::CONFIG
+        | VhostUserProtocolFeatures::BACKEND_REQ
+        | VhostUserProtocolFeatures::BACKEND_SEND_FD
+        | VhostUserProtocolFeatures::REPLY_ACK
+        | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+        | VhostUserProtocolFeatures::RESET_DEVICE
+        | VhostUserProtocolFeatures::SHMEM
+}
+
+/// The device's virtio config space.
+pub fn device_config(vram_bytes: u64) -> DeviceConfig {
+    DeviceConfig {
+        version: PROTOCOL_VERSION,
+        channel_slots: CHANNEL_SLOTS,
+        aperture_offset: APERTURE_OFFSET,
+        aperture_size: APERTURE_SIZE,
+        vram_bytes,
+    }
+}
+
+/// One connection's device.
+pub struct VhuVgpu {
+    vm: Arc<VmState>,
+    mem: RwLock<GuestMemoryAtomicMmap>,
+    shm: VhostShm,
+    event_idx: AtomicBool,
+    exit: (EventConsumer, EventNotifier),
+    config: [u8; DeviceConfig::SIZE],
+}
+
+impl VhuVgpu {
+    pub(crate) fn new(vm: Arc<VmState>, mem: GuestMemoryAtomicMmap) -> io::Result<Self> {
+        let exit = new_event_consumer_and_notifier(EventFlag::NONBLOCK | EventFlag::CLOEXEC)?;
+        let config = device_config(vm.config_vram_bytes()).encode();
+        Ok(VhuVgpu {
+            vm,
+            mem: RwLock::new(mem),
+            shm: VhostShm::new(),
+            event_idx: AtomicBool::new(false),
+            exit,
+            config,
+        })
+    }
+
+    /// Tells the vring worker to exit.
+    pub(crate) fn stop_worker(&self) {
+        let _ = self.exit.1.notify();
+    }
+
+    fn memory(&self) -> GuestMemoryAtomicMmap {
+        self.mem.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Runs `drain` over the vring with the EVENT_IDX dance: with EVENT_IDX, notifications
+    /// are off while draining and re-armed after; a buffer that arrived meanwhile triggers
+    /// another round (while `more` says there is work for it).
+    fn with_notifications(
+        &self,
+        vring: &Vring,
+        mut drain: impl FnMut(&Vring),
+        more: impl Fn() -> bool,
+    ) {
+        let event_idx = self.event_idx.load(Ordering::Relaxed);
+        loop {
+            if event_idx {
+                if let Err(e) = vring.disable_notification() {
+                    warn!("disable notification: {e}");
+                }
+            }
+            drain(vring);
+            if !event_idx {
+                break;
+            }
+            match vring.enable_notification() {
+                Ok(true) if more() => continue,
+                Ok(_) => break,
+                Err(e) => {
+                    warn!("enable notification: {e}");
+                    break;
+                }
+            }
+        }
+    }
+
+    fn signal(vring: &Vring) {
+        match vring.needs_notification() {
+            Ok(true) => {
+                if let Err(e) = vring.signal_used_queue() {
+                    warn!("signal used queue: {e}");
+                }
+            }
+            Ok(false) => {}
+            Err(e) => warn!("needs notification: {e}"),
+        }
+    }
+
+    fn process_control(&self, vring: &Vring) {
+        self.with_notifications(vring, |v| self.drain_control(v), || true);
+    }
+
+    fn drain_control(&self, vring: &Vring) {
+        let atomic = self.memory();
+        let mem = atomic.memory();
+        let mut used = false;
+        loop {
+            let chain = vring
+                .get_mut()
+                .get_queue_mut()
+                .pop_descriptor_chain(mem.clone());
+            let Some(chain) = chain else { break };
+            let head = chain.head_index();
+            let len = self.serve_chain(chain, &mem);
+            if let Err(e) = vring.add_used(head, len) {
+                warn!("control queue: add_used: {e}");
+                break;
+            }
+            used = true;
+        }
+        if used {
+            Self::signal(vring);
+        }
+    }
+
+    /// Reads the request of one chain, handles it, writes the reply; returns the number of
+    /// bytes written.
+    fn serve_chain<M>(&self, chain: DescriptorChain<M>, mem: &GuestMemory) -> u32
+    where
+        M: std::ops::Deref<Target = GuestMemory>,
+    {
+        let mut req = Vec::new();
+        let mut writable = Vec::new();
+        let mut bad = None;
+        for desc in chain {
+            let len = desc.len() as usize;
+            if desc.is_write_only() {
+                writable.push((desc.addr(), len));
+                continue;
+            }
+            if !writable.is_empty() || req.len() + len > MAX_REQUEST_SIZE {
+                // Readable after writable, or longer than any request.
+                bad = Some(ErrorCode::InvalidArgument);
+                continue;
+            }
+            if bad.is_some() {
+                continue;
+            }
+            let start = req.len();
+            req.resize(start + len, 0);
+            if mem.read_slice(&mut req[start..], desc.addr()).is_err() {
+                bad = Some(ErrorCode::InvalidArgument);
+            }
+        }
+        let reply = {
+            let mut session = self.vm.lock_session();
+            match bad {
+                Some(code) => session.reject(code),
+                None => session.handle(&req, mem, &self.shm),
+            }
+        };
+        if writable.is_empty() {
+            debug!("control chain without a reply buffer");
+        }
+        write_buffers(mem, &writable, &reply) as u32
+    }
+
+    fn process_events(&self, vring: &Vring) {
+        {
+            let state = vring.get_ref();
+            if !state.get_queue().ready() || !state.is_enabled() {
+                return;
+            }
+        }
+        let events = self.vm.shared.events.clone();
+        self.with_notifications(vring, |v| self.drain_events(v), || !events.is_empty());
+    }
+
+    fn drain_events(&self, vring: &Vring) {
+        let atomic = self.memory();
+        let mem = atomic.memory();
+        let events = &self.vm.shared.events;
+        let mut used = false;
+        while let Some(ev) = events.pop() {
+            let chain = vring
+                .get_mut()
+                .get_queue_mut()
+                .pop_descriptor_chain(mem.clone());
+            let Some(chain) = chain else {
+                events.unpop(ev);
+                break;
+            };
+            let head = chain.head_index();
+            let writable: Vec<(GuestAddress, usize)> = chain
+                .filter(|d| d.is_write_only())
+                .map(|d| (d.addr(), d.len() as usize))
+                .collect();
+            let n = write_buffers(&mem, &writable, &ev.encode());
+            if n < EVENT_SIZE {
+                warn!("event queue: buffer too small or invalid ({n} bytes written)");
+                events.unpop(ev);
+            } else {
+                events.mark_delivered();
+            }
+            used = true;
+            let len = if n < EVENT_SIZE { 0 } else { n as u32 };
+            if let Err(e) = vring.add_used(head, len) {
+                warn!("event queue: add_used: {e}");
+                break;
+            }
+        }
+        if used {
+            Self::signal(vring);
+        }
+    }
+}
+
+/// Writes `data` across the writable buffers in order; returns the bytes written.
+fn write_buffers(mem: &GuestMemory, bufs: &[(GuestAddress, usize)], data: &[u8]) -> usize {
+    let mut done = 0;
+    for &(addr, len) in bufs {
+        if done >= data.len() {
+            break;
+        }
+        let n = len.min(data.len() - done);
+        if mem.write_slice(&data[done..done + n], addr).is_err() {
+            break;
+        }
+        done += n;
+    }
+    done
+}
+
+impl VhostUserBackend for VhuVgpu {
+    type Bitmap = ();
+    type Vring = Vring;
+
+    fn num_queues(&self) -> usize {
+        NUM_QUEUES
+    }
+
+    fn max_queue_size(&self) -> usize {
+        QUEUE_SIZE as usize
+    }
+
+    fn features(&self) -> u64 {
+        device_features()
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        device_protocol_features()
+    }
+
+    fn reset_device(&self) {
+        // The driver starts over: nothing it created may outlive the reset. BAR views are
+        // removed through the backend channel (the frontend must serve it on a thread of
+        // its own, as for every SHMEM request).
+        log::info!(
+            "VM {}: device reset, freeing the guest's GPU objects",
+            self.vm.name
+        );
+        self.vm.lock_session().teardown(&self.shm);
+    }
+
+    fn set_event_idx(&self, enabled: bool) {
+        self.event_idx.store(enabled, Ordering::Relaxed);
+    }
+
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        // The handler needs exactly `size` bytes; past the end the space reads as zero.
+        let mut out = vec![0u8; size as usize];
+        let start = offset as usize;
+        if let Some(src) = self.config.get(start..) {
+            let n = src.len().min(out.len());
+            out[..n].copy_from_slice(&src[..n]);
+        }
+        out
+    }
+
+    fn set_config(&self, _offset: u32, _buf: &[u8]) -> io::Result<()> {
+        Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "vgpu config space is read-only",
+        ))
+    }
+
+    fn update_memory(&self, mem: GuestMemoryAtomicMmap) -> io::Result<()> {
+        *self.mem.write().unwrap_or_else(|e| e.into_inner()) = mem;
+        Ok(())
+    }
+
+    fn set_backend_req_fd(&self, backend: Backend) {
+        debug!("VM {}: backend request channel set", self.vm.name);
+        self.shm.set_backend(backend);
+    }
+
+    fn get_shmem_config(&self) -> io::Result<VhostUserShMemConfig> {
+        let mut sizes = [0u64; SHM_REGION_ID as usize + 1];
+        sizes[SHM_REGION_ID as usize] = SHM_SIZE;
+        Ok(VhostUserShMemConfig::new(sizes.len() as u32, &sizes))
+    }
+
+    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        match (self.exit.0.try_clone(), self.exit.1.try_clone()) {
+            (Ok(c), Ok(n)) => Some((c, n)),
+            (Err(e), _) | (_, Err(e)) => {
+                warn!("cannot clone the exit event: {e}");
+                None
+            }
+        }
+    }
+
+    fn handle_event(
+        &self,
+        device_event: u16,
+        _evset: EventSet,
+        vrings: &[Self::Vring],
+        _thread_id: usize,
+    ) -> io::Result<()> {
+        match u64::from(device_event) {
+            t if t == u64::from(CONTROL_QUEUE) => {
+                if let Some(v) = vrings.get(CONTROL_QUEUE as usize) {
+                    self.process_control(v);
+                }
+            }
+            t if t == u64::from(EVENT_QUEUE) => {
+                if let Some(v) = vrings.get(EVENT_QUEUE as usize) {
+                    self.process_events(v);
+                }
+            }
+            EVENT_FD_TOKEN => {
+                self.vm.shared.events.consume_wakeup();
+                if let Some(v) = vrings.get(EVENT_QUEUE as usize) {
+                    self.process_events(v);
+                }
+            }
+            other => warn!("unexpected device event {other}"),
+        }
+        Ok(())
+    }
+}
