@@ -27,6 +27,8 @@ pub mod op {
     pub const CREATE_CHANNEL: u32 = 11;
     pub const DESTROY_CHANNEL: u32 = 12;
     pub const GET_STATS: u32 = 13;
+    /// API-remoting baseline: the host stores GP_PUT for the guest.
+    pub const SUBMIT: u32 = 14;
 }
 
 pub const HEADER_SIZE: usize = 16;
@@ -95,6 +97,13 @@ pub enum Op {
         channel: u32,
     },
     GetStats,
+    /// The API-remoting baseline: the device stores `gp_put` into the channel's control
+    /// page on the guest's behalf. The direct path (a plain store) is what vgpu is for;
+    /// this exists so benchmarks can measure what it saves.
+    Submit {
+        channel: u32,
+        gp_put: u32,
+    },
 }
 
 /// A request: who asks (`pid`), in which context (`ctx`, 0 where none applies), what.
@@ -194,6 +203,7 @@ impl Request {
             Op::CreateChannel { .. } => op::CREATE_CHANNEL,
             Op::DestroyChannel { .. } => op::DESTROY_CHANNEL,
             Op::GetStats => op::GET_STATS,
+            Op::Submit { .. } => op::SUBMIT,
         }
     }
 
@@ -255,6 +265,10 @@ impl Request {
             Op::DestroyChannel { channel } => {
                 p32(&mut o, *channel);
                 p32(&mut o, 0);
+            }
+            Op::Submit { channel, gp_put } => {
+                p32(&mut o, *channel);
+                p32(&mut o, *gp_put);
             }
         }
         o
@@ -340,6 +354,10 @@ impl Request {
                 r.zero32()?;
                 Op::DestroyChannel { channel }
             }
+            op::SUBMIT => Op::Submit {
+                channel: r.u32()?,
+                gp_put: r.u32()?,
+            },
             other => return Err(RequestError::UnknownOp(other)),
         };
         if r.at != b.len() {
@@ -574,6 +592,8 @@ mod tests {
                 gp_entries
             }),
             any::<u32>().prop_map(|channel| Op::DestroyChannel { channel }),
+            (any::<u32>(), any::<u32>())
+                .prop_map(|(channel, gp_put)| Op::Submit { channel, gp_put }),
         ]
     }
 

@@ -134,6 +134,7 @@ impl Session {
                 gp_entries,
             } => self.create_channel(pid, ctx, *gp_ring_va, *gp_entries, shm),
             Op::DestroyChannel { channel } => self.destroy_channel(pid, ctx, *channel, shm),
+            Op::Submit { channel, gp_put } => self.submit(pid, ctx, *channel, *gp_put),
         }
     }
 
@@ -671,6 +672,39 @@ impl Session {
         Ok(ReplyBody::Channel { channel: id, slot })
     }
 
+    /// API-remoting baseline: stores GP_PUT into the channel's real control page.
+    fn submit(&mut self, pid: u32, ctx: u32, channel: u32, gp_put: u32) -> Reply {
+        self.owned_ctx(pid, ctx)?;
+        let c = self
+            .state
+            .channels
+            .get(&channel)
+            .ok_or(ErrorCode::NotFound)?;
+        if c.pid != pid {
+            return Err(ErrorCode::PermissionDenied);
+        }
+        if c.ctx != ctx {
+            return Err(ErrorCode::NotFound);
+        }
+        let hch = *self.hal.channels.get(&channel).ok_or(ErrorCode::NotFound)?;
+        if !self.hal.control_maps.contains_key(&hch) {
+            // Drop mappings of channels that are gone before adding one.
+            let live = &self.hal.channels;
+            self.hal
+                .control_maps
+                .retain(|id, _| live.values().any(|h| h == id));
+            let page = self.gpu.control_page(hch).map_err(|e| e.code())?;
+            let map = crate::control_map::ControlMap::new(page).map_err(|e| {
+                warn!("SUBMIT: mapping the control page: {e}");
+                ErrorCode::Internal
+            })?;
+            self.hal.control_maps.insert(hch, map);
+        }
+        let map = self.hal.control_maps.get(&hch).ok_or(ErrorCode::Internal)?;
+        map.store(vgpu_protocol::ControlPage::GP_PUT, gp_put);
+        Ok(ReplyBody::Empty)
+    }
+
     fn destroy_channel(&mut self, pid: u32, ctx: u32, channel: u32, shm: &dyn ShmMapper) -> Reply {
         self.owned_ctx(pid, ctx)?;
         let c = self
@@ -694,6 +728,7 @@ impl Session {
         }
         self.state.channels.remove(&channel);
         if let Some(hch) = self.hal.channels.remove(&channel) {
+            self.hal.control_maps.remove(&hch);
             let mut book = self.shared.busy();
             book.retire(self.gpu.as_ref(), channel);
             if let Err(e) = self.gpu.destroy_channel(hch) {

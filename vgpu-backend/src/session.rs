@@ -152,6 +152,9 @@ pub struct HalHandles {
     pub contexts: BTreeMap<u32, (ContextId, Arc<GuestSysMemory>)>,
     pub vram: BTreeMap<u32, VramAlloc>,
     pub channels: BTreeMap<u32, ChannelId>,
+    /// The backend's own mappings of control pages, for SUBMIT (API-remoting baseline),
+    /// keyed by the HAL's channel id, which is never reused.
+    pub control_maps: BTreeMap<ChannelId, crate::control_map::ControlMap>,
 }
 
 /// Per-PID busy-time accounting: live channels (read from the HAL on demand) plus what

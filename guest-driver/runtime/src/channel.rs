@@ -83,6 +83,9 @@ pub struct Channel {
     submitted: u64,
     /// Publish GP_PUT through the transport (API-remoting baseline) instead of a store.
     api_remoting: bool,
+    /// Record the host clock just before each publish (for latency measurements).
+    stamp_publish: bool,
+    last_publish_ns: u64,
 }
 
 impl std::fmt::Debug for Channel {
@@ -192,6 +195,8 @@ impl Channel {
             args: RingArena::new(opts.arg_bytes),
             submitted: 0,
             api_remoting: false,
+            stamp_publish: false,
+            last_publish_ns: 0,
         })
     }
 
@@ -297,6 +302,9 @@ impl Channel {
         let slot = self.reserve_slot()?;
         self.mem.write(slot, entry)?;
         let seq = self.put.wrapping_add(1);
+        if self.stamp_publish {
+            self.last_publish_ns = vgpu_host_shim::clock::now_ns();
+        }
         if self.api_remoting {
             self.ctx
                 .transport
@@ -356,6 +364,17 @@ impl Channel {
     /// sent to the host in a request (which stores it) instead of stored by the guest.
     pub fn set_api_remoting(&mut self, on: bool) {
         self.api_remoting = on;
+    }
+
+    /// Records the host clock (`vgpu_host_shim::clock::now_ns`) right before every GP_PUT
+    /// store (or remoted submit), so benchmarks can time store → kernel start exactly.
+    pub fn set_stamp_publish(&mut self, on: bool) {
+        self.stamp_publish = on;
+    }
+
+    /// The clock recorded before the last publish (0 unless `set_stamp_publish(true)`).
+    pub fn last_publish_ns(&self) -> u64 {
+        self.last_publish_ns
     }
 
     /// Submits and waits.

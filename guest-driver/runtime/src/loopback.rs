@@ -331,4 +331,10 @@ impl Transport for LoopbackTransport {
     fn doorbell(&self, _ch: ChanHandle) {
         // No doorbell: ringing one would be an exit. The GPU polls GP_PUT.
     }
+
+    fn remote_submit(&self, ctx: CtxHandle, ch: ChanHandle, gp_put: u32) -> Result<()> {
+        let channel = u32::try_from(ch.0).map_err(|_| Error::UnknownHandle("channel"))?;
+        self.call(Self::ctx_id(ctx)?, Op::Submit { channel, gp_put })
+            .map(|_| ())
+    }
 }

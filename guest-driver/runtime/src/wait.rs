@@ -7,40 +7,43 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 
-const SPIN_STEPS: u32 = 16;
-const YIELD_STEPS: u32 = 32;
-const FIRST_SLEEP: Duration = Duration::from_micros(10);
-const MAX_SLEEP: Duration = Duration::from_millis(1);
+/// Spin this long first: a GPU that is about to finish answers within microseconds.
+const SPIN_FOR: Duration = Duration::from_micros(20);
+/// Then yield (cheap when nobody else wants the core) up to this point.
+const YIELD_UNTIL: Duration = Duration::from_micros(200);
+/// Then sleep in naps of 1/16 of the time waited so far, within these bounds, so a wait
+/// overshoots the GPU's completion by a bounded fraction while costing few wake-ups.
+const MIN_NAP: Duration = Duration::from_micros(10);
+const MAX_NAP: Duration = Duration::from_millis(1);
 
 /// Polls `done` with backoff until it returns `Some`, an error, or `deadline` passes.
 pub(crate) fn poll_until<T>(
     deadline: Option<Instant>,
     mut done: impl FnMut() -> Result<Option<T>>,
 ) -> Result<T> {
-    let mut step = 0u32;
-    let mut sleep = FIRST_SLEEP;
+    let start = Instant::now();
     loop {
         if let Some(v) = done()? {
             return Ok(v);
         }
-        if deadline.is_some_and(|d| Instant::now() >= d) {
+        let now = Instant::now();
+        if deadline.is_some_and(|d| now >= d) {
             return Err(Error::Timeout);
         }
-        if step < SPIN_STEPS {
-            for _ in 0..(1 << step.min(6)) {
+        let waited = now - start;
+        if waited < SPIN_FOR {
+            for _ in 0..64 {
                 std::hint::spin_loop();
             }
-        } else if step < SPIN_STEPS + YIELD_STEPS {
+        } else if waited < YIELD_UNTIL {
             std::thread::yield_now();
         } else {
-            let nap = match deadline {
-                Some(d) => sleep.min(d.saturating_duration_since(Instant::now())),
-                None => sleep,
-            };
+            let mut nap = (waited / 16).clamp(MIN_NAP, MAX_NAP);
+            if let Some(d) = deadline {
+                nap = nap.min(d.saturating_duration_since(now));
+            }
             std::thread::sleep(nap);
-            sleep = (sleep * 2).min(MAX_SLEEP);
         }
-        step = step.saturating_add(1);
     }
 }
 

@@ -51,7 +51,7 @@ impl Default for SimConfig {
             max_contexts: 256,
             busy_poll_ns: 200_000,
             min_idle_sleep_ns: 10_000,
-            max_idle_sleep_ns: 1_000_000,
+            max_idle_sleep_ns: 250_000,
             spin_window_ns: 20_000,
         }
     }

@@ -111,12 +111,13 @@ fn dispatch(ctx: &Context, opts: &SimOpts) -> Result<Figure, SimSuiteError> {
 /// the PFIFO in its busy-poll window (one submission right after the previous completes).
 fn latency(ctx: &Context, opts: &SimOpts) -> Result<Vec<Figure>, SimSuiteError> {
     let mut ch = ctx.create_channel()?;
+    ch.set_stamp_publish(true);
     let ts = ctx.alloc_host(4096)?;
     let mut samples = Vec::with_capacity(opts.latency_samples as usize);
     for i in 0..opts.latency_samples + 100 {
         ch.launch(&KernelArgs::Timestamp { dst: ts.gpu_va() }, [1, 1, 1])?;
-        let t = now_ns();
         let fence = ch.submit()?;
+        let t = ch.last_publish_ns();
         ch.wait(fence)?;
         let start = ts.read_u64(0)?;
         if i >= 100 {
