@@ -49,7 +49,7 @@ impl ControlMap {
 
     /// Stores a control-page field with release ordering, as a guest's store would be.
     pub fn store(&self, field: usize, v: u32) {
-        if field % 4 != 0 || field + 4 > self.len {
+        if !field.is_multiple_of(4) || field + 4 > self.len {
             return;
         }
         // SAFETY: `field` is 4-aligned and inside the mapping (checked above); the page
