@@ -1,36 +1,55 @@
-//! VRAM allocator: first fit over a free list with coalescing.
+//! Range allocation: first fit over a free list with coalescing. Used for VRAM here
+//! and for GPU virtual addresses by the runtime.
 
 use std::collections::BTreeMap;
 
-/// Smallest unit of allocation (the GPU's small page).
+/// Smallest unit of VRAM allocation (the GPU's small page).
 pub const VRAM_GRANULE: u64 = 4096;
 
-/// Tracks which parts of VRAM are in use. Offsets and sizes are multiples of the granule.
+/// Tracks which parts of `start..end` are in use. Offsets and sizes are multiples of
+/// the granule.
 #[derive(Debug)]
-pub struct VramAllocator {
-    size: u64,
+pub struct RangeAllocator {
+    start: u64,
+    end: u64,
+    granule: u64,
     /// Free ranges: start → length.
     free: BTreeMap<u64, u64>,
     /// Allocations: start → length.
     used: BTreeMap<u64, u64>,
 }
 
-impl VramAllocator {
+/// The VRAM allocator: a range allocator over `0..size` in 4 KiB granules.
+pub type VramAllocator = RangeAllocator;
+
+impl RangeAllocator {
+    /// VRAM of `size` bytes (rounded down to the granule).
     pub fn new(size: u64) -> Self {
-        let size = size / VRAM_GRANULE * VRAM_GRANULE;
+        Self::with_range(0, size, VRAM_GRANULE)
+    }
+
+    /// Manages `start..end` in units of `granule` (a power of two; `start` and `end` are
+    /// rounded inwards to it).
+    pub fn with_range(start: u64, end: u64, granule: u64) -> Self {
+        let granule = granule.max(1).next_power_of_two();
+        let start = start.checked_next_multiple_of(granule).unwrap_or(u64::MAX);
+        let end = end / granule * granule;
         let mut free = BTreeMap::new();
-        if size > 0 {
-            free.insert(0, size);
+        if end > start {
+            free.insert(start, end - start);
         }
-        VramAllocator {
-            size,
+        RangeAllocator {
+            start,
+            end,
+            granule,
             free,
             used: BTreeMap::new(),
         }
     }
 
+    /// Bytes managed.
     pub fn size(&self) -> u64 {
-        self.size
+        self.end.saturating_sub(self.start)
     }
 
     pub fn free_bytes(&self) -> u64 {
@@ -43,8 +62,8 @@ impl VramAllocator {
         if size == 0 || !align.is_power_of_two() {
             return None;
         }
-        let align = align.max(VRAM_GRANULE);
-        let size = size.checked_next_multiple_of(VRAM_GRANULE)?;
+        let align = align.max(self.granule);
+        let size = size.checked_next_multiple_of(self.granule)?;
         let (start, len, at) = self.free.iter().find_map(|(&start, &len)| {
             let at = start.checked_next_multiple_of(align)?;
             let end = at.checked_add(size)?;

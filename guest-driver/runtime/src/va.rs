@@ -5,9 +5,8 @@
 //! unmapped guard gap of one page, so running off its end faults instead of silently
 //! touching a neighbour.
 
-use std::collections::BTreeMap;
-
 use vgpu_host_shim::hal::PageSize;
+use vgpu_host_shim::vram::RangeAllocator;
 
 /// Where small-page buffers start. Low addresses stay unmapped so that small integers
 /// used as pointers fault.
@@ -19,73 +18,26 @@ pub const HUGE_BASE: u64 = 0x400_0000_0000;
 /// End of the runtime's part of the address space.
 pub const VA_END: u64 = 0x8000_0000_0000;
 
-/// First-fit allocator over one arena with coalescing free ranges.
-#[derive(Debug)]
-struct Arena {
-    /// Free ranges: start → length.
-    free: BTreeMap<u64, u64>,
-}
-
-impl Arena {
-    fn new(start: u64, end: u64) -> Self {
-        let mut free = BTreeMap::new();
-        free.insert(start, end - start);
-        Arena { free }
-    }
-
-    fn alloc(&mut self, size: u64, align: u64) -> Option<u64> {
-        let (start, len, at) = self.free.iter().find_map(|(&s, &l)| {
-            let at = s.checked_add(align - 1)? & !(align - 1);
-            let end = at.checked_add(size)?;
-            (end <= s + l).then_some((s, l, at))
-        })?;
-        self.free.remove(&start);
-        if at > start {
-            self.free.insert(start, at - start);
-        }
-        let end = at + size;
-        if end < start + len {
-            self.free.insert(end, start + len - end);
-        }
-        Some(at)
-    }
-
-    fn release(&mut self, mut start: u64, mut size: u64) {
-        if let Some((&ps, &pl)) = self.free.range(..start).next_back() {
-            if ps + pl == start {
-                self.free.remove(&ps);
-                start = ps;
-                size += pl;
-            }
-        }
-        if let Some(&nl) = self.free.get(&(start + size)) {
-            self.free.remove(&(start + size));
-            size += nl;
-        }
-        self.free.insert(start, size);
-    }
-}
-
 /// The VA space of one context.
 #[derive(Debug)]
 pub struct VaSpace {
-    small: Arena,
-    big: Arena,
-    huge: Arena,
+    small: RangeAllocator,
+    big: RangeAllocator,
+    huge: RangeAllocator,
 }
 
 impl Default for VaSpace {
     fn default() -> Self {
         VaSpace {
-            small: Arena::new(SMALL_BASE, BIG_BASE),
-            big: Arena::new(BIG_BASE, HUGE_BASE),
-            huge: Arena::new(HUGE_BASE, VA_END),
+            small: RangeAllocator::with_range(SMALL_BASE, BIG_BASE, 4 << 10),
+            big: RangeAllocator::with_range(BIG_BASE, HUGE_BASE, 64 << 10),
+            huge: RangeAllocator::with_range(HUGE_BASE, VA_END, 2 << 20),
         }
     }
 }
 
 impl VaSpace {
-    fn arena(&mut self, page: PageSize) -> &mut Arena {
+    fn arena(&mut self, page: PageSize) -> &mut RangeAllocator {
         match page {
             PageSize::Small4K => &mut self.small,
             PageSize::Big64K => &mut self.big,
@@ -97,13 +49,12 @@ impl VaSpace {
     pub fn alloc(&mut self, size: u64, page: PageSize) -> Option<u64> {
         let p = page.bytes();
         let total = size.checked_add(p)?;
-        self.arena(page).alloc(total, p)
+        self.arena(page).alloc(total, p).map(|(va, _)| va)
     }
 
     /// Returns a reservation made by [`VaSpace::alloc`] with the same size and page.
-    pub fn release(&mut self, va: u64, size: u64, page: PageSize) {
-        let p = page.bytes();
-        self.arena(page).release(va, size + p);
+    pub fn release(&mut self, va: u64, _size: u64, page: PageSize) {
+        self.arena(page).free(va);
     }
 }
 
@@ -130,7 +81,7 @@ mod tests {
         v.release(b, 0x2000, PageSize::Small4K);
         // Coalesced back into one range: the next allocation starts at the base again.
         assert_eq!(v.alloc(0x4000, PageSize::Small4K), Some(SMALL_BASE));
-        assert_eq!(v.small.free.len(), 1);
+        assert_eq!(v.small.allocations(), 1);
     }
 
     #[test]

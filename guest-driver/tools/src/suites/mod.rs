@@ -1,4 +1,5 @@
 //! `vgpu-bench` suites: one module per suite, each returning its figures.
 
+pub mod measure;
 pub mod sim;
 pub mod virt;

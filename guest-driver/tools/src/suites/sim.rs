@@ -13,7 +13,7 @@ use vgpu_host_shim::clock::now_ns;
 use vgpu_host_shim::{HalError, SimConfig, SimGpu};
 
 use crate::report::{Better, Figure};
-use crate::stats::percentile;
+use crate::suites::measure::{median, submit_latency, Publish};
 
 const SUITE: &str = "sim";
 
@@ -110,22 +110,7 @@ fn dispatch(ctx: &Context, opts: &SimOpts) -> Result<Figure, SimSuiteError> {
 /// Time from the GP_PUT store to the start of a kernel that writes the GPU clock, with
 /// the PFIFO in its busy-poll window (one submission right after the previous completes).
 fn latency(ctx: &Context, opts: &SimOpts) -> Result<Vec<Figure>, SimSuiteError> {
-    let mut ch = ctx.create_channel()?;
-    ch.set_stamp_publish(true);
-    let ts = ctx.alloc_host(4096)?;
-    let mut samples = Vec::with_capacity(opts.latency_samples as usize);
-    for i in 0..opts.latency_samples + 100 {
-        ch.launch(&KernelArgs::Timestamp { dst: ts.gpu_va() }, [1, 1, 1])?;
-        let fence = ch.submit()?;
-        let t = ch.last_publish_ns();
-        ch.wait(fence)?;
-        let start = ts.read_u64(0)?;
-        if i >= 100 {
-            samples.push(start.saturating_sub(t));
-        }
-    }
-    let p50 = percentile(&mut samples, 50.0).unwrap_or(0) as f64 / 1000.0;
-    let p99 = percentile(&mut samples, 99.0).unwrap_or(0) as f64 / 1000.0;
+    let (p50, p99) = submit_latency(ctx, opts.latency_samples, Publish::Store)?;
     Ok(vec![
         fig("submit_latency_p50", p50, "us", Better::Lower).target(5.0),
         fig("submit_latency_p99", p99, "us", Better::Lower),
@@ -187,11 +172,6 @@ fn copy(ctx: &Context, opts: &SimOpts) -> Result<Vec<Figure>, SimSuiteError> {
         )
         .target(0.8),
     ])
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 fn sgemm(ctx: &Context, opts: &SimOpts) -> Result<Figure, SimSuiteError> {

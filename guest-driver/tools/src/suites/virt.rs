@@ -6,17 +6,16 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use thiserror::Error;
 use vgpu_backend::{VgpuBackend, VmLimits};
 use vgpu_guest::workloads::Workload;
-use vgpu_guest::{Context, Device, KernelArgs};
+use vgpu_guest::Device;
 use vgpu_host_shim::{HalError, SimConfig, SimGpu};
 use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
 
 use crate::report::{Better, Figure};
-use crate::stats::percentile;
+use crate::suites::measure::{min, submit_latency, Publish};
 
 const SUITE: &str = "virt";
 
@@ -100,10 +99,6 @@ fn fig(name: &str, value: f64, unit: &str, better: Better) -> Figure {
     Figure::new(SUITE, name, value, unit, better)
 }
 
-fn min(v: &[f64]) -> f64 {
-    v.iter().copied().fold(f64::INFINITY, f64::min)
-}
-
 pub fn run(opts: &VirtOpts) -> Result<Vec<Figure>, VirtSuiteError> {
     let rig = Rig::new(768 << 20)?;
     let native = Device::native(rig.gpu.clone())?;
@@ -143,8 +138,8 @@ pub fn run(opts: &VirtOpts) -> Result<Vec<Figure>, VirtSuiteError> {
             .target(1.02),
         );
     }
-    let n = latency(&nctx, opts.latency_samples)?;
-    let g = latency(&gctx, opts.latency_samples)?;
+    let n = submit_latency(&nctx, opts.latency_samples, Publish::Store)?;
+    let g = submit_latency(&gctx, opts.latency_samples, Publish::Store)?;
     figs.push(fig("submit_latency_p50_native", n.0, "us", Better::Lower));
     figs.push(fig("submit_latency_p50_loopback", g.0, "us", Better::Lower));
     figs.push(fig("submit_latency_p99_loopback", g.1, "us", Better::Lower));
@@ -157,7 +152,7 @@ pub fn run(opts: &VirtOpts) -> Result<Vec<Figure>, VirtSuiteError> {
         )
         .target(1.2),
     );
-    let r = remoting_latency(&gctx, opts.latency_samples)?;
+    let r = submit_latency(&gctx, opts.latency_samples, Publish::Remote)?;
     figs.push(fig(
         "submit_latency_p50_api_remoting",
         r.0,
@@ -180,46 +175,4 @@ pub fn run(opts: &VirtOpts) -> Result<Vec<Figure>, VirtSuiteError> {
         .target(10.0),
     );
     Ok(figs)
-}
-
-/// p50 and p99 of GP_PUT-store → kernel-start, in µs (see the `sim` suite).
-fn latency(ctx: &Context, samples: u32) -> Result<(f64, f64), VirtSuiteError> {
-    let mut ch = ctx.create_channel()?;
-    ch.set_stamp_publish(true);
-    let ts = ctx.alloc_host(4096)?;
-    let mut v = Vec::with_capacity(samples as usize);
-    for i in 0..samples + 100 {
-        ch.launch(&KernelArgs::Timestamp { dst: ts.gpu_va() }, [1, 1, 1])?;
-        let fence = ch.submit()?;
-        let t = ch.last_publish_ns();
-        ch.wait_timeout(fence, Duration::from_secs(10))?;
-        if i >= 100 {
-            v.push(ts.read_u64(0)?.saturating_sub(t));
-        }
-    }
-    let p50 = percentile(&mut v, 50.0).unwrap_or(0) as f64 / 1e3;
-    let p99 = percentile(&mut v, 99.0).unwrap_or(0) as f64 / 1e3;
-    Ok((p50, p99))
-}
-
-/// The API-remoting baseline: the GP entry is written as usual, but instead of storing
-/// GP_PUT the guest sends it in a SUBMIT request and the backend stores it.
-fn remoting_latency(ctx: &Context, samples: u32) -> Result<(f64, f64), VirtSuiteError> {
-    let mut ch = ctx.create_channel()?;
-    ch.set_api_remoting(true);
-    ch.set_stamp_publish(true);
-    let ts = ctx.alloc_host(4096)?;
-    let mut v = Vec::with_capacity(samples as usize);
-    for i in 0..samples + 100 {
-        ch.launch(&KernelArgs::Timestamp { dst: ts.gpu_va() }, [1, 1, 1])?;
-        let fence = ch.submit()?;
-        let t = ch.last_publish_ns();
-        ch.wait_timeout(fence, Duration::from_secs(10))?;
-        if i >= 100 {
-            v.push(ts.read_u64(0)?.saturating_sub(t));
-        }
-    }
-    let p50 = percentile(&mut v, 50.0).unwrap_or(0) as f64 / 1e3;
-    let p99 = percentile(&mut v, 99.0).unwrap_or(0) as f64 / 1e3;
-    Ok((p50, p99))
 }

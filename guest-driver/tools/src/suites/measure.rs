@@ -1,0 +1,55 @@
+//! Measurements shared by the suites.
+
+use std::time::Duration;
+
+use vgpu_guest::{Context, KernelArgs};
+
+use crate::stats::percentile;
+
+/// How a submission reaches the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Publish {
+    /// The guest stores GP_PUT (the direct path).
+    Store,
+    /// The host stores it on request (the API-remoting baseline).
+    Remote,
+}
+
+/// p50 and p99, in µs, of GP_PUT publish → kernel start: `samples` `TIMESTAMP` kernels,
+/// each submitted after the previous completed. The runtime reads the host clock right
+/// before publishing; the kernel writes the GPU clock (the same CLOCK_MONOTONIC) at start.
+pub fn submit_latency(
+    ctx: &Context,
+    samples: u32,
+    publish: Publish,
+) -> Result<(f64, f64), vgpu_guest::Error> {
+    const WARMUP: u32 = 100;
+    let mut ch = ctx.create_channel()?;
+    ch.set_api_remoting(publish == Publish::Remote);
+    ch.set_stamp_publish(true);
+    let ts = ctx.alloc_host(4096)?;
+    let mut v = Vec::with_capacity(samples as usize);
+    for i in 0..samples + WARMUP {
+        ch.launch(&KernelArgs::Timestamp { dst: ts.gpu_va() }, [1, 1, 1])?;
+        let fence = ch.submit()?;
+        let t = ch.last_publish_ns();
+        ch.wait_timeout(fence, Duration::from_secs(10))?;
+        if i >= WARMUP {
+            v.push(ts.read_u64(0)?.saturating_sub(t));
+        }
+    }
+    let p50 = percentile(&mut v, 50.0).unwrap_or(0) as f64 / 1e3;
+    let p99 = percentile(&mut v, 99.0).unwrap_or(0) as f64 / 1e3;
+    Ok((p50, p99))
+}
+
+/// The median of `v` (0 when empty).
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// The smallest value of `v` (infinity when empty).
+pub fn min(v: &[f64]) -> f64 {
+    v.iter().copied().fold(f64::INFINITY, f64::min)
+}
