@@ -144,7 +144,8 @@ impl Session {
             version: PROTOCOL_VERSION,
             compute_engines: info.compute_engines,
             vram_bytes: info.vram_bytes.min(self.limits.vram_bytes),
-            channel_slots: CHANNEL_SLOTS,
+            // What this VM may use: its channel limit, at most the BAR's slots.
+            channel_slots: CHANNEL_SLOTS.min(self.limits.max_channels),
             max_contexts: self.limits.max_contexts,
         }
     }
@@ -204,9 +205,8 @@ impl Session {
         if self.state.contexts.len() >= self.limits.max_contexts as usize {
             return Err(ErrorCode::LimitExceeded);
         }
-        let id = (1..=u32::MAX)
-            .find(|i| !self.state.contexts.contains_key(i))
-            .ok_or(ErrorCode::LimitExceeded)?;
+        let contexts = &self.state.contexts;
+        let id = fresh_id(&mut self.state.last_context, |i| contexts.contains_key(&i));
         let sys = Arc::new(GuestSysMemory::new(mem.clone()));
         let hctx = self.gpu.create_context(sys.clone()).map_err(|e| e.code())?;
         self.state.contexts.insert(id, ContextState { pid });
@@ -254,6 +254,7 @@ impl Session {
             for id in channels {
                 self.state.channels.remove(&id);
                 if let Some(ch) = self.hal.channels.remove(&id) {
+                    self.hal.control_maps.remove(&ch);
                     book.retire(self.gpu.as_ref(), id);
                     if let Err(e) = self.gpu.destroy_channel(ch) {
                         warn!("DESTROY_CONTEXT: destroy channel {id}: {e}");

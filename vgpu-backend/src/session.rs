@@ -141,7 +141,9 @@ pub struct SessionState {
     pub mappings: BTreeMap<(u32, u64), MappingState>,
     pub channels: BTreeMap<u32, ChannelState>,
     pub usage: Usage,
-    /// Last ids handed out (VRAM objects and channels get fresh ids, never reused soon).
+    /// Last ids handed out (contexts, VRAM objects and channels get fresh ids, never
+    /// reused soon, so a stale id in a buggy guest process does not hit a new object).
+    pub last_context: u32,
     pub last_mem: u32,
     pub last_channel: u32,
 }
@@ -377,8 +379,14 @@ impl Session {
                 warn!("teardown: free VRAM object {id}: {e}");
             }
         }
-        let (last_mem, last_channel) = (self.state.last_mem, self.state.last_channel);
+        self.hal.control_maps.clear();
+        let (last_context, last_mem, last_channel) = (
+            self.state.last_context,
+            self.state.last_mem,
+            self.state.last_channel,
+        );
         self.state = SessionState {
+            last_context,
             last_mem,
             last_channel,
             ..SessionState::default()

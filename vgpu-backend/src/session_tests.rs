@@ -291,7 +291,7 @@ fn info_and_stats() {
             assert_eq!(i.version, PROTOCOL_VERSION);
             assert_eq!(i.vram_bytes, 16 * MIB);
             assert_eq!(i.max_contexts, 4);
-            assert_eq!(i.channel_slots, CHANNEL_SLOTS);
+            assert_eq!(i.channel_slots, CHANNEL_SLOTS.min(limits().max_channels));
             assert_eq!(i.compute_engines, 1);
         }
         other => panic!("{other:?}"),
@@ -335,7 +335,7 @@ fn contexts_are_owned_and_limited() {
     assert_eq!(t.req(100, a, Op::DestroyContext), Ok(ReplyBody::Empty));
     assert_eq!(t.req(100, a, Op::DestroyContext), Err(ErrorCode::NotFound));
     let again = t.ctx(5);
-    assert_eq!(again, a, "lowest free id is reused");
+    assert_ne!(again, a, "a freed context id is not handed out again at once");
     t.check_consistent();
     assert!(t.s.shared().stats().errors >= 5);
 }
