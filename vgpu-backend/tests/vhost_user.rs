@@ -491,10 +491,10 @@ fn end_to_end_over_vhost_user() {
             Ok(ReplyBody::Stats(_))
         ));
     }
-    assert!(matches!(
-        vm.request(1, 0, Op::CreateContext),
-        Ok(ReplyBody::Context { .. })
-    ));
+    let ctx = match vm.request(1, 0, Op::CreateContext) {
+        Ok(ReplyBody::Context { ctx }) => ctx,
+        other => panic!("{other:?}"),
+    };
     assert_eq!(
         vm.request(7, ctx, Op::DestroyContext),
         Err(ErrorCode::PermissionDenied),
