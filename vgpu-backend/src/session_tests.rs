@@ -335,7 +335,10 @@ fn contexts_are_owned_and_limited() {
     assert_eq!(t.req(100, a, Op::DestroyContext), Ok(ReplyBody::Empty));
     assert_eq!(t.req(100, a, Op::DestroyContext), Err(ErrorCode::NotFound));
     let again = t.ctx(5);
-    assert_ne!(again, a, "a freed context id is not handed out again at once");
+    assert_ne!(
+        again, a,
+        "a freed context id is not handed out again at once"
+    );
     t.check_consistent();
     assert!(t.s.shared().stats().errors >= 5);
 }
