@@ -47,6 +47,7 @@ pub mod events;
 pub mod guest_mem;
 pub mod requests;
 pub mod session;
+pub mod shadow;
 pub mod shmem;
 pub mod vhu_vgpu;
 
@@ -70,6 +71,7 @@ pub use error::{BackendError, ShmError};
 pub use events::{EventQueue, EVENT_FIFO_CAPACITY};
 pub use guest_mem::{GuestMemory, GuestSysMemory};
 pub use session::{Session, SessionShared, SessionState, VmLimits, VmStats};
+pub use shadow::{ShadowError, ShadowStats, ShadowSwitch};
 pub use shmem::{NullShm, ShmMapper, VhostShm};
 pub use vgpu_host_shim::Gpu;
 
@@ -86,6 +88,8 @@ pub(crate) struct VmState {
     session: Mutex<Session>,
     connected: AtomicBool,
     conn: Mutex<Option<ShutdownHandle>>,
+    /// The connected frontend's BAR mapper (for shadow remaps requested by the operator).
+    shm: Mutex<Option<Arc<VhostShm>>>,
 }
 
 impl VmState {
@@ -198,6 +202,7 @@ impl VgpuBackend {
             shared,
             connected: AtomicBool::new(false),
             conn: Mutex::new(None),
+            shm: Mutex::new(None),
         });
         let stop = self.stop.clone();
         let vm2 = vm.clone();
@@ -238,6 +243,65 @@ impl VgpuBackend {
             Some(vm) => vm.shared.process_busy_ns(self.gpu.as_ref()),
             None => Vec::new(),
         }
+    }
+
+    /// The VM's channels: (guest channel id, owning guest PID), by channel id.
+    pub fn vm_channels(&self, name: &str) -> Vec<(u32, u32)> {
+        match self.vm(name) {
+            Some(vm) => vm.lock_session().channel_list(),
+            None => Vec::new(),
+        }
+    }
+
+    /// Shadows (`on`) or unshadows a channel of VM `name`: its BAR slot is remapped through
+    /// the VM's vhost-user backend request channel (see [`shadow`]).
+    pub fn shadow_channel(
+        &self,
+        name: &str,
+        guest_channel: u32,
+        on: bool,
+    ) -> Result<ShadowSwitch, ShadowError> {
+        let vm = self
+            .vm(name)
+            .ok_or_else(|| ShadowError::NoVm(name.to_string()))?;
+        let shm = vm
+            .shm
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or(ShadowError::NotConnected)?;
+        let mut session = vm.lock_session();
+        session.shadow_channel(guest_channel, on, shm.as_ref())
+    }
+
+    /// Lets at most `n` more entries of a shadowed channel run; returns how many were
+    /// newly released.
+    pub fn release_capped(
+        &self,
+        name: &str,
+        guest_channel: u32,
+        n: u32,
+    ) -> Result<u32, ShadowError> {
+        let vm = self
+            .vm(name)
+            .ok_or_else(|| ShadowError::NoVm(name.to_string()))?;
+        let mut session = vm.lock_session();
+        session.release_capped(guest_channel, n)
+    }
+
+    /// Copies the GPU's progress into the shadow pages of the VM's shadowed channels;
+    /// returns how many were refreshed.
+    pub fn mirror_shadows(&self, name: &str) -> Result<usize, ShadowError> {
+        let vm = self
+            .vm(name)
+            .ok_or_else(|| ShadowError::NoVm(name.to_string()))?;
+        let mut session = vm.lock_session();
+        Ok(session.mirror_shadows())
+    }
+
+    /// Shadow counters of a VM.
+    pub fn shadow_stats(&self, name: &str) -> Option<ShadowStats> {
+        self.vm(name).map(|vm| vm.lock_session().shadow_stats())
     }
 
     /// Stops serving (best effort): closes connections, wakes listeners, tears sessions
@@ -318,6 +382,7 @@ fn serve_connection(
         daemon.request_shutdown();
     }
     *vm.conn.lock().unwrap_or_else(|e| e.into_inner()) = daemon.shutdown_handle();
+    *vm.shm.lock().unwrap_or_else(|e| e.into_inner()) = Some(dev.shm());
     vm.connected.store(true, Ordering::Release);
     if !stop.load(Ordering::Acquire) {
         info!("VM {}: frontend connected", vm.name);
@@ -325,6 +390,7 @@ fn serve_connection(
     let result = daemon.wait();
     vm.connected.store(false, Ordering::Release);
     *vm.conn.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    *vm.shm.lock().unwrap_or_else(|e| e.into_inner()) = None;
     dev.stop_worker();
     // Dropping the daemon joins its vring worker: no request runs after this.
     drop(daemon);

@@ -253,6 +253,7 @@ impl Session {
             let mut book = self.shared.busy();
             for id in channels {
                 self.state.channels.remove(&id);
+                self.shadows.forget(id);
                 if let Some(ch) = self.hal.channels.remove(&id) {
                     self.hal.control_maps.remove(&ch);
                     book.retire(self.gpu.as_ref(), id);
@@ -687,6 +688,10 @@ impl Session {
         if c.ctx != ctx {
             return Err(ErrorCode::NotFound);
         }
+        if self.shadows.submit(channel, gp_put) {
+            // Shadowed: held back like a store through the BAR would be.
+            return Ok(ReplyBody::Empty);
+        }
         let hch = *self.hal.channels.get(&channel).ok_or(ErrorCode::NotFound)?;
         if !self.hal.control_maps.contains_key(&hch) {
             // Drop mappings of channels that are gone before adding one.
@@ -728,6 +733,7 @@ impl Session {
             c.slot_mapped = false;
         }
         self.state.channels.remove(&channel);
+        self.shadows.forget(channel);
         if let Some(hch) = self.hal.channels.remove(&channel) {
             self.hal.control_maps.remove(&hch);
             let mut book = self.shared.busy();

@@ -118,7 +118,8 @@ pub struct ChannelState {
     pub ctx: u32,
     /// Its control-page slot in the BAR (reserved while the channel lives).
     pub slot: u32,
-    /// Whether the real control page is mapped at the slot now.
+    /// Whether the slot is mapped: the real control page, or its shadow page while the
+    /// channel is shadowed (see [`crate::shadow`]).
     pub slot_mapped: bool,
     pub gp_ring_va: u64,
     pub gp_entries: u32,
@@ -271,6 +272,8 @@ pub struct Session {
     pub(crate) shared: Arc<SessionShared>,
     pub(crate) state: SessionState,
     pub(crate) hal: HalHandles,
+    /// Shadowed channels and the VM's shadow-page pool.
+    pub(crate) shadows: crate::shadow::Shadows,
 }
 
 impl Session {
@@ -282,6 +285,7 @@ impl Session {
             shared,
             state: SessionState::default(),
             hal: HalHandles::default(),
+            shadows: crate::shadow::Shadows::new(),
         }
     }
 
@@ -357,6 +361,8 @@ impl Session {
                 }
             }
         }
+        // The slots are unmapped (or the frontend is gone): shadow pages are free again.
+        self.shadows.clear();
         // 2. Channels (after their busy time is booked), then address spaces: once
         //    destroy_context returns no engine touches the VM's memory any more.
         {

@@ -94,7 +94,7 @@ pub fn device_config(vram_bytes: u64) -> DeviceConfig {
 pub struct VhuVgpu {
     vm: Arc<VmState>,
     mem: RwLock<GuestMemoryAtomicMmap>,
-    shm: VhostShm,
+    shm: Arc<VhostShm>,
     event_idx: AtomicBool,
     exit: (EventConsumer, EventNotifier),
     config: [u8; DeviceConfig::SIZE],
@@ -107,11 +107,16 @@ impl VhuVgpu {
         Ok(VhuVgpu {
             vm,
             mem: RwLock::new(mem),
-            shm: VhostShm::new(),
+            shm: Arc::new(VhostShm::new()),
             event_idx: AtomicBool::new(false),
             exit,
             config,
         })
+    }
+
+    /// This connection's way to the frontend's BAR (for the operator's shadow requests).
+    pub(crate) fn shm(&self) -> Arc<VhostShm> {
+        self.shm.clone()
     }
 
     /// Tells the vring worker to exit.
@@ -226,7 +231,7 @@ impl VhuVgpu {
             let mut session = self.vm.lock_session();
             match bad {
                 Some(code) => session.reject(code),
-                None => session.handle(&req, mem, &self.shm),
+                None => session.handle(&req, mem, self.shm.as_ref()),
             }
         };
         if writable.is_empty() {
@@ -329,7 +334,7 @@ impl VhostUserBackend for VhuVgpu {
             "VM {}: device reset, freeing the guest's GPU objects",
             self.vm.name
         );
-        self.vm.lock_session().teardown(&self.shm);
+        self.vm.lock_session().teardown(self.shm.as_ref());
     }
 
     fn set_event_idx(&self, enabled: bool) {

@@ -9,9 +9,30 @@ use crate::transport::CpuPtr;
 
 /// A view of a control page. The GPU (or the backend's shadow logic) writes it
 /// concurrently, so every field is accessed atomically.
+///
+/// GP_GET and REF are read as lower bounds: while the host swaps a channel's page for a
+/// shadow (scheduling), a read can briefly return an older value (protocol.md, "Shadow
+/// channels"), so the view keeps the largest value it has seen.
 #[derive(Debug)]
 pub(crate) struct ControlView {
     page: CpuPtr,
+    seen_get: AtomicU32,
+    seen_ref: AtomicU32,
+}
+
+/// Returns the later of `page` and the value remembered in `seen` (wrapping compare), and
+/// remembers it.
+fn monotonic(seen: &AtomicU32, page: u32) -> u32 {
+    let mut prev = seen.load(Ordering::Relaxed);
+    loop {
+        if !vgpu_protocol::counter_after(page, prev) {
+            return prev;
+        }
+        match seen.compare_exchange_weak(prev, page, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return page,
+            Err(now) => prev = now,
+        }
+    }
 }
 
 impl ControlView {
@@ -21,7 +42,11 @@ impl ControlView {
                 "control page mapping too small or misaligned",
             ));
         }
-        Ok(ControlView { page })
+        Ok(ControlView {
+            page,
+            seen_get: AtomicU32::new(0),
+            seen_ref: AtomicU32::new(0),
+        })
     }
 
     fn u32_at(&self, off: usize) -> &AtomicU32 {
@@ -48,12 +73,14 @@ impl ControlView {
     }
 
     pub(crate) fn gp_get(&self) -> u32 {
-        self.u32_at(ControlPage::GP_GET).load(Ordering::Acquire)
+        let page = self.u32_at(ControlPage::GP_GET).load(Ordering::Acquire);
+        monotonic(&self.seen_get, page)
     }
 
     /// The last `SET_REF` value; Acquire so results written before it are visible.
     pub(crate) fn reference(&self) -> u32 {
-        self.u32_at(ControlPage::REF).load(Ordering::Acquire)
+        let page = self.u32_at(ControlPage::REF).load(Ordering::Acquire);
+        monotonic(&self.seen_ref, page)
     }
 
     pub(crate) fn notify_seq(&self) -> u32 {
@@ -84,5 +111,25 @@ impl ControlView {
             Some((code, info)) => Err(Error::ChannelFault { code, info }),
             None => Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_never_go_backwards() {
+        let seen = AtomicU32::new(0);
+        assert_eq!(monotonic(&seen, 5), 5);
+        assert_eq!(
+            monotonic(&seen, 3),
+            5,
+            "an older value reads as the newest seen"
+        );
+        assert_eq!(monotonic(&seen, 9), 9);
+        let seen = AtomicU32::new(u32::MAX - 1);
+        assert_eq!(monotonic(&seen, 2), 2, "wraps");
+        assert_eq!(monotonic(&seen, u32::MAX), 2);
     }
 }
