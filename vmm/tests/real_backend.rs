@@ -47,7 +47,7 @@ fn get_info_and_aperture_through_real_backend() {
         panic!("not an info reply");
     };
     assert_eq!(info.version, PROTOCOL_VERSION);
-    assert_eq!(info.channel_slots, CHANNEL_SLOTS);
+    assert!(info.channel_slots >= 1 && info.channel_slots <= CHANNEL_SLOTS);
 
     // VRAM through the BAR aperture: a real SHMEM_MAP round trip.
     let ReplyBody::Context { ctx } = call(&vm, 100, 0, Op::CreateContext) else {
