@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite: unit, integration and property tests of every crate, then a
-# bounded cargo-fuzz run of every fuzz target. Installs what it needs (idempotent).
+# The whole test suite: unit, integration and property tests of every crate, a bounded
+# cargo-fuzz run of every fuzz target, and a Linux boot under vgpu-vmm in the nested rig.
+# Installs what it needs (idempotent). SKIP_FUZZ=1 / SKIP_RIG=1 skip those parts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,5 +29,12 @@ if [ "${SKIP_FUZZ:-0}" != "1" ]; then
             fi
         done
     done
+fi
+if [ "${SKIP_RIG:-0}" != "1" ]; then
+    # The nested rig (QEMU TCG with SVM gives a real /dev/kvm in L1): vgpu-vmm boots a
+    # Debian L2 Linux with 2 vCPUs to userspace and shuts it down cleanly. Installs its
+    # Debian packages and the musl target itself (ci/rig/README.md).
+    echo "== nested rig: L2 Linux under vgpu-vmm"
+    ci/rig/l2-boot.sh --vcpus 2 --quiet-l2
 fi
 echo "== all tests passed"

@@ -4,11 +4,11 @@
 //!   setup), shared by the KVM VMM and the loopback frontend.
 //! - [`shm_window`]: the device's shared-memory window (BAR) served by SHMEM_MAP/UNMAP.
 //! - [`guest_memory`]: memfd-backed guest RAM and a page allocator over it.
-//! - [`kvm`]: a small KVM layer (VM, memslots, ioeventfd/irqfd, vCPU run loop).
 //! - [`virtq`]: a split-virtqueue driver (the guest side of a virtqueue).
 //! - [`loopback`]: [`LoopbackVm`], a "VM" without KVM whose guest processes are threads of
 //!   the calling program, for tests and benchmarks.
 
+pub mod boot;
 pub mod frontend;
 pub mod guest_memory;
 pub mod kvm;

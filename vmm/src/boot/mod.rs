@@ -1,0 +1,569 @@
+//! Booting a Linux guest under KVM: the `vgpu-vmm` binary's engine.
+//!
+//! [`LinuxVm::new`] creates the VM (memfd-backed RAM from [`GuestRam`], in-kernel irqchip
+//! and PIT, COM1 with an irqfd on IRQ 4), loads a bzImage, an initrd and the command line
+//! with linux-loader and sets up every vCPU for the 64-bit boot protocol
+//! ([`x86_64`]). [`LinuxVm::run`] runs one thread per vCPU until the guest resets
+//! (i8042 reset, triple fault), powers off (KVM system event) or fails.
+//!
+//! No PCI and no virtio yet.
+
+pub mod serial;
+pub mod x86_64;
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Once};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvm_bindings::{
+    kvm_pit_config, kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY,
+    KVM_SYSTEM_EVENT_CRASH, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN,
+};
+use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
+use thiserror::Error;
+use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
+use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
+
+use crate::guest_memory::{GuestMemoryError, GuestRam};
+use serial::{EventFdTrigger, LegacyDevices, SerialOut, SERIAL_IRQ};
+use x86_64::BootLayout;
+
+/// Most vCPUs we boot (the MP table's LAPIC ids must stay below the IOAPIC id).
+pub const MAX_VCPUS: u8 = 64;
+
+/// Errors of VM setup and of the vCPU run loops.
+#[derive(Debug, Error)]
+pub enum BootError {
+    #[error("cannot open /dev/kvm: {0} (is KVM loaded and is /dev/kvm accessible to this user?)")]
+    KvmOpen(kvm_ioctls::Error),
+    #[error("KVM API version {0} is not supported (expected 12)")]
+    KvmApi(i32),
+    #[error("KVM lacks a required capability: {0}")]
+    KvmCap(&'static str),
+    #[error("{what} failed: {source}")]
+    Kvm {
+        what: &'static str,
+        source: kvm_ioctls::Error,
+    },
+    #[error("vCPU {cpu}: {what} failed: {source}")]
+    VcpuSetup {
+        cpu: u8,
+        what: &'static str,
+        source: kvm_ioctls::Error,
+    },
+    #[error(
+        "vCPU {cpu}: KVM accepted only {set} of {expected} boot MSRs (first rejected: {index:#x})"
+    )]
+    Msrs {
+        cpu: u8,
+        set: usize,
+        expected: usize,
+        index: u32,
+    },
+    #[error("cannot open kernel image {path}: {source}")]
+    KernelOpen { path: PathBuf, source: io::Error },
+    #[error(
+        "cannot load kernel image {path} (an x86_64 bzImage or vmlinux ELF is required): {source}"
+    )]
+    KernelLoad {
+        path: PathBuf,
+        source: linux_loader::loader::Error,
+    },
+    #[error("cannot read initrd {path}: {source}")]
+    InitrdOpen { path: PathBuf, source: io::Error },
+    #[error("initrd {0} is empty")]
+    InitrdEmpty(PathBuf),
+    #[error("initrd {path} ({len} bytes) does not fit in guest RAM ({mem_bytes} bytes) above the kernel")]
+    InitrdTooBig {
+        path: PathBuf,
+        len: u64,
+        mem_bytes: u64,
+    },
+    #[error("bad kernel command line: {0}")]
+    Cmdline(linux_loader::cmdline::Error),
+    #[error("guest memory size {0} MiB is out of range (at least {min} MiB)", min = x86_64::MIN_MEM_MIB)]
+    MemSize(u64),
+    #[error("vCPU count {0} is out of range (1..={MAX_VCPUS})")]
+    Vcpus(u8),
+    #[error("guest RAM: {0}")]
+    Memory(#[from] GuestMemoryError),
+    #[error("guest RAM as vm-memory: {0}")]
+    GuestMemory(String),
+    #[error("writing the {0} into guest memory failed: {1}")]
+    GuestWrite(&'static str, String),
+    #[error("KVM structure too large: {0}")]
+    Fam(String),
+    #[error("cannot open serial output {path}: {source}")]
+    SerialOut { path: PathBuf, source: io::Error },
+    #[error("serial input: {0}")]
+    SerialIn(String),
+    #[error("{0} lock poisoned")]
+    Poisoned(&'static str),
+    #[error("creating the serial interrupt eventfd failed: {0}")]
+    EventFd(io::Error),
+    #[error("starting the vCPU {cpu} thread failed: {source}")]
+    VcpuThread { cpu: u8, source: io::Error },
+    #[error("installing the vCPU kick signal handler failed: {0}")]
+    Signal(vmm_sys_util::errno::Error),
+    #[error("vCPU {cpu}: KVM_RUN failed: {source}")]
+    Run { cpu: u8, source: kvm_ioctls::Error },
+    #[error("vCPU {cpu}: KVM_EXIT_FAIL_ENTRY, hardware reason {reason:#x}")]
+    FailEntry { cpu: u8, reason: u64 },
+    #[error("vCPU {cpu}: KVM internal error (emulation failure?)")]
+    InternalError { cpu: u8 },
+    #[error("vCPU {cpu}: guest crashed (KVM system event {event})")]
+    GuestCrash { cpu: u8, event: u32 },
+    #[error("vCPU {cpu}: unexpected exit {exit}")]
+    UnexpectedExit { cpu: u8, exit: String },
+    #[error("vCPU {0} thread panicked")]
+    VcpuPanic(u8),
+}
+
+/// What the user asks for.
+#[derive(Debug, Clone)]
+pub struct VmConfig {
+    pub kernel: PathBuf,
+    pub initrd: Option<PathBuf>,
+    pub cmdline: String,
+    pub mem_mib: u64,
+    pub vcpus: u8,
+    /// Serial output file; `None` = standard output.
+    pub serial: Option<PathBuf>,
+}
+
+/// The default kernel command line.
+pub const DEFAULT_CMDLINE: &str =
+    "console=ttyS0 reboot=k panic=1 pci=off nomodule i8042.noaux i8042.nokbd i8042.nomux i8042.nopnp";
+
+/// How the guest ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GuestExit {
+    /// The guest reset the machine through the i8042 controller.
+    I8042Reset,
+    /// Triple fault (what `reboot=t`, or a failed reset, ends in).
+    TripleFault,
+    /// KVM system event: reset requested (e.g. PSCI / ACPI on other setups).
+    SystemReset,
+    /// KVM system event: power off.
+    PowerOff,
+    /// A vCPU exited on `hlt` (only without an in-kernel LAPIC; reported for completeness).
+    Halted,
+}
+
+/// A booted-to-be Linux VM.
+pub struct LinuxVm {
+    // Field order matters for drop: vCPUs and the VM go before the RAM they map.
+    vcpus: Vec<VcpuFd>,
+    vm: VmFd,
+    _kvm: Kvm,
+    devices: Arc<LegacyDevices>,
+    layout: BootLayout,
+    mem: GuestMemoryMmap,
+    ram: GuestRam,
+}
+
+/// Wraps the memfd mappings of `ram` as vm-memory regions (for linux-loader). The
+/// mappings stay owned by `ram`.
+pub fn guest_memory_of(ram: &GuestRam) -> Result<GuestMemoryMmap, BootError> {
+    let mut regions = Vec::new();
+    for r in ram.regions() {
+        let len = usize::try_from(r.len()).map_err(|_| BootError::MemSize(r.len() >> 20))?;
+        // SAFETY: `host_addr()..+len` is a live shared read/write mapping owned by `ram`;
+        // the caller keeps `ram` alive for as long as the returned memory object is used
+        // (`LinuxVm` drops `mem` before `ram`), and a raw-pointer region never unmaps it.
+        let mmap = unsafe {
+            MmapRegion::<()>::build_raw(
+                r.host_addr(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_NORESERVE,
+            )
+        }
+        .map_err(|e| BootError::GuestMemory(e.to_string()))?;
+        let region = GuestRegionMmap::new(mmap, GuestAddress(r.gpa()))
+            .ok_or_else(|| BootError::GuestMemory("region wraps".into()))?;
+        regions.push(region);
+    }
+    GuestMemoryMmap::from_regions(regions).map_err(|e| BootError::GuestMemory(e.to_string()))
+}
+
+impl LinuxVm {
+    /// Creates the VM and loads the guest; nothing runs yet.
+    pub fn new(cfg: &VmConfig) -> Result<Self, BootError> {
+        Self::with_serial(cfg, SerialOut::open(cfg.serial.as_deref())?)
+    }
+
+    /// As [`LinuxVm::new`], with the serial output given.
+    pub fn with_serial(cfg: &VmConfig, out: SerialOut) -> Result<Self, BootError> {
+        if cfg.vcpus == 0 || cfg.vcpus > MAX_VCPUS {
+            return Err(BootError::Vcpus(cfg.vcpus));
+        }
+        if cfg.mem_mib < x86_64::MIN_MEM_MIB || cfg.mem_mib > (1 << 20) {
+            return Err(BootError::MemSize(cfg.mem_mib));
+        }
+        // Check the files before anything heavy, so misconfigurations fail fast.
+        check_file(&cfg.kernel, |path, source| BootError::KernelOpen {
+            path,
+            source,
+        })?;
+        if let Some(initrd) = &cfg.initrd {
+            check_file(initrd, |path, source| BootError::InitrdOpen {
+                path,
+                source,
+            })?;
+        }
+        x86_64::make_cmdline(&cfg.cmdline)?;
+
+        let kvm = Kvm::new().map_err(BootError::KvmOpen)?;
+        let api = kvm.get_api_version();
+        if api != 12 {
+            return Err(BootError::KvmApi(api));
+        }
+        for (cap, name) in [
+            (kvm_ioctls::Cap::Irqchip, "KVM_CAP_IRQCHIP"),
+            (kvm_ioctls::Cap::Irqfd, "KVM_CAP_IRQFD"),
+            (kvm_ioctls::Cap::Pit2, "KVM_CAP_PIT2"),
+            (kvm_ioctls::Cap::UserMemory, "KVM_CAP_USER_MEMORY"),
+            (kvm_ioctls::Cap::ExtCpuid, "KVM_CAP_EXT_CPUID"),
+        ] {
+            if !kvm.check_extension(cap) {
+                return Err(BootError::KvmCap(name));
+            }
+        }
+        let vm = kvm.create_vm().map_err(|source| BootError::Kvm {
+            what: "KVM_CREATE_VM",
+            source,
+        })?;
+        vm.set_tss_address(x86_64::KVM_TSS_ADDRESS)
+            .map_err(|source| BootError::Kvm {
+                what: "KVM_SET_TSS_ADDR",
+                source,
+            })?;
+        vm.create_irq_chip().map_err(|source| BootError::Kvm {
+            what: "KVM_CREATE_IRQCHIP",
+            source,
+        })?;
+        let pit = kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
+        vm.create_pit2(pit).map_err(|source| BootError::Kvm {
+            what: "KVM_CREATE_PIT2",
+            source,
+        })?;
+
+        // Guest RAM.
+        let mem_bytes = cfg.mem_mib << 20;
+        let ram = GuestRam::new(&x86_64::ram_layout(mem_bytes))?;
+        for (slot, r) in ram.regions().iter().enumerate() {
+            let region = kvm_userspace_memory_region {
+                slot: slot as u32,
+                flags: 0,
+                guest_phys_addr: r.gpa(),
+                memory_size: r.len(),
+                userspace_addr: r.host_addr() as u64,
+            };
+            // SAFETY: the region is a live mapping owned by `ram`, which `LinuxVm` keeps
+            // until after the VM fd is closed (field order), so KVM never sees it unmapped.
+            unsafe { vm.set_user_memory_region(region) }.map_err(|source| BootError::Kvm {
+                what: "KVM_SET_USER_MEMORY_REGION",
+                source,
+            })?;
+        }
+        let mem = guest_memory_of(&ram)?;
+
+        // Devices.
+        let irq = EventFdTrigger::new().map_err(BootError::EventFd)?;
+        vm.register_irqfd(irq.eventfd(), SERIAL_IRQ)
+            .map_err(|source| BootError::Kvm {
+                what: "KVM_IRQFD (serial)",
+                source,
+            })?;
+        let devices = Arc::new(LegacyDevices::new(irq, out));
+
+        // Guest image.
+        let layout = x86_64::load_all(
+            &mem,
+            &cfg.kernel,
+            cfg.initrd.as_deref(),
+            &cfg.cmdline,
+            mem_bytes,
+            cfg.vcpus,
+        )?;
+        log::info!(
+            "kernel at {:#x}..{:#x}, entry {:#x}, initrd {:x?}, cmdline {} bytes, {} MiB, {} vCPU(s)",
+            layout.kernel_load,
+            layout.kernel_end,
+            layout.entry,
+            layout.initrd,
+            layout.cmdline_len,
+            cfg.mem_mib,
+            cfg.vcpus
+        );
+
+        // vCPUs.
+        let base_cpuid = kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(|source| BootError::Kvm {
+                what: "KVM_GET_SUPPORTED_CPUID",
+                source,
+            })?;
+        // Keep `base_cpuid` pristine; patch a copy per vCPU.
+        let mut vcpus = Vec::with_capacity(usize::from(cfg.vcpus));
+        for cpu in 0..cfg.vcpus {
+            let fd = vm
+                .create_vcpu(u64::from(cpu))
+                .map_err(|source| BootError::VcpuSetup {
+                    cpu,
+                    what: "KVM_CREATE_VCPU",
+                    source,
+                })?;
+            let mut cpuid = base_cpuid.clone();
+            x86_64::patch_cpuid(&mut cpuid, cpu, cfg.vcpus);
+            setup_vcpu(&fd, cpu, &cpuid, &layout)?;
+            vcpus.push(fd);
+        }
+
+        Ok(LinuxVm {
+            vcpus,
+            vm,
+            _kvm: kvm,
+            devices,
+            layout,
+            mem,
+            ram,
+        })
+    }
+
+    /// Where the guest image was placed.
+    pub fn layout(&self) -> &BootLayout {
+        &self.layout
+    }
+
+    /// Guest memory (vm-memory view).
+    pub fn memory(&self) -> &GuestMemoryMmap {
+        &self.mem
+    }
+
+    /// Guest RAM (memfds; for a vhost-user backend).
+    pub fn ram(&self) -> &GuestRam {
+        &self.ram
+    }
+
+    /// The legacy devices (serial input, reset state).
+    pub fn devices(&self) -> &Arc<LegacyDevices> {
+        &self.devices
+    }
+
+    /// The VM fd.
+    pub fn vm_fd(&self) -> &VmFd {
+        &self.vm
+    }
+
+    /// The vCPU fds (before [`LinuxVm::run`]).
+    pub fn vcpu_fds(&self) -> &[VcpuFd] {
+        &self.vcpus
+    }
+
+    /// Runs every vCPU on its own thread until the guest ends; returns how it ended.
+    /// `timeout`, if given, stops the VM with [`BootError::UnexpectedExit`] after that long.
+    pub fn run(&mut self, timeout: Option<Duration>) -> Result<GuestExit, BootError> {
+        install_kick_handler()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = mpsc::channel::<(u8, Result<GuestExit, BootError>)>();
+        let mut threads: Vec<(u8, JoinHandle<()>)> = Vec::new();
+        let started = Instant::now();
+        for (i, fd) in self.vcpus.drain(..).enumerate() {
+            let cpu = i as u8;
+            let vcpu_stop = stop.clone();
+            let tx = tx.clone();
+            let devices = self.devices.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("vcpu{cpu}"))
+                .spawn(move || {
+                    let res = vcpu_loop(fd, cpu, &devices, &vcpu_stop);
+                    let _ = tx.send((cpu, res));
+                });
+            match spawned {
+                Ok(h) => threads.push((cpu, h)),
+                Err(source) => {
+                    stop.store(true, Ordering::SeqCst);
+                    stop_threads(threads);
+                    return Err(BootError::VcpuThread { cpu, source });
+                }
+            }
+        }
+        drop(tx);
+
+        // The first vCPU to finish decides the outcome.
+        let first = match timeout {
+            Some(t) => rx.recv_timeout(t).map_err(|_| BootError::UnexpectedExit {
+                cpu: 0,
+                exit: format!("timeout after {t:?}"),
+            }),
+            None => rx.recv().map_err(|_| BootError::VcpuPanic(0)),
+        };
+        stop.store(true, Ordering::SeqCst);
+        let panicked = stop_threads(threads);
+        let (cpu, res) = first?;
+        log::info!(
+            "vCPU {cpu} ended the VM after {:.3}s: {res:?}",
+            started.elapsed().as_secs_f64()
+        );
+        if let Some(p) = panicked {
+            return Err(BootError::VcpuPanic(p));
+        }
+        res
+    }
+}
+
+fn check_file(path: &Path, err: impl Fn(PathBuf, io::Error) -> BootError) -> Result<(), BootError> {
+    let md = std::fs::metadata(path).map_err(|e| err(path.to_owned(), e))?;
+    if !md.is_file() {
+        return Err(err(
+            path.to_owned(),
+            io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"),
+        ));
+    }
+    Ok(())
+}
+
+/// Sets up vCPU `cpu`: CPUID, MSRs, registers for the 64-bit boot protocol, FPU, LAPIC.
+/// KVM keeps application processors in wait-for-SIPI regardless of their registers.
+pub fn setup_vcpu(
+    fd: &VcpuFd,
+    cpu: u8,
+    cpuid: &kvm_bindings::CpuId,
+    layout: &BootLayout,
+) -> Result<(), BootError> {
+    let e = |what: &'static str| move |source| BootError::VcpuSetup { cpu, what, source };
+    fd.set_cpuid2(cpuid).map_err(e("KVM_SET_CPUID2"))?;
+    let msrs = x86_64::boot_msrs_fam()?;
+    let set = fd.set_msrs(&msrs).map_err(e("KVM_SET_MSRS"))?;
+    let expected = msrs.as_slice().len();
+    if set != expected {
+        return Err(BootError::Msrs {
+            cpu,
+            set,
+            expected,
+            index: msrs.as_slice().get(set).map(|m| m.index).unwrap_or(0),
+        });
+    }
+    fd.set_regs(&x86_64::boot_regs(layout.entry))
+        .map_err(e("KVM_SET_REGS"))?;
+    let mut sregs = fd.get_sregs().map_err(e("KVM_GET_SREGS"))?;
+    x86_64::boot_sregs(&mut sregs);
+    fd.set_sregs(&sregs).map_err(e("KVM_SET_SREGS"))?;
+    fd.set_fpu(&x86_64::boot_fpu()).map_err(e("KVM_SET_FPU"))?;
+    // XCR0 = every XSAVE feature the CPUID offers, as the kernel sets it at once anyway;
+    // KVM then reports the matching XSAVE area size in CPUID 0xd. (Under the nested TCG
+    // rig the guest's own XSETBV apparently does not reach L1's KVM, and the kernel warns
+    // "XSAVE consistency problem" without this.) Best effort: not every KVM has XCRs.
+    if let Some(xcr0) = x86_64::xcr0_of(cpuid) {
+        let mut xcrs = kvm_bindings::kvm_xcrs {
+            nr_xcrs: 1,
+            ..Default::default()
+        };
+        xcrs.xcrs[0].xcr = 0;
+        xcrs.xcrs[0].value = xcr0;
+        if let Err(err) = fd.set_xcrs(&xcrs) {
+            log::debug!("vCPU {cpu}: KVM_SET_XCRS(xcr0={xcr0:#x}) failed: {err}");
+        }
+    }
+    let mut lapic = fd.get_lapic().map_err(e("KVM_GET_LAPIC"))?;
+    x86_64::set_lint(&mut lapic);
+    fd.set_lapic(&lapic).map_err(e("KVM_SET_LAPIC"))?;
+    Ok(())
+}
+
+/// The run loop of one vCPU.
+fn vcpu_loop(
+    mut fd: VcpuFd,
+    cpu: u8,
+    devices: &LegacyDevices,
+    stop: &AtomicBool,
+) -> Result<GuestExit, BootError> {
+    loop {
+        if stop.load(Ordering::SeqCst) {
+            return Err(BootError::UnexpectedExit {
+                cpu,
+                exit: "stopped".into(),
+            });
+        }
+        match fd.run() {
+            Ok(VcpuExit::IoOut(port, data)) => {
+                devices.pio_write(port, data);
+                if devices.reset_requested() {
+                    return Ok(GuestExit::I8042Reset);
+                }
+            }
+            Ok(VcpuExit::IoIn(port, data)) => devices.pio_read(port, data),
+            Ok(VcpuExit::MmioRead(addr, data)) => {
+                log::trace!("vCPU {cpu}: unhandled MMIO read at {addr:#x}");
+                data.fill(0xff);
+            }
+            Ok(VcpuExit::MmioWrite(addr, data)) => {
+                log::trace!("vCPU {cpu}: unhandled MMIO write {data:x?} at {addr:#x}");
+            }
+            Ok(VcpuExit::Shutdown) => return Ok(GuestExit::TripleFault),
+            Ok(VcpuExit::Hlt) => return Ok(GuestExit::Halted),
+            Ok(VcpuExit::SystemEvent(event, _)) => {
+                return match event {
+                    KVM_SYSTEM_EVENT_SHUTDOWN => Ok(GuestExit::PowerOff),
+                    KVM_SYSTEM_EVENT_RESET => Ok(GuestExit::SystemReset),
+                    KVM_SYSTEM_EVENT_CRASH => Err(BootError::GuestCrash { cpu, event }),
+                    _ => Err(BootError::UnexpectedExit {
+                        cpu,
+                        exit: format!("system event {event}"),
+                    }),
+                };
+            }
+            Ok(VcpuExit::FailEntry(reason, _)) => return Err(BootError::FailEntry { cpu, reason }),
+            Ok(VcpuExit::InternalError) => return Err(BootError::InternalError { cpu }),
+            Ok(VcpuExit::Intr) => {}
+            Ok(other) => {
+                return Err(BootError::UnexpectedExit {
+                    cpu,
+                    exit: format!("{other:?}"),
+                })
+            }
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {}
+            Err(source) => return Err(BootError::Run { cpu, source }),
+        }
+    }
+}
+
+fn kick_signal() -> i32 {
+    SIGRTMIN()
+}
+
+extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+
+fn install_kick_handler() -> Result<(), BootError> {
+    static ONCE: Once = Once::new();
+    let mut res = Ok(());
+    ONCE.call_once(|| {
+        res = register_signal_handler(kick_signal(), kick_handler).map_err(BootError::Signal);
+    });
+    res
+}
+
+/// Kicks the vCPU threads out of KVM_RUN until they have all seen the stop flag, then
+/// joins them. Returns the first vCPU whose thread panicked.
+fn stop_threads(threads: Vec<(u8, JoinHandle<()>)>) -> Option<u8> {
+    let mut panicked = None;
+    for (cpu, h) in threads {
+        // A kick that lands just before KVM_RUN is lost: repeat until the thread ends.
+        while !h.is_finished() {
+            let _ = h.kill(kick_signal());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if h.join().is_err() && panicked.is_none() {
+            panicked = Some(cpu);
+        }
+    }
+    panicked
+}
