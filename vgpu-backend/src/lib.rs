@@ -41,7 +41,6 @@
 //! guest driver must re-create its contexts, buffers and channels. Per-PID busy-time books
 //! and the request/error/disconnect counters of a VM do survive reconnects (not restarts).
 
-pub mod control_map;
 pub mod error;
 pub mod events;
 pub mod guest_mem;

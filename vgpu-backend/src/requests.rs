@@ -700,7 +700,7 @@ impl Session {
                 .control_maps
                 .retain(|id, _| live.values().any(|h| h == id));
             let page = self.gpu.control_page(hch).map_err(|e| e.code())?;
-            let map = crate::control_map::ControlMap::new(page).map_err(|e| {
+            let map = crate::shadow::PageMap::new(page).map_err(|e| {
                 warn!("SUBMIT: mapping the control page: {e}");
                 ErrorCode::Internal
             })?;

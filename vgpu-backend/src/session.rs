@@ -157,7 +157,7 @@ pub struct HalHandles {
     pub channels: BTreeMap<u32, ChannelId>,
     /// The backend's own mappings of control pages, for SUBMIT (API-remoting baseline),
     /// keyed by the HAL's channel id, which is never reused.
-    pub control_maps: BTreeMap<ChannelId, crate::control_map::ControlMap>,
+    pub control_maps: BTreeMap<ChannelId, crate::shadow::PageMap>,
 }
 
 /// Per-PID busy-time accounting: live channels (read from the HAL on demand) plus what
