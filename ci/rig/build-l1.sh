@@ -59,7 +59,7 @@ apt_update() {
 
 # --- 1. host packages ---------------------------------------------------------------
 need_pkgs=()
-for p in qemu-system-x86 busybox-static cpio kmod xz-utils zstd gzip; do
+for p in qemu-system-x86 busybox-static cpio kmod xz-utils zstd gzip file; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need_pkgs+=("$p")
 done
 if [ ${#need_pkgs[@]} -gt 0 ]; then

@@ -10,7 +10,7 @@ use crate::transport::CpuPtr;
 /// A view of a control page. The GPU (or the backend's shadow logic) writes it
 /// concurrently, so every field is accessed atomically.
 ///
-/// GP_GET and REF are read as lower bounds: while the host swaps a channel's page for a
+/// GP_GET, REF and NOTIFY_SEQ are read as lower bounds: while the host swaps a channel's page for a
 /// shadow (scheduling), a read can briefly return an older value (protocol.md, "Shadow
 /// channels"), so the view keeps the largest value it has seen.
 #[derive(Debug)]
@@ -18,6 +18,7 @@ pub(crate) struct ControlView {
     page: CpuPtr,
     seen_get: AtomicU32,
     seen_ref: AtomicU32,
+    seen_notify: AtomicU32,
 }
 
 /// Returns the later of `page` and the value remembered in `seen` (wrapping compare), and
@@ -46,6 +47,7 @@ impl ControlView {
             page,
             seen_get: AtomicU32::new(0),
             seen_ref: AtomicU32::new(0),
+            seen_notify: AtomicU32::new(0),
         })
     }
 
@@ -84,7 +86,8 @@ impl ControlView {
     }
 
     pub(crate) fn notify_seq(&self) -> u32 {
-        self.u32_at(ControlPage::NOTIFY_SEQ).load(Ordering::Acquire)
+        let page = self.u32_at(ControlPage::NOTIFY_SEQ).load(Ordering::Acquire);
+        monotonic(&self.seen_notify, page)
     }
 
     pub(crate) fn version(&self) -> u32 {
