@@ -8,7 +8,8 @@
 //! - [`requests`]: validation and execution of control requests;
 //! - [`guest_mem`]: the GPU's view of a VM's guest memory ([`SysMemory`](vgpu_host_shim::SysMemory));
 //! - [`shmem`]: the BAR window (control-page slots, VRAM aperture) and SHMEM_MAP/UNMAP;
-//! - [`events`]: GPU events → per-VM FIFO → event virtqueue.
+//! - [`events`]: GPU events → per-VM FIFO → event virtqueue;
+//! - [`sched`]: the GPU scheduler (VM weights, per-process shares, shadowing over-users).
 //!
 //! # What a frontend must do
 //!
@@ -45,6 +46,7 @@ pub mod error;
 pub mod events;
 pub mod guest_mem;
 pub mod requests;
+pub mod sched;
 pub mod session;
 pub mod shadow;
 pub mod shmem;
@@ -55,7 +57,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -69,8 +71,9 @@ use vmm_sys_util::epoll::EventSet;
 pub use error::{BackendError, ShmError};
 pub use events::{EventQueue, EVENT_FIFO_CAPACITY};
 pub use guest_mem::{GuestMemory, GuestSysMemory};
+pub use sched::{Policy, SchedConfig, SchedError, SchedStats};
 pub use session::{Session, SessionShared, SessionState, VmLimits, VmStats};
-pub use shadow::{ShadowError, ShadowStats, ShadowSwitch};
+pub use shadow::{ChannelPeek, ShadowError, ShadowStats, ShadowSwitch};
 pub use shmem::{NullShm, ShmMapper, VhostShm};
 pub use vgpu_host_shim::Gpu;
 
@@ -89,6 +92,8 @@ pub(crate) struct VmState {
     conn: Mutex<Option<ShutdownHandle>>,
     /// The connected frontend's BAR mapper (for shadow remaps requested by the operator).
     shm: Mutex<Option<Arc<VhostShm>>>,
+    /// Operator weight for the scheduler ([`sched::MIN_WEIGHT`]..=[`sched::MAX_WEIGHT`]).
+    pub(crate) weight: AtomicU32,
 }
 
 impl VmState {
@@ -109,6 +114,7 @@ pub struct VgpuBackend {
     vms: Mutex<BTreeMap<String, Arc<VmState>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     stop: Arc<AtomicBool>,
+    sched: sched::SchedSlot,
 }
 
 fn valid_name(name: &str) -> bool {
@@ -129,6 +135,7 @@ impl VgpuBackend {
             vms: Mutex::new(BTreeMap::new()),
             threads: Mutex::new(Vec::new()),
             stop: Arc::new(AtomicBool::new(false)),
+            sched: sched::SchedSlot::default(),
         })
     }
 
@@ -202,6 +209,7 @@ impl VgpuBackend {
             connected: AtomicBool::new(false),
             conn: Mutex::new(None),
             shm: Mutex::new(None),
+            weight: AtomicU32::new(sched::DEFAULT_WEIGHT),
         });
         let stop = self.stop.clone();
         let vm2 = vm.clone();
@@ -303,12 +311,50 @@ impl VgpuBackend {
         self.vm(name).map(|vm| vm.lock_session().shadow_stats())
     }
 
+    /// Starts the GPU scheduler with `cfg`, or reconfigures it (the running one stops first,
+    /// unshadowing the channels it shadowed). [`Policy::None`] just stops it; `timeslice`
+    /// and `sampling` are refused as not implemented.
+    pub fn start_scheduler(self: &Arc<Self>, cfg: SchedConfig) -> Result<(), SchedError> {
+        sched::start(self, cfg)
+    }
+
+    /// The scheduler's configuration (`None` if it was never started).
+    pub fn scheduler_config(&self) -> Option<SchedConfig> {
+        self.sched.config()
+    }
+
+    /// The scheduler's counters.
+    pub fn sched_stats(&self) -> SchedStats {
+        self.sched.stats()
+    }
+
+    /// Sets VM `name`'s share weight (1..=10000; VMs start at
+    /// [`DEFAULT_WEIGHT`](sched::DEFAULT_WEIGHT)). Takes effect at the next interval.
+    pub fn set_vm_weight(&self, name: &str, weight: u32) -> Result<(), SchedError> {
+        if !(sched::MIN_WEIGHT..=sched::MAX_WEIGHT).contains(&weight) {
+            return Err(SchedError::InvalidWeight(weight));
+        }
+        let vm = self
+            .vm(name)
+            .ok_or_else(|| SchedError::NoVm(name.to_string()))?;
+        vm.weight.store(weight, Ordering::Relaxed);
+        info!("VM {name}: weight {weight}");
+        Ok(())
+    }
+
+    /// VM `name`'s share weight.
+    pub fn vm_weight(&self, name: &str) -> Option<u32> {
+        self.vm(name).map(|vm| vm.weight.load(Ordering::Relaxed))
+    }
+
     /// Stops serving (best effort): closes connections, wakes listeners, tears sessions
     /// down and waits a few seconds for the VM threads.
     pub fn shutdown(&self) {
         if self.stop.swap(true, Ordering::AcqRel) {
             return;
         }
+        // First, while frontends are still there: the scheduler unshadows its channels.
+        self.sched.stop();
         let vms: Vec<Arc<VmState>> = self.lock_vms().values().cloned().collect();
         for vm in &vms {
             if let Some(h) = vm.conn.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {

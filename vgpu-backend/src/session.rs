@@ -233,6 +233,21 @@ impl SessionShared {
         }
     }
 
+    /// Busy time of each live channel as the HAL counts it: (guest channel id, owning
+    /// guest PID, HAL channel id, busy ns). Channels whose counters cannot be read are
+    /// left out.
+    pub fn channel_busy_ns(&self, gpu: &dyn Gpu) -> Vec<(u32, u32, ChannelId, u64)> {
+        let book = self.busy();
+        book.live
+            .iter()
+            .filter_map(|(g, (pid, ch))| {
+                gpu.channel_counters(*ch)
+                    .ok()
+                    .map(|c| (*g, *pid, *ch, c.busy_ns))
+            })
+            .collect()
+    }
+
     /// GPU busy time per guest PID: live channels' HAL counters plus destroyed channels.
     pub fn process_busy_ns(&self, gpu: &dyn Gpu) -> Vec<(u32, u64)> {
         let book = self.busy();

@@ -121,6 +121,35 @@ pub struct ShadowSwitch {
     pub ns: u64,
 }
 
+/// A channel's submission counters, read without trapping (see [`Shadows::peek`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ChannelPeek {
+    /// GP_GET of the real page (the GPU's progress).
+    pub gp_get: u32,
+    /// GP_PUT of the real page (what the GPU may run).
+    pub real_put: u32,
+    /// GP_PUT of the shadow page, while the channel is shadowed (what the guest submitted).
+    pub shadow_put: Option<u32>,
+}
+
+impl ChannelPeek {
+    /// Entries the guest submitted that have not run yet (released or held back).
+    pub fn backlog(&self) -> u32 {
+        let put = counter_later(
+            self.gp_get,
+            self.real_put,
+            self.shadow_put.unwrap_or(self.real_put),
+        );
+        (put.wrapping_sub(self.gp_get) as i32).max(0) as u32
+    }
+
+    /// Whether the channel has work the GPU has not finished: its real or shadow GP_PUT is
+    /// ahead of GP_GET.
+    pub fn pending(&self) -> bool {
+        self.backlog() > 0
+    }
+}
+
 /// `a` is strictly after `b`, modulo 2^32.
 pub fn counter_after(a: u32, b: u32) -> bool {
     (a.wrapping_sub(b) as i32) > 0
@@ -535,6 +564,30 @@ impl Shadows {
         n
     }
 
+    /// GP_GET and GP_PUT of channel `ch` as the GPU sees them (real page) and, while it is
+    /// shadowed, the guest's GP_PUT in the shadow page. Maps the real page on first use.
+    pub fn peek(&mut self, ch: u32, real_page: FdRange) -> io::Result<ChannelPeek> {
+        self.real_map(ch, real_page)?;
+        let real = self
+            .real
+            .get(&ch)
+            .ok_or_else(|| io::Error::other("real page mapping missing"))?;
+        let (gp_get, real_put) = (
+            real.load(ControlPage::GP_GET),
+            real.load(ControlPage::GP_PUT),
+        );
+        let shadow_put = self
+            .shadowed
+            .get(&ch)
+            .and_then(|s| self.pool.pages.get(s.page))
+            .map(|p| p.load(ControlPage::GP_PUT));
+        Ok(ChannelPeek {
+            gp_get,
+            real_put,
+            shadow_put,
+        })
+    }
+
     /// The guest's GP_PUT for a shadowed channel arrived by request (SUBMIT, the
     /// API-remoting path): it goes into the shadow page. False if `ch` is not shadowed.
     pub fn submit(&self, ch: u32, gp_put: u32) -> bool {
@@ -616,6 +669,28 @@ impl Session {
             return Err(ShadowError::NoChannel(ch));
         }
         self.shadows.release_capped(ch, n)
+    }
+
+    /// See [`Shadows::peek`].
+    pub fn peek_channel(&mut self, ch: u32) -> Result<ChannelPeek, ShadowError> {
+        let c = self
+            .state
+            .channels
+            .get(&ch)
+            .ok_or(ShadowError::NoChannel(ch))?;
+        if !c.slot_mapped {
+            return Err(ShadowError::SlotNotMapped(ch));
+        }
+        let hch = *self
+            .hal
+            .channels
+            .get(&ch)
+            .ok_or(ShadowError::NoChannel(ch))?;
+        let page = self.gpu.control_page(hch)?;
+        if page.len < PAGE_SIZE {
+            return Err(io::Error::other("control page shorter than a page").into());
+        }
+        Ok(self.shadows.peek(ch, page)?)
     }
 
     /// See [`Shadows::mirror`].

@@ -5,6 +5,9 @@
 //! - [`shm_window`]: the device's shared-memory window (BAR) served by SHMEM_MAP/UNMAP.
 //! - [`guest_memory`]: memfd-backed guest RAM and a page allocator over it.
 //! - [`virtq`]: a split-virtqueue driver (the guest side of a virtqueue).
+//! - [`pci`]: a PCI bus (config mechanism #1, host bridge, BARs, capabilities).
+//! - [`virtio_pci`]: a modern virtio-pci function with a shared-memory BAR over a
+//!   [`virtio_pci::VirtioBackend`].
 //! - [`loopback`]: [`LoopbackVm`], a "VM" without KVM whose guest processes are threads of
 //!   the calling program, for tests and benchmarks.
 
@@ -13,7 +16,9 @@ pub mod frontend;
 pub mod guest_memory;
 pub mod kvm;
 pub mod loopback;
+pub mod pci;
 pub mod shm_window;
+pub mod virtio_pci;
 pub mod virtq;
 
 pub use loopback::{GuestAlloc, LoopbackConfig, LoopbackError, LoopbackVm};

@@ -193,6 +193,7 @@ fn tiny_kernel_runs_and_resets() {
         mem_mib: 64,
         vcpus: 2,
         serial: None,
+        vgpu_stub: false,
     };
     let out = SharedBuf::default();
     let mut vm = LinuxVm::with_serial(&cfg, SerialOut::from_writer(Box::new(out.clone()))).unwrap();
@@ -247,4 +248,23 @@ fn binary_reports_missing_kernel() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2), "bad --mem-mib is a usage error");
+}
+
+#[test]
+fn pci_bars_in_the_mmio_gap() {
+    use vgpu_vmm::virtio_pci::{shm_bar_size, BAR0_SIZE};
+    let shm_len = vgpu_protocol::device::SHM_SIZE;
+    let p = vgpu_vmm::boot::pci_bar_placement(shm_len).unwrap();
+    let shm_size = shm_bar_size(shm_len).unwrap();
+    assert_eq!(p.shm % shm_size, 0);
+    assert_eq!(p.bar0 % BAR0_SIZE, 0);
+    assert!(p.shm >= arch::MMIO_GAP_START);
+    assert!(p.shm + shm_size <= p.bar0);
+    assert!(p.bar0 + BAR0_SIZE <= u64::from(arch::IOAPIC_ADDR));
+    // Nothing of the guest's RAM lies there, at any RAM size.
+    for (gpa, len) in arch::ram_layout(8 << 30) {
+        assert!(gpa + len <= p.shm || gpa >= p.bar0 + BAR0_SIZE);
+    }
+    // A region too large for the gap is refused.
+    assert!(vgpu_vmm::boot::pci_bar_placement(2 << 30).is_err());
 }

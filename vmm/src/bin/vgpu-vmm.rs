@@ -1,4 +1,5 @@
-//! `vgpu-vmm`: boots an x86_64 Linux bzImage (+ initramfs) under KVM with a serial console.
+//! `vgpu-vmm`: boots an x86_64 Linux bzImage (+ initramfs) under KVM with a serial console
+//! and, with `--vgpu-stub`, the vgpu virtio-pci function (stub backend) on a PCI bus.
 //!
 //! Exit status: 0 when the guest resets or powers off (i8042 reset, triple fault, KVM
 //! shutdown event), 1 on a setup error or a vCPU failure, 2 on bad command-line usage.
@@ -8,7 +9,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use vgpu_vmm::boot::{LinuxVm, VmConfig, DEFAULT_CMDLINE, MAX_VCPUS};
+use vgpu_vmm::boot::{LinuxVm, VmConfig, DEFAULT_CMDLINE, DEFAULT_CMDLINE_PCI, MAX_VCPUS};
 
 /// Boot a Linux guest under KVM (serial console on COM1).
 #[derive(Debug, Parser)]
@@ -20,9 +21,10 @@ struct Cli {
     /// Initramfs (cpio, optionally compressed) to pass to the kernel.
     #[arg(long, value_name = "PATH")]
     initrd: Option<PathBuf>,
-    /// Kernel command line.
-    #[arg(long, default_value = DEFAULT_CMDLINE)]
-    cmdline: String,
+    /// Kernel command line [default: DEFAULT_CMDLINE of vgpu_vmm::boot, with `pci=conf1`
+    /// instead of `pci=off` under --vgpu-stub].
+    #[arg(long)]
+    cmdline: Option<String>,
     /// Guest RAM in MiB.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(32..=1048576))]
     mem_mib: u64,
@@ -32,6 +34,10 @@ struct Cli {
     /// Write the guest's serial output to this file instead of standard output.
     #[arg(long, value_name = "PATH")]
     serial: Option<PathBuf>,
+    /// Add the vgpu virtio-pci device (PCI 0x1af4:0x107c) backed by a stub: PCI bus on
+    /// ports 0xCF8/0xCFC, BARs in the 32-bit MMIO gap.
+    #[arg(long)]
+    vgpu_stub: bool,
     /// Stop the VM (exit status 1) if it still runs after this many seconds.
     #[arg(long, value_name = "SECS")]
     timeout: Option<u64>,
@@ -42,13 +48,25 @@ fn main() -> ExitCode {
         .format_timestamp_millis()
         .init();
     let cli = Cli::parse();
+    let cmdline = cli.cmdline.unwrap_or_else(|| {
+        if cli.vgpu_stub {
+            DEFAULT_CMDLINE_PCI
+        } else {
+            DEFAULT_CMDLINE
+        }
+        .to_owned()
+    });
+    if cli.vgpu_stub && cmdline.split_whitespace().any(|a| a == "pci=off") {
+        eprintln!("vgpu-vmm: warning: --vgpu-stub with pci=off: the guest will not see the device");
+    }
     let cfg = VmConfig {
         kernel: cli.kernel,
         initrd: cli.initrd,
-        cmdline: cli.cmdline,
+        cmdline,
         mem_mib: cli.mem_mib,
         vcpus: cli.vcpus,
         serial: cli.serial,
+        vgpu_stub: cli.vgpu_stub,
     };
     let mut vm = match LinuxVm::new(&cfg) {
         Ok(vm) => vm,

@@ -6,7 +6,10 @@
 //! ([`x86_64`]). [`LinuxVm::run`] runs one thread per vCPU until the guest resets
 //! (i8042 reset, triple fault), powers off (KVM system event) or fails.
 //!
-//! No PCI and no virtio yet.
+//! With [`VmConfig::vgpu_stub`], a PCI bus (configuration mechanism #1 on ports
+//! `0xCF8..=0xCFF`) carries the vgpu virtio-pci function backed by a stub
+//! ([`crate::virtio_pci::stub::StubBackend`]); its BARs sit in the 32-bit MMIO gap
+//! ([`pci_bar_placement`]) and are served as MMIO exits in the vCPU loop.
 
 pub mod serial;
 pub mod x86_64;
@@ -14,7 +17,7 @@ pub mod x86_64;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Once};
+use std::sync::{mpsc, Arc, Mutex, Once};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -28,6 +31,9 @@ use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use crate::guest_memory::{GuestMemoryError, GuestRam};
+use crate::pci::PciBus;
+use crate::virtio_pci::stub::StubBackend;
+use crate::virtio_pci::{shm_bar_size, BarPlacement, VirtioPciDevice, VirtioPciError, BAR0_SIZE};
 use serial::{EventFdTrigger, LegacyDevices, SerialOut, SERIAL_IRQ};
 use x86_64::BootLayout;
 
@@ -120,6 +126,12 @@ pub enum BootError {
     UnexpectedExit { cpu: u8, exit: String },
     #[error("vCPU {0} thread panicked")]
     VcpuPanic(u8),
+    #[error("vgpu PCI device: {0}")]
+    VirtioPci(#[from] VirtioPciError),
+    #[error("PCI bus: {0}")]
+    Pci(#[from] crate::pci::PciError),
+    #[error("the PCI BARs do not fit in the 32-bit MMIO gap")]
+    PciLayout,
 }
 
 /// What the user asks for.
@@ -132,11 +144,31 @@ pub struct VmConfig {
     pub vcpus: u8,
     /// Serial output file; `None` = standard output.
     pub serial: Option<PathBuf>,
+    /// Put the vgpu virtio-pci function, backed by a stub, on a PCI bus.
+    pub vgpu_stub: bool,
 }
 
 /// The default kernel command line.
 pub const DEFAULT_CMDLINE: &str =
     "console=ttyS0 reboot=k panic=1 pci=off nomodule i8042.noaux i8042.nokbd i8042.nomux i8042.nopnp";
+
+/// The default kernel command line with a PCI bus: configuration mechanism #1 (there is
+/// no ACPI, hence no MMCONFIG), no probing for other mechanisms.
+pub const DEFAULT_CMDLINE_PCI: &str =
+    "console=ttyS0 reboot=k panic=1 pci=conf1 nomodule i8042.noaux i8042.nokbd i8042.nomux i8042.nopnp";
+
+/// Where the vgpu function's BARs go: the shared-memory BAR (the largest, naturally
+/// aligned) at the bottom of the 32-bit MMIO gap, BAR0 right after it. Both stay below
+/// the IOAPIC.
+pub fn pci_bar_placement(shm_len: u64) -> Result<BarPlacement, BootError> {
+    let shm_size = shm_bar_size(shm_len).ok_or(BootError::PciLayout)?;
+    let shm = x86_64::MMIO_GAP_START.next_multiple_of(shm_size);
+    let bar0 = (shm + shm_size).next_multiple_of(BAR0_SIZE);
+    if bar0 + BAR0_SIZE > u64::from(x86_64::IOAPIC_ADDR) {
+        return Err(BootError::PciLayout);
+    }
+    Ok(BarPlacement { bar0, shm })
+}
 
 /// How the guest ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -160,6 +192,7 @@ pub struct LinuxVm {
     vm: VmFd,
     _kvm: Kvm,
     devices: Arc<LegacyDevices>,
+    pci: Option<Arc<Mutex<PciBus>>>,
     layout: BootLayout,
     mem: GuestMemoryMmap,
     ram: GuestRam,
@@ -283,6 +316,20 @@ impl LinuxVm {
                 source,
             })?;
         let devices = Arc::new(LegacyDevices::new(irq, out));
+        let pci = if cfg.vgpu_stub {
+            let place = pci_bar_placement(vgpu_protocol::device::SHM_SIZE)?;
+            let dev = VirtioPciDevice::new(StubBackend::new(0), place)?;
+            let mut bus = PciBus::new();
+            let slot = bus.add_device(Box::new(dev))?;
+            log::info!(
+                "vgpu stub at PCI 00:{slot:02x}.0, BAR0 {:#x}, shm BAR {:#x}",
+                place.bar0,
+                place.shm
+            );
+            Some(Arc::new(Mutex::new(bus)))
+        } else {
+            None
+        };
 
         // Guest image.
         let layout = x86_64::load_all(
@@ -332,6 +379,7 @@ impl LinuxVm {
             vm,
             _kvm: kvm,
             devices,
+            pci,
             layout,
             mem,
             ram,
@@ -358,6 +406,11 @@ impl LinuxVm {
         &self.devices
     }
 
+    /// The PCI bus, when there is one.
+    pub fn pci_bus(&self) -> Option<&Arc<Mutex<PciBus>>> {
+        self.pci.as_ref()
+    }
+
     /// The VM fd.
     pub fn vm_fd(&self) -> &VmFd {
         &self.vm
@@ -381,10 +434,11 @@ impl LinuxVm {
             let vcpu_stop = stop.clone();
             let tx = tx.clone();
             let devices = self.devices.clone();
+            let pci = self.pci.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("vcpu{cpu}"))
                 .spawn(move || {
-                    let res = vcpu_loop(fd, cpu, &devices, &vcpu_stop);
+                    let res = vcpu_loop(fd, cpu, &devices, pci.as_deref(), &vcpu_stop);
                     let _ = tx.send((cpu, res));
                 });
             match spawned {
@@ -479,11 +533,18 @@ pub fn setup_vcpu(
     Ok(())
 }
 
+/// Locks the PCI bus. A poisoned bus is still consistent (every access leaves it so):
+/// keep serving.
+fn lock(p: &Mutex<PciBus>) -> std::sync::MutexGuard<'_, PciBus> {
+    p.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The run loop of one vCPU.
 fn vcpu_loop(
     mut fd: VcpuFd,
     cpu: u8,
     devices: &LegacyDevices,
+    pci: Option<&Mutex<PciBus>>,
     stop: &AtomicBool,
 ) -> Result<GuestExit, BootError> {
     loop {
@@ -495,18 +556,28 @@ fn vcpu_loop(
         }
         match fd.run() {
             Ok(VcpuExit::IoOut(port, data)) => {
-                devices.pio_write(port, data);
+                if !pci.is_some_and(|p| lock(p).pio_write(port, data)) {
+                    devices.pio_write(port, data);
+                }
                 if devices.reset_requested() {
                     return Ok(GuestExit::I8042Reset);
                 }
             }
-            Ok(VcpuExit::IoIn(port, data)) => devices.pio_read(port, data),
+            Ok(VcpuExit::IoIn(port, data)) => {
+                if !pci.is_some_and(|p| lock(p).pio_read(port, data)) {
+                    devices.pio_read(port, data);
+                }
+            }
             Ok(VcpuExit::MmioRead(addr, data)) => {
-                log::trace!("vCPU {cpu}: unhandled MMIO read at {addr:#x}");
-                data.fill(0xff);
+                if !pci.is_some_and(|p| lock(p).mmio_read(addr, data)) {
+                    log::trace!("vCPU {cpu}: unhandled MMIO read at {addr:#x}");
+                    data.fill(0xff);
+                }
             }
             Ok(VcpuExit::MmioWrite(addr, data)) => {
-                log::trace!("vCPU {cpu}: unhandled MMIO write {data:x?} at {addr:#x}");
+                if !pci.is_some_and(|p| lock(p).mmio_write(addr, data)) {
+                    log::trace!("vCPU {cpu}: unhandled MMIO write {data:x?} at {addr:#x}");
+                }
             }
             Ok(VcpuExit::Shutdown) => return Ok(GuestExit::TripleFault),
             Ok(VcpuExit::Hlt) => return Ok(GuestExit::Halted),
