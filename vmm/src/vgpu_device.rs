@@ -35,7 +35,8 @@ use crate::shm_window::{ShmHandler, ShmWindow};
 use crate::virtio_pci::{ActivateError, VirtioBackend, VirtqConfig};
 
 /// What a vgpu frontend needs of the backend: both queues, the shared-memory region of
-/// the protocol's size, config space, the backend channel for SHMEM_MAP with acks.
+/// the protocol's size, config space, the backend channel for SHMEM_MAP with acks. (A
+/// frontend whose guest can reset the device also needs `RESET_DEVICE`.)
 pub fn vgpu_requirements() -> DeviceRequirements {
     DeviceRequirements {
         num_queues: NUM_QUEUES,
@@ -44,8 +45,7 @@ pub fn vgpu_requirements() -> DeviceRequirements {
             | VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::BACKEND_REQ
             | VhostUserProtocolFeatures::REPLY_ACK
-            | VhostUserProtocolFeatures::SHMEM
-            | VhostUserProtocolFeatures::RESET_DEVICE,
+            | VhostUserProtocolFeatures::SHMEM,
         shm_regions: vec![(SHM_REGION_ID, SHM_SIZE)],
         config_size: DeviceConfig::SIZE as u32,
     }
@@ -117,13 +117,16 @@ impl VhostUserVgpu {
         }
         let path = socket.display().to_string();
         let handler = Arc::new(ShmHandler::new(vec![window.clone()]));
-        let dev =
-            VhostUserDevice::connect(socket, &vgpu_requirements(), handler).map_err(|source| {
-                VgpuDeviceError::Frontend {
-                    path: path.clone(),
-                    source,
-                }
-            })?;
+        // A guest driver resets the device on unload and reboot: the backend must then free
+        // what the guest created without a disconnect.
+        let mut reqs = vgpu_requirements();
+        reqs.protocol_features |= VhostUserProtocolFeatures::RESET_DEVICE;
+        let dev = VhostUserDevice::connect(socket, &reqs, handler).map_err(|source| {
+            VgpuDeviceError::Frontend {
+                path: path.clone(),
+                source,
+            }
+        })?;
         let config = dev.config().to_vec();
         let decoded = DeviceConfig::decode(&config).ok_or(VgpuDeviceError::BadConfig(path))?;
         info!(
