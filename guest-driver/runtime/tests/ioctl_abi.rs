@@ -22,8 +22,11 @@ fn kernel_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../kernel")
 }
 
-/// (C struct, size, [(field, offset)]) for every ioctl argument struct.
-fn structs() -> Vec<(&'static str, usize, Vec<(&'static str, usize)>)> {
+/// (C field, Rust offset) pairs of one struct.
+type Fields = Vec<(&'static str, usize)>;
+
+/// (C struct, size, fields) for every ioctl argument struct.
+fn structs() -> Vec<(&'static str, usize, Fields)> {
     macro_rules! s {
         ($c:literal, $t:ty, [$($cf:literal => $rf:ident),* $(,)?]) => {
             ($c, size_of::<$t>(), vec![$(($cf, offset_of!($t, $rf))),*])

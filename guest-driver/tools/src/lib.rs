@@ -2,5 +2,6 @@
 //! demo, and shared helpers for reporting figures.
 
 pub mod report;
+pub mod smoke;
 pub mod stats;
 pub mod suites;
