@@ -334,8 +334,11 @@ static int vgpu_setup_vqs(struct vgpu_dev *dev)
 	int err;
 
 	err = virtio_find_vqs(dev->vdev, VGPU_NUM_QUEUES, vqs, callbacks, names, NULL);
-	if (err)
+	if (err) {
+		/* e.g. -EINVAL from virtio_pci when the function has neither MSI-X nor an IRQ */
+		dev_err(&dev->vdev->dev, "cannot set up the virtqueues: %d\n", err);
 		return err;
+	}
 	dev->ctrl_vq = vqs[VGPU_CONTROL_QUEUE];
 	dev->event_vq = vqs[VGPU_EVENT_QUEUE];
 	return 0;
@@ -397,8 +400,10 @@ static int vgpu_probe(struct virtio_device *vdev)
 	if (err)
 		goto err_unmap;
 	err = vgpu_fill_events(dev);
-	if (err)
+	if (err) {
+		dev_err(&vdev->dev, "cannot post event buffers: %d\n", err);
 		goto err_vqs;
+	}
 	virtio_device_ready(vdev);
 	virtqueue_kick(dev->event_vq);
 
@@ -408,8 +413,10 @@ static int vgpu_probe(struct virtio_device *vdev)
 	dev->misc.mode = 0666;
 	dev->misc.parent = &vdev->dev;
 	err = misc_register(&dev->misc);
-	if (err)
+	if (err) {
+		dev_err(&vdev->dev, "cannot register /dev/%s: %d\n", dev->name, err);
 		goto err_reset;
+	}
 	dev->misc_registered = true;
 
 	dev_info(&vdev->dev,

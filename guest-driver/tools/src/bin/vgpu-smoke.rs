@@ -23,6 +23,10 @@ struct Cli {
     /// Seed of the random inputs.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Instead: what a hostile process gets (bad arguments, forged ids, mmap of slots it
+    /// does not own, another process using this one's objects); needs the device node.
+    #[arg(long, conflicts_with = "native")]
+    hostile: bool,
     /// Repeat the whole set this many times.
     #[arg(long, default_value_t = 1)]
     rounds: u32,
@@ -37,9 +41,39 @@ fn open(cli: &Cli) -> Result<Device, String> {
     }
 }
 
+/// Prints one line per check and the result line; the exit status.
+fn report(checks: impl IntoIterator<Item = smoke::Check>) -> ExitCode {
+    let (mut pass, mut fail, mut skip) = (0u32, 0u32, 0u32);
+    for c in checks {
+        match (&c.failure, c.skipped) {
+            (_, true) => {
+                skip += 1;
+                println!("VGPU-SMOKE SKIP {}", c.name);
+            }
+            (None, false) => {
+                pass += 1;
+                println!("VGPU-SMOKE PASS {}", c.name);
+            }
+            (Some(why), false) => {
+                fail += 1;
+                println!("VGPU-SMOKE FAIL {}: {why}", c.name);
+            }
+        }
+    }
+    println!("VGPU-SMOKE-RESULT pass={pass} fail={fail} skip={skip}");
+    if fail == 0 && pass > 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
 fn main() -> ExitCode {
     env_logger::init();
     let cli = Cli::parse();
+    if cli.hostile {
+        return report(vgpu_tools::hostile::run(&cli.device));
+    }
     let dev = match open(&cli) {
         Ok(d) => d,
         Err(e) => {
@@ -57,29 +91,6 @@ fn main() -> ExitCode {
         info.compute_engines,
         std::process::id()
     );
-    let (mut pass, mut fail, mut skip) = (0u32, 0u32, 0u32);
-    for round in 0..cli.rounds {
-        for c in smoke::run(&dev, cli.seed.wrapping_add(round as u64)) {
-            match (&c.failure, c.skipped) {
-                (_, true) => {
-                    skip += 1;
-                    println!("VGPU-SMOKE SKIP {}", c.name);
-                }
-                (None, false) => {
-                    pass += 1;
-                    println!("VGPU-SMOKE PASS {}", c.name);
-                }
-                (Some(why), false) => {
-                    fail += 1;
-                    println!("VGPU-SMOKE FAIL {}: {why}", c.name);
-                }
-            }
-        }
-    }
-    println!("VGPU-SMOKE-RESULT pass={pass} fail={fail} skip={skip}");
-    if fail == 0 && pass > 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    let seed = cli.seed;
+    report((0..cli.rounds).flat_map(|round| smoke::run(&dev, seed.wrapping_add(round as u64))))
 }
