@@ -266,6 +266,7 @@ pub fn load_all<M: GuestMemoryBackend>(
     cmdline: &str,
     mem_bytes: u64,
     vcpus: u8,
+    pci_intx: &[(u8, u8)],
 ) -> Result<BootLayout, BootError> {
     let cl = make_cmdline(cmdline)?;
     let (k, entry) = load_kernel(mem, kernel)?;
@@ -276,7 +277,7 @@ pub fn load_all<M: GuestMemoryBackend>(
     let cmdline_len = write_boot_params(mem, &k, &cl, initrd, mem_bytes)?;
     write_gdt_idt(mem)?;
     write_page_tables(mem)?;
-    write_mptable(mem, vcpus)?;
+    write_mptable(mem, vcpus, pci_intx)?;
     Ok(BootLayout {
         kernel_load: k.kernel_load.raw_value(),
         kernel_end: k.kernel_end,
@@ -373,9 +374,15 @@ fn checksum(bytes: &[u8]) -> u8 {
     0u8.wrapping_sub(bytes.iter().fold(0u8, |a, &b| a.wrapping_add(b)))
 }
 
+/// MP bus id of PCI bus 0 (after the ISA bus, id 0) when there is one.
+const MP_PCI_BUS_ID: u8 = 1;
+
 /// The MP floating pointer structure followed by the MP configuration table, as bytes
-/// to place at [`MPTABLE_START`].
-pub fn build_mptable(vcpus: u8) -> Result<Vec<u8>, BootError> {
+/// to place at [`MPTABLE_START`]. `pci_intx` lists `(slot, ioapic pin)`: INTA# of PCI
+/// slot `slot` on bus 0 is wired to that IOAPIC pin, edge-triggered and active high
+/// (the VMM pulses the line through an irqfd; a level-triggered pin could drop a pulse
+/// that arrives while the previous interrupt is still being handled).
+pub fn build_mptable(vcpus: u8, pci_intx: &[(u8, u8)]) -> Result<Vec<u8>, BootError> {
     if vcpus == 0 || vcpus > super::MAX_VCPUS {
         return Err(BootError::Vcpus(vcpus));
     }
@@ -399,6 +406,12 @@ pub fn build_mptable(vcpus: u8) -> Result<Vec<u8>, BootError> {
     entries.push(0);
     entries.extend_from_slice(b"ISA   ");
     count += 1;
+    if !pci_intx.is_empty() {
+        entries.push(1);
+        entries.push(MP_PCI_BUS_ID);
+        entries.extend_from_slice(b"PCI   ");
+        count += 1;
+    }
     // IOAPIC: type 2, 8 bytes.
     entries.push(2);
     entries.push(ioapic_id(vcpus));
@@ -415,6 +428,17 @@ pub fn build_mptable(vcpus: u8) -> Result<Vec<u8>, BootError> {
         entries.push(irq); // source bus irq
         entries.push(ioapic_id(vcpus));
         entries.push(irq); // dest pin
+        count += 1;
+    }
+    // PCI INTA# lines. Source bus irq = slot << 2 | (pin - 1).
+    for &(slot, pin) in pci_intx {
+        entries.push(3);
+        entries.push(0); // mp_INT
+        entries.extend_from_slice(&0x0005u16.to_le_bytes()); // active high, edge
+        entries.push(MP_PCI_BUS_ID);
+        entries.push((slot & 0x1f) << 2);
+        entries.push(ioapic_id(vcpus));
+        entries.push(pin);
         count += 1;
     }
     // Local interrupts: LINT0 = ExtINT, LINT1 = NMI, to all LAPICs. Type 4, 8 bytes.
@@ -462,8 +486,12 @@ pub fn build_mptable(vcpus: u8) -> Result<Vec<u8>, BootError> {
     Ok(mpf)
 }
 
-fn write_mptable<M: GuestMemoryBackend>(mem: &M, vcpus: u8) -> Result<(), BootError> {
-    let bytes = build_mptable(vcpus)?;
+fn write_mptable<M: GuestMemoryBackend>(
+    mem: &M,
+    vcpus: u8,
+    pci_intx: &[(u8, u8)],
+) -> Result<(), BootError> {
+    let bytes = build_mptable(vcpus, pci_intx)?;
     mem.write_slice(&bytes, GuestAddress(MPTABLE_START))
         .map_err(|e| BootError::GuestWrite("MP table", e.to_string()))
 }
@@ -659,7 +687,7 @@ mod tests {
 
     #[test]
     fn mptable_checksums() {
-        let t = build_mptable(4).unwrap();
+        let t = build_mptable(4, &[]).unwrap();
         assert_eq!(&t[0..4], b"_MP_");
         assert_eq!(t[..16].iter().fold(0u8, |a, &b| a.wrapping_add(b)), 0);
         let len = u16::from_le_bytes([t[20], t[21]]) as usize;
@@ -671,7 +699,22 @@ mod tests {
             u16::from_le_bytes([t[16 + 34], t[16 + 35]]),
             4 + 1 + 1 + 16 + 2
         );
-        assert!(build_mptable(0).is_err());
+        assert!(build_mptable(0, &[]).is_err());
+        // With a PCI function: one more bus and one more I/O interrupt entry, checksums
+        // still right, and the entry names slot 1 INTA# -> pin 17.
+        let t = build_mptable(2, &[(1, 17)]).unwrap();
+        assert_eq!(t[16..].iter().fold(0u8, |a, &b| a.wrapping_add(b)), 0);
+        assert_eq!(
+            u16::from_le_bytes([t[16 + 34], t[16 + 35]]),
+            2 + 2 + 1 + 16 + 1 + 2
+        );
+        let entries = &t[16 + 44..];
+        let pci_int = entries
+            .windows(8)
+            .find(|e| e[0] == 3 && e[4] == MP_PCI_BUS_ID)
+            .unwrap();
+        assert_eq!(pci_int[5], 1 << 2);
+        assert_eq!(pci_int[7], 17);
     }
 
     #[test]
