@@ -31,6 +31,13 @@ struct Cli {
     /// Contexts the sim GPU supports in total.
     #[arg(long, default_value_t = 256)]
     gpu_max_contexts: u32,
+    /// Longest sleep of the sim GPU's idle PFIFO between polls of GP_PUT, microseconds:
+    /// the latency of a submission after an idle spell vs. the CPU an idle GPU model
+    /// costs. Raise it where CPU is dear (the nested rig runs the backend under TCG, where
+    /// the default's wake-ups eat most of a vCPU).
+    #[arg(long, value_name = "US", default_value_t = 250,
+          value_parser = clap::value_parser!(u64).range(10..=100_000))]
+    sim_idle_sleep_us: u64,
     /// Per-VM limit: VRAM, MiB (default: the GPU's VRAM).
     #[arg(long)]
     vm_vram_mib: Option<u64>,
@@ -86,6 +93,7 @@ fn run(cli: Cli) -> Result<(), String> {
         compute_engines: cli.compute_engines,
         max_channels: cli.gpu_max_channels,
         max_contexts: cli.gpu_max_contexts,
+        max_idle_sleep_ns: cli.sim_idle_sleep_us * 1000,
         ..SimConfig::default()
     })
     .map_err(|e| format!("sim GPU: {e}"))?;

@@ -374,8 +374,10 @@ fn checksum(bytes: &[u8]) -> u8 {
     0u8.wrapping_sub(bytes.iter().fold(0u8, |a, &b| a.wrapping_add(b)))
 }
 
-/// MP bus id of PCI bus 0 (after the ISA bus, id 0) when there is one.
-const MP_PCI_BUS_ID: u8 = 1;
+/// MP bus id of PCI bus 0 when there is one. Linux looks PCI interrupts up by comparing
+/// the PCI bus *number* with the MP source bus *id*, so PCI bus 0 must be MP bus 0 (as
+/// in SeaBIOS's tables); the ISA bus then takes the next id.
+const MP_PCI_BUS_ID: u8 = 0;
 
 /// The MP floating pointer structure followed by the MP configuration table, as bytes
 /// to place at [`MPTABLE_START`]. `pci_intx` lists `(slot, ioapic pin)`: INTA# of PCI
@@ -401,17 +403,20 @@ pub fn build_mptable(vcpus: u8, pci_intx: &[(u8, u8)]) -> Result<Vec<u8>, BootEr
         entries.extend_from_slice(&[0u8; 8]);
         count += 1;
     }
-    // Bus 0: ISA. Type 1, 8 bytes.
-    entries.push(1);
-    entries.push(0);
-    entries.extend_from_slice(b"ISA   ");
-    count += 1;
-    if !pci_intx.is_empty() {
+    // Buses: type 1, 8 bytes. PCI bus 0 (if any) as MP bus 0, then ISA.
+    let isa_bus = if pci_intx.is_empty() {
+        0
+    } else {
         entries.push(1);
         entries.push(MP_PCI_BUS_ID);
         entries.extend_from_slice(b"PCI   ");
         count += 1;
-    }
+        MP_PCI_BUS_ID + 1
+    };
+    entries.push(1);
+    entries.push(isa_bus);
+    entries.extend_from_slice(b"ISA   ");
+    count += 1;
     // IOAPIC: type 2, 8 bytes.
     entries.push(2);
     entries.push(ioapic_id(vcpus));
@@ -424,7 +429,7 @@ pub fn build_mptable(vcpus: u8, pci_intx: &[(u8, u8)]) -> Result<Vec<u8>, BootEr
         entries.push(3);
         entries.push(0); // mp_INT
         entries.extend_from_slice(&0u16.to_le_bytes()); // flags: conforming polarity/trigger
-        entries.push(0); // source bus
+        entries.push(isa_bus); // source bus
         entries.push(irq); // source bus irq
         entries.push(ioapic_id(vcpus));
         entries.push(irq); // dest pin
@@ -709,9 +714,12 @@ mod tests {
             2 + 2 + 1 + 16 + 1 + 2
         );
         let entries = &t[16 + 44..];
+        // PCI bus first as MP bus 0, ISA as bus 1 with its IRQ entries.
+        assert_eq!(&entries[2 * 20..2 * 20 + 8], b"\x01\x00PCI   ");
+        assert_eq!(&entries[2 * 20 + 8..2 * 20 + 16], b"\x01\x01ISA   ");
         let pci_int = entries
             .windows(8)
-            .find(|e| e[0] == 3 && e[4] == MP_PCI_BUS_ID)
+            .find(|e| e[0] == 3 && e[4] == MP_PCI_BUS_ID && e[5] == 1 << 2)
             .unwrap();
         assert_eq!(pci_int[5], 1 << 2);
         assert_eq!(pci_int[7], 17);
