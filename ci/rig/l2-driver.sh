@@ -3,20 +3,25 @@
 # the static guest tools (vgpu-smoke, vgpu-throttle, vgpu-bench) in its initramfs; load
 # the virtio modules and vgpu.ko, run a command in L2, print its result.
 #
-# Default L2 command (for `--vgpu-stub`, whose device never answers requests): /dev/vgpu
+# --backend real (default): vgpu-backend runs in L1 (sim GPU) and vgpu-vmm connects to
+# it (--vgpu-socket). Default L2 command: vgpu-smoke (every builtin kernel on VRAM and
+# guest-RAM buffers, verified), then two vgpu-smoke processes at once, then
+# vgpu-smoke --hostile (bad arguments, forged ids, another process's slots), then the
+# VM's GPU objects must all be gone again (GET_STATS: no context, channel, VRAM, mapping).
+#
+# --backend stub (vgpu-vmm --vgpu-stub, whose device never answers requests): /dev/vgpu
 # appears after probe (shared-memory region found, queues set up), a request times out
-# with ETIMEDOUT instead of hanging (twice: the ring copes with abandoned requests), and
-# `rmmod vgpu` works afterwards; `vgpu-smoke --hostile` gets the right errno for every
-# argument the driver refuses on its own (bad sizes, forged ids, mmap of unowned slots).
+# with ETIMEDOUT instead of hanging (twice: the ring copes with abandoned requests),
+# `vgpu-smoke --hostile` gets the right errno for every argument the driver refuses on its
+# own, and `rmmod vgpu` works afterwards.
 #   Success: "L2-DRIVER-RESULT rc=0" and vgpu-vmm exits 0.
 #
-# Usage: ci/rig/l2-driver.sh [--no-build] [--timeout S] [--vmm-args 'ARGS']
-#            [--insmod-args 'PARAMS'] [--l2-cmd 'SH CODE' | --l2-script FILE]
-#            [--l1-pre 'SH CODE'] [-- run-l1.sh args]
-#   --vmm-args   device options of vgpu-vmm (default: --vgpu-stub); e.g. the real backend
-#                once vgpu-vmm has it: "--vgpu-socket /tmp/vm1.sock" with --l1-pre starting
-#                vgpu-backend in L1 (add its binary with `-- --add SRC:/bin/vgpu-backend`)
-#   --insmod-args  vgpu.ko parameters (default: request_timeout_ms=2000)
+# Usage: ci/rig/l2-driver.sh [--backend real|stub] [--no-build] [--timeout S]
+#            [--vmm-args 'ARGS'] [--insmod-args 'PARAMS']
+#            [--l2-cmd 'SH CODE' | --l2-script FILE] [--l1-pre 'SH CODE'] [-- run-l1.sh args]
+#   --vmm-args   device options of vgpu-vmm (default per --backend)
+#   --insmod-args  vgpu.ko parameters (default: request_timeout_ms=2000 for the stub,
+#                none for the real backend)
 #   --l2-cmd/--l2-script  what runs in L2 after the modules are loaded (busybox sh);
 #                its exit status is the result (e.g. --l2-cmd vgpu-smoke)
 #   --l1-pre     shell code run in L1 before vgpu-vmm starts (e.g. start a backend)
@@ -26,9 +31,10 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 RIG="$ROOT/ci/rig"
 BUILD=1
-TIMEOUT=420
-VMM_ARGS="--vgpu-stub"
-INSMOD_ARGS="request_timeout_ms=2000"
+TIMEOUT=480
+BACKEND=real
+VMM_ARGS=""
+INSMOD_ARGS=""
 L2_CMD=""
 L2_SCRIPT=""
 L1_PRE=""
@@ -36,6 +42,7 @@ EXTRA=()
 die() { echo "l2-driver: $*" >&2; exit 1; }
 while [ $# -gt 0 ]; do
     case "$1" in
+        --backend) BACKEND="$2"; shift 2 ;;
         --no-build) BUILD=0; shift ;;
         --timeout) TIMEOUT="$2"; shift 2 ;;
         --vmm-args) VMM_ARGS="$2"; shift 2 ;;
@@ -44,11 +51,20 @@ while [ $# -gt 0 ]; do
         --l2-script) L2_SCRIPT="$2"; shift 2 ;;
         --l1-pre) L1_PRE="$2"; shift 2 ;;
         --) shift; EXTRA+=("$@"); break ;;
-        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
         *) die "unknown argument: $1" ;;
     esac
 done
 [ -z "$L2_CMD" ] || [ -z "$L2_SCRIPT" ] || die "--l2-cmd and --l2-script are exclusive"
+case "$BACKEND" in
+    stub) VMM_ARGS="${VMM_ARGS:---vgpu-stub}"; INSMOD_ARGS="${INSMOD_ARGS:-request_timeout_ms=2000}" ;;
+    real) VMM_ARGS="${VMM_ARGS:---vgpu-socket /tmp/vgpu/vm1.sock}"
+          L1_PRE="mkdir -p /tmp/vgpu
+RUST_LOG=warn vgpu-backend --socket-dir /tmp/vgpu --vm vm1 --vram-mib 256 --sim-idle-sleep-us 2000 > /tmp/backend.log 2>&1 &
+for i in \$(seq 1 100); do [ -S /tmp/vgpu/vm1.sock ] && break; sleep 0.1; done
+$L1_PRE" ;;
+    *) die "--backend real|stub" ;;
+esac
 
 TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
 MUSL="$TARGET_DIR/x86_64-unknown-linux-musl/release"
@@ -62,9 +78,9 @@ MODDIR="$ROOT/ci/cache/rig/kernel-$KVER/lib/modules/$KVER/kernel/drivers/virtio"
 if [ "$BUILD" = 1 ]; then
     rustup target list --installed | grep -q x86_64-unknown-linux-musl \
         || rustup target add x86_64-unknown-linux-musl >&2
-    bins=(--bin vgpu-vmm); for t in $TOOLS; do bins+=(--bin "$t"); done
+    bins=(--bin vgpu-vmm --bin vgpu-backend); for t in $TOOLS; do bins+=(--bin "$t"); done
     (cd "$ROOT" && cargo build --release --target x86_64-unknown-linux-musl \
-        -p vgpu-vmm -p vgpu-tools "${bins[@]}" >&2)
+        -p vgpu-vmm -p vgpu-backend -p vgpu-tools "${bins[@]}" >&2)
     [ -d "$KDIR" ] || apt-get install -y --no-install-recommends "linux-headers-$KVER" >&2
     make -C "$ROOT/guest-driver/kernel" KDIR="$KDIR" >&2
 fi
@@ -76,6 +92,7 @@ modinfo -F vermagic "$KO" | grep -q "^$KVER " || die "$KO is not built for $KVER
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 
+[ "$BACKEND" != real ] || strip -o "$WORK/vgpu-backend" "$MUSL/vgpu-backend"
 # Static tools, stripped: the L2 initramfs rides inside L1's.
 l2_adds=(--add "$WORK/l2-cmd.sh:/l2-cmd.sh" --add "$KO:/mods/vgpu.ko")
 for t in $TOOLS; do
@@ -94,6 +111,31 @@ if [ -n "$L2_SCRIPT" ]; then
     cp "$L2_SCRIPT" "$WORK/user.sh"
 elif [ -n "$L2_CMD" ]; then
     printf '%s\n' "$L2_CMD" > "$WORK/user.sh"
+elif [ "$BACKEND" = real ]; then
+    cat > "$WORK/user.sh" <<'REAL'
+fail=0
+check() { if [ "$2" = 1 ]; then echo "L2-DRIVER-CHECK ok $1"; else echo "L2-DRIVER-CHECK FAIL $1"; fail=1; fi; }
+ok() { [ "$1" = 0 ] && echo 1 || echo 0; }
+[ -c /dev/vgpu ] && node=1 || node=0
+check devnode $node
+vgpu-smoke; check smoke $(ok $?)
+# Two processes of this VM at once, with different inputs.
+vgpu-smoke --seed 11 > /tmp/s1.out 2>&1 & p1=$!
+vgpu-smoke --seed 12 > /tmp/s2.out 2>&1 & p2=$!
+wait $p1; r1=$?; wait $p2; r2=$?
+busybox tail -n 1 /tmp/s1.out; busybox tail -n 1 /tmp/s2.out
+check "two_processes(rc=$r1,$r2)" $([ "$r1" = 0 ] && [ "$r2" = 0 ] && echo 1 || echo 0)
+vgpu-smoke --hostile; check hostile $(ok $?)
+# A process killed mid-submission leaves nothing behind.
+vgpu-throttle --kernel-us 2000 --duration 60 > /tmp/t.out 2>&1 & tp=$!
+sleep 2; kill -9 $tp; wait $tp 2>/dev/null
+vgpu-bench --quick guest > /tmp/bench.out 2>&1; check bench_quick $(ok $?)
+cat /tmp/bench.out
+vgpu-smoke --stats > /tmp/stats.out 2>&1; cat /tmp/stats.out
+grep -q 'contexts=0 channels=0 vram_bytes=0 mapped_guest_bytes=0 aperture_bytes=0' /tmp/stats.out && clean=1 || clean=0
+check nothing_left_in_backend $clean
+exit $fail
+REAL
 else
     # The stub check: probe, node, bounded timeouts, rmmod.
     cat > "$WORK/user.sh" <<'STUB'
@@ -152,15 +194,17 @@ $L1_PRE
 : > /tmp/l2-serial.log
 tail -f /tmp/l2-serial.log &
 tp=\$!
-RUST_LOG=info vgpu-vmm $VMM_ARGS --kernel /l2/vmlinuz --initrd /l2/l2.cpio.gz --mem-mib 256 \\
+RUST_LOG=warn vgpu-vmm $VMM_ARGS --kernel /l2/vmlinuz --initrd /l2/l2.cpio.gz --mem-mib 256 \\
     --timeout $((TIMEOUT - 40)) --cmdline "$L2_ARGS" --serial /tmp/l2-serial.log
 rc=\$?
 sleep 1; kill \$tp
 res=\$(grep -a -o 'L2-DRIVER-RESULT.*' /tmp/l2-serial.log | tr -d '\r')
 echo "L2-DRIVER vmm_rc=\$rc \${res:-no result}"
+[ -f /tmp/backend.log ] && tail -20 /tmp/backend.log
 [ "\$rc" = 0 ] && [ "\$res" = "L2-DRIVER-RESULT rc=0" ]
 CMD
 
 "$RIG/run-l1.sh" --timeout "$TIMEOUT" --script "$WORK/cmd.sh" \
     --add "$MUSL/vgpu-vmm:/bin/vgpu-vmm" --add "$KERNEL:/l2/vmlinuz" \
+    $([ "$BACKEND" = real ] && echo --add "$WORK/vgpu-backend:/bin/vgpu-backend") \
     --add "$WORK/l2.cpio.gz:/l2/l2.cpio.gz" ${EXTRA[@]+"${EXTRA[@]}"}

@@ -252,12 +252,43 @@ static void chan_set_dead(struct vgpu_dev *dev, struct vgpu_chan *ch, bool dead)
 }
 
 /*
+ * Pinned user mappings are released only after vf->lock is dropped: unaccounting takes
+ * mmap_lock, and mmap holds mmap_lock while it takes vf->lock.
+ */
+struct vgpu_umap_batch {
+	struct list_head release;
+	struct list_head orphan;
+};
+
+static void batch_init(struct vgpu_umap_batch *b)
+{
+	INIT_LIST_HEAD(&b->release);
+	INIT_LIST_HEAD(&b->orphan);
+}
+
+static void batch_finish(struct vgpu_dev *dev, struct vgpu_umap_batch *b)
+{
+	struct vgpu_umap *u, *t;
+
+	list_for_each_entry_safe(u, t, &b->release, node) {
+		list_del(&u->node);
+		vgpu_umap_release(u);
+	}
+	list_for_each_entry_safe(u, t, &b->orphan, node) {
+		list_del(&u->node);
+		umap_orphan(dev, u);
+	}
+}
+
+/*
  * Destroys a context on the device and forgets it. Process mappings of its pages go
  * first. Pinned user pages are released only once the device confirmed (or is gone);
  * otherwise they stay pinned (orphaned) so the GPU can never reach a page reused by
  * someone else. With `force`, bookkeeping goes even when the device fails (close).
+ * The context's user mappings land in `b` (release them after dropping vf->lock).
  */
-static int ctx_destroy(struct vgpu_file *vf, struct vgpu_ctx *c, bool force)
+static int ctx_destroy(struct vgpu_file *vf, struct vgpu_ctx *c, bool force,
+		       struct vgpu_umap_batch *b)
 {
 	struct vgpu_dev *dev = vf->dev;
 	struct vgpu_chan *ch, *cht;
@@ -287,13 +318,8 @@ static int ctx_destroy(struct vgpu_file *vf, struct vgpu_ctx *c, bool force)
 		list_del(&m->node);
 		kfree(m);
 	}
-	list_for_each_entry_safe(u, ut, &c->umaps, node) {
-		list_del(&u->node);
-		if (err)
-			umap_orphan(dev, u);
-		else
-			vgpu_umap_release(u);
-	}
+	list_for_each_entry_safe(u, ut, &c->umaps, node)
+		list_move(&u->node, err ? &b->orphan : &b->release);
 	list_del(&c->node);
 	kfree(c);
 	return err;
@@ -380,6 +406,7 @@ static long ioc_create_context(struct vgpu_file *vf, void __user *arg)
 
 static long ioc_destroy_context(struct vgpu_file *vf, void __user *arg)
 {
+	struct vgpu_umap_batch b;
 	struct vgpu_ioc_context a;
 	struct vgpu_ctx *c;
 	int err = 0;
@@ -388,11 +415,13 @@ static long ioc_destroy_context(struct vgpu_file *vf, void __user *arg)
 		return -EFAULT;
 	if (a.reserved)
 		return -EINVAL;
+	batch_init(&b);
 	mutex_lock(&vf->lock);
 	c = own_ctx(vf, a.ctx, &err);
 	if (c)
-		err = ctx_destroy(vf, c, false);
+		err = ctx_destroy(vf, c, false, &b);
 	mutex_unlock(&vf->lock);
+	batch_finish(vf->dev, &b);
 	return err;
 }
 
@@ -510,6 +539,7 @@ static long ioc_map_user(struct vgpu_file *vf, void __user *arg)
 	struct vgpu_ioc_map_user a;
 	struct vgpu_umap *u;
 	struct vgpu_ctx *c;
+	bool orphan = false;
 	u64 end;
 	int err = 0;
 
@@ -540,12 +570,13 @@ static long ioc_map_user(struct vgpu_file *vf, void __user *arg)
 			list_add(&u->node, &c->umaps);
 			u = NULL;
 		} else if (umap_unmap_chunks(vf->dev, c, u)) {
-			umap_orphan(vf->dev, u);
-			u = NULL;
+			orphan = true;
 		}
 	}
 	mutex_unlock(&vf->lock);
-	if (u)
+	if (u && orphan)
+		umap_orphan(vf->dev, u);
+	else if (u)
 		vgpu_umap_release(u);
 	return err;
 }
@@ -580,8 +611,9 @@ static long ioc_unmap(struct vgpu_file *vf, void __user *arg)
 		err = umap_unmap_chunks(vf->dev, c, hit);
 		if (!err || err == -ENODEV) {
 			list_del(&hit->node);
-			vgpu_umap_release(hit);
 			err = 0;
+		} else {
+			hit = NULL; /* stays, with the chunks still mapped: retry later */
 		}
 	} else {
 		__le64 va = cpu_to_le64(a.va);
@@ -590,6 +622,8 @@ static long ioc_unmap(struct vgpu_file *vf, void __user *arg)
 	}
 out:
 	mutex_unlock(&vf->lock);
+	if (hit)
+		vgpu_umap_release(hit);
 	return err;
 }
 
@@ -1024,18 +1058,21 @@ static int vgpu_release(struct inode *inode, struct file *filp)
 {
 	struct vgpu_file *vf = filp->private_data;
 	struct vgpu_dev *dev = vf->dev;
+	struct vgpu_umap_batch b;
 	struct vgpu_ctx *c, *t;
 
+	batch_init(&b);
 	mutex_lock(&vf->lock);
 	list_for_each_entry_safe(c, t, &vf->ctxs, node) {
 		u32 id = c->id, pid = c->pid;
-		int err = ctx_destroy(vf, c, true);
+		int err = ctx_destroy(vf, c, true, &b);
 
 		if (err)
 			pr_warn("%s: destroying context %u of pid %u on close: %d\n", dev->name, id,
 				pid, err);
 	}
 	mutex_unlock(&vf->lock);
+	batch_finish(dev, &b);
 
 	mutex_lock(&dev->files_lock);
 	list_del(&vf->node);

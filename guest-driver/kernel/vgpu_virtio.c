@@ -444,15 +444,18 @@ static void vgpu_remove(struct virtio_device *vdev)
 	struct vgpu_file *vf;
 	struct vgpu_req *req;
 	unsigned long flags;
+	LIST_HEAD(orphans);
 
 	/* No new opens; open files keep `dev` alive and see it dead. */
 	if (dev->misc_registered)
 		misc_deregister(&dev->misc);
 
 	/* Stop the device: after the reset it touches no buffer and no guest page. */
+	mutex_lock(&dev->files_lock);
 	spin_lock_irqsave(&dev->ctrl_lock, flags);
 	dev->dead = true;
 	spin_unlock_irqrestore(&dev->ctrl_lock, flags);
+	mutex_unlock(&dev->files_lock);
 	virtio_reset_device(vdev);
 
 	spin_lock_irqsave(&dev->ctrl_lock, flags);
@@ -485,7 +488,10 @@ static void vgpu_remove(struct virtio_device *vdev)
 	memunmap(dev->shm_va);
 
 	/* Pages the device never confirmed unmapped can go now that it is reset. */
-	list_for_each_entry_safe(u, tmp, &dev->orphans, node) {
+	mutex_lock(&dev->files_lock);
+	list_splice_init(&dev->orphans, &orphans);
+	mutex_unlock(&dev->files_lock);
+	list_for_each_entry_safe(u, tmp, &orphans, node) {
 		list_del(&u->node);
 		vgpu_umap_release(u);
 	}

@@ -113,6 +113,12 @@ pub trait Transport: Send + Sync {
     fn alloc_vram(&self, ctx: CtxHandle, size: u64, align: u64) -> Result<MemHandle>;
     /// Allocates `size` bytes of zeroed host memory the GPU can reach, aligned to `align`.
     fn alloc_host(&self, ctx: CtxHandle, size: u64, align: u64) -> Result<MemHandle>;
+    /// The GPU page size host allocations get when `wanted` would suit their size. A
+    /// transport whose host memory is scattered physically (pinned guest pages) maps it
+    /// with 4 KiB pages, and the buffer must then sit where 4 KiB pages may go.
+    fn host_page_size(&self, wanted: PageSize) -> PageSize {
+        wanted
+    }
     /// Frees an allocation (its GPU mappings must be gone) and any CPU view of it.
     fn free_mem(&self, ctx: CtxHandle, mem: MemHandle) -> Result<()>;
     /// A CPU view of the whole allocation, valid until `free_mem`. May be created lazily

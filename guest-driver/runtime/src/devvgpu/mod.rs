@@ -231,6 +231,12 @@ impl Transport for DevVgpuTransport {
         Ok(h)
     }
 
+    fn host_page_size(&self, _wanted: PageSize) -> PageSize {
+        // Pinned pages are scattered in guest-physical memory: MAP_USER maps 4 KiB pages,
+        // so the buffer goes where no larger page shares its 2 MiB region.
+        PageSize::Small4K
+    }
+
     fn free_mem(&self, ctx: CtxHandle, mem: MemHandle) -> Result<()> {
         let m = {
             let mut st = self.state();
@@ -321,8 +327,7 @@ impl Transport for DevVgpuTransport {
                     page: page_code(page),
                     flags,
                 }),
-                // Guest RAM is mapped with 4 KiB GPU pages whatever `page` says: the
-                // pinned pages are scattered in guest-physical memory.
+                // Guest RAM is mapped with 4 KiB GPU pages (`host_page_size`).
                 Backing::Host { map } => Req::User(abi::MapUser {
                     ctx: ctx_raw,
                     flags,

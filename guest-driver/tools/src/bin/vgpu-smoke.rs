@@ -27,6 +27,9 @@ struct Cli {
     /// does not own, another process using this one's objects); needs the device node.
     #[arg(long, conflicts_with = "native")]
     hostile: bool,
+    /// Instead: print the VM's GPU objects as the backend counts them (all processes).
+    #[arg(long, conflicts_with_all = ["native", "hostile"])]
+    stats: bool,
     /// Repeat the whole set this many times.
     #[arg(long, default_value_t = 1)]
     rounds: u32,
@@ -71,6 +74,23 @@ fn report(checks: impl IntoIterator<Item = smoke::Check>) -> ExitCode {
 fn main() -> ExitCode {
     env_logger::init();
     let cli = Cli::parse();
+    if cli.stats {
+        return match vgpu_guest::devvgpu::DevVgpuTransport::open(&cli.device)
+            .and_then(|t| t.stats())
+        {
+            Ok(s) => {
+                println!(
+                    "VGPU-STATS contexts={} channels={} vram_bytes={} mapped_guest_bytes={} aperture_bytes={} vram_limit={}",
+                    s.contexts, s.channels, s.vram_bytes, s.mapped_guest_bytes, s.aperture_bytes, s.vram_limit
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("vgpu-smoke: {}: {e}", cli.device);
+                ExitCode::FAILURE
+            }
+        };
+    }
     if cli.hostile {
         return report(vgpu_tools::hostile::run(&cli.device));
     }
