@@ -3,6 +3,7 @@
 
 use clap::{Parser, Subcommand};
 use vgpu_tools::report::{print_json, print_table, Figure};
+use vgpu_tools::suites::guest::{self, GuestOpts};
 use vgpu_tools::suites::sim::{self, SimOpts};
 use vgpu_tools::suites::virt::{self, VirtOpts};
 
@@ -25,12 +26,31 @@ enum Suite {
     Sim,
     /// The same workloads natively and through vgpu-backend + a loopback VM, side by side.
     Virt,
+    /// The workloads and submission round trips through /dev/vgpu (in a VM), or on an
+    /// in-process sim with --native (the baseline to run outside the VM).
+    Guest {
+        /// The device node.
+        #[arg(long, default_value = vgpu_guest::devvgpu::DEFAULT_PATH)]
+        device: String,
+        /// Use an in-process sim GPU instead of the device.
+        #[arg(long)]
+        native: bool,
+    },
 }
 
 fn main() {
     env_logger::init();
     let cli = Cli::parse();
     let result: Result<Vec<Figure>, String> = match cli.suite {
+        Suite::Guest { device, native } => {
+            let device = (!native).then_some(device);
+            let opts = if cli.quick {
+                GuestOpts::quick(device)
+            } else {
+                GuestOpts::full(device)
+            };
+            guest::run(&opts).map_err(|e| e.to_string())
+        }
         Suite::Sim => {
             let opts = if cli.quick {
                 SimOpts::quick()
