@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use clap::Parser;
 use log::{error, info};
-use vgpu_backend::{VgpuBackend, VmLimits};
+use vgpu_backend::{SchedArgs, VgpuBackend, VmLimits};
 use vgpu_host_shim::{Gpu, SimConfig, SimGpu};
 
 #[derive(Debug, Parser)]
@@ -50,6 +50,8 @@ struct Cli {
     /// Per-VM limit: guest memory mapped into GPU address spaces, MiB.
     #[arg(long)]
     vm_mapped_guest_mib: Option<u64>,
+    #[command(flatten)]
+    sched: SchedArgs,
 }
 
 /// Blocks SIGINT and SIGTERM in this thread (and so in every thread started after) and
@@ -122,6 +124,9 @@ fn run(cli: Cli) -> Result<(), String> {
             .serve_vm(name, &socket)
             .map_err(|e| format!("VM {name}: {e}"))?;
     }
+    cli.sched
+        .apply(&backend)
+        .map_err(|e| format!("scheduler: {e}"))?;
     info!(
         "serving {} VM(s) on {} ({} MiB VRAM, {} engine(s)); limits per VM: {limits:?}",
         cli.vms.len(),
