@@ -7,11 +7,14 @@
 #   - with --driver KO: vgpu.ko binds, features are negotiated (virtio status 0xf) and
 #     /dev/vgpu appears;
 #   - with --exit-cost BIN: the exit costs seen from L2 (ci/rig/exit-cost.c);
-#   - with --l2-cmd FILE: FILE (run as `sh FILE` in L2) prints "L2-USER-OK".
+#   - with --l2-cmd FILE: FILE (run as `sh FILE` in L2) prints "L2-USER-OK";
+#   - --guest: all of the guest stack — builds vgpu.ko, the static guest tools
+#     (vgpu-smoke, vgpu-throttle, vgpu-bench) and exit-cost, and runs
+#     ci/rig/l2-guest-checks.sh in every L2 (unless --l2-cmd names another script).
 # Each L2 prints "L2-VGPU-RESULT ...", each VM's line "L2-VGPU-CHECK vm=K ..." appears on
 # L1's console, and the backend must exit cleanly on SIGTERM afterwards.
 #
-# Usage: ci/rig/l2-vgpu.sh [--vms N] [--driver vgpu.ko] [--exit-cost BIN] [--l2-cmd FILE]
+# Usage: ci/rig/l2-vgpu.sh [--vms N] [--guest] [--driver vgpu.ko] [--exit-cost BIN] [--l2-cmd FILE]
 #                          [--add SRC:DST]... [--vcpus N] [--no-build] [--timeout S]
 #                          [-- run-l1.sh args]
 #   --add puts extra files into every L2's initramfs (e.g. guest tools).
@@ -21,6 +24,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 RIG="$ROOT/ci/rig"
 VMS=1
+GUEST=0
 VCPUS=1
 DRIVER=""
 EXITCOST=""
@@ -35,6 +39,7 @@ while [ $# -gt 0 ]; do
         --vms) VMS="$2"; shift 2 ;;
         --vcpus) VCPUS="$2"; shift 2 ;;
         --driver) DRIVER="$2"; shift 2 ;;
+        --guest) GUEST=1; shift ;;
         --exit-cost) EXITCOST="$2"; shift 2 ;;
         --l2-cmd) L2CMD="$2"; shift 2 ;;
         --add) ADDS+=(--add "$2"); shift 2 ;;
@@ -49,22 +54,44 @@ case "$VMS" in [1-8]) ;; *) die "--vms must be 1..8" ;; esac
 
 TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
 MUSL="$TARGET_DIR/x86_64-unknown-linux-musl/release"
-if [ "$BUILD" = 1 ]; then
-    rustup target list --installed | grep -q x86_64-unknown-linux-musl \
-        || rustup target add x86_64-unknown-linux-musl >&2
-    (cd "$ROOT" && cargo build --release --target x86_64-unknown-linux-musl \
-        -p vgpu-vmm --bin vgpu-vmm -p vgpu-backend --bin vgpu-backend >&2)
-fi
-for b in vgpu-vmm vgpu-backend; do
-    [ -x "$MUSL/$b" ] || die "no static $b at $MUSL (drop --no-build)"
-done
+TOOLS="vgpu-smoke vgpu-throttle vgpu-bench"
 [ -f "$ROOT/ci/cache/rig/l1.cpio.gz" ] || "$RIG/build-l1.sh" >&2
 KERNEL="$(readlink -f "$ROOT/ci/cache/rig/vmlinuz")"
 KVER="$(basename "$KERNEL" | sed 's/^vmlinuz-//')"
 MODDIR="$ROOT/ci/cache/rig/kernel-$KVER/lib/modules/$KVER/kernel/drivers/virtio"
+if [ "$BUILD" = 1 ]; then
+    rustup target list --installed | grep -q x86_64-unknown-linux-musl \
+        || rustup target add x86_64-unknown-linux-musl >&2
+    bins=(--bin vgpu-vmm --bin vgpu-backend)
+    [ "$GUEST" = 0 ] || for t in $TOOLS; do bins+=(--bin "$t"); done
+    (cd "$ROOT" && cargo build --release --target x86_64-unknown-linux-musl \
+        -p vgpu-vmm -p vgpu-backend $([ "$GUEST" = 0 ] || echo -p vgpu-tools) "${bins[@]}" >&2)
+    if [ "$GUEST" = 1 ]; then
+        KDIR="/usr/src/linux-headers-$KVER"
+        [ -d "$KDIR" ] || apt-get install -y --no-install-recommends "linux-headers-$KVER" >&2
+        make -C "$ROOT/guest-driver/kernel" KDIR="$KDIR" >&2
+        gcc -O2 -static -o "$TARGET_DIR/exit-cost" "$RIG/exit-cost.c" >&2
+    fi
+fi
+for b in vgpu-vmm vgpu-backend; do
+    [ -x "$MUSL/$b" ] || die "no static $b at $MUSL (drop --no-build)"
+done
 
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
+if [ "$GUEST" = 1 ]; then
+    DRIVER="${DRIVER:-$ROOT/guest-driver/kernel/vgpu.ko}"
+    EXITCOST="${EXITCOST:-$TARGET_DIR/exit-cost}"
+    L2CMD="${L2CMD:-$RIG/l2-guest-checks.sh}"
+    # Static tools, stripped: the L2 initramfs rides inside L1's.
+    for t in $TOOLS; do
+        [ -x "$MUSL/$t" ] || die "no static $t in $MUSL (drop --no-build)"
+        strip -o "$WORK/$t" "$MUSL/$t"
+        ADDS+=(--add "$WORK/$t:/bin/$t")
+    done
+fi
+[ -z "$DRIVER" ] || modinfo -F vermagic "$DRIVER" | grep -q "^$KVER " \
+    || die "$DRIVER is not built for $KVER"
 
 # In dependency order (modprobe --show-depends virtio_pci).
 VIRTIO_MODS="virtio_ring virtio virtio_pci_modern_dev virtio_pci_legacy_dev virtio_pci"
