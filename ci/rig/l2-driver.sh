@@ -35,6 +35,9 @@ TIMEOUT=480
 BACKEND=real
 VMM_ARGS=""
 INSMOD_ARGS=""
+# The sim GPU's longest idle sleep (µs), in L1's backend and in L1's native run alike: a
+# shorter one starves L2's vCPU of L1's single emulated CPU.
+IDLE_US=5000
 L2_CMD=""
 L2_SCRIPT=""
 L1_PRE=""
@@ -60,7 +63,7 @@ case "$BACKEND" in
     stub) VMM_ARGS="${VMM_ARGS:---vgpu-stub}"; INSMOD_ARGS="${INSMOD_ARGS:-request_timeout_ms=2000}" ;;
     real) VMM_ARGS="${VMM_ARGS:---vgpu-socket /tmp/vgpu/vm1.sock}"
           L1_PRE="mkdir -p /tmp/vgpu
-RUST_LOG=warn vgpu-backend --socket-dir /tmp/vgpu --vm vm1 --vram-mib 256 > /tmp/backend.log 2>&1 &
+RUST_LOG=warn vgpu-backend --socket-dir /tmp/vgpu --vm vm1 --vram-mib 256 --sim-idle-sleep-us $IDLE_US > /tmp/backend.log 2>&1 &
 for i in \$(seq 1 100); do [ -S /tmp/vgpu/vm1.sock ] && break; sleep 0.1; done
 $L1_PRE" ;;
     *) die "--backend real|stub" ;;
@@ -203,7 +206,7 @@ echo "L2-DRIVER vmm_rc=\$rc \${res:-no result}"
 [ -f /tmp/backend.log ] && tail -20 /tmp/backend.log
 if [ -x /bin/vgpu-bench ]; then
     # The same workloads natively in L1 (in-process sim), for the L2-vs-L1 ratio.
-    vgpu-bench --json --quick guest --native --reps 5 2>&1 | while read -r l; do echo "L1-BENCH \$l"; done
+    vgpu-bench --json --quick guest --native --reps 5 --sim-idle-sleep-us $IDLE_US 2>&1 | while read -r l; do echo "L1-BENCH \$l"; done
 fi
 [ "\$rc" = 0 ] && [ "\$res" = "L2-DRIVER-RESULT rc=0" ]
 CMD

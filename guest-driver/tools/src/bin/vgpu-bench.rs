@@ -38,6 +38,10 @@ enum Suite {
         /// Timed runs of each workload (the best counts); default 1 with --quick, else 5.
         #[arg(long)]
         reps: Option<u32>,
+        /// With --native: the sim's longest idle sleep between polls, µs (match the
+        /// backend's --sim-idle-sleep-us for a fair comparison).
+        #[arg(long)]
+        sim_idle_sleep_us: Option<u64>,
     },
 }
 
@@ -49,6 +53,7 @@ fn main() {
             device,
             native,
             reps,
+            sim_idle_sleep_us,
         } => {
             let device = (!native).then_some(device);
             let mut opts = if cli.quick {
@@ -57,6 +62,7 @@ fn main() {
                 GuestOpts::full(device)
             };
             opts.reps = reps.unwrap_or(opts.reps);
+            opts.sim_idle_sleep_us = sim_idle_sleep_us;
             guest::run(&opts).map_err(|e| e.to_string())
         }
         Suite::Sim => {
