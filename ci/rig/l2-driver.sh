@@ -35,6 +35,9 @@ TIMEOUT=480
 BACKEND=real
 VMM_ARGS=""
 INSMOD_ARGS=""
+# The sim GPU's longest idle sleep (µs), in L1's backend and in L1's native run alike: a
+# shorter one starves L2's vCPU of L1's single emulated CPU.
+IDLE_US=5000
 L2_CMD=""
 L2_SCRIPT=""
 L1_PRE=""
@@ -60,7 +63,7 @@ case "$BACKEND" in
     stub) VMM_ARGS="${VMM_ARGS:---vgpu-stub}"; INSMOD_ARGS="${INSMOD_ARGS:-request_timeout_ms=2000}" ;;
     real) VMM_ARGS="${VMM_ARGS:---vgpu-socket /tmp/vgpu/vm1.sock}"
           L1_PRE="mkdir -p /tmp/vgpu
-RUST_LOG=warn vgpu-backend --socket-dir /tmp/vgpu --vm vm1 --vram-mib 256 --sim-idle-sleep-us 2000 > /tmp/backend.log 2>&1 &
+RUST_LOG=warn vgpu-backend --socket-dir /tmp/vgpu --vm vm1 --vram-mib 256 --sim-idle-sleep-us $IDLE_US > /tmp/backend.log 2>&1 &
 for i in \$(seq 1 100); do [ -S /tmp/vgpu/vm1.sock ] && break; sleep 0.1; done
 $L1_PRE" ;;
     *) die "--backend real|stub" ;;
@@ -129,8 +132,8 @@ vgpu-smoke --hostile; check hostile $(ok $?)
 # A process killed mid-submission leaves nothing behind.
 vgpu-throttle --kernel-us 2000 --duration 60 > /tmp/t.out 2>&1 & tp=$!
 sleep 2; kill -9 $tp; wait $tp 2>/dev/null
-vgpu-bench --quick guest > /tmp/bench.out 2>&1; check bench_quick $(ok $?)
-cat /tmp/bench.out
+vgpu-bench --json --quick guest --reps 5 > /tmp/bench.out 2>&1; check bench_quick $(ok $?)
+while read -r l; do echo "L2-BENCH $l"; done < /tmp/bench.out
 vgpu-smoke --stats > /tmp/stats.out 2>&1; cat /tmp/stats.out
 grep -q 'contexts=0 channels=0 vram_bytes=0 mapped_guest_bytes=0 aperture_bytes=0' /tmp/stats.out && clean=1 || clean=0
 check nothing_left_in_backend $clean
@@ -201,10 +204,36 @@ sleep 1; kill \$tp
 res=\$(grep -a -o 'L2-DRIVER-RESULT.*' /tmp/l2-serial.log | tr -d '\r')
 echo "L2-DRIVER vmm_rc=\$rc \${res:-no result}"
 [ -f /tmp/backend.log ] && tail -20 /tmp/backend.log
+if [ -x /bin/vgpu-bench ]; then
+    # The same workloads natively in L1 (in-process sim), for the L2-vs-L1 ratio.
+    vgpu-bench --json --quick guest --native --reps 5 --sim-idle-sleep-us $IDLE_US 2>&1 | while read -r l; do echo "L1-BENCH \$l"; done
+fi
 [ "\$rc" = 0 ] && [ "\$res" = "L2-DRIVER-RESULT rc=0" ]
 CMD
 
 "$RIG/run-l1.sh" --timeout "$TIMEOUT" --script "$WORK/cmd.sh" \
     --add "$MUSL/vgpu-vmm:/bin/vgpu-vmm" --add "$KERNEL:/l2/vmlinuz" \
-    $([ "$BACKEND" = real ] && echo --add "$WORK/vgpu-backend:/bin/vgpu-backend") \
-    --add "$WORK/l2.cpio.gz:/l2/l2.cpio.gz" ${EXTRA[@]+"${EXTRA[@]}"}
+    $([ "$BACKEND" = real ] && echo --add "$WORK/vgpu-backend:/bin/vgpu-backend" \
+        --add "$WORK/vgpu-bench:/bin/vgpu-bench") \
+    --add "$WORK/l2.cpio.gz:/l2/l2.cpio.gz" ${EXTRA[@]+"${EXTRA[@]}"} | tee "$WORK/l1.out"
+rc=${PIPESTATUS[0]}
+# Workload times in L2 (through /dev/vgpu, the backend in L1) against the same work
+# natively in L1, from the figures printed above.
+python3 - "$WORK/l1.out" <<'PY' || true
+import json, re, sys
+side = {"L2-BENCH": {}, "L1-BENCH": {}}
+for line in open(sys.argv[1], errors="replace"):
+    m = re.search(r"(L[12]-BENCH) (\{.*\})", line)
+    if m:
+        try:
+            f = json.loads(m.group(2))
+        except ValueError:
+            continue
+        side[m.group(1)][f["name"].rsplit("_", 1)[0]] = (f["value"], f["unit"])
+l2, l1 = side["L2-BENCH"], side["L1-BENCH"]
+for k in sorted(set(l2) & set(l1)):
+    (a, u), (b, _) = l2[k], l1[k]
+    if b > 0:
+        print(f"L2-DRIVER-BENCH {k} l2={a:.3f}{u} l1_native={b:.3f}{u} ratio={a / b:.2f}")
+PY
+exit "$rc"

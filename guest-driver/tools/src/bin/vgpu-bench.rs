@@ -35,6 +35,13 @@ enum Suite {
         /// Use an in-process sim GPU instead of the device.
         #[arg(long)]
         native: bool,
+        /// Timed runs of each workload (the best counts); default 1 with --quick, else 5.
+        #[arg(long)]
+        reps: Option<u32>,
+        /// With --native: the sim's longest idle sleep between polls, µs (match the
+        /// backend's --sim-idle-sleep-us for a fair comparison).
+        #[arg(long)]
+        sim_idle_sleep_us: Option<u64>,
     },
 }
 
@@ -42,13 +49,20 @@ fn main() {
     env_logger::init();
     let cli = Cli::parse();
     let result: Result<Vec<Figure>, String> = match cli.suite {
-        Suite::Guest { device, native } => {
+        Suite::Guest {
+            device,
+            native,
+            reps,
+            sim_idle_sleep_us,
+        } => {
             let device = (!native).then_some(device);
-            let opts = if cli.quick {
+            let mut opts = if cli.quick {
                 GuestOpts::quick(device)
             } else {
                 GuestOpts::full(device)
             };
+            opts.reps = reps.unwrap_or(opts.reps);
+            opts.sim_idle_sleep_us = sim_idle_sleep_us;
             guest::run(&opts).map_err(|e| e.to_string())
         }
         Suite::Sim => {

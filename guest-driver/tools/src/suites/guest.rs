@@ -36,6 +36,9 @@ pub struct GuestOpts {
     pub reps: u32,
     pub small: bool,
     pub latency_samples: u32,
+    /// With the in-process sim: its longest idle sleep between GP_PUT polls (µs), to
+    /// match a backend started with the same `--sim-idle-sleep-us`.
+    pub sim_idle_sleep_us: Option<u64>,
 }
 
 impl GuestOpts {
@@ -45,6 +48,7 @@ impl GuestOpts {
             reps: 5,
             small: false,
             latency_samples: 1000,
+            sim_idle_sleep_us: None,
         }
     }
 
@@ -54,6 +58,7 @@ impl GuestOpts {
             reps: 1,
             small: true,
             latency_samples: 50,
+            sim_idle_sleep_us: None,
         }
     }
 }
@@ -82,7 +87,13 @@ fn round_trip(ctx: &Context, samples: u32, remote: bool) -> Result<(f64, f64), G
 pub fn run(opts: &GuestOpts) -> Result<Vec<Figure>, GuestSuiteError> {
     let dev = match &opts.device {
         Some(path) => Device::devvgpu(path)?,
-        None => Device::native(SimGpu::new(SimConfig::default())?)?,
+        None => {
+            let mut cfg = SimConfig::default();
+            if let Some(us) = opts.sim_idle_sleep_us {
+                cfg.max_idle_sleep_ns = us.saturating_mul(1000).max(cfg.min_idle_sleep_ns);
+            }
+            Device::native(SimGpu::new(cfg)?)?
+        }
     };
     let side = dev.info().transport;
     let ctx = dev.create_context()?;
