@@ -184,6 +184,9 @@ impl Session {
                     for (_, o) in &new_vram {
                         let _ = self.gpu.free_vram(*o);
                     }
+                    if e == MoveError::DrainTimeout {
+                        self.swap.counters.vm.drain_timeouts += 1;
+                    }
                     return Err(e);
                 }
             }

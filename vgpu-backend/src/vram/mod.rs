@@ -479,9 +479,6 @@ impl VgpuBackend {
                 }
                 Ok(_) => return false,
                 Err(e) => {
-                    if e == MoveError::DrainTimeout {
-                        s.swap.counters.vm.drain_timeouts += 1;
-                    }
                     debug!("VM {}: eviction from ctx {ctx}: {e}", v.vm.name);
                     // Give up on this victim, pick another.
                     stuck.insert(ctx);
@@ -512,9 +509,6 @@ impl VgpuBackend {
                 }
                 Ok(_) | Err(MoveError::NoVram) => return false,
                 Err(e) => {
-                    if e == MoveError::DrainTimeout {
-                        s.swap.counters.vm.drain_timeouts += 1;
-                    }
                     debug!("VM {}: swap-in to ctx {ctx}: {e}", v.vm.name);
                     stuck.insert(ctx);
                 }

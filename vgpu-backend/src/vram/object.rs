@@ -23,6 +23,8 @@ impl Session {
             .limits
             .vram_bytes
             .saturating_add(self.limits.swap_bytes)
+            // Room for fragmentation (virtual only: pages are committed when written).
+            .saturating_mul(2)
             .min(super::MAX_SWAP_STORE);
         let store = Arc::new(SwapStore::new(cap).map_err(|e| {
             warn!("swap store: {e}");

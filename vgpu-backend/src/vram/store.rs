@@ -44,6 +44,13 @@ unsafe impl Send for SwapStore {}
 // SAFETY: see Send.
 unsafe impl Sync for SwapStore {}
 
+const PAGE: u64 = 4096;
+
+/// Alignment of a swap region of `len` bytes.
+fn region_align(len: u64) -> u64 {
+    (1u64 << len.trailing_zeros().min(63)).clamp(PAGE, REGION_ALIGN)
+}
+
 fn round_up(v: u64, a: u64) -> Option<u64> {
     v.checked_add(a - 1).map(|x| x & !(a - 1))
 }
@@ -95,21 +102,30 @@ impl SwapStore {
         self.capacity
     }
 
-    /// Reserves a region of `len` bytes (rounded up to [`REGION_ALIGN`]); first fit.
+    /// Reserves a region of `len` bytes (rounded up to 4 KiB), aligned to the largest
+    /// power of two dividing it, at most [`REGION_ALIGN`] (so that the GPU pages that map
+    /// an object of that size can map its swap copy); first fit.
     pub fn alloc(&self, len: u64) -> Option<u64> {
-        let len = round_up(len.max(1), REGION_ALIGN)?;
+        let len = round_up(len.max(1), PAGE)?;
+        let align = region_align(len);
         let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        let (&off, &flen) = free.iter().find(|(_, l)| **l >= len)?;
+        let (off, flen, start) = free.iter().find_map(|(&o, &l)| {
+            let start = round_up(o, align)?;
+            (start.checked_add(len)? <= o + l).then_some((o, l, start))
+        })?;
         free.remove(&off);
-        if flen > len {
-            free.insert(off + len, flen - len);
+        if start > off {
+            free.insert(off, start - off);
         }
-        Some(off)
+        if off + flen > start + len {
+            free.insert(start + len, off + flen - start - len);
+        }
+        Some(start)
     }
 
-    /// Returns a region (its pages are released to the host).
+    /// Returns a region of `len` bytes at `off` (its pages are released to the host).
     pub fn release(&self, off: u64, len: u64) {
-        let Some(len) = round_up(len.max(1), REGION_ALIGN) else {
+        let Some(len) = round_up(len.max(1), PAGE) else {
             return;
         };
         if off.checked_add(len).is_none_or(|e| e > self.capacity) {
@@ -219,11 +235,14 @@ mod tests {
     fn regions_are_first_fit_and_coalesce() {
         let s = SwapStore::new(8 << 20).unwrap();
         let a = s.alloc(1).unwrap();
-        let b = s.alloc(3 << 20).unwrap();
-        assert_eq!((a, b), (0, 2 << 20));
-        assert!(s.alloc(4 << 20).is_none(), "only 2 MiB left");
+        let b = s.alloc(2 << 20).unwrap();
+        assert_eq!((a, b), (0, 2 << 20), "2 MiB regions are 2 MiB aligned");
+        let c = s.alloc(64 << 10).unwrap();
+        assert_eq!(c, 64 << 10, "64 KiB aligned, in the gap");
+        assert!(s.alloc(6 << 20).is_none());
         s.release(a, 1);
-        s.release(b, 3 << 20);
+        s.release(b, 2 << 20);
+        s.release(c, 64 << 10);
         assert_eq!(s.free_bytes(), 8 << 20);
         assert_eq!(s.alloc(8 << 20), Some(0), "coalesced");
     }
