@@ -171,7 +171,7 @@ fn guest_process(vm: Arc<LoopbackVm>, pid: u32, budget: u64, stop: Arc<AtomicBoo
     let ctx: Context = dev.create_context().unwrap();
     let mut ch = ctx.create_channel().unwrap();
     let sum = ctx.alloc_host(4096).unwrap();
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ u64::from(pid) * 0x1000_0001);
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (u64::from(pid) * 0x1000_0001));
     let mut live: Vec<Tracked> = Vec::new();
     let mut held = 0u64;
     let mut verified = 0u64;
