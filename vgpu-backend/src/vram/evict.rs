@@ -209,6 +209,7 @@ impl Session {
             let len = c.len as usize;
             let (new_loc, new_target) = match (dir, c.loc) {
                 (Dir::Out, Loc::Vram(o)) => {
+                    store.populate(swap_off, c.len);
                     // SAFETY: `ptr..ptr+len` lies in the swap store's mapping (checked by
                     // `ptr`); no GPU mapping and no guest view leads there while the chunk
                     // is resident, and the session lock excludes other movers.
@@ -297,10 +298,17 @@ impl Session {
                         warn!("VRAM manager: free chunk {o:#x}: {e}");
                     }
                 }
-                Loc::Swap => store.discard(region + c.off, c.len),
+                // The swap copy's pages stay committed for the object's next eviction
+                // (faulting them in again would dominate the copy); they go back to the
+                // host when the object is freed.
+                Loc::Swap => {}
             }
             b.chunks[i].loc = new_loc;
-            b.chunks[i].last_used = self.swap.epoch;
+            if dir == Dir::In {
+                // Just brought in: not the next victim. An evicted chunk keeps its age, so
+                // it does not look hotter than the resident ones.
+                b.chunks[i].last_used = self.swap.epoch;
+            }
             report.chunks += 1;
             report.bytes += c.len;
             done.push(i);

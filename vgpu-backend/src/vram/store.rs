@@ -168,6 +168,23 @@ impl SwapStore {
         }
     }
 
+    /// Commits the pages of `off..off+len` in one call (much cheaper than faulting them
+    /// in one by one during a copy). Best effort: older kernels fault them in on use.
+    pub fn populate(&self, off: u64, len: u64) {
+        const MADV_POPULATE_WRITE: libc::c_int = 23;
+        let Some(p) = self.ptr(off, len) else {
+            return;
+        };
+        let Ok(n) = usize::try_from(len) else {
+            return;
+        };
+        // SAFETY: advice on a range inside our own mapping (page-aligned: chunks are).
+        let r = unsafe { libc::madvise(p.cast(), n, MADV_POPULATE_WRITE) };
+        if r != 0 {
+            log::trace!("swap store: populate: {}", io::Error::last_os_error());
+        }
+    }
+
     /// The host pointer of `off..off+len`, if inside the store.
     pub fn ptr(&self, off: u64, len: u64) -> Option<*mut u8> {
         if off.checked_add(len)? > self.capacity {

@@ -4,6 +4,7 @@
 use clap::{Parser, Subcommand};
 use vgpu_tools::report::{print_json, print_table, Figure};
 use vgpu_tools::suites::sim::{self, SimOpts};
+use vgpu_tools::suites::swap::{self, SwapOpts};
 use vgpu_tools::suites::virt::{self, VirtOpts};
 
 #[derive(Parser)]
@@ -25,6 +26,8 @@ enum Suite {
     Sim,
     /// The same workloads natively and through vgpu-backend + a loopback VM, side by side.
     Virt,
+    /// VRAM oversubscription: slowdown vs all-in-VRAM, swap throughput, pauses, convergence.
+    Swap,
 }
 
 fn main() {
@@ -46,6 +49,14 @@ fn main() {
                 VirtOpts::full()
             };
             virt::run(&opts).map_err(|e| e.to_string())
+        }
+        Suite::Swap => {
+            let opts = if cli.quick {
+                SwapOpts::quick()
+            } else {
+                SwapOpts::full()
+            };
+            swap::run(&opts).map_err(|e| e.to_string())
         }
     };
     match result {

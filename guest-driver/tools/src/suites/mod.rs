@@ -2,4 +2,5 @@
 
 pub mod measure;
 pub mod sim;
+pub mod swap;
 pub mod virt;
