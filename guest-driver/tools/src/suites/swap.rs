@@ -180,7 +180,12 @@ fn hot_loop(ch: &mut Channel, hot: &[Buffer], iters: u32) -> Result<f64> {
 /// Allocates `cold` bytes written once and a hot set of `hot` bytes (hot last, so it must
 /// win VRAM back from the cold set), warms up, and times the hot loop.
 struct Oversub {
+    /// GPU busy time of the hot process per iteration (HAL counters).
     per_iter_s: f64,
+    /// CPU time of the sim's engine threads per iteration (immune to preemption).
+    cpu_per_iter_s: f64,
+    /// Wall time per iteration (submit to fence).
+    wall_per_iter_s: f64,
     /// Bytes of the hot set in swap when the timing ended.
     hot_swapped: u64,
 }
@@ -238,9 +243,11 @@ fn oversub_run(rig: &Rig, hot: u64, cold: u64, iters: u32, settle: Duration) -> 
             .find(|(p, _)| *p == HOT_PID)
             .map_or(0, |(_, ns)| *ns)
     };
-    let b0 = busy(rig);
-    hot_loop(&mut ch, &hot_bufs, iters)?;
-    let per_iter = (busy(rig) - b0) as f64 / 1e9 / f64::from(iters.max(1));
+    let (b0, c0) = (busy(rig), rig.gpu.engine_cpu_ns());
+    let wall = hot_loop(&mut ch, &hot_bufs, iters)?;
+    let n = f64::from(iters.max(1));
+    let per_iter = (busy(rig) - b0) as f64 / 1e9 / n;
+    let cpu_per_iter = rig.gpu.engine_cpu_ns().saturating_sub(c0) as f64 / 1e9 / n;
     let hot_swapped = rig
         .backend
         .vram_stats("a")
@@ -255,8 +262,22 @@ fn oversub_run(rig: &Rig, hot: u64, cold: u64, iters: u32, settle: Duration) -> 
     drop(hot_bufs);
     Ok(Oversub {
         per_iter_s: per_iter,
+        cpu_per_iter_s: cpu_per_iter,
+        wall_per_iter_s: wall,
         hot_swapped,
     })
+}
+
+/// Slowdowns in % of `over` against `base` by GPU busy time, engine CPU time and wall
+/// time (medians).
+fn slowdowns(base: &[Oversub], over: &[Oversub]) -> [f64; 3] {
+    let pick = |v: &[Oversub], f: fn(&Oversub) -> f64| median(v.iter().map(f).collect());
+    let slow = |f: fn(&Oversub) -> f64| (pick(over, f) / pick(base, f).max(1e-12) - 1.0) * 100.0;
+    [
+        slow(|o| o.per_iter_s),
+        slow(|o| o.cpu_per_iter_s),
+        slow(|o| o.wall_per_iter_s),
+    ]
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -303,23 +324,37 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
         for run in 0..opts.runs {
             // Alternate which side goes first.
             if run % 2 == 0 {
-                base.push(oversub_run(&big, hot, cold, opts.iters, settle)?.per_iter_s);
+                base.push(oversub_run(&big, hot, cold, opts.iters, settle)?);
             }
             small.config(VramConfig::default())?;
             let r = oversub_run(&small, hot, cold, opts.iters, settle)?;
-            over.push(r.per_iter_s);
             swapped = swapped.max(r.hot_swapped);
+            over.push(r);
             if run % 2 == 1 {
-                base.push(oversub_run(&big, hot, cold, opts.iters, settle)?.per_iter_s);
+                base.push(oversub_run(&big, hot, cold, opts.iters, settle)?);
             }
         }
-        let slow = median(over) / median(base).max(1e-12) - 1.0;
+        let [busy, cpu, wall] = slowdowns(&base, &over);
         let name = format!("cold_set_{f}x_slowdown");
-        let mut fig = Figure::new(SUITE, &name, slow * 100.0, "%", Better::Lower);
+        let mut fig = Figure::new(SUITE, &name, busy, "%", Better::Lower);
         if f == 2.0 {
             fig = fig.target(5.0);
         }
         figs.push(fig);
+        figs.push(Figure::new(
+            SUITE,
+            &format!("{name}_engine_cpu"),
+            cpu,
+            "%",
+            Better::Lower,
+        ));
+        figs.push(Figure::new(
+            SUITE,
+            &format!("{name}_wall"),
+            wall,
+            "%",
+            Better::Lower,
+        ));
         figs.push(Figure::new(
             SUITE,
             &format!("cold_set_{f}x_hot_bytes_in_swap"),
@@ -331,25 +366,34 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
         let (mut base, mut over, mut swapped) = (Vec::new(), Vec::new(), 0);
         for run in 0..opts.runs {
             if run % 2 == 0 {
-                base.push(oversub_run(&big, hot, cold, opts.iters, Duration::ZERO)?.per_iter_s);
+                base.push(oversub_run(&big, hot, cold, opts.iters, Duration::ZERO)?);
             }
             small.config(VramConfig {
                 enabled: false,
                 ..VramConfig::default()
             })?;
             let r = oversub_run(&small, hot, cold, opts.iters, Duration::ZERO)?;
-            over.push(r.per_iter_s);
             swapped = swapped.max(r.hot_swapped);
+            over.push(r);
             if run % 2 == 1 {
-                base.push(oversub_run(&big, hot, cold, opts.iters, Duration::ZERO)?.per_iter_s);
+                base.push(oversub_run(&big, hot, cold, opts.iters, Duration::ZERO)?);
             }
         }
         small.config(VramConfig::default())?;
-        let slow = median(over) / median(base).max(1e-12) - 1.0;
+        let [busy, cpu, wall] = slowdowns(&base, &over);
+        let name = format!("hot_set_evicted_{f}x_slowdown");
+        figs.push(Figure::new(SUITE, &name, busy, "%", Better::Lower));
         figs.push(Figure::new(
             SUITE,
-            &format!("hot_set_evicted_{f}x_slowdown"),
-            slow * 100.0,
+            &format!("{name}_engine_cpu"),
+            cpu,
+            "%",
+            Better::Lower,
+        ));
+        figs.push(Figure::new(
+            SUITE,
+            &format!("{name}_wall"),
+            wall,
             "%",
             Better::Lower,
         ));
