@@ -10,7 +10,8 @@
 //! - [`shmem`]: the BAR window (control-page slots, VRAM aperture) and SHMEM_MAP/UNMAP;
 //! - [`events`]: GPU events → per-VM FIFO → event virtqueue;
 //! - [`sched`]: the GPU scheduler (VM weights, per-process shares, shadowing over-users,
-//!   policies none/timeslice/fair/sampling, kernel watchdog, share accounting).
+//!   policies none/timeslice/fair/sampling, kernel watchdog, share accounting);
+//! - [`vram`]: the VRAM manager (per-VM shares, transparent swapping to system memory).
 //!
 //! # What a frontend must do
 //!
@@ -52,6 +53,7 @@ pub mod session;
 pub mod shadow;
 pub mod shmem;
 pub mod vhu_vgpu;
+pub mod vram;
 
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
@@ -79,6 +81,9 @@ pub use session::{Session, SessionShared, SessionState, VmLimits, VmStats};
 pub use shadow::{ChannelPeek, ShadowError, ShadowStats, ShadowSwitch};
 pub use shmem::{NullShm, ShmMapper, VhostShm};
 pub use vgpu_host_shim::Gpu;
+pub use vram::{
+    MoveReport, ProcVramStats, VmVramStats, VramConfig, VramError, VramOverview, VramReport,
+};
 
 use crate::shmem::NullShm as Gone;
 use crate::vhu_vgpu::{VhuVgpu, EVENT_FD_TOKEN};
@@ -118,6 +123,7 @@ pub struct VgpuBackend {
     threads: Mutex<Vec<JoinHandle<()>>>,
     stop: Arc<AtomicBool>,
     sched: sched::SchedSlot,
+    vram: vram::VramManager,
 }
 
 fn valid_name(name: &str) -> bool {
@@ -139,6 +145,7 @@ impl VgpuBackend {
             threads: Mutex::new(Vec::new()),
             stop: Arc::new(AtomicBool::new(false)),
             sched: sched::SchedSlot::default(),
+            vram: vram::VramManager::default(),
         })
     }
 
@@ -203,11 +210,11 @@ impl VgpuBackend {
             socket: socket.to_path_buf(),
             limits,
             gpu_vram: self.gpu.info().vram_bytes,
-            session: Mutex::new(Session::with_shared(
-                self.gpu.clone(),
-                limits,
-                shared.clone(),
-            )),
+            session: Mutex::new({
+                let mut s = Session::with_shared(self.gpu.clone(), limits, shared.clone());
+                s.swap.set_waker(self.vram.waker());
+                s
+            }),
             shared,
             connected: AtomicBool::new(false),
             conn: Mutex::new(None),
@@ -221,6 +228,7 @@ impl VgpuBackend {
             .spawn(move || serve_loop(vm2, listener, stop))
             .map_err(BackendError::Thread)?;
         vms.insert(name.to_string(), vm);
+        self.vram.start(self);
         self.threads
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -358,6 +366,7 @@ impl VgpuBackend {
         }
         // First, while frontends are still there: the scheduler unshadows its channels.
         self.sched.stop();
+        self.vram.stop();
         let vms: Vec<Arc<VmState>> = self.lock_vms().values().cloned().collect();
         for vm in &vms {
             if let Some(h) = vm.conn.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {

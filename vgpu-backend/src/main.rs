@@ -113,6 +113,7 @@ fn run(cli: Cli) -> Result<(), String> {
             Some(m) => mib(m)?,
             None => defaults.mapped_guest_bytes,
         },
+        swap_bytes: defaults.swap_bytes,
     };
     std::fs::create_dir_all(&cli.socket_dir)
         .map_err(|e| format!("{}: {e}", cli.socket_dir.display()))?;

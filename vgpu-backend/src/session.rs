@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use log::{debug, warn};
-use vgpu_host_shim::{ChannelCounters, ChannelId, ContextId, Gpu, VramAlloc};
+use vgpu_host_shim::{ChannelCounters, ChannelId, ContextId, Gpu};
 use vgpu_protocol::device::slot_offset;
 use vgpu_protocol::request::GuestRange;
 use vgpu_protocol::PAGE_SIZE;
@@ -39,6 +39,9 @@ pub struct VmLimits {
     pub vram_bytes: u64,
     /// Guest memory the VM may have mapped into GPU address spaces in total.
     pub mapped_guest_bytes: u64,
+    /// VRAM objects the VM may hold beyond `vram_bytes`, swapped to system memory
+    /// ([`crate::vram`]); 0: no oversubscription.
+    pub swap_bytes: u64,
 }
 
 impl Default for VmLimits {
@@ -48,6 +51,7 @@ impl Default for VmLimits {
             max_channels: 128,
             vram_bytes: 512 << 20,
             mapped_guest_bytes: 1 << 30,
+            swap_bytes: 0,
         }
     }
 }
@@ -153,7 +157,8 @@ pub struct SessionState {
 #[derive(Default)]
 pub struct HalHandles {
     pub contexts: BTreeMap<u32, (ContextId, Arc<GuestSysMemory>)>,
-    pub vram: BTreeMap<u32, VramAlloc>,
+    /// VRAM objects in chunks (in VRAM or swapped, see [`crate::vram`]).
+    pub vram: BTreeMap<u32, crate::vram::backing::ObjBacking>,
     pub channels: BTreeMap<u32, ChannelId>,
     /// The backend's own mappings of control pages, for SUBMIT (API-remoting baseline),
     /// keyed by the HAL's channel id, which is never reused.
@@ -300,6 +305,8 @@ pub struct Session {
     pub(crate) hal: HalHandles,
     /// Shadowed channels and the VM's shadow-page pool.
     pub(crate) shadows: crate::shadow::Shadows,
+    /// Swap store and VRAM-manager counters.
+    pub(crate) swap: crate::vram::VmSwap,
 }
 
 impl Session {
@@ -312,6 +319,7 @@ impl Session {
             state: SessionState::default(),
             hal: HalHandles::default(),
             shadows: crate::shadow::Shadows::new(),
+            swap: crate::vram::VmSwap::default(),
         }
     }
 
@@ -406,10 +414,8 @@ impl Session {
             }
         }
         // 3. VRAM last: nothing can reach it now.
-        for (id, alloc) in std::mem::take(&mut self.hal.vram) {
-            if let Err(e) = self.gpu.free_vram(alloc.offset) {
-                warn!("teardown: free VRAM object {id}: {e}");
-            }
+        for (_, b) in std::mem::take(&mut self.hal.vram) {
+            self.free_object(&b);
         }
         self.hal.control_maps.clear();
         let (last_context, last_mem, last_channel) = (

@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 use vgpu_tools::report::{print_json, print_table, Figure};
 use vgpu_tools::suites::guest::{self, GuestOpts};
 use vgpu_tools::suites::sim::{self, SimOpts};
+use vgpu_tools::suites::swap::{self, SwapOpts};
 use vgpu_tools::suites::virt::{self, VirtOpts};
 
 #[derive(Parser)]
@@ -43,6 +44,8 @@ enum Suite {
         #[arg(long)]
         sim_idle_sleep_us: Option<u64>,
     },
+    /// VRAM oversubscription: slowdown vs all-in-VRAM, swap throughput, pauses, convergence.
+    Swap,
 }
 
 fn main() {
@@ -80,6 +83,14 @@ fn main() {
                 VirtOpts::full()
             };
             virt::run(&opts).map_err(|e| e.to_string())
+        }
+        Suite::Swap => {
+            let opts = if cli.quick {
+                SwapOpts::quick()
+            } else {
+                SwapOpts::full()
+            };
+            swap::run(&opts).map_err(|e| e.to_string())
         }
     };
     match result {

@@ -3,4 +3,5 @@
 pub mod guest;
 pub mod measure;
 pub mod sim;
+pub mod swap;
 pub mod virt;
