@@ -316,8 +316,9 @@ fn free_mid_kernel(dev: &Device, ctx: &Context) -> R {
     const LEN: u64 = 1 << 20;
     let mut ch = ctx.create_channel().map_err(e2s)?;
     let victim = ctx.alloc_vram(LEN).map_err(e2s)?;
-    // Long enough for the free (two requests) to land while the spin runs.
-    ch.launch(&KernelArgs::Spin { ns: 300_000_000 }, [1, 1, 1])
+    // Long enough for the free (two requests) to land while the spin runs, even in a
+    // nested VM on a loaded host; the spin sleeps, it costs no CPU.
+    ch.launch(&KernelArgs::Spin { ns: 1_000_000_000 }, [1, 1, 1])
         .map_err(e2s)?;
     ch.launch(
         &KernelArgs::Memset {
