@@ -14,6 +14,9 @@ vgpu-smoke > /tmp/smoke.out 2>&1; r=$?; busybox tail -n 3 /tmp/smoke.out; check 
 vgpu-smoke --seed 11 > /tmp/s1.out 2>&1 & p1=$!
 vgpu-smoke --seed 12 > /tmp/s2.out 2>&1 & p2=$!
 wait $p1; r1=$?; wait $p2; r2=$?
+for f in /tmp/s1.out /tmp/s2.out; do
+    busybox tail -n 1 $f; grep -i -E 'fail|error' $f | busybox head -n 5
+done
 check "two_processes(rc=$r1,$r2)" $([ "$r1" = 0 ] && [ "$r2" = 0 ] && echo 1 || echo 0)
 # Bad arguments, forged ids, another process's slots: errors, no leaks.
 vgpu-smoke --hostile > /tmp/hostile.out 2>&1; r=$?; busybox tail -n 2 /tmp/hostile.out
