@@ -371,8 +371,10 @@ fn blocking_waits(ctx: &Context) -> Result<Blocking, String> {
     if ch.notify_seq() != 1 {
         return Err(format!("NOTIFY_SEQ {} after one notify", ch.notify_seq()));
     }
-    // A fence that never comes times out cleanly.
-    ch.launch(&KernelArgs::Spin { ns: 50_000_000 }, [1, 1, 1])
+    // A fence that does not come in time times out cleanly. The kernel is long (1 s) so
+    // that a guest vCPU descheduled for a while (nested virtualization, a loaded host)
+    // does not wake up to a finished fence.
+    ch.launch(&KernelArgs::Spin { ns: 1_000_000_000 }, [1, 1, 1])
         .map_err(e2s)?;
     let slow = ch.submit().map_err(e2s)?;
     match ch.block_on(slow, Duration::from_millis(5)) {
