@@ -24,7 +24,10 @@ check hostile $(ok $r)
 # A process killed mid-submission leaves nothing behind.
 vgpu-throttle --kernel-us 2000 --duration 60 > /tmp/t.out 2>&1 & tp=$!
 sleep 2; kill -9 $tp; wait $tp 2>/dev/null
-vgpu-bench --quick guest > /tmp/bench.out 2>&1; r=$?; cat /tmp/bench.out; check bench_quick $(ok $r)
+# The guest benchmark, as JSON lines (l2-driver.sh sets them beside an L1-native run).
+vgpu-bench --json --quick guest --reps 5 > /tmp/bench.out 2>&1; r=$?
+while read -r l; do echo "L2-BENCH $l"; done < /tmp/bench.out
+check bench_quick $(ok $r)
 vgpu-smoke --stats > /tmp/stats.out 2>&1; cat /tmp/stats.out
 grep -q 'contexts=0 channels=0 vram_bytes=0 mapped_guest_bytes=0 aperture_bytes=0' /tmp/stats.out && clean=1 || clean=0
 check nothing_left_in_backend $clean
