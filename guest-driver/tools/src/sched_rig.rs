@@ -156,7 +156,7 @@ pub struct Tenant {
 }
 
 /// GPU time a tenant keeps queued.
-pub const QUEUED_NS: u64 = 4_000_000;
+pub const QUEUED_NS: u64 = 16_000_000;
 
 /// Submissions in flight to keep [`QUEUED_NS`] queued: 2..=64.
 pub fn depth_for(kernel_ns: u64) -> usize {

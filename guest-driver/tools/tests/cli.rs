@@ -67,6 +67,7 @@ fn bench_sched_quick_json() {
     for n in [
         "fleig_none_k100us_runtime",
         "fleig_fair_k10000us_dev",
+        "fleig_fair_k10000us_wall_vs_half_share",
         "fleig_fair_max_dev",
         "vm_a_max_dev_fair",
         "weights_124_max_dev",
