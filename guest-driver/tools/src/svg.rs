@@ -108,8 +108,8 @@ impl Plot {
         let _ = writeln!(s, r#"<rect width="{W}" height="{H}" fill="white"/>"#);
         let _ = writeln!(
             s,
-            r#"<text x="{}" y="22" text-anchor="middle" font-size="15">{}</text>"#,
-            LEFT + pw / 2.0,
+            r#"<text x="{}" y="22" text-anchor="middle" font-size="14">{}</text>"#,
+            W / 2.0,
             esc(&self.title)
         );
         // Y grid and ticks.

@@ -408,6 +408,8 @@ struct Obs {
     counters: ChannelCounters,
     /// `None` when the channel's slot is not mapped (it cannot be shadowed).
     peek: Option<ChannelPeek>,
+    /// Stopped on an error (faulted, killed): it will never run again.
+    dead: bool,
     busy_delta_ns: u64,
 }
 
@@ -448,6 +450,7 @@ impl Sched {
                     hal,
                     counters: c,
                     peek: session.peek_channel(ch).ok(),
+                    dead: gpu.channel_error(hal).ok().flatten().is_some(),
                     busy_delta_ns: 0,
                 });
             }
@@ -475,7 +478,14 @@ impl Sched {
     }
 
     /// The policy's input: VMs → processes (with their weight hints) → channels.
-    fn samples(&self, vms: &[VmObs], obs: &[Obs]) -> Vec<VmSample> {
+    ///
+    /// A channel counts as having pending work only if it could use the GPU: not dead,
+    /// and not *blocked* — submitted work, not held back by us, no GPU time in the
+    /// interval although the GPU idled (waiting on a semaphore, say). A blocked channel
+    /// counted as pending would hold its siblings back (its clock never moves) — and if
+    /// a held-back sibling is the one that would release it, forever.
+    fn samples(&self, vms: &[VmObs], obs: &[Obs], idle_ns: u64, len_ns: u64) -> Vec<VmSample> {
+        let gpu_idled = idle_ns.saturating_mul(10) > len_ns;
         let hints = lock(&self.shared.hints).clone();
         let mut out: Vec<VmSample> = vms
             .iter()
@@ -487,10 +497,14 @@ impl Sched {
             .collect();
         let mut procs: BTreeMap<(usize, u32), Vec<ChannelSample>> = BTreeMap::new();
         for o in obs {
+            let held = vms
+                .get(o.vm)
+                .is_some_and(|v| self.shadowed.contains(&(v.name.clone(), o.ch)));
+            let blocked = o.busy_delta_ns == 0 && !held && gpu_idled;
             procs.entry((o.vm, o.pid)).or_default().push(ChannelSample {
                 ch: o.ch,
                 busy_delta_ns: o.busy_delta_ns,
-                pending: o.peek.is_some_and(|p| p.pending()),
+                pending: o.peek.is_some_and(|p| p.pending()) && !o.dead && !blocked,
             });
         }
         for ((vm, pid), channels) in procs {
@@ -534,8 +548,10 @@ impl Sched {
                 let fair = self
                     .fair
                     .decide_with_idle(samples, threshold_ns, idle_ns, &held);
+                // Dead channels are never sampled (they would never finish a sample).
                 let sobs: Vec<SampleObs> = obs
                     .iter()
+                    .filter(|o| !o.dead)
                     .filter_map(|o| {
                         let p = o.peek?;
                         Some(SampleObs {
@@ -670,14 +686,13 @@ impl Sched {
         self.last_tick_ns = now;
         let (vms, mut obs) = self.observe(be);
         self.account(&mut obs);
-        let samples = self.samples(&vms, &obs);
         // GPU time nobody used in the interval (all compute engines).
         let used: u64 = obs.iter().map(|o| o.busy_delta_ns).sum();
-        let idle_ns = len_ns
-            .saturating_mul(u64::from(self.engines.max(1)))
-            .saturating_sub(used);
-        let idle_ns = if self.cfg.charge_idle { idle_ns } else { 0 };
-        let decision = self.decide(&samples, &obs, &vms, idle_ns);
+        let capacity = len_ns.saturating_mul(u64::from(self.engines.max(1)));
+        let idle_ns = capacity.saturating_sub(used);
+        let samples = self.samples(&vms, &obs, idle_ns, capacity);
+        let charged_idle = if self.cfg.charge_idle { idle_ns } else { 0 };
+        let decision = self.decide(&samples, &obs, &vms, charged_idle);
         let backlog: BTreeMap<(String, u32), u32> = obs
             .iter()
             .filter_map(|o| {

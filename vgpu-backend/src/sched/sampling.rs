@@ -29,6 +29,9 @@ pub const MIN_ENTRIES: u32 = 8;
 pub const MIN_MEASURE_TICKS: u32 = 3;
 /// How often the target's control page is polled while it is measured.
 pub const POLL: std::time::Duration = std::time::Duration::from_micros(50);
+/// A gap between two polls longer than this (the scheduler thread waited for a core)
+/// leaves the target's activity unknown: the sample is dropped.
+pub const MAX_POLL_GAP_NS: u64 = 5_000_000;
 /// Longest sample and longest drain.
 pub const MAX_MEASURE_NS: u64 = 300_000_000;
 pub const MAX_DRAIN_NS: u64 = 100_000_000;
@@ -60,6 +63,8 @@ enum Phase {
         /// Time seen with work released to the GPU, and the last poll (time, backlogged).
         busy_ns: u64,
         last: Option<(u64, bool)>,
+        /// A poll gap exceeded [`MAX_POLL_GAP_NS`].
+        disturbed: bool,
     },
 }
 
@@ -149,6 +154,7 @@ impl Sampler {
                         ticks: 0,
                         busy_ns: 0,
                         last: None,
+                        disturbed: false,
                     };
                     return Some(self.others(obs, target));
                 }
@@ -158,6 +164,7 @@ impl Sampler {
                     ticks,
                     busy_ns,
                     last,
+                    disturbed,
                 } => {
                     let Some(o) = by_hal.get(&target) else {
                         self.stats.aborted += 1;
@@ -172,7 +179,7 @@ impl Sampler {
                     if enough || out_of_work || elapsed >= MAX_MEASURE_NS {
                         // A channel that ran dry mid-sample idled part of the time; its
                         // sample would overstate the cost unless it is long enough.
-                        if entries > 0 && (!out_of_work || entries >= MIN_ENTRIES) {
+                        if entries > 0 && !disturbed && (!out_of_work || entries >= MIN_ENTRIES) {
                             // Polled busy time if there was polling, else wall time.
                             let ns = if last.is_some() { busy_ns } else { elapsed };
                             est.record(target, entries, ns);
@@ -189,6 +196,7 @@ impl Sampler {
                         ticks,
                         busy_ns,
                         last,
+                        disturbed,
                     };
                     return Some(self.others(obs, target));
                 }
@@ -213,9 +221,19 @@ impl Sampler {
     /// A poll of the measured channel: whether it had work released to the GPU at
     /// `now_ns`. The time since the previous poll counts as busy if it had then.
     pub fn observe_backlog(&mut self, now_ns: u64, backlogged: bool) {
-        if let Phase::Measure { busy_ns, last, .. } = &mut self.phase {
-            if let Some((t, true)) = *last {
-                *busy_ns += now_ns.saturating_sub(t);
+        if let Phase::Measure {
+            busy_ns,
+            last,
+            disturbed,
+            ..
+        } = &mut self.phase
+        {
+            if let Some((t, was)) = *last {
+                let gap = now_ns.saturating_sub(t);
+                *disturbed |= gap > MAX_POLL_GAP_NS;
+                if was {
+                    *busy_ns += gap;
+                }
             }
             *last = Some((now_ns, backlogged));
         }
@@ -316,6 +334,25 @@ mod tests {
         }
         assert_eq!(est.cost(ChannelId(1)), Some(MS), "15 entries in 15 ms busy");
         assert_eq!(s.measuring(), None);
+    }
+
+    #[test]
+    fn a_sample_with_a_long_poll_gap_is_dropped() {
+        let mut s = Sampler::new(1000 * MS);
+        let mut est = Estimator::new();
+        s.tick(&[o(1, 0, true, true)], 0, &mut est);
+        s.observe_backlog(MS, true);
+        // The scheduler thread waited 20 ms for a core: what happened is unknown.
+        s.observe_backlog(21 * MS, true);
+        for t in 1..=3u32 {
+            s.tick(
+                &[o(1, 10 * t, true, true)],
+                u64::from(t) * 10 * MS,
+                &mut est,
+            );
+        }
+        assert_eq!(est.cost(ChannelId(1)), None);
+        assert_eq!((s.stats.samples, s.stats.aborted), (0, 1));
     }
 
     #[test]

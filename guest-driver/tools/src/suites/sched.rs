@@ -204,8 +204,10 @@ fn fleig_sweep(
     let mut max_dev: f64 = 0.0;
     let mut none_runtimes = Vec::new();
     let mut alones = Vec::new();
+    // The workload's GPU work, s.
+    let work = (opts.workload_kernels * opts.workload_kernel_ns) as f64 / 1e9;
     for policy in [Policy::None, Policy::Fair] {
-        let mut pts = Vec::new();
+        let (mut pts, mut gpu_pts) = (Vec::new(), Vec::new());
         for &k in &opts.steps {
             let tag = format!("fleig_{policy}_k{}us", k / US);
             start(be, policy)?;
@@ -225,6 +227,7 @@ fn fleig_sweep(
                     Better::Higher,
                 ));
                 pts.push((k as f64 / 1e6, rt));
+                gpu_pts.push((k as f64 / 1e6, work / sh.max(1e-9)));
                 continue;
             }
             let (mut rts, mut shares, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
@@ -269,10 +272,16 @@ fn fleig_sweep(
             max_dev = max_dev.max(d.abs());
             figs.push(dev(&format!("{tag}_dev"), d, "%", 5.0));
             pts.push((k as f64 / 1e6, rt));
+            gpu_pts.push((k as f64 / 1e6, work / sh.max(1e-9)));
         }
         series.push(Series {
-            name: policy.to_string(),
+            name: format!("{policy}, wall"),
             points: pts,
+            dashed: false,
+        });
+        series.push(Series {
+            name: format!("{policy}, GPU time"),
+            points: gpu_pts,
             dashed: false,
         });
     }
@@ -300,15 +309,15 @@ fn fleig_sweep(
         opts.steps.last().copied().unwrap_or(0) as f64 / 1e6,
     );
     series.push(Series {
-        name: "50% share".into(),
-        points: vec![(x0, 2.0 * alone), (x1, 2.0 * alone)],
+        name: "50% share (2 W)".into(),
+        points: vec![(x0, 2.0 * work), (x1, 2.0 * work)],
         dashed: true,
     });
     plots.push((
         "sched_fleig_runtime.svg",
         Plot {
             title: format!(
-                "Workload ({} x {} ms kernels) beside throttle, same VM",
+                "Workload ({} x {} ms kernels) beside throttle in its VM",
                 opts.workload_kernels,
                 opts.workload_kernel_ns as f64 / 1e6
             ),
@@ -588,8 +597,7 @@ fn two_levels(
         "sched_shares_over_time.svg",
         Plot {
             title: format!(
-                "Two levels: VMs 1:1, B has 3 processes; PID 23 idles at {t_idle:.1} s; \
-                 weights 1:3 at {t_weights:.1} s"
+                "VMs 1:1, B has 3 procs; B/23 idles at {t_idle:.1} s; weights 1:3 at {t_weights:.1} s"
             ),
             x_label: "time (s)".into(),
             y_label: "share of GPU time (%), 100 ms buckets".into(),
