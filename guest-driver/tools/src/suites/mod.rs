@@ -2,6 +2,7 @@
 
 pub mod guest;
 pub mod measure;
+pub mod sched;
 pub mod sim;
 pub mod swap;
 pub mod virt;
