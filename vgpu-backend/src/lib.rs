@@ -9,7 +9,8 @@
 //! - [`guest_mem`]: the GPU's view of a VM's guest memory ([`SysMemory`](vgpu_host_shim::SysMemory));
 //! - [`shmem`]: the BAR window (control-page slots, VRAM aperture) and SHMEM_MAP/UNMAP;
 //! - [`events`]: GPU events → per-VM FIFO → event virtqueue;
-//! - [`sched`]: the GPU scheduler (VM weights, per-process shares, shadowing over-users);
+//! - [`sched`]: the GPU scheduler (VM weights, per-process shares, shadowing over-users,
+//!   policies none/timeslice/fair/sampling, kernel watchdog, share accounting);
 //! - [`vram`]: the VRAM manager (per-VM shares, transparent swapping to system memory).
 //!
 //! # What a frontend must do
@@ -73,6 +74,8 @@ use vmm_sys_util::epoll::EventSet;
 pub use error::{BackendError, ShmError};
 pub use events::{EventQueue, EVENT_FIFO_CAPACITY};
 pub use guest_mem::{GuestMemory, GuestSysMemory};
+pub use sched::cli::SchedArgs;
+pub use sched::shares::{GpuShares, IntervalRecord, ProcShare, VmShare};
 pub use sched::{Policy, SchedConfig, SchedError, SchedStats};
 pub use session::{Session, SessionShared, SessionState, VmLimits, VmStats};
 pub use shadow::{ChannelPeek, ShadowError, ShadowStats, ShadowSwitch};
@@ -320,8 +323,8 @@ impl VgpuBackend {
     }
 
     /// Starts the GPU scheduler with `cfg`, or reconfigures it (the running one stops first,
-    /// unshadowing the channels it shadowed). [`Policy::None`] just stops it; `timeslice`
-    /// and `sampling` are refused as not implemented.
+    /// unshadowing the channels it shadowed). Under [`Policy::None`] it only accounts
+    /// (shares) and runs the watchdog. `fair` and the watchdog need busy counters.
     pub fn start_scheduler(self: &Arc<Self>, cfg: SchedConfig) -> Result<(), SchedError> {
         sched::start(self, cfg)
     }

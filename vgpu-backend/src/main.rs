@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use clap::Parser;
 use log::{error, info};
-use vgpu_backend::{VgpuBackend, VmLimits};
+use vgpu_backend::{SchedArgs, VgpuBackend, VmLimits};
 use vgpu_host_shim::{Gpu, SimConfig, SimGpu};
 
 #[derive(Debug, Parser)]
@@ -31,6 +31,13 @@ struct Cli {
     /// Contexts the sim GPU supports in total.
     #[arg(long, default_value_t = 256)]
     gpu_max_contexts: u32,
+    /// Longest sleep of the sim GPU's idle PFIFO between polls of GP_PUT, microseconds:
+    /// the latency of a submission after an idle spell vs. the CPU an idle GPU model
+    /// costs. Raise it where CPU is dear (the nested rig runs the backend under TCG, where
+    /// the default's wake-ups eat most of a vCPU).
+    #[arg(long, value_name = "US", default_value_t = 250,
+          value_parser = clap::value_parser!(u64).range(10..=100_000))]
+    sim_idle_sleep_us: u64,
     /// Per-VM limit: VRAM, MiB (default: the GPU's VRAM).
     #[arg(long)]
     vm_vram_mib: Option<u64>,
@@ -47,6 +54,8 @@ struct Cli {
     /// (default 0: no oversubscription).
     #[arg(long)]
     vm_swap_mib: Option<u64>,
+    #[command(flatten)]
+    sched: SchedArgs,
 }
 
 /// Blocks SIGINT and SIGTERM in this thread (and so in every thread started after) and
@@ -90,6 +99,7 @@ fn run(cli: Cli) -> Result<(), String> {
         compute_engines: cli.compute_engines,
         max_channels: cli.gpu_max_channels,
         max_contexts: cli.gpu_max_contexts,
+        max_idle_sleep_ns: cli.sim_idle_sleep_us * 1000,
         ..SimConfig::default()
     })
     .map_err(|e| format!("sim GPU: {e}"))?;
@@ -122,6 +132,9 @@ fn run(cli: Cli) -> Result<(), String> {
             .serve_vm(name, &socket)
             .map_err(|e| format!("VM {name}: {e}"))?;
     }
+    cli.sched
+        .apply(&backend)
+        .map_err(|e| format!("scheduler: {e}"))?;
     info!(
         "serving {} VM(s) on {} ({} MiB VRAM, {} engine(s)); limits per VM: {limits:?}",
         cli.vms.len(),

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use log::{debug, warn};
-use vgpu_host_shim::{ChannelId, ContextId, Gpu};
+use vgpu_host_shim::{ChannelCounters, ChannelId, ContextId, Gpu};
 use vgpu_protocol::device::slot_offset;
 use vgpu_protocol::request::GuestRange;
 use vgpu_protocol::PAGE_SIZE;
@@ -250,6 +250,17 @@ impl SessionShared {
                     .ok()
                     .map(|c| (*g, *pid, *ch, c.busy_ns))
             })
+            .collect()
+    }
+
+    /// Every counter of each live channel as the HAL reports it: (guest channel id, owning
+    /// guest PID, HAL channel id, counters). Channels whose counters cannot be read are
+    /// left out.
+    pub fn channel_counters(&self, gpu: &dyn Gpu) -> Vec<(u32, u32, ChannelId, ChannelCounters)> {
+        let book = self.busy();
+        book.live
+            .iter()
+            .filter_map(|(g, (pid, ch))| gpu.channel_counters(*ch).ok().map(|c| (*g, *pid, *ch, c)))
             .collect()
     }
 
