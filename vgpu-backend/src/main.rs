@@ -50,6 +50,10 @@ struct Cli {
     /// Per-VM limit: guest memory mapped into GPU address spaces, MiB.
     #[arg(long)]
     vm_mapped_guest_mib: Option<u64>,
+    /// Per-VM limit: VRAM objects beyond the VRAM quota, swapped to host memory, MiB
+    /// (default 0: no oversubscription).
+    #[arg(long)]
+    vm_swap_mib: Option<u64>,
     #[command(flatten)]
     sched: SchedArgs,
 }
@@ -113,7 +117,10 @@ fn run(cli: Cli) -> Result<(), String> {
             Some(m) => mib(m)?,
             None => defaults.mapped_guest_bytes,
         },
-        swap_bytes: defaults.swap_bytes,
+        swap_bytes: match cli.vm_swap_mib {
+            Some(m) => mib(m)?,
+            None => defaults.swap_bytes,
+        },
     };
     std::fs::create_dir_all(&cli.socket_dir)
         .map_err(|e| format!("{}: {e}", cli.socket_dir.display()))?;
