@@ -5,8 +5,12 @@
 //! the shadow pages (the guest keeps running; only its GPU work waits). It is a second
 //! reason to hold a channel shadowed, beside the scheduler's: while a VM is paused, an
 //! unshadow asked for through [`VgpuBackend::shadow_channel`] (the scheduler's path) is
-//! remembered but not carried out, and a capped release lets nothing through. Channels the
-//! guest creates while paused are shadowed before the reply reaches it
+//! remembered but not carried out, and a capped release lets nothing through. Peeking at a
+//! paused VM's channels ([`Session::peek_channel`], what the scheduler samples) fails, so
+//! the scheduler counts the VM as idle — otherwise its held-back work would make it look
+//! underserved and the scheduler would shadow every other VM in its favour — and forgets
+//! the channels it had shadowed there; the hold forgets them too. Channels the guest
+//! creates while paused are shadowed before the reply reaches it
 //! ([`VmControl::hold_if_paused`], called by the request path). A pause outlives frontend
 //! reconnects. **Resume** unshadows the channels that nobody else holds shadowed.
 //! **Drain** is pause plus waiting until the GPU completed everything already released to
@@ -20,7 +24,7 @@
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use log::{debug, info, warn};
@@ -54,21 +58,38 @@ pub enum ControlError {
     DrainTimeout { waited_ms: u64, pending: u32 },
 }
 
-/// Operator state of one VM.
+/// Operator state of one VM outside its session (read without the session lock).
 #[derive(Debug)]
 pub(crate) struct VmControl {
+    /// Mirrors [`OperatorHold::paused`].
     paused: AtomicBool,
+    vram_quota: AtomicU64,
+}
+
+/// The pause as the session keeps it (changed under the session lock).
+#[derive(Debug, Default)]
+pub struct OperatorHold {
+    pub(crate) paused: bool,
     /// Channels that others (the scheduler) asked to be shadowed and not yet released:
     /// resume leaves them shadowed.
-    held_by_others: Mutex<BTreeSet<u32>>,
-    vram_quota: AtomicU64,
+    pub(crate) held_by_others: BTreeSet<u32>,
+}
+
+impl OperatorHold {
+    /// Records a shadow (`on`) or unshadow asked for by someone other than the operator.
+    pub(crate) fn note_other(&mut self, ch: u32, on: bool) {
+        if on {
+            self.held_by_others.insert(ch);
+        } else {
+            self.held_by_others.remove(&ch);
+        }
+    }
 }
 
 impl VmControl {
     pub(crate) fn new(vram_quota: u64) -> Self {
         VmControl {
             paused: AtomicBool::new(false),
-            held_by_others: Mutex::new(BTreeSet::new()),
             vram_quota: AtomicU64::new(vram_quota),
         }
     }
@@ -81,26 +102,10 @@ impl VmControl {
         self.vram_quota.load(Ordering::Acquire)
     }
 
-    fn held(&self) -> MutexGuard<'_, BTreeSet<u32>> {
-        self.held_by_others
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Records a shadow (`on`) or unshadow asked for by someone other than the operator.
-    /// Call with the VM's session locked.
-    pub(crate) fn note_other(&self, ch: u32, on: bool) {
-        if on {
-            self.held().insert(ch);
-        } else {
-            self.held().remove(&ch);
-        }
-    }
-
     /// While paused, shadows the channels that are not yet (new ones). Call with the
     /// session locked, before a reply that names a new channel goes to the guest.
     pub(crate) fn hold_if_paused(&self, session: &mut Session, shm: &dyn ShmMapper) {
-        if !self.paused() {
+        if !session.hold.paused {
             return;
         }
         for (ch, _) in session.channel_list() {
@@ -183,6 +188,7 @@ impl VgpuBackend {
         let vm = self.control_vm(name)?;
         let shm = vm.shm.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let mut session = vm.lock_session();
+        session.hold.paused = true;
         vm.control.paused.store(true, Ordering::Release);
         let channels = session.channel_list();
         let mut out = PauseOutcome {
@@ -221,14 +227,12 @@ impl VgpuBackend {
         let vm = self.control_vm(name)?;
         let shm = vm.shm.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let mut session = vm.lock_session();
+        session.hold.paused = false;
         vm.control.paused.store(false, Ordering::Release);
         let channels = session.channel_list();
         let live: BTreeSet<u32> = channels.iter().map(|(ch, _)| *ch).collect();
-        let held = {
-            let mut held = vm.control.held();
-            held.retain(|ch| live.contains(ch));
-            held.clone()
-        };
+        session.hold.held_by_others.retain(|ch| live.contains(ch));
+        let held = session.hold.held_by_others.clone();
         let mut out = PauseOutcome {
             channels: channels.len() as u32,
             switched: 0,
@@ -310,7 +314,10 @@ impl VgpuBackend {
         let mut out = Vec::with_capacity(list.len());
         for (ch, pid) in list {
             let hch = session.hal.channels.get(&ch).copied();
-            let backlog = session.peek_channel(ch).map(|p| p.backlog()).unwrap_or(0);
+            let backlog = session
+                .peek_channel_any(ch)
+                .map(|p| p.backlog())
+                .unwrap_or(0);
             let (busy_ns, error) = match hch {
                 Some(h) => (
                     gpu.channel_counters(h).map(|c| c.busy_ns).unwrap_or(0),
@@ -346,7 +353,7 @@ fn running_channels(session: &mut Session) -> u32 {
         if stopped {
             continue;
         }
-        if let Ok(p) = session.peek_channel(ch) {
+        if let Ok(p) = session.peek_channel_any(ch) {
             if p.gp_get != p.real_put {
                 n += 1;
             }

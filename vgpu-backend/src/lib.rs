@@ -292,15 +292,15 @@ impl VgpuBackend {
             .clone()
             .ok_or(ShadowError::NotConnected)?;
         let mut session = vm.lock_session();
-        if !on && vm.control.paused() {
+        if !on && session.hold.paused {
             if !session.state.channels.contains_key(&guest_channel) {
                 return Err(ShadowError::NoChannel(guest_channel));
             }
-            vm.control.note_other(guest_channel, false);
+            session.hold.note_other(guest_channel, false);
             return Ok(ShadowSwitch::default());
         }
         let switch = session.shadow_channel(guest_channel, on, shm.as_ref())?;
-        vm.control.note_other(guest_channel, on);
+        session.hold.note_other(guest_channel, on);
         Ok(switch)
     }
 
@@ -316,7 +316,7 @@ impl VgpuBackend {
             .vm(name)
             .ok_or_else(|| ShadowError::NoVm(name.to_string()))?;
         let mut session = vm.lock_session();
-        if vm.control.paused() {
+        if session.hold.paused {
             // The operator's pause holds everything back.
             return Ok(0);
         }

@@ -289,6 +289,8 @@ pub struct Session {
     pub(crate) hal: HalHandles,
     /// Shadowed channels and the VM's shadow-page pool.
     pub(crate) shadows: crate::shadow::Shadows,
+    /// Operator pause and the channels others hold shadowed ([`crate::control`]).
+    pub(crate) hold: crate::control::OperatorHold,
 }
 
 impl Session {
@@ -301,6 +303,7 @@ impl Session {
             state: SessionState::default(),
             hal: HalHandles::default(),
             shadows: crate::shadow::Shadows::new(),
+            hold: crate::control::OperatorHold::default(),
         }
     }
 

@@ -354,7 +354,7 @@ fn bad_requests_get_json_errors() {
     let sock = rig.api.path().to_path_buf();
     let raw_cases: &[(&[u8], u16, &str)] = &[
         (
-            b"PUT /api/v1/vms/vm1/weight HTTP/1.1\r\nContent-Type: text/plain\r\nContent-Length: 12\r\n\r\n{\"weight\":5}",
+            b"PUT /api/v1/vms/vm1/weight HTTP/1.1\r\nConnection: close\r\nContent-Type: text/plain\r\nContent-Length: 12\r\n\r\n{\"weight\":5}",
             415,
             "unsupported_media_type",
         ),

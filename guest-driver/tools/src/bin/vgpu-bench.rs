@@ -3,6 +3,7 @@
 
 use clap::{Parser, Subcommand};
 use vgpu_tools::report::{print_json, print_table, Figure};
+use vgpu_tools::suites::api::{self, ApiOpts};
 use vgpu_tools::suites::sim::{self, SimOpts};
 use vgpu_tools::suites::virt::{self, VirtOpts};
 
@@ -25,6 +26,8 @@ enum Suite {
     Sim,
     /// The same workloads natively and through vgpu-backend + a loopback VM, side by side.
     Virt,
+    /// The operator control API: weight-change delay under load, request latency.
+    Api,
 }
 
 fn main() {
@@ -46,6 +49,14 @@ fn main() {
                 VirtOpts::full()
             };
             virt::run(&opts).map_err(|e| e.to_string())
+        }
+        Suite::Api => {
+            let opts = if cli.quick {
+                ApiOpts::quick()
+            } else {
+                ApiOpts::full()
+            };
+            api::run(&opts).map_err(|e| e.to_string())
         }
     };
     match result {
