@@ -49,7 +49,15 @@ fn demo_runs_every_tenant() {
         "{text}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // Halfway, the demo changed vm2's weight through the control API's socket.
+    assert!(text.contains("vm set-weight vm2 400 -> ok"), "{text}");
     let summary = text.split("summary").nth(1).expect("summary table");
+    let vm2 = summary
+        .lines()
+        .find(|l| l.split_whitespace().count() == 5 && l.starts_with("vm2 "))
+        .unwrap_or_else(|| panic!("no before/after row for vm2:\n{summary}"));
+    let cols: Vec<&str> = vm2.split_whitespace().collect();
+    assert_eq!((cols[1], cols[3]), ("100", "400"), "{vm2}");
     // Every guest process of every VM got GPU time through the backend.
     for (vm, pid, w) in [
         ("vm1", "101", "throttle-2ms"),
