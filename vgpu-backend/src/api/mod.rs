@@ -40,6 +40,9 @@ use http::{RequestReader, Response};
 use routes::ApiState;
 use share::ShareBook;
 
+/// Index of the accept thread in [`ApiServer::threads`] (the sampler is 0).
+const ACCEPT_THREAD: usize = 1;
+
 /// Connections served at once.
 pub const MAX_CONNECTIONS: usize = 32;
 
@@ -154,9 +157,14 @@ impl ApiServer {
         if self.stop.swap(true, Ordering::AcqRel) {
             return;
         }
-        // Wake the accept loop.
-        drop(UnixStream::connect(&self.path));
-        for t in self.threads.drain(..) {
+        // Wake the accept loop. If that fails (the socket file was removed), the accept
+        // thread is left blocked rather than waited for.
+        let woke = UnixStream::connect(&self.path).is_ok();
+        for (i, t) in self.threads.drain(..).enumerate() {
+            if i == ACCEPT_THREAD && !woke {
+                warn!("control API: cannot wake the accept thread; leaving it");
+                continue;
+            }
             let _ = t.join();
         }
         let _ = std::fs::remove_file(&self.path);
