@@ -36,5 +36,10 @@ if [ "${SKIP_RIG:-0}" != "1" ]; then
     # Debian packages and the musl target itself (ci/rig/README.md).
     echo "== nested rig: L2 Linux under vgpu-vmm"
     ci/rig/l2-boot.sh --vcpus 2 --quiet-l2
+    # The whole stack: vgpu-backend in L1 serving two L2 guests at once, each under
+    # vgpu-vmm with vgpu.ko and the guest tools (smoke, two processes, hostile process,
+    # killed process leaves nothing, quick bench), plus exit costs seen from L2.
+    echo "== nested rig: two L2 VMs with the guest driver on one vgpu-backend"
+    ci/rig/l2-vgpu.sh --guest --vms 2 --timeout 900
 fi
 echo "== all tests passed"

@@ -73,7 +73,8 @@ pub struct ChannelConfig {
 /// Per-channel accounting, as real GPUs expose it to the host.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ChannelCounters {
-    /// Nanoseconds the channel occupied an engine.
+    /// Nanoseconds the channel occupied an engine, including the part of a kernel that is
+    /// still running (the counter ticks while it runs; it never goes backwards).
     pub busy_ns: u64,
     /// GP entries completed.
     pub gp_completed: u64,

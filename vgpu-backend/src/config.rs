@@ -67,6 +67,9 @@ pub struct SchedSection {
     pub interval_ms: Option<u32>,
     pub threshold_us: Option<u64>,
     pub unshadow_cap: Option<u32>,
+    pub slice_ms: Option<u32>,
+    pub sample_period_ms: Option<u32>,
+    pub watchdog_ms: Option<u32>,
 }
 
 /// `[defaults]` and the per-VM part of `[[vm]]`.
@@ -79,6 +82,8 @@ pub struct VmSection {
     pub max_contexts: Option<u32>,
     pub max_channels: Option<u32>,
     pub mapped_guest_mib: Option<u64>,
+    /// VRAM objects beyond the quota, swapped to system memory, MiB (0: none).
+    pub swap_mib: Option<u64>,
 }
 
 /// `[[vm]]`.
@@ -94,6 +99,7 @@ pub struct VmEntry {
     pub max_contexts: Option<u32>,
     pub max_channels: Option<u32>,
     pub mapped_guest_mib: Option<u64>,
+    pub swap_mib: Option<u64>,
 }
 
 impl VmEntry {
@@ -105,6 +111,7 @@ impl VmEntry {
             max_contexts: self.max_contexts,
             max_channels: self.max_channels,
             mapped_guest_mib: self.mapped_guest_mib,
+            swap_mib: self.swap_mib,
         }
     }
 }
@@ -260,6 +267,22 @@ impl FileConfig {
                 )?),
                 None => None,
             },
+            slice_ms: range32(
+                "scheduler.slice_ms",
+                s.slice_ms.unwrap_or(d.slice_ms),
+                1,
+                10_000,
+            )?,
+            sample_period_ms: range32(
+                "scheduler.sample_period_ms",
+                s.sample_period_ms.unwrap_or(d.sample_period_ms),
+                10,
+                600_000,
+            )?,
+            watchdog_ms: match s.watchdog_ms {
+                Some(w) => Some(range32("scheduler.watchdog_ms", w, 1, 3_600_000)?),
+                None => None,
+            },
         };
         // `[defaults]` is checked even when no VM uses it.
         self.vm_settings("defaults", &VmSection::default(), gpu.vram_bytes)?;
@@ -346,6 +369,14 @@ impl FileConfig {
                     .unwrap_or(builtin.mapped_guest_bytes / MIB),
                 1,
                 1 << 24,
+            )? * MIB,
+            swap_bytes: range(
+                &key("swap_mib"),
+                own.swap_mib
+                    .or(d.swap_mib)
+                    .unwrap_or(builtin.swap_bytes / MIB),
+                0,
+                crate::vram::MAX_SWAP_STORE / MIB,
             )? * MIB,
         };
         Ok((weight, limits))

@@ -38,8 +38,8 @@ use crate::{VgpuBackend, VmState};
 
 /// Smallest VRAM quota: one 4 KiB page.
 pub const MIN_VRAM_QUOTA: u64 = 4096;
-/// Largest VRAM quota (1 PiB): larger than any GPU, small enough to never overflow sums.
-pub const MAX_VRAM_QUOTA: u64 = 1 << 50;
+/// Largest VRAM quota (1 TiB, the VRAM manager's bound).
+pub const MAX_VRAM_QUOTA: u64 = crate::vram::MAX_SWAP_STORE;
 
 /// Errors of the operator controls.
 #[derive(Debug, Error)]
@@ -54,6 +54,8 @@ pub enum ControlError {
         #[source]
         source: ShadowError,
     },
+    #[error("VRAM manager: {0}")]
+    Vram(String),
     #[error("drain timed out after {waited_ms} ms with {pending} channel(s) still running")]
     DrainTimeout { waited_ms: u64, pending: u32 },
 }
@@ -175,10 +177,10 @@ impl VgpuBackend {
             return Err(ControlError::InvalidQuota(bytes));
         }
         let vm = self.control_vm(name)?;
-        let mut session = vm.lock_session();
-        session.limits.vram_bytes = bytes;
+        // The VRAM manager sets the session's limit and rebalances.
+        self.set_vram_quota(name, bytes)
+            .map_err(|e| ControlError::Vram(e.to_string()))?;
         vm.control.vram_quota.store(bytes, Ordering::Release);
-        info!("VM {name}: VRAM quota {bytes} bytes");
         Ok(())
     }
 

@@ -9,7 +9,9 @@
 //! - [`guest_mem`]: the GPU's view of a VM's guest memory ([`SysMemory`](vgpu_host_shim::SysMemory));
 //! - [`shmem`]: the BAR window (control-page slots, VRAM aperture) and SHMEM_MAP/UNMAP;
 //! - [`events`]: GPU events → per-VM FIFO → event virtqueue;
-//! - [`sched`]: the GPU scheduler (VM weights, per-process shares, shadowing over-users);
+//! - [`sched`]: the GPU scheduler (VM weights, per-process shares, shadowing over-users,
+//!   policies none/timeslice/fair/sampling, kernel watchdog, share accounting);
+//! - [`vram`]: the VRAM manager (per-VM shares, transparent swapping to system memory);
 //! - [`control`]: operator controls of a VM (pause, resume, drain, VRAM quota);
 //! - [`api`]: the operator HTTP/JSON control API on a unix socket, its client, metrics;
 //! - [`config`]: the daemon's TOML configuration.
@@ -57,6 +59,7 @@ pub mod session;
 pub mod shadow;
 pub mod shmem;
 pub mod vhu_vgpu;
+pub mod vram;
 
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
@@ -78,11 +81,16 @@ pub use control::{ChannelInfo, ControlError, DrainOutcome, PauseOutcome};
 pub use error::{BackendError, ShmError};
 pub use events::{EventQueue, EVENT_FIFO_CAPACITY};
 pub use guest_mem::{GuestMemory, GuestSysMemory};
+pub use sched::cli::SchedArgs;
+pub use sched::shares::{GpuShares, IntervalRecord, ProcShare, VmShare};
 pub use sched::{Policy, SchedConfig, SchedError, SchedStats};
 pub use session::{Session, SessionShared, SessionState, VmLimits, VmStats};
 pub use shadow::{ChannelPeek, ShadowError, ShadowStats, ShadowSwitch};
 pub use shmem::{NullShm, ShmMapper, VhostShm};
 pub use vgpu_host_shim::Gpu;
+pub use vram::{
+    MoveReport, ProcVramStats, VmVramStats, VramConfig, VramError, VramOverview, VramReport,
+};
 
 use crate::shmem::NullShm as Gone;
 use crate::vhu_vgpu::{VhuVgpu, EVENT_FD_TOKEN};
@@ -124,6 +132,7 @@ pub struct VgpuBackend {
     threads: Mutex<Vec<JoinHandle<()>>>,
     stop: Arc<AtomicBool>,
     sched: sched::SchedSlot,
+    vram: vram::VramManager,
 }
 
 fn valid_name(name: &str) -> bool {
@@ -145,6 +154,7 @@ impl VgpuBackend {
             threads: Mutex::new(Vec::new()),
             stop: Arc::new(AtomicBool::new(false)),
             sched: sched::SchedSlot::default(),
+            vram: vram::VramManager::default(),
         })
     }
 
@@ -209,11 +219,11 @@ impl VgpuBackend {
             socket: socket.to_path_buf(),
             limits,
             gpu_vram: self.gpu.info().vram_bytes,
-            session: Mutex::new(Session::with_shared(
-                self.gpu.clone(),
-                limits,
-                shared.clone(),
-            )),
+            session: Mutex::new({
+                let mut s = Session::with_shared(self.gpu.clone(), limits, shared.clone());
+                s.swap.set_waker(self.vram.waker());
+                s
+            }),
             shared,
             connected: AtomicBool::new(false),
             conn: Mutex::new(None),
@@ -228,6 +238,7 @@ impl VgpuBackend {
             .spawn(move || serve_loop(vm2, listener, stop))
             .map_err(BackendError::Thread)?;
         vms.insert(name.to_string(), vm);
+        self.vram.start(self);
         self.threads
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -339,8 +350,8 @@ impl VgpuBackend {
     }
 
     /// Starts the GPU scheduler with `cfg`, or reconfigures it (the running one stops first,
-    /// unshadowing the channels it shadowed). [`Policy::None`] just stops it; `timeslice`
-    /// and `sampling` are refused as not implemented.
+    /// unshadowing the channels it shadowed). Under [`Policy::None`] it only accounts
+    /// (shares) and runs the watchdog. `fair` and the watchdog need busy counters.
     pub fn start_scheduler(self: &Arc<Self>, cfg: SchedConfig) -> Result<(), SchedError> {
         sched::start(self, cfg)
     }
@@ -382,6 +393,7 @@ impl VgpuBackend {
         }
         // First, while frontends are still there: the scheduler unshadows its channels.
         self.sched.stop();
+        self.vram.stop();
         let vms: Vec<Arc<VmState>> = self.lock_vms().values().cloned().collect();
         for vm in &vms {
             if let Some(h) = vm.conn.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {

@@ -5,11 +5,13 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
+use clap::parser::ValueSource;
 use clap::Parser;
+use clap::{ArgMatches, CommandFactory, FromArgMatches};
 use log::{error, info};
 use vgpu_backend::api::{ApiOptions, ApiServer};
 use vgpu_backend::config::FileConfig;
-use vgpu_backend::{VgpuBackend, VmLimits};
+use vgpu_backend::{SchedArgs, VgpuBackend, VmLimits};
 use vgpu_host_shim::{Gpu, SimConfig, SimGpu};
 
 #[derive(Debug, Parser)]
@@ -28,12 +30,6 @@ struct Cli {
     /// Unix socket of the operator control API.
     #[arg(long, value_name = "PATH")]
     api_socket: Option<PathBuf>,
-    /// Scheduling policy: none, fair (timeslice and sampling are not implemented yet).
-    #[arg(long)]
-    policy: Option<String>,
-    /// Scheduling interval, ms.
-    #[arg(long)]
-    sched_interval_ms: Option<u32>,
     /// VRAM of the sim GPU, MiB [default: 1024].
     #[arg(long)]
     vram_mib: Option<u64>,
@@ -46,6 +42,13 @@ struct Cli {
     /// Contexts the sim GPU supports in total [default: 256].
     #[arg(long)]
     gpu_max_contexts: Option<u32>,
+    /// Longest sleep of the sim GPU's idle PFIFO between polls of GP_PUT, microseconds:
+    /// the latency of a submission after an idle spell vs. the CPU an idle GPU model
+    /// costs. Raise it where CPU is dear (the nested rig runs the backend under TCG, where
+    /// the default's wake-ups eat most of a vCPU).
+    #[arg(long, value_name = "US", default_value_t = 250,
+          value_parser = clap::value_parser!(u64).range(10..=100_000))]
+    sim_idle_sleep_us: u64,
     /// Per-VM limit: VRAM, MiB (default: the GPU's VRAM).
     #[arg(long)]
     vm_vram_mib: Option<u64>,
@@ -58,14 +61,14 @@ struct Cli {
     /// Per-VM limit: guest memory mapped into GPU address spaces, MiB.
     #[arg(long)]
     vm_mapped_guest_mib: Option<u64>,
-    /// Per-VM scheduling weight (1..=10000).
-    #[arg(long)]
-    vm_weight: Option<u32>,
+    #[command(flatten)]
+    sched: SchedArgs,
 }
 
 impl Cli {
     /// The configuration file (or an empty one) with the flags applied over it.
-    fn file_config(&self) -> Result<FileConfig, String> {
+    /// `given` tells whether a flag (by its argument id) was on the command line.
+    fn file_config(&self, given: impl Fn(&str) -> bool) -> Result<FileConfig, String> {
         let mut f = match &self.config {
             Some(p) => FileConfig::load(p).map_err(|e| e.to_string())?,
             None => FileConfig::default(),
@@ -92,9 +95,26 @@ impl Cli {
         if let Some(p) = &self.api_socket {
             f.api.socket = Some(p.clone());
         }
+        // Scheduler flags override the file only where given (they all have defaults).
+        let a = &self.sched;
         let s = &mut f.scheduler;
-        s.policy = self.policy.clone().or(s.policy.take());
-        s.interval_ms = self.sched_interval_ms.or(s.interval_ms);
+        if given("sched_policy") {
+            s.policy = Some(a.sched_policy.name().to_string());
+        }
+        if given("sched_interval_ms") {
+            s.interval_ms = Some(a.sched_interval_ms);
+        }
+        if given("sched_threshold_us") {
+            s.threshold_us = Some(a.sched_threshold_us);
+        }
+        if given("sched_slice_ms") {
+            s.slice_ms = Some(a.sched_slice_ms);
+        }
+        if given("sched_sample_period_ms") {
+            s.sample_period_ms = Some(a.sched_sample_period_ms);
+        }
+        s.unshadow_cap = a.sched_unshadow_cap.or(s.unshadow_cap);
+        s.watchdog_ms = a.watchdog_ms.or(s.watchdog_ms);
         let g = &mut f.gpu;
         g.vram_mib = self.vram_mib.or(g.vram_mib);
         g.compute_engines = self.compute_engines.or(g.compute_engines);
@@ -106,7 +126,13 @@ impl Cli {
             v.max_contexts = self.vm_max_contexts.or(v.max_contexts);
             v.max_channels = self.vm_max_channels.or(v.max_channels);
             v.mapped_guest_mib = self.vm_mapped_guest_mib.or(v.mapped_guest_mib);
-            v.weight = self.vm_weight.or(v.weight);
+        }
+        for (name, w) in &a.vm_weights {
+            let v =
+                f.vm.iter_mut()
+                    .find(|v| v.name == *name)
+                    .ok_or_else(|| format!("--vm-weight {name}={w}: no VM {name:?}"))?;
+            v.weight = Some(*w);
         }
         Ok(f)
     }
@@ -142,9 +168,10 @@ fn wait_for_signal(set: &libc::sigset_t) -> i32 {
     }
 }
 
-fn run(cli: Cli) -> Result<(), String> {
+fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
+    let given = |id: &str| matches.value_source(id) == Some(ValueSource::CommandLine);
     let cfg = cli
-        .file_config()?
+        .file_config(given)?
         .resolve()
         .map_err(|e| format!("configuration: {e}"))?;
     if cfg.vms.is_empty() {
@@ -156,6 +183,7 @@ fn run(cli: Cli) -> Result<(), String> {
         compute_engines: cfg.gpu.compute_engines,
         max_channels: cfg.gpu.max_channels,
         max_contexts: cfg.gpu.max_contexts,
+        max_idle_sleep_ns: cli.sim_idle_sleep_us * 1000,
         ..SimConfig::default()
     })
     .map_err(|e| format!("sim GPU: {e}"))?;
@@ -206,7 +234,12 @@ fn run(cli: Cli) -> Result<(), String> {
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
-    match run(Cli::parse()) {
+    let matches = Cli::command().get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
+    match run(cli, &matches) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             error!("{e}");

@@ -208,7 +208,10 @@ impl Session {
         let contexts = &self.state.contexts;
         let id = fresh_id(&mut self.state.last_context, |i| contexts.contains_key(&i));
         let sys = Arc::new(GuestSysMemory::new(mem.clone()));
-        let hctx = self.gpu.create_context(sys.clone()).map_err(|e| e.code())?;
+        // The GPU also reaches the VM's swap store (above guest RAM, see crate::vram).
+        let store = self.swap_store()?;
+        let gpu_sys = Arc::new(crate::vram::store::VmSysMemory::new(sys.clone(), store));
+        let hctx = self.gpu.create_context(gpu_sys).map_err(|e| e.code())?;
         self.state.contexts.insert(id, ContextState { pid });
         self.hal.contexts.insert(id, (hctx, sys));
         debug!("pid {pid}: context {id} ({hctx:?})");
@@ -301,8 +304,13 @@ impl Session {
     fn alloc_vram(&mut self, pid: u32, ctx: u32, size: u64, align: u64) -> Reply {
         self.owned_ctx(pid, ctx)?;
         let gpu_vram = self.gpu.info().vram_bytes;
+        // What the VM may hold: its VRAM quota plus its swap limit.
+        let limit = self
+            .limits
+            .vram_bytes
+            .saturating_add(self.limits.swap_bytes);
         if size == 0
-            || size > self.limits.vram_bytes.min(gpu_vram)
+            || size > limit.min(gpu_vram.saturating_add(self.limits.swap_bytes))
             || !align.is_power_of_two()
             || !(PAGE_SIZE..=MAX_VRAM_ALIGN).contains(&align)
         {
@@ -310,21 +318,11 @@ impl Session {
         }
         let rounded = page_round_up(size).ok_or(ErrorCode::InvalidArgument)?;
         let fits = |used: u64, n: u64, limit: u64| used.checked_add(n).is_some_and(|t| t <= limit);
-        if !fits(self.state.usage.vram_bytes, rounded, self.limits.vram_bytes) {
+        if !fits(self.state.usage.vram_bytes, rounded, limit) {
             return Err(ErrorCode::LimitExceeded);
         }
-        let alloc = self.gpu.alloc_vram(size, align).map_err(|e| e.code())?;
-        if !fits(
-            self.state.usage.vram_bytes,
-            alloc.size,
-            self.limits.vram_bytes,
-        ) {
-            // The HAL rounded up past the limit.
-            if let Err(e) = self.gpu.free_vram(alloc.offset) {
-                warn!("ALLOC_VRAM: undo: {e}");
-            }
-            return Err(ErrorCode::LimitExceeded);
-        }
+        // Chunks that do not fit in free VRAM go to swap (the VRAM manager rebalances).
+        let backing = self.alloc_object(rounded, align)?;
         let mems = &self.state.mems;
         let id = fresh_id(&mut self.state.last_mem, |i| mems.contains_key(&i));
         self.state.mems.insert(
@@ -332,16 +330,16 @@ impl Session {
             MemState {
                 pid,
                 ctx,
-                size: alloc.size,
+                size: rounded,
                 align,
                 aperture: None,
             },
         );
-        self.hal.vram.insert(id, alloc);
-        self.state.usage.vram_bytes += alloc.size;
+        self.hal.vram.insert(id, backing);
+        self.state.usage.vram_bytes += rounded;
         Ok(ReplyBody::Mem {
             mem: id,
-            size: alloc.size,
+            size: rounded,
         })
     }
 
@@ -351,10 +349,8 @@ impl Session {
             let u = &mut self.state.usage;
             u.vram_bytes = u.vram_bytes.saturating_sub(m.size);
         }
-        if let Some(alloc) = self.hal.vram.remove(&id) {
-            if let Err(e) = self.gpu.free_vram(alloc.offset) {
-                warn!("free VRAM object {id}: {e}");
-            }
+        if let Some(b) = self.hal.vram.remove(&id) {
+            self.free_object(&b);
         }
     }
 
@@ -388,18 +384,8 @@ impl Session {
         if flags & !MAP_READ_ONLY != 0 || self.overlaps(ctx, va, size) {
             return Err(ErrorCode::InvalidArgument);
         }
-        let alloc = *self.hal.vram.get(&mem).ok_or(ErrorCode::Internal)?;
-        self.gpu
-            .map(
-                hctx,
-                va,
-                size,
-                MapTarget::Vram {
-                    offset: alloc.offset,
-                },
-                ps,
-                map_flags(flags),
-            )
+        let backing = self.hal.vram.get(&mem).ok_or(ErrorCode::Internal)?;
+        self.map_object(hctx, va, backing, ps, map_flags(flags))
             .map_err(|e| e.code())?;
         self.state.mappings.insert(
             (ctx, va),
@@ -563,21 +549,17 @@ impl Session {
             .values()
             .filter_map(|m| m.aperture.map(|o| (o, m.size)));
         let off = first_fit_aperture(used, len).ok_or(ErrorCode::LimitExceeded)?;
-        let alloc = *self.hal.vram.get(&mem).ok_or(ErrorCode::Internal)?;
-        let vram = self.gpu.vram_fd();
-        let in_file = alloc
-            .offset
-            .checked_add(len)
-            .is_some_and(|end| end <= vram.len);
-        let fd_offset = vram
-            .offset
-            .checked_add(alloc.offset)
-            .filter(|_| in_file)
-            .ok_or(ErrorCode::Internal)?;
-        shm.map(off, vram.fd, fd_offset, len, true).map_err(|e| {
-            warn!("MAP_APERTURE: SHMEM_MAP: {e}");
-            e.code()
-        })?;
+        let backing = self.hal.vram.get(&mem).ok_or(ErrorCode::Internal)?.clone();
+        if backing.size() != len {
+            return Err(ErrorCode::Internal);
+        }
+        // Each run shows its current backing: VRAM, or the swapped copy.
+        if let Err(code) = self.map_object_aperture(off, &backing, shm) {
+            if let Err(e) = shm.unmap(off, len) {
+                warn!("MAP_APERTURE: undo: {e}");
+            }
+            return Err(code);
+        }
         if let Some(m) = self.state.mems.get_mut(&mem) {
             m.aperture = Some(off);
         }

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use log::{debug, warn};
-use vgpu_host_shim::{ChannelId, ContextId, Gpu, VramAlloc};
+use vgpu_host_shim::{ChannelCounters, ChannelId, ContextId, Gpu};
 use vgpu_protocol::device::slot_offset;
 use vgpu_protocol::request::GuestRange;
 use vgpu_protocol::PAGE_SIZE;
@@ -39,6 +39,9 @@ pub struct VmLimits {
     pub vram_bytes: u64,
     /// Guest memory the VM may have mapped into GPU address spaces in total.
     pub mapped_guest_bytes: u64,
+    /// VRAM objects the VM may hold beyond `vram_bytes`, swapped to system memory
+    /// ([`crate::vram`]); 0: no oversubscription.
+    pub swap_bytes: u64,
 }
 
 impl Default for VmLimits {
@@ -48,6 +51,7 @@ impl Default for VmLimits {
             max_channels: 128,
             vram_bytes: 512 << 20,
             mapped_guest_bytes: 1 << 30,
+            swap_bytes: 0,
         }
     }
 }
@@ -153,7 +157,8 @@ pub struct SessionState {
 #[derive(Default)]
 pub struct HalHandles {
     pub contexts: BTreeMap<u32, (ContextId, Arc<GuestSysMemory>)>,
-    pub vram: BTreeMap<u32, VramAlloc>,
+    /// VRAM objects in chunks (in VRAM or swapped, see [`crate::vram`]).
+    pub vram: BTreeMap<u32, crate::vram::backing::ObjBacking>,
     pub channels: BTreeMap<u32, ChannelId>,
     /// The backend's own mappings of control pages, for SUBMIT (API-remoting baseline),
     /// keyed by the HAL's channel id, which is never reused.
@@ -248,6 +253,17 @@ impl SessionShared {
             .collect()
     }
 
+    /// Every counter of each live channel as the HAL reports it: (guest channel id, owning
+    /// guest PID, HAL channel id, counters). Channels whose counters cannot be read are
+    /// left out.
+    pub fn channel_counters(&self, gpu: &dyn Gpu) -> Vec<(u32, u32, ChannelId, ChannelCounters)> {
+        let book = self.busy();
+        book.live
+            .iter()
+            .filter_map(|(g, (pid, ch))| gpu.channel_counters(*ch).ok().map(|c| (*g, *pid, *ch, c)))
+            .collect()
+    }
+
     /// GPU busy time per guest PID: live channels' HAL counters plus destroyed channels.
     pub fn process_busy_ns(&self, gpu: &dyn Gpu) -> Vec<(u32, u64)> {
         let book = self.busy();
@@ -291,6 +307,8 @@ pub struct Session {
     pub(crate) shadows: crate::shadow::Shadows,
     /// Operator pause and the channels others hold shadowed ([`crate::control`]).
     pub(crate) hold: crate::control::OperatorHold,
+    /// Swap store and VRAM-manager counters.
+    pub(crate) swap: crate::vram::VmSwap,
 }
 
 impl Session {
@@ -304,6 +322,7 @@ impl Session {
             hal: HalHandles::default(),
             shadows: crate::shadow::Shadows::new(),
             hold: crate::control::OperatorHold::default(),
+            swap: crate::vram::VmSwap::default(),
         }
     }
 
@@ -398,10 +417,8 @@ impl Session {
             }
         }
         // 3. VRAM last: nothing can reach it now.
-        for (id, alloc) in std::mem::take(&mut self.hal.vram) {
-            if let Err(e) = self.gpu.free_vram(alloc.offset) {
-                warn!("teardown: free VRAM object {id}: {e}");
-            }
+        for (_, b) in std::mem::take(&mut self.hal.vram) {
+            self.free_object(&b);
         }
         self.hal.control_maps.clear();
         let (last_context, last_mem, last_channel) = (

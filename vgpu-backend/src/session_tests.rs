@@ -150,6 +150,7 @@ fn limits() -> VmLimits {
         max_channels: 4,
         vram_bytes: 16 * MIB,
         mapped_guest_bytes: 4 * MIB,
+        swap_bytes: 0,
     }
 }
 
@@ -236,13 +237,31 @@ impl T {
         let hal = self.gpu.stats();
         assert_eq!(hal.contexts - self.baseline.contexts, st.contexts.len());
         assert_eq!(hal.channels - self.baseline.channels, st.channels.len());
+        // Each VRAM object is a set of chunk allocations (see crate::vram).
+        let chunks: usize = self
+            .s
+            .hal
+            .vram
+            .values()
+            .map(|b| {
+                b.chunks
+                    .iter()
+                    .filter(|c| matches!(c.loc, crate::vram::backing::Loc::Vram(_)))
+                    .count()
+            })
+            .sum();
         assert_eq!(
             hal.vram_allocations - self.baseline.vram_allocations,
-            st.mems.len()
+            chunks
         );
+        assert_eq!(self.s.hal.vram.len(), st.mems.len());
         let vram: u64 = st.mems.values().map(|m| m.size).sum();
         assert_eq!(st.usage.vram_bytes, vram);
-        assert_eq!(self.baseline.vram_free_bytes - hal.vram_free_bytes, vram);
+        let resident: u64 = self.s.hal.vram.values().map(|b| b.resident_bytes()).sum();
+        assert_eq!(
+            self.baseline.vram_free_bytes - hal.vram_free_bytes,
+            resident
+        );
         let guest: u64 = st
             .mappings
             .values()
@@ -658,7 +677,13 @@ fn aperture_windows() {
         other => panic!("{other:?}"),
     };
     assert_eq!(off_a, APERTURE_OFFSET);
-    let alloc_a = t.s.hal.vram[&a];
+    let alloc_a = match t.s.hal.vram[&a].chunks[0].loc {
+        crate::vram::backing::Loc::Vram(offset) => vgpu_host_shim::VramAlloc {
+            offset,
+            size: a_size,
+        },
+        other => panic!("{other:?}"),
+    };
     assert_eq!(
         t.shm.calls(),
         vec![ShmCall::Map {

@@ -47,7 +47,7 @@
 //! channel's completion writes during the switch (a HAL pause), which the HAL lacks.
 
 use std::collections::btree_map::Entry;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
@@ -359,6 +359,12 @@ pub struct Shadows {
     /// The backend's mappings of real control pages, kept while the channel lives.
     real: BTreeMap<u32, PageMap>,
     stats: ShadowStats,
+    /// Channels the VRAM manager holds shadowed ([`Shadows::hold_for_vram`]): they stay
+    /// shadowed, and get no capped release, until it lets go, whatever others ask.
+    vram_held: BTreeSet<u32>,
+    /// Channels shadowed through [`Shadows::shadow`] (the scheduler, the operator) and not
+    /// unshadowed since: the VRAM manager's release leaves them shadowed.
+    others_held: BTreeSet<u32>,
 }
 
 fn elapsed_ns(t0: Instant) -> u64 {
@@ -421,6 +427,20 @@ impl Shadows {
         slot_off: u64,
         shm: &dyn ShmMapper,
     ) -> Result<ShadowSwitch, ShadowError> {
+        let r = self.switch_on(ch, real_page, slot_off, shm);
+        if r.is_ok() {
+            self.others_held.insert(ch);
+        }
+        r
+    }
+
+    fn switch_on(
+        &mut self,
+        ch: u32,
+        real_page: FdRange,
+        slot_off: u64,
+        shm: &dyn ShmMapper,
+    ) -> Result<ShadowSwitch, ShadowError> {
         if self.shadowed.contains_key(&ch) {
             return Ok(ShadowSwitch::default());
         }
@@ -429,6 +449,39 @@ impl Shadows {
             self.stats.failures += 1;
         }
         r
+    }
+
+    /// Shadows channel `ch` for the VRAM manager (a second pause reason beside the
+    /// scheduler's): until [`Shadows::release_for_vram`] the channel stays shadowed and
+    /// capped releases let nothing through, whatever [`Shadows::unshadow`] is asked.
+    pub fn hold_for_vram(
+        &mut self,
+        ch: u32,
+        real_page: FdRange,
+        slot_off: u64,
+        shm: &dyn ShmMapper,
+    ) -> Result<ShadowSwitch, ShadowError> {
+        let r = self.switch_on(ch, real_page, slot_off, shm);
+        if r.is_ok() {
+            self.vram_held.insert(ch);
+        }
+        r
+    }
+
+    /// Ends the VRAM manager's hold of `ch`: unshadows it unless someone else still holds
+    /// it shadowed.
+    pub fn release_for_vram(
+        &mut self,
+        ch: u32,
+        real_page: FdRange,
+        slot_off: u64,
+        shm: &dyn ShmMapper,
+    ) -> Result<ShadowSwitch, ShadowError> {
+        self.vram_held.remove(&ch);
+        if self.others_held.contains(&ch) {
+            return Ok(ShadowSwitch::default());
+        }
+        self.switch_off(ch, real_page, slot_off, shm)
     }
 
     fn shadow_inner(
@@ -491,8 +544,23 @@ impl Shadows {
         Ok(ShadowSwitch { changed: true, ns })
     }
 
-    /// Maps the real control page back and releases everything the guest submitted.
+    /// Maps the real control page back and releases everything the guest submitted
+    /// (not while the VRAM manager holds the channel: then only the request is recorded).
     pub fn unshadow(
+        &mut self,
+        ch: u32,
+        real_page: FdRange,
+        slot_off: u64,
+        shm: &dyn ShmMapper,
+    ) -> Result<ShadowSwitch, ShadowError> {
+        self.others_held.remove(&ch);
+        if self.vram_held.contains(&ch) {
+            return Ok(ShadowSwitch::default());
+        }
+        self.switch_off(ch, real_page, slot_off, shm)
+    }
+
+    fn switch_off(
         &mut self,
         ch: u32,
         real_page: FdRange,
@@ -538,6 +606,10 @@ impl Shadows {
     /// were newly released.
     pub fn release_capped(&mut self, ch: u32, n: u32) -> Result<u32, ShadowError> {
         let s = self.shadowed.get(&ch).ok_or(ShadowError::NotShadowed(ch))?;
+        if self.vram_held.contains(&ch) {
+            // Paused for a VRAM move: nothing may run until it is done.
+            return Ok(0);
+        }
         let shadow = self.shadow_page(s)?;
         let real = self.real.get(&ch).ok_or(ShadowError::NotShadowed(ch))?;
         let get = real.load(ControlPage::GP_GET);
@@ -613,6 +685,8 @@ impl Shadows {
             self.pool.give(s.page);
         }
         self.real.remove(&ch);
+        self.vram_held.remove(&ch);
+        self.others_held.remove(&ch);
     }
 
     /// Forgets every channel (session teardown, after the BAR views are gone).
@@ -623,6 +697,8 @@ impl Shadows {
         }
         self.shadowed.clear();
         self.real.clear();
+        self.vram_held.clear();
+        self.others_held.clear();
     }
 }
 
@@ -662,6 +738,22 @@ impl Session {
             self.shadows.shadow(ch, page, slot_off, shm)
         } else {
             self.shadows.unshadow(ch, page, slot_off, shm)
+        }
+    }
+
+    /// Holds (`on`) or releases channel `ch` shadowed for the VRAM manager (see
+    /// [`Shadows::hold_for_vram`]).
+    pub(crate) fn vram_hold(
+        &mut self,
+        ch: u32,
+        on: bool,
+        shm: &dyn ShmMapper,
+    ) -> Result<ShadowSwitch, ShadowError> {
+        let (page, slot_off) = self.shadow_target(ch)?;
+        if on {
+            self.shadows.hold_for_vram(ch, page, slot_off, shm)
+        } else {
+            self.shadows.release_for_vram(ch, page, slot_off, shm)
         }
     }
 

@@ -304,9 +304,9 @@ fn bad_requests_get_json_errors() {
         (
             "PUT",
             "/api/v1/scheduler",
-            Some(r#"{"policy":"timeslice"}"#),
+            Some(r#"{"watchdog_ms":0}"#),
             400,
-            "policy_not_implemented",
+            "out_of_range",
         ),
         (
             "PUT",

@@ -296,6 +296,25 @@ impl VhostUserDevice {
         Ok(())
     }
 
+    /// The driver reset the device: stops the `queues` (GET_VRING_BASE, which the backend
+    /// answers once it no longer touches them) and, where negotiated, RESET_DEVICE, after
+    /// which the backend has freed everything the driver created. The connection stays up
+    /// for the next `activate`.
+    pub fn reset(&mut self, queues: &[usize]) -> Result<(), FrontendError> {
+        let reset_device = self
+            .protocol_features
+            .contains(VhostUserProtocolFeatures::RESET_DEVICE);
+        let fe = self.fe()?;
+        for &q in queues {
+            fe.get_vring_base(q).map_err(proto("GET_VRING_BASE"))?;
+        }
+        if reset_device {
+            fe.reset_device().map_err(proto("RESET_DEVICE"))?;
+        }
+        self.acked_features = 0;
+        Ok(())
+    }
+
     /// Whether the backend-request channel has stopped (closed or broken).
     pub fn backend_req_stopped(&self) -> bool {
         self.backend_req.as_ref().is_some_and(|t| t.stopped())

@@ -18,6 +18,7 @@ pub mod kvm;
 pub mod loopback;
 pub mod pci;
 pub mod shm_window;
+pub mod vgpu_device;
 pub mod virtio_pci;
 pub mod virtq;
 

@@ -14,16 +14,16 @@ use std::time::{Duration, Instant};
 use log::{debug, error, info, warn};
 use thiserror::Error;
 use vgpu_protocol::device::{
-    DeviceConfig, CONTROL_QUEUE, EVENT_QUEUE, NUM_QUEUES, QUEUE_SIZE, SHM_REGION_ID, SHM_SIZE,
+    DeviceConfig, CONTROL_QUEUE, EVENT_QUEUE, QUEUE_SIZE, SHM_REGION_ID, SHM_SIZE,
 };
 use vgpu_protocol::request::{Event, EVENT_SIZE, MAX_REPLY_SIZE, MAX_REQUEST_SIZE};
-use vhost::vhost_user::VhostUserProtocolFeatures;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::frontend::{DeviceRequirements, FrontendError, QueueSetup, VhostUserDevice};
+use crate::frontend::{FrontendError, QueueSetup, VhostUserDevice};
 use crate::guest_memory::{GuestMemoryError, GuestRam, PageAllocator, PAGE_SIZE};
 use crate::shm_window::{ShmHandler, ShmWindow, ShmWindowError};
+use crate::vgpu_device::vgpu_requirements;
 use crate::virtq::{Buffer, SplitQueue, VirtqError};
 
 #[derive(Debug, Error)]
@@ -474,18 +474,7 @@ impl LoopbackVm {
 
         let shm = Arc::new(ShmWindow::new(SHM_REGION_ID, SHM_SIZE)?);
         let handler = Arc::new(ShmHandler::new(vec![shm.clone()]));
-        let reqs = DeviceRequirements {
-            num_queues: NUM_QUEUES,
-            virtio_features: 1 << VIRTIO_F_VERSION_1,
-            protocol_features: VhostUserProtocolFeatures::MQ
-                | VhostUserProtocolFeatures::CONFIG
-                | VhostUserProtocolFeatures::BACKEND_REQ
-                | VhostUserProtocolFeatures::REPLY_ACK
-                | VhostUserProtocolFeatures::SHMEM,
-            shm_regions: vec![(SHM_REGION_ID, SHM_SIZE)],
-            config_size: DeviceConfig::SIZE as u32,
-        };
-        let mut dev = VhostUserDevice::connect(socket, &reqs, handler)?;
+        let mut dev = VhostUserDevice::connect(socket, &vgpu_requirements(), handler)?;
         if DeviceConfig::decode(dev.config()).is_none() {
             return Err(LoopbackError::BadDeviceConfig);
         }

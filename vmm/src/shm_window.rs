@@ -33,10 +33,24 @@ pub enum ShmWindowError {
     Spawn(io::Error),
 }
 
-/// A reserved window of `len` bytes, PROT_NONE where nothing is mapped.
+/// What fills the parts of a window where the backend mapped nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum HoleFill {
+    /// Inaccessible (PROT_NONE): a stray access faults. For the loopback VM, where every
+    /// access is ours and a fault points at a bug.
+    #[default]
+    NoAccess,
+    /// Private zero-filled scratch memory: a guest that touches an unmapped slot reads
+    /// zeros and writes into memory nobody else sees, instead of making KVM_RUN fail with
+    /// EFAULT and ending its own VM. Bounded by the window's size.
+    Scratch,
+}
+
+/// A reserved window of `len` bytes; holes (where nothing is mapped) as [`HoleFill`] says.
 #[derive(Debug)]
 pub struct ShmWindow {
     shmid: u8,
+    fill: HoleFill,
     base: *mut u8,
     len: u64,
     maps: AtomicU64,
@@ -54,18 +68,24 @@ unsafe impl Send for ShmWindow {}
 unsafe impl Sync for ShmWindow {}
 
 impl ShmWindow {
-    /// Reserves `len` bytes of address space for shared-memory region `shmid`.
+    /// Reserves `len` bytes of address space for shared-memory region `shmid`, holes
+    /// inaccessible.
     pub fn new(shmid: u8, len: u64) -> Result<Self, ShmWindowError> {
+        Self::with_fill(shmid, len, HoleFill::NoAccess)
+    }
+
+    /// As [`ShmWindow::new`], with holes filled as `fill` says.
+    pub fn with_fill(shmid: u8, len: u64, fill: HoleFill) -> Result<Self, ShmWindowError> {
         if len == 0 || !len.is_multiple_of(PAGE_SIZE) || usize::try_from(len).is_err() {
             return Err(ShmWindowError::BadSize(len));
         }
-        // SAFETY: a fresh anonymous PROT_NONE reservation at an address of the kernel's
-        // choosing; it touches no existing mapping.
+        // SAFETY: a fresh anonymous reservation at an address of the kernel's choosing; it
+        // touches no existing mapping.
         let base = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len as usize,
-                libc::PROT_NONE,
+                Self::hole_prot(fill),
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
                 -1,
                 0,
@@ -76,6 +96,7 @@ impl ShmWindow {
         }
         Ok(ShmWindow {
             shmid,
+            fill,
             base: base.cast(),
             len,
             maps: AtomicU64::new(0),
@@ -95,6 +116,16 @@ impl ShmWindow {
     }
     pub fn shmid(&self) -> u8 {
         self.shmid
+    }
+    pub fn hole_fill(&self) -> HoleFill {
+        self.fill
+    }
+
+    fn hole_prot(fill: HoleFill) -> libc::c_int {
+        match fill {
+            HoleFill::NoAccess => libc::PROT_NONE,
+            HoleFill::Scratch => libc::PROT_READ | libc::PROT_WRITE,
+        }
     }
     /// SHMEM_MAP requests served successfully.
     pub fn maps(&self) -> u64 {
@@ -157,41 +188,41 @@ impl ShmWindow {
         if p == libc::MAP_FAILED {
             let e = io::Error::last_os_error();
             // A failed MAP_FIXED may have removed the old mapping: put the hole back.
-            self.protect_none(at, len);
+            self.fill_hole(at, len);
             return Err(e);
         }
         self.maps.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
-    /// Puts PROT_NONE anonymous memory back over `[shm_offset, shm_offset+len)`.
+    /// Puts a hole (see [`HoleFill`]) back over `[shm_offset, shm_offset+len)`.
     pub fn unmap(&self, shmid: u8, shm_offset: u64, len: u64) -> io::Result<()> {
         self.check(shmid, shm_offset, len)?;
         let _g = self.lock.lock().map_err(|_| io::Error::other("poisoned"))?;
         // SAFETY: bounds checked above.
         let at = unsafe { self.base.add(shm_offset as usize) };
-        if !self.protect_none(at, len) {
+        if !self.fill_hole(at, len) {
             return Err(io::Error::last_os_error());
         }
         self.unmaps.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
-    /// Drops every mapping in the window (all PROT_NONE again). Done when the connection
+    /// Drops every mapping in the window (all holes again). Done when the connection
     /// ends: the backend frees the VM's objects and may hand the pages to another VM.
     pub fn clear(&self) {
         let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        self.protect_none(self.base, self.len);
+        self.fill_hole(self.base, self.len);
     }
 
-    fn protect_none(&self, at: *mut u8, len: u64) -> bool {
+    fn fill_hole(&self, at: *mut u8, len: u64) -> bool {
         // SAFETY: callers pass a range inside the window; replacing it with a fresh
-        // PROT_NONE anonymous mapping affects nothing outside the reservation.
+        // anonymous mapping affects nothing outside the reservation.
         let p = unsafe {
             libc::mmap(
                 at.cast(),
                 len as usize,
-                libc::PROT_NONE,
+                Self::hole_prot(self.fill),
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
                 -1,
                 0,
@@ -199,7 +230,7 @@ impl ShmWindow {
         };
         if p == libc::MAP_FAILED {
             error!(
-                "cannot restore PROT_NONE over shm window range: {}",
+                "cannot restore a hole over shm window range: {}",
                 io::Error::last_os_error()
             );
             return false;

@@ -61,7 +61,7 @@ fn guest_memory_layout() {
     let ram = GuestRam::new(&arch::ram_layout(MEM)).unwrap();
     let mem = guest_memory_of(&ram).unwrap();
     let cmdline = "console=ttyS0 foo=bar";
-    let l = arch::load_all(&mem, &kernel, Some(&initrd), cmdline, MEM, 2).unwrap();
+    let l = arch::load_all(&mem, &kernel, Some(&initrd), cmdline, MEM, 2, &[]).unwrap();
 
     assert_eq!(l.kernel_load, arch::HIMEM_START);
     assert_eq!(l.entry, arch::HIMEM_START + 0x200);
@@ -126,7 +126,7 @@ fn guest_memory_layout() {
 
     // An initrd that cannot fit is refused with a clear error.
     let big = temp_file("layout-big", &vec![0u8; 70 << 20]);
-    let err = arch::load_all(&mem, &kernel, Some(&big), "", MEM, 1).unwrap_err();
+    let err = arch::load_all(&mem, &kernel, Some(&big), "", MEM, 1, &[]).unwrap_err();
     assert!(err.to_string().contains("does not fit"), "{err}");
     for p in [kernel, initrd, big] {
         let _ = std::fs::remove_file(p);
@@ -141,7 +141,7 @@ fn bad_kernel_is_refused() {
         "junk-kernel",
         b"this is not a kernel at all, just some text",
     );
-    let err = arch::load_all(&mem, &junk, None, "", 32 << 20, 1).unwrap_err();
+    let err = arch::load_all(&mem, &junk, None, "", 32 << 20, 1, &[]).unwrap_err();
     assert!(
         err.to_string().contains("cannot load kernel image"),
         "{err}"
@@ -153,6 +153,7 @@ fn bad_kernel_is_refused() {
         "",
         32 << 20,
         1,
+        &[],
     )
     .unwrap_err();
     assert!(
@@ -194,6 +195,7 @@ fn tiny_kernel_runs_and_resets() {
         vcpus: 2,
         serial: None,
         vgpu_stub: false,
+        vgpu_socket: None,
     };
     let out = SharedBuf::default();
     let mut vm = LinuxVm::with_serial(&cfg, SerialOut::from_writer(Box::new(out.clone()))).unwrap();

@@ -40,6 +40,10 @@ impl Buffer {
         if len == 0 {
             return Err(Error::InvalidArgument("zero-sized buffer"));
         }
+        let page = match kind {
+            MemKind::Host => ctx.transport.host_page_size(page),
+            MemKind::Vram => page,
+        };
         let p = page.bytes();
         let mapped = len
             .checked_add(p - 1)

@@ -413,6 +413,32 @@ impl Channel {
         poll_until(deadline, || Ok(self.reached(fence)?.then_some(())))
     }
 
+    /// Like [`Channel::wait_timeout`], but sleeps in the driver (woken by notify events,
+    /// re-checked every few ms) instead of polling; `Unsupported` on transports without
+    /// a kernel driver.
+    pub fn block_on(&self, fence: Fence, timeout: Duration) -> Result<()> {
+        if fence.channel != self.uid {
+            return Err(Error::WrongChannel);
+        }
+        self.ctx.transport.block_on(
+            self.ctx.handle,
+            self.handle,
+            crate::transport::BlockOn::Fence(fence.value),
+            timeout,
+        )
+    }
+
+    /// Sleeps in the driver until the channel has executed `seq` NOTIFY methods (in
+    /// total, wrapping), woken by the notify event.
+    pub fn block_on_notify(&self, seq: u32, timeout: Duration) -> Result<()> {
+        self.ctx.transport.block_on(
+            self.ctx.handle,
+            self.handle,
+            crate::transport::BlockOn::Notify(seq),
+            timeout,
+        )
+    }
+
     /// Waits until GP_GET reaches `seq` (e.g. a value from [`Channel::submit_raw_gp`]).
     pub fn wait_gp_get(&self, seq: u32, timeout: Option<Duration>) -> Result<()> {
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));

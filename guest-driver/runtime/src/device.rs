@@ -41,6 +41,11 @@ impl Device {
         Self::new(Arc::new(crate::loopback::LoopbackTransport::new(vm, pid)))
     }
 
+    /// Opens the guest driver's device node (in a VM: [`crate::devvgpu::DEFAULT_PATH`]).
+    pub fn devvgpu(path: impl AsRef<std::path::Path>) -> Result<Self> {
+        Self::new(Arc::new(crate::devvgpu::DevVgpuTransport::open(path)?))
+    }
+
     pub fn info(&self) -> &DeviceInfo {
         &self.info
     }

@@ -24,6 +24,7 @@ mod channel;
 mod context;
 mod control;
 mod device;
+pub mod devvgpu;
 mod error;
 #[cfg(feature = "loopback")]
 pub mod loopback;
@@ -42,7 +43,7 @@ pub use device::Device;
 pub use error::{Error, Result};
 pub use native::{HostRegions, NativeTransport};
 pub use transport::{
-    ChanHandle, ChannelDesc, CpuPtr, CtxHandle, DeviceInfo, MemHandle, MemKind, Transport,
+    BlockOn, ChanHandle, ChannelDesc, CpuPtr, CtxHandle, DeviceInfo, MemHandle, MemKind, Transport,
 };
 pub use va::{BIG_BASE, HUGE_BASE, SMALL_BASE, VA_END};
 pub use vgpu_host_shim::hal::{MapFlags, PageSize};

@@ -8,6 +8,7 @@
 //! writing GP entries and storing GP_PUT — never goes through the transport.
 
 use std::ptr::NonNull;
+use std::time::Duration;
 
 use vgpu_host_shim::hal::{MapFlags, PageSize};
 
@@ -89,6 +90,15 @@ pub struct DeviceInfo {
     pub max_contexts: u32,
 }
 
+/// What a blocking wait ([`Transport::block_on`]) waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockOn {
+    /// The channel's REF reaches this fence value (wrapping compare).
+    Fence(u32),
+    /// The channel's notify count (NOTIFY_SEQ, or notify events seen) reaches this value.
+    Notify(u32),
+}
+
 /// The resource-management half of the device interface. Object safe; implementations
 /// must be callable from any thread. Sizes and addresses passed in are already aligned
 /// to the page size the caller chose.
@@ -103,6 +113,12 @@ pub trait Transport: Send + Sync {
     fn alloc_vram(&self, ctx: CtxHandle, size: u64, align: u64) -> Result<MemHandle>;
     /// Allocates `size` bytes of zeroed host memory the GPU can reach, aligned to `align`.
     fn alloc_host(&self, ctx: CtxHandle, size: u64, align: u64) -> Result<MemHandle>;
+    /// The GPU page size host allocations get when `wanted` would suit their size. A
+    /// transport whose host memory is scattered physically (pinned guest pages) maps it
+    /// with 4 KiB pages, and the buffer must then sit where 4 KiB pages may go.
+    fn host_page_size(&self, wanted: PageSize) -> PageSize {
+        wanted
+    }
     /// Frees an allocation (its GPU mappings must be gone) and any CPU view of it.
     fn free_mem(&self, ctx: CtxHandle, mem: MemHandle) -> Result<()>;
     /// A CPU view of the whole allocation, valid until `free_mem`. May be created lazily
@@ -136,6 +152,21 @@ pub trait Transport: Send + Sync {
     /// Has the host store `gp_put` into the channel's control page: the API-remoting
     /// baseline, one request per submission. Transports without a host side refuse.
     fn remote_submit(&self, _ctx: CtxHandle, _ch: ChanHandle, _gp_put: u32) -> Result<()> {
+        Err(crate::error::Error::Device(
+            vgpu_protocol::ErrorCode::Unsupported,
+        ))
+    }
+
+    /// Sleeps in the driver until `what` is reached, the channel faults
+    /// (`ChannelFault`) or `timeout` passes (`Timeout`). Transports without a kernel
+    /// driver refuse; callers then poll the control page (`Channel::wait`).
+    fn block_on(
+        &self,
+        _ctx: CtxHandle,
+        _ch: ChanHandle,
+        _what: BlockOn,
+        _timeout: Duration,
+    ) -> Result<()> {
         Err(crate::error::Error::Device(
             vgpu_protocol::ErrorCode::Unsupported,
         ))

@@ -1,6 +1,8 @@
 //! Tools built on the `vgpu-guest` runtime: the `vgpu-bench` suites, the multi-tenant
 //! demo, and shared helpers for reporting figures.
 
+pub mod hostile;
 pub mod report;
+pub mod smoke;
 pub mod stats;
 pub mod suites;

@@ -19,6 +19,13 @@ pub struct SimChannel {
     pages: Arc<ControlPages>,
     sink: Arc<dyn EventSink>,
     busy_ns: AtomicU64,
+    /// While a spin kernel holds an engine: when it took the engine and when it will end
+    /// (0: none), so the busy counter ticks while the kernel runs, as hardware counters do.
+    running_since: AtomicU64,
+    running_until: AtomicU64,
+    /// The largest busy time reported, so readings never go backwards while a running
+    /// kernel's time moves from the estimate to the charged total.
+    busy_reported: AtomicU64,
     /// The context's running total, which outlives its channels.
     context_busy_ns: Arc<AtomicU64>,
     pub gp_completed: AtomicU64,
@@ -60,6 +67,9 @@ impl SimChannel {
             pages,
             sink,
             busy_ns: AtomicU64::new(0),
+            running_since: AtomicU64::new(0),
+            running_until: AtomicU64::new(0),
+            busy_reported: AtomicU64::new(0),
             context_busy_ns,
             gp_completed: AtomicU64::new(0),
             kernels: AtomicU64::new(0),
@@ -118,6 +128,33 @@ impl SimChannel {
         self.context_busy_ns.fetch_add(ns, Ordering::Relaxed);
     }
 
+    /// A spin kernel took an engine at `start` and holds it until `until`.
+    pub fn set_running(&self, start: u64, until: u64) {
+        self.running_until.store(until, Ordering::SeqCst);
+        self.running_since.store(start.max(1), Ordering::SeqCst);
+    }
+
+    /// The spin kernel left its engine; call before charging its time.
+    pub fn clear_running(&self) {
+        self.running_since.store(0, Ordering::SeqCst);
+    }
+
+    /// Busy time including the running part of a spin kernel, never decreasing.
+    fn busy_now(&self) -> u64 {
+        // Load the total before the running mark: the engine clears the mark before it
+        // charges, so a reading never counts a kernel both ways.
+        let busy = self.busy_ns.load(Ordering::SeqCst);
+        let since = self.running_since.load(Ordering::SeqCst);
+        let running = if since == 0 {
+            0
+        } else {
+            let until = self.running_until.load(Ordering::SeqCst);
+            crate::clock::now_ns().min(until).saturating_sub(since)
+        };
+        let v = busy.saturating_add(running);
+        self.busy_reported.fetch_max(v, Ordering::SeqCst).max(v)
+    }
+
     pub fn notify(&self, token: u32) {
         self.pages.bump(self.slot, ControlPage::NOTIFY_SEQ);
         self.sink.event(GpuEvent::Notify {
@@ -128,7 +165,7 @@ impl SimChannel {
 
     pub fn counters(&self) -> ChannelCounters {
         ChannelCounters {
-            busy_ns: self.busy_ns.load(Ordering::Relaxed),
+            busy_ns: self.busy_now(),
             gp_completed: self.gp_completed.load(Ordering::Relaxed),
             kernels: self.kernels.load(Ordering::Relaxed),
             copies: self.copies.load(Ordering::Relaxed),

@@ -154,6 +154,7 @@ impl Pfifo {
             }
             progress = true;
             let e = &mut self.chans[i];
+            e.ch.clear_running();
             e.ch.charge(now.min(until).saturating_sub(start));
             self.slots[s] = Slot::Idle;
             if stopped {
@@ -345,10 +346,12 @@ fn finish(e: &mut ChanExec, step: Step, start: u64, charge: bool) -> Slot {
     match step {
         Step::Spin { ns } => {
             e.on_engine = true;
+            let until = now.saturating_add(ns);
+            e.ch.set_running(start, until);
             return Slot::Spinning {
                 chan: e.ch.id,
                 start,
-                until: now.saturating_add(ns),
+                until,
             };
         }
         Step::Done => {

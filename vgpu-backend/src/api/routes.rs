@@ -252,7 +252,7 @@ impl ApiState {
             gpu_busy_ns: procs.iter().map(|(_, b)| *b).sum(),
             windows: self.shares.windows(Entity::Vm(name), engines),
             vram_resident_bytes: st.vram_bytes,
-            vram_swapped_bytes: 0,
+            vram_swapped_bytes: be.vram_stats(name).map_or(0, |r| r.vm.swapped_bytes),
             vram_quota_bytes: be.vm_limits(name).ok_or_else(gone)?.vram_bytes,
             watchdog_kills: channels
                 .iter()
@@ -303,6 +303,19 @@ impl ApiState {
                 "threshold_us" => {
                     cfg.threshold_us = int_in(v, k, 0, MAX_THRESHOLD_US)?;
                 }
+                "slice_ms" => {
+                    cfg.slice_ms = int_in(v, k, 1, 10_000)? as u32;
+                }
+                "sample_period_ms" => {
+                    cfg.sample_period_ms = int_in(v, k, 10, 600_000)? as u32;
+                }
+                "watchdog_ms" => {
+                    cfg.watchdog_ms = if v.is_null() {
+                        None
+                    } else {
+                        Some(int_in(v, k, 1, 3_600_000)? as u32)
+                    };
+                }
                 "unshadow_cap" => {
                     cfg.unshadow_cap = if v.is_null() {
                         None
@@ -337,6 +350,7 @@ fn control_failure(e: ControlError) -> Failure {
         ControlError::InvalidQuota(_) => (400, "invalid_quota"),
         ControlError::Shadow { .. } => (500, "shadow_failed"),
         ControlError::DrainTimeout { .. } => (504, "drain_timeout"),
+        ControlError::Vram(_) => (500, "vram_failed"),
     };
     fail(status, code, e.to_string())
 }
@@ -532,6 +546,9 @@ pub fn scheduler(be: &VgpuBackend) -> SchedulerBody {
             interval_ms: cfg.interval_ms,
             threshold_us: cfg.threshold_us,
             unshadow_cap: cfg.unshadow_cap,
+            slice_ms: cfg.slice_ms,
+            sample_period_ms: cfg.sample_period_ms,
+            watchdog_ms: cfg.watchdog_ms,
         },
         stats: SchedStatsBody {
             intervals: st.intervals,
@@ -542,6 +559,7 @@ pub fn scheduler(be: &VgpuBackend) -> SchedulerBody {
             shadowed_now: st.shadowed_now,
             tick_ns_last: st.tick_ns_last,
             tick_ns_max: st.tick_ns_max,
+            watchdog_kills: st.watchdog_kills,
         },
     }
 }

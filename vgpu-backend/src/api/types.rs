@@ -142,7 +142,7 @@ pub struct VmStatsBody {
     pub gpu_busy_ns: u64,
     pub windows: Vec<WindowShare>,
     pub vram_resident_bytes: u64,
-    /// VRAM moved to system memory (always 0 until VRAM swapping exists).
+    /// VRAM swapped to system memory by the VRAM manager.
     pub vram_swapped_bytes: u64,
     pub vram_quota_bytes: u64,
     /// Live channels stopped by the watchdog.
@@ -191,6 +191,9 @@ pub struct SchedConfigBody {
     pub interval_ms: u32,
     pub threshold_us: u64,
     pub unshadow_cap: Option<u32>,
+    pub slice_ms: u32,
+    pub sample_period_ms: u32,
+    pub watchdog_ms: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -203,4 +206,6 @@ pub struct SchedStatsBody {
     pub shadowed_now: u32,
     pub tick_ns_last: u64,
     pub tick_ns_max: u64,
+    /// Channels the kernel watchdog killed (all VMs).
+    pub watchdog_kills: u64,
 }

@@ -4,25 +4,34 @@
 //! remaps control pages between intervals.
 //!
 //! Each interval the scheduler thread
-//! 1. reads every live channel's busy time from the HAL ([`account`]) and whether it has
-//!    pending work (its real or shadow GP_PUT ahead of GP_GET);
-//! 2. decides with the policy ([`fair`]: hierarchical WFQ over measured GPU time);
+//! 1. reads every live channel's counters from the HAL and its submission state (real or
+//!    shadow GP_PUT ahead of GP_GET) and charges its GPU time ([`account`]: busy counters,
+//!    or GP_GET progress × sampled entry cost on HALs without counters), rolled up
+//!    VM → guest process → channel ([`shares`]);
+//! 2. decides with the policy: [`fair`] (hierarchical WFQ over measured GPU time, the
+//!    default), [`timeslice`] (round-robin slices), [`sampling`] (NEON-style draining and
+//!    sampling, for HALs without counters) or none (the GPU's own round-robin);
 //! 3. shadows the chosen channels, unshadows (or, with an unshadow cap, capped-releases)
 //!    the channels it shadowed before and no longer picks, and mirrors GPU progress into
-//!    the shadow pages so guests see their released work finish.
+//!    the shadow pages so guests see their released work finish;
+//! 4. runs the kernel [`watchdog`] if one is configured.
 //!
-//! The scheduler only ever unshadows channels it shadowed itself; stopping it (or
-//! switching to [`Policy::None`]) unshadows them all.
-//!
-//! Policies: `none` (the GPU's own round-robin) and `fair` work; `timeslice` and
-//! `sampling` are not implemented yet and are refused.
+//! The thread runs under every policy (with `none` it only accounts and watches), so
+//! shares and the watchdog are always available. The scheduler only ever unshadows
+//! channels it shadowed itself; stopping it (or switching policy) unshadows them all.
 
 pub mod account;
+pub mod api;
+pub mod cli;
 pub mod fair;
+pub mod sampling;
+pub mod shares;
+pub mod timeslice;
+pub mod watchdog;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -30,10 +39,18 @@ use std::time::{Duration, Instant};
 use log::{debug, info, warn};
 use thiserror::Error;
 
-use crate::shadow::ShadowError;
+use vgpu_host_shim::clock::now_ns;
+use vgpu_host_shim::{ChannelCounters, ChannelId};
+use vgpu_protocol::ErrorCode;
+
+use crate::shadow::{ChannelPeek, ShadowError};
 use crate::VgpuBackend;
-use account::Accounting;
-use fair::{ChannelSample, FairState, ProcSample, VmSample};
+use account::{Accounting, Estimator};
+use fair::{ChannelSample, Decision, FairState, ProcSample, VmSample};
+use sampling::{SampleObs, Sampler};
+use shares::{ChannelBusy, History, IntervalRecord, ProcBusy, VmBusy};
+use timeslice::Timeslice;
+use watchdog::Watchdog;
 
 /// Operator weights of VMs: 1..=[`MAX_WEIGHT`], [`DEFAULT_WEIGHT`] unless set.
 pub const MIN_WEIGHT: u32 = 1;
@@ -47,10 +64,15 @@ pub enum SchedError {
     NotImplemented(Policy),
     #[error("invalid scheduler configuration: {0}")]
     InvalidConfig(String),
-    #[error("the GPU reports no per-channel busy time; the GP_GET fallback is not implemented")]
+    #[error(
+        "the GPU reports no per-channel busy time: use the `sampling` policy (GP_GET \
+         progress × sampled entry cost); the watchdog needs busy counters"
+    )]
     NoBusyCounters,
     #[error("weight {0} out of range {MIN_WEIGHT}..={MAX_WEIGHT}")]
     InvalidWeight(u32),
+    #[error("too many process weight hints for VM {0:?}")]
+    TooManyHints(String),
     #[error("no VM named {0:?}")]
     NoVm(String),
     #[error("the backend is shutting down")]
@@ -64,12 +86,13 @@ pub enum SchedError {
 pub enum Policy {
     /// No scheduling: the GPU's own round-robin arbitration (unfair: long kernels win).
     None,
-    /// Round-robin time slices (not implemented yet).
+    /// Round-robin time slices: one guest process of one VM at a time runs.
     Timeslice,
     /// Two-level weighted fair queuing over measured GPU time.
     #[default]
     Fair,
-    /// NEON-style draining and sampling for HALs without counters (not implemented yet).
+    /// NEON-style draining and sampling: fair shares from GP_GET progress × a sampled
+    /// cost per entry, for HALs without busy counters.
     Sampling,
 }
 
@@ -110,12 +133,20 @@ pub struct SchedConfig {
     /// Length of a scheduling interval (1..=1000 ms).
     pub interval_ms: u32,
     /// GPU time an entity may run ahead of its least-served active sibling (beyond its
-    /// weighted share) before it is shadowed.
+    /// weighted share) before it is shadowed (`fair`, `sampling`).
     pub threshold_us: u64,
     /// When set, a channel the policy lets run again is not unshadowed while its backlog
     /// exceeds this many entries: it gets a capped release of that many per interval
     /// instead (bounds the non-preemptible burst a released over-user dumps on the GPU).
     pub unshadow_cap: Option<u32>,
+    /// Length of a `timeslice` slice (1..=10000 ms; rounded up to whole intervals).
+    pub slice_ms: u32,
+    /// How often `sampling` re-measures every active channel's cost per entry
+    /// (10..=600000 ms).
+    pub sample_period_ms: u32,
+    /// Kill a channel whose single kernel has run longer than this (ms; `None`: no
+    /// watchdog). Needs busy counters.
+    pub watchdog_ms: Option<u32>,
 }
 
 impl Default for SchedConfig {
@@ -125,25 +156,38 @@ impl Default for SchedConfig {
             interval_ms: 10,
             threshold_us: 5_000,
             unshadow_cap: None,
+            slice_ms: 50,
+            sample_period_ms: 2_000,
+            watchdog_ms: None,
         }
     }
 }
 
 impl SchedConfig {
     fn validate(&self) -> Result<(), SchedError> {
+        let bad = |m: String| Err(SchedError::InvalidConfig(m));
         if !(1..=1000).contains(&self.interval_ms) {
-            return Err(SchedError::InvalidConfig(format!(
-                "interval_ms {} not in 1..=1000",
-                self.interval_ms
-            )));
+            return bad(format!("interval_ms {} not in 1..=1000", self.interval_ms));
         }
         if self.unshadow_cap == Some(0) {
-            return Err(SchedError::InvalidConfig("unshadow_cap of 0".into()));
+            return bad("unshadow_cap of 0".into());
         }
-        match self.policy {
-            Policy::None | Policy::Fair => Ok(()),
-            p => Err(SchedError::NotImplemented(p)),
+        if !(1..=10_000).contains(&self.slice_ms) {
+            return bad(format!("slice_ms {} not in 1..=10000", self.slice_ms));
         }
+        if !(10..=600_000).contains(&self.sample_period_ms) {
+            return bad(format!(
+                "sample_period_ms {} not in 10..=600000",
+                self.sample_period_ms
+            ));
+        }
+        if self.watchdog_ms == Some(0) {
+            return bad("watchdog_ms of 0".into());
+        }
+        if self.threshold_us > 10_000_000 {
+            return bad(format!("threshold_us {} above 10 s", self.threshold_us));
+        }
+        Ok(())
     }
 }
 
@@ -161,6 +205,12 @@ pub struct SchedStats {
     /// Time of the last interval's work (sampling, deciding, remapping), and the worst.
     pub tick_ns_last: u64,
     pub tick_ns_max: u64,
+    /// Channels the watchdog killed.
+    pub watchdog_kills: u64,
+    /// `sampling`: rounds started, samples taken, samples dropped.
+    pub sample_rounds: u64,
+    pub samples: u64,
+    pub samples_aborted: u64,
 }
 
 /// A running scheduler thread.
@@ -169,31 +219,41 @@ pub(crate) struct Running {
     handle: JoinHandle<()>,
 }
 
+/// Per-VM guest process weight hints: VM name -> PID -> weight.
+type Hints = BTreeMap<String, BTreeMap<u32, u32>>;
+
+/// Most weight hints kept per VM.
+pub const MAX_HINTS_PER_VM: usize = 4096;
+
 /// The scheduler's part of the backend.
 #[derive(Default)]
 pub(crate) struct SchedSlot {
     running: Mutex<Option<Running>>,
     config: Mutex<Option<SchedConfig>>,
     stats: Arc<Mutex<SchedStats>>,
+    history: Arc<Mutex<History>>,
+    hints: Arc<Mutex<Hints>>,
+    /// Interval numbers continue across restarts.
+    seq: Arc<AtomicU64>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl SchedSlot {
     pub(crate) fn config(&self) -> Option<SchedConfig> {
-        *self.config.lock().unwrap_or_else(|e| e.into_inner())
+        *lock(&self.config)
     }
 
     pub(crate) fn stats(&self) -> SchedStats {
-        *self.stats.lock().unwrap_or_else(|e| e.into_inner())
+        *lock(&self.stats)
     }
 
     /// Stops the thread (which unshadows what it shadowed) and waits for it, unless
     /// called from the thread itself.
     pub(crate) fn stop(&self) {
-        let running = self
-            .running
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        let running = lock(&self.running).take();
         if let Some(r) = running {
             r.stop.store(true, Ordering::Release);
             r.handle.thread().unpark();
@@ -207,57 +267,94 @@ impl SchedSlot {
 /// Starts (or restarts with a new configuration) the scheduler of `be`.
 pub(crate) fn start(be: &Arc<VgpuBackend>, cfg: SchedConfig) -> Result<(), SchedError> {
     cfg.validate()?;
-    if cfg.policy == Policy::Fair && !be.gpu().info().has_busy_counters {
+    let counters = be.gpu().info().has_busy_counters;
+    if !counters && (cfg.policy == Policy::Fair || cfg.watchdog_ms.is_some()) {
         return Err(SchedError::NoBusyCounters);
     }
     let slot = &be.sched;
     slot.stop();
-    *slot.config.lock().unwrap_or_else(|e| e.into_inner()) = Some(cfg);
-    if cfg.policy == Policy::None {
-        info!("scheduler: policy none");
-        return Ok(());
-    }
-    let mut running = slot.running.lock().unwrap_or_else(|e| e.into_inner());
+    *lock(&slot.config) = Some(cfg);
+    let mut running = lock(&slot.running);
     if be.stop.load(Ordering::Acquire) {
         return Err(SchedError::ShuttingDown);
     }
     let stop = Arc::new(AtomicBool::new(false));
     let weak = Arc::downgrade(be);
-    let (stop2, stats) = (stop.clone(), slot.stats.clone());
+    let shared = Shared {
+        stats: slot.stats.clone(),
+        history: slot.history.clone(),
+        hints: slot.hints.clone(),
+        seq: slot.seq.clone(),
+    };
+    let stop2 = stop.clone();
     let handle = std::thread::Builder::new()
         .name("vgpu-sched".into())
-        .spawn(move || thread_main(weak, cfg, stop2, stats))
+        .spawn(move || thread_main(weak, cfg, counters, stop2, shared))
         .map_err(SchedError::Thread)?;
     *running = Some(Running { stop, handle });
     info!(
-        "scheduler: policy {}, interval {} ms, threshold {} us, unshadow cap {:?}",
-        cfg.policy, cfg.interval_ms, cfg.threshold_us, cfg.unshadow_cap
+        "scheduler: policy {}, interval {} ms, threshold {} us, unshadow cap {:?}, \
+         slice {} ms, sample period {} ms, watchdog {:?} ms",
+        cfg.policy,
+        cfg.interval_ms,
+        cfg.threshold_us,
+        cfg.unshadow_cap,
+        cfg.slice_ms,
+        cfg.sample_period_ms,
+        cfg.watchdog_ms
     );
     Ok(())
+}
+
+/// What the thread shares with the backend's observers.
+struct Shared {
+    stats: Arc<Mutex<SchedStats>>,
+    history: Arc<Mutex<History>>,
+    hints: Arc<Mutex<Hints>>,
+    seq: Arc<AtomicU64>,
 }
 
 /// State of the scheduler thread.
 struct Sched {
     cfg: SchedConfig,
+    /// Whether busy time comes from the HAL's counters (else GP_GET progress).
+    use_counters: bool,
     acct: Accounting,
+    est: Estimator,
     fair: FairState,
+    timeslice: Timeslice,
+    sampler: Sampler,
+    watchdog: Option<Watchdog>,
     /// Channels this scheduler shadowed: (VM, guest channel).
     shadowed: BTreeSet<(String, u32)>,
-    stats: Arc<Mutex<SchedStats>>,
+    shared: Shared,
+    /// Whether the first interval (the accounting baseline) is over.
+    primed: bool,
+    last_tick_ns: u64,
 }
 
 fn thread_main(
     be: Weak<VgpuBackend>,
     cfg: SchedConfig,
+    counters: bool,
     stop: Arc<AtomicBool>,
-    stats: Arc<Mutex<SchedStats>>,
+    shared: Shared,
 ) {
     let mut s = Sched {
         cfg,
+        use_counters: counters && cfg.policy != Policy::Sampling,
         acct: Accounting::new(),
+        est: Estimator::new(),
         fair: FairState::new(),
+        timeslice: Timeslice::new(),
+        sampler: Sampler::new(u64::from(cfg.sample_period_ms) * 1_000_000),
+        watchdog: cfg
+            .watchdog_ms
+            .map(|ms| Watchdog::new(u64::from(ms) * 1_000_000)),
         shadowed: BTreeSet::new(),
-        stats,
+        shared,
+        primed: false,
+        last_tick_ns: now_ns(),
     };
     let interval = Duration::from_millis(u64::from(cfg.interval_ms));
     let mut next = Instant::now() + interval;
@@ -291,61 +388,274 @@ fn thread_main(
     debug!("scheduler thread stopped");
 }
 
+/// One live channel as seen at a tick.
+struct Obs {
+    vm: usize,
+    ch: u32,
+    pid: u32,
+    hal: ChannelId,
+    counters: ChannelCounters,
+    /// `None` when the channel's slot is not mapped (it cannot be shadowed).
+    peek: Option<ChannelPeek>,
+    busy_delta_ns: u64,
+}
+
+/// One connected VM at a tick.
+struct VmObs {
+    name: String,
+    weight: u32,
+}
+
 impl Sched {
     fn update_stats(&self, f: impl FnOnce(&mut SchedStats)) {
-        let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = lock(&self.shared.stats);
         f(&mut st);
         st.shadowed_now = self.shadowed.len() as u32;
     }
 
-    /// One interval: sample, decide, enforce.
-    fn tick(&mut self, be: &VgpuBackend) {
-        let t0 = Instant::now();
+    /// Reads every connected VM's channels.
+    fn observe(&mut self, be: &VgpuBackend) -> (Vec<VmObs>, Vec<Obs>) {
         let gpu = be.gpu().clone();
         let vms: Vec<_> = be.lock_vms().values().cloned().collect();
-        let mut samples = Vec::with_capacity(vms.len());
-        let mut backlog: BTreeMap<(String, u32), u32> = BTreeMap::new();
+        let (mut vm_obs, mut obs) = (Vec::with_capacity(vms.len()), Vec::new());
         for vm in &vms {
             if !vm.connected.load(Ordering::Acquire) {
                 continue;
             }
-            let busy = vm.shared.channel_busy_ns(gpu.as_ref());
-            let mut procs: BTreeMap<u32, Vec<ChannelSample>> = BTreeMap::new();
-            {
-                let mut session = vm.lock_session();
-                for (ch, pid, hch, busy_ns) in busy {
-                    let delta = self.acct.delta(hch, busy_ns);
-                    // A channel whose slot is not mapped (or that just went away) cannot
-                    // be shadowed; it is still charged.
-                    let peek = session.peek_channel(ch).ok();
-                    let pending = peek.is_some_and(|p| p.pending());
-                    if let Some(p) = peek {
-                        backlog.insert((vm.name.clone(), ch), p.backlog());
-                    }
-                    procs.entry(pid).or_default().push(ChannelSample {
-                        ch,
-                        busy_delta_ns: delta,
-                        pending,
-                    });
-                }
-            }
-            samples.push(VmSample {
+            let counters = vm.shared.channel_counters(gpu.as_ref());
+            let idx = vm_obs.len();
+            vm_obs.push(VmObs {
                 name: vm.name.clone(),
                 weight: vm.weight.load(Ordering::Relaxed),
-                procs: procs
-                    .into_iter()
-                    .map(|(pid, channels)| ProcSample {
-                        pid,
-                        weight: 1,
-                        channels,
-                    })
-                    .collect(),
             });
+            let mut session = vm.lock_session();
+            for (ch, pid, hal, c) in counters {
+                obs.push(Obs {
+                    vm: idx,
+                    ch,
+                    pid,
+                    hal,
+                    counters: c,
+                    peek: session.peek_channel(ch).ok(),
+                    busy_delta_ns: 0,
+                });
+            }
+        }
+        (vm_obs, obs)
+    }
+
+    /// Charges each channel its GPU time of the interval.
+    fn account(&mut self, obs: &mut [Obs]) {
+        for o in obs.iter_mut() {
+            o.busy_delta_ns = if self.use_counters {
+                self.acct.delta(o.hal, o.counters.busy_ns)
+            } else {
+                match o.peek {
+                    Some(p) => {
+                        let n = self.est.progress(o.hal, p.gp_get);
+                        self.est.busy_ns(o.hal, n)
+                    }
+                    None => 0,
+                }
+            };
         }
         self.acct.end_interval();
-        let decision = self
-            .fair
-            .decide(&samples, self.cfg.threshold_us.saturating_mul(1000));
+        self.est.end_interval();
+    }
+
+    /// The policy's input: VMs → processes (with their weight hints) → channels.
+    fn samples(&self, vms: &[VmObs], obs: &[Obs]) -> Vec<VmSample> {
+        let hints = lock(&self.shared.hints).clone();
+        let mut out: Vec<VmSample> = vms
+            .iter()
+            .map(|v| VmSample {
+                name: v.name.clone(),
+                weight: v.weight,
+                procs: Vec::new(),
+            })
+            .collect();
+        let mut procs: BTreeMap<(usize, u32), Vec<ChannelSample>> = BTreeMap::new();
+        for o in obs {
+            procs.entry((o.vm, o.pid)).or_default().push(ChannelSample {
+                ch: o.ch,
+                busy_delta_ns: o.busy_delta_ns,
+                pending: o.peek.is_some_and(|p| p.pending()),
+            });
+        }
+        for ((vm, pid), channels) in procs {
+            if let Some(v) = out.get_mut(vm) {
+                let weight = hints
+                    .get(&v.name)
+                    .and_then(|h| h.get(&pid))
+                    .copied()
+                    .unwrap_or(1);
+                v.procs.push(ProcSample {
+                    pid,
+                    weight,
+                    channels,
+                });
+            }
+        }
+        out
+    }
+
+    fn decide(&mut self, samples: &[VmSample], obs: &[Obs], vms: &[VmObs]) -> Decision {
+        let threshold_ns = self.cfg.threshold_us.saturating_mul(1000);
+        match self.cfg.policy {
+            Policy::None => Decision::default(),
+            Policy::Fair => self.fair.decide(samples, threshold_ns),
+            Policy::Timeslice => {
+                let slice = u64::from(self.cfg.slice_ms) * 1_000_000;
+                self.timeslice.decide(samples, now_ns(), slice)
+            }
+            Policy::Sampling => {
+                // The fair clocks are charged even while a sample overrides them.
+                let fair = self.fair.decide(samples, threshold_ns);
+                let sobs: Vec<SampleObs> = obs
+                    .iter()
+                    .filter_map(|o| {
+                        let p = o.peek?;
+                        Some(SampleObs {
+                            key: (vms.get(o.vm)?.name.clone(), o.ch),
+                            hal: o.hal,
+                            gp_get: p.gp_get,
+                            in_flight: p.real_put != p.gp_get,
+                            pending: p.pending(),
+                        })
+                    })
+                    .collect();
+                let over = self.sampler.tick(&sobs, now_ns(), &mut self.est);
+                let st = self.sampler.stats;
+                self.update_stats(|s| {
+                    s.sample_rounds = st.rounds;
+                    s.samples = st.samples;
+                    s.samples_aborted = st.aborted;
+                });
+                match over {
+                    Some(shadow) => Decision {
+                        shadow,
+                        ..Decision::default()
+                    },
+                    None => fair,
+                }
+            }
+        }
+    }
+
+    /// Kills channels whose single kernel ran past the limit; returns how many.
+    fn watch(&mut self, be: &VgpuBackend, vms: &[VmObs], obs: &[Obs]) -> u64 {
+        let Some(wd) = self.watchdog.as_mut() else {
+            return 0;
+        };
+        let mut kills = 0;
+        for o in obs {
+            if wd.check(o.hal, &o.counters) {
+                let vm = vms.get(o.vm).map_or("?", |v| v.name.as_str());
+                match be.gpu().kill_channel(o.hal, ErrorCode::WatchdogKilled) {
+                    Ok(()) => {
+                        kills += 1;
+                        warn!(
+                            "watchdog: VM {vm} channel {} (PID {}) ran one kernel past {} ms: \
+                             killed",
+                            o.ch,
+                            o.pid,
+                            self.cfg.watchdog_ms.unwrap_or(0)
+                        );
+                    }
+                    Err(e) => debug!("watchdog: kill {vm}/{}: {e}", o.ch),
+                }
+            }
+        }
+        wd.end_round();
+        kills
+    }
+
+    /// Records who used the GPU in the interval.
+    fn record(&self, vms: &[VmObs], samples: &[VmSample], len_ns: u64) {
+        let seq = self.shared.seq.fetch_add(1, Ordering::Relaxed);
+        let rec = IntervalRecord {
+            seq,
+            end_ns: self.last_tick_ns,
+            len_ns,
+            estimated: !self.use_counters,
+            vms: samples
+                .iter()
+                .zip(vms)
+                .filter(|(s, _)| !s.procs.is_empty())
+                .map(|(s, _)| {
+                    let procs: Vec<ProcBusy> = s
+                        .procs
+                        .iter()
+                        .map(|p| ProcBusy {
+                            pid: p.pid,
+                            weight: p.weight,
+                            busy_ns: p.channels.iter().map(|c| c.busy_delta_ns).sum(),
+                            channels: p
+                                .channels
+                                .iter()
+                                .map(|c| ChannelBusy {
+                                    channel: c.ch,
+                                    busy_ns: c.busy_delta_ns,
+                                })
+                                .collect(),
+                        })
+                        .collect();
+                    VmBusy {
+                        name: s.name.clone(),
+                        weight: s.weight,
+                        busy_ns: procs.iter().map(|p| p.busy_ns).sum(),
+                        procs,
+                    }
+                })
+                .collect(),
+        };
+        lock(&self.shared.history).push(rec);
+    }
+
+    /// One interval: observe, account, decide, enforce, watch, record.
+    fn tick(&mut self, be: &VgpuBackend) {
+        let t0 = Instant::now();
+        let now = now_ns();
+        let len_ns = now.saturating_sub(self.last_tick_ns);
+        self.last_tick_ns = now;
+        let (vms, mut obs) = self.observe(be);
+        self.account(&mut obs);
+        let samples = self.samples(&vms, &obs);
+        let decision = self.decide(&samples, &obs, &vms);
+        let backlog: BTreeMap<(String, u32), u32> = obs
+            .iter()
+            .filter_map(|o| {
+                let p = o.peek?;
+                Some(((vms.get(o.vm)?.name.clone(), o.ch), p.backlog()))
+            })
+            .collect();
+        let (sh, un, capped, failed) = self.enforce(be, &decision, &backlog);
+        let kills = self.watch(be, &vms, &obs);
+        if self.primed {
+            self.record(&vms, &samples, len_ns);
+        }
+        self.primed = true;
+        let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.update_stats(|st| {
+            st.intervals += 1;
+            st.shadows += sh;
+            st.unshadows += un;
+            st.capped_releases += capped;
+            st.failures += failed;
+            st.watchdog_kills += kills;
+            st.tick_ns_last = ns;
+            st.tick_ns_max = st.tick_ns_max.max(ns);
+        });
+    }
+
+    /// Applies a decision: shadows what it picks, releases what it no longer picks.
+    /// Returns (shadows, unshadows, capped releases, failures).
+    fn enforce(
+        &mut self,
+        be: &VgpuBackend,
+        decision: &Decision,
+        backlog: &BTreeMap<(String, u32), u32>,
+    ) -> (u64, u64, u64, u64) {
         // Channels that went away (destroyed, VM disconnected) are no longer ours.
         self.shadowed.retain(|k| backlog.contains_key(k));
         let (mut sh, mut un, mut capped, mut failed) = (0u64, 0u64, 0u64, 0u64);
@@ -401,16 +711,7 @@ impl Sched {
         for name in mirrored {
             let _ = be.mirror_shadows(name);
         }
-        let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.update_stats(|st| {
-            st.intervals += 1;
-            st.shadows += sh;
-            st.unshadows += un;
-            st.capped_releases += capped;
-            st.failures += failed;
-            st.tick_ns_last = ns;
-            st.tick_ns_max = st.tick_ns_max.max(ns);
-        });
+        (sh, un, capped, failed)
     }
 
     /// Unshadows every channel this scheduler shadowed (stop, policy change).

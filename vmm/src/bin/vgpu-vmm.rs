@@ -1,5 +1,7 @@
 //! `vgpu-vmm`: boots an x86_64 Linux bzImage (+ initramfs) under KVM with a serial console
-//! and, with `--vgpu-stub`, the vgpu virtio-pci function (stub backend) on a PCI bus.
+//! and, with `--vgpu-socket`, the vgpu virtio-pci function on a PCI bus, backed by the
+//! `vgpu-backend` listening on that vhost-user socket (`--vgpu-stub`: a stand-in device
+//! without a backend, for bring-up).
 //!
 //! Exit status: 0 when the guest resets or powers off (i8042 reset, triple fault, KVM
 //! shutdown event), 1 on a setup error or a vCPU failure, 2 on bad command-line usage.
@@ -22,7 +24,7 @@ struct Cli {
     #[arg(long, value_name = "PATH")]
     initrd: Option<PathBuf>,
     /// Kernel command line [default: DEFAULT_CMDLINE of vgpu_vmm::boot, with `pci=conf1`
-    /// instead of `pci=off` under --vgpu-stub].
+    /// instead of `pci=off` with a vgpu device].
     #[arg(long)]
     cmdline: Option<String>,
     /// Guest RAM in MiB.
@@ -36,8 +38,12 @@ struct Cli {
     serial: Option<PathBuf>,
     /// Add the vgpu virtio-pci device (PCI 0x1af4:0x107c) backed by a stub: PCI bus on
     /// ports 0xCF8/0xCFC, BARs in the 32-bit MMIO gap.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "vgpu_socket")]
     vgpu_stub: bool,
+    /// Add the vgpu virtio-pci device backed by the vgpu-backend listening on this
+    /// vhost-user socket (the backend must be running: the VMM connects before booting).
+    #[arg(long, value_name = "PATH")]
+    vgpu_socket: Option<PathBuf>,
     /// Stop the VM (exit status 1) if it still runs after this many seconds.
     #[arg(long, value_name = "SECS")]
     timeout: Option<u64>,
@@ -48,16 +54,17 @@ fn main() -> ExitCode {
         .format_timestamp_millis()
         .init();
     let cli = Cli::parse();
+    let pci = cli.vgpu_stub || cli.vgpu_socket.is_some();
     let cmdline = cli.cmdline.unwrap_or_else(|| {
-        if cli.vgpu_stub {
+        if pci {
             DEFAULT_CMDLINE_PCI
         } else {
             DEFAULT_CMDLINE
         }
         .to_owned()
     });
-    if cli.vgpu_stub && cmdline.split_whitespace().any(|a| a == "pci=off") {
-        eprintln!("vgpu-vmm: warning: --vgpu-stub with pci=off: the guest will not see the device");
+    if pci && cmdline.split_whitespace().any(|a| a == "pci=off") {
+        eprintln!("vgpu-vmm: warning: a vgpu device with pci=off: the guest will not see it");
     }
     let cfg = VmConfig {
         kernel: cli.kernel,
@@ -67,6 +74,7 @@ fn main() -> ExitCode {
         vcpus: cli.vcpus,
         serial: cli.serial,
         vgpu_stub: cli.vgpu_stub,
+        vgpu_socket: cli.vgpu_socket,
     };
     let mut vm = match LinuxVm::new(&cfg) {
         Ok(vm) => vm,

@@ -11,6 +11,8 @@
 //! ([`crate::virtio_pci::stub::StubBackend`]); its BARs sit in the 32-bit MMIO gap
 //! ([`pci_bar_placement`]) and are served as MMIO exits in the vCPU loop.
 
+pub mod bars;
+pub mod intx;
 pub mod serial;
 pub mod x86_64;
 
@@ -31,9 +33,13 @@ use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use crate::guest_memory::{GuestMemoryError, GuestRam};
-use crate::pci::PciBus;
+use crate::pci::{PciBus, PciDevice};
+use crate::shm_window::{HoleFill, ShmWindow, ShmWindowError};
+use crate::vgpu_device::{VgpuDeviceError, VhostUserVgpu};
 use crate::virtio_pci::stub::StubBackend;
 use crate::virtio_pci::{shm_bar_size, BarPlacement, VirtioPciDevice, VirtioPciError, BAR0_SIZE};
+use bars::BarWiring;
+use intx::IntxForwarder;
 use serial::{EventFdTrigger, LegacyDevices, SerialOut, SERIAL_IRQ};
 use x86_64::BootLayout;
 
@@ -132,6 +138,14 @@ pub enum BootError {
     Pci(#[from] crate::pci::PciError),
     #[error("the PCI BARs do not fit in the 32-bit MMIO gap")]
     PciLayout,
+    #[error("--vgpu-stub and --vgpu-socket exclude each other")]
+    VgpuTwice,
+    #[error("{0}")]
+    Vgpu(#[from] VgpuDeviceError),
+    #[error("vgpu shared-memory window: {0}")]
+    ShmWindow(#[from] ShmWindowError),
+    #[error("vgpu interrupt forwarding: {0}")]
+    Intx(io::Error),
 }
 
 /// What the user asks for.
@@ -146,7 +160,14 @@ pub struct VmConfig {
     pub serial: Option<PathBuf>,
     /// Put the vgpu virtio-pci function, backed by a stub, on a PCI bus.
     pub vgpu_stub: bool,
+    /// Put the vgpu virtio-pci function on a PCI bus, backed by the `vgpu-backend`
+    /// listening on this vhost-user socket.
+    pub vgpu_socket: Option<PathBuf>,
 }
+
+/// IOAPIC pin (= GSI) of PCI slot `n`'s INTA#: `PCI_INTX_GSI_BASE + n % 8`, above the ISA
+/// pins so that no legacy device shares it.
+pub const PCI_INTX_GSI_BASE: u8 = 16;
 
 /// The default kernel command line.
 pub const DEFAULT_CMDLINE: &str =
@@ -187,9 +208,12 @@ pub enum GuestExit {
 
 /// A booted-to-be Linux VM.
 pub struct LinuxVm {
-    // Field order matters for drop: vCPUs and the VM go before the RAM they map.
+    // Field order matters for drop: the interrupt thread stops first; vCPUs and the VM
+    // (whose memslots the PCI wiring holds) go before the RAM they map.
+    _intx: Option<IntxForwarder>,
     vcpus: Vec<VcpuFd>,
-    vm: VmFd,
+    wiring: Option<Arc<BarWiring>>,
+    vm: Arc<VmFd>,
     _kvm: Kvm,
     devices: Arc<LegacyDevices>,
     pci: Option<Arc<Mutex<PciBus>>>,
@@ -266,10 +290,13 @@ impl LinuxVm {
                 return Err(BootError::KvmCap(name));
             }
         }
-        let vm = kvm.create_vm().map_err(|source| BootError::Kvm {
+        if cfg.vgpu_stub && cfg.vgpu_socket.is_some() {
+            return Err(BootError::VgpuTwice);
+        }
+        let vm = Arc::new(kvm.create_vm().map_err(|source| BootError::Kvm {
             what: "KVM_CREATE_VM",
             source,
-        })?;
+        })?);
         vm.set_tss_address(x86_64::KVM_TSS_ADDRESS)
             .map_err(|source| BootError::Kvm {
                 what: "KVM_SET_TSS_ADDR",
@@ -316,20 +343,65 @@ impl LinuxVm {
                 source,
             })?;
         let devices = Arc::new(LegacyDevices::new(irq, out));
-        let pci = if cfg.vgpu_stub {
-            let place = pci_bar_placement(vgpu_protocol::device::SHM_SIZE)?;
+        let shm_len = vgpu_protocol::device::SHM_SIZE;
+        let place = pci_bar_placement(shm_len)?;
+        let (dev, vhost): (Option<Box<dyn PciDevice>>, _) = if cfg.vgpu_stub {
             let dev = VirtioPciDevice::new(StubBackend::new(0), place)?;
+            (Some(Box::new(dev)), None)
+        } else if let Some(socket) = &cfg.vgpu_socket {
+            let window = Arc::new(ShmWindow::with_fill(
+                vgpu_protocol::device::SHM_REGION_ID,
+                shm_len,
+                HoleFill::Scratch,
+            )?);
+            let backend = VhostUserVgpu::connect(socket, &ram, window.clone())?;
+            let kicks = (0..vgpu_protocol::device::NUM_QUEUES)
+                .filter_map(|q| backend.kick(q).cloned())
+                .collect::<Vec<_>>();
+            let dev = VirtioPciDevice::new(backend, place)?;
+            (Some(Box::new(dev)), Some((window, kicks)))
+        } else {
+            (None, None)
+        };
+        let mut pci = None;
+        let mut wiring = None;
+        let mut intx = None;
+        let mut pci_intx = Vec::new();
+        if let Some(dev) = dev {
             let mut bus = PciBus::new();
-            let slot = bus.add_device(Box::new(dev))?;
+            let slot = bus.add_device(dev)?;
+            let gsi = PCI_INTX_GSI_BASE + slot % 8;
+            if let Some(d) = bus.device_mut(slot) {
+                d.config_mut().set_interrupt(1, gsi);
+            }
+            pci_intx.push((slot, gsi));
             log::info!(
-                "vgpu stub at PCI 00:{slot:02x}.0, BAR0 {:#x}, shm BAR {:#x}",
+                "vgpu {} at PCI 00:{slot:02x}.0, BAR0 {:#x}, shm BAR {:#x}, INTA# GSI {gsi}",
+                if vhost.is_some() { "device" } else { "stub" },
                 place.bar0,
                 place.shm
             );
-            Some(Arc::new(Mutex::new(bus)))
-        } else {
-            None
-        };
+            let bus = Arc::new(Mutex::new(bus));
+            if let Some((window, kicks)) = vhost {
+                let memslot = ram.regions().len() as u32;
+                wiring = Some(Arc::new(BarWiring::new(
+                    vm.clone(),
+                    slot,
+                    memslot,
+                    window,
+                    kicks,
+                )));
+                let irq = vmm_sys_util::eventfd::EventFd::new(libc::EFD_NONBLOCK)
+                    .map_err(BootError::EventFd)?;
+                vm.register_irqfd(&irq, u32::from(gsi))
+                    .map_err(|source| BootError::Kvm {
+                        what: "KVM_IRQFD (vgpu)",
+                        source,
+                    })?;
+                intx = Some(IntxForwarder::start(bus.clone(), slot, irq).map_err(BootError::Intx)?);
+            }
+            pci = Some(bus);
+        }
 
         // Guest image.
         let layout = x86_64::load_all(
@@ -339,6 +411,7 @@ impl LinuxVm {
             &cfg.cmdline,
             mem_bytes,
             cfg.vcpus,
+            &pci_intx,
         )?;
         log::info!(
             "kernel at {:#x}..{:#x}, entry {:#x}, initrd {:x?}, cmdline {} bytes, {} MiB, {} vCPU(s)",
@@ -375,7 +448,9 @@ impl LinuxVm {
         }
 
         Ok(LinuxVm {
+            _intx: intx,
             vcpus,
+            wiring,
             vm,
             _kvm: kvm,
             devices,
@@ -411,6 +486,12 @@ impl LinuxVm {
         self.pci.as_ref()
     }
 
+    /// Where the vgpu shared-memory window is mapped in the guest, once the guest enabled
+    /// its BAR (with `vgpu_socket`).
+    pub fn vgpu_shm_gpa(&self) -> Option<u64> {
+        self.wiring.as_ref().and_then(|w| w.shm_gpa())
+    }
+
     /// The VM fd.
     pub fn vm_fd(&self) -> &VmFd {
         &self.vm
@@ -435,10 +516,18 @@ impl LinuxVm {
             let tx = tx.clone();
             let devices = self.devices.clone();
             let pci = self.pci.clone();
+            let wiring = self.wiring.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("vcpu{cpu}"))
                 .spawn(move || {
-                    let res = vcpu_loop(fd, cpu, &devices, pci.as_deref(), &vcpu_stop);
+                    let res = vcpu_loop(
+                        fd,
+                        cpu,
+                        &devices,
+                        pci.as_deref(),
+                        wiring.as_deref(),
+                        &vcpu_stop,
+                    );
                     let _ = tx.send((cpu, res));
                 });
             match spawned {
@@ -545,6 +634,7 @@ fn vcpu_loop(
     cpu: u8,
     devices: &LegacyDevices,
     pci: Option<&Mutex<PciBus>>,
+    wiring: Option<&BarWiring>,
     stop: &AtomicBool,
 ) -> Result<GuestExit, BootError> {
     loop {
@@ -556,7 +646,17 @@ fn vcpu_loop(
         }
         match fd.run() {
             Ok(VcpuExit::IoOut(port, data)) => {
-                if !pci.is_some_and(|p| lock(p).pio_write(port, data)) {
+                let handled = pci.is_some_and(|p| {
+                    let mut bus = lock(p);
+                    let handled = bus.pio_write(port, data);
+                    // Follow BAR moves under the bus lock, in the order they happened.
+                    let events = bus.take_bar_events();
+                    if let Some(w) = wiring.filter(|_| !events.is_empty()) {
+                        w.apply(&events);
+                    }
+                    handled
+                });
+                if !handled {
                     devices.pio_write(port, data);
                 }
                 if devices.reset_requested() {

@@ -266,6 +266,7 @@ pub fn load_all<M: GuestMemoryBackend>(
     cmdline: &str,
     mem_bytes: u64,
     vcpus: u8,
+    pci_intx: &[(u8, u8)],
 ) -> Result<BootLayout, BootError> {
     let cl = make_cmdline(cmdline)?;
     let (k, entry) = load_kernel(mem, kernel)?;
@@ -276,7 +277,7 @@ pub fn load_all<M: GuestMemoryBackend>(
     let cmdline_len = write_boot_params(mem, &k, &cl, initrd, mem_bytes)?;
     write_gdt_idt(mem)?;
     write_page_tables(mem)?;
-    write_mptable(mem, vcpus)?;
+    write_mptable(mem, vcpus, pci_intx)?;
     Ok(BootLayout {
         kernel_load: k.kernel_load.raw_value(),
         kernel_end: k.kernel_end,
@@ -373,9 +374,17 @@ fn checksum(bytes: &[u8]) -> u8 {
     0u8.wrapping_sub(bytes.iter().fold(0u8, |a, &b| a.wrapping_add(b)))
 }
 
+/// MP bus id of PCI bus 0 when there is one. Linux looks PCI interrupts up by comparing
+/// the PCI bus *number* with the MP source bus *id*, so PCI bus 0 must be MP bus 0 (as
+/// in SeaBIOS's tables); the ISA bus then takes the next id.
+const MP_PCI_BUS_ID: u8 = 0;
+
 /// The MP floating pointer structure followed by the MP configuration table, as bytes
-/// to place at [`MPTABLE_START`].
-pub fn build_mptable(vcpus: u8) -> Result<Vec<u8>, BootError> {
+/// to place at [`MPTABLE_START`]. `pci_intx` lists `(slot, ioapic pin)`: INTA# of PCI
+/// slot `slot` on bus 0 is wired to that IOAPIC pin, edge-triggered and active high
+/// (the VMM pulses the line through an irqfd; a level-triggered pin could drop a pulse
+/// that arrives while the previous interrupt is still being handled).
+pub fn build_mptable(vcpus: u8, pci_intx: &[(u8, u8)]) -> Result<Vec<u8>, BootError> {
     if vcpus == 0 || vcpus > super::MAX_VCPUS {
         return Err(BootError::Vcpus(vcpus));
     }
@@ -394,9 +403,18 @@ pub fn build_mptable(vcpus: u8) -> Result<Vec<u8>, BootError> {
         entries.extend_from_slice(&[0u8; 8]);
         count += 1;
     }
-    // Bus 0: ISA. Type 1, 8 bytes.
+    // Buses: type 1, 8 bytes. PCI bus 0 (if any) as MP bus 0, then ISA.
+    let isa_bus = if pci_intx.is_empty() {
+        0
+    } else {
+        entries.push(1);
+        entries.push(MP_PCI_BUS_ID);
+        entries.extend_from_slice(b"PCI   ");
+        count += 1;
+        MP_PCI_BUS_ID + 1
+    };
     entries.push(1);
-    entries.push(0);
+    entries.push(isa_bus);
     entries.extend_from_slice(b"ISA   ");
     count += 1;
     // IOAPIC: type 2, 8 bytes.
@@ -411,10 +429,21 @@ pub fn build_mptable(vcpus: u8) -> Result<Vec<u8>, BootError> {
         entries.push(3);
         entries.push(0); // mp_INT
         entries.extend_from_slice(&0u16.to_le_bytes()); // flags: conforming polarity/trigger
-        entries.push(0); // source bus
+        entries.push(isa_bus); // source bus
         entries.push(irq); // source bus irq
         entries.push(ioapic_id(vcpus));
         entries.push(irq); // dest pin
+        count += 1;
+    }
+    // PCI INTA# lines. Source bus irq = slot << 2 | (pin - 1).
+    for &(slot, pin) in pci_intx {
+        entries.push(3);
+        entries.push(0); // mp_INT
+        entries.extend_from_slice(&0x0005u16.to_le_bytes()); // active high, edge
+        entries.push(MP_PCI_BUS_ID);
+        entries.push((slot & 0x1f) << 2);
+        entries.push(ioapic_id(vcpus));
+        entries.push(pin);
         count += 1;
     }
     // Local interrupts: LINT0 = ExtINT, LINT1 = NMI, to all LAPICs. Type 4, 8 bytes.
@@ -462,8 +491,12 @@ pub fn build_mptable(vcpus: u8) -> Result<Vec<u8>, BootError> {
     Ok(mpf)
 }
 
-fn write_mptable<M: GuestMemoryBackend>(mem: &M, vcpus: u8) -> Result<(), BootError> {
-    let bytes = build_mptable(vcpus)?;
+fn write_mptable<M: GuestMemoryBackend>(
+    mem: &M,
+    vcpus: u8,
+    pci_intx: &[(u8, u8)],
+) -> Result<(), BootError> {
+    let bytes = build_mptable(vcpus, pci_intx)?;
     mem.write_slice(&bytes, GuestAddress(MPTABLE_START))
         .map_err(|e| BootError::GuestWrite("MP table", e.to_string()))
 }
@@ -659,7 +692,7 @@ mod tests {
 
     #[test]
     fn mptable_checksums() {
-        let t = build_mptable(4).unwrap();
+        let t = build_mptable(4, &[]).unwrap();
         assert_eq!(&t[0..4], b"_MP_");
         assert_eq!(t[..16].iter().fold(0u8, |a, &b| a.wrapping_add(b)), 0);
         let len = u16::from_le_bytes([t[20], t[21]]) as usize;
@@ -671,7 +704,25 @@ mod tests {
             u16::from_le_bytes([t[16 + 34], t[16 + 35]]),
             4 + 1 + 1 + 16 + 2
         );
-        assert!(build_mptable(0).is_err());
+        assert!(build_mptable(0, &[]).is_err());
+        // With a PCI function: one more bus and one more I/O interrupt entry, checksums
+        // still right, and the entry names slot 1 INTA# -> pin 17.
+        let t = build_mptable(2, &[(1, 17)]).unwrap();
+        assert_eq!(t[16..].iter().fold(0u8, |a, &b| a.wrapping_add(b)), 0);
+        assert_eq!(
+            u16::from_le_bytes([t[16 + 34], t[16 + 35]]),
+            2 + 2 + 1 + 16 + 1 + 2
+        );
+        let entries = &t[16 + 44..];
+        // PCI bus first as MP bus 0, ISA as bus 1 with its IRQ entries.
+        assert_eq!(&entries[2 * 20..2 * 20 + 8], b"\x01\x00PCI   ");
+        assert_eq!(&entries[2 * 20 + 8..2 * 20 + 16], b"\x01\x01ISA   ");
+        let pci_int = entries
+            .windows(8)
+            .find(|e| e[0] == 3 && e[4] == MP_PCI_BUS_ID && e[5] == 1 << 2)
+            .unwrap();
+        assert_eq!(pci_int[5], 1 << 2);
+        assert_eq!(pci_int[7], 17);
     }
 
     #[test]

@@ -21,8 +21,10 @@
 //! and what happens on `DRIVER_OK`, notify and reset — sits behind [`VirtioBackend`], so
 //! that the vhost-user frontend can back it; [`stub::StubBackend`] is a stand-in.
 //!
-//! Not yet: MSI-X (the vector registers read `VIRTIO_MSI_NO_VECTOR`), INTx delivery (the
-//! ISR is kept, nothing raises a line), `VIRTIO_PCI_CAP_PCI_CFG`, ioeventfd doorbells.
+//! Interrupts are INTx: the vector registers read `VIRTIO_MSI_NO_VECTOR`, the ISR is kept
+//! here and the VMM raises the line (`boot/intx.rs`). Doorbells reach
+//! [`VirtioBackend::queue_notify`] as MMIO exits unless the VMM registered ioeventfds on
+//! them (it does for the vhost-user device). Not yet: MSI-X, `VIRTIO_PCI_CAP_PCI_CFG`.
 //! Layout after Cloud Hypervisor's `virtio-devices/src/transport/pci_device.rs` and
 //! `pci_common_config.rs`.
 
@@ -402,6 +404,17 @@ impl<B: VirtioBackend> VirtioPciDevice<B> {
     /// Sets the ISR's queue bit (used buffers added).
     pub fn signal_queue(&mut self) {
         self.isr |= ISR_QUEUE;
+    }
+    /// The device broke (e.g. its backend went away): sets `DEVICE_NEEDS_RESET` and
+    /// signals a configuration change, as virtio 1.x §2.1.2 asks. The driver recovers by
+    /// resetting the device.
+    pub fn device_failed(&mut self) {
+        self.status |= STATUS_DEVICE_NEEDS_RESET;
+        self.config_changed();
+    }
+    /// Sets the function's interrupt line register (the OS may overwrite it).
+    pub fn set_interrupt_line(&mut self, line: u8) {
+        self.config.set_interrupt(1, line);
     }
 
     fn reset(&mut self) {

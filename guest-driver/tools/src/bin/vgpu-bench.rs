@@ -4,7 +4,9 @@
 use clap::{Parser, Subcommand};
 use vgpu_tools::report::{print_json, print_table, Figure};
 use vgpu_tools::suites::api::{self, ApiOpts};
+use vgpu_tools::suites::guest::{self, GuestOpts};
 use vgpu_tools::suites::sim::{self, SimOpts};
+use vgpu_tools::suites::swap::{self, SwapOpts};
 use vgpu_tools::suites::virt::{self, VirtOpts};
 
 #[derive(Parser)]
@@ -28,12 +30,47 @@ enum Suite {
     Virt,
     /// The operator control API: weight-change delay under load, request latency.
     Api,
+    /// The workloads and submission round trips through /dev/vgpu (in a VM), or on an
+    /// in-process sim with --native (the baseline to run outside the VM).
+    Guest {
+        /// The device node.
+        #[arg(long, default_value = vgpu_guest::devvgpu::DEFAULT_PATH)]
+        device: String,
+        /// Use an in-process sim GPU instead of the device.
+        #[arg(long)]
+        native: bool,
+        /// Timed runs of each workload (the best counts); default 1 with --quick, else 5.
+        #[arg(long)]
+        reps: Option<u32>,
+        /// With --native: the sim's longest idle sleep between polls, µs (match the
+        /// backend's --sim-idle-sleep-us for a fair comparison).
+        #[arg(long)]
+        sim_idle_sleep_us: Option<u64>,
+    },
+    /// VRAM oversubscription: slowdown vs all-in-VRAM, swap throughput, pauses, convergence.
+    Swap,
 }
 
 fn main() {
     env_logger::init();
     let cli = Cli::parse();
     let result: Result<Vec<Figure>, String> = match cli.suite {
+        Suite::Guest {
+            device,
+            native,
+            reps,
+            sim_idle_sleep_us,
+        } => {
+            let device = (!native).then_some(device);
+            let mut opts = if cli.quick {
+                GuestOpts::quick(device)
+            } else {
+                GuestOpts::full(device)
+            };
+            opts.reps = reps.unwrap_or(opts.reps);
+            opts.sim_idle_sleep_us = sim_idle_sleep_us;
+            guest::run(&opts).map_err(|e| e.to_string())
+        }
         Suite::Sim => {
             let opts = if cli.quick {
                 SimOpts::quick()
@@ -57,6 +94,14 @@ fn main() {
                 ApiOpts::full()
             };
             api::run(&opts).map_err(|e| e.to_string())
+        }
+        Suite::Swap => {
+            let opts = if cli.quick {
+                SwapOpts::quick()
+            } else {
+                SwapOpts::full()
+            };
+            swap::run(&opts).map_err(|e| e.to_string())
         }
     };
     match result {

@@ -1,6 +1,8 @@
 //! `vgpu-bench` suites: one module per suite, each returning its figures.
 
 pub mod api;
+pub mod guest;
 pub mod measure;
 pub mod sim;
+pub mod swap;
 pub mod virt;

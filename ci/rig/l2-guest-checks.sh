@@ -1,0 +1,28 @@
+# The guest-side checks of the vgpu stack, run in an L2 guest by `l2-vgpu.sh --guest`
+# (busybox sh; vgpu.ko loaded, static guest tools in /bin). Prints one
+# "L2-GUEST-CHECK ok|FAIL NAME" line per check and "L2-USER-OK" when all passed.
+export PATH=/bin
+fail=0
+check() { if [ "$2" = 1 ]; then echo "L2-GUEST-CHECK ok $1"; else echo "L2-GUEST-CHECK FAIL $1"; fail=1; fi; }
+ok() { [ "$1" = 0 ] && echo 1 || echo 0; }
+[ -c /dev/vgpu ] && node=1 || node=0
+check devnode $node
+# Every builtin kernel on VRAM and guest-RAM buffers, verified; channels' control pages
+# are the backend's pages, SHMEM_MAPped into the BAR and mmapped by the process.
+vgpu-smoke > /tmp/smoke.out 2>&1; r=$?; busybox tail -n 3 /tmp/smoke.out; check smoke $(ok $r)
+# Two processes of this VM at once, with different inputs.
+vgpu-smoke --seed 11 > /tmp/s1.out 2>&1 & p1=$!
+vgpu-smoke --seed 12 > /tmp/s2.out 2>&1 & p2=$!
+wait $p1; r1=$?; wait $p2; r2=$?
+check "two_processes(rc=$r1,$r2)" $([ "$r1" = 0 ] && [ "$r2" = 0 ] && echo 1 || echo 0)
+# Bad arguments, forged ids, another process's slots: errors, no leaks.
+vgpu-smoke --hostile > /tmp/hostile.out 2>&1; r=$?; busybox tail -n 2 /tmp/hostile.out
+check hostile $(ok $r)
+# A process killed mid-submission leaves nothing behind.
+vgpu-throttle --kernel-us 2000 --duration 60 > /tmp/t.out 2>&1 & tp=$!
+sleep 2; kill -9 $tp; wait $tp 2>/dev/null
+vgpu-bench --quick guest > /tmp/bench.out 2>&1; r=$?; cat /tmp/bench.out; check bench_quick $(ok $r)
+vgpu-smoke --stats > /tmp/stats.out 2>&1; cat /tmp/stats.out
+grep -q 'contexts=0 channels=0 vram_bytes=0 mapped_guest_bytes=0 aperture_bytes=0' /tmp/stats.out && clean=1 || clean=0
+check nothing_left_in_backend $clean
+[ "$fail" = 0 ] && echo "L2-USER-OK"

@@ -1,0 +1,193 @@
+#!/usr/bin/env bash
+# vgpu end to end in the nested rig: inside L1, start `vgpu-backend` (sim GPU) serving
+# N VMs, boot N L2 Linux guests at once, each under its own `vgpu-vmm --vgpu-socket`, and
+# check in every L2 that
+#   - the PCI core enumerates the vgpu function (1af4:107c) and virtio_pci probes it as
+#     virtio device 60 (sysfs; L2 has no lspci);
+#   - with --driver KO: vgpu.ko binds, features are negotiated (virtio status 0xf) and
+#     /dev/vgpu appears;
+#   - with --exit-cost BIN: the exit costs seen from L2 (ci/rig/exit-cost.c);
+#   - with --l2-cmd FILE: FILE (run as `sh FILE` in L2) prints "L2-USER-OK";
+#   - --guest: all of the guest stack — builds vgpu.ko, the static guest tools
+#     (vgpu-smoke, vgpu-throttle, vgpu-bench) and exit-cost, and runs
+#     ci/rig/l2-guest-checks.sh in every L2 (unless --l2-cmd names another script).
+# Each L2 prints "L2-VGPU-RESULT ...", each VM's line "L2-VGPU-CHECK vm=K ..." appears on
+# L1's console, and the backend must exit cleanly on SIGTERM afterwards.
+#
+# Usage: ci/rig/l2-vgpu.sh [--vms N] [--guest] [--driver vgpu.ko] [--exit-cost BIN] [--l2-cmd FILE]
+#                          [--add SRC:DST]... [--vcpus N] [--no-build] [--timeout S]
+#                          [-- run-l1.sh args]
+#   --add puts extra files into every L2's initramfs (e.g. guest tools).
+# Env: CARGO_TARGET_DIR (default <repo>/target)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+RIG="$ROOT/ci/rig"
+VMS=1
+GUEST=0
+VCPUS=1
+DRIVER=""
+EXITCOST=""
+L2CMD=""
+BUILD=1
+TIMEOUT=420
+ADDS=()
+EXTRA=()
+die() { echo "l2-vgpu: $*" >&2; exit 1; }
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --vms) VMS="$2"; shift 2 ;;
+        --vcpus) VCPUS="$2"; shift 2 ;;
+        --driver) DRIVER="$2"; shift 2 ;;
+        --guest) GUEST=1; shift ;;
+        --exit-cost) EXITCOST="$2"; shift 2 ;;
+        --l2-cmd) L2CMD="$2"; shift 2 ;;
+        --add) ADDS+=(--add "$2"); shift 2 ;;
+        --no-build) BUILD=0; shift ;;
+        --timeout) TIMEOUT="$2"; shift 2 ;;
+        --) shift; EXTRA+=("$@"); break ;;
+        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+        *) die "unknown argument: $1" ;;
+    esac
+done
+case "$VMS" in [1-8]) ;; *) die "--vms must be 1..8" ;; esac
+
+TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
+MUSL="$TARGET_DIR/x86_64-unknown-linux-musl/release"
+TOOLS="vgpu-smoke vgpu-throttle vgpu-bench"
+[ -f "$ROOT/ci/cache/rig/l1.cpio.gz" ] || "$RIG/build-l1.sh" >&2
+KERNEL="$(readlink -f "$ROOT/ci/cache/rig/vmlinuz")"
+KVER="$(basename "$KERNEL" | sed 's/^vmlinuz-//')"
+MODDIR="$ROOT/ci/cache/rig/kernel-$KVER/lib/modules/$KVER/kernel/drivers/virtio"
+if [ "$BUILD" = 1 ]; then
+    rustup target list --installed | grep -q x86_64-unknown-linux-musl \
+        || rustup target add x86_64-unknown-linux-musl >&2
+    bins=(--bin vgpu-vmm --bin vgpu-backend)
+    [ "$GUEST" = 0 ] || for t in $TOOLS; do bins+=(--bin "$t"); done
+    (cd "$ROOT" && cargo build --release --target x86_64-unknown-linux-musl \
+        -p vgpu-vmm -p vgpu-backend $([ "$GUEST" = 0 ] || echo -p vgpu-tools) "${bins[@]}" >&2)
+    if [ "$GUEST" = 1 ]; then
+        KDIR="/usr/src/linux-headers-$KVER"
+        [ -d "$KDIR" ] || apt-get install -y --no-install-recommends "linux-headers-$KVER" >&2
+        make -C "$ROOT/guest-driver/kernel" KDIR="$KDIR" >&2
+        gcc -O2 -static -o "$TARGET_DIR/exit-cost" "$RIG/exit-cost.c" >&2
+    fi
+fi
+for b in vgpu-vmm vgpu-backend; do
+    [ -x "$MUSL/$b" ] || die "no static $b at $MUSL (drop --no-build)"
+done
+
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+if [ "$GUEST" = 1 ]; then
+    DRIVER="${DRIVER:-$ROOT/guest-driver/kernel/vgpu.ko}"
+    EXITCOST="${EXITCOST:-$TARGET_DIR/exit-cost}"
+    L2CMD="${L2CMD:-$RIG/l2-guest-checks.sh}"
+    # Static tools, stripped: the L2 initramfs rides inside L1's.
+    for t in $TOOLS; do
+        [ -x "$MUSL/$t" ] || die "no static $t in $MUSL (drop --no-build)"
+        strip -o "$WORK/$t" "$MUSL/$t"
+        ADDS+=(--add "$WORK/$t:/bin/$t")
+    done
+fi
+[ -z "$DRIVER" ] || modinfo -F vermagic "$DRIVER" | grep -q "^$KVER " \
+    || die "$DRIVER is not built for $KVER"
+
+# In dependency order (modprobe --show-depends virtio_pci).
+VIRTIO_MODS="virtio_ring virtio virtio_pci_modern_dev virtio_pci_legacy_dev virtio_pci"
+l2_adds=(--add "$WORK/l2-cmd.sh:/l2-cmd.sh")
+for m in $VIRTIO_MODS; do
+    [ -f "$MODDIR/$m.ko" ] || die "no $MODDIR/$m.ko (rebuild the rig: ci/rig/build-l1.sh)"
+    l2_adds+=(--add "$MODDIR/$m.ko:/mods/$m.ko")
+done
+[ -z "$DRIVER" ] || l2_adds+=(--add "$DRIVER:/mods/vgpu.ko")
+[ -z "$EXITCOST" ] || l2_adds+=(--add "$EXITCOST:/bin/exit-cost")
+[ -z "$L2CMD" ] || l2_adds+=(--add "$L2CMD:/l2-user.sh")
+l2_adds+=(${ADDS[@]+"${ADDS[@]}"})
+
+{ echo "VIRTIO_MODS='$VIRTIO_MODS'"; cat <<'L2'
+pci=0 dev=""
+for d in /sys/bus/pci/devices/*; do
+    if [ "$(cat "$d/vendor")" = 0x1af4 ] && [ "$(cat "$d/device")" = 0x107c ]; then
+        pci=1 dev="$d"
+    fi
+done
+# Exit costs before a driver claims BAR0 (the kernel's strict /dev/mem rules refuse
+# mapping a claimed region); sysfs enables memory decoding without a driver.
+if [ -x /bin/exit-cost ] && [ -n "$dev" ]; then
+    echo 1 > "$dev/enable"
+    /bin/exit-cost "$dev" 2000
+    echo 0 > "$dev/enable"
+fi
+for m in $VIRTIO_MODS; do busybox insmod "/mods/$m.ko" || echo "L2-INSMOD-FAIL $m"; done
+[ -z "$dev" ] || { echo "L2-VGPU-PCI ${dev##*/} class=$(cat "$dev/class") irq=$(cat "$dev/irq")"; busybox head -3 "$dev/resource"; }
+virtio=0 vdev=""
+for v in /sys/bus/virtio/devices/*; do
+    [ -e "$v/device" ] || continue
+    if [ "$(cat "$v/device")" = 0x003c ]; then virtio=1 vdev="$v"; fi
+done
+driver=none
+if [ -f /mods/vgpu.ko ]; then
+    driver=fail
+    if busybox insmod /mods/vgpu.ko; then
+        st=$(cat "$vdev/status" 2>/dev/null)
+        echo "L2-VGPU-DRIVER status=$st features=$(cat "$vdev/features" 2>/dev/null)"
+        [ -c /dev/vgpu ] || busybox mdev -s
+        [ "$st" = 0x0000000f ] && [ -c /dev/vgpu ] && driver=ok
+    fi
+fi
+user=none
+if [ -f /l2-user.sh ]; then
+    user=fail
+    sh /l2-user.sh > /tmp/user.log 2>&1
+    cat /tmp/user.log
+    busybox grep -q '^L2-USER-OK' /tmp/user.log && user=ok
+fi
+dmesg | busybox grep -i -E 'vgpu|virtio' | busybox tail -20
+echo "L2-VGPU-RESULT pci=$pci virtio=$virtio driver=$driver user=$user"
+L2
+} > "$WORK/l2-cmd.sh"
+"$RIG/l2-initramfs.sh" --out "$WORK/l2.cpio.gz" "${l2_adds[@]}" >/dev/null
+
+EXPECT="pci=1 virtio=1 driver=$([ -n "$DRIVER" ] && echo ok || echo none) user=$([ -n "$L2CMD" ] && echo ok || echo none)"
+L2_ARGS="console=ttyS0 reboot=k panic=1 pci=conf1 quiet i8042.noaux i8042.nokbd i8042.nomux i8042.nopnp"
+
+cat > "$WORK/cmd.sh" <<CMD
+mkdir -p /tmp/vgpu
+vms=""
+for k in \$(seq 0 $((VMS - 1))); do vms="\$vms --vm vm\$k"; done
+RUST_LOG=info vgpu-backend --socket-dir /tmp/vgpu --vram-mib 256 --sim-idle-sleep-us 5000 \$vms > /tmp/backend.log 2>&1 &
+bp=\$!
+for i in \$(seq 1 100); do [ -S /tmp/vgpu/vm$((VMS - 1)).sock ] && break; sleep 0.1; done
+read -r t0 _ < /proc/uptime
+pids=""
+for k in \$(seq 0 $((VMS - 1))); do
+    : > /tmp/l2-\$k.log
+    RUST_LOG=info vgpu-vmm --vgpu-socket /tmp/vgpu/vm\$k.sock --kernel /l2/vmlinuz \\
+        --initrd /l2/l2.cpio.gz --mem-mib 256 --vcpus $VCPUS --timeout $((TIMEOUT - 60)) \\
+        --cmdline "$L2_ARGS" --serial /tmp/l2-\$k.log > /tmp/vmm-\$k.log 2>&1 &
+    pids="\$pids \$!"
+done
+ok=1 k=0
+for p in \$pids; do
+    wait \$p; rc=\$?
+    read -r t1 _ < /proc/uptime
+    res=\$(grep -a -o 'L2-VGPU-RESULT.*' /tmp/l2-\$k.log | tr -d '\r')
+    up=\$(grep -a -o 'L2-UP uptime=[0-9.]*' /tmp/l2-\$k.log | cut -d= -f2)
+    echo "==== L2 vm\$k serial"; tr -d '\r' < /tmp/l2-\$k.log | grep -a -v '^\$'
+    echo "==== vgpu-vmm vm\$k"; tail -n 15 /tmp/vmm-\$k.log
+    echo "L2-VGPU-CHECK vm=\$k vmm_rc=\$rc l2_uptime_at_init=\${up:-none} done_after=\$(awk -v a=\$t0 -v b=\$t1 'BEGIN{printf "%.1f", b-a}')s \${res:-no result}"
+    [ "\$rc" = 0 ] && [ "\$res" = "L2-VGPU-RESULT $EXPECT" ] || ok=0
+    k=\$((k + 1))
+done
+kill -TERM \$bp; wait \$bp; brc=\$?
+echo "==== vgpu-backend"; tail -n 25 /tmp/backend.log
+echo "L2-VGPU-BACKEND rc=\$brc"
+[ "\$brc" = 0 ] || ok=0
+[ "\$ok" = 1 ]
+CMD
+
+"$RIG/run-l1.sh" --timeout "$TIMEOUT" --script "$WORK/cmd.sh" \
+    --add "$MUSL/vgpu-vmm:/bin/vgpu-vmm" --add "$MUSL/vgpu-backend:/bin/vgpu-backend" \
+    --add "$KERNEL:/l2/vmlinuz" --add "$WORK/l2.cpio.gz:/l2/l2.cpio.gz" \
+    ${EXTRA[@]+"${EXTRA[@]}"}

@@ -1,0 +1,338 @@
+//! Moving chunks between VRAM and the swap store behind a running guest: the pause dance.
+//!
+//! For a batch of chunks of one context (a VRAM object is mapped only in its owner's
+//! context, so only that context's channels can reach it):
+//! 1. **pause** the context's channels — shadow them (a VRAM hold, so neither the scheduler
+//!    nor the operator can unshadow them meanwhile) — and wait until each one's real
+//!    `GP_GET` equals its real `GP_PUT` (the sim advances `GP_GET` only when an entry has
+//!    finished, so the GPU is done with everything released) or it stopped on an error;
+//!    skipped when the object has no GPU mapping (then no channel can reach it);
+//! 2. **copy** the chunk (`vram_read` into the swap memfd, or `vram_write` from it);
+//! 3. **remap** the PTEs of every mapping of the object to the new target at the same GPU
+//!    VA, then `invalidate_tlb` (which waits for accesses in flight);
+//! 4. **remap the aperture** window (SHMEM_MAP of the new backing) so the guest's CPU view
+//!    follows;
+//! 5. **free** the old backing (VRAM chunk, or punch the swap range), **resume** (release
+//!    the holds).
+//!
+//! Runs with the VM's session lock held, so no request of this VM (FREE_MEM, UNMAP,
+//! DESTROY_*) interleaves with a move: freeing a buffer mid-eviction waits for the move
+//! and then frees whatever the chunk's backing is by then.
+
+use std::time::{Duration, Instant};
+
+use log::{debug, warn};
+use vgpu_host_shim::ContextId;
+
+use super::backing::{Loc, ObjBacking, RunTarget};
+use super::stats::MoveReport;
+use super::MoveError;
+use crate::session::{MappingTarget, Session};
+use crate::shmem::ShmMapper;
+
+/// Direction of a move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dir {
+    Out,
+    In,
+}
+
+fn ns(t0: Instant) -> u64 {
+    u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+impl Session {
+    /// GPU VAs at which `ctx` maps VRAM object `mem`.
+    fn object_vas(&self, ctx: u32, mem: u32) -> Vec<u64> {
+        self.state
+            .mappings
+            .range((ctx, 0)..=(ctx, u64::MAX))
+            .filter(|(_, m)| m.target == MappingTarget::Vram { mem })
+            .map(|((_, va), _)| *va)
+            .collect()
+    }
+
+    /// Shadows the channels of `ctx` and waits until the GPU finished what they released.
+    /// Returns the held channels (to release) and the drain time.
+    fn pause_context(
+        &mut self,
+        ctx: u32,
+        shm: &dyn ShmMapper,
+        timeout: Duration,
+    ) -> Result<(Vec<u32>, u64), MoveError> {
+        let chans: Vec<u32> = self
+            .state
+            .channels
+            .iter()
+            .filter(|(_, c)| c.ctx == ctx && c.slot_mapped)
+            .map(|(id, _)| *id)
+            .collect();
+        let mut held = Vec::with_capacity(chans.len());
+        for ch in chans {
+            match self.vram_hold(ch, true, shm) {
+                Ok(_) => held.push(ch),
+                Err(e) => {
+                    self.resume(&held, shm);
+                    return Err(MoveError::Pause(e.to_string()));
+                }
+            }
+        }
+        let t0 = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            let mut busy = false;
+            for &ch in &held {
+                let Some(hch) = self.hal.channels.get(&ch).copied() else {
+                    continue;
+                };
+                if matches!(self.gpu.channel_error(hch), Ok(Some(_))) {
+                    continue;
+                }
+                match self.peek_channel(ch) {
+                    Ok(p) if p.gp_get != p.real_put => busy = true,
+                    _ => {}
+                }
+            }
+            if !busy {
+                break;
+            }
+            if t0.elapsed() > timeout {
+                self.resume(&held, shm);
+                return Err(MoveError::DrainTimeout);
+            }
+            spins += 1;
+            if spins < 64 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+        Ok((held, ns(t0)))
+    }
+
+    fn resume(&mut self, held: &[u32], shm: &dyn ShmMapper) {
+        for &ch in held {
+            if let Err(e) = self.vram_hold(ch, false, shm) {
+                // The slot may still show the shadow page; the hold is gone, so the
+                // scheduler's next unshadow (or a retry) maps the real page back.
+                warn!("VRAM manager: resume channel {ch}: {e}");
+            }
+        }
+    }
+
+    /// Moves chunks `idx` of object `mem` in direction `dir` (chunks already there are
+    /// skipped). For `In`, stops early when VRAM runs out. The channels of the object's
+    /// context are paused once for the whole batch.
+    pub(crate) fn move_chunks(
+        &mut self,
+        mem: u32,
+        idx: &[usize],
+        dir: Dir,
+        shm: &dyn ShmMapper,
+        timeout: Duration,
+    ) -> Result<MoveReport, MoveError> {
+        let (ctx, pid, aperture) = {
+            let m = self.state.mems.get(&mem).ok_or(MoveError::Gone)?;
+            (m.ctx, m.pid, m.aperture)
+        };
+        let hctx: ContextId = self
+            .hal
+            .contexts
+            .get(&ctx)
+            .map(|(h, _)| *h)
+            .ok_or(MoveError::Gone)?;
+        let mut b: ObjBacking = self.hal.vram.get(&mem).cloned().ok_or(MoveError::Gone)?;
+        let mut todo: Vec<usize> = idx
+            .iter()
+            .copied()
+            .filter(|&i| {
+                b.chunks.get(i).is_some_and(|c| match dir {
+                    Dir::Out => matches!(c.loc, Loc::Vram(_)),
+                    Dir::In => c.loc == Loc::Swap,
+                })
+            })
+            .collect();
+        if todo.is_empty() {
+            return Ok(MoveReport::default());
+        }
+        let region = self
+            .ensure_swap_region(&mut b)
+            .map_err(|_| MoveError::NoSwap)?;
+        let store = self.swap_store().map_err(|_| MoveError::NoSwap)?;
+        // New VRAM for a swap-in is allocated before pausing anyone.
+        let mut new_vram: Vec<(usize, u64)> = Vec::new();
+        if dir == Dir::In {
+            for &i in &todo {
+                match self.gpu.alloc_vram(b.chunks[i].len, b.align) {
+                    Ok(a) => new_vram.push((i, a.offset)),
+                    Err(_) => break,
+                }
+            }
+            todo.truncate(new_vram.len());
+            if todo.is_empty() {
+                return Err(MoveError::NoVram);
+            }
+        }
+        let vas = self.object_vas(ctx, mem);
+        let t0 = Instant::now();
+        let (held, drain_ns) = if vas.is_empty() {
+            (Vec::new(), 0)
+        } else {
+            match self.pause_context(ctx, shm, timeout) {
+                Ok(v) => v,
+                Err(e) => {
+                    for (_, o) in &new_vram {
+                        let _ = self.gpu.free_vram(*o);
+                    }
+                    if e == MoveError::DrainTimeout {
+                        self.swap.counters.vm.drain_timeouts += 1;
+                    }
+                    return Err(e);
+                }
+            }
+        };
+        let mut report = MoveReport {
+            channels_paused: held.len() as u32,
+            drain_ns,
+            ..MoveReport::default()
+        };
+        let tc = Instant::now();
+        let mut moved: Vec<(usize, Loc)> = Vec::new();
+        let mut failed = None;
+        for (k, &i) in todo.iter().enumerate() {
+            let c = b.chunks[i];
+            let swap_off = region + c.off;
+            let Some(ptr) = store.ptr(swap_off, c.len) else {
+                failed = Some(MoveError::NoSwap);
+                break;
+            };
+            let len = c.len as usize;
+            let (new_loc, new_target) = match (dir, c.loc) {
+                (Dir::Out, Loc::Vram(o)) => {
+                    store.populate(swap_off, c.len);
+                    // SAFETY: `ptr..ptr+len` lies in the swap store's mapping (checked by
+                    // `ptr`); no GPU mapping and no guest view leads there while the chunk
+                    // is resident, and the session lock excludes other movers.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+                    if let Err(e) = self.gpu.vram_read(o, dst) {
+                        failed = Some(MoveError::Hal(e.to_string()));
+                        break;
+                    }
+                    (Loc::Swap, RunTarget::Swap(swap_off))
+                }
+                (Dir::In, Loc::Swap) => {
+                    let o = new_vram[k].1;
+                    // SAFETY: as above; the channels that could write the swap copy are
+                    // paused, so it does not change while we read it.
+                    let src = unsafe { std::slice::from_raw_parts(ptr, len) };
+                    if let Err(e) = self.gpu.vram_write(o, src) {
+                        failed = Some(MoveError::Hal(e.to_string()));
+                        break;
+                    }
+                    (Loc::Vram(o), RunTarget::Vram(o))
+                }
+                _ => continue,
+            };
+            let mut ok = true;
+            for &va in &vas {
+                if let Err(e) = self
+                    .gpu
+                    .remap(hctx, va + c.off, c.len, new_target.map_target())
+                {
+                    warn!("VRAM manager: remap ctx {ctx} va {:#x}: {e}", va + c.off);
+                    ok = false;
+                }
+            }
+            if !ok {
+                // Put every mapping back on the old backing, which is still intact.
+                if let Some(old) = b.chunk_target(&c) {
+                    for &va in &vas {
+                        let _ = self.gpu.remap(hctx, va + c.off, c.len, old.map_target());
+                    }
+                }
+                failed = Some(MoveError::Hal("remap".into()));
+                break;
+            }
+            moved.push((i, new_loc));
+        }
+        // New translations become visible; no engine uses the old ones after this.
+        if !vas.is_empty() {
+            if let Err(e) = self.gpu.invalidate_tlb(hctx) {
+                warn!("VRAM manager: invalidate ctx {ctx}: {e}");
+            }
+        }
+        // The guest's CPU view follows, then the old backing goes.
+        let mut done = Vec::new();
+        for (i, new_loc) in moved {
+            let c = b.chunks[i];
+            if let Some(ap) = aperture {
+                let t = match new_loc {
+                    Loc::Vram(o) => RunTarget::Vram(o),
+                    Loc::Swap => RunTarget::Swap(region + c.off),
+                };
+                let res = self
+                    .cpu_range(t, c.len)
+                    .map_err(|e| e.to_string())
+                    .and_then(|(fd, off)| {
+                        shm.map(ap + c.off, fd, off, c.len, true)
+                            .map_err(|e| e.to_string())
+                    });
+                if let Err(e) = res {
+                    // The window may still show the old backing: keep it, move the GPU
+                    // back onto it (nothing ran meanwhile: the channels are paused).
+                    warn!("VRAM manager: aperture remap of object {mem}: {e}");
+                    if let Some(old) = b.chunk_target(&c) {
+                        for &va in &vas {
+                            let _ = self.gpu.remap(hctx, va + c.off, c.len, old.map_target());
+                        }
+                        let _ = self.gpu.invalidate_tlb(hctx);
+                    }
+                    // (New VRAM of a swap-in is freed below: it is not in `done`.)
+                    failed = Some(MoveError::Aperture(e));
+                    continue;
+                }
+            }
+            match c.loc {
+                Loc::Vram(o) => {
+                    if let Err(e) = self.gpu.free_vram(o) {
+                        warn!("VRAM manager: free chunk {o:#x}: {e}");
+                    }
+                }
+                // The swap copy's pages stay committed for the object's next eviction
+                // (faulting them in again would dominate the copy); they go back to the
+                // host when the object is freed.
+                Loc::Swap => {}
+            }
+            b.chunks[i].loc = new_loc;
+            if dir == Dir::In {
+                // Just brought in: not the next victim. An evicted chunk keeps its age, so
+                // it does not look hotter than the resident ones.
+                b.chunks[i].last_used = self.swap.epoch;
+            }
+            report.chunks += 1;
+            report.bytes += c.len;
+            done.push(i);
+        }
+        // Unused new VRAM (a failure cut the batch short).
+        for (i, o) in &new_vram {
+            if !done.contains(i) && b.chunks[*i].loc != Loc::Vram(*o) {
+                let _ = self.gpu.free_vram(*o);
+            }
+        }
+        report.copy_ns = ns(tc);
+        self.resume(&held, shm);
+        report.pause_ns = if held.is_empty() { 0 } else { ns(t0) };
+        self.hal.vram.insert(mem, b);
+        self.swap
+            .counters
+            .record_move(pid, &report, dir == Dir::Out);
+        if let Some(e) = failed {
+            self.swap.counters.vm.move_failures += 1;
+            debug!("VRAM manager: move of object {mem} cut short: {e}");
+            if report.chunks == 0 {
+                return Err(e);
+            }
+        }
+        Ok(report)
+    }
+}

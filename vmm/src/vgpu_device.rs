@@ -1,0 +1,296 @@
+//! The vgpu device of the KVM VMM: what the virtio-pci transport
+//! ([`crate::virtio_pci`]) exposes is a vhost-user connection to `vgpu-backend`.
+//!
+//! - At VM creation [`VhostUserVgpu::connect`] connects to the backend's socket and
+//!   negotiates (a refused socket or a backend without the SHMEM protocol feature is a
+//!   setup error, before the guest runs). The backend's shared-memory requests
+//!   (SHMEM_MAP/UNMAP) are served into the [`ShmWindow`] that the VMM registers as the
+//!   memslot behind the shared-memory BAR, so a remap is seen by the guest at once.
+//! - At `DRIVER_OK` the driver's ring addresses (guest-physical) are translated to this
+//!   process's addresses and handed over with the guest memory table; the queues'
+//!   kick eventfds are the ioeventfds on the doorbells, the call eventfds are what the
+//!   interrupt forwarder ([`crate::boot::intx`]) waits on.
+//! - A driver reset stops the rings and sends RESET_DEVICE: the backend frees everything
+//!   the guest created, and the driver may start over on the same connection.
+//!
+//! The device configuration is read from the backend once, at connect (it is constant).
+
+use std::io;
+use std::os::fd::RawFd;
+use std::path::Path;
+use std::sync::Arc;
+
+use log::{info, warn};
+use thiserror::Error;
+use vgpu_protocol::device::VIRTIO_ID_VGPU;
+use vgpu_protocol::device::{DeviceConfig, NUM_QUEUES, QUEUE_SIZE, SHM_REGION_ID, SHM_SIZE};
+use vhost::vhost_user::VhostUserProtocolFeatures;
+use vhost::VhostUserMemoryRegionInfo;
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::frontend::{DeviceRequirements, FrontendError, QueueSetup, VhostUserDevice};
+use crate::guest_memory::GuestRam;
+use crate::shm_window::{ShmHandler, ShmWindow};
+use crate::virtio_pci::{ActivateError, VirtioBackend, VirtqConfig};
+
+/// What a vgpu frontend needs of the backend: both queues, the shared-memory region of
+/// the protocol's size, config space, the backend channel for SHMEM_MAP with acks. (A
+/// frontend whose guest can reset the device also needs `RESET_DEVICE`.)
+pub fn vgpu_requirements() -> DeviceRequirements {
+    DeviceRequirements {
+        num_queues: NUM_QUEUES,
+        virtio_features: 1 << VIRTIO_F_VERSION_1,
+        protocol_features: VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::BACKEND_REQ
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::SHMEM,
+        shm_regions: vec![(SHM_REGION_ID, SHM_SIZE)],
+        config_size: DeviceConfig::SIZE as u32,
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum VgpuDeviceError {
+    #[error("vgpu backend at {path}: {source}")]
+    Frontend { path: String, source: FrontendError },
+    #[error("vgpu backend at {0}: malformed device configuration space")]
+    BadConfig(String),
+    #[error("the shared-memory window has {have:#x} bytes, the device needs {want:#x}")]
+    WindowSize { have: u64, want: u64 },
+    #[error("creating an eventfd failed: {0}")]
+    EventFd(io::Error),
+}
+
+/// A guest-physical range of RAM and where this process maps it.
+#[derive(Debug, Clone, Copy)]
+struct RamSpan {
+    gpa: u64,
+    len: u64,
+    host: u64,
+}
+
+/// The vgpu device over a vhost-user connection (see the module documentation).
+pub struct VhostUserVgpu {
+    dev: VhostUserDevice,
+    window: Arc<ShmWindow>,
+    mem_table: Vec<VhostUserMemoryRegionInfo>,
+    ram: Vec<RamSpan>,
+    config: Vec<u8>,
+    kicks: Vec<Arc<EventFd>>,
+    calls: Vec<Arc<EventFd>>,
+    /// Queues handed to the backend by the last activation.
+    active_queues: Vec<usize>,
+    activations: u64,
+}
+
+impl std::fmt::Debug for VhostUserVgpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VhostUserVgpu")
+            .field("active_queues", &self.active_queues)
+            .field("activations", &self.activations)
+            .finish()
+    }
+}
+
+fn eventfd() -> Result<Arc<EventFd>, VgpuDeviceError> {
+    EventFd::new(EFD_NONBLOCK)
+        .map(Arc::new)
+        .map_err(VgpuDeviceError::EventFd)
+}
+
+impl VhostUserVgpu {
+    /// Connects to the backend at `socket`. The guest's RAM is described to the backend
+    /// from `ram` (whose mappings must outlive this device); SHMEM_MAP requests land in
+    /// `window`.
+    pub fn connect(
+        socket: &Path,
+        ram: &GuestRam,
+        window: Arc<ShmWindow>,
+    ) -> Result<Self, VgpuDeviceError> {
+        if window.len() != SHM_SIZE {
+            return Err(VgpuDeviceError::WindowSize {
+                have: window.len(),
+                want: SHM_SIZE,
+            });
+        }
+        let path = socket.display().to_string();
+        let handler = Arc::new(ShmHandler::new(vec![window.clone()]));
+        // A guest driver resets the device on unload and reboot: the backend must then free
+        // what the guest created without a disconnect.
+        let mut reqs = vgpu_requirements();
+        reqs.protocol_features |= VhostUserProtocolFeatures::RESET_DEVICE;
+        let dev = VhostUserDevice::connect(socket, &reqs, handler).map_err(|source| {
+            VgpuDeviceError::Frontend {
+                path: path.clone(),
+                source,
+            }
+        })?;
+        let config = dev.config().to_vec();
+        let decoded = DeviceConfig::decode(&config).ok_or(VgpuDeviceError::BadConfig(path))?;
+        info!(
+            "vgpu: connected to {}: protocol {}, {} channel slots, {} MiB VRAM",
+            socket.display(),
+            decoded.version,
+            decoded.channel_slots,
+            decoded.vram_bytes >> 20
+        );
+        let ram_spans = ram
+            .regions()
+            .iter()
+            .map(|r| RamSpan {
+                gpa: r.gpa(),
+                len: r.len(),
+                host: r.host_addr() as u64,
+            })
+            .collect();
+        Ok(VhostUserVgpu {
+            dev,
+            window,
+            mem_table: ram.vhost_regions(),
+            ram: ram_spans,
+            config,
+            kicks: (0..NUM_QUEUES)
+                .map(|_| eventfd())
+                .collect::<Result<_, _>>()?,
+            calls: (0..NUM_QUEUES)
+                .map(|_| eventfd())
+                .collect::<Result<_, _>>()?,
+            active_queues: Vec::new(),
+            activations: 0,
+        })
+    }
+
+    /// The kick eventfd of queue `q` (to register as an ioeventfd on its doorbell).
+    pub fn kick(&self, q: usize) -> Option<&Arc<EventFd>> {
+        self.kicks.get(q)
+    }
+    /// The call eventfds of all queues (signalled by the backend).
+    pub fn calls(&self) -> &[Arc<EventFd>] {
+        &self.calls
+    }
+    /// The vhost-user socket, to watch for the backend hanging up.
+    pub fn socket_fd(&self) -> RawFd {
+        self.dev.socket_fd()
+    }
+    /// The shared-memory window behind the BAR.
+    pub fn window(&self) -> &Arc<ShmWindow> {
+        &self.window
+    }
+    /// Successful activations so far.
+    pub fn activations(&self) -> u64 {
+        self.activations
+    }
+    /// Virtio features the backend acked in the last activation.
+    pub fn acked_features(&self) -> u64 {
+        self.dev.acked_features()
+    }
+
+    /// This process's address of `len` bytes of guest RAM at `gpa`.
+    fn host_addr(&self, gpa: u64, len: u64) -> Option<u64> {
+        let end = gpa.checked_add(len)?;
+        self.ram
+            .iter()
+            .find(|s| gpa >= s.gpa && end <= s.gpa + s.len)
+            .map(|s| s.host + (gpa - s.gpa))
+    }
+
+    /// Byte sizes of a split ring's parts for `size` entries (virtio 1.x §2.7).
+    fn ring_sizes(size: u16) -> (u64, u64, u64) {
+        let n = u64::from(size);
+        (16 * n, 6 + 2 * n, 6 + 8 * n)
+    }
+}
+
+impl VirtioBackend for VhostUserVgpu {
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_VGPU
+    }
+    fn num_queues(&self) -> usize {
+        NUM_QUEUES
+    }
+    fn queue_max_size(&self) -> u16 {
+        QUEUE_SIZE
+    }
+    fn features(&self) -> u64 {
+        // Everything the backend offers but the vhost-user protocol bit, which is the
+        // frontend's business.
+        self.dev.offered_features()
+            & !vhost::vhost_user::VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+    }
+    fn config_size(&self) -> u64 {
+        self.config.len() as u64
+    }
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        for (i, d) in data.iter_mut().enumerate() {
+            *d = usize::try_from(offset)
+                .ok()
+                .and_then(|o| self.config.get(o + i))
+                .copied()
+                .unwrap_or(0);
+        }
+    }
+    fn shm_regions(&self) -> Vec<(u8, u64)> {
+        vec![(SHM_REGION_ID, SHM_SIZE)]
+    }
+
+    fn activate(&mut self, features: u64, queues: &[VirtqConfig]) -> Result<(), ActivateError> {
+        let mut setups = Vec::new();
+        for q in queues.iter().filter(|q| q.ready) {
+            let i = usize::from(q.index);
+            let (dlen, alen, ulen) = Self::ring_sizes(q.size);
+            let (Some(desc), Some(avail), Some(used)) = (
+                self.host_addr(q.desc, dlen),
+                self.host_addr(q.avail, alen),
+                self.host_addr(q.used, ulen),
+            ) else {
+                warn!("vgpu: queue {i}: ring outside guest RAM: {q:x?}");
+                return Err(ActivateError::BadQueue(q.index));
+            };
+            let (Some(call), Some(kick)) = (self.calls.get(i), self.kicks.get(i)) else {
+                return Err(ActivateError::BadQueue(q.index));
+            };
+            setups.push(QueueSetup {
+                index: i,
+                size: q.size,
+                desc_addr: desc,
+                avail_addr: avail,
+                used_addr: used,
+                call,
+                kick,
+            });
+        }
+        self.dev
+            .activate(features, &self.mem_table, &setups)
+            .map_err(|e| ActivateError::Backend(e.to_string()))?;
+        self.active_queues = setups.iter().map(|s| s.index).collect();
+        self.activations += 1;
+        info!(
+            "vgpu: device active, features {:#x}, queues {:?}",
+            self.dev.acked_features(),
+            self.active_queues
+        );
+        Ok(())
+    }
+
+    fn queue_notify(&mut self, index: u16) {
+        // A doorbell that reached us as an MMIO exit (no ioeventfd at its address yet):
+        // pass it on as the kick the ioeventfd would have given.
+        if let Some(k) = self.kicks.get(usize::from(index)) {
+            if let Err(e) = k.write(1) {
+                warn!("vgpu: kicking queue {index}: {e}");
+            }
+        }
+    }
+
+    fn reset(&mut self) {
+        let queues = std::mem::take(&mut self.active_queues);
+        match self.dev.reset(&queues) {
+            Ok(()) => info!("vgpu: device reset"),
+            Err(e) => warn!("vgpu: device reset: {e}"),
+        }
+        // Whatever the backend did not unmap (it should have unmapped everything) goes.
+        self.window.clear();
+    }
+}
