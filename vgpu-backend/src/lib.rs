@@ -11,7 +11,10 @@
 //! - [`events`]: GPU events → per-VM FIFO → event virtqueue;
 //! - [`sched`]: the GPU scheduler (VM weights, per-process shares, shadowing over-users,
 //!   policies none/timeslice/fair/sampling, kernel watchdog, share accounting);
-//! - [`vram`]: the VRAM manager (per-VM shares, transparent swapping to system memory).
+//! - [`vram`]: the VRAM manager (per-VM shares, transparent swapping to system memory);
+//! - [`control`]: operator controls of a VM (pause, resume, drain, VRAM quota);
+//! - [`api`]: the operator HTTP/JSON control API on a unix socket, its client, metrics;
+//! - [`config`]: the daemon's TOML configuration.
 //!
 //! # What a frontend must do
 //!
@@ -44,6 +47,9 @@
 //! guest driver must re-create its contexts, buffers and channels. Per-PID busy-time books
 //! and the request/error/disconnect counters of a VM do survive reconnects (not restarts).
 
+pub mod api;
+pub mod config;
+pub mod control;
 pub mod error;
 pub mod events;
 pub mod guest_mem;
@@ -71,6 +77,7 @@ use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
 use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::epoll::EventSet;
 
+pub use control::{ChannelInfo, ControlError, DrainOutcome, PauseOutcome};
 pub use error::{BackendError, ShmError};
 pub use events::{EventQueue, EVENT_FIFO_CAPACITY};
 pub use guest_mem::{GuestMemory, GuestSysMemory};
@@ -102,6 +109,8 @@ pub(crate) struct VmState {
     shm: Mutex<Option<Arc<VhostShm>>>,
     /// Operator weight for the scheduler ([`sched::MIN_WEIGHT`]..=[`sched::MAX_WEIGHT`]).
     pub(crate) weight: AtomicU32,
+    /// Operator pause and VRAM quota ([`control`]).
+    pub(crate) control: control::VmControl,
 }
 
 impl VmState {
@@ -111,7 +120,7 @@ impl VmState {
 
     /// VRAM the config space advertises: the VM's limit, at most the GPU's size.
     pub(crate) fn config_vram_bytes(&self) -> u64 {
-        self.limits.vram_bytes.min(self.gpu_vram)
+        self.control.vram_quota().min(self.gpu_vram)
     }
 }
 
@@ -220,6 +229,7 @@ impl VgpuBackend {
             conn: Mutex::new(None),
             shm: Mutex::new(None),
             weight: AtomicU32::new(sched::DEFAULT_WEIGHT),
+            control: control::VmControl::new(limits.vram_bytes),
         });
         let stop = self.stop.clone();
         let vm2 = vm.clone();
@@ -252,7 +262,10 @@ impl VgpuBackend {
 
     /// The limits a VM runs with.
     pub fn vm_limits(&self, name: &str) -> Option<VmLimits> {
-        self.vm(name).map(|vm| vm.limits)
+        self.vm(name).map(|vm| VmLimits {
+            vram_bytes: vm.control.vram_quota(),
+            ..vm.limits
+        })
     }
 
     /// GPU busy time of a VM per guest PID (live and destroyed channels), sorted by PID.
@@ -272,7 +285,8 @@ impl VgpuBackend {
     }
 
     /// Shadows (`on`) or unshadows a channel of VM `name`: its BAR slot is remapped through
-    /// the VM's vhost-user backend request channel (see [`shadow`]).
+    /// the VM's vhost-user backend request channel (see [`shadow`]). While the operator
+    /// has the VM paused, an unshadow is remembered but not carried out ([`control`]).
     pub fn shadow_channel(
         &self,
         name: &str,
@@ -289,7 +303,16 @@ impl VgpuBackend {
             .clone()
             .ok_or(ShadowError::NotConnected)?;
         let mut session = vm.lock_session();
-        session.shadow_channel(guest_channel, on, shm.as_ref())
+        if !on && session.hold.paused {
+            if !session.state.channels.contains_key(&guest_channel) {
+                return Err(ShadowError::NoChannel(guest_channel));
+            }
+            session.hold.note_other(guest_channel, false);
+            return Ok(ShadowSwitch::default());
+        }
+        let switch = session.shadow_channel(guest_channel, on, shm.as_ref())?;
+        session.hold.note_other(guest_channel, on);
+        Ok(switch)
     }
 
     /// Lets at most `n` more entries of a shadowed channel run; returns how many were
@@ -304,6 +327,10 @@ impl VgpuBackend {
             .vm(name)
             .ok_or_else(|| ShadowError::NoVm(name.to_string()))?;
         let mut session = vm.lock_session();
+        if session.hold.paused {
+            // The operator's pause holds everything back.
+            return Ok(0);
+        }
         session.release_capped(guest_channel, n)
     }
 

@@ -5,32 +5,43 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
+use clap::parser::ValueSource;
 use clap::Parser;
+use clap::{ArgMatches, CommandFactory, FromArgMatches};
 use log::{error, info};
+use vgpu_backend::api::{ApiOptions, ApiServer};
+use vgpu_backend::config::FileConfig;
 use vgpu_backend::{SchedArgs, VgpuBackend, VmLimits};
 use vgpu_host_shim::{Gpu, SimConfig, SimGpu};
 
 #[derive(Debug, Parser)]
 #[command(name = "vgpu-backend", version, about)]
 struct Cli {
+    /// TOML configuration (see docs/vgpu-backend.example.toml); flags override it.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
     /// Directory of the VM sockets (`DIR/NAME.sock`).
     #[arg(long, value_name = "DIR")]
-    socket_dir: PathBuf,
-    /// A VM to serve (repeatable).
-    #[arg(long = "vm", value_name = "NAME", required = true)]
+    socket_dir: Option<PathBuf>,
+    /// A VM to serve (repeatable); replaces the config file's VM list (a listed VM keeps
+    /// its settings from the file).
+    #[arg(long = "vm", value_name = "NAME")]
     vms: Vec<String>,
-    /// VRAM of the sim GPU, MiB.
-    #[arg(long, default_value_t = 1024)]
-    vram_mib: u64,
-    /// Compute engines of the sim GPU.
-    #[arg(long, default_value_t = 1)]
-    compute_engines: u32,
-    /// Channels the sim GPU supports in total.
-    #[arg(long, default_value_t = 256)]
-    gpu_max_channels: u32,
-    /// Contexts the sim GPU supports in total.
-    #[arg(long, default_value_t = 256)]
-    gpu_max_contexts: u32,
+    /// Unix socket of the operator control API.
+    #[arg(long, value_name = "PATH")]
+    api_socket: Option<PathBuf>,
+    /// VRAM of the sim GPU, MiB [default: 1024].
+    #[arg(long)]
+    vram_mib: Option<u64>,
+    /// Compute engines of the sim GPU [default: 1].
+    #[arg(long)]
+    compute_engines: Option<u32>,
+    /// Channels the sim GPU supports in total [default: 256].
+    #[arg(long)]
+    gpu_max_channels: Option<u32>,
+    /// Contexts the sim GPU supports in total [default: 256].
+    #[arg(long)]
+    gpu_max_contexts: Option<u32>,
     /// Longest sleep of the sim GPU's idle PFIFO between polls of GP_PUT, microseconds:
     /// the latency of a submission after an idle spell vs. the CPU an idle GPU model
     /// costs. Raise it where CPU is dear (the nested rig runs the backend under TCG, where
@@ -56,6 +67,83 @@ struct Cli {
     vm_swap_mib: Option<u64>,
     #[command(flatten)]
     sched: SchedArgs,
+}
+
+impl Cli {
+    /// The configuration file (or an empty one) with the flags applied over it.
+    /// `given` tells whether a flag (by its argument id) was on the command line.
+    fn file_config(&self, given: impl Fn(&str) -> bool) -> Result<FileConfig, String> {
+        let mut f = match &self.config {
+            Some(p) => FileConfig::load(p).map_err(|e| e.to_string())?,
+            None => FileConfig::default(),
+        };
+        if let Some(d) = &self.socket_dir {
+            f.socket_dir = Some(d.clone());
+        }
+        if !self.vms.is_empty() {
+            let old = std::mem::take(&mut f.vm);
+            for name in &self.vms {
+                let mut e = old
+                    .iter()
+                    .find(|v| v.name == *name)
+                    .cloned()
+                    .unwrap_or_default();
+                e.name = name.clone();
+                // An explicit --socket-dir places every listed VM there.
+                if self.socket_dir.is_some() {
+                    e.socket = None;
+                }
+                f.vm.push(e);
+            }
+        }
+        if let Some(p) = &self.api_socket {
+            f.api.socket = Some(p.clone());
+        }
+        // Scheduler flags override the file only where given (they all have defaults).
+        let a = &self.sched;
+        let s = &mut f.scheduler;
+        if given("sched_policy") {
+            s.policy = Some(a.sched_policy.name().to_string());
+        }
+        if given("sched_interval_ms") {
+            s.interval_ms = Some(a.sched_interval_ms);
+        }
+        if given("sched_threshold_us") {
+            s.threshold_us = Some(a.sched_threshold_us);
+        }
+        if given("sched_slice_ms") {
+            s.slice_ms = Some(a.sched_slice_ms);
+        }
+        if given("sched_sample_period_ms") {
+            s.sample_period_ms = Some(a.sched_sample_period_ms);
+        }
+        if a.sched_charge_idle {
+            s.charge_idle = Some(true);
+        }
+        s.unshadow_cap = a.sched_unshadow_cap.or(s.unshadow_cap);
+        s.watchdog_ms = a.watchdog_ms.or(s.watchdog_ms);
+        let g = &mut f.gpu;
+        g.vram_mib = self.vram_mib.or(g.vram_mib);
+        g.compute_engines = self.compute_engines.or(g.compute_engines);
+        g.max_channels = self.gpu_max_channels.or(g.max_channels);
+        g.max_contexts = self.gpu_max_contexts.or(g.max_contexts);
+        // Per-VM flags apply to every VM, over the file's per-VM values.
+        for v in &mut f.vm {
+            v.vram_mib = self.vm_vram_mib.or(v.vram_mib);
+            v.max_contexts = self.vm_max_contexts.or(v.max_contexts);
+            v.max_channels = self.vm_max_channels.or(v.max_channels);
+            v.mapped_guest_mib = self.vm_mapped_guest_mib.or(v.mapped_guest_mib);
+            v.swap_mib = self.vm_swap_mib.or(v.swap_mib);
+        }
+        for (name, w) in &a.vm_weights {
+            let v =
+                f.vm.iter_mut()
+                    .find(|v| v.name == *name)
+                    .ok_or_else(|| format!("--vm-weight {name}={w}: no VM {name:?}"))?;
+            v.weight = Some(*w);
+        }
+        Ok(f)
+    }
 }
 
 /// Blocks SIGINT and SIGTERM in this thread (and so in every thread started after) and
@@ -88,69 +176,78 @@ fn wait_for_signal(set: &libc::sigset_t) -> i32 {
     }
 }
 
-fn run(cli: Cli) -> Result<(), String> {
+fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
+    let given = |id: &str| matches.value_source(id) == Some(ValueSource::CommandLine);
+    let cfg = cli
+        .file_config(given)?
+        .resolve()
+        .map_err(|e| format!("configuration: {e}"))?;
+    if cfg.vms.is_empty() {
+        return Err("no VM to serve: give --vm NAME or [[vm]] in the config file".into());
+    }
     let set = block_signals().map_err(|e| format!("blocking signals: {e}"))?;
-    let vram_bytes = cli
-        .vram_mib
-        .checked_mul(1 << 20)
-        .ok_or("--vram-mib too large")?;
     let gpu = SimGpu::new(SimConfig {
-        vram_bytes,
-        compute_engines: cli.compute_engines,
-        max_channels: cli.gpu_max_channels,
-        max_contexts: cli.gpu_max_contexts,
+        vram_bytes: cfg.gpu.vram_bytes,
+        compute_engines: cfg.gpu.compute_engines,
+        max_channels: cfg.gpu.max_channels,
+        max_contexts: cfg.gpu.max_contexts,
         max_idle_sleep_ns: cli.sim_idle_sleep_us * 1000,
         ..SimConfig::default()
     })
     .map_err(|e| format!("sim GPU: {e}"))?;
     let info = gpu.info();
-    let defaults = VmLimits::default();
-    let mib = |m: u64| m.checked_mul(1 << 20).ok_or("limit too large");
-    let limits = VmLimits {
-        max_contexts: cli.vm_max_contexts.unwrap_or(defaults.max_contexts),
-        max_channels: cli.vm_max_channels.unwrap_or(defaults.max_channels),
-        vram_bytes: match cli.vm_vram_mib {
-            Some(m) => mib(m)?,
-            None => info.vram_bytes,
-        },
-        mapped_guest_bytes: match cli.vm_mapped_guest_mib {
-            Some(m) => mib(m)?,
-            None => defaults.mapped_guest_bytes,
-        },
-        swap_bytes: match cli.vm_swap_mib {
-            Some(m) => mib(m)?,
-            None => defaults.swap_bytes,
-        },
-    };
-    std::fs::create_dir_all(&cli.socket_dir)
-        .map_err(|e| format!("{}: {e}", cli.socket_dir.display()))?;
     let gpu: Arc<dyn Gpu> = gpu;
-    let backend = VgpuBackend::new(gpu, limits);
-    for name in &cli.vms {
-        let socket = cli.socket_dir.join(format!("{name}.sock"));
+    let backend = VgpuBackend::new(gpu, VmLimits::default());
+    for vm in &cfg.vms {
+        if let Some(dir) = vm.socket.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        }
         backend
-            .serve_vm(name, &socket)
-            .map_err(|e| format!("VM {name}: {e}"))?;
+            .serve_vm_with_limits(&vm.name, &vm.socket, vm.limits)
+            .map_err(|e| format!("VM {}: {e}", vm.name))?;
+        backend
+            .set_vm_weight(&vm.name, vm.weight)
+            .map_err(|e| format!("VM {}: {e}", vm.name))?;
+        info!(
+            "VM {}: weight {}, limits {:?}",
+            vm.name, vm.weight, vm.limits
+        );
     }
-    cli.sched
-        .apply(&backend)
+    backend
+        .start_scheduler(cfg.scheduler)
         .map_err(|e| format!("scheduler: {e}"))?;
+    let api = match &cfg.api_socket {
+        Some(p) => {
+            if let Some(dir) = p.parent() {
+                std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            }
+            Some(ApiServer::start(&backend, p, ApiOptions::default()).map_err(|e| e.to_string())?)
+        }
+        None => None,
+    };
     info!(
-        "serving {} VM(s) on {} ({} MiB VRAM, {} engine(s)); limits per VM: {limits:?}",
-        cli.vms.len(),
+        "serving {} VM(s) on {} ({} MiB VRAM, {} engine(s)); policy {}",
+        cfg.vms.len(),
         info.name,
         info.vram_bytes >> 20,
-        info.compute_engines
+        info.compute_engines,
+        cfg.scheduler.policy
     );
     let sig = wait_for_signal(&set);
     info!("signal {sig}: shutting down");
+    drop(api);
     backend.shutdown();
     Ok(())
 }
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
-    match run(Cli::parse()) {
+    let matches = Cli::command().get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
+    match run(cli, &matches) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             error!("{e}");

@@ -305,6 +305,8 @@ pub struct Session {
     pub(crate) hal: HalHandles,
     /// Shadowed channels and the VM's shadow-page pool.
     pub(crate) shadows: crate::shadow::Shadows,
+    /// Operator pause and the channels others hold shadowed ([`crate::control`]).
+    pub(crate) hold: crate::control::OperatorHold,
     /// Swap store and VRAM-manager counters.
     pub(crate) swap: crate::vram::VmSwap,
 }
@@ -319,6 +321,7 @@ impl Session {
             state: SessionState::default(),
             hal: HalHandles::default(),
             shadows: crate::shadow::Shadows::new(),
+            hold: crate::control::OperatorHold::default(),
             swap: crate::vram::VmSwap::default(),
         }
     }

@@ -77,6 +77,8 @@ pub enum ShadowError {
     SlotNotMapped(u32),
     #[error("no frontend connected")]
     NotConnected,
+    #[error("channel {0} is held by the operator's pause")]
+    Paused(u32),
     #[error("SHMEM_MAP: {0}")]
     Shm(#[from] ShmError),
     #[error("GPU: {0}")]
@@ -763,8 +765,20 @@ impl Session {
         self.shadows.release_capped(ch, n)
     }
 
-    /// See [`Shadows::peek`].
+    /// See [`Shadows::peek`]. While the operator has the VM paused this fails with
+    /// [`ShadowError::Paused`], so that a scheduler leaves the channel alone (and counts
+    /// the VM as idle rather than starving everyone else for it); see [`crate::control`].
     pub fn peek_channel(&mut self, ch: u32) -> Result<ChannelPeek, ShadowError> {
+        if self.hold.paused {
+            // The scheduler forgets a channel it cannot peek; so does the hold.
+            self.hold.held_by_others.remove(&ch);
+            return Err(ShadowError::Paused(ch));
+        }
+        self.peek_channel_any(ch)
+    }
+
+    /// [`Session::peek_channel`], paused or not.
+    pub fn peek_channel_any(&mut self, ch: u32) -> Result<ChannelPeek, ShadowError> {
         let c = self
             .state
             .channels

@@ -229,10 +229,15 @@ impl VhuVgpu {
         }
         let reply = {
             let mut session = self.vm.lock_session();
-            match bad {
+            let reply = match bad {
                 Some(code) => session.reject(code),
                 None => session.handle(&req, mem, self.shm.as_ref()),
-            }
+            };
+            // A channel created while the operator has the VM paused starts shadowed.
+            self.vm
+                .control
+                .hold_if_paused(&mut session, self.shm.as_ref());
+            reply
         };
         if writable.is_empty() {
             debug!("control chain without a reply buffer");

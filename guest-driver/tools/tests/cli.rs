@@ -108,7 +108,15 @@ fn demo_runs_every_tenant() {
         "{text}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // Halfway, the demo changed vm2's weight through the control API's socket.
+    assert!(text.contains("vm set-weight vm2 400 -> ok"), "{text}");
     let summary = text.split("summary").nth(1).expect("summary table");
+    let vm2 = summary
+        .lines()
+        .find(|l| l.split_whitespace().count() == 5 && l.starts_with("vm2 "))
+        .unwrap_or_else(|| panic!("no before/after row for vm2:\n{summary}"));
+    let cols: Vec<&str> = vm2.split_whitespace().collect();
+    assert_eq!((cols[1], cols[3]), ("100", "400"), "{vm2}");
     // Every guest process of every VM got GPU time through the backend.
     for (vm, pid, w) in [
         ("vm1", "101", "throttle-2ms"),
@@ -131,5 +139,36 @@ fn demo_runs_every_tenant() {
         assert!(share > 0.0, "{vm}/{w} got no GPU time: {row}");
         let failures: u64 = row.split_whitespace().last().unwrap().parse().unwrap();
         assert_eq!(failures, 0, "{row}");
+    }
+}
+
+#[test]
+fn bench_api_quick_json() {
+    let out = Command::new(env!("CARGO_BIN_EXE_vgpu-bench"))
+        .args(["--json", "--quick", "api"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let figs: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for name in [
+        "weight_change_delay_p50",
+        "weight_change_ticks_p50",
+        "get_info_p50",
+        "put_weight_p99",
+    ] {
+        let f = figs
+            .iter()
+            .find(|f| f["name"] == name)
+            .unwrap_or_else(|| panic!("{name} missing:\n{text}"));
+        assert_eq!(f["suite"], "api");
+        assert!(f["value"].as_f64().unwrap() > 0.0, "{f}");
     }
 }

@@ -4,6 +4,7 @@
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use vgpu_tools::report::{print_json, print_table, Figure};
+use vgpu_tools::suites::api::{self, ApiOpts};
 use vgpu_tools::suites::guest::{self, GuestOpts};
 use vgpu_tools::suites::sched::{self, SchedOpts};
 use vgpu_tools::suites::sim::{self, SimOpts};
@@ -29,6 +30,8 @@ enum Suite {
     Sim,
     /// The same workloads natively and through vgpu-backend + a loopback VM, side by side.
     Virt,
+    /// The operator control API: weight-change delay under load, request latency.
+    Api,
     /// The workloads and submission round trips through /dev/vgpu (in a VM), or on an
     /// in-process sim with --native (the baseline to run outside the VM).
     Guest {
@@ -92,6 +95,14 @@ fn main() {
                 VirtOpts::full()
             };
             virt::run(&opts).map_err(|e| e.to_string())
+        }
+        Suite::Api => {
+            let opts = if cli.quick {
+                ApiOpts::quick()
+            } else {
+                ApiOpts::full()
+            };
+            api::run(&opts).map_err(|e| e.to_string())
         }
         Suite::Swap => {
             let opts = if cli.quick {

@@ -4,8 +4,11 @@
 //! loopback transport: allocation requests go over the control virtqueue, submissions are
 //! plain stores to channel control pages mapped in the VM's BAR. A live table shows each
 //! VM's and each process's share of GPU time (from the backend's accounting); a summary
-//! closes the run. No scheduler yet: the GPU's own round-robin decides, and the tenant
-//! with the longest kernels takes most of the GPU.
+//! closes the run. The fair scheduler shares the GPU by VM weight; halfway through, the
+//! demo raises one VM's weight through the operator control API — the same request
+//! `vgpuctl vm set-weight` sends over the API's unix socket — and the shares follow.
+//! `--policy none` shows the GPU's own round-robin instead, where the tenant with the
+//! longest kernels takes most of the GPU.
 
 use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -14,7 +17,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use vgpu_backend::{VgpuBackend, VmLimits};
+use vgpu_backend::api::client::ApiClient;
+use vgpu_backend::api::{ApiOptions, ApiServer};
+use vgpu_backend::{Policy, SchedConfig, VgpuBackend, VmLimits};
 use vgpu_guest::workloads::{HotspotConfig, SaxpyConfig, SgemmConfig, ThrottleConfig, Workload};
 use vgpu_guest::Device;
 use vgpu_host_shim::{SimConfig, SimGpu};
@@ -35,6 +40,16 @@ struct Cli {
     /// Small workload sizes (for tests).
     #[arg(long)]
     quick: bool,
+    /// Scheduling policy: fair or none.
+    #[arg(long, default_value = "fair")]
+    policy: String,
+    /// The weight change sent through the control API mid-run, `VM=WEIGHT` (VMs start at
+    /// 100).
+    #[arg(long, default_value = "vm2=400")]
+    set_weight: String,
+    /// When to send it, seconds from the start (default: half the duration).
+    #[arg(long)]
+    weight_at: Option<f64>,
 }
 
 /// One guest process: which VM, its PID, what it runs.
@@ -134,6 +149,13 @@ fn main() {
 }
 
 fn run(cli: &Cli) -> Result<(), Box<dyn std::error::Error>> {
+    let policy: Policy = cli.policy.parse()?;
+    let (weight_vm, new_weight) = cli
+        .set_weight
+        .split_once('=')
+        .and_then(|(v, w)| Some((v.to_string(), w.parse::<u32>().ok()?)))
+        .ok_or("--set-weight: expected VM=WEIGHT")?;
+    let weight_at = cli.weight_at.unwrap_or(cli.duration / 2.0);
     let gpu = SimGpu::new(SimConfig::default())?;
     let backend = VgpuBackend::new(gpu.clone(), VmLimits::default());
     let dir = std::env::temp_dir().join(format!("vgpu-demo-{}", std::process::id()));
@@ -152,11 +174,22 @@ fn run(cli: &Cli) -> Result<(), Box<dyn std::error::Error>> {
             },
         )?);
     }
+    if !vm_names.contains(&weight_vm.as_str()) {
+        return Err(format!("--set-weight: no VM {weight_vm:?}").into());
+    }
+    backend.start_scheduler(SchedConfig {
+        policy,
+        ..SchedConfig::default()
+    })?;
+    let api_sock = dir.join("api.sock");
+    let api = ApiServer::start(&backend, &api_sock, ApiOptions::default())?;
+    let client = ApiClient::new(&api_sock);
     println!(
-        "vgpu-backend serving {} VMs ({}) on {}; policy: none (the GPU's own round-robin)",
+        "vgpu-backend serving {} VMs ({}) on {}; policy: {policy}; control API: {}",
         vm_names.len(),
         vm_names.join(", "),
-        dir.display()
+        dir.display(),
+        api_sock.display()
     );
     let stop = Arc::new(AtomicBool::new(false));
     let mut progress = Vec::new();
@@ -214,8 +247,24 @@ fn run(cli: &Cli) -> Result<(), Box<dyn std::error::Error>> {
     let t0 = Instant::now();
     let interval = Duration::from_secs_f64(cli.interval.max(0.05));
     let mut printed = 0;
+    // GPU time at the weight change, to split the summary in before and after.
+    let mut at_change: Option<Vec<u64>> = None;
+    let mut note = String::new();
+    let mut old_weight = None;
     while t0.elapsed().as_secs_f64() < cli.duration {
         thread::sleep(interval);
+        if at_change.is_none() && t0.elapsed().as_secs_f64() >= weight_at {
+            old_weight = backend.vm_weight(&weight_vm);
+            // What `vgpuctl --socket API vm set-weight VM W` does.
+            let r = client.set_weight(&weight_vm, new_weight)?;
+            at_change = Some(busy(&backend));
+            note = format!(
+                "t={:.1}s: vgpuctl --socket {} vm set-weight {weight_vm} {} -> ok\n",
+                t0.elapsed().as_secs_f64(),
+                api_sock.display(),
+                r.weight
+            );
+        }
         let now = busy(&backend);
         let delta: Vec<u64> = now
             .iter()
@@ -225,9 +274,10 @@ fn run(cli: &Cli) -> Result<(), Box<dyn std::error::Error>> {
         last = now.clone();
         let dsum = delta.iter().sum::<u64>().max(1) as f64;
         let mut out = format!(
-            "t={:5.1}s  {:<6} {:<6} {:<16} {:>10} {:>10} {:>6}\n",
+            "t={:5.1}s  {:<6} {:>6} {:<6} {:<16} {:>10} {:>10} {:>6}\n",
             t0.elapsed().as_secs_f64(),
             "vm",
+            "weight",
             "pid",
             "workload",
             "proc share",
@@ -242,8 +292,9 @@ fn run(cli: &Cli) -> Result<(), Box<dyn std::error::Error>> {
                 .map(|(_, d)| *d)
                 .sum();
             out.push_str(&format!(
-                "         {:<6} {:<6} {:<16} {:>9.1}% {:>9.1}% {:>6}\n",
+                "         {:<6} {:>6} {:<6} {:<16} {:>9.1}% {:>9.1}% {:>6}\n",
                 t.vm,
+                backend.vm_weight(t.vm).unwrap_or(0),
                 t.pid,
                 t.label,
                 100.0 * delta[i] as f64 / dsum,
@@ -251,6 +302,7 @@ fn run(cli: &Cli) -> Result<(), Box<dyn std::error::Error>> {
                 progress[i].runs.load(Ordering::Relaxed)
             ));
         }
+        out.push_str(&note);
         if live && printed > 0 {
             print!("\x1b[{printed}A");
         }
@@ -268,9 +320,7 @@ fn run(cli: &Cli) -> Result<(), Box<dyn std::error::Error>> {
         .map(|(n, s)| n.saturating_sub(*s))
         .collect();
     let tsum = total.iter().sum::<u64>().max(1) as f64;
-    println!(
-        "\nsummary (policy: none — the GPU's own round-robin; fair scheduling is the next step)"
-    );
+    println!("\nsummary (policy: {policy})");
     println!(
         "{:<6} {:<6} {:<16} {:>10} {:>12} {:>6} {:>9}",
         "vm", "pid", "workload", "GPU share", "GPU time ms", "runs", "failures"
@@ -290,15 +340,44 @@ fn run(cli: &Cli) -> Result<(), Box<dyn std::error::Error>> {
             f
         );
     }
-    for name in &vm_names {
-        let vm_total: u64 = tenants
+    // Each VM's share of the GPU time before and after the weight change.
+    let end = busy(&backend);
+    let mid = at_change.clone().unwrap_or_else(|| end.clone());
+    let share_of = |from: &[u64], to: &[u64], vm: &str| -> f64 {
+        let d: Vec<u64> = to
             .iter()
-            .zip(&total)
-            .filter(|(t, _)| t.vm == *name)
+            .zip(from)
+            .map(|(b, a)| b.saturating_sub(*a))
+            .collect();
+        let all = d.iter().sum::<u64>().max(1) as f64;
+        let mine: u64 = tenants
+            .iter()
+            .zip(&d)
+            .filter(|(t, _)| t.vm == vm)
             .map(|(_, b)| *b)
             .sum();
-        println!("{:<6} {:>35.1}%", name, 100.0 * vm_total as f64 / tsum);
+        100.0 * mine as f64 / all
+    };
+    println!(
+        "\n{:<6} {:>14} {:>14} {:>14} {:>14}",
+        "vm", "weight before", "share before", "weight after", "share after"
+    );
+    for name in &vm_names {
+        let after = backend.vm_weight(name).unwrap_or(0);
+        let before = match old_weight {
+            Some(w) if *name == weight_vm.as_str() => w,
+            _ => after,
+        };
+        println!(
+            "{:<6} {:>14} {:>13.1}% {:>14} {:>13.1}%",
+            name,
+            before,
+            share_of(&start, &mid, name),
+            after,
+            share_of(&mid, &end, name)
+        );
     }
+    drop(api);
     for vm in &vms {
         vm.disconnect();
     }

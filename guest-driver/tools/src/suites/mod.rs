@@ -1,5 +1,6 @@
 //! `vgpu-bench` suites: one module per suite, each returning its figures.
 
+pub mod api;
 pub mod guest;
 pub mod measure;
 pub mod sched;

@@ -1,0 +1,454 @@
+//! The daemon's TOML configuration (`vgpu-backend --config FILE`): the GPU model and its
+//! sizes, the VMs with their sockets, weights and limits, the scheduler, the API socket.
+//! Unknown keys are rejected and every value is range-checked, so a typo is an error at
+//! start, not a silent default. `docs/vgpu-backend.example.toml` shows every key.
+//!
+//! [`FileConfig`] is the file as written (every key optional); [`FileConfig::resolve`]
+//! applies the defaults and checks the ranges, giving a [`Config`] to run with. The
+//! binary's command-line flags override the file (see `main.rs`).
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use thiserror::Error;
+
+use crate::sched::{Policy, SchedConfig, DEFAULT_WEIGHT, MAX_WEIGHT, MIN_WEIGHT};
+use crate::session::VmLimits;
+
+const MIB: u64 = 1 << 20;
+
+/// Errors of loading or checking a configuration.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("{path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("{key} = {value}: must be in {lo}..={hi}")]
+    Range {
+        key: String,
+        value: u64,
+        lo: u64,
+        hi: u64,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// `[gpu]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuSection {
+    /// GPU model; only `"sim"` exists.
+    pub model: Option<String>,
+    pub vram_mib: Option<u64>,
+    pub compute_engines: Option<u32>,
+    pub max_channels: Option<u32>,
+    pub max_contexts: Option<u32>,
+}
+
+/// `[api]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiSection {
+    /// Unix socket of the control API (none: no API).
+    pub socket: Option<PathBuf>,
+}
+
+/// `[scheduler]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchedSection {
+    pub policy: Option<String>,
+    pub interval_ms: Option<u32>,
+    pub threshold_us: Option<u64>,
+    pub unshadow_cap: Option<u32>,
+    pub slice_ms: Option<u32>,
+    pub sample_period_ms: Option<u32>,
+    pub watchdog_ms: Option<u32>,
+    /// Charge GPU idle time to those let run while another was held back.
+    pub charge_idle: Option<bool>,
+}
+
+/// `[defaults]` and the per-VM part of `[[vm]]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmSection {
+    pub weight: Option<u32>,
+    /// VRAM quota, MiB (default: the GPU's VRAM).
+    pub vram_mib: Option<u64>,
+    pub max_contexts: Option<u32>,
+    pub max_channels: Option<u32>,
+    pub mapped_guest_mib: Option<u64>,
+    /// VRAM objects beyond the quota, swapped to system memory, MiB (0: none).
+    pub swap_mib: Option<u64>,
+}
+
+/// `[[vm]]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmEntry {
+    pub name: String,
+    /// Default: `socket_dir/NAME.sock`.
+    pub socket: Option<PathBuf>,
+    // The keys of `VmSection` (serde's `flatten` would defeat `deny_unknown_fields`).
+    pub weight: Option<u32>,
+    pub vram_mib: Option<u64>,
+    pub max_contexts: Option<u32>,
+    pub max_channels: Option<u32>,
+    pub mapped_guest_mib: Option<u64>,
+    pub swap_mib: Option<u64>,
+}
+
+impl VmEntry {
+    /// The VM's own settings.
+    pub fn settings(&self) -> VmSection {
+        VmSection {
+            weight: self.weight,
+            vram_mib: self.vram_mib,
+            max_contexts: self.max_contexts,
+            max_channels: self.max_channels,
+            mapped_guest_mib: self.mapped_guest_mib,
+            swap_mib: self.swap_mib,
+        }
+    }
+}
+
+/// The file as written.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// Directory of the VM sockets that name none of their own.
+    pub socket_dir: Option<PathBuf>,
+    #[serde(default)]
+    pub gpu: GpuSection,
+    #[serde(default)]
+    pub api: ApiSection,
+    #[serde(default)]
+    pub scheduler: SchedSection,
+    #[serde(default)]
+    pub defaults: VmSection,
+    #[serde(default)]
+    pub vm: Vec<VmEntry>,
+}
+
+/// The GPU to create.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuConfig {
+    pub vram_bytes: u64,
+    pub compute_engines: u32,
+    pub max_channels: u32,
+    pub max_contexts: u32,
+}
+
+/// One VM to serve.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmConfig {
+    pub name: String,
+    pub socket: PathBuf,
+    pub weight: u32,
+    pub limits: VmLimits,
+}
+
+/// A checked configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub gpu: GpuConfig,
+    pub api_socket: Option<PathBuf>,
+    /// `None`: no scheduler (the GPU's own round-robin).
+    pub scheduler: SchedConfig,
+    pub vms: Vec<VmConfig>,
+}
+
+fn range(key: &str, value: u64, lo: u64, hi: u64) -> Result<u64, ConfigError> {
+    if (lo..=hi).contains(&value) {
+        Ok(value)
+    } else {
+        Err(ConfigError::Range {
+            key: key.to_string(),
+            value,
+            lo,
+            hi,
+        })
+    }
+}
+
+fn range32(key: &str, value: u32, lo: u32, hi: u32) -> Result<u32, ConfigError> {
+    range(key, value.into(), lo.into(), hi.into()).map(|v| v as u32)
+}
+
+impl FileConfig {
+    /// Parses TOML text; `path` names it in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Reads and parses a file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse(&text, path)
+    }
+
+    /// Applies defaults and checks every value.
+    pub fn resolve(&self) -> Result<Config, ConfigError> {
+        let g = &self.gpu;
+        if let Some(m) = &g.model {
+            if m != "sim" {
+                return Err(ConfigError::Invalid(format!(
+                    "gpu.model = {m:?}: only \"sim\" is supported"
+                )));
+            }
+        }
+        let sim = vgpu_host_shim::SimConfig::default();
+        let gpu = GpuConfig {
+            vram_bytes: range(
+                "gpu.vram_mib",
+                g.vram_mib.unwrap_or(sim.vram_bytes / MIB),
+                1,
+                1 << 20,
+            )? * MIB,
+            compute_engines: range32(
+                "gpu.compute_engines",
+                g.compute_engines.unwrap_or(sim.compute_engines),
+                1,
+                64,
+            )?,
+            max_channels: range32(
+                "gpu.max_channels",
+                g.max_channels.unwrap_or(sim.max_channels),
+                1,
+                65536,
+            )?,
+            max_contexts: range32(
+                "gpu.max_contexts",
+                g.max_contexts.unwrap_or(sim.max_contexts),
+                1,
+                65536,
+            )?,
+        };
+        let s = &self.scheduler;
+        let policy: Policy = match &s.policy {
+            Some(p) => p.parse().map_err(|_| {
+                ConfigError::Invalid(format!(
+                    "scheduler.policy = {p:?}: expected none, timeslice, fair or sampling"
+                ))
+            })?,
+            None => Policy::Fair,
+        };
+        let d = SchedConfig::default();
+        let scheduler = SchedConfig {
+            policy,
+            interval_ms: range32(
+                "scheduler.interval_ms",
+                s.interval_ms.unwrap_or(d.interval_ms),
+                1,
+                1000,
+            )?,
+            threshold_us: range(
+                "scheduler.threshold_us",
+                s.threshold_us.unwrap_or(d.threshold_us),
+                0,
+                crate::api::routes::MAX_THRESHOLD_US,
+            )?,
+            unshadow_cap: match s.unshadow_cap {
+                Some(c) => Some(range32(
+                    "scheduler.unshadow_cap",
+                    c,
+                    1,
+                    crate::api::routes::MAX_UNSHADOW_CAP as u32,
+                )?),
+                None => None,
+            },
+            slice_ms: range32(
+                "scheduler.slice_ms",
+                s.slice_ms.unwrap_or(d.slice_ms),
+                1,
+                10_000,
+            )?,
+            sample_period_ms: range32(
+                "scheduler.sample_period_ms",
+                s.sample_period_ms.unwrap_or(d.sample_period_ms),
+                10,
+                600_000,
+            )?,
+            watchdog_ms: match s.watchdog_ms {
+                Some(w) => Some(range32("scheduler.watchdog_ms", w, 1, 3_600_000)?),
+                None => None,
+            },
+            charge_idle: s.charge_idle.unwrap_or(d.charge_idle),
+        };
+        // `[defaults]` is checked even when no VM uses it.
+        self.vm_settings("defaults", &VmSection::default(), gpu.vram_bytes)?;
+        let mut vms = Vec::new();
+        for v in &self.vm {
+            if !crate::valid_name(&v.name) {
+                return Err(ConfigError::Invalid(format!(
+                    "vm name {:?}: 1-64 characters of A-Z a-z 0-9 - _ ., not starting with '.'",
+                    v.name
+                )));
+            }
+            if vms.iter().any(|o: &VmConfig| o.name == v.name) {
+                return Err(ConfigError::Invalid(format!("vm {:?} twice", v.name)));
+            }
+            let socket = match (&v.socket, &self.socket_dir) {
+                (Some(s), _) => s.clone(),
+                (None, Some(dir)) => dir.join(format!("{}.sock", v.name)),
+                (None, None) => {
+                    return Err(ConfigError::Invalid(format!(
+                        "vm {:?} has no socket and there is no socket_dir",
+                        v.name
+                    )))
+                }
+            };
+            let (weight, limits) =
+                self.vm_settings(&format!("vm[{}]", v.name), &v.settings(), gpu.vram_bytes)?;
+            vms.push(VmConfig {
+                name: v.name.clone(),
+                socket,
+                weight,
+                limits,
+            });
+        }
+        Ok(Config {
+            gpu,
+            api_socket: self.api.socket.clone(),
+            scheduler,
+            vms,
+        })
+    }
+
+    /// A VM's weight and limits: its own settings, then `[defaults]`, then the built-in
+    /// defaults. `name` prefixes the keys in errors.
+    pub fn vm_settings(
+        &self,
+        name: &str,
+        own: &VmSection,
+        gpu_vram: u64,
+    ) -> Result<(u32, VmLimits), ConfigError> {
+        let d = &self.defaults;
+        let builtin = VmLimits::default();
+        let key = |k: &str| format!("{name}.{k}");
+        let weight = range32(
+            &key("weight"),
+            own.weight.or(d.weight).unwrap_or(DEFAULT_WEIGHT),
+            MIN_WEIGHT,
+            MAX_WEIGHT,
+        )?;
+        let limits = VmLimits {
+            vram_bytes: match own.vram_mib.or(d.vram_mib) {
+                Some(m) => range(&key("vram_mib"), m, 1, 1 << 20)? * MIB,
+                None => gpu_vram,
+            },
+            max_contexts: range32(
+                &key("max_contexts"),
+                own.max_contexts
+                    .or(d.max_contexts)
+                    .unwrap_or(builtin.max_contexts),
+                1,
+                65536,
+            )?,
+            max_channels: range32(
+                &key("max_channels"),
+                own.max_channels
+                    .or(d.max_channels)
+                    .unwrap_or(builtin.max_channels),
+                1,
+                65536,
+            )?,
+            mapped_guest_bytes: range(
+                &key("mapped_guest_mib"),
+                own.mapped_guest_mib
+                    .or(d.mapped_guest_mib)
+                    .unwrap_or(builtin.mapped_guest_bytes / MIB),
+                1,
+                1 << 24,
+            )? * MIB,
+            swap_bytes: range(
+                &key("swap_mib"),
+                own.swap_mib
+                    .or(d.swap_mib)
+                    .unwrap_or(builtin.swap_bytes / MIB),
+                0,
+                crate::vram::MAX_SWAP_STORE / MIB,
+            )? * MIB,
+        };
+        Ok((weight, limits))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(t: &str) -> Result<Config, ConfigError> {
+        FileConfig::parse(t, Path::new("t.toml"))?.resolve()
+    }
+
+    #[test]
+    fn the_example_config_parses() {
+        let text = include_str!("../../docs/vgpu-backend.example.toml");
+        let c = parse(text).expect("example config");
+        assert_eq!(c.gpu.vram_bytes, 2048 * MIB);
+        assert_eq!(c.vms.len(), 3);
+        assert_eq!(c.vms[0].name, "vm0");
+        assert_eq!(c.vms[1].weight, 300);
+        assert_eq!(c.vms[1].limits.vram_bytes, 1024 * MIB);
+        assert_eq!(c.vms[2].socket, PathBuf::from("/run/vgpu/special/vm2.sock"));
+        assert_eq!(c.scheduler.policy, Policy::Fair);
+        assert!(c.api_socket.is_some());
+    }
+
+    #[test]
+    fn defaults_apply() {
+        let c = parse("socket_dir = \"/tmp/x\"\n[[vm]]\nname = \"a\"\n").expect("minimal");
+        assert_eq!(c.vms[0].socket, PathBuf::from("/tmp/x/a.sock"));
+        assert_eq!(c.vms[0].weight, DEFAULT_WEIGHT);
+        assert_eq!(c.vms[0].limits.vram_bytes, c.gpu.vram_bytes);
+        assert_eq!(c.scheduler, SchedConfig::default());
+        assert_eq!(c.api_socket, None);
+    }
+
+    #[test]
+    fn bad_values_are_clear_errors() {
+        let cases = [
+            ("bogus = 1", "unknown field"),
+            ("[gpu]\nvram = 5", "unknown field"),
+            ("[gpu]\nvram_mib = 0", "gpu.vram_mib = 0"),
+            ("[gpu]\nmodel = \"rtx\"", "only \"sim\""),
+            ("[gpu]\nvram_mib = -4", "invalid value"),
+            ("[scheduler]\ninterval_ms = 5000", "scheduler.interval_ms"),
+            ("[scheduler]\npolicy = \"fast\"", "scheduler.policy"),
+            ("[scheduler]\nunshadow_cap = 0", "unshadow_cap"),
+            ("[defaults]\nweight = 0", "defaults.weight = 0"),
+            (
+                "socket_dir = \"/x\"\n[[vm]]\nname = \"a\"\nweight = 10001",
+                "vm[a].weight = 10001",
+            ),
+            ("socket_dir = \"/x\"\n[[vm]]\nname = \"a/b\"", "vm name"),
+            (
+                "socket_dir = \"/x\"\n[[vm]]\nname = \"a\"\n[[vm]]\nname = \"a\"",
+                "twice",
+            ),
+            ("[[vm]]\nname = \"a\"", "no socket_dir"),
+            (
+                "[[vm]]\nname = \"a\"\nsocket = \"/s\"\nweigth = 3",
+                "unknown field",
+            ),
+            ("[gpu\n", "t.toml"),
+        ];
+        for (text, want) in cases {
+            let e = parse(text).expect_err(text).to_string();
+            assert!(e.contains(want), "{text:?}: {e:?} lacks {want:?}");
+        }
+    }
+}

@@ -1,0 +1,365 @@
+//! Operator controls of a VM that the control API ([`crate::api`]) exposes: pause, resume
+//! and drain (through shadow channels), the VRAM quota, and a per-channel view.
+//!
+//! **Pause** holds every channel of the VM shadowed, so the guest's submissions stall in
+//! the shadow pages (the guest keeps running; only its GPU work waits). It is a second
+//! reason to hold a channel shadowed, beside the scheduler's: while a VM is paused, an
+//! unshadow asked for through [`VgpuBackend::shadow_channel`] (the scheduler's path) is
+//! remembered but not carried out, and a capped release lets nothing through. Peeking at a
+//! paused VM's channels ([`Session::peek_channel`], what the scheduler samples) fails, so
+//! the scheduler counts the VM as idle — otherwise its held-back work would make it look
+//! underserved and the scheduler would shadow every other VM in its favour — and forgets
+//! the channels it had shadowed there; the hold forgets them too. Channels the guest
+//! creates while paused are shadowed before the reply reaches it
+//! ([`VmControl::hold_if_paused`], called by the request path). A pause outlives frontend
+//! reconnects. **Resume** unshadows the channels that nobody else holds shadowed.
+//! **Drain** is pause plus waiting until the GPU completed everything already released to
+//! it (each channel's real `GP_GET` reached its real `GP_PUT`, or the channel stopped on an
+//! error).
+//!
+//! The **VRAM quota** replaces the VM's `vram_bytes` limit: `ALLOC_VRAM` checks it for new
+//! allocations; objects already allocated stay even when the quota drops below the VM's
+//! usage. The config space and `GET_INFO` report the new value when next read (no
+//! config-change interrupt is sent).
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use log::{debug, info, warn};
+use thiserror::Error;
+use vgpu_protocol::ErrorCode;
+
+use crate::session::Session;
+use crate::shadow::ShadowError;
+use crate::shmem::ShmMapper;
+use crate::{VgpuBackend, VmState};
+
+/// Smallest VRAM quota: one 4 KiB page.
+pub const MIN_VRAM_QUOTA: u64 = 4096;
+/// Largest VRAM quota (1 TiB, the VRAM manager's bound).
+pub const MAX_VRAM_QUOTA: u64 = crate::vram::MAX_SWAP_STORE;
+
+/// Errors of the operator controls.
+#[derive(Debug, Error)]
+pub enum ControlError {
+    #[error("no VM named {0:?}")]
+    NoVm(String),
+    #[error("VRAM quota {0} not in {MIN_VRAM_QUOTA}..={MAX_VRAM_QUOTA} or not a multiple of 4096")]
+    InvalidQuota(u64),
+    #[error("shadowing channel {channel}: {source}")]
+    Shadow {
+        channel: u32,
+        #[source]
+        source: ShadowError,
+    },
+    #[error("VRAM manager: {0}")]
+    Vram(String),
+    #[error("drain timed out after {waited_ms} ms with {pending} channel(s) still running")]
+    DrainTimeout { waited_ms: u64, pending: u32 },
+}
+
+/// Operator state of one VM outside its session (read without the session lock).
+#[derive(Debug)]
+pub(crate) struct VmControl {
+    /// Mirrors [`OperatorHold::paused`].
+    paused: AtomicBool,
+    vram_quota: AtomicU64,
+}
+
+/// The pause as the session keeps it (changed under the session lock).
+#[derive(Debug, Default)]
+pub struct OperatorHold {
+    pub(crate) paused: bool,
+    /// Channels that others (the scheduler) asked to be shadowed and not yet released:
+    /// resume leaves them shadowed.
+    pub(crate) held_by_others: BTreeSet<u32>,
+}
+
+impl OperatorHold {
+    /// Records a shadow (`on`) or unshadow asked for by someone other than the operator.
+    pub(crate) fn note_other(&mut self, ch: u32, on: bool) {
+        if on {
+            self.held_by_others.insert(ch);
+        } else {
+            self.held_by_others.remove(&ch);
+        }
+    }
+}
+
+impl VmControl {
+    pub(crate) fn new(vram_quota: u64) -> Self {
+        VmControl {
+            paused: AtomicBool::new(false),
+            vram_quota: AtomicU64::new(vram_quota),
+        }
+    }
+
+    pub(crate) fn paused(&self) -> bool {
+        self.paused.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn vram_quota(&self) -> u64 {
+        self.vram_quota.load(Ordering::Acquire)
+    }
+
+    /// While paused, shadows the channels that are not yet (new ones). Call with the
+    /// session locked, before a reply that names a new channel goes to the guest.
+    pub(crate) fn hold_if_paused(&self, session: &mut Session, shm: &dyn ShmMapper) {
+        if !session.hold.paused {
+            return;
+        }
+        for (ch, _) in session.channel_list() {
+            if session.is_shadowed(ch) {
+                continue;
+            }
+            if let Err(e) = session.shadow_channel(ch, true, shm) {
+                debug!("paused VM: cannot shadow new channel {ch}: {e}");
+            }
+        }
+    }
+}
+
+/// One channel of a VM as the operator sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChannelInfo {
+    /// Guest channel id.
+    pub channel: u32,
+    /// Owning guest PID.
+    pub pid: u32,
+    pub shadowed: bool,
+    /// Entries submitted and not completed (released or held back); 0 when the slot is
+    /// not mapped.
+    pub backlog: u32,
+    /// GPU busy time of the channel.
+    pub busy_ns: u64,
+    /// The error the channel stopped on, if any.
+    pub error: Option<ErrorCode>,
+}
+
+/// What a pause or resume did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PauseOutcome {
+    /// Channels of the VM.
+    pub channels: u32,
+    /// Channels remapped by this call.
+    pub switched: u32,
+}
+
+/// What a drain did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DrainOutcome {
+    pub pause: PauseOutcome,
+    /// Time spent waiting for the GPU.
+    pub waited_ns: u64,
+}
+
+impl VgpuBackend {
+    fn control_vm(&self, name: &str) -> Result<Arc<VmState>, ControlError> {
+        self.vm(name)
+            .ok_or_else(|| ControlError::NoVm(name.to_string()))
+    }
+
+    /// The unix socket VM `name` is served on.
+    pub fn vm_socket(&self, name: &str) -> Option<std::path::PathBuf> {
+        self.vm(name).map(|vm| vm.socket.clone())
+    }
+
+    /// Whether VM `name` is paused.
+    pub fn vm_paused(&self, name: &str) -> Option<bool> {
+        self.vm(name).map(|vm| vm.control.paused())
+    }
+
+    /// Sets VM `name`'s VRAM quota (its `vram_bytes` limit) for new allocations.
+    pub fn set_vm_vram_quota(&self, name: &str, bytes: u64) -> Result<(), ControlError> {
+        if !(MIN_VRAM_QUOTA..=MAX_VRAM_QUOTA).contains(&bytes) || !bytes.is_multiple_of(4096) {
+            return Err(ControlError::InvalidQuota(bytes));
+        }
+        let vm = self.control_vm(name)?;
+        // The VRAM manager sets the session's limit and rebalances.
+        self.set_vram_quota(name, bytes)
+            .map_err(|e| ControlError::Vram(e.to_string()))?;
+        vm.control.vram_quota.store(bytes, Ordering::Release);
+        Ok(())
+    }
+
+    /// Pauses VM `name`: shadows all its channels (see the module docs). Tries every
+    /// channel; the VM is marked paused even if one fails (the error names it).
+    pub fn pause_vm(&self, name: &str) -> Result<PauseOutcome, ControlError> {
+        let vm = self.control_vm(name)?;
+        let shm = vm.shm.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let mut session = vm.lock_session();
+        session.hold.paused = true;
+        vm.control.paused.store(true, Ordering::Release);
+        let channels = session.channel_list();
+        let mut out = PauseOutcome {
+            channels: channels.len() as u32,
+            switched: 0,
+        };
+        let mut first_err = None;
+        for (ch, _) in channels {
+            let Some(shm) = shm.as_deref() else {
+                // No frontend: the session is being torn down; nothing runs.
+                break;
+            };
+            match session.shadow_channel(ch, true, shm) {
+                Ok(s) => out.switched += u32::from(s.changed),
+                Err(source) => {
+                    warn!("VM {name}: pause: channel {ch}: {source}");
+                    first_err.get_or_insert(ControlError::Shadow {
+                        channel: ch,
+                        source,
+                    });
+                }
+            }
+        }
+        info!(
+            "VM {name}: paused ({} channel(s), {} switched)",
+            out.channels, out.switched
+        );
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+
+    /// Resumes VM `name`: unshadows the channels nobody else holds shadowed.
+    pub fn resume_vm(&self, name: &str) -> Result<PauseOutcome, ControlError> {
+        let vm = self.control_vm(name)?;
+        let shm = vm.shm.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let mut session = vm.lock_session();
+        session.hold.paused = false;
+        vm.control.paused.store(false, Ordering::Release);
+        let channels = session.channel_list();
+        let live: BTreeSet<u32> = channels.iter().map(|(ch, _)| *ch).collect();
+        session.hold.held_by_others.retain(|ch| live.contains(ch));
+        let held = session.hold.held_by_others.clone();
+        let mut out = PauseOutcome {
+            channels: channels.len() as u32,
+            switched: 0,
+        };
+        let mut first_err = None;
+        for (ch, _) in channels {
+            if held.contains(&ch) || !session.is_shadowed(ch) {
+                continue;
+            }
+            let Some(shm) = shm.as_deref() else {
+                break;
+            };
+            match session.shadow_channel(ch, false, shm) {
+                Ok(s) => out.switched += u32::from(s.changed),
+                Err(source) => {
+                    warn!("VM {name}: resume: channel {ch}: {source}");
+                    first_err.get_or_insert(ControlError::Shadow {
+                        channel: ch,
+                        source,
+                    });
+                }
+            }
+        }
+        info!(
+            "VM {name}: resumed ({} channel(s), {} switched)",
+            out.channels, out.switched
+        );
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+
+    /// Pauses VM `name` and waits (at most `timeout`) until the GPU completed all the work
+    /// that had been released to it. On timeout the VM stays paused.
+    pub fn drain_vm(&self, name: &str, timeout: Duration) -> Result<DrainOutcome, ControlError> {
+        let pause = self.pause_vm(name)?;
+        let vm = self.control_vm(name)?;
+        let t0 = Instant::now();
+        loop {
+            let pending = {
+                let mut session = vm.lock_session();
+                // Let the guest see the progress of what it released.
+                session.mirror_shadows();
+                running_channels(&mut session)
+            };
+            let waited = t0.elapsed();
+            if pending == 0 {
+                return Ok(DrainOutcome {
+                    pause,
+                    waited_ns: u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX),
+                });
+            }
+            if waited >= timeout {
+                return Err(ControlError::DrainTimeout {
+                    waited_ms: u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
+                    pending,
+                });
+            }
+            std::thread::sleep(Duration::from_micros(500));
+        }
+    }
+
+    /// Copies GPU progress into the shadow pages of every paused VM, so guests see the
+    /// work they released before the pause complete.
+    pub fn mirror_paused(&self) {
+        let vms: Vec<Arc<VmState>> = self.lock_vms().values().cloned().collect();
+        for vm in vms.iter().filter(|vm| vm.control.paused()) {
+            vm.lock_session().mirror_shadows();
+        }
+    }
+
+    /// VM `name`'s channels with their state, by channel id.
+    pub fn vm_channel_info(&self, name: &str) -> Option<Vec<ChannelInfo>> {
+        let vm = self.vm(name)?;
+        let mut session = vm.lock_session();
+        let gpu = session.gpu.clone();
+        let list = session.channel_list();
+        let mut out = Vec::with_capacity(list.len());
+        for (ch, pid) in list {
+            let hch = session.hal.channels.get(&ch).copied();
+            let backlog = session
+                .peek_channel_any(ch)
+                .map(|p| p.backlog())
+                .unwrap_or(0);
+            let (busy_ns, error) = match hch {
+                Some(h) => (
+                    gpu.channel_counters(h).map(|c| c.busy_ns).unwrap_or(0),
+                    gpu.channel_error(h).ok().flatten().map(|(code, _)| code),
+                ),
+                None => (0, None),
+            };
+            out.push(ChannelInfo {
+                channel: ch,
+                pid,
+                shadowed: session.is_shadowed(ch),
+                backlog,
+                busy_ns,
+                error,
+            });
+        }
+        Some(out)
+    }
+}
+
+/// Channels whose released work the GPU has not completed yet (a channel stopped on an
+/// error counts as done: it will not run anything more).
+fn running_channels(session: &mut Session) -> u32 {
+    let gpu = session.gpu.clone();
+    let mut n = 0;
+    for (ch, _) in session.channel_list() {
+        let stopped = session
+            .hal
+            .channels
+            .get(&ch)
+            .and_then(|h| gpu.channel_error(*h).ok().flatten())
+            .is_some();
+        if stopped {
+            continue;
+        }
+        if let Ok(p) = session.peek_channel_any(ch) {
+            if p.gp_get != p.real_put {
+                n += 1;
+            }
+        }
+    }
+    n
+}
