@@ -193,15 +193,14 @@ mod tests {
             },
         );
         let mem = GuestMemory::from_ranges(&[(GuestAddress(0x10000), 0x10000)]).unwrap();
-        let mut req = |s: &mut Session, ctx: u32, op: Op| {
+        let req = |s: &mut Session, ctx: u32, op: Op| {
             s.execute(&Request { pid: 7, ctx, op }, &mem, &NullShm)
         };
         let Ok(ReplyBody::Context { ctx }) = req(&mut s, 0, Op::CreateContext) else {
             panic!("context");
         };
         let alloc = |s: &mut Session, size: u64| {
-            let mut r =
-                |s: &mut Session, op| s.execute(&Request { pid: 7, ctx, op }, &mem, &NullShm);
+            let r = |s: &mut Session, op| s.execute(&Request { pid: 7, ctx, op }, &mem, &NullShm);
             match r(
                 s,
                 Op::AllocVram {
