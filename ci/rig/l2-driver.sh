@@ -115,30 +115,8 @@ if [ -n "$L2_SCRIPT" ]; then
 elif [ -n "$L2_CMD" ]; then
     printf '%s\n' "$L2_CMD" > "$WORK/user.sh"
 elif [ "$BACKEND" = real ]; then
-    cat > "$WORK/user.sh" <<'REAL'
-fail=0
-check() { if [ "$2" = 1 ]; then echo "L2-DRIVER-CHECK ok $1"; else echo "L2-DRIVER-CHECK FAIL $1"; fail=1; fi; }
-ok() { [ "$1" = 0 ] && echo 1 || echo 0; }
-[ -c /dev/vgpu ] && node=1 || node=0
-check devnode $node
-vgpu-smoke; check smoke $(ok $?)
-# Two processes of this VM at once, with different inputs.
-vgpu-smoke --seed 11 > /tmp/s1.out 2>&1 & p1=$!
-vgpu-smoke --seed 12 > /tmp/s2.out 2>&1 & p2=$!
-wait $p1; r1=$?; wait $p2; r2=$?
-busybox tail -n 1 /tmp/s1.out; busybox tail -n 1 /tmp/s2.out
-check "two_processes(rc=$r1,$r2)" $([ "$r1" = 0 ] && [ "$r2" = 0 ] && echo 1 || echo 0)
-vgpu-smoke --hostile; check hostile $(ok $?)
-# A process killed mid-submission leaves nothing behind.
-vgpu-throttle --kernel-us 2000 --duration 60 > /tmp/t.out 2>&1 & tp=$!
-sleep 2; kill -9 $tp; wait $tp 2>/dev/null
-vgpu-bench --json --quick guest --reps 5 > /tmp/bench.out 2>&1; check bench_quick $(ok $?)
-while read -r l; do echo "L2-BENCH $l"; done < /tmp/bench.out
-vgpu-smoke --stats > /tmp/stats.out 2>&1; cat /tmp/stats.out
-grep -q 'contexts=0 channels=0 vram_bytes=0 mapped_guest_bytes=0 aperture_bytes=0' /tmp/stats.out && clean=1 || clean=0
-check nothing_left_in_backend $clean
-exit $fail
-REAL
+    # The same guest checks as l2-vgpu.sh --guest (exit status 0 iff all passed).
+    cp "$RIG/l2-guest-checks.sh" "$WORK/user.sh"
 else
     # The stub check: probe, node, bounded timeouts, rmmod.
     cat > "$WORK/user.sh" <<'STUB'

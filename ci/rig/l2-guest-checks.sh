@@ -14,6 +14,9 @@ vgpu-smoke > /tmp/smoke.out 2>&1; r=$?; busybox tail -n 3 /tmp/smoke.out; check 
 vgpu-smoke --seed 11 > /tmp/s1.out 2>&1 & p1=$!
 vgpu-smoke --seed 12 > /tmp/s2.out 2>&1 & p2=$!
 wait $p1; r1=$?; wait $p2; r2=$?
+for f in /tmp/s1.out /tmp/s2.out; do
+    busybox tail -n 1 $f; grep -i -E 'fail|error' $f | busybox head -n 5
+done
 check "two_processes(rc=$r1,$r2)" $([ "$r1" = 0 ] && [ "$r2" = 0 ] && echo 1 || echo 0)
 # Bad arguments, forged ids, another process's slots: errors, no leaks.
 vgpu-smoke --hostile > /tmp/hostile.out 2>&1; r=$?; busybox tail -n 2 /tmp/hostile.out
@@ -21,7 +24,10 @@ check hostile $(ok $r)
 # A process killed mid-submission leaves nothing behind.
 vgpu-throttle --kernel-us 2000 --duration 60 > /tmp/t.out 2>&1 & tp=$!
 sleep 2; kill -9 $tp; wait $tp 2>/dev/null
-vgpu-bench --quick guest > /tmp/bench.out 2>&1; r=$?; cat /tmp/bench.out; check bench_quick $(ok $r)
+# The guest benchmark, as JSON lines (l2-driver.sh sets them beside an L1-native run).
+vgpu-bench --json --quick guest --reps 5 > /tmp/bench.out 2>&1; r=$?
+while read -r l; do echo "L2-BENCH $l"; done < /tmp/bench.out
+check bench_quick $(ok $r)
 vgpu-smoke --stats > /tmp/stats.out 2>&1; cat /tmp/stats.out
 grep -q 'contexts=0 channels=0 vram_bytes=0 mapped_guest_bytes=0 aperture_bytes=0' /tmp/stats.out && clean=1 || clean=0
 check nothing_left_in_backend $clean

@@ -436,7 +436,8 @@ static long ioc_alloc_vram(struct vgpu_file *vf, void __user *arg)
 
 	if (copy_from_user(&a, arg, sizeof(a)))
 		return -EFAULT;
-	if (!a.size || a.size > vf->dev->vram_bytes || !is_power_of_2(a.align) ||
+	/* The VM's VRAM limit may change after probe: the device judges the size. */
+	if (!a.size || a.size > VGPU_GPU_VA_LIMIT || !is_power_of_2(a.align) ||
 	    a.align < VGPU_MIN_ALIGN || a.align > VGPU_MAX_ALIGN)
 		return -EINVAL;
 	m = kzalloc(sizeof(*m), GFP_KERNEL);

@@ -70,6 +70,7 @@ pub struct SchedSection {
     pub slice_ms: Option<u32>,
     pub sample_period_ms: Option<u32>,
     pub watchdog_ms: Option<u32>,
+    pub charge_idle: Option<bool>,
 }
 
 /// `[defaults]` and the per-VM part of `[[vm]]`.
@@ -283,6 +284,7 @@ impl FileConfig {
                 Some(w) => Some(range32("scheduler.watchdog_ms", w, 1, 3_600_000)?),
                 None => None,
             },
+            charge_idle: s.charge_idle.unwrap_or(d.charge_idle),
         };
         // `[defaults]` is checked even when no VM uses it.
         self.vm_settings("defaults", &VmSection::default(), gpu.vram_bytes)?;

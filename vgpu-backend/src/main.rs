@@ -61,6 +61,10 @@ struct Cli {
     /// Per-VM limit: guest memory mapped into GPU address spaces, MiB.
     #[arg(long)]
     vm_mapped_guest_mib: Option<u64>,
+    /// Per-VM limit: VRAM objects beyond the VRAM quota, swapped to host memory, MiB
+    /// (default 0: no oversubscription).
+    #[arg(long)]
+    vm_swap_mib: Option<u64>,
     #[command(flatten)]
     sched: SchedArgs,
 }
@@ -113,6 +117,9 @@ impl Cli {
         if given("sched_sample_period_ms") {
             s.sample_period_ms = Some(a.sched_sample_period_ms);
         }
+        if given("sched_charge_idle") {
+            s.charge_idle = Some(a.sched_charge_idle);
+        }
         s.unshadow_cap = a.sched_unshadow_cap.or(s.unshadow_cap);
         s.watchdog_ms = a.watchdog_ms.or(s.watchdog_ms);
         let g = &mut f.gpu;
@@ -126,6 +133,7 @@ impl Cli {
             v.max_contexts = self.vm_max_contexts.or(v.max_contexts);
             v.max_channels = self.vm_max_channels.or(v.max_channels);
             v.mapped_guest_mib = self.vm_mapped_guest_mib.or(v.mapped_guest_mib);
+            v.swap_mib = self.vm_swap_mib.or(v.swap_mib);
         }
         for (name, w) in &a.vm_weights {
             let v =

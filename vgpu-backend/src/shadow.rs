@@ -942,4 +942,66 @@ mod tests {
         // SAFETY: unmapping the reservation made above.
         unsafe { libc::munmap(base, PAGE_SIZE as usize) };
     }
+
+    #[test]
+    fn vram_hold_outlasts_other_unshadows_and_blocks_capped_release() {
+        // SAFETY: memfd_create with a valid name.
+        let fd = unsafe { libc::memfd_create(c"real".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: fresh fd.
+        let file = unsafe { File::from_raw_fd(fd) };
+        file.set_len(PAGE_SIZE).unwrap();
+        let page = FdRange {
+            fd,
+            offset: 0,
+            len: PAGE_SIZE,
+        };
+        let gpu_view = PageMap::new(page).unwrap();
+        // SAFETY: an anonymous private reservation for the window.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                PAGE_SIZE as usize,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(base, libc::MAP_FAILED);
+        let shm = FakeShm {
+            base: base.cast(),
+            maps: Mutex::new(0),
+        };
+        shm.map(0, fd, 0, PAGE_SIZE, true).unwrap();
+        // SAFETY: the window's page is mapped, aligned, and outlives the test.
+        let guest = unsafe { &*(base as *const AtomicU32) };
+
+        let mut sh = Shadows::new();
+        // The scheduler shadows, the VRAM manager holds, the scheduler lets go: still held.
+        assert!(sh.shadow(1, page, 0, &shm).unwrap().changed);
+        assert!(!sh.hold_for_vram(1, page, 0, &shm).unwrap().changed);
+        assert!(!sh.unshadow(1, page, 0, &shm).unwrap().changed);
+        assert!(sh.is_shadowed(1));
+        guest.store(4, Ordering::Release);
+        assert_eq!(
+            sh.release_capped(1, 8).unwrap(),
+            0,
+            "nothing runs while held"
+        );
+        assert_eq!(gpu_view.load(ControlPage::GP_PUT), 0);
+        // The manager lets go: nobody else holds it, so it is unshadowed and released.
+        assert!(sh.release_for_vram(1, page, 0, &shm).unwrap().changed);
+        assert!(!sh.is_shadowed(1));
+        assert_eq!(gpu_view.load(ControlPage::GP_PUT), 4);
+        // Held by the manager first, then by the scheduler: the manager's release keeps it.
+        sh.hold_for_vram(1, page, 0, &shm).unwrap();
+        sh.shadow(1, page, 0, &shm).unwrap();
+        assert!(!sh.release_for_vram(1, page, 0, &shm).unwrap().changed);
+        assert!(sh.is_shadowed(1));
+        assert!(sh.unshadow(1, page, 0, &shm).unwrap().changed);
+        assert!(!sh.is_shadowed(1));
+        // SAFETY: unmapping the reservation made above.
+        unsafe { libc::munmap(base, PAGE_SIZE as usize) };
+    }
 }

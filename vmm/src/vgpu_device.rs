@@ -234,6 +234,10 @@ impl VirtioBackend for VhostUserVgpu {
     fn shm_regions(&self) -> Vec<(u8, u64)> {
         vec![(SHM_REGION_ID, SHM_SIZE)]
     }
+    fn msix_vectors(&self) -> u16 {
+        // One per queue and one for configuration changes, as Linux asks first.
+        NUM_QUEUES as u16 + 1
+    }
 
     fn activate(&mut self, features: u64, queues: &[VirtqConfig]) -> Result<(), ActivateError> {
         let mut setups = Vec::new();

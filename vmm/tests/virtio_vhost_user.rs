@@ -331,3 +331,77 @@ fn refused_socket_is_a_clear_error() {
     let msg = err.to_string();
     assert!(msg.contains("nobody-listens"), "{msg}");
 }
+
+/// Finds capability `id` in the function's configuration space.
+fn find_cap(dev: &mut Dev, id: u8) -> Option<usize> {
+    let mut off = (dev.config_read(0x34 / 4) & 0xff) as usize;
+    while off != 0 {
+        let dw = dev.config_read(off / 4);
+        if dw & 0xff == u32::from(id) {
+            return Some(off);
+        }
+        off = ((dw >> 8) & 0xff) as usize;
+    }
+    None
+}
+
+#[test]
+fn msix_table_vectors_and_updates() {
+    use vgpu_vmm::virtio_pci::msix::{MSIX_ENABLE, MSIX_FUNCTION_MASK, MSIX_TABLE_OFFSET};
+    use vgpu_vmm::virtio_pci::VIRTIO_MSI_NO_VECTOR;
+    const MSIX_CONFIG: u64 = 0x10;
+    const QUEUE_MSIX_VECTOR: u64 = 0x1a;
+
+    let (_backend, _g, mut dev, _window) = device("vm2");
+    let cap = find_cap(&mut dev, 0x11).expect("MSI-X capability");
+    let ctl = (dev.config_read(cap / 4) >> 16) as u16;
+    assert_eq!(
+        ctl & 0x7ff,
+        NUM_QUEUES as u16,
+        "table size = queues + config - 1"
+    );
+    assert_eq!(dev.config_read(cap / 4 + 1), MSIX_TABLE_OFFSET as u32);
+
+    // Vectors: valid ones stick, out-of-range ones read back as NO_VECTOR.
+    w16(&mut dev, MSIX_CONFIG, 0);
+    assert_eq!(r16(&mut dev, MSIX_CONFIG), 0);
+    w16(&mut dev, QUEUE_SELECT, 0);
+    w16(&mut dev, QUEUE_MSIX_VECTOR, 1);
+    w16(&mut dev, QUEUE_SELECT, 1);
+    w16(&mut dev, QUEUE_MSIX_VECTOR, 99);
+    assert_eq!(r16(&mut dev, QUEUE_MSIX_VECTOR), VIRTIO_MSI_NO_VECTOR);
+    w16(&mut dev, QUEUE_MSIX_VECTOR, 2);
+
+    // Program the table: address, data, unmask; read back.
+    for v in 0..3u64 {
+        let e = MSIX_TABLE_OFFSET + v * 16;
+        w32(&mut dev, e, 0xfee0_0000);
+        w32(&mut dev, e + 4, 0);
+        w32(&mut dev, e + 8, 0x40 + v as u32);
+        w32(&mut dev, e + 12, 0);
+        assert_eq!(r32(&mut dev, e + 8), 0x40 + v as u32);
+    }
+    // Enabled but function-masked: not deliverable yet.
+    let ctl_bytes = (MSIX_ENABLE | MSIX_FUNCTION_MASK).to_le_bytes();
+    dev.config_write(cap / 4, 2, &ctl_bytes);
+    let st = dev.take_msix_update().expect("an update");
+    assert!(!st.enabled);
+    dev.config_write(cap / 4, 2, &MSIX_ENABLE.to_le_bytes());
+    let st = dev.take_msix_update().expect("an update");
+    assert!(st.enabled);
+    assert_eq!(
+        st.deliverable(Some(0)).map(|(v, e)| (v, e.data)),
+        Some((1, 0x41))
+    );
+    assert_eq!(st.deliverable(Some(1)).map(|(v, _)| v), Some(2));
+    assert_eq!(st.deliverable(None).map(|(v, _)| v), Some(0));
+    assert!(dev.take_msix_update().is_none(), "nothing changed since");
+    // Masking vector 2 takes queue 1 off MSI.
+    w32(&mut dev, MSIX_TABLE_OFFSET + 2 * 16 + 12, 1);
+    let st = dev.take_msix_update().expect("an update");
+    assert_eq!(st.deliverable(Some(1)), None);
+    // A device reset clears the virtio vector registers.
+    w8(&mut dev, DEVICE_STATUS, 0);
+    let st = dev.take_msix_update().expect("an update");
+    assert_eq!(st.queue_vectors, vec![VIRTIO_MSI_NO_VECTOR; NUM_QUEUES]);
+}

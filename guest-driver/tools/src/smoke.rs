@@ -310,6 +310,45 @@ fn fault_is_reported(ctx: &Context) -> R {
     good.finish().map_err(e2s)
 }
 
+/// Freeing a buffer while a queued kernel still targets it: the kernel must fault, not
+/// write into VRAM that was handed to someone else (here: another context's buffer).
+fn free_mid_kernel(dev: &Device, ctx: &Context) -> R {
+    const LEN: u64 = 1 << 20;
+    let mut ch = ctx.create_channel().map_err(e2s)?;
+    let victim = ctx.alloc_vram(LEN).map_err(e2s)?;
+    // Long enough for the free (two requests) to land while the spin runs, even in a
+    // nested VM on a loaded host; the spin sleeps, it costs no CPU.
+    ch.launch(&KernelArgs::Spin { ns: 1_000_000_000 }, [1, 1, 1])
+        .map_err(e2s)?;
+    ch.launch(
+        &KernelArgs::Memset {
+            dst: victim.gpu_va(),
+            len: LEN,
+            pattern: 0xbad0_bad0,
+        },
+        [1, 1, 1],
+    )
+    .map_err(e2s)?;
+    let f = ch.submit().map_err(e2s)?;
+    drop(victim);
+    let other = dev.create_context().map_err(e2s)?;
+    let fresh = other.alloc_vram(LEN).map_err(e2s)?;
+    fresh.fill(0, LEN, 0x5a).map_err(e2s)?;
+    match ch.wait_timeout(f, Duration::from_secs(60)) {
+        Err(Error::ChannelFault {
+            code: ErrorCode::MmuFault,
+            ..
+        }) => {}
+        other => return Err(format!("expected an MMU fault, got {other:?}")),
+    }
+    let mut got = vec![0u8; LEN as usize];
+    fresh.read(0, &mut got).map_err(e2s)?;
+    match got.iter().position(|&b| b != 0x5a) {
+        Some(i) => Err(format!("byte {i} of another context's buffer changed")),
+        None => Ok(()),
+    }
+}
+
 /// Outcome of a check that needs a kernel driver.
 enum Blocking {
     Ok,
@@ -332,8 +371,10 @@ fn blocking_waits(ctx: &Context) -> Result<Blocking, String> {
     if ch.notify_seq() != 1 {
         return Err(format!("NOTIFY_SEQ {} after one notify", ch.notify_seq()));
     }
-    // A fence that never comes times out cleanly.
-    ch.launch(&KernelArgs::Spin { ns: 50_000_000 }, [1, 1, 1])
+    // A fence that does not come in time times out cleanly. The kernel is long (1 s) so
+    // that a guest vCPU descheduled for a while (nested virtualization, a loaded host)
+    // does not wake up to a finished fence.
+    ch.launch(&KernelArgs::Spin { ns: 1_000_000_000 }, [1, 1, 1])
         .map_err(e2s)?;
     let slow = ch.submit().map_err(e2s)?;
     match ch.block_on(slow, Duration::from_millis(5)) {
@@ -396,6 +437,7 @@ pub fn run(dev: &Device, seed: u64) -> Vec<Check> {
     }
     record("mixed/host_to_vram".into(), mixed_copy(&ctx));
     record("fault/mmu".into(), fault_is_reported(&ctx));
+    record("fault/free_mid_kernel".into(), free_mid_kernel(dev, &ctx));
     match blocking_waits(&ctx) {
         Ok(Blocking::Ok) => record("wait/notify_and_fence".into(), Ok(())),
         Ok(Blocking::Unsupported) => out.push(Check {

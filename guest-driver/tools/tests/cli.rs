@@ -69,6 +69,65 @@ fn bench_api_quick_json() {
 }
 
 #[test]
+fn bench_sched_quick_json() {
+    let dir = std::env::temp_dir().join(format!("vgpu-plots-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_vgpu-bench"))
+        .args(["--json", "--quick", "sched", "--plots"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let mut names = Vec::new();
+    for line in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        for key in ["suite", "name", "value", "unit", "better", "target"] {
+            assert!(v.get(key).is_some(), "{key} missing in {line}");
+        }
+        assert_eq!(v["suite"], "sched");
+        assert!(v["value"].as_f64().unwrap().is_finite(), "{line}");
+        if !v["target"].is_null() {
+            assert!(v["met"].is_boolean(), "{line}");
+        }
+        names.push(v["name"].as_str().unwrap().to_string());
+    }
+    for n in [
+        "fleig_none_k100us_runtime",
+        "fleig_fair_k10000us_dev",
+        "fleig_fair_k10000us_wall_vs_half_share",
+        "fleig_fair_max_dev",
+        "vm_a_max_dev_fair",
+        "weights_124_max_dev",
+        "two_level_max_dev",
+        "two_level_idle_max_dev",
+        "weight_change_effect_intervals",
+        "overhead_fair_vs_none_throughput",
+        "shadow_switch_p50",
+        "shadow_switch_p99",
+        "timeslice_vm_a_share",
+        "sampling_vm_a_share",
+    ] {
+        assert!(names.iter().any(|x| x == n), "{n} missing: {names:?}");
+    }
+    for plot in [
+        "sched_fleig_runtime.svg",
+        "sched_vm_vs_throttles.svg",
+        "sched_shares_over_time.svg",
+    ] {
+        let svg = std::fs::read_to_string(dir.join(plot)).unwrap();
+        assert!(
+            svg.starts_with("<svg") && svg.contains("<polyline"),
+            "{plot}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn demo_runs_every_tenant() {
     let out = Command::new(env!("CARGO_BIN_EXE_vgpu-demo"))
         .args(["--duration", "1.5", "--interval", "0.5", "--quick"])

@@ -199,21 +199,38 @@ fn operator_interface_rejects_bad_input() {
     ));
     be.set_vm_weight("a", 10_000).expect("max weight");
     assert_eq!(be.vm_weight("a"), Some(10_000));
-    for p in [Policy::Timeslice, Policy::Sampling] {
-        assert!(matches!(
-            be.start_scheduler(SchedConfig {
-                policy: p,
-                ..SchedConfig::default()
-            }),
-            Err(SchedError::NotImplemented(_))
-        ));
-    }
-    assert!(be
-        .start_scheduler(SchedConfig {
+    for bad in [
+        SchedConfig {
             interval_ms: 0,
             ..SchedConfig::default()
-        })
-        .is_err());
+        },
+        SchedConfig {
+            unshadow_cap: Some(0),
+            ..SchedConfig::default()
+        },
+        SchedConfig {
+            slice_ms: 0,
+            ..SchedConfig::default()
+        },
+        SchedConfig {
+            sample_period_ms: 1,
+            ..SchedConfig::default()
+        },
+        SchedConfig {
+            watchdog_ms: Some(0),
+            ..SchedConfig::default()
+        },
+    ] {
+        assert!(
+            matches!(be.start_scheduler(bad), Err(SchedError::InvalidConfig(_))),
+            "{bad:?}"
+        );
+    }
+    for p in ["none", "timeslice", "fair", "sampling"] {
+        let policy: Policy = p.parse().expect("policy name");
+        assert_eq!(policy.name(), p);
+    }
+    assert!("lottery".parse::<Policy>().is_err());
     assert_eq!(be.scheduler_config(), None);
     be.start_scheduler(SchedConfig::default()).expect("fair");
     assert_eq!(be.scheduler_config().map(|c| c.policy), Some(Policy::Fair));

@@ -283,7 +283,8 @@ fn guest_process(vm: Arc<LoopbackVm>, pid: u32, budget: u64, stop: Arc<AtomicBoo
 }
 
 /// 3 VMs × 2 processes, each VM asking for 64 MiB with 48 MiB of VRAM (25% of demand);
-/// the manager rebalances and a chaos thread forces evictions of random VMs meanwhile.
+/// the manager rebalances, a chaos thread forces evictions of random VMs and the fair
+/// scheduler shadows over-users meanwhile.
 /// Bounded in time (`VGPU_SWAP_SECS`, default 20 s; stops early once
 /// `VGPU_SWAP_EVICTIONS` chunk evictions happened, default 10,000).
 #[test]
@@ -296,6 +297,11 @@ fn three_vms_at_quarter_vram_lose_nothing() {
             batch_bytes: 4 * MIB,
             ..VramConfig::default()
         })
+        .unwrap();
+    // The scheduler shadows and unshadows the same channels meanwhile: its unshadows must
+    // not release a channel the VRAM manager holds paused.
+    host.backend
+        .start_scheduler(vgpu_backend::SchedConfig::default())
         .unwrap();
     let secs: u64 = std::env::var("VGPU_SWAP_SECS")
         .ok()
@@ -365,6 +371,11 @@ fn three_vms_at_quarter_vram_lose_nothing() {
         ev += r.vm.evictions;
         assert_eq!(r.vm.resident_bytes + r.vm.swapped_bytes, 0, "all freed");
     }
+    let sched = host.backend.sched_stats();
+    println!(
+        "scheduler meanwhile: {} intervals, {} shadows, {} unshadows",
+        sched.intervals, sched.shadows, sched.unshadows
+    );
     println!(
         "swap stress: {ev} chunk evictions in {el:.1} s ({} forced calls), {verified} buffer verifications, 0 mismatches",
         forced.load(Ordering::Relaxed)

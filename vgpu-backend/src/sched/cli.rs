@@ -33,6 +33,10 @@ pub struct SchedArgs {
     /// Kill a channel whose single kernel runs longer than this, ms (default: off).
     #[arg(long)]
     pub watchdog_ms: Option<u32>,
+    /// Charge GPU idle time to the tenants that were allowed to run while another was
+    /// held back (favours utilization over exact busy-time shares).
+    #[arg(long)]
+    pub sched_charge_idle: bool,
     /// A VM's scheduling weight, NAME=WEIGHT (1..=10000, default 100; repeatable).
     #[arg(long = "vm-weight", value_name = "NAME=WEIGHT", value_parser = parse_weight)]
     pub vm_weights: Vec<(String, u32)>,
@@ -59,6 +63,7 @@ impl SchedArgs {
             slice_ms: self.sched_slice_ms,
             sample_period_ms: self.sched_sample_period_ms,
             watchdog_ms: self.watchdog_ms,
+            charge_idle: self.sched_charge_idle,
         }
     }
 

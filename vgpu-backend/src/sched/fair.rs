@@ -14,6 +14,14 @@
 //! active siblings each interval, so credit it did not use while idle is lost; an entity
 //! that appears starts there too.
 //!
+//! Use it or lose it: when a sibling was held back (shadowed with work pending) and the
+//! GPU still went idle during the interval, the siblings that were allowed to run left
+//! that time unused; they are charged for it (equally in virtual time, so in proportion
+//! to their weights), as if they had used it. Otherwise an entity whose own submissions
+//! cannot keep the GPU busy (short kernels, a slow guest) would hold a shadowed sibling
+//! back while the GPU idles, and the shadowed one would get less than its share of the
+//! GPU's time.
+//!
 //! [`FairState::decide`] is pure: the clocks are its only state and the caller passes the
 //! measurements in.
 
@@ -75,12 +83,17 @@ struct Entry<K> {
     weight: u32,
     busy_delta_ns: u64,
     active: bool,
+    /// Shadowed with work pending during the interval.
+    held: bool,
+    /// Active and not held back.
+    runnable: bool,
 }
 
 impl<K: Ord + Clone> Level<K> {
-    /// Charges the siblings, applies the no-banking rule, forgets vanished siblings and
-    /// returns those over their share by more than `threshold_ns`.
-    fn step(&mut self, entries: &[Entry<K>], threshold_ns: u64) -> BTreeSet<K> {
+    /// Charges the siblings (their busy time, and `idle_ns` of idle GPU time if a sibling
+    /// was held back meanwhile), applies the no-banking rule, forgets vanished siblings
+    /// and returns those over their share by more than `threshold_ns`.
+    fn step(&mut self, entries: &[Entry<K>], threshold_ns: u64, idle_ns: u64) -> BTreeSet<K> {
         // Newcomers start at the least virtual time of the known active siblings.
         let floor = entries
             .iter()
@@ -97,6 +110,19 @@ impl<K: Ord + Clone> Level<K> {
                 .entry(e.key.clone())
                 .or_insert(Clock { vtime: floor });
             c.vtime += u128::from(e.busy_delta_ns) * SCALE / u128::from(e.weight.max(1));
+        }
+        let runnable_w: u128 = entries
+            .iter()
+            .filter(|e| e.runnable)
+            .map(|e| u128::from(e.weight.max(1)))
+            .sum();
+        if idle_ns > 0 && runnable_w > 0 && entries.iter().any(|e| e.held) {
+            let dv = u128::from(idle_ns) * SCALE / runnable_w;
+            for e in entries.iter().filter(|e| e.runnable) {
+                if let Some(c) = self.clocks.get_mut(&e.key) {
+                    c.vtime += dv;
+                }
+            }
         }
         let Some(vmin) = entries
             .iter()
@@ -154,21 +180,43 @@ impl FairState {
     /// `threshold_ns` is the lead (GPU time beyond the entity's share, relative to its
     /// least-served active sibling) tolerated before shadowing.
     pub fn decide(&mut self, vms: &[VmSample], threshold_ns: u64) -> Decision {
+        self.decide_with_idle(vms, threshold_ns, 0, &BTreeSet::new())
+    }
+
+    /// [`FairState::decide`], knowing that the GPU was idle for `idle_ns` of the interval
+    /// while the channels in `held` were shadowed.
+    pub fn decide_with_idle(
+        &mut self,
+        vms: &[VmSample],
+        threshold_ns: u64,
+        idle_ns: u64,
+        held: &BTreeSet<(String, u32)>,
+    ) -> Decision {
+        let is_held =
+            |v: &str, c: &ChannelSample| c.pending && held.contains(&(v.to_string(), c.ch));
+        let runs =
+            |v: &str, c: &ChannelSample| c.active() && !held.contains(&(v.to_string(), c.ch));
         let vm_entries: Vec<Entry<String>> = vms
             .iter()
-            .map(|v| Entry {
-                key: v.name.clone(),
-                weight: v.weight,
-                busy_delta_ns: v
-                    .procs
-                    .iter()
-                    .flat_map(|p| &p.channels)
-                    .map(|c| c.busy_delta_ns)
-                    .sum(),
-                active: v.procs.iter().flat_map(|p| &p.channels).any(|c| c.active()),
+            .map(|v| {
+                let chans = || v.procs.iter().flat_map(|p| &p.channels);
+                Entry {
+                    key: v.name.clone(),
+                    weight: v.weight,
+                    busy_delta_ns: chans().map(|c| c.busy_delta_ns).sum(),
+                    active: chans().any(|c| c.active()),
+                    held: chans().any(|c| is_held(&v.name, c)),
+                    runnable: chans().any(|c| runs(&v.name, c)),
+                }
             })
             .collect();
-        let over_vms = self.vms.step(&vm_entries, threshold_ns);
+        let over_vms = self.vms.step(&vm_entries, threshold_ns, idle_ns);
+        // Each runnable VM's part of the idle time, for its processes.
+        let runnable_w: u64 = vm_entries
+            .iter()
+            .filter(|e| e.runnable)
+            .map(|e| u64::from(e.weight.max(1)))
+            .sum();
         let names: BTreeSet<&str> = vms.iter().map(|v| v.name.as_str()).collect();
         self.procs.retain(|k, _| names.contains(k.as_str()));
         let mut d = Decision {
@@ -184,14 +232,21 @@ impl FairState {
                     weight: p.weight,
                     busy_delta_ns: p.channels.iter().map(|c| c.busy_delta_ns).sum(),
                     active: p.channels.iter().any(|c| c.active()),
+                    held: p.channels.iter().any(|c| is_held(&v.name, c)),
+                    runnable: p.channels.iter().any(|c| runs(&v.name, c)),
                 })
                 .collect();
+            let vm_idle = if entries.iter().any(|e| e.runnable) && runnable_w > 0 {
+                idle_ns.saturating_mul(u64::from(v.weight.max(1))) / runnable_w
+            } else {
+                0
+            };
             // The process clocks run even while the VM is held back.
-            let over_procs = self
-                .procs
-                .entry(v.name.clone())
-                .or_default()
-                .step(&entries, threshold_ns);
+            let over_procs =
+                self.procs
+                    .entry(v.name.clone())
+                    .or_default()
+                    .step(&entries, threshold_ns, vm_idle);
             let vm_over = over_vms.contains(&v.name);
             for p in &v.procs {
                 let proc_over = !vm_over && over_procs.contains(&p.pid);
@@ -402,6 +457,200 @@ mod tests {
         }
         let share_a = ta as f64 / (ta + tb) as f64;
         assert!((share_a - 2.0 / 3.0).abs() < 0.01, "a's share {share_a}");
+    }
+
+    /// A VM of the toy GPU: name, weight, processes as (PID, channel, pull).
+    type ToyVm<'a> = (&'a str, u32, &'a [(u32, u32, u64)]);
+
+    /// A toy GPU for the long-run tests: each interval the unshadowed active channels
+    /// split 10 ms in proportion to `pull` (the GPU's own arbitration: long kernels win).
+    fn simulate(
+        s: &mut FairState,
+        layout: &[ToyVm],
+        intervals: usize,
+    ) -> BTreeMap<(String, u32), u64> {
+        let mut shadow = BTreeSet::new();
+        let mut total = BTreeMap::new();
+        for _ in 0..intervals {
+            let running: Vec<(String, u32, u64)> = layout
+                .iter()
+                .flat_map(|(v, _, ps)| {
+                    ps.iter()
+                        .map(move |(_, ch, pull)| (v.to_string(), *ch, *pull))
+                })
+                .filter(|(v, ch, pull)| *pull > 0 && !shadow.contains(&(v.clone(), *ch)))
+                .collect();
+            let pull_sum: u64 = running.iter().map(|r| r.2).sum();
+            assert!(pull_sum > 0, "not work-conserving");
+            let got = |v: &str, ch: u32| {
+                running
+                    .iter()
+                    .find(|r| r.0 == v && r.1 == ch)
+                    .map_or(0, |r| 10 * MS * r.2 / pull_sum)
+            };
+            let sample: Vec<VmSample> = layout
+                .iter()
+                .map(|(v, w, ps)| {
+                    vm(
+                        v,
+                        *w,
+                        ps.iter()
+                            .map(|(pid, ch, pull)| {
+                                *total.entry((v.to_string(), *pid)).or_default() += got(v, *ch);
+                                proc_(*pid, vec![ch_(*ch, got(v, *ch), *pull > 0)])
+                            })
+                            .collect(),
+                    )
+                })
+                .collect();
+            shadow = s.decide(&sample, 2 * MS).shadow;
+        }
+        total
+    }
+
+    fn ch_(c: u32, busy: u64, pending: bool) -> ChannelSample {
+        ch(c, busy, pending)
+    }
+
+    fn shares_of(total: &BTreeMap<(String, u32), u64>) -> BTreeMap<(String, u32), f64> {
+        let sum: u64 = total.values().sum();
+        total
+            .iter()
+            .map(|(k, v)| (k.clone(), *v as f64 / sum as f64))
+            .collect()
+    }
+
+    #[test]
+    fn two_levels_converge_and_an_idle_sibling_s_share_goes_to_the_others() {
+        let mut s = FairState::new();
+        // VMs 1:1; B's three processes pull 1:4:16 on the raw GPU; A pulls 1.
+        let all: &[ToyVm] = &[
+            ("a", 1, &[(1, 1, 1)]),
+            ("b", 1, &[(21, 2, 1), (22, 3, 4), (23, 4, 16)]),
+        ];
+        let sh = shares_of(&simulate(&mut s, all, 2000));
+        assert!((sh[&("a".into(), 1)] - 0.5).abs() < 0.02, "{sh:?}");
+        for pid in [21, 22, 23] {
+            assert!((sh[&("b".into(), pid)] - 1.0 / 6.0).abs() < 0.02, "{sh:?}");
+        }
+        // PID 23 goes idle: 21 and 22 get a quarter each, A keeps half.
+        let idle: &[ToyVm] = &[
+            ("a", 1, &[(1, 1, 1)]),
+            ("b", 1, &[(21, 2, 1), (22, 3, 4), (23, 4, 0)]),
+        ];
+        let sh = shares_of(&simulate(&mut s, idle, 2000));
+        assert!((sh[&("a".into(), 1)] - 0.5).abs() < 0.02, "{sh:?}");
+        assert!((sh[&("b".into(), 21)] - 0.25).abs() < 0.02, "{sh:?}");
+        assert!((sh[&("b".into(), 22)] - 0.25).abs() < 0.02, "{sh:?}");
+    }
+
+    #[test]
+    fn process_weights_split_the_vm_share_and_never_raise_it() {
+        let mut s = FairState::new();
+        let sample = |w1: u32| {
+            vec![
+                vm(
+                    "a",
+                    1,
+                    vec![ProcSample {
+                        pid: 1,
+                        weight: w1,
+                        channels: vec![ch(1, 5 * MS, true)],
+                    }],
+                ),
+                vm("b", 1, vec![proc_(2, vec![ch(2, 5 * MS, true)])]),
+            ]
+        };
+        // A's only process hints 10000: A is still exactly as entitled as B.
+        for _ in 0..100 {
+            assert!(s.decide(&sample(10_000), MS).shadow.is_empty());
+        }
+        let d = s.decide(
+            &[
+                vm(
+                    "a",
+                    1,
+                    vec![ProcSample {
+                        pid: 1,
+                        weight: 10_000,
+                        channels: vec![ch(1, 9 * MS, true)],
+                    }],
+                ),
+                vm("b", 1, vec![proc_(2, vec![ch(2, MS, true)])]),
+            ],
+            MS,
+        );
+        assert_eq!(d.over_vms, BTreeSet::from(["a".to_string()]));
+        // Inside B, weights 3:1 give 3/4 and 1/4 of B's half.
+        let mut s = FairState::new();
+        // (By hand: simulate() gives every process weight 1.)
+        let mut shadow = BTreeSet::new();
+        let mut tot = [0u64; 3];
+        for _ in 0..2000 {
+            let run: Vec<bool> = [("a", 1), ("b", 2), ("b", 3)]
+                .iter()
+                .map(|(v, c)| !shadow.contains(&(v.to_string(), *c)))
+                .collect();
+            let n = run.iter().filter(|r| **r).count() as u64;
+            let got: Vec<u64> = run
+                .iter()
+                .map(|r| if *r { 10 * MS / n } else { 0 })
+                .collect();
+            for i in 0..3 {
+                tot[i] += got[i];
+            }
+            shadow = s
+                .decide(
+                    &[
+                        vm("a", 1, vec![proc_(1, vec![ch(1, got[0], true)])]),
+                        vm(
+                            "b",
+                            1,
+                            vec![
+                                ProcSample {
+                                    pid: 21,
+                                    weight: 3,
+                                    channels: vec![ch(2, got[1], true)],
+                                },
+                                proc_(22, vec![ch(3, got[2], true)]),
+                            ],
+                        ),
+                    ],
+                    2 * MS,
+                )
+                .shadow;
+        }
+        let sum: u64 = tot.iter().sum();
+        let f = |i: usize| tot[i] as f64 / sum as f64;
+        assert!((f(0) - 0.5).abs() < 0.02, "{tot:?}");
+        assert!((f(1) - 0.375).abs() < 0.02, "{tot:?}");
+        assert!((f(2) - 0.125).abs() < 0.02, "{tot:?}");
+    }
+
+    #[test]
+    fn idle_time_is_charged_to_who_was_let_run_only_when_someone_waited() {
+        let held = BTreeSet::from([("b".to_string(), 2)]);
+        let sample = [
+            vm("a", 1, vec![proc_(1, vec![ch(1, 2 * MS, true)])]),
+            vm("b", 1, vec![proc_(2, vec![ch(2, 0, true)])]),
+        ];
+        // b was held back while a left 8 ms of the GPU idle: a is charged 10 ms, so
+        // b (at 0) is 10 ms behind and a is over a 5 ms threshold.
+        let mut s = FairState::new();
+        let d = s.decide_with_idle(&sample, 5 * MS, 8 * MS, &held);
+        assert_eq!(d.over_vms, BTreeSet::from(["a".to_string()]));
+        // Without the charge a is only 2 ms ahead.
+        let mut s = FairState::new();
+        assert!(s
+            .decide_with_idle(&sample, 5 * MS, 0, &held)
+            .shadow
+            .is_empty());
+        // Nobody held back: idle time is nobody's loss.
+        let mut s = FairState::new();
+        assert!(s
+            .decide_with_idle(&sample, 5 * MS, 8 * MS, &BTreeSet::new())
+            .shadow
+            .is_empty());
     }
 
     #[test]

@@ -147,6 +147,11 @@ pub struct SchedConfig {
     /// Kill a channel whose single kernel has run longer than this (ms; `None`: no
     /// watchdog). Needs busy counters.
     pub watchdog_ms: Option<u32>,
+    /// Use it or lose it (`fair`, `sampling`): when a sibling was held back and the GPU
+    /// still idled, charge the idle time to the siblings that were allowed to run (see
+    /// [`fair`]). Favours GPU utilization over exact busy-time shares when some tenant
+    /// cannot keep the GPU busy by itself.
+    pub charge_idle: bool,
 }
 
 impl Default for SchedConfig {
@@ -159,6 +164,7 @@ impl Default for SchedConfig {
             slice_ms: 50,
             sample_period_ms: 2_000,
             watchdog_ms: None,
+            charge_idle: false,
         }
     }
 }
@@ -267,7 +273,8 @@ impl SchedSlot {
 /// Starts (or restarts with a new configuration) the scheduler of `be`.
 pub(crate) fn start(be: &Arc<VgpuBackend>, cfg: SchedConfig) -> Result<(), SchedError> {
     cfg.validate()?;
-    let counters = be.gpu().info().has_busy_counters;
+    let info = be.gpu().info();
+    let (counters, engines) = (info.has_busy_counters, info.compute_engines);
     if !counters && (cfg.policy == Policy::Fair || cfg.watchdog_ms.is_some()) {
         return Err(SchedError::NoBusyCounters);
     }
@@ -289,19 +296,20 @@ pub(crate) fn start(be: &Arc<VgpuBackend>, cfg: SchedConfig) -> Result<(), Sched
     let stop2 = stop.clone();
     let handle = std::thread::Builder::new()
         .name("vgpu-sched".into())
-        .spawn(move || thread_main(weak, cfg, counters, stop2, shared))
+        .spawn(move || thread_main(weak, cfg, (counters, engines), stop2, shared))
         .map_err(SchedError::Thread)?;
     *running = Some(Running { stop, handle });
     info!(
         "scheduler: policy {}, interval {} ms, threshold {} us, unshadow cap {:?}, \
-         slice {} ms, sample period {} ms, watchdog {:?} ms",
+         slice {} ms, sample period {} ms, watchdog {:?} ms, charge idle {}",
         cfg.policy,
         cfg.interval_ms,
         cfg.threshold_us,
         cfg.unshadow_cap,
         cfg.slice_ms,
         cfg.sample_period_ms,
-        cfg.watchdog_ms
+        cfg.watchdog_ms,
+        cfg.charge_idle
     );
     Ok(())
 }
@@ -319,6 +327,8 @@ struct Sched {
     cfg: SchedConfig,
     /// Whether busy time comes from the HAL's counters (else GP_GET progress).
     use_counters: bool,
+    /// Compute engines of the GPU (idle time is counted over all of them).
+    engines: u32,
     acct: Accounting,
     est: Estimator,
     fair: FairState,
@@ -336,13 +346,14 @@ struct Sched {
 fn thread_main(
     be: Weak<VgpuBackend>,
     cfg: SchedConfig,
-    counters: bool,
+    (counters, engines): (bool, u32),
     stop: Arc<AtomicBool>,
     shared: Shared,
 ) {
     let mut s = Sched {
         cfg,
         use_counters: counters && cfg.policy != Policy::Sampling,
+        engines,
         acct: Accounting::new(),
         est: Estimator::new(),
         fair: FairState::new(),
@@ -380,7 +391,7 @@ fn thread_main(
         if be.stop.load(Ordering::Acquire) {
             break;
         }
-        s.tick(&be);
+        s.tick(&be, next);
     }
     if let Some(be) = be.upgrade() {
         s.release_all(&be);
@@ -397,6 +408,8 @@ struct Obs {
     counters: ChannelCounters,
     /// `None` when the channel's slot is not mapped (it cannot be shadowed).
     peek: Option<ChannelPeek>,
+    /// Stopped on an error (faulted, killed): it will never run again.
+    dead: bool,
     busy_delta_ns: u64,
 }
 
@@ -437,6 +450,7 @@ impl Sched {
                     hal,
                     counters: c,
                     peek: session.peek_channel(ch).ok(),
+                    dead: gpu.channel_error(hal).ok().flatten().is_some(),
                     busy_delta_ns: 0,
                 });
             }
@@ -464,7 +478,14 @@ impl Sched {
     }
 
     /// The policy's input: VMs → processes (with their weight hints) → channels.
-    fn samples(&self, vms: &[VmObs], obs: &[Obs]) -> Vec<VmSample> {
+    ///
+    /// A channel counts as having pending work only if it could use the GPU: not dead,
+    /// and not *blocked* — submitted work, not held back by us, no GPU time in the
+    /// interval although the GPU idled (waiting on a semaphore, say). A blocked channel
+    /// counted as pending would hold its siblings back (its clock never moves) — and if
+    /// a held-back sibling is the one that would release it, forever.
+    fn samples(&self, vms: &[VmObs], obs: &[Obs], idle_ns: u64, len_ns: u64) -> Vec<VmSample> {
+        let gpu_idled = idle_ns.saturating_mul(10) > len_ns;
         let hints = lock(&self.shared.hints).clone();
         let mut out: Vec<VmSample> = vms
             .iter()
@@ -476,10 +497,14 @@ impl Sched {
             .collect();
         let mut procs: BTreeMap<(usize, u32), Vec<ChannelSample>> = BTreeMap::new();
         for o in obs {
+            let held = vms
+                .get(o.vm)
+                .is_some_and(|v| self.shadowed.contains(&(v.name.clone(), o.ch)));
+            let blocked = o.busy_delta_ns == 0 && !held && gpu_idled;
             procs.entry((o.vm, o.pid)).or_default().push(ChannelSample {
                 ch: o.ch,
                 busy_delta_ns: o.busy_delta_ns,
-                pending: o.peek.is_some_and(|p| p.pending()),
+                pending: o.peek.is_some_and(|p| p.pending()) && !o.dead && !blocked,
             });
         }
         for ((vm, pid), channels) in procs {
@@ -499,20 +524,34 @@ impl Sched {
         out
     }
 
-    fn decide(&mut self, samples: &[VmSample], obs: &[Obs], vms: &[VmObs]) -> Decision {
+    fn decide(
+        &mut self,
+        samples: &[VmSample],
+        obs: &[Obs],
+        vms: &[VmObs],
+        idle_ns: u64,
+    ) -> Decision {
         let threshold_ns = self.cfg.threshold_us.saturating_mul(1000);
+        // Channels shadowed during the interval that just ended.
+        let held = self.shadowed.clone();
         match self.cfg.policy {
             Policy::None => Decision::default(),
-            Policy::Fair => self.fair.decide(samples, threshold_ns),
+            Policy::Fair => self
+                .fair
+                .decide_with_idle(samples, threshold_ns, idle_ns, &held),
             Policy::Timeslice => {
                 let slice = u64::from(self.cfg.slice_ms) * 1_000_000;
                 self.timeslice.decide(samples, now_ns(), slice)
             }
             Policy::Sampling => {
                 // The fair clocks are charged even while a sample overrides them.
-                let fair = self.fair.decide(samples, threshold_ns);
+                let fair = self
+                    .fair
+                    .decide_with_idle(samples, threshold_ns, idle_ns, &held);
+                // Dead channels are never sampled (they would never finish a sample).
                 let sobs: Vec<SampleObs> = obs
                     .iter()
+                    .filter(|o| !o.dead)
                     .filter_map(|o| {
                         let p = o.peek?;
                         Some(SampleObs {
@@ -612,16 +651,48 @@ impl Sched {
         lock(&self.shared.history).push(rec);
     }
 
-    /// One interval: observe, account, decide, enforce, watch, record.
-    fn tick(&mut self, be: &VgpuBackend) {
+    /// While `sampling` measures a channel: polls its control page until `until` and
+    /// tells the sampler when it had work released to the GPU.
+    fn poll_measured(&mut self, be: &VgpuBackend, vms: &[VmObs], obs: &[Obs], until: Instant) {
+        let Some(target) = self.sampler.measuring() else {
+            return;
+        };
+        let Some((name, ch)) = obs
+            .iter()
+            .find(|o| o.hal == target)
+            .and_then(|o| Some((vms.get(o.vm)?.name.clone(), o.ch)))
+        else {
+            return;
+        };
+        let Some(vm) = be.vm(&name) else {
+            return;
+        };
+        while Instant::now() + sampling::POLL < until {
+            let backlogged = vm
+                .lock_session()
+                .peek_channel(ch)
+                .is_ok_and(|p| p.real_put != p.gp_get);
+            self.sampler.observe_backlog(now_ns(), backlogged);
+            std::thread::sleep(sampling::POLL);
+        }
+    }
+
+    /// One interval: observe, account, decide, enforce, watch, record; then, if
+    /// `sampling` is measuring a channel, poll it until `next_tick`.
+    fn tick(&mut self, be: &VgpuBackend, next_tick: Instant) {
         let t0 = Instant::now();
         let now = now_ns();
         let len_ns = now.saturating_sub(self.last_tick_ns);
         self.last_tick_ns = now;
         let (vms, mut obs) = self.observe(be);
         self.account(&mut obs);
-        let samples = self.samples(&vms, &obs);
-        let decision = self.decide(&samples, &obs, &vms);
+        // GPU time nobody used in the interval (all compute engines).
+        let used: u64 = obs.iter().map(|o| o.busy_delta_ns).sum();
+        let capacity = len_ns.saturating_mul(u64::from(self.engines.max(1)));
+        let idle_ns = capacity.saturating_sub(used);
+        let samples = self.samples(&vms, &obs, idle_ns, capacity);
+        let charged_idle = if self.cfg.charge_idle { idle_ns } else { 0 };
+        let decision = self.decide(&samples, &obs, &vms, charged_idle);
         let backlog: BTreeMap<(String, u32), u32> = obs
             .iter()
             .filter_map(|o| {
@@ -646,6 +717,7 @@ impl Sched {
             st.tick_ns_last = ns;
             st.tick_ns_max = st.tick_ns_max.max(ns);
         });
+        self.poll_measured(be, &vms, &obs, next_tick);
     }
 
     /// Applies a decision: shadows what it picks, releases what it no longer picks.

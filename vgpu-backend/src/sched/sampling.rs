@@ -4,9 +4,12 @@
 //!
 //! 1. **Drain**: shadow every other channel and wait until the work they already released
 //!    has finished (their real GP_PUT reached GP_GET), so the GPU runs the target alone.
-//! 2. **Measure**: while the target runs alone and has work, GPU time is wall time; its
-//!    cost per GP entry is the time between two readings divided by the entries completed
-//!    between them. A sample ends after at least [`MIN_ENTRIES`] entries and
+//! 2. **Measure**: while the target runs alone and has work released to the GPU, GPU
+//!    time is wall time. Between ticks the scheduler polls the target's control page
+//!    ([`Sampler::observe_backlog`], every [`POLL`]) and counts the time its real GP_PUT
+//!    was ahead of GP_GET; the cost per GP entry is that time divided by the entries
+//!    completed (so a guest that is slow to refill its ring is not charged for the gaps).
+//!    A sample ends after at least [`MIN_ENTRIES`] entries and
 //!    [`MIN_MEASURE_TICKS`] intervals, when the target runs out of work, or after
 //!    [`MAX_MEASURE_NS`].
 //!
@@ -24,6 +27,11 @@ use super::account::Estimator;
 pub const MIN_ENTRIES: u32 = 8;
 /// Intervals a sample lasts at least (the readings are an interval apart).
 pub const MIN_MEASURE_TICKS: u32 = 3;
+/// How often the target's control page is polled while it is measured.
+pub const POLL: std::time::Duration = std::time::Duration::from_micros(50);
+/// A gap between two polls longer than this (the scheduler thread waited for a core)
+/// leaves the target's activity unknown: the sample is dropped.
+pub const MAX_POLL_GAP_NS: u64 = 5_000_000;
 /// Longest sample and longest drain.
 pub const MAX_MEASURE_NS: u64 = 300_000_000;
 pub const MAX_DRAIN_NS: u64 = 100_000_000;
@@ -52,6 +60,11 @@ enum Phase {
         target: ChannelId,
         start: (u64, u32),
         ticks: u32,
+        /// Time seen with work released to the GPU, and the last poll (time, backlogged).
+        busy_ns: u64,
+        last: Option<(u64, bool)>,
+        /// A poll gap exceeded [`MAX_POLL_GAP_NS`].
+        disturbed: bool,
     },
 }
 
@@ -139,6 +152,9 @@ impl Sampler {
                         target,
                         start: (now_ns, get),
                         ticks: 0,
+                        busy_ns: 0,
+                        last: None,
+                        disturbed: false,
                     };
                     return Some(self.others(obs, target));
                 }
@@ -146,6 +162,9 @@ impl Sampler {
                     target,
                     start,
                     ticks,
+                    busy_ns,
+                    last,
+                    disturbed,
                 } => {
                     let Some(o) = by_hal.get(&target) else {
                         self.stats.aborted += 1;
@@ -160,8 +179,10 @@ impl Sampler {
                     if enough || out_of_work || elapsed >= MAX_MEASURE_NS {
                         // A channel that ran dry mid-sample idled part of the time; its
                         // sample would overstate the cost unless it is long enough.
-                        if entries > 0 && (!out_of_work || entries >= MIN_ENTRIES) {
-                            est.record(target, entries, elapsed);
+                        if entries > 0 && !disturbed && (!out_of_work || entries >= MIN_ENTRIES) {
+                            // Polled busy time if there was polling, else wall time.
+                            let ns = if last.is_some() { busy_ns } else { elapsed };
+                            est.record(target, entries, ns);
                             self.stats.samples += 1;
                         } else {
                             self.stats.aborted += 1;
@@ -173,6 +194,9 @@ impl Sampler {
                         target,
                         start,
                         ticks,
+                        busy_ns,
+                        last,
+                        disturbed,
                     };
                     return Some(self.others(obs, target));
                 }
@@ -183,6 +207,35 @@ impl Sampler {
             Phase::Drain { target, .. } | Phase::Measure { target, .. } => {
                 Some(self.others(obs, *target))
             }
+        }
+    }
+
+    /// The channel being measured, if any: poll it with [`Sampler::observe_backlog`].
+    pub fn measuring(&self) -> Option<ChannelId> {
+        match self.phase {
+            Phase::Measure { target, .. } => Some(target),
+            _ => None,
+        }
+    }
+
+    /// A poll of the measured channel: whether it had work released to the GPU at
+    /// `now_ns`. The time since the previous poll counts as busy if it had then.
+    pub fn observe_backlog(&mut self, now_ns: u64, backlogged: bool) {
+        if let Phase::Measure {
+            busy_ns,
+            last,
+            disturbed,
+            ..
+        } = &mut self.phase
+        {
+            if let Some((t, was)) = *last {
+                let gap = now_ns.saturating_sub(t);
+                *disturbed |= gap > MAX_POLL_GAP_NS;
+                if was {
+                    *busy_ns += gap;
+                }
+            }
+            *last = Some((now_ns, backlogged));
         }
     }
 
@@ -263,6 +316,43 @@ mod tests {
         assert_eq!(est.cost(ChannelId(1)), Some(MS));
         assert_eq!(s.stats.samples, 1);
         assert!(s.sampling());
+    }
+
+    #[test]
+    fn polled_busy_time_excludes_gaps() {
+        let mut s = Sampler::new(1000 * MS);
+        let mut est = Estimator::new();
+        s.tick(&[o(1, 0, true, true)], 0, &mut est);
+        assert_eq!(s.measuring(), Some(ChannelId(1)), "nothing to drain");
+        // Backlogged half of the time: 15 ms of 30.
+        for i in 0..30u64 {
+            s.observe_backlog(i * MS, i % 2 == 0);
+        }
+        s.observe_backlog(30 * MS, false);
+        for t in 1..=3u32 {
+            s.tick(&[o(1, 5 * t, true, true)], u64::from(t) * 10 * MS, &mut est);
+        }
+        assert_eq!(est.cost(ChannelId(1)), Some(MS), "15 entries in 15 ms busy");
+        assert_eq!(s.measuring(), None);
+    }
+
+    #[test]
+    fn a_sample_with_a_long_poll_gap_is_dropped() {
+        let mut s = Sampler::new(1000 * MS);
+        let mut est = Estimator::new();
+        s.tick(&[o(1, 0, true, true)], 0, &mut est);
+        s.observe_backlog(MS, true);
+        // The scheduler thread waited 20 ms for a core: what happened is unknown.
+        s.observe_backlog(21 * MS, true);
+        for t in 1..=3u32 {
+            s.tick(
+                &[o(1, 10 * t, true, true)],
+                u64::from(t) * 10 * MS,
+                &mut est,
+            );
+        }
+        assert_eq!(est.cost(ChannelId(1)), None);
+        assert_eq!((s.stats.samples, s.stats.aborted), (0, 1));
     }
 
     #[test]

@@ -8,7 +8,10 @@
 //! that arrives while the guest still handles the previous one is not lost).
 //!
 //! The same thread watches the vhost-user socket: when the backend goes away the device
-//! is marked `DEVICE_NEEDS_RESET` with a configuration interrupt, and an error is logged.
+//! is marked `DEVICE_NEEDS_RESET` with a configuration interrupt (through `config_irq`,
+//! which the VMM routes to INTx or to the configuration's MSI-X vector), and an error is
+//! logged. A queue whose calls go straight to an MSI-X irqfd is taken out of the thread's
+//! wait set ([`IntxForwarder::forward_queue`]).
 
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
@@ -30,6 +33,8 @@ const TAG_SOCKET: u64 = u64::MAX - 1;
 /// The forwarding thread; stopped and joined on drop.
 pub struct IntxForwarder {
     stop: EventFd,
+    epoll: Arc<Epoll>,
+    calls: Vec<Arc<EventFd>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -48,14 +53,20 @@ fn with_device<R>(
 
 impl IntxForwarder {
     /// Starts forwarding the calls of the vgpu function in `slot` to `irq` (an eventfd
-    /// registered as an irqfd on the function's interrupt line).
-    pub fn start(bus: Arc<Mutex<PciBus>>, slot: u8, irq: EventFd) -> io::Result<Self> {
+    /// registered as an irqfd on the function's interrupt line); configuration interrupts
+    /// go to `config_irq`.
+    pub fn start(
+        bus: Arc<Mutex<PciBus>>,
+        slot: u8,
+        irq: EventFd,
+        config_irq: Arc<EventFd>,
+    ) -> io::Result<Self> {
         let (calls, socket) = with_device(&bus, slot, |d| {
             (d.backend().calls().to_vec(), d.backend().socket_fd())
         })
         .ok_or_else(|| io::Error::other("no vgpu function in that slot"))?;
         let stop = EventFd::new(EFD_NONBLOCK)?;
-        let epoll = Epoll::new()?;
+        let epoll = Arc::new(Epoll::new()?);
         let add = |fd: RawFd, events: EventSet, tag: u64| {
             epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(events, tag))
         };
@@ -70,23 +81,53 @@ impl IntxForwarder {
             TAG_SOCKET,
         )?;
         // The epoll set refers to `stop`'s file, which lives as long as `self`.
+        let (ep, cs) = (epoll.clone(), calls.clone());
         let thread = std::thread::Builder::new()
             .name("vgpu-intx".into())
-            .spawn(move || forward(epoll, &calls, socket, &bus, slot, &irq))?;
+            .spawn(move || forward(&ep, &cs, socket, &bus, slot, &irq, &config_irq))?;
         Ok(IntxForwarder {
             stop,
+            epoll,
+            calls,
             thread: Some(thread),
         })
+    }
+
+    /// Whether queue `q`'s calls go through this thread (INTx) or not (an MSI-X irqfd
+    /// consumes them).
+    pub fn forward_queue(&self, q: usize, on: bool) -> io::Result<()> {
+        let Some(c) = self.calls.get(q) else {
+            return Ok(());
+        };
+        let res = if on {
+            self.epoll.ctl(
+                ControlOperation::Add,
+                c.as_raw_fd(),
+                EpollEvent::new(EventSet::IN, q as u64),
+            )
+        } else {
+            self.epoll.ctl(
+                ControlOperation::Delete,
+                c.as_raw_fd(),
+                EpollEvent::default(),
+            )
+        };
+        match res {
+            // Already in (or out of) the set.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EEXIST) | Some(libc::ENOENT)) => Ok(()),
+            other => other,
+        }
     }
 }
 
 fn forward(
-    epoll: Epoll,
+    epoll: &Epoll,
     calls: &[Arc<EventFd>],
     socket: RawFd,
     bus: &Mutex<PciBus>,
     slot: u8,
     irq: &EventFd,
+    config_irq: &EventFd,
 ) {
     let mut events = vec![EpollEvent::default(); calls.len() + 2];
     loop {
@@ -106,7 +147,9 @@ fn forward(
                     error!("vgpu: the backend closed the vhost-user connection; the device needs a reset");
                     let _ = epoll.ctl(ControlOperation::Delete, socket, EpollEvent::default());
                     with_device(bus, slot, |d| d.device_failed());
-                    raise = true;
+                    if let Err(e) = config_irq.write(1) {
+                        warn!("vgpu-intx: raising the configuration interrupt: {e}");
+                    }
                 }
                 q => {
                     if let Some(c) = calls.get(q as usize) {

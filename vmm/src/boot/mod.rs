@@ -13,6 +13,7 @@
 
 pub mod bars;
 pub mod intx;
+pub mod irq_routing;
 pub mod serial;
 pub mod x86_64;
 
@@ -40,6 +41,7 @@ use crate::virtio_pci::stub::StubBackend;
 use crate::virtio_pci::{shm_bar_size, BarPlacement, VirtioPciDevice, VirtioPciError, BAR0_SIZE};
 use bars::BarWiring;
 use intx::IntxForwarder;
+use irq_routing::IrqRouting;
 use serial::{EventFdTrigger, LegacyDevices, SerialOut, SERIAL_IRQ};
 use x86_64::BootLayout;
 
@@ -210,9 +212,8 @@ pub enum GuestExit {
 pub struct LinuxVm {
     // Field order matters for drop: the interrupt thread stops first; vCPUs and the VM
     // (whose memslots the PCI wiring holds) go before the RAM they map.
-    _intx: Option<IntxForwarder>,
+    hooks: Option<Arc<VgpuHooks>>,
     vcpus: Vec<VcpuFd>,
-    wiring: Option<Arc<BarWiring>>,
     vm: Arc<VmFd>,
     _kvm: Kvm,
     devices: Arc<LegacyDevices>,
@@ -364,8 +365,7 @@ impl LinuxVm {
             (None, None)
         };
         let mut pci = None;
-        let mut wiring = None;
-        let mut intx = None;
+        let mut hooks = None;
         let mut pci_intx = Vec::new();
         if let Some(dev) = dev {
             let mut bus = PciBus::new();
@@ -384,21 +384,29 @@ impl LinuxVm {
             let bus = Arc::new(Mutex::new(bus));
             if let Some((window, kicks)) = vhost {
                 let memslot = ram.regions().len() as u32;
-                wiring = Some(Arc::new(BarWiring::new(
+                let calls =
+                    with_vgpu(&bus, slot, |d| d.backend().calls().to_vec()).unwrap_or_default();
+                let bars = BarWiring::new(vm.clone(), slot, memslot, window, kicks);
+                let irqfd = |what| {
+                    let fd = vmm_sys_util::eventfd::EventFd::new(libc::EFD_NONBLOCK)
+                        .map_err(BootError::EventFd)?;
+                    vm.register_irqfd(&fd, u32::from(gsi))
+                        .map_err(|source| BootError::Kvm { what, source })?;
+                    Ok::<_, BootError>(fd)
+                };
+                let irq = irqfd("KVM_IRQFD (vgpu INTx)")?;
+                let config_irq = Arc::new(irqfd("KVM_IRQFD (vgpu config)")?);
+                let intx = IntxForwarder::start(bus.clone(), slot, irq, config_irq.clone())
+                    .map_err(BootError::Intx)?;
+                let irqs = IrqRouting::new(
                     vm.clone(),
                     slot,
-                    memslot,
-                    window,
-                    kicks,
-                )));
-                let irq = vmm_sys_util::eventfd::EventFd::new(libc::EFD_NONBLOCK)
-                    .map_err(BootError::EventFd)?;
-                vm.register_irqfd(&irq, u32::from(gsi))
-                    .map_err(|source| BootError::Kvm {
-                        what: "KVM_IRQFD (vgpu)",
-                        source,
-                    })?;
-                intx = Some(IntxForwarder::start(bus.clone(), slot, irq).map_err(BootError::Intx)?);
+                    u32::from(gsi),
+                    calls,
+                    config_irq,
+                    Arc::new(intx),
+                );
+                hooks = Some(Arc::new(VgpuHooks { bars, irqs }));
             }
             pci = Some(bus);
         }
@@ -448,9 +456,8 @@ impl LinuxVm {
         }
 
         Ok(LinuxVm {
-            _intx: intx,
+            hooks,
             vcpus,
-            wiring,
             vm,
             _kvm: kvm,
             devices,
@@ -489,7 +496,7 @@ impl LinuxVm {
     /// Where the vgpu shared-memory window is mapped in the guest, once the guest enabled
     /// its BAR (with `vgpu_socket`).
     pub fn vgpu_shm_gpa(&self) -> Option<u64> {
-        self.wiring.as_ref().and_then(|w| w.shm_gpa())
+        self.hooks.as_ref().and_then(|h| h.bars.shm_gpa())
     }
 
     /// The VM fd.
@@ -516,7 +523,7 @@ impl LinuxVm {
             let tx = tx.clone();
             let devices = self.devices.clone();
             let pci = self.pci.clone();
-            let wiring = self.wiring.clone();
+            let hooks = self.hooks.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("vcpu{cpu}"))
                 .spawn(move || {
@@ -525,7 +532,7 @@ impl LinuxVm {
                         cpu,
                         &devices,
                         pci.as_deref(),
-                        wiring.as_deref(),
+                        hooks.as_deref(),
                         &vcpu_stop,
                     );
                     let _ = tx.send((cpu, res));
@@ -622,6 +629,38 @@ pub fn setup_vcpu(
     Ok(())
 }
 
+/// What follows the guest's programming of the vhost-user vgpu function outside the
+/// MMIO-exit path: the BARs' memslot and ioeventfds, and the interrupt routing.
+struct VgpuHooks {
+    bars: BarWiring,
+    irqs: IrqRouting,
+}
+
+impl VgpuHooks {
+    /// After a guest write to the bus (config space or a BAR), under the bus lock so that
+    /// changes are applied in the order they happened.
+    fn after_guest_write(&self, bus: &mut PciBus) {
+        let events = bus.take_bar_events();
+        if !events.is_empty() {
+            self.bars.apply(&events);
+        }
+        self.irqs.sync(bus);
+    }
+}
+
+/// Runs `f` on the vhost-user vgpu function in `slot` of `bus`.
+fn with_vgpu<R>(
+    bus: &Mutex<PciBus>,
+    slot: u8,
+    f: impl FnOnce(&mut VirtioPciDevice<VhostUserVgpu>) -> R,
+) -> Option<R> {
+    let mut bus = lock(bus);
+    bus.device_mut(slot)?
+        .as_any_mut()
+        .downcast_mut::<VirtioPciDevice<VhostUserVgpu>>()
+        .map(f)
+}
+
 /// Locks the PCI bus. A poisoned bus is still consistent (every access leaves it so):
 /// keep serving.
 fn lock(p: &Mutex<PciBus>) -> std::sync::MutexGuard<'_, PciBus> {
@@ -634,7 +673,7 @@ fn vcpu_loop(
     cpu: u8,
     devices: &LegacyDevices,
     pci: Option<&Mutex<PciBus>>,
-    wiring: Option<&BarWiring>,
+    hooks: Option<&VgpuHooks>,
     stop: &AtomicBool,
 ) -> Result<GuestExit, BootError> {
     loop {
@@ -649,10 +688,8 @@ fn vcpu_loop(
                 let handled = pci.is_some_and(|p| {
                     let mut bus = lock(p);
                     let handled = bus.pio_write(port, data);
-                    // Follow BAR moves under the bus lock, in the order they happened.
-                    let events = bus.take_bar_events();
-                    if let Some(w) = wiring.filter(|_| !events.is_empty()) {
-                        w.apply(&events);
+                    if let Some(h) = hooks {
+                        h.after_guest_write(&mut bus);
                     }
                     handled
                 });
@@ -675,7 +712,15 @@ fn vcpu_loop(
                 }
             }
             Ok(VcpuExit::MmioWrite(addr, data)) => {
-                if !pci.is_some_and(|p| lock(p).mmio_write(addr, data)) {
+                let handled = pci.is_some_and(|p| {
+                    let mut bus = lock(p);
+                    let handled = bus.mmio_write(addr, data);
+                    if let Some(h) = hooks.filter(|_| handled) {
+                        h.after_guest_write(&mut bus);
+                    }
+                    handled
+                });
+                if !handled {
                     log::trace!("vCPU {cpu}: unhandled MMIO write {data:x?} at {addr:#x}");
                 }
             }

@@ -21,19 +21,22 @@
 //! and what happens on `DRIVER_OK`, notify and reset — sits behind [`VirtioBackend`], so
 //! that the vhost-user frontend can back it; [`stub::StubBackend`] is a stand-in.
 //!
-//! Interrupts are INTx: the vector registers read `VIRTIO_MSI_NO_VECTOR`, the ISR is kept
-//! here and the VMM raises the line (`boot/intx.rs`). Doorbells reach
+//! Interrupts: MSI-X when the backend offers vectors ([`msix`]: capability, table and PBA
+//! in BAR0, the vector registers; the VMM routes the messages), else INTx (the ISR is kept
+//! here and the VMM raises the line, `boot/intx.rs`). Doorbells reach
 //! [`VirtioBackend::queue_notify`] as MMIO exits unless the VMM registered ioeventfds on
-//! them (it does for the vhost-user device). Not yet: MSI-X, `VIRTIO_PCI_CAP_PCI_CFG`.
+//! them (it does for the vhost-user device). Not yet: `VIRTIO_PCI_CAP_PCI_CFG`.
 //! Layout after Cloud Hypervisor's `virtio-devices/src/transport/pci_device.rs` and
 //! `pci_common_config.rs`.
 
+pub mod msix;
 pub mod stub;
 
 use thiserror::Error;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 
 use crate::pci::{BarKind, PciConfig, PciConfigError, PciDevice, PciHeader};
+use msix::{Msix, MsixState, PCI_CAP_ID_MSIX};
 
 /// PCI vendor id of virtio devices.
 pub const VIRTIO_PCI_VENDOR_ID: u16 = 0x1af4;
@@ -67,7 +70,7 @@ pub const VIRTIO_PCI_CAP_SHARED_MEMORY_CFG: u8 = 8;
 
 /// BAR0 layout.
 pub const BAR0_INDEX: usize = 0;
-pub const BAR0_SIZE: u64 = 0x4000;
+pub const BAR0_SIZE: u64 = 0x8000;
 pub const COMMON_CFG_OFFSET: u64 = 0x0000;
 /// `struct virtio_pci_common_cfg` (up to `queue_used`).
 pub const COMMON_CFG_SIZE: u64 = 0x38;
@@ -161,6 +164,11 @@ pub trait VirtioBackend: Send {
     fn shm_regions(&self) -> Vec<(u8, u64)> {
         Vec::new()
     }
+    /// MSI-X vectors the function offers (0: INTx only). The VMM must deliver them
+    /// ([`VirtioPciDevice::take_msix_update`]).
+    fn msix_vectors(&self) -> u16 {
+        0
+    }
     /// `DRIVER_OK`: the driver accepted `features` and set up the queues (all queues,
     /// enabled or not).
     fn activate(&mut self, features: u64, queues: &[VirtqConfig]) -> Result<(), ActivateError>;
@@ -211,6 +219,8 @@ pub struct VirtioPciDevice<B: VirtioBackend> {
     isr: u8,
     active: bool,
     notifies: u64,
+    /// MSI-X state and the capability's offset in config space.
+    msix: Option<(Msix, usize)>,
 }
 
 impl<B: VirtioBackend> std::fmt::Debug for VirtioPciDevice<B> {
@@ -334,6 +344,16 @@ impl<B: VirtioBackend> VirtioPciDevice<B> {
                 ),
             )?;
         }
+        let vectors = backend.msix_vectors();
+        let msix = if vectors > 0 {
+            let m = Msix::new(vectors, nq);
+            let off = config.add_capability(PCI_CAP_ID_MSIX, &m.capability())?;
+            // Only Enable and Function Mask of message control are writable.
+            config.set_write_mask(off / 4, 0xc000_0000);
+            Some((m, off))
+        } else {
+            None
+        };
         let queues = (0..nq as u16)
             .map(|i| Self::fresh_queue(&backend, i))
             .collect();
@@ -351,6 +371,7 @@ impl<B: VirtioBackend> VirtioPciDevice<B> {
             isr: 0,
             active: false,
             notifies: 0,
+            msix,
         })
     }
 
@@ -412,6 +433,10 @@ impl<B: VirtioBackend> VirtioPciDevice<B> {
         self.status |= STATUS_DEVICE_NEEDS_RESET;
         self.config_changed();
     }
+    /// The MSI-X state, if it changed since the last call (the VMM re-routes).
+    pub fn take_msix_update(&mut self) -> Option<MsixState> {
+        self.msix.as_mut().and_then(|(m, _)| m.take_update())
+    }
     /// Sets the function's interrupt line register (the OS may overwrite it).
     pub fn set_interrupt_line(&mut self, line: u8) {
         self.config.set_interrupt(1, line);
@@ -428,6 +453,12 @@ impl<B: VirtioBackend> VirtioPciDevice<B> {
         self.status = 0;
         self.queue_select = 0;
         self.isr = 0;
+        if let Some((m, _)) = self.msix.as_mut() {
+            // The virtio vector registers reset; the table is PCI state and stays.
+            m.config_vector = VIRTIO_MSI_NO_VECTOR;
+            m.queue_vectors.fill(VIRTIO_MSI_NO_VECTOR);
+            m.mark_dirty();
+        }
         for i in 0..self.queues.len() {
             self.queues[i] = Self::fresh_queue(&self.backend, i as u16);
         }
@@ -508,7 +539,18 @@ impl<B: VirtioBackend> VirtioPciDevice<B> {
                 1 => self.driver_features >> 32,
                 _ => 0,
             },
-            CC_MSIX_CONFIG | CC_QUEUE_MSIX_VECTOR => u64::from(VIRTIO_MSI_NO_VECTOR),
+            CC_MSIX_CONFIG => u64::from(
+                self.msix
+                    .as_ref()
+                    .map_or(VIRTIO_MSI_NO_VECTOR, |(m, _)| m.config_vector),
+            ),
+            CC_QUEUE_MSIX_VECTOR => u64::from(
+                self.msix
+                    .as_ref()
+                    .and_then(|(m, _)| m.queue_vectors.get(usize::from(self.queue_select)))
+                    .copied()
+                    .unwrap_or(VIRTIO_MSI_NO_VECTOR),
+            ),
             CC_NUM_QUEUES => self.queues.len() as u64,
             CC_DEVICE_STATUS => u64::from(self.status),
             CC_CONFIG_GENERATION => u64::from(self.config_generation),
@@ -536,6 +578,22 @@ impl<B: VirtioBackend> VirtioPciDevice<B> {
             },
             CC_DEVICE_STATUS => self.write_status(v as u8),
             CC_QUEUE_SELECT => self.queue_select = v as u16,
+            CC_MSIX_CONFIG => {
+                if let Some((m, _)) = self.msix.as_mut() {
+                    m.config_vector = m.checked_vector(v as u16);
+                    m.mark_dirty();
+                }
+            }
+            CC_QUEUE_MSIX_VECTOR => {
+                let sel = usize::from(self.queue_select);
+                if let Some((m, _)) = self.msix.as_mut() {
+                    let vector = m.checked_vector(v as u16);
+                    if let Some(q) = m.queue_vectors.get_mut(sel) {
+                        *q = vector;
+                        m.mark_dirty();
+                    }
+                }
+            }
             _ => {
                 let sel = usize::from(self.queue_select);
                 let Some(q) = self.queues.get_mut(sel) else {
@@ -598,6 +656,14 @@ impl<B: VirtioBackend> VirtioPciDevice<B> {
 
     fn bar0_read(&mut self, off: u64, data: &mut [u8]) {
         let len = data.len() as u64;
+        if let Some((m, _)) = self
+            .msix
+            .as_ref()
+            .filter(|(m, _)| m.covers(off, data.len()))
+        {
+            m.read(off, data);
+            return;
+        }
         match off {
             o if o + len <= COMMON_CFG_OFFSET + COMMON_CFG_SIZE => {
                 self.common_read(o - COMMON_CFG_OFFSET, data)
@@ -621,6 +687,15 @@ impl<B: VirtioBackend> VirtioPciDevice<B> {
 
     fn bar0_write(&mut self, off: u64, data: &[u8]) {
         let len = data.len() as u64;
+        if let Some((m, _)) = self
+            .msix
+            .as_mut()
+            .filter(|(m, _)| m.covers(off, data.len()))
+        {
+            m.write(off, data);
+            return;
+        }
+        let notify_end = NOTIFY_OFFSET + self.queues.len() as u64 * u64::from(NOTIFY_MULTIPLIER);
         match off {
             o if o + len <= COMMON_CFG_OFFSET + COMMON_CFG_SIZE => {
                 self.common_write(o - COMMON_CFG_OFFSET, data)
@@ -631,7 +706,7 @@ impl<B: VirtioBackend> VirtioPciDevice<B> {
             {
                 self.backend.write_config(o - DEVICE_CFG_OFFSET, data)
             }
-            o if o >= NOTIFY_OFFSET => {
+            o if o >= NOTIFY_OFFSET && o < notify_end => {
                 let q = (o - NOTIFY_OFFSET) / u64::from(NOTIFY_MULTIPLIER);
                 match u16::try_from(q) {
                     Ok(q) if usize::from(q) < self.queues.len() && self.active => {
@@ -661,6 +736,14 @@ impl<B: VirtioBackend + 'static> PciDevice for VirtioPciDevice<B> {
     }
     fn config_mut(&mut self) -> &mut PciConfig {
         &mut self.config
+    }
+    fn config_write(&mut self, reg: usize, offset: usize, data: &[u8]) {
+        self.config.write_reg(reg, offset, data);
+        if let Some((m, cap)) = self.msix.as_mut() {
+            if reg == *cap / 4 {
+                m.set_control((self.config.read_reg(reg) >> 16) as u16);
+            }
+        }
     }
     fn bar_read(&mut self, bar: usize, offset: u64, data: &mut [u8]) {
         match bar {

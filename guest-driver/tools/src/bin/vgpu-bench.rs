@@ -2,9 +2,11 @@
 //! people by default, `--json` for one JSON object per figure per line.
 
 use clap::{Parser, Subcommand};
+use std::path::PathBuf;
 use vgpu_tools::report::{print_json, print_table, Figure};
 use vgpu_tools::suites::api::{self, ApiOpts};
 use vgpu_tools::suites::guest::{self, GuestOpts};
+use vgpu_tools::suites::sched::{self, SchedOpts};
 use vgpu_tools::suites::sim::{self, SimOpts};
 use vgpu_tools::suites::swap::{self, SwapOpts};
 use vgpu_tools::suites::virt::{self, VirtOpts};
@@ -49,6 +51,13 @@ enum Suite {
     },
     /// VRAM oversubscription: slowdown vs all-in-VRAM, swap throughput, pauses, convergence.
     Swap,
+    /// The GPU scheduler over loopback VMs: Fleig §5.4 fairness, weights, two levels,
+    /// overhead, shadow switch cost, weight-change reaction, timeslice and sampling.
+    Sched {
+        /// Write SVG plots into this directory.
+        #[arg(long, value_name = "DIR")]
+        plots: Option<PathBuf>,
+    },
 }
 
 fn main() {
@@ -102,6 +111,15 @@ fn main() {
                 SwapOpts::full()
             };
             swap::run(&opts).map_err(|e| e.to_string())
+        }
+        Suite::Sched { plots } => {
+            let mut opts = if cli.quick {
+                SchedOpts::quick()
+            } else {
+                SchedOpts::full()
+            };
+            opts.plots = plots;
+            sched::run(&opts).map_err(|e| e.to_string())
         }
     };
     match result {

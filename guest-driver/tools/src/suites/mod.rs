@@ -3,6 +3,7 @@
 pub mod api;
 pub mod guest;
 pub mod measure;
+pub mod sched;
 pub mod sim;
 pub mod swap;
 pub mod virt;

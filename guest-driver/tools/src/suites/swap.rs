@@ -191,6 +191,8 @@ struct Oversub {
     cpu_per_iter_s: f64,
     /// Wall time per iteration (submit to fence).
     wall_per_iter_s: f64,
+    /// Chunks moved (either way) while the loop was timed.
+    moved: u64,
     /// Bytes of the hot set in swap when the timing ended.
     hot_swapped: u64,
 }
@@ -248,8 +250,15 @@ fn oversub_run(rig: &Rig, hot: u64, cold: u64, iters: u32, settle: Duration) -> 
             .find(|(p, _)| *p == HOT_PID)
             .map_or(0, |(_, ns)| *ns)
     };
+    let moves = |rig: &Rig| -> u64 {
+        rig.backend
+            .vram_stats("a")
+            .map_or(0, |r| r.vm.evictions + r.vm.swap_ins)
+    };
+    let m0 = moves(rig);
     let (b0, c0) = (busy(rig), rig.gpu.engine_cpu_ns());
     let wall = hot_loop(&mut ch, &hot_bufs, iters)?;
+    let moved = moves(rig) - m0;
     let n = f64::from(iters.max(1));
     let per_iter = (busy(rig) - b0) as f64 / 1e9 / n;
     let cpu_per_iter = rig.gpu.engine_cpu_ns().saturating_sub(c0) as f64 / 1e9 / n;
@@ -270,6 +279,7 @@ fn oversub_run(rig: &Rig, hot: u64, cold: u64, iters: u32, settle: Duration) -> 
         cpu_per_iter_s: cpu_per_iter,
         wall_per_iter_s: wall,
         hot_swapped,
+        moved,
     })
 }
 
@@ -325,7 +335,7 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
     for f in [1.5f64, 2.0, 4.0] {
         let total = (v as f64 * f) as u64 / MIB * MIB;
         let cold = total - hot;
-        let (mut base, mut over, mut swapped) = (Vec::new(), Vec::new(), 0);
+        let (mut base, mut over, mut swapped, mut moved) = (Vec::new(), Vec::new(), 0, 0);
         for run in 0..opts.runs {
             // Alternate which side goes first.
             if run % 2 == 0 {
@@ -334,6 +344,7 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
             small.config(VramConfig::default())?;
             let r = oversub_run(&small, hot, cold, opts.iters, settle)?;
             swapped = swapped.max(r.hot_swapped);
+            moved += r.moved;
             over.push(r);
             if run % 2 == 1 {
                 base.push(oversub_run(&big, hot, cold, opts.iters, settle)?);
@@ -358,6 +369,13 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
             &format!("{name}_wall"),
             wall,
             "%",
+            Better::Lower,
+        ));
+        figs.push(Figure::new(
+            SUITE,
+            &format!("cold_set_{f}x_chunks_moved_while_timed"),
+            moved as f64,
+            "chunks",
             Better::Lower,
         ));
         figs.push(Figure::new(
@@ -417,11 +435,13 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
 
     // 2. Swap throughput and pause per 64 MiB eviction.
     let rig = Rig::new("pause", 128 * MIB.max(v), limits(128 * MIB.max(v)), &["a"])?;
-    rig.config(VramConfig {
+    let pause_cfg = VramConfig {
         enabled: false,
         batch_bytes: 64 * MIB,
+        drain_timeout_ms: 2_000,
         ..VramConfig::default()
-    })?;
+    };
+    rig.config(pause_cfg)?;
     let dev = Device::loopback(rig.vms[0].clone(), 100)?;
     let ctx = dev.create_context()?;
     let mut ch = ctx.create_channel()?;
@@ -429,6 +449,7 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
     let small_buf = ctx.alloc_vram(MIB)?;
     let (mut pauses, mut rates) = (Vec::new(), Vec::new());
     let (mut memcpys, mut ratios) = (Vec::new(), Vec::new());
+    let mut failed = 0u32;
     let mut scratch = (
         vec![0x5au8; 64 * MIB as usize],
         vec![0u8; 64 * MIB as usize],
@@ -444,10 +465,15 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
             [1, 1, 1],
         )?;
         ch.submit()?;
-        let r = rig
-            .backend
-            .vram_evict("a", 64 * MIB)
-            .map_err(|e| SwapSuiteError::Backend(e.to_string()))?;
+        let r = match rig.backend.vram_evict("a", 64 * MIB) {
+            Ok(r) => r,
+            Err(e) => {
+                // A drain that timed out on a loaded host: counted, not fatal.
+                log::warn!("64 MiB eviction: {e}");
+                failed += 1;
+                continue;
+            }
+        };
         if r.bytes >= 64 * MIB {
             pauses.push(r.pause_ns as f64 / 1e6);
             let rate = r.bytes as f64 / (r.copy_ns.max(1) as f64 / 1e9);
@@ -461,14 +487,10 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
             enabled: true,
             batch_bytes: 64 * MIB,
             lru_exchange: false,
-            ..VramConfig::default()
+            ..pause_cfg
         })?;
         rig.backend.vram_rebalance();
-        rig.config(VramConfig {
-            enabled: false,
-            batch_bytes: 64 * MIB,
-            ..VramConfig::default()
-        })?;
+        rig.config(pause_cfg)?;
     }
     let f = ch.submit()?;
     ch.wait(f)?;
@@ -504,6 +526,13 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
         "pause_64mib_p50",
         quantile(pauses.clone(), 0.5),
         "ms",
+        Better::Lower,
+    ));
+    figs.push(Figure::new(
+        SUITE,
+        "pause_64mib_failed",
+        f64::from(failed),
+        "count",
         Better::Lower,
     ));
     figs.push(Figure::new(
@@ -551,7 +580,8 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
         Figure::new(
             SUITE,
             "two_vm_convergence",
-            converged.unwrap_or(f64::INFINITY),
+            // Not converged within 30 s: the time waited (the target is then missed).
+            converged.unwrap_or_else(|| t0.elapsed().as_secs_f64()),
             "s",
             Better::Lower,
         )
