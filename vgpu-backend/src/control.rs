@@ -11,13 +11,16 @@
 //! underserved and the scheduler would shadow every other VM in its favour — and forgets
 //! the channels it had shadowed there; the hold forgets them too. Channels the guest
 //! creates while paused are shadowed before the reply reaches it
-//! ([`VmControl::hold_if_paused`], called by the request path). A pause outlives frontend
-//! reconnects. **Resume** unshadows the channels that nobody else holds shadowed.
+//! (`VmControl::hold_if_paused`, called by the request path). A pause outlives frontend
+//! reconnects. **Resume** unshadows the channels that nobody else holds shadowed. The VRAM
+//! manager's holds are kept apart in [`crate::shadow::Shadows`]: to it a pause is one of
+//! the "others" holds, so the end of a VRAM move leaves a paused channel shadowed.
 //! **Drain** is pause plus waiting until the GPU completed everything already released to
 //! it (each channel's real `GP_GET` reached its real `GP_PUT`, or the channel stopped on an
 //! error).
 //!
-//! The **VRAM quota** replaces the VM's `vram_bytes` limit: `ALLOC_VRAM` checks it for new
+//! The **VRAM quota** goes through the VRAM manager ([`VgpuBackend::set_vram_quota`]): it
+//! is the VM's `vram_bytes` limit, which `ALLOC_VRAM` checks (with the swap limit) for new
 //! allocations; objects already allocated stay even when the quota drops below the VM's
 //! usage. The config space and `GET_INFO` report the new value when next read (no
 //! config-change interrupt is sent).

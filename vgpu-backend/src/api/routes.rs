@@ -303,6 +303,11 @@ impl ApiState {
                 "threshold_us" => {
                     cfg.threshold_us = int_in(v, k, 0, MAX_THRESHOLD_US)?;
                 }
+                "charge_idle" => {
+                    cfg.charge_idle = v.as_bool().ok_or_else(|| {
+                        fail(400, "invalid_body", "charge_idle must be a boolean")
+                    })?;
+                }
                 "slice_ms" => {
                     cfg.slice_ms = int_in(v, k, 1, 10_000)? as u32;
                 }
@@ -549,6 +554,7 @@ pub fn scheduler(be: &VgpuBackend) -> SchedulerBody {
             slice_ms: cfg.slice_ms,
             sample_period_ms: cfg.sample_period_ms,
             watchdog_ms: cfg.watchdog_ms,
+            charge_idle: cfg.charge_idle,
         },
         stats: SchedStatsBody {
             intervals: st.intervals,

@@ -194,6 +194,8 @@ pub struct SchedConfigBody {
     pub slice_ms: u32,
     pub sample_period_ms: u32,
     pub watchdog_ms: Option<u32>,
+    /// Charge GPU idle time to those let run while another was held back.
+    pub charge_idle: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

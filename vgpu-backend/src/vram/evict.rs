@@ -88,7 +88,8 @@ impl Session {
                 if matches!(self.gpu.channel_error(hch), Ok(Some(_))) {
                     continue;
                 }
-                match self.peek_channel(ch) {
+                // `_any`: an operator-paused VM's released work must be waited for too.
+                match self.peek_channel_any(ch) {
                     Ok(p) if p.gp_get != p.real_put => busy = true,
                     _ => {}
                 }
