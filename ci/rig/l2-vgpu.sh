@@ -18,6 +18,10 @@
 #                          [--add SRC:DST]... [--vcpus N] [--no-build] [--timeout S]
 #                          [-- run-l1.sh args]
 #   --add puts extra files into every L2's initramfs (e.g. guest tools).
+#   --backend-args 'ARGS'  more vgpu-backend options (its API socket is /tmp/vgpu/api.sock)
+#   --l1-monitor FILE      runs `sh FILE` in L1 while the VMs run (vgpuctl is there); its
+#                          output goes to L1's console and its exit status must be 0
+# Each L2's kernel command line carries `vgpu.vm=K`, so one L2 script can play per-VM roles.
 # Env: CARGO_TARGET_DIR (default <repo>/target)
 set -euo pipefail
 
@@ -25,6 +29,8 @@ ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 RIG="$ROOT/ci/rig"
 VMS=1
 GUEST=0
+BACKEND_ARGS=""
+MONITOR=""
 VCPUS=1
 DRIVER=""
 EXITCOST=""
@@ -43,6 +49,8 @@ while [ $# -gt 0 ]; do
         --exit-cost) EXITCOST="$2"; shift 2 ;;
         --l2-cmd) L2CMD="$2"; shift 2 ;;
         --add) ADDS+=(--add "$2"); shift 2 ;;
+        --backend-args) BACKEND_ARGS="$2"; shift 2 ;;
+        --l1-monitor) MONITOR="$2"; shift 2 ;;
         --no-build) BUILD=0; shift ;;
         --timeout) TIMEOUT="$2"; shift 2 ;;
         --) shift; EXTRA+=("$@"); break ;;
@@ -62,7 +70,7 @@ MODDIR="$ROOT/ci/cache/rig/kernel-$KVER/lib/modules/$KVER/kernel/drivers/virtio"
 if [ "$BUILD" = 1 ]; then
     rustup target list --installed | grep -q x86_64-unknown-linux-musl \
         || rustup target add x86_64-unknown-linux-musl >&2
-    bins=(--bin vgpu-vmm --bin vgpu-backend)
+    bins=(--bin vgpu-vmm --bin vgpu-backend --bin vgpuctl)
     [ "$GUEST" = 0 ] || for t in $TOOLS; do bins+=(--bin "$t"); done
     (cd "$ROOT" && cargo build --release --target x86_64-unknown-linux-musl \
         -p vgpu-vmm -p vgpu-backend $([ "$GUEST" = 0 ] || echo -p vgpu-tools) "${bins[@]}" >&2)
@@ -156,7 +164,8 @@ cat > "$WORK/cmd.sh" <<CMD
 mkdir -p /tmp/vgpu
 vms=""
 for k in \$(seq 0 $((VMS - 1))); do vms="\$vms --vm vm\$k"; done
-RUST_LOG=info vgpu-backend --socket-dir /tmp/vgpu --vram-mib 256 --sim-idle-sleep-us 5000 \$vms > /tmp/backend.log 2>&1 &
+RUST_LOG=info vgpu-backend --socket-dir /tmp/vgpu --api-socket /tmp/vgpu/api.sock \\
+    --vram-mib 256 --sim-idle-sleep-us 5000 $BACKEND_ARGS \$vms > /tmp/backend.log 2>&1 &
 bp=\$!
 for i in \$(seq 1 100); do [ -S /tmp/vgpu/vm$((VMS - 1)).sock ] && break; sleep 0.1; done
 read -r t0 _ < /proc/uptime
@@ -165,9 +174,14 @@ for k in \$(seq 0 $((VMS - 1))); do
     : > /tmp/l2-\$k.log
     RUST_LOG=info vgpu-vmm --vgpu-socket /tmp/vgpu/vm\$k.sock --kernel /l2/vmlinuz \\
         --initrd /l2/l2.cpio.gz --mem-mib 256 --vcpus $VCPUS --timeout $((TIMEOUT - 60)) \\
-        --cmdline "$L2_ARGS" --serial /tmp/l2-\$k.log > /tmp/vmm-\$k.log 2>&1 &
+        --cmdline "$L2_ARGS vgpu.vm=\$k" --serial /tmp/l2-\$k.log > /tmp/vmm-\$k.log 2>&1 &
     pids="\$pids \$!"
 done
+mon=""
+if [ -f /rig/monitor.sh ]; then
+    VGPU_API_SOCKET=/tmp/vgpu/api.sock sh /rig/monitor.sh \$pids &
+    mon=\$!
+fi
 ok=1 k=0
 for p in \$pids; do
     wait \$p; rc=\$?
@@ -180,6 +194,7 @@ for p in \$pids; do
     [ "\$rc" = 0 ] && [ "\$res" = "L2-VGPU-RESULT $EXPECT" ] || ok=0
     k=\$((k + 1))
 done
+if [ -n "\$mon" ]; then wait \$mon; mrc=\$?; echo "L2-VGPU-MONITOR rc=\$mrc"; [ "\$mrc" = 0 ] || ok=0; fi
 kill -TERM \$bp; wait \$bp; brc=\$?
 echo "==== vgpu-backend"; tail -n 25 /tmp/backend.log
 echo "L2-VGPU-BACKEND rc=\$brc"
@@ -187,7 +202,10 @@ echo "L2-VGPU-BACKEND rc=\$brc"
 [ "\$ok" = 1 ]
 CMD
 
-"$RIG/run-l1.sh" --timeout "$TIMEOUT" --script "$WORK/cmd.sh" \
+l1_adds=()
+[ -z "$MONITOR" ] || l1_adds+=(--add "$MONITOR:/rig/monitor.sh")
+[ ! -x "$MUSL/vgpuctl" ] || l1_adds+=(--add "$MUSL/vgpuctl:/bin/vgpuctl")
+"$RIG/run-l1.sh" --timeout "$TIMEOUT" --script "$WORK/cmd.sh" ${l1_adds[@]+"${l1_adds[@]}"} \
     --add "$MUSL/vgpu-vmm:/bin/vgpu-vmm" --add "$MUSL/vgpu-backend:/bin/vgpu-backend" \
     --add "$KERNEL:/l2/vmlinuz" --add "$WORK/l2.cpio.gz:/l2/l2.cpio.gz" \
     ${EXTRA[@]+"${EXTRA[@]}"}
