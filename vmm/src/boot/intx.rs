@@ -22,9 +22,8 @@ use log::{debug, error, warn};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+use super::with_vgpu;
 use crate::pci::PciBus;
-use crate::vgpu_device::VhostUserVgpu;
-use crate::virtio_pci::VirtioPciDevice;
 
 /// epoll tags: queue calls are `0..n`.
 const TAG_STOP: u64 = u64::MAX;
@@ -38,19 +37,6 @@ pub struct IntxForwarder {
     thread: Option<JoinHandle<()>>,
 }
 
-/// Runs `f` on the vgpu function in `slot` of `bus`, if it is there.
-fn with_device<R>(
-    bus: &Mutex<PciBus>,
-    slot: u8,
-    f: impl FnOnce(&mut VirtioPciDevice<VhostUserVgpu>) -> R,
-) -> Option<R> {
-    let mut bus = bus.lock().unwrap_or_else(|e| e.into_inner());
-    bus.device_mut(slot)?
-        .as_any_mut()
-        .downcast_mut::<VirtioPciDevice<VhostUserVgpu>>()
-        .map(f)
-}
-
 impl IntxForwarder {
     /// Starts forwarding the calls of the vgpu function in `slot` to `irq` (an eventfd
     /// registered as an irqfd on the function's interrupt line); configuration interrupts
@@ -61,7 +47,7 @@ impl IntxForwarder {
         irq: EventFd,
         config_irq: Arc<EventFd>,
     ) -> io::Result<Self> {
-        let (calls, socket) = with_device(&bus, slot, |d| {
+        let (calls, socket) = with_vgpu(&bus, slot, |d| {
             (d.backend().calls().to_vec(), d.backend().socket_fd())
         })
         .ok_or_else(|| io::Error::other("no vgpu function in that slot"))?;
@@ -146,7 +132,7 @@ fn forward(
                 TAG_SOCKET => {
                     error!("vgpu: the backend closed the vhost-user connection; the device needs a reset");
                     let _ = epoll.ctl(ControlOperation::Delete, socket, EpollEvent::default());
-                    with_device(bus, slot, |d| d.device_failed());
+                    with_vgpu(bus, slot, |d| d.device_failed());
                     if let Err(e) = config_irq.write(1) {
                         warn!("vgpu-intx: raising the configuration interrupt: {e}");
                     }
@@ -155,7 +141,7 @@ fn forward(
                     if let Some(c) = calls.get(q as usize) {
                         // Non-blocking: a spurious wake-up reads EAGAIN.
                         if c.read().is_ok() {
-                            with_device(bus, slot, |d| d.signal_queue());
+                            with_vgpu(bus, slot, |d| d.signal_queue());
                             raise = true;
                         }
                     }
