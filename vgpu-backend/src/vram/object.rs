@@ -162,3 +162,85 @@ impl Session {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use vgpu_host_shim::{Gpu, SimConfig, SimGpu};
+    use vgpu_protocol::request::{Op, ReplyBody, Request, PAGE_2M};
+    use vm_memory::GuestAddress;
+
+    use super::*;
+    use crate::guest_mem::GuestMemory;
+    use crate::session::VmLimits;
+    use crate::shmem::NullShm;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn allocations_spill_to_swap_within_the_limit_and_map_there() {
+        let gpu = SimGpu::new(SimConfig {
+            vram_bytes: 4 * MIB,
+            ..SimConfig::default()
+        })
+        .unwrap();
+        let free0 = gpu.vram_free_bytes();
+        let mut s = Session::new(
+            gpu.clone(),
+            VmLimits {
+                vram_bytes: 4 * MIB,
+                swap_bytes: 8 * MIB,
+                ..VmLimits::default()
+            },
+        );
+        let mem = GuestMemory::from_ranges(&[(GuestAddress(0x10000), 0x10000)]).unwrap();
+        let req = |s: &mut Session, ctx: u32, op: Op| {
+            s.execute(&Request { pid: 7, ctx, op }, &mem, &NullShm)
+        };
+        let Ok(ReplyBody::Context { ctx }) = req(&mut s, 0, Op::CreateContext) else {
+            panic!("context");
+        };
+        let alloc = |s: &mut Session, size: u64| {
+            let r = |s: &mut Session, op| s.execute(&Request { pid: 7, ctx, op }, &mem, &NullShm);
+            match r(
+                s,
+                Op::AllocVram {
+                    size,
+                    align: 2 * MIB,
+                },
+            ) {
+                Ok(ReplyBody::Mem { mem, .. }) => Ok(mem),
+                Err(e) => Err(e),
+                other => panic!("{other:?}"),
+            }
+        };
+        let a = alloc(&mut s, 4 * MIB).unwrap();
+        let b = alloc(&mut s, 6 * MIB).unwrap();
+        assert_eq!(gpu.vram_free_bytes(), free0 - 4 * MIB);
+        let r = s.vram_report();
+        assert_eq!(
+            (r.vm.resident_bytes, r.vm.swapped_bytes),
+            (4 * MIB, 6 * MIB)
+        );
+        assert_eq!(r.vm.spilled_chunks, 3);
+        // Quota + swap = 12 MiB: 2 more fit, 4 do not.
+        assert_eq!(
+            alloc(&mut s, 4 * MIB),
+            Err(vgpu_protocol::ErrorCode::LimitExceeded)
+        );
+        let c = alloc(&mut s, 2 * MIB).unwrap();
+        // The spilled object maps with 2 MiB pages onto its swap copy.
+        let map = Op::MapVram {
+            mem: b,
+            flags: 0,
+            va: 64 * MIB,
+            page: PAGE_2M,
+        };
+        assert!(req(&mut s, ctx, map).is_ok());
+        for m in [a, b, c] {
+            assert!(req(&mut s, ctx, Op::FreeMem { mem: m }).is_ok());
+        }
+        assert_eq!(gpu.vram_free_bytes(), free0);
+        let r = s.vram_report();
+        assert_eq!(r.vm.resident_bytes + r.vm.swapped_bytes, 0);
+    }
+}
