@@ -70,7 +70,6 @@ pub struct SchedSection {
     pub slice_ms: Option<u32>,
     pub sample_period_ms: Option<u32>,
     pub watchdog_ms: Option<u32>,
-    /// Charge GPU idle time to those let run while another was held back.
     pub charge_idle: Option<bool>,
 }
 

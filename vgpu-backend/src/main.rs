@@ -117,8 +117,8 @@ impl Cli {
         if given("sched_sample_period_ms") {
             s.sample_period_ms = Some(a.sched_sample_period_ms);
         }
-        if a.sched_charge_idle {
-            s.charge_idle = Some(true);
+        if given("sched_charge_idle") {
+            s.charge_idle = Some(a.sched_charge_idle);
         }
         s.unshadow_cap = a.sched_unshadow_cap.or(s.unshadow_cap);
         s.watchdog_ms = a.watchdog_ms.or(s.watchdog_ms);
