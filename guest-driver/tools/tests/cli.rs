@@ -172,34 +172,3 @@ fn demo_runs_every_tenant() {
         assert_eq!(failures, 0, "{row}");
     }
 }
-
-#[test]
-fn bench_api_quick_json() {
-    let out = Command::new(env!("CARGO_BIN_EXE_vgpu-bench"))
-        .args(["--json", "--quick", "api"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
-    let figs: Vec<serde_json::Value> = text
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    for name in [
-        "weight_change_delay_p50",
-        "weight_change_ticks_p50",
-        "get_info_p50",
-        "put_weight_p99",
-    ] {
-        let f = figs
-            .iter()
-            .find(|f| f["name"] == name)
-            .unwrap_or_else(|| panic!("{name} missing:\n{text}"));
-        assert_eq!(f["suite"], "api");
-        assert!(f["value"].as_f64().unwrap() > 0.0, "{f}");
-    }
-}
