@@ -880,45 +880,83 @@ mod tests {
         }
     }
 
+    /// A "real" control page (a page of a memfd of our own) and a one-page fake window
+    /// with that page mapped at offset 0, as a guest would see it.
+    struct Fixture {
+        _file: File,
+        page: FdRange,
+        gpu_view: PageMap,
+        shm: FakeShm,
+        base: *mut libc::c_void,
+    }
+
+    impl Fixture {
+        fn new() -> Self {
+            // SAFETY: memfd_create with a valid name.
+            let fd = unsafe { libc::memfd_create(c"real".as_ptr(), libc::MFD_CLOEXEC) };
+            assert!(fd >= 0);
+            // SAFETY: fresh fd.
+            let file = unsafe { File::from_raw_fd(fd) };
+            file.set_len(PAGE_SIZE).unwrap();
+            let page = FdRange {
+                fd,
+                offset: 0,
+                len: PAGE_SIZE,
+            };
+            let gpu_view = PageMap::new(page).unwrap();
+            // SAFETY: an anonymous private reservation for the window.
+            let base = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    PAGE_SIZE as usize,
+                    libc::PROT_NONE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            assert_ne!(base, libc::MAP_FAILED);
+            let shm = FakeShm {
+                base: base.cast(),
+                maps: Mutex::new(0),
+            };
+            shm.map(0, fd, 0, PAGE_SIZE, true).unwrap();
+            Fixture {
+                _file: file,
+                page,
+                gpu_view,
+                shm,
+                base,
+            }
+        }
+
+        /// 32-bit word `i` of the page through the window (the guest's view).
+        fn guest_word(&self, i: usize) -> &AtomicU32 {
+            assert!(i < PAGE_SIZE as usize / 4);
+            // SAFETY: the window's page is mapped (in `new`), aligned, and stays mapped
+            // for as long as `self` lives.
+            unsafe { &*((self.base as *const AtomicU32).add(i)) }
+        }
+    }
+
+    impl Drop for Fixture {
+        fn drop(&mut self) {
+            // SAFETY: unmapping the reservation made in `new`; no reference from
+            // `guest_word` outlives `self`.
+            unsafe { libc::munmap(self.base, PAGE_SIZE as usize) };
+        }
+    }
+
     #[test]
     fn shadow_capped_release_and_unshadow_keep_every_submission() {
-        // The "real" control page: a page of a memfd of our own.
-        // SAFETY: memfd_create with a valid name.
-        let fd = unsafe { libc::memfd_create(c"real".as_ptr(), libc::MFD_CLOEXEC) };
-        assert!(fd >= 0);
-        // SAFETY: fresh fd.
-        let file = unsafe { File::from_raw_fd(fd) };
-        file.set_len(PAGE_SIZE).unwrap();
-        let page = FdRange {
-            fd,
-            offset: 0,
-            len: PAGE_SIZE,
-        };
-        let gpu_view = PageMap::new(page).unwrap();
+        let f = Fixture::new();
+        let (page, gpu_view, shm) = (f.page, &f.gpu_view, &f.shm);
         gpu_view.store(ControlPage::GP_GET, 3);
         gpu_view.store(ControlPage::GP_PUT, 5);
-        // SAFETY: an anonymous private reservation for the window.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                PAGE_SIZE as usize,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(base, libc::MAP_FAILED);
-        let shm = FakeShm {
-            base: base.cast(),
-            maps: Mutex::new(0),
-        };
-        shm.map(0, fd, 0, PAGE_SIZE, true).unwrap();
-        // SAFETY: the window's page is mapped (above), aligned, and outlives the test.
-        let guest = unsafe { &*(base as *const AtomicU32) };
+        let guest = f.guest_word(0);
 
         let mut sh = Shadows::new();
-        assert!(sh.shadow(1, page, 0, &shm).unwrap().changed);
+        assert!(sh.shadow(1, page, 0, shm).unwrap().changed);
         assert_eq!(guest.load(Ordering::Acquire), 5, "guest sees its GP_PUT");
         guest.store(9, Ordering::Release);
         assert_eq!(gpu_view.load(ControlPage::GP_PUT), 5, "held back");
@@ -931,57 +969,26 @@ mod tests {
         assert_eq!(sh.release_capped(1, 2).unwrap(), 2);
         assert_eq!(gpu_view.load(ControlPage::GP_PUT), 7);
         sh.mirror();
-        // SAFETY: as above; GP_GET is the second word.
-        let guest_get = unsafe { &*((base as *const AtomicU32).add(1)) };
+        let guest_get = f.guest_word(1);
         assert_eq!(guest_get.load(Ordering::Acquire), 5);
-        assert!(sh.unshadow(1, page, 0, &shm).unwrap().changed);
+        assert!(sh.unshadow(1, page, 0, shm).unwrap().changed);
         assert_eq!(gpu_view.load(ControlPage::GP_PUT), 9, "everything released");
         assert_eq!(guest.load(Ordering::Acquire), 9);
         assert_eq!(sh.stats().raised_on_unshadow, 1);
         assert_eq!(sh.stats().shadowed_now, 0);
-        // SAFETY: unmapping the reservation made above.
-        unsafe { libc::munmap(base, PAGE_SIZE as usize) };
     }
 
     #[test]
     fn vram_hold_outlasts_other_unshadows_and_blocks_capped_release() {
-        // SAFETY: memfd_create with a valid name.
-        let fd = unsafe { libc::memfd_create(c"real".as_ptr(), libc::MFD_CLOEXEC) };
-        assert!(fd >= 0);
-        // SAFETY: fresh fd.
-        let file = unsafe { File::from_raw_fd(fd) };
-        file.set_len(PAGE_SIZE).unwrap();
-        let page = FdRange {
-            fd,
-            offset: 0,
-            len: PAGE_SIZE,
-        };
-        let gpu_view = PageMap::new(page).unwrap();
-        // SAFETY: an anonymous private reservation for the window.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                PAGE_SIZE as usize,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(base, libc::MAP_FAILED);
-        let shm = FakeShm {
-            base: base.cast(),
-            maps: Mutex::new(0),
-        };
-        shm.map(0, fd, 0, PAGE_SIZE, true).unwrap();
-        // SAFETY: the window's page is mapped, aligned, and outlives the test.
-        let guest = unsafe { &*(base as *const AtomicU32) };
+        let f = Fixture::new();
+        let (page, gpu_view, shm) = (f.page, &f.gpu_view, &f.shm);
+        let guest = f.guest_word(0);
 
         let mut sh = Shadows::new();
         // The scheduler shadows, the VRAM manager holds, the scheduler lets go: still held.
-        assert!(sh.shadow(1, page, 0, &shm).unwrap().changed);
-        assert!(!sh.hold_for_vram(1, page, 0, &shm).unwrap().changed);
-        assert!(!sh.unshadow(1, page, 0, &shm).unwrap().changed);
+        assert!(sh.shadow(1, page, 0, shm).unwrap().changed);
+        assert!(!sh.hold_for_vram(1, page, 0, shm).unwrap().changed);
+        assert!(!sh.unshadow(1, page, 0, shm).unwrap().changed);
         assert!(sh.is_shadowed(1));
         guest.store(4, Ordering::Release);
         assert_eq!(
@@ -991,17 +998,15 @@ mod tests {
         );
         assert_eq!(gpu_view.load(ControlPage::GP_PUT), 0);
         // The manager lets go: nobody else holds it, so it is unshadowed and released.
-        assert!(sh.release_for_vram(1, page, 0, &shm).unwrap().changed);
+        assert!(sh.release_for_vram(1, page, 0, shm).unwrap().changed);
         assert!(!sh.is_shadowed(1));
         assert_eq!(gpu_view.load(ControlPage::GP_PUT), 4);
         // Held by the manager first, then by the scheduler: the manager's release keeps it.
-        sh.hold_for_vram(1, page, 0, &shm).unwrap();
-        sh.shadow(1, page, 0, &shm).unwrap();
-        assert!(!sh.release_for_vram(1, page, 0, &shm).unwrap().changed);
+        sh.hold_for_vram(1, page, 0, shm).unwrap();
+        sh.shadow(1, page, 0, shm).unwrap();
+        assert!(!sh.release_for_vram(1, page, 0, shm).unwrap().changed);
         assert!(sh.is_shadowed(1));
-        assert!(sh.unshadow(1, page, 0, &shm).unwrap().changed);
+        assert!(sh.unshadow(1, page, 0, shm).unwrap().changed);
         assert!(!sh.is_shadowed(1));
-        // SAFETY: unmapping the reservation made above.
-        unsafe { libc::munmap(base, PAGE_SIZE as usize) };
     }
 }
