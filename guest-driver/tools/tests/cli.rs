@@ -3,28 +3,12 @@
 
 use std::process::Command;
 
+mod common;
+
 #[test]
 fn bench_sim_quick_json() {
-    let out = Command::new(env!("CARGO_BIN_EXE_vgpu-bench"))
-        .args(["--json", "--quick", "sim"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
-    let mut names = Vec::new();
-    for line in text.lines() {
-        let v: serde_json::Value = serde_json::from_str(line).unwrap();
-        for key in ["suite", "name", "value", "unit", "better", "target"] {
-            assert!(v.get(key).is_some(), "{key} missing in {line}");
-        }
-        assert_eq!(v["suite"], "sim");
-        assert!(v["value"].as_f64().unwrap().is_finite());
-        names.push(v["name"].as_str().unwrap().to_string());
-    }
+    let text = common::run_bench(&["--json", "--quick", "sim"]);
+    let (_, names) = common::figures(&text, "sim");
     for n in [
         "dispatch_empty_kernels",
         "submit_latency_p50",
@@ -39,16 +23,7 @@ fn bench_sim_quick_json() {
 
 #[test]
 fn bench_api_quick_json() {
-    let out = Command::new(env!("CARGO_BIN_EXE_vgpu-bench"))
-        .args(["--json", "--quick", "api"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = common::run_bench(&["--json", "--quick", "api"]);
     let figs: Vec<serde_json::Value> = text
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -71,29 +46,13 @@ fn bench_api_quick_json() {
 #[test]
 fn bench_sched_quick_json() {
     let dir = std::env::temp_dir().join(format!("vgpu-plots-{}", std::process::id()));
-    let out = Command::new(env!("CARGO_BIN_EXE_vgpu-bench"))
-        .args(["--json", "--quick", "sched", "--plots"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
-    let mut names = Vec::new();
-    for line in text.lines() {
-        let v: serde_json::Value = serde_json::from_str(line).unwrap();
-        for key in ["suite", "name", "value", "unit", "better", "target"] {
-            assert!(v.get(key).is_some(), "{key} missing in {line}");
-        }
-        assert_eq!(v["suite"], "sched");
-        assert!(v["value"].as_f64().unwrap().is_finite(), "{line}");
+    let dir_arg = dir.to_str().unwrap();
+    let text = common::run_bench(&["--json", "--quick", "sched", "--plots", dir_arg]);
+    let (figs, names) = common::figures(&text, "sched");
+    for v in &figs {
         if !v["target"].is_null() {
-            assert!(v["met"].is_boolean(), "{line}");
+            assert!(v["met"].is_boolean(), "{v}");
         }
-        names.push(v["name"].as_str().unwrap().to_string());
     }
     for n in [
         "fleig_none_k100us_runtime",
