@@ -688,7 +688,9 @@ fn vcpu_loop(
                 let handled = pci.is_some_and(|p| {
                     let mut bus = lock(p);
                     let handled = bus.pio_write(port, data);
-                    if let Some(h) = hooks {
+                    // Only the bus's own ports (config space) can move BARs or program
+                    // MSI-X; serial output and the like skip this.
+                    if let Some(h) = hooks.filter(|_| handled) {
                         h.after_guest_write(&mut bus);
                     }
                     handled
