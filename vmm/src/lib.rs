@@ -21,5 +21,6 @@ pub mod shm_window;
 pub mod vgpu_device;
 pub mod virtio_pci;
 pub mod virtq;
+pub mod write_protect;
 
 pub use loopback::{GuestAlloc, LoopbackConfig, LoopbackError, LoopbackVm};

@@ -18,6 +18,7 @@ use vhost::vhost_user::{
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::guest_memory::PAGE_SIZE;
+use crate::write_protect::Registration;
 
 #[derive(Debug, Error)]
 pub enum ShmWindowError {
@@ -55,9 +56,12 @@ pub struct ShmWindow {
     len: u64,
     maps: AtomicU64,
     unmaps: AtomicU64,
-    /// Serializes remaps of overlapping ranges against each other (cheap: one backend
-    /// thread sends them anyway).
-    lock: Mutex<()>,
+    /// The ranges `(offset, len)` the backend mapped read-only. The mutex also serializes
+    /// remaps of overlapping ranges against each other (cheap: one backend thread sends
+    /// them anyway).
+    lock: Mutex<Vec<(u64, u64)>>,
+    /// Where stores that hit read-only ranges learn to wait (see [`crate::write_protect`]).
+    wp: Registration,
 }
 
 // SAFETY: the window is an mmap reservation owned by this struct; its address is only
@@ -101,7 +105,8 @@ impl ShmWindow {
             len,
             maps: AtomicU64::new(0),
             unmaps: AtomicU64::new(0),
-            lock: Mutex::new(()),
+            lock: Mutex::new(Vec::new()),
+            wp: Registration::new(base as usize, len as usize),
         })
     }
 
@@ -134,6 +139,64 @@ impl ShmWindow {
     /// SHMEM_UNMAP requests served successfully.
     pub fn unmaps(&self) -> u64 {
         self.unmaps.load(Ordering::Relaxed)
+    }
+    /// Bytes of the window the backend currently maps read-only.
+    pub fn read_only_bytes(&self) -> u64 {
+        self.lock
+            .lock()
+            .map(|ro| ro.iter().map(|r| r.1).sum())
+            .unwrap_or(0)
+    }
+    /// Whether a guest store that just faulted on this window (KVM_RUN's EFAULT) should
+    /// wait and be retried: part of the window is read-only while the backend moves it, or
+    /// was until a moment ago.
+    pub fn store_may_wait(&self) -> bool {
+        self.wp.store_may_wait()
+    }
+
+    /// Performs a guest store at `off` that KVM handed to userspace as an MMIO write
+    /// because the page is read-only (some KVMs emulate such stores instead of failing
+    /// with EFAULT). Like the store itself, it waits while the page is read-only: the
+    /// write below faults into [`crate::write_protect`]'s handler, which retries it once
+    /// the backend maps the page's new copy writable.
+    pub fn complete_store(&self, off: u64, data: &[u8]) -> io::Result<()> {
+        let len = data.len() as u64;
+        if len == 0 || off.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        // SAFETY: `[off, off+len)` lies inside the window (checked above); every page of
+        // the window is mapped (hole fill or backend pages), and read-only pages make the
+        // stores below wait in the fault handler rather than fail.
+        unsafe {
+            let at = self.base.add(off as usize);
+            // One store of the guest's width where it can be, so it stays atomic.
+            match data.len() {
+                8 if at.align_offset(8) == 0 => at
+                    .cast::<u64>()
+                    .write_volatile(u64::from_le_bytes(data.try_into().unwrap_or([0; 8]))),
+                4 if at.align_offset(4) == 0 => at
+                    .cast::<u32>()
+                    .write_volatile(u32::from_le_bytes(data.try_into().unwrap_or([0; 4]))),
+                2 if at.align_offset(2) == 0 => at
+                    .cast::<u16>()
+                    .write_volatile(u16::from_le_bytes(data.try_into().unwrap_or([0; 2]))),
+                _ => {
+                    for (i, b) in data.iter().enumerate() {
+                        at.add(i).write_volatile(*b);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Records `[off, off+len)` as read-only (or not) and publishes the total.
+    fn set_read_only(&self, ro: &mut Vec<(u64, u64)>, off: u64, len: u64, read_only: bool) {
+        subtract_range(ro, off, len);
+        if read_only {
+            ro.push((off, len));
+        }
+        self.wp.set_read_only_bytes(ro.iter().map(|r| r.1).sum());
     }
 
     fn check(&self, shmid: u8, shm_offset: u64, len: u64) -> io::Result<()> {
@@ -170,7 +233,12 @@ impl ShmWindow {
         } else {
             libc::PROT_READ
         };
-        let _g = self.lock.lock().map_err(|_| io::Error::other("poisoned"))?;
+        let mut ro = self.lock.lock().map_err(|_| io::Error::other("poisoned"))?;
+        if !writable {
+            // Published before the pages turn read-only, so a store faulting on them
+            // already finds them marked and waits.
+            self.set_read_only(&mut ro, shm_offset, len, true);
+        }
         // SAFETY: `check` proved `[shm_offset, shm_offset+len)` lies inside the window.
         let at = unsafe { self.base.add(shm_offset as usize) };
         // SAFETY: MAP_FIXED replaces only pages inside our own reservation (bounds checked
@@ -189,7 +257,13 @@ impl ShmWindow {
             let e = io::Error::last_os_error();
             // A failed MAP_FIXED may have removed the old mapping: put the hole back.
             self.fill_hole(at, len);
+            self.set_read_only(&mut ro, shm_offset, len, false);
             return Err(e);
+        }
+        if writable {
+            // Published after the pages turned writable: stores that faulted meanwhile
+            // see the change and retry.
+            self.set_read_only(&mut ro, shm_offset, len, false);
         }
         self.maps.fetch_add(1, Ordering::Relaxed);
         Ok(())
@@ -198,12 +272,13 @@ impl ShmWindow {
     /// Puts a hole (see [`HoleFill`]) back over `[shm_offset, shm_offset+len)`.
     pub fn unmap(&self, shmid: u8, shm_offset: u64, len: u64) -> io::Result<()> {
         self.check(shmid, shm_offset, len)?;
-        let _g = self.lock.lock().map_err(|_| io::Error::other("poisoned"))?;
+        let mut ro = self.lock.lock().map_err(|_| io::Error::other("poisoned"))?;
         // SAFETY: bounds checked above.
         let at = unsafe { self.base.add(shm_offset as usize) };
         if !self.fill_hole(at, len) {
             return Err(io::Error::last_os_error());
         }
+        self.set_read_only(&mut ro, shm_offset, len, false);
         self.unmaps.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -211,8 +286,9 @@ impl ShmWindow {
     /// Drops every mapping in the window (all holes again). Done when the connection
     /// ends: the backend frees the VM's objects and may hand the pages to another VM.
     pub fn clear(&self) {
-        let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ro = self.lock.lock().unwrap_or_else(|e| e.into_inner());
         self.fill_hole(self.base, self.len);
+        self.set_read_only(&mut ro, 0, self.len, false);
     }
 
     fn fill_hole(&self, at: *mut u8, len: u64) -> bool {
@@ -247,6 +323,26 @@ impl Drop for ShmWindow {
             libc::munmap(self.base.cast(), self.len as usize);
         }
     }
+}
+
+/// Removes `[off, off+len)` from a set of disjoint `(offset, len)` ranges.
+fn subtract_range(ranges: &mut Vec<(u64, u64)>, off: u64, len: u64) {
+    let end = off.saturating_add(len);
+    let mut out = Vec::with_capacity(ranges.len() + 1);
+    for &(o, l) in ranges.iter() {
+        let e = o.saturating_add(l);
+        if e <= off || o >= end {
+            out.push((o, l));
+            continue;
+        }
+        if o < off {
+            out.push((o, off - o));
+        }
+        if e > end {
+            out.push((end, e - end));
+        }
+    }
+    *ranges = out;
 }
 
 /// Serves backend requests on the window(s): SHMEM_MAP / SHMEM_UNMAP.
@@ -452,5 +548,90 @@ mod tests {
         w.unmap(0, PAGE_SIZE, PAGE_SIZE).unwrap();
         assert!(w.unmap(0, 0, 17 * PAGE_SIZE).is_err());
         assert_eq!((w.maps(), w.unmaps()), (1, 1));
+    }
+
+    #[test]
+    fn read_only_ranges_are_tracked() {
+        let w = ShmWindow::new(0, 16 * PAGE_SIZE).unwrap();
+        let f = memfd_page(1);
+        f.set_len(4 * PAGE_SIZE).unwrap();
+        w.map(0, 0, 4 * PAGE_SIZE, f.as_raw_fd(), 0, false).unwrap();
+        assert_eq!(w.read_only_bytes(), 4 * PAGE_SIZE);
+        assert!(w.store_may_wait());
+        w.map(0, PAGE_SIZE, PAGE_SIZE, f.as_raw_fd(), 0, true)
+            .unwrap();
+        assert_eq!(w.read_only_bytes(), 3 * PAGE_SIZE);
+        w.unmap(0, 2 * PAGE_SIZE, PAGE_SIZE).unwrap();
+        assert_eq!(w.read_only_bytes(), 2 * PAGE_SIZE);
+        w.clear();
+        assert_eq!(w.read_only_bytes(), 0);
+        let mut r = vec![(0, 10), (20, 10)];
+        subtract_range(&mut r, 5, 20);
+        assert_eq!(r, [(0, 5), (25, 5)]);
+    }
+
+    /// A thread storing into the window while its pages are moved the way the VRAM manager
+    /// moves a chunk (read-only map of the old copy, copy, writable map of the new copy)
+    /// loses no store: stores that hit the read-only pages wait (SIGSEGV handler) and land
+    /// in the new copy.
+    #[test]
+    fn stores_during_moves_wait_and_land_in_the_new_copy() {
+        use std::os::unix::fs::FileExt;
+        const PAGES: u64 = 4;
+        const WORDS: usize = (PAGES * PAGE_SIZE) as usize / 8;
+        let w = Arc::new(ShmWindow::new(0, 8 * PAGE_SIZE).unwrap());
+        let copies = [memfd_page(0), memfd_page(0)];
+        for c in &copies {
+            c.set_len(PAGES * PAGE_SIZE).unwrap();
+        }
+        w.map(0, 0, PAGES * PAGE_SIZE, copies[0].as_raw_fd(), 0, true)
+            .unwrap();
+        let done = Arc::new(AtomicBool::new(false));
+        let base = w.base() as usize;
+        let writer = {
+            let done = done.clone();
+            std::thread::spawn(move || {
+                let p = base as *mut u64;
+                for i in 0..WORDS {
+                    // SAFETY: word `i` lies in the window's first PAGES pages, mapped for
+                    // the whole test (read-only at times: then the store waits).
+                    unsafe { p.add(i).write_volatile(i as u64 + 1) };
+                    let t = std::time::Instant::now();
+                    while t.elapsed() < std::time::Duration::from_micros(2) {
+                        std::hint::spin_loop();
+                    }
+                }
+                done.store(true, Ordering::Release);
+            })
+        };
+        let mut moves = 0usize;
+        let mut cur = 0;
+        let mut page = vec![0u8; (PAGES * PAGE_SIZE) as usize];
+        while !done.load(Ordering::Acquire) || moves < 10 {
+            let next = 1 - cur;
+            w.map(0, 0, PAGES * PAGE_SIZE, copies[cur].as_raw_fd(), 0, false)
+                .unwrap();
+            copies[cur].read_exact_at(&mut page, 0).unwrap();
+            copies[next].write_all_at(&page, 0).unwrap();
+            w.map(0, 0, PAGES * PAGE_SIZE, copies[next].as_raw_fd(), 0, true)
+                .unwrap();
+            cur = next;
+            moves += 1;
+        }
+        writer.join().unwrap();
+        copies[cur].read_exact_at(&mut page, 0).unwrap();
+        let lost: Vec<usize> = page
+            .chunks_exact(8)
+            .enumerate()
+            .filter(|(i, b)| u64::from_le_bytes((*b).try_into().unwrap()) != *i as u64 + 1)
+            .map(|(i, _)| i)
+            .collect();
+        assert!(
+            lost.is_empty(),
+            "{} of {WORDS} stores lost over {moves} moves, first at word {}",
+            lost.len(),
+            lost[0]
+        );
+        assert_eq!(w.read_only_bytes(), 0);
     }
 }

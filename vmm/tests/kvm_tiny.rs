@@ -443,3 +443,119 @@ fn irqfd_interrupts_guest() {
     );
     vm.unregister_irqfd(&irq, GSI).unwrap();
 }
+
+/// Test 6, a store into a window page the backend holds read-only while it moves it (the
+/// VRAM manager's move of an aperture chunk). Depending on the KVM, either `KVM_RUN` fails
+/// with EFAULT (or a memory-fault exit) before the store runs, and re-entering after the new
+/// copy is mapped writable runs it into the new copy (Linux KVM); or the store reaches
+/// userspace as an MMIO write, which `ShmWindow::complete_store` performs once the new copy
+/// is writable (the PVM KVM of the dev machines). Either way nothing is lost and the old
+/// copy is untouched.
+#[test]
+fn store_into_read_only_window_page_waits_for_the_new_copy() {
+    const WIN_GPA: u64 = 0x80000;
+    const STORE_IP: u64 = 0x1008;
+    #[rustfmt::skip]
+    let code = [
+        0xB8, 0x00, 0x80,   // 1000: mov ax, 0x8000
+        0x8E, 0xD8,         // 1003: mov ds, ax          ; DS base 0x80000 = window
+        0xB8, 0x01, 0x00,   // 1005: mov ax, 1
+        0xA3, 0x00, 0x00,   // 1008: mov [0x0000], ax    ; store into the window
+        0xE7, 0x10,         // 100b: out 0x10, ax
+        0x40,               // 100d: inc ax
+        0xEB, 0xF8,         // 100e: jmp 0x1008          ; -8
+    ];
+    let test = "store_into_read_only_window_page_waits_for_the_new_copy";
+    let Some((vm, _ram, mut vcpu)) = tiny_vm(test, &code) else {
+        return;
+    };
+    let _wd = Watchdog::new(vcpu.kicker(), WATCHDOG);
+    let copies = [memfd_pages(&[0]), memfd_pages(&[0])];
+    let window = Arc::new(ShmWindow::new(0, 4 * PAGE_SIZE).unwrap());
+    window
+        .map(0, 0, PAGE_SIZE, copies[0].as_raw_fd(), 0, true)
+        .unwrap();
+    vm.add_shm_window(WIN_GPA, &window).unwrap();
+    let word = |f: &std::fs::File| {
+        let mut b = [0u8; 2];
+        f.read_exact_at(&mut b, 0).unwrap();
+        u16::from_le_bytes(b)
+    };
+    let mut mmio = Vec::new();
+    assert_eq!(next_out(&mut vcpu, 0, &mut mmio), (0x10, vec![1, 0]));
+    assert_eq!(word(&copies[0]), 1);
+    let (mut faulted, mut emulated) = (0, 0);
+    let mut cur = 0;
+    for round in 2..=41u16 {
+        let next = 1 - cur;
+        // The move: write-protect the current copy, copy it, map the new copy writable.
+        window
+            .map(0, 0, PAGE_SIZE, copies[cur].as_raw_fd(), 0, false)
+            .unwrap();
+        assert!(window.store_may_wait());
+        let copy_and_remap = || {
+            let mut page = vec![0u8; PAGE_SIZE as usize];
+            copies[cur].read_exact_at(&mut page, 0).unwrap();
+            copies[next].write_all_at(&page, 0).unwrap();
+            window
+                .map(0, 0, PAGE_SIZE, copies[next].as_raw_fd(), 0, true)
+                .unwrap();
+        };
+        let emulated_store = match vcpu.run() {
+            Err(KvmError::Run(e)) if e.errno() == libc::EFAULT => None,
+            Err(KvmError::MemoryFault { gpa, .. }) => {
+                assert_eq!(gpa & !(PAGE_SIZE - 1), WIN_GPA);
+                None
+            }
+            Ok(VmExit::MmioWrite { addr, data }) => {
+                assert_eq!(addr, WIN_GPA, "round {round}");
+                Some(data.to_vec())
+            }
+            Ok(other) => panic!("round {round}: a store to a read-only page gave {other:?}"),
+            Err(e) => panic!("round {round}: a store to a read-only page gave {e}"),
+        };
+        match emulated_store {
+            None => {
+                faulted += 1;
+                assert_eq!(vcpu.regs().unwrap().rip, STORE_IP, "the store did not run");
+                assert!(
+                    matches!(
+                        vcpu.run(),
+                        Err(KvmError::Run(_) | KvmError::MemoryFault { .. })
+                    ),
+                    "the store faults again while the page is read-only"
+                );
+                copy_and_remap();
+            }
+            Some(data) => {
+                emulated += 1;
+                std::thread::scope(|s| {
+                    let store = s.spawn(|| window.complete_store(0, &data).unwrap());
+                    std::thread::sleep(Duration::from_millis(5));
+                    assert!(
+                        !store.is_finished(),
+                        "the store waits while the page is read-only"
+                    );
+                    copy_and_remap();
+                    store.join().unwrap();
+                });
+            }
+        }
+        let v = round.to_le_bytes().to_vec();
+        assert_eq!(next_out(&mut vcpu, 0, &mut mmio), (0x10, v));
+        assert_eq!(
+            word(&copies[next]),
+            round,
+            "the store landed in the new copy"
+        );
+        assert_eq!(
+            word(&copies[cur]),
+            round - 1,
+            "the old copy was not written"
+        );
+        cur = next;
+    }
+    assert!(mmio.is_empty());
+    assert_eq!(window.read_only_bytes(), 0);
+    eprintln!("read-only window stores: {faulted} faulted (EFAULT), {emulated} emulated (MMIO)");
+}

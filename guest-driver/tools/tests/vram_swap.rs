@@ -164,8 +164,8 @@ impl Rng {
     }
 }
 
-/// A guest process: random alloc/free/kernels/copies/verify within `budget` bytes until
-/// `stop`. Returns the number of verifications.
+/// A guest process: random alloc/free/kernels/copies/CPU stores/verify within `budget`
+/// bytes until `stop`. Returns the number of verifications.
 fn guest_process(vm: Arc<LoopbackVm>, pid: u32, budget: u64, stop: Arc<AtomicBool>) -> u64 {
     let dev = Device::loopback(vm, pid).unwrap();
     let ctx: Context = dev.create_context().unwrap();
@@ -211,6 +211,23 @@ fn guest_process(vm: Arc<LoopbackVm>, pid: u32, budget: u64, stop: Arc<AtomicBoo
                 let n = 1 + rng.below((t.blocks.len() - first) as u64) as usize;
                 let v = rng.below(1000) as u32;
                 memset(&mut ch, t, first, n, v);
+            }
+            7 if !live.is_empty() => {
+                // CPU stores through the aperture, racing the VRAM manager's moves of the
+                // same chunks. GPU work queued on the buffer must finish first: stream
+                // order does not cover the CPU.
+                let f = ch.submit().unwrap();
+                ch.wait(f).unwrap();
+                let i = rng.below(live.len() as u64) as usize;
+                let t = &mut live[i];
+                let first = rng.below(t.blocks.len() as u64) as usize;
+                let n = 1 + rng.below((t.blocks.len() - first) as u64) as usize;
+                let v = pat(rng.below(1000) as u32);
+                let bytes = v.to_le_bytes().repeat(n * (BLOCK / 4) as usize);
+                t.buf.write(first as u64 * BLOCK, &bytes).unwrap();
+                for b in &mut t.blocks[first..first + n] {
+                    *b = v;
+                }
             }
             5 | 6 if live.len() >= 2 => {
                 // Copy (memcpy kernel or copy engine) or saxpy between two buffers.
@@ -377,8 +394,9 @@ fn three_vms_at_quarter_vram_lose_nothing() {
         sched.intervals, sched.shadows, sched.unshadows
     );
     println!(
-        "swap stress: {ev} chunk evictions in {el:.1} s ({} forced calls), {verified} buffer verifications, 0 mismatches",
-        forced.load(Ordering::Relaxed)
+        "swap stress: {ev} chunk evictions in {el:.1} s ({} forced calls), {verified} buffer verifications, {} guest CPU stores waited on a moving chunk, 0 mismatches",
+        forced.load(Ordering::Relaxed),
+        vgpu_vmm::write_protect::stores_waited()
     );
     assert!(ev >= 200, "too few evictions to mean anything: {ev}");
     assert_eq!(

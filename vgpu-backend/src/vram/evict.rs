@@ -7,11 +7,15 @@
 //!    `GP_GET` equals its real `GP_PUT` (the sim advances `GP_GET` only when an entry has
 //!    finished, so the GPU is done with everything released) or it stopped on an error;
 //!    skipped when the object has no GPU mapping (then no channel can reach it);
-//! 2. **copy** the chunk (`vram_read` into the swap memfd, or `vram_write` from it);
+//! 2. **write-protect** the guest's CPU view of the chunks (SHMEM_MAP of the current
+//!    backing, read-only): a guest store meanwhile faults and waits in its VMM (KVM_RUN's
+//!    EFAULT in `vgpu-vmm`, SIGSEGV in the loopback VM) instead of landing in the copy's
+//!    source after it was read, where it would be lost; reads go on;
+//!    **copy** the chunk (`vram_read` into the swap memfd, or `vram_write` from it);
 //! 3. **remap** the PTEs of every mapping of the object to the new target at the same GPU
 //!    VA, then `invalidate_tlb` (which waits for accesses in flight);
-//! 4. **remap the aperture** window (SHMEM_MAP of the new backing) so the guest's CPU view
-//!    follows;
+//! 4. **remap the aperture** window (SHMEM_MAP of the new backing, writable) so the
+//!    guest's CPU view follows and its waiting stores go on, into the new copy;
 //! 5. **free** the old backing (VRAM chunk, or punch the swap range), **resume** (release
 //!    the holds).
 //!
@@ -21,7 +25,7 @@
 
 use std::time::{Duration, Instant};
 
-use log::{debug, warn};
+use log::{debug, error, warn};
 use vgpu_host_shim::ContextId;
 
 use super::backing::{Loc, ObjBacking, RunTarget};
@@ -111,6 +115,60 @@ impl Session {
         Ok((held, ns(t0)))
     }
 
+    /// Maps the aperture of chunks `idx` of `b` (at BAR offset `ap`) on their current
+    /// backing, `writable` or read-only; runs of contiguous backing go in one request.
+    /// Stops at the first failure, saying how many of `idx` were done and why.
+    fn map_chunk_views(
+        &mut self,
+        ap: u64,
+        b: &ObjBacking,
+        idx: &[usize],
+        writable: bool,
+        shm: &dyn ShmMapper,
+    ) -> Result<(), (usize, String)> {
+        let mut k = 0;
+        while k < idx.len() {
+            let first = b.chunks[idx[k]];
+            let t = b
+                .chunk_target(&first)
+                .ok_or((k, "chunk without backing".into()))?;
+            // Extend over following chunks that continue both the window and the backing.
+            let mut len = first.len;
+            let mut n = 1;
+            while let Some(&j) = idx.get(k + n) {
+                let c = b.chunks[j];
+                let contiguous = c.off == first.off + len
+                    && match (b.chunk_target(&c), t) {
+                        (Some(RunTarget::Vram(o)), RunTarget::Vram(s)) => o == s + len,
+                        (Some(RunTarget::Swap(o)), RunTarget::Swap(s)) => o == s + len,
+                        _ => false,
+                    };
+                if !contiguous {
+                    break;
+                }
+                len += c.len;
+                n += 1;
+            }
+            let (fd, off) = self.cpu_range(t, len).map_err(|e| (k, e.to_string()))?;
+            shm.map(ap + first.off, fd, off, len, writable)
+                .map_err(|e| (k, e.to_string()))?;
+            k += n;
+        }
+        Ok(())
+    }
+
+    /// Gives chunks `idx` their writable view back on their current backing. A failure
+    /// leaves the guest's stores to them waiting until its VMM gives up; nothing better
+    /// can be done with a frontend that refuses maps, so it is logged loudly.
+    fn unprotect(&mut self, ap: u64, mem: u32, b: &ObjBacking, idx: &[usize], shm: &dyn ShmMapper) {
+        if idx.is_empty() {
+            return;
+        }
+        if let Err((_, e)) = self.map_chunk_views(ap, b, idx, true, shm) {
+            error!("VRAM manager: object {mem}: the aperture stays read-only: {e}");
+        }
+    }
+
     fn resume(&mut self, held: &[u32], shm: &dyn ShmMapper) {
         for &ch in held {
             if let Err(e) = self.vram_hold(ch, false, shm) {
@@ -192,6 +250,19 @@ impl Session {
                 }
             }
         };
+        // From here on the guest's CPU stores into these chunks wait (see the module doc).
+        if let Some(ap) = aperture {
+            if let Err((done, e)) = self.map_chunk_views(ap, &b, &todo, false, shm) {
+                warn!("VRAM manager: write-protecting the aperture of object {mem}: {e}");
+                self.unprotect(ap, mem, &b, &todo[..done], shm);
+                self.resume(&held, shm);
+                for (_, o) in &new_vram {
+                    let _ = self.gpu.free_vram(*o);
+                }
+                self.swap.counters.vm.move_failures += 1;
+                return Err(MoveError::Aperture(e));
+            }
+        }
         let mut report = MoveReport {
             channels_paused: held.len() as u32,
             drain_ns,
@@ -313,6 +384,12 @@ impl Session {
             report.chunks += 1;
             report.bytes += c.len;
             done.push(i);
+        }
+        // Chunks that stayed where they were (a failure cut the batch short) get their
+        // writable view back; their waiting stores go on into the intact old backing.
+        if let Some(ap) = aperture {
+            let stayed: Vec<usize> = todo.iter().copied().filter(|i| !done.contains(i)).collect();
+            self.unprotect(ap, mem, &b, &stayed, shm);
         }
         // Unused new VRAM (a failure cut the batch short).
         for (i, o) in &new_vram {

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use kvm_bindings::kvm_userspace_memory_region;
 use kvm_ioctls::{IoEventAddress, NoDatamatch, VmFd};
-use log::{debug, error, info};
+use log::{debug, error, info, warn};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::pci::BarEvent;
@@ -55,6 +55,27 @@ impl BarWiring {
     }
 
     /// Where the memslot is now (for tests and logs).
+    /// The shared-memory window behind BAR2.
+    pub fn window(&self) -> &ShmWindow {
+        &self.window
+    }
+
+    /// A guest store that reached userspace as an MMIO write inside the window (the KVM
+    /// emulates stores to read-only pages): performed on the window, waiting while the
+    /// backend holds the page read-only. Returns whether `gpa` was in the window.
+    pub fn store_to_window(&self, gpa: u64, data: &[u8]) -> bool {
+        let Some(base) = self.shm_gpa() else {
+            return false;
+        };
+        let Some(off) = gpa.checked_sub(base).filter(|o| *o < self.window.len()) else {
+            return false;
+        };
+        if let Err(e) = self.window.complete_store(off, data) {
+            warn!("guest store at {gpa:#x} in the shared-memory window: {e}");
+        }
+        true
+    }
+
     pub fn shm_gpa(&self) -> Option<u64> {
         self.lock().shm
     }

@@ -39,6 +39,7 @@ use crate::shm_window::{HoleFill, ShmWindow, ShmWindowError};
 use crate::vgpu_device::{VgpuDeviceError, VhostUserVgpu};
 use crate::virtio_pci::stub::StubBackend;
 use crate::virtio_pci::{shm_bar_size, BarPlacement, VirtioPciDevice, VirtioPciError, BAR0_SIZE};
+use crate::write_protect::StoreFaultWait;
 use bars::BarWiring;
 use intx::IntxForwarder;
 use irq_routing::IrqRouting;
@@ -676,6 +677,7 @@ fn vcpu_loop(
     hooks: Option<&VgpuHooks>,
     stop: &AtomicBool,
 ) -> Result<GuestExit, BootError> {
+    let mut store_wait = StoreFaultWait::default();
     loop {
         if stop.load(Ordering::SeqCst) {
             return Err(BootError::UnexpectedExit {
@@ -683,7 +685,22 @@ fn vcpu_loop(
                 exit: "stopped".into(),
             });
         }
-        match fd.run() {
+        let r = fd.run();
+        // A store into a window page the backend holds read-only while it moves it: wait
+        // and re-run the store (see `write_protect`).
+        let store_fault = match &r {
+            Err(e) => e.errno() == libc::EFAULT,
+            Ok(exit) => matches!(exit, VcpuExit::MemoryFault { .. }),
+        };
+        if store_fault {
+            let may_wait = hooks.is_some_and(|h| h.bars.window().store_may_wait());
+            if store_wait.on_fault(may_wait) {
+                continue;
+            }
+        } else {
+            store_wait.on_progress();
+        }
+        match r {
             Ok(VcpuExit::IoOut(port, data)) => {
                 let handled = pci.is_some_and(|p| {
                     let mut bus = lock(p);
@@ -714,6 +731,9 @@ fn vcpu_loop(
                 }
             }
             Ok(VcpuExit::MmioWrite(addr, data)) => {
+                if hooks.is_some_and(|h| h.bars.store_to_window(addr, data)) {
+                    continue;
+                }
                 let handled = pci.is_some_and(|p| {
                     let mut bus = lock(p);
                     let handled = bus.mmio_write(addr, data);

@@ -1,0 +1,286 @@
+//! Guest stores into window pages the backend made read-only wait until the pages are
+//! writable again, instead of failing.
+//!
+//! While the backend moves a VRAM chunk (VRAM ↔ swap copy) it maps the chunk's aperture
+//! read-only, copies, and maps the new copy writable. A guest store in between must not land
+//! in the source after it was read (it would be lost), and must not kill the guest either.
+//! In the KVM VMM the store makes `KVM_RUN` fail with EFAULT before the instruction runs; in
+//! the loopback VM, whose guests are threads of this process, it raises SIGSEGV. Both wait
+//! here and retry the store, which then lands in the new copy.
+//!
+//! Each window publishes its state in a fixed table of atomics, so the SIGSEGV handler can
+//! read it without locks or allocation.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// Windows one process can hold at once (one per loopback VM or device).
+const SLOTS: usize = 256;
+/// After the last change of a window's protection, a fault in it may still be a store that
+/// raced the change (it faulted while the page was read-only): it is retried this long.
+const RACE_GRACE_NS: u64 = 100_000_000;
+/// A store that waits longer than this is given up on (the backend never made the page
+/// writable again): the fault then takes its normal course.
+pub const MAX_WAIT: Duration = Duration::from_secs(10);
+/// Sleep between checks while a store waits.
+const POLL_NS: i64 = 20_000;
+
+struct Slot {
+    /// Window start address; 0 when the slot is free.
+    base: AtomicUsize,
+    len: AtomicUsize,
+    /// Bytes of the window currently mapped read-only by the backend.
+    read_only: AtomicU64,
+    /// Bumped on every change of read-only bytes.
+    generation: AtomicU64,
+    /// CLOCK_MONOTONIC ns of that change.
+    changed_ns: AtomicU64,
+}
+
+#[allow(clippy::declare_interior_mutable_const)] // Only used to initialise the table.
+const FREE: Slot = Slot {
+    base: AtomicUsize::new(0),
+    len: AtomicUsize::new(0),
+    read_only: AtomicU64::new(0),
+    generation: AtomicU64::new(0),
+    changed_ns: AtomicU64::new(0),
+};
+static TABLE: [Slot; SLOTS] = [FREE; SLOTS];
+/// Faults in this process (SIGSEGV) handled by waiting, over its lifetime.
+static STORES_WAITED: AtomicU64 = AtomicU64::new(0);
+
+/// Stores by this process's threads into read-only window pages that waited and were
+/// retried (the loopback VM's guests), over the process's lifetime.
+pub fn stores_waited() -> u64 {
+    STORES_WAITED.load(Ordering::Relaxed)
+}
+
+/// CLOCK_MONOTONIC in ns; async-signal-safe.
+fn now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid out-pointer; clock_gettime is async-signal-safe.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(ts.tv_nsec as u64)
+}
+
+fn nap() {
+    let ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: POLL_NS,
+    };
+    // SAFETY: `ts` is valid; nanosleep is async-signal-safe; an early wake-up is harmless.
+    unsafe { libc::nanosleep(&ts, std::ptr::null_mut()) };
+}
+
+/// One window's entry in the table; frees it when dropped.
+#[derive(Debug)]
+pub struct Registration {
+    slot: Option<usize>,
+}
+
+impl Registration {
+    /// Enters the window `[base, base+len)`. With the table full the window works as
+    /// before, only without waiting stores (a read-only page then faults as usual).
+    pub fn new(base: usize, len: usize) -> Self {
+        install_fault_handler();
+        for (i, s) in TABLE.iter().enumerate() {
+            if s.base
+                .compare_exchange(0, base, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                s.read_only.store(0, Ordering::Relaxed);
+                s.changed_ns.store(0, Ordering::Relaxed);
+                s.len.store(len, Ordering::Release);
+                return Registration { slot: Some(i) };
+            }
+        }
+        log::warn!("write-protect table full: stores into read-only window pages will fault");
+        Registration { slot: None }
+    }
+
+    /// Publishes that `bytes` of the window are now mapped read-only.
+    pub fn set_read_only_bytes(&self, bytes: u64) {
+        if let Some(s) = self.slot.map(|i| &TABLE[i]) {
+            s.read_only.store(bytes, Ordering::Release);
+            s.changed_ns.store(now_ns(), Ordering::Release);
+            s.generation.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Whether a store that faulted in this window just now should be retried: some of it
+    /// is read-only, or its protection changed so recently that the store may have raced
+    /// the change.
+    pub fn store_may_wait(&self) -> bool {
+        self.slot
+            .is_some_and(|i| slot_may_wait(&TABLE[i], now_ns()))
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if let Some(s) = self.slot.map(|i| &TABLE[i]) {
+            s.len.store(0, Ordering::Release);
+            s.read_only.store(0, Ordering::Release);
+            s.base.store(0, Ordering::Release);
+        }
+    }
+}
+
+fn slot_may_wait(s: &Slot, now: u64) -> bool {
+    s.read_only.load(Ordering::Acquire) > 0
+        || now.saturating_sub(s.changed_ns.load(Ordering::Acquire)) < RACE_GRACE_NS
+}
+
+/// The slot whose window holds `addr`.
+fn slot_of(addr: usize) -> Option<&'static Slot> {
+    TABLE.iter().find(|s| {
+        let base = s.base.load(Ordering::Acquire);
+        base != 0 && addr >= base && addr - base < s.len.load(Ordering::Acquire)
+    })
+}
+
+/// Waits (in a signal handler) for a store at `addr` to become possible. Returns whether
+/// to retry the store; `false` means the fault is not ours to handle.
+fn wait_for_store(addr: usize) -> bool {
+    let Some(s) = slot_of(addr) else {
+        return false;
+    };
+    let t0 = now_ns();
+    if !slot_may_wait(s, t0) {
+        return false;
+    }
+    let gen0 = s.generation.load(Ordering::Acquire);
+    let limit = u64::try_from(MAX_WAIT.as_nanos()).unwrap_or(u64::MAX);
+    // A store that raced the last change retries at once; otherwise wait for a change.
+    if s.read_only.load(Ordering::Acquire) == 0 {
+        return true;
+    }
+    while s.generation.load(Ordering::Acquire) == gen0 {
+        if now_ns().saturating_sub(t0) > limit {
+            return false;
+        }
+        nap();
+    }
+    true
+}
+
+/// A vCPU's view of store faults on a window: `KVM_RUN` failing with EFAULT (or a
+/// memory-fault exit) while the backend holds part of the window read-only. Linux 6.1's
+/// KVM reports no address with the EFAULT, so any such fault is retried while the window
+/// says a store may be waiting, for at most [`MAX_WAIT`] in a row.
+#[derive(Debug, Default)]
+pub struct StoreFaultWait {
+    since: Option<std::time::Instant>,
+    waits: u64,
+}
+
+impl StoreFaultWait {
+    /// After a fault: whether to re-enter the guest (after a short nap). `may_wait` is the
+    /// window's [`Registration::store_may_wait`].
+    pub fn on_fault(&mut self, may_wait: bool) -> bool {
+        let since = *self.since.get_or_insert_with(std::time::Instant::now);
+        if !may_wait || since.elapsed() > MAX_WAIT {
+            return false;
+        }
+        self.waits += 1;
+        nap();
+        true
+    }
+
+    /// After any other exit: the guest made progress.
+    pub fn on_progress(&mut self) {
+        self.since = None;
+    }
+
+    /// Faults retried so far.
+    pub fn waits(&self) -> u64 {
+        self.waits
+    }
+}
+
+/// The SIGSEGV disposition before ours, to hand faults that are not ours to.
+static PREVIOUS: OnceLock<libc::sigaction> = OnceLock::new();
+
+extern "C" fn on_sigsegv(sig: libc::c_int, info: *mut libc::siginfo_t, uctx: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.
+    let addr = unsafe { (*info).si_addr() } as usize;
+    if wait_for_store(addr) {
+        STORES_WAITED.fetch_add(1, Ordering::Relaxed);
+        return; // Retry the faulting instruction.
+    }
+    match PREVIOUS.get() {
+        Some(prev) if prev.sa_flags & libc::SA_SIGINFO != 0 && prev.sa_sigaction > 1 => {
+            // SAFETY: an SA_SIGINFO handler installed before ours has this signature.
+            let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
+                unsafe { std::mem::transmute(prev.sa_sigaction) };
+            f(sig, info, uctx);
+        }
+        Some(prev) if prev.sa_sigaction > 1 => {
+            // SAFETY: a plain handler installed before ours has this signature.
+            let f: extern "C" fn(libc::c_int) = unsafe { std::mem::transmute(prev.sa_sigaction) };
+            f(sig);
+        }
+        _ => {
+            // Default action: restore it; returning re-runs the access, which then kills
+            // the process as it would have without us.
+            // SAFETY: a zeroed sigaction is SIG_DFL with an empty mask; sigaction is
+            // async-signal-safe.
+            unsafe {
+                let mut dfl: libc::sigaction = std::mem::zeroed();
+                dfl.sa_sigaction = libc::SIG_DFL;
+                libc::sigaction(libc::SIGSEGV, &dfl, std::ptr::null_mut());
+            }
+        }
+    }
+}
+
+/// Installs the SIGSEGV handler once per process, keeping the previous one to chain to.
+fn install_fault_handler() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: sigaction with a valid new action and out-pointer; the handler only uses
+        // async-signal-safe calls and lock-free atomics.
+        unsafe {
+            let mut prev: libc::sigaction = std::mem::zeroed();
+            let mut act: libc::sigaction = std::mem::zeroed();
+            act.sa_sigaction = on_sigsegv as *const () as usize;
+            act.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+            libc::sigemptyset(&mut act.sa_mask);
+            if libc::sigaction(libc::SIGSEGV, &act, &mut prev) != 0 {
+                log::warn!(
+                    "cannot install the SIGSEGV handler: stores into read-only window pages will fault"
+                );
+                return;
+            }
+            let _ = PREVIOUS.set(prev);
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slot_waits_while_read_only_and_shortly_after_a_change() {
+        let r = Registration::new(0x1000_0000, 0x1000);
+        let s = &TABLE[r.slot.unwrap()];
+        assert!(!slot_may_wait(s, now_ns()), "never protected: a real fault");
+        r.set_read_only_bytes(4096);
+        assert!(r.store_may_wait());
+        r.set_read_only_bytes(0);
+        assert!(r.store_may_wait(), "a store may have raced the change");
+        let later = now_ns() + RACE_GRACE_NS + 1;
+        assert!(!slot_may_wait(s, later));
+        assert!(slot_of(0x1000_0fff).is_some());
+        assert!(slot_of(0x1000_1000).is_none());
+        drop(r);
+        assert!(slot_of(0x1000_0000).is_none());
+    }
+}
