@@ -21,6 +21,11 @@ check "two_processes(rc=$r1,$r2)" $([ "$r1" = 0 ] && [ "$r2" = 0 ] && echo 1 || 
 # Bad arguments, forged ids, another process's slots: errors, no leaks.
 vgpu-smoke --hostile > /tmp/hostile.out 2>&1; r=$?; busybox tail -n 2 /tmp/hostile.out
 check hostile $(ok $r)
+# CPU stores through a VRAM buffer's aperture while VRAM beyond this VM's share comes and
+# goes beside it, so the backend moves the buffer's chunks under the stores (each move
+# holds the chunk read-only: a store waits in vgpu-vmm and lands in the new copy).
+vgpu-smoke --swap 20 > /tmp/swap.out 2>&1; r=$?; busybox tail -n 3 /tmp/swap.out
+check swap_cpu_stores $(ok $r)
 # A process killed mid-submission leaves nothing behind.
 vgpu-throttle --kernel-us 2000 --duration 60 > /tmp/t.out 2>&1 & tp=$!
 sleep 2; kill -9 $tp; wait $tp 2>/dev/null

@@ -165,7 +165,7 @@ mkdir -p /tmp/vgpu
 vms=""
 for k in \$(seq 0 $((VMS - 1))); do vms="\$vms --vm vm\$k"; done
 RUST_LOG=info vgpu-backend --socket-dir /tmp/vgpu --api-socket /tmp/vgpu/api.sock \\
-    --vram-mib 256 --sim-idle-sleep-us 5000 $BACKEND_ARGS \$vms > /tmp/backend.log 2>&1 &
+    --vram-mib 256 --vm-swap-mib 256 --sim-idle-sleep-us 5000 $BACKEND_ARGS \$vms > /tmp/backend.log 2>&1 &
 bp=\$!
 for i in \$(seq 1 100); do [ -S /tmp/vgpu/vm$((VMS - 1)).sock ] && break; sleep 0.1; done
 read -r t0 _ < /proc/uptime

@@ -56,6 +56,8 @@ pub struct ShmWindow {
     len: u64,
     maps: AtomicU64,
     unmaps: AtomicU64,
+    /// Guest stores that waited for read-only pages (faults retried, stores completed).
+    store_waits: AtomicU64,
     /// The ranges `(offset, len)` the backend mapped read-only. The mutex also serializes
     /// remaps of overlapping ranges against each other (cheap: one backend thread sends
     /// them anyway).
@@ -105,6 +107,7 @@ impl ShmWindow {
             len,
             maps: AtomicU64::new(0),
             unmaps: AtomicU64::new(0),
+            store_waits: AtomicU64::new(0),
             lock: Mutex::new(Vec::new()),
             wp: Registration::new(base as usize, len as usize),
         })
@@ -161,6 +164,9 @@ impl ShmWindow {
     /// the backend maps the page's new copy writable.
     pub fn complete_store(&self, off: u64, data: &[u8]) -> io::Result<()> {
         let len = data.len() as u64;
+        if self.wp.store_may_wait() {
+            self.note_store_wait();
+        }
         if len == 0 || off.checked_add(len).is_none_or(|end| end > self.len) {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
@@ -188,6 +194,17 @@ impl ShmWindow {
             }
         }
         Ok(())
+    }
+
+    /// Counts a guest store that waited for a read-only page (a vCPU re-entering after
+    /// EFAULT).
+    pub fn note_store_wait(&self) {
+        self.store_waits.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Guest stores that waited for read-only pages of this window.
+    pub fn stores_waited(&self) -> u64 {
+        self.store_waits.load(Ordering::Relaxed)
     }
 
     /// Records `[off, off+len)` as read-only (or not) and publishes the total.

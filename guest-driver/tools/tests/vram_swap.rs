@@ -544,3 +544,35 @@ fn hostile_free_mid_eviction_drain_timeout_and_swap_limit() {
     drop((a, b));
     assert!(ch.error().is_none());
 }
+
+/// `vgpu-smoke --swap`'s check over a loopback VM: the pressure it makes does move the
+/// CPU-written buffer out and back (the backend's counters say so), and no store is lost.
+#[test]
+fn smoke_swap_check_moves_the_buffer_and_loses_no_store() {
+    let host = Host::new("smoke", 64 * MIB, limits(64 * MIB, 128 * MIB), &["a"]);
+    host.backend
+        .set_vram_config(VramConfig {
+            period_ms: 20,
+            ..VramConfig::default()
+        })
+        .unwrap();
+    let dev = Device::loopback(host.connect("a"), 300).unwrap();
+    let waited0 = vgpu_vmm::write_protect::stores_waited();
+    let r = vgpu_tools::swap_check::run(&dev, Duration::from_secs(6), 16, 96);
+    let st = host.backend.vram_stats("a").unwrap();
+    println!(
+        "swap check: {r:?}; evictions {} swap-ins {}; {} stores waited",
+        st.vm.evictions,
+        st.vm.swap_ins,
+        vgpu_vmm::write_protect::stores_waited() - waited0
+    );
+    assert_eq!(r.failure, None);
+    assert!(r.passes > 0 && r.pressure_rounds > 0, "{r:?}");
+    let proc_out = st
+        .procs
+        .iter()
+        .find(|p| p.pid == 300)
+        .map_or(0, |p| p.evictions);
+    assert!(proc_out > 0, "the pressure moved nothing: {st:?}");
+    assert!(st.vm.swap_ins > 0, "nothing came back: {st:?}");
+}

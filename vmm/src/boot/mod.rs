@@ -564,6 +564,13 @@ impl LinuxVm {
             "vCPU {cpu} ended the VM after {:.3}s: {res:?}",
             started.elapsed().as_secs_f64()
         );
+        if let Some(h) = &self.hooks {
+            let w = h.bars.window();
+            log::info!(
+                "vgpu window: {} guest stores waited for pages the backend was moving",
+                w.stores_waited()
+            );
+        }
         if let Some(p) = panicked {
             return Err(BootError::VcpuPanic(p));
         }
@@ -695,6 +702,9 @@ fn vcpu_loop(
         if store_fault {
             let may_wait = hooks.is_some_and(|h| h.bars.window().store_may_wait());
             if store_wait.on_fault(may_wait) {
+                if let Some(h) = hooks {
+                    h.bars.window().note_store_wait();
+                }
                 continue;
             }
         } else {

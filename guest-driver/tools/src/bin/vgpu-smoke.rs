@@ -30,6 +30,17 @@ struct Cli {
     /// Instead: print the VM's GPU objects as the backend counts them (all processes).
     #[arg(long, conflicts_with_all = ["native", "hostile"])]
     stats: bool,
+    /// Instead: for this many seconds, write and check a VRAM buffer through the CPU
+    /// while VRAM beyond the VM's share comes and goes beside it, so the backend moves the
+    /// buffer's chunks under the stores (needs the device node).
+    #[arg(long, value_name = "SECS", conflicts_with_all = ["native", "hostile", "stats"])]
+    swap: Option<u64>,
+    /// `--swap`: the buffer written through the CPU, in MiB.
+    #[arg(long, default_value_t = 32)]
+    swap_buffer_mib: u64,
+    /// `--swap`: the most VRAM allocated beside it at once, in MiB.
+    #[arg(long, default_value_t = 192)]
+    swap_pressure_mib: u64,
     /// Repeat the whole set this many times.
     #[arg(long, default_value_t = 1)]
     rounds: u32,
@@ -102,6 +113,26 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if let Some(secs) = cli.swap {
+        let r = vgpu_tools::swap_check::run(
+            &dev,
+            std::time::Duration::from_secs(secs),
+            cli.swap_buffer_mib,
+            cli.swap_pressure_mib,
+        );
+        println!(
+            "VGPU-SMOKE swap: {} passes over {} MiB, {} pressure rounds, peak {} MiB beside it",
+            r.passes,
+            cli.swap_buffer_mib,
+            r.pressure_rounds,
+            r.pressure_peak_bytes >> 20
+        );
+        return report([smoke::Check {
+            name: "swap_cpu_stores".into(),
+            failure: r.failure,
+            skipped: false,
+        }]);
+    }
     let info = dev.info();
     println!(
         "VGPU-SMOKE device={} protocol={:#x} vram={}MiB engines={} pid={}",
