@@ -8,5 +8,5 @@ pub mod sched_rig;
 pub mod smoke;
 pub mod stats;
 pub mod suites;
-pub mod swap_check;
 pub mod svg;
+pub mod swap_check;
