@@ -24,7 +24,7 @@ check hostile $(ok $r)
 # CPU stores through a VRAM buffer's aperture while VRAM beyond this VM's share comes and
 # goes beside it, so the backend moves the buffer's chunks under the stores (each move
 # holds the chunk read-only: a store waits in vgpu-vmm and lands in the new copy).
-vgpu-smoke --swap 20 > /tmp/swap.out 2>&1; r=$?; busybox tail -n 3 /tmp/swap.out
+vgpu-smoke --swap 30 --swap-buffer-mib 16 --swap-pressure-mib 160 > /tmp/swap.out 2>&1; r=$?; busybox tail -n 3 /tmp/swap.out
 check swap_cpu_stores $(ok $r)
 # A process killed mid-submission leaves nothing behind.
 vgpu-throttle --kernel-us 2000 --duration 60 > /tmp/t.out 2>&1 & tp=$!

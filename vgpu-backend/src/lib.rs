@@ -478,7 +478,25 @@ fn serve_connection(
     dev.stop_worker();
     // Dropping the daemon joins its vring worker: no request runs after this.
     drop(daemon);
-    vm.lock_session().teardown(&Gone);
+    {
+        let mut s = vm.lock_session();
+        let c = s.swap.counters.vm;
+        s.teardown(&Gone);
+        if c.evictions + c.swap_ins + c.spilled_chunks > 0 {
+            info!(
+                "VM {}: VRAM moves so far: {} chunk evictions, {} swap-ins, {} chunks spilled at allocation, {} MiB out, {} MiB in, {} pauses (longest {} ms), {} failed moves",
+                vm.name,
+                c.evictions,
+                c.swap_ins,
+                c.spilled_chunks,
+                c.bytes_out >> 20,
+                c.bytes_in >> 20,
+                c.pauses,
+                c.pause_ns_max / 1_000_000,
+                c.move_failures
+            );
+        }
+    }
     vm.shared.count_disconnect();
     info!("VM {}: frontend disconnected, GPU state freed", vm.name);
     match result {

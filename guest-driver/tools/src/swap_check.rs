@@ -126,9 +126,27 @@ pub fn run(dev: &Device, duration: Duration, buffer_mib: u64, pressure_mib: u64)
                 out.failure = Some(format!("pressure kernels: {e}"));
                 break;
             }
-            // Let the VRAM manager exchange the hot pressure chunks for the cold buffer,
-            // then free them, so it brings the buffer back.
-            std::thread::sleep(Duration::from_millis(300));
+            // Keep the pressure hot for a while, so the VRAM manager exchanges it for the
+            // cold buffer, then free it, so the manager brings the buffer back.
+            for _ in 0..3 {
+                std::thread::sleep(Duration::from_millis(100));
+                // One page per 2 MiB chunk: recency is kept per chunk.
+                for b in &held {
+                    for off in (0..PIECE).step_by(2 << 20) {
+                        let touch = KernelArgs::Memset {
+                            dst: b.gpu_va() + off,
+                            len: PAGE as u64,
+                            pattern: 7,
+                        };
+                        if let Err(e) = ch.launch(&touch, [1, 1, 1]) {
+                            out.failure = Some(format!("launch memset: {e}"));
+                        }
+                    }
+                }
+                if let Err(e) = ch.submit().and_then(|f| ch.wait(f)) {
+                    out.failure = Some(format!("pressure kernels: {e}"));
+                }
+            }
             drop(held);
             std::thread::sleep(Duration::from_millis(300));
             out.pressure_rounds += 1;
