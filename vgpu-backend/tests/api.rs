@@ -130,7 +130,15 @@ fn every_endpoint_answers_through_the_socket() {
     std::thread::sleep(Duration::from_millis(700));
     let st = c.vm_stats("vm1").expect("stats");
     assert_eq!(st.weight, 700);
-    assert_eq!(st.vram_swapped_bytes, 0);
+    assert_eq!((st.vram_resident_bytes, st.vram_swapped_bytes), (0, 0));
+    // No guest: the VRAM figures are there, all zero (moves are in
+    // `guest-driver/tools/tests/api_loopback.rs`).
+    assert_eq!(st.vram.quota_bytes, VmLimits::default().vram_bytes);
+    assert_eq!(
+        (st.vram.evictions, st.vram.swap_ins, st.vram.pauses),
+        (0, 0, 0)
+    );
+    assert!(st.vram.processes.is_empty(), "{st:?}");
     assert!(!st.windows.is_empty(), "{st:?}");
     assert!(st.windows.iter().all(|w| w.share == 0.0));
 
@@ -174,6 +182,11 @@ fn every_endpoint_answers_through_the_socket() {
         "vgpu_sched_policy{policy=\"none\"} 1",
         "# TYPE vgpu_vm_gpu_busy_seconds_total counter",
         "vgpu_api_requests_total{status=\"200\"}",
+        "# TYPE vgpu_vm_vram_evictions_total counter",
+        "vgpu_vm_vram_evictions_total{vm=\"vm1\"} 0",
+        "vgpu_vm_vram_swapped_bytes{vm=\"vm2\"} 0",
+        "vgpu_vm_vram_pause_seconds{vm=\"vm1\",which=\"p99\"} 0",
+        "vgpu_gpu_vram_free_bytes 67108864",
     ] {
         assert!(m.contains(needle), "metrics lack {needle:?}:\n{m}");
     }
@@ -591,6 +604,21 @@ fn vgpuctl_drives_the_api() {
     assert_eq!(v["paused"], false);
     let (ok, out, _) = vgpuctl(&sock, &["vm", "stats", "vm1"]);
     assert!(ok && out.contains("SHARE 10s"), "{out}");
+    assert!(out.contains("VRAM swapping: 0 evictions"), "{out}");
+    let (ok, out, err) = vgpuctl(&sock, &["vm", "vram", "vm1"]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("evictions (bytes out)") && out.contains("swap-ins (bytes in)"),
+        "{out}"
+    );
+    let (ok, out, _) = vgpuctl(&sock, &["--json", "vm", "vram", "vm2"]);
+    assert!(ok);
+    let v: Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["quota_bytes"], 16 << 20);
+    assert_eq!(v["evictions"], 0);
+    assert_eq!(v["processes"], json!([]));
+    let (ok, _, err) = vgpuctl(&sock, &["vm", "vram", "ghost"]);
+    assert!(!ok && err.contains("vm_not_found"), "{err}");
     let (ok, out, err) = vgpuctl(
         &sock,
         &["sched", "set", "--policy", "fair", "--interval-ms", "20"],

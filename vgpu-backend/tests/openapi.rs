@@ -464,3 +464,41 @@ fn generated_requests_follow_the_document() {
     // The server survived it all.
     c.info().expect("still serving");
 }
+
+/// The VRAM body with processes (the server's answers here have none: no guest runs) is
+/// what the document's `VmVram` schema says, field for field.
+#[test]
+fn vram_body_with_processes_matches_its_schema() {
+    use vgpu_backend::api::types::VmVramBody;
+    use vgpu_backend::{ProcVramStats, VmVramStats, VramReport};
+    let d = doc();
+    let report = VramReport {
+        vm: VmVramStats {
+            quota_bytes: 64 << 20,
+            resident_bytes: 2 << 20,
+            swapped_bytes: 4 << 20,
+            evictions: 3,
+            swap_ins: 1,
+            pauses: 2,
+            pause_ns_total: 5_000,
+            pause_ns_max: 4_000,
+            ..VmVramStats::default()
+        },
+        procs: vec![ProcVramStats {
+            pid: u32::MAX,
+            evictions: 3,
+            pause_ns: 5_000,
+            ..ProcVramStats::default()
+        }],
+        pause_p50_ns: 1_000,
+        pause_p99_ns: 4_000,
+    };
+    let body = serde_json::to_value(VmVramBody::from(&report)).expect("body");
+    valid(&d, &body, &json!({"$ref": "#/components/schemas/VmVram"})).expect("VmVram");
+    assert_eq!(body["processes"][0]["pid"], u32::MAX);
+    assert_eq!(body["pause_p99_ns"], 4_000);
+    // A field the document does not know is refused.
+    let mut extra = body.clone();
+    extra["processes"][0]["bogus"] = json!(1);
+    assert!(valid(&d, &extra, &json!({"$ref": "#/components/schemas/VmVram"})).is_err());
+}

@@ -5,8 +5,11 @@
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use vgpu_backend::api::types::VmVramBody;
+use vgpu_backend::VramConfig;
 use vgpu_guest::workloads::throttle::{self, ThrottleConfig};
-use vgpu_guest::Device;
+use vgpu_guest::{Device, KernelArgs};
+use vgpu_host_shim::kernels::reference;
 use vgpu_protocol::ErrorCode;
 use vgpu_tools::suites::api::{weight_flips, LiveRig, FLIP_VMS};
 
@@ -164,4 +167,197 @@ fn weight_change_takes_effect_within_two_intervals() {
     let share = a as f64 / (a + b).max(1) as f64;
     println!("a's share at weight 1 vs 100: {:.1} %", share * 100.0);
     assert!(share < 0.2, "a's share {:.1} %", share * 100.0);
+}
+
+const MIB: u64 = 1 << 20;
+
+/// The value of the sample `series` (`name{labels}` exactly as rendered) in `/metrics`.
+fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// The VM's VRAM figures read three ways at one moment: the API's stats, `/metrics`, and
+/// the API again; the two API reads must agree (nothing moved in between).
+fn vram_snapshot(rig: &LiveRig, vm: &str) -> (VmVramBody, String) {
+    let c = rig.client();
+    for _ in 0..50 {
+        let a = c.vm_stats(vm).expect("stats").vram;
+        let m = c.metrics().expect("metrics");
+        let b = c.vm_stats(vm).expect("stats").vram;
+        if a == b {
+            return (a, m);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("the VRAM figures of {vm} never settled");
+}
+
+/// Checks that `/metrics` shows the same VRAM figures as the stats body, per VM and per
+/// process.
+fn assert_metrics_match(m: &str, vm: &str, v: &VmVramBody) {
+    let series = |name: &str| format!("{name}{{vm=\"{vm}\"}}");
+    for (name, want) in [
+        ("vgpu_vm_vram_resident_bytes", v.resident_bytes as f64),
+        ("vgpu_vm_vram_swapped_bytes", v.swapped_bytes as f64),
+        ("vgpu_vm_vram_evictions_total", v.evictions as f64),
+        ("vgpu_vm_vram_swap_ins_total", v.swap_ins as f64),
+        ("vgpu_vm_vram_bytes_out_total", v.bytes_out as f64),
+        ("vgpu_vm_vram_bytes_in_total", v.bytes_in as f64),
+        ("vgpu_vm_vram_pauses_total", v.pauses as f64),
+        (
+            "vgpu_vm_vram_pause_seconds_total",
+            v.pause_ns_total as f64 / 1e9,
+        ),
+        ("vgpu_vm_vram_drain_timeouts_total", v.drain_timeouts as f64),
+        ("vgpu_vm_vram_move_failures_total", v.move_failures as f64),
+    ] {
+        assert_eq!(metric(m, &series(name)), Some(want), "{name}:\n{m}");
+    }
+    let max = format!("vgpu_vm_vram_pause_seconds{{vm=\"{vm}\",which=\"max\"}}");
+    assert_eq!(metric(m, &max), Some(v.pause_ns_max as f64 / 1e9), "{m}");
+    for p in &v.processes {
+        let series = |name: &str| format!("{name}{{vm=\"{vm}\",pid=\"{}\"}}", p.pid);
+        for (name, want) in [
+            ("vgpu_process_vram_resident_bytes", p.resident_bytes as f64),
+            ("vgpu_process_vram_swapped_bytes", p.swapped_bytes as f64),
+            ("vgpu_process_vram_evictions_total", p.evictions as f64),
+            ("vgpu_process_vram_swap_ins_total", p.swap_ins as f64),
+            ("vgpu_process_vram_bytes_out_total", p.bytes_out as f64),
+            ("vgpu_process_vram_bytes_in_total", p.bytes_in as f64),
+            (
+                "vgpu_process_vram_pause_seconds_total",
+                p.pause_ns as f64 / 1e9,
+            ),
+        ] {
+            assert_eq!(metric(m, &series(name)), Some(want), "{name}:\n{m}");
+        }
+    }
+}
+
+/// A real eviction and swap-in of a guest process's buffer (its channel paused for the
+/// moves, a throttle guest running beside it), seen through the API's VM stats and
+/// `/metrics`: the counters move by exactly what the moves did, per VM and per process.
+#[test]
+fn vram_swap_counters_through_the_api() {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let rig = LiveRig::new("vram", &[("s", 1_000_000)], 10).expect("rig");
+    // The manager stays off until the swap-in, so that only the forced eviction moves.
+    rig.backend
+        .set_vram_config(VramConfig {
+            enabled: false,
+            ..VramConfig::default()
+        })
+        .expect("vram config");
+    let dev = Device::loopback(rig.vm("s").expect("vm"), 9).expect("device");
+    let ctx = dev.create_context().expect("context");
+    let mut ch = ctx.create_channel().expect("channel");
+    let buf = ctx.alloc_vram(8 * MIB).expect("8 MiB");
+    ch.launch(
+        &KernelArgs::Memset {
+            dst: buf.gpu_va(),
+            len: 8 * MIB,
+            pattern: 0x5a5a_5a5a,
+        },
+        [1, 1, 1],
+    )
+    .expect("launch");
+    let f = ch.submit().expect("submit");
+    ch.wait(f).expect("wait");
+    let pattern = vec![0x5au8; (8 * MIB) as usize];
+
+    let (v0, m0) = vram_snapshot(&rig, "s");
+    assert_eq!((v0.evictions, v0.swap_ins, v0.pauses), (0, 0, 0), "{v0:?}");
+    assert_eq!(
+        (v0.resident_bytes, v0.swapped_bytes),
+        (8 * MIB, 0),
+        "{v0:?}"
+    );
+    let p0 = v0.processes.iter().find(|p| p.pid == 9).expect("pid 9");
+    assert_eq!(p0.resident_bytes, 8 * MIB, "{v0:?}");
+    assert_metrics_match(&m0, "s", &v0);
+
+    let r = rig.backend.vram_evict("s", 8 * MIB).expect("evict");
+    assert_eq!(r.bytes, 8 * MIB, "{r:?}");
+    assert_eq!(r.chunks, 4, "{r:?}");
+    let (v1, m1) = vram_snapshot(&rig, "s");
+    println!("after eviction: {v1:?}");
+    assert_eq!(
+        (v1.resident_bytes, v1.swapped_bytes),
+        (0, 8 * MIB),
+        "{v1:?}"
+    );
+    assert_eq!((v1.evictions, v1.bytes_out), (4, 8 * MIB), "{v1:?}");
+    assert_eq!((v1.swap_ins, v1.bytes_in), (0, 0), "{v1:?}");
+    assert!(v1.pauses >= 1 && v1.pause_ns_total > 0, "{v1:?}");
+    assert!(
+        v1.pause_ns_max >= v1.pause_p99_ns && v1.pause_p99_ns >= v1.pause_p50_ns,
+        "{v1:?}"
+    );
+    assert!(v1.pause_p50_ns > 0, "{v1:?}");
+    let p1 = v1.processes.iter().find(|p| p.pid == 9).expect("pid 9");
+    assert_eq!((p1.evictions, p1.bytes_out), (4, 8 * MIB), "{p1:?}");
+    assert_eq!(
+        (p1.resident_bytes, p1.swapped_bytes),
+        (0, 8 * MIB),
+        "{p1:?}"
+    );
+    assert_eq!(p1.pause_ns, v1.pause_ns_total, "{v1:?}");
+    let st = rig.client().vm_stats("s").expect("stats");
+    assert_eq!(
+        (st.vram_resident_bytes, st.vram_swapped_bytes),
+        (0, 8 * MIB)
+    );
+    assert_metrics_match(&m1, "s", &v1);
+    // The guest's bytes survived, read through its aperture from the swap copy.
+    let mut got = vec![0u8; pattern.len()];
+    buf.read(0, &mut got).expect("read");
+    assert!(got == pattern, "the buffer changed while swapped out");
+
+    // The manager brings the chunks back (VRAM is plentiful).
+    rig.backend
+        .set_vram_config(VramConfig::default())
+        .expect("vram config");
+    rig.backend.vram_rebalance();
+    assert!(wait_until(Duration::from_secs(10), || rig
+        .backend
+        .vram_stats("s")
+        .is_some_and(|r| r.vm.swapped_bytes == 0)));
+    let (v2, m2) = vram_snapshot(&rig, "s");
+    println!("after swap-in: {v2:?}");
+    assert_eq!(
+        (v2.resident_bytes, v2.swapped_bytes),
+        (8 * MIB, 0),
+        "{v2:?}"
+    );
+    assert_eq!((v2.evictions, v2.bytes_out), (4, 8 * MIB), "{v2:?}");
+    assert_eq!((v2.swap_ins, v2.bytes_in), (4, 8 * MIB), "{v2:?}");
+    assert!(
+        v2.pauses > v1.pauses && v2.pause_ns_total > v1.pause_ns_total,
+        "{v2:?}"
+    );
+    let p2 = v2.processes.iter().find(|p| p.pid == 9).expect("pid 9");
+    assert_eq!((p2.swap_ins, p2.bytes_in), (4, 8 * MIB), "{p2:?}");
+    assert_metrics_match(&m2, "s", &v2);
+    assert!(
+        metric(&m2, "vgpu_vram_manager_passes_total").is_some_and(|n| n >= 1.0),
+        "{m2}"
+    );
+    buf.read(0, &mut got).expect("read");
+    assert!(got == pattern, "the buffer changed across the swap-in");
+    // The GPU sees the same bytes at the same address.
+    let sum = ctx.alloc_host(4096).expect("host buffer");
+    ch.launch(
+        &KernelArgs::Checksum {
+            src: buf.gpu_va(),
+            len: 8 * MIB,
+            dst: sum.gpu_va(),
+        },
+        [1, 1, 1],
+    )
+    .expect("launch");
+    let f = ch.submit().expect("submit");
+    ch.wait(f).expect("wait");
+    assert_eq!(sum.read_u64(0).expect("sum"), reference::checksum(&pattern));
+    assert!(ch.error().is_none());
 }

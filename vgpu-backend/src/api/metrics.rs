@@ -4,6 +4,7 @@ use std::fmt::Write;
 
 use crate::api::share::{Entity, ShareBook, WINDOWS_S};
 use crate::sched::Policy;
+use crate::vram::{ProcVramStats, VmVramStats, VramReport};
 use crate::VgpuBackend;
 
 /// Escapes a label value.
@@ -198,6 +199,8 @@ pub fn render(be: &VgpuBackend, shares: &ShareBook, api_requests: &[(u16, u64)])
         }
     }
 
+    vram(&mut o, be, &names);
+
     let cfg = be.scheduler_config();
     let st = be.sched_stats();
     o.family(
@@ -286,4 +289,206 @@ pub fn render(be: &VgpuBackend, shares: &ShareBook, api_requests: &[(u16, u64)])
     );
     o.value("vgpu_api_request_errors_total", &[], errors as f64);
     o.0
+}
+
+/// A per-VM figure of the VRAM manager: name, type, help, value.
+type VmFigure = (
+    &'static str,
+    &'static str,
+    &'static str,
+    fn(&VmVramStats) -> f64,
+);
+/// A per-process one.
+type ProcFigure = (
+    &'static str,
+    &'static str,
+    &'static str,
+    fn(&ProcVramStats) -> f64,
+);
+
+const VM_VRAM: [VmFigure; 13] = [
+    (
+        "vgpu_vm_vram_resident_bytes",
+        "gauge",
+        "VRAM of the VM's objects resident on the GPU.",
+        |v| v.resident_bytes as f64,
+    ),
+    (
+        "vgpu_vm_vram_swapped_bytes",
+        "gauge",
+        "VRAM of the VM's objects swapped out to system memory.",
+        |v| v.swapped_bytes as f64,
+    ),
+    (
+        "vgpu_vm_vram_share_bytes",
+        "gauge",
+        "The resident share the VRAM manager computed last for the VM.",
+        |v| v.share_bytes as f64,
+    ),
+    (
+        "vgpu_vm_vram_swap_limit_bytes",
+        "gauge",
+        "The VM's swap limit (allocations beyond its quota).",
+        |v| v.swap_limit_bytes as f64,
+    ),
+    (
+        "vgpu_vm_vram_evictions_total",
+        "counter",
+        "2 MiB chunks of the VM's VRAM moved out to its swap store.",
+        |v| v.evictions as f64,
+    ),
+    (
+        "vgpu_vm_vram_swap_ins_total",
+        "counter",
+        "2 MiB chunks of the VM's VRAM moved back in from its swap store.",
+        |v| v.swap_ins as f64,
+    ),
+    (
+        "vgpu_vm_vram_bytes_out_total",
+        "counter",
+        "Bytes of the VM's VRAM moved out to its swap store.",
+        |v| v.bytes_out as f64,
+    ),
+    (
+        "vgpu_vm_vram_bytes_in_total",
+        "counter",
+        "Bytes of the VM's VRAM moved back in from its swap store.",
+        |v| v.bytes_in as f64,
+    ),
+    (
+        "vgpu_vm_vram_spilled_chunks_total",
+        "counter",
+        "Chunks of new allocations placed straight into swap (VRAM was full).",
+        |v| v.spilled_chunks as f64,
+    ),
+    (
+        "vgpu_vm_vram_pauses_total",
+        "counter",
+        "Pauses of the VM's channels for VRAM moves.",
+        |v| v.pauses as f64,
+    ),
+    (
+        "vgpu_vm_vram_pause_seconds_total",
+        "counter",
+        "Time the VM's channels spent paused for VRAM moves (summed per move).",
+        |v| v.pause_ns_total as f64 / 1e9,
+    ),
+    (
+        "vgpu_vm_vram_move_failures_total",
+        "counter",
+        "VRAM moves abandoned on a GPU or frontend failure.",
+        |v| v.move_failures as f64,
+    ),
+    (
+        "vgpu_vm_vram_drain_timeouts_total",
+        "counter",
+        "VRAM moves abandoned because the VM's channels did not drain in time.",
+        |v| v.drain_timeouts as f64,
+    ),
+];
+
+const PROC_VRAM: [ProcFigure; 7] = [
+    (
+        "vgpu_process_vram_resident_bytes",
+        "gauge",
+        "VRAM of a guest process's objects resident on the GPU.",
+        |p| p.resident_bytes as f64,
+    ),
+    (
+        "vgpu_process_vram_swapped_bytes",
+        "gauge",
+        "VRAM of a guest process's objects swapped out to system memory.",
+        |p| p.swapped_bytes as f64,
+    ),
+    (
+        "vgpu_process_vram_evictions_total",
+        "counter",
+        "2 MiB chunks of a guest process's VRAM moved out.",
+        |p| p.evictions as f64,
+    ),
+    (
+        "vgpu_process_vram_swap_ins_total",
+        "counter",
+        "2 MiB chunks of a guest process's VRAM moved back in.",
+        |p| p.swap_ins as f64,
+    ),
+    (
+        "vgpu_process_vram_bytes_out_total",
+        "counter",
+        "Bytes of a guest process's VRAM moved out.",
+        |p| p.bytes_out as f64,
+    ),
+    (
+        "vgpu_process_vram_bytes_in_total",
+        "counter",
+        "Bytes of a guest process's VRAM moved back in.",
+        |p| p.bytes_in as f64,
+    ),
+    (
+        "vgpu_process_vram_pause_seconds_total",
+        "counter",
+        "Time a guest process's channels spent paused for VRAM moves.",
+        |p| p.pause_ns as f64 / 1e9,
+    ),
+];
+
+/// The VRAM manager's figures: backend-wide, per VM and per guest process.
+fn vram(o: &mut Out, be: &VgpuBackend, names: &[String]) {
+    let ov = be.vram_overview();
+    o.family(
+        "vgpu_gpu_vram_free_bytes",
+        "gauge",
+        "VRAM of the GPU not allocated.",
+    );
+    o.value("vgpu_gpu_vram_free_bytes", &[], ov.free_bytes as f64);
+    o.family(
+        "vgpu_vram_manager_passes_total",
+        "counter",
+        "Passes of the VRAM manager.",
+    );
+    o.value("vgpu_vram_manager_passes_total", &[], ov.passes as f64);
+    o.family(
+        "vgpu_vram_manager_batches_total",
+        "counter",
+        "Batches of chunks the VRAM manager moved (one pause each at most).",
+    );
+    o.value("vgpu_vram_manager_batches_total", &[], ov.batches as f64);
+
+    // One report per VM (each takes the VM's session lock once).
+    let reports: Vec<(&String, VramReport)> = names
+        .iter()
+        .filter_map(|n| Some((n, be.vram_stats(n)?)))
+        .collect();
+    for (name, kind, help, f) in VM_VRAM {
+        o.family(name, kind, help);
+        for (n, r) in &reports {
+            o.value(name, &[("vm", n)], f(&r.vm));
+        }
+    }
+    o.family(
+        "vgpu_vm_vram_pause_seconds",
+        "gauge",
+        "Pause per VRAM move: median and 99th percentile of the last 4096, and the worst.",
+    );
+    for (n, r) in &reports {
+        for (which, ns) in [
+            ("p50", r.pause_p50_ns),
+            ("p99", r.pause_p99_ns),
+            ("max", r.vm.pause_ns_max),
+        ] {
+            o.value(
+                "vgpu_vm_vram_pause_seconds",
+                &[("vm", n), ("which", which)],
+                ns as f64 / 1e9,
+            );
+        }
+    }
+    for (name, kind, help, f) in PROC_VRAM {
+        o.family(name, kind, help);
+        for (n, r) in &reports {
+            for p in &r.procs {
+                o.value(name, &[("vm", n), ("pid", &p.pid.to_string())], f(p));
+            }
+        }
+    }
 }

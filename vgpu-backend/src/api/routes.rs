@@ -242,17 +242,17 @@ impl ApiState {
     fn vm_stats(&self, be: &VgpuBackend, name: &str) -> Result<VmStatsBody, Failure> {
         let gone = || fail(404, "vm_not_found", format!("no VM named {name:?}"));
         let engines = be.gpu().info().compute_engines;
-        let st = be.vm_stats(name).ok_or_else(gone)?;
         let procs = be.process_busy_ns(name);
         let channels = be.vm_channel_info(name).ok_or_else(gone)?;
+        let vram = VmVramBody::from(&be.vram_stats(name).ok_or_else(gone)?);
         Ok(VmStatsBody {
             name: name.to_string(),
             weight: be.vm_weight(name).ok_or_else(gone)?,
             paused: be.vm_paused(name).ok_or_else(gone)?,
             gpu_busy_ns: procs.iter().map(|(_, b)| *b).sum(),
             windows: self.shares.windows(Entity::Vm(name), engines),
-            vram_resident_bytes: st.vram_bytes,
-            vram_swapped_bytes: be.vram_stats(name).map_or(0, |r| r.vm.swapped_bytes),
+            vram_resident_bytes: vram.resident_bytes,
+            vram_swapped_bytes: vram.swapped_bytes,
             vram_quota_bytes: be.vm_limits(name).ok_or_else(gone)?.vram_bytes,
             watchdog_kills: channels
                 .iter()
@@ -277,6 +277,7 @@ impl ApiState {
                     error: c.error.map(|e| format!("{e:?}")),
                 })
                 .collect(),
+            vram,
         })
     }
 

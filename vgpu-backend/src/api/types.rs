@@ -141,14 +141,103 @@ pub struct VmStatsBody {
     pub paused: bool,
     pub gpu_busy_ns: u64,
     pub windows: Vec<WindowShare>,
+    /// VRAM of the VM's objects resident on the GPU (as `vram.resident_bytes`).
     pub vram_resident_bytes: u64,
-    /// VRAM swapped to system memory by the VRAM manager.
+    /// VRAM swapped to system memory by the VRAM manager (as `vram.swapped_bytes`).
     pub vram_swapped_bytes: u64,
     pub vram_quota_bytes: u64,
     /// Live channels stopped by the watchdog.
     pub watchdog_kills: u32,
     pub processes: Vec<ProcessStats>,
     pub channels: Vec<ChannelBody>,
+    /// The VRAM manager's figures and swap counters.
+    pub vram: VmVramBody,
+}
+
+/// A VM's VRAM figures and swap counters (`vgpu_backend::VmVramStats`, the pause
+/// percentiles of its report, and its processes). Chunks are 2 MiB; counters count from
+/// when the backend started serving the VM (they carry over VMM reconnects).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmVramBody {
+    pub quota_bytes: u64,
+    /// The resident share the manager's policy computed last.
+    pub share_bytes: u64,
+    pub swap_limit_bytes: u64,
+    pub resident_bytes: u64,
+    pub swapped_bytes: u64,
+    /// Chunks moved out to the swap store, and back in.
+    pub evictions: u64,
+    pub swap_ins: u64,
+    pub bytes_out: u64,
+    pub bytes_in: u64,
+    /// Chunks of new allocations placed straight into swap (VRAM was full).
+    pub spilled_chunks: u64,
+    /// Channel pauses for moves: count, total and worst time.
+    pub pauses: u64,
+    pub pause_ns_total: u64,
+    pub pause_ns_max: u64,
+    /// Pause time per move, median and 99th percentile over the last 4096 pauses.
+    pub pause_p50_ns: u64,
+    pub pause_p99_ns: u64,
+    /// Moves abandoned because the channels did not drain in time.
+    pub drain_timeouts: u64,
+    /// Moves abandoned on a GPU or frontend failure (the chunk stayed where it was).
+    pub move_failures: u64,
+    /// Per guest process, by PID.
+    pub processes: Vec<ProcVramBody>,
+}
+
+/// One guest process's share of its VM's VRAM figures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcVramBody {
+    pub pid: u32,
+    pub resident_bytes: u64,
+    pub swapped_bytes: u64,
+    pub evictions: u64,
+    pub swap_ins: u64,
+    pub bytes_out: u64,
+    pub bytes_in: u64,
+    /// Time this process's channels spent paused for moves.
+    pub pause_ns: u64,
+}
+
+impl From<&crate::vram::VramReport> for VmVramBody {
+    fn from(r: &crate::vram::VramReport) -> Self {
+        let v = &r.vm;
+        VmVramBody {
+            quota_bytes: v.quota_bytes,
+            share_bytes: v.share_bytes,
+            swap_limit_bytes: v.swap_limit_bytes,
+            resident_bytes: v.resident_bytes,
+            swapped_bytes: v.swapped_bytes,
+            evictions: v.evictions,
+            swap_ins: v.swap_ins,
+            bytes_out: v.bytes_out,
+            bytes_in: v.bytes_in,
+            spilled_chunks: v.spilled_chunks,
+            pauses: v.pauses,
+            pause_ns_total: v.pause_ns_total,
+            pause_ns_max: v.pause_ns_max,
+            pause_p50_ns: r.pause_p50_ns,
+            pause_p99_ns: r.pause_p99_ns,
+            drain_timeouts: v.drain_timeouts,
+            move_failures: v.move_failures,
+            processes: r
+                .procs
+                .iter()
+                .map(|p| ProcVramBody {
+                    pid: p.pid,
+                    resident_bytes: p.resident_bytes,
+                    swapped_bytes: p.swapped_bytes,
+                    evictions: p.evictions,
+                    swap_ins: p.swap_ins,
+                    bytes_out: p.bytes_out,
+                    bytes_in: p.bytes_in,
+                    pause_ns: p.pause_ns,
+                })
+                .collect(),
+        }
+    }
 }
 
 /// `PUT /api/v1/vms/{name}/weight` and its answer.

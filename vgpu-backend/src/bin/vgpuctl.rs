@@ -53,6 +53,9 @@ enum VmCmd {
     SetVramQuota { name: String, bytes: String },
     /// GPU shares over 1/10/60 s, per process, VRAM and channels.
     Stats { name: String },
+    /// VRAM swapping: resident and swapped bytes, evictions, swap-ins, bytes moved and
+    /// pauses, for the VM and per process (`--json`: the `vram` part of the VM's stats).
+    Vram { name: String },
     /// Stalls the VM's GPU submissions (shadows all its channels).
     Pause { name: String },
     /// Lets the VM's GPU submissions run again.
@@ -178,6 +181,81 @@ fn show_sched(s: &SchedulerBody) {
             ),
         ],
     ]);
+}
+
+fn ms(ns: u64) -> String {
+    format!("{:.3}", ns as f64 / 1e6)
+}
+
+/// The VRAM swap figures: the VM's as rows of name and value, then one row per process.
+fn show_vram(v: &VmVramBody) {
+    table(&[
+        vec!["resident".into(), human_bytes(v.resident_bytes)],
+        vec!["swapped".into(), human_bytes(v.swapped_bytes)],
+        vec![
+            "quota / share / swap limit".into(),
+            format!(
+                "{} / {} / {}",
+                human_bytes(v.quota_bytes),
+                human_bytes(v.share_bytes),
+                human_bytes(v.swap_limit_bytes)
+            ),
+        ],
+        vec![
+            "evictions (bytes out)".into(),
+            format!("{} ({})", v.evictions, human_bytes(v.bytes_out)),
+        ],
+        vec![
+            "swap-ins (bytes in)".into(),
+            format!("{} ({})", v.swap_ins, human_bytes(v.bytes_in)),
+        ],
+        vec!["spilled chunks".into(), v.spilled_chunks.to_string()],
+        vec!["pauses".into(), v.pauses.to_string()],
+        vec![
+            "pause ms (total/p50/p99/max)".into(),
+            format!(
+                "{} / {} / {} / {}",
+                ms(v.pause_ns_total),
+                ms(v.pause_p50_ns),
+                ms(v.pause_p99_ns),
+                ms(v.pause_ns_max)
+            ),
+        ],
+        vec!["drain timeouts".into(), v.drain_timeouts.to_string()],
+        vec!["move failures".into(), v.move_failures.to_string()],
+    ]);
+    if !v.processes.is_empty() {
+        println!();
+        show_vram_procs(&v.processes);
+    }
+}
+
+fn show_vram_procs(procs: &[ProcVramBody]) {
+    let mut rows = vec![[
+        "PID",
+        "RESIDENT",
+        "SWAPPED",
+        "EVICTIONS",
+        "SWAP-INS",
+        "OUT",
+        "IN",
+        "PAUSED ms",
+    ]
+    .map(String::from)
+    .to_vec()];
+    for p in procs {
+        rows.push(vec![
+            p.pid.to_string(),
+            human_bytes(p.resident_bytes),
+            human_bytes(p.swapped_bytes),
+            p.evictions.to_string(),
+            p.swap_ins.to_string(),
+            human_bytes(p.bytes_out),
+            human_bytes(p.bytes_in),
+            ms(p.pause_ns),
+        ]);
+    }
+    table(&rows);
 }
 
 fn show_pause(p: &PauseBody) {
@@ -329,6 +407,17 @@ fn run(cli: Cli) -> Result<(), ClientError> {
                 human_bytes(s.vram_quota_bytes),
                 s.watchdog_kills
             );
+            let v = &s.vram;
+            println!(
+                "VRAM swapping: {} evictions ({} out), {} swap-ins ({} in), {} pauses ({} ms total, {} ms max)",
+                v.evictions,
+                human_bytes(v.bytes_out),
+                v.swap_ins,
+                human_bytes(v.bytes_in),
+                v.pauses,
+                ms(v.pause_ns_total),
+                ms(v.pause_ns_max)
+            );
             let share_cols = |ws: &[WindowShare]| -> Vec<String> {
                 [1, 10, 60]
                     .iter()
@@ -377,6 +466,18 @@ fn run(cli: Cli) -> Result<(), ClientError> {
                 }
                 table(&rows);
             }
+            if !s.vram.processes.is_empty() {
+                println!();
+                show_vram_procs(&s.vram.processes);
+            }
+        }
+        Cmd::Vm(VmCmd::Vram { name }) => {
+            let s = c.vm_stats(&name)?;
+            if json {
+                return print_json(&s.vram);
+            }
+            println!("{}: VRAM", s.name);
+            show_vram(&s.vram);
         }
         Cmd::Vm(VmCmd::Pause { name }) => {
             let p = c.pause(&name)?;
