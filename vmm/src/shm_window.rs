@@ -157,6 +157,12 @@ impl ShmWindow {
         self.wp.store_may_wait()
     }
 
+    /// After a guest store faulted on this window: waits while part of it is read-only
+    /// (until its protection changes, at most 1 ms) and says whether to retry the store.
+    pub fn wait_after_fault(&self) -> bool {
+        self.wp.wait_after_fault()
+    }
+
     /// Performs a guest store at `off` that KVM handed to userspace as an MMIO write
     /// because the page is read-only (some KVMs emulate such stores instead of failing
     /// with EFAULT). Like the store itself, it waits while the page is read-only: the

@@ -11,7 +11,7 @@
 //! Each window publishes its state in a fixed table of atomics, so the SIGSEGV handler can
 //! read it without locks or allocation.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -23,8 +23,9 @@ const RACE_GRACE_NS: u64 = 100_000_000;
 /// A store that waits longer than this is given up on (the backend never made the page
 /// writable again): the fault then takes its normal course.
 pub const MAX_WAIT: Duration = Duration::from_secs(10);
-/// Sleep between checks while a store waits.
-const POLL_NS: i64 = 20_000;
+/// Longest single sleep of a waiting store: a wake-up it missed (the change came between
+/// its fault and its reading of the generation) costs at most this.
+const WAIT_SLICE_NS: i64 = 1_000_000;
 
 struct Slot {
     /// Window start address; 0 when the slot is free.
@@ -32,8 +33,8 @@ struct Slot {
     len: AtomicUsize,
     /// Bytes of the window currently mapped read-only by the backend.
     read_only: AtomicU64,
-    /// Bumped on every change of read-only bytes.
-    generation: AtomicU64,
+    /// Bumped on every change of read-only bytes; waiting stores sleep on it (a futex).
+    generation: AtomicU32,
     /// CLOCK_MONOTONIC ns of that change.
     changed_ns: AtomicU64,
 }
@@ -43,7 +44,7 @@ const FREE: Slot = Slot {
     base: AtomicUsize::new(0),
     len: AtomicUsize::new(0),
     read_only: AtomicU64::new(0),
-    generation: AtomicU64::new(0),
+    generation: AtomicU32::new(0),
     changed_ns: AtomicU64::new(0),
 };
 static TABLE: [Slot; SLOTS] = [FREE; SLOTS];
@@ -69,13 +70,38 @@ fn now_ns() -> u64 {
         .saturating_add(ts.tv_nsec as u64)
 }
 
-fn nap() {
+/// Sleeps until `word` no longer holds `seen`, a wake-up, or one slice; async-signal-safe
+/// (one futex system call).
+fn futex_wait(word: &AtomicU32, seen: u32) {
     let ts = libc::timespec {
         tv_sec: 0,
-        tv_nsec: POLL_NS,
+        tv_nsec: WAIT_SLICE_NS,
     };
-    // SAFETY: `ts` is valid; nanosleep is async-signal-safe; an early wake-up is harmless.
-    unsafe { libc::nanosleep(&ts, std::ptr::null_mut()) };
+    // SAFETY: `word` is a valid, aligned 32-bit atomic for the duration of the call (the
+    // table is static); FUTEX_WAIT only reads it; `ts` is valid. EAGAIN/EINTR/ETIMEDOUT
+    // all just end the wait.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+            seen,
+            &ts as *const libc::timespec,
+        );
+    }
+}
+
+/// Wakes every store waiting on `word`.
+fn futex_wake_all(word: &AtomicU32) {
+    // SAFETY: as in `futex_wait`; FUTEX_WAKE touches no memory.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
+            i32::MAX,
+        );
+    }
 }
 
 /// One window's entry in the table; frees it when dropped.
@@ -110,7 +136,24 @@ impl Registration {
             s.read_only.store(bytes, Ordering::Release);
             s.changed_ns.store(now_ns(), Ordering::Release);
             s.generation.fetch_add(1, Ordering::AcqRel);
+            futex_wake_all(&s.generation);
         }
+    }
+
+    /// After a store faulted in this window (KVM_RUN's EFAULT): waits while part of the
+    /// window is read-only, until its protection changes (at most one 1 ms slice), and
+    /// says whether to retry the store; `false` means the fault is not ours.
+    pub fn wait_after_fault(&self) -> bool {
+        let Some(s) = self.slot.map(|i| &TABLE[i]) else {
+            return false;
+        };
+        let seen = s.generation.load(Ordering::Acquire);
+        if s.read_only.load(Ordering::Acquire) > 0 {
+            futex_wait(&s.generation, seen);
+            return true;
+        }
+        // Nothing read-only: retry at once if the store may have raced a change.
+        slot_may_wait(s, now_ns())
     }
 
     /// Whether a store that faulted in this window just now should be retried: some of it
@@ -165,7 +208,7 @@ fn wait_for_store(addr: usize) -> bool {
         if now_ns().saturating_sub(t0) > limit {
             return false;
         }
-        nap();
+        futex_wait(&s.generation, gen0);
     }
     true
 }
@@ -181,15 +224,14 @@ pub struct StoreFaultWait {
 }
 
 impl StoreFaultWait {
-    /// After a fault: whether to re-enter the guest (after a short nap). `may_wait` is the
-    /// window's [`Registration::store_may_wait`].
-    pub fn on_fault(&mut self, may_wait: bool) -> bool {
+    /// After a fault: whether to re-enter the guest. `wait` is the window's
+    /// [`Registration::wait_after_fault`] (through `ShmWindow`).
+    pub fn on_fault(&mut self, wait: impl FnOnce() -> bool) -> bool {
         let since = *self.since.get_or_insert_with(std::time::Instant::now);
-        if !may_wait || since.elapsed() > MAX_WAIT {
+        if since.elapsed() > MAX_WAIT || !wait() {
             return false;
         }
         self.waits += 1;
-        nap();
         true
     }
 

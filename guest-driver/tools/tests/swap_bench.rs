@@ -20,6 +20,9 @@ fn bench_swap_quick_json() {
         "swap_over_memcpy",
         "pause_64mib_p50",
         "pause_64mib_p99",
+        "cpu_store_wait_64mib_p50",
+        "cpu_store_wait_64mib_p99",
+        "cpu_store_gap_idle_p50",
         "two_vm_convergence",
     ] {
         assert!(names.iter().any(|x| x == n), "{n} missing: {names:?}");

@@ -567,7 +567,7 @@ impl LinuxVm {
         if let Some(h) = &self.hooks {
             let w = h.bars.window();
             log::info!(
-                "vgpu window: {} guest stores waited for pages the backend was moving",
+                "vgpu window: guest stores hit pages the backend was moving {} times (each waited and was retried)",
                 w.stores_waited()
             );
         }
@@ -700,8 +700,7 @@ fn vcpu_loop(
             Ok(exit) => matches!(exit, VcpuExit::MemoryFault { .. }),
         };
         if store_fault {
-            let may_wait = hooks.is_some_and(|h| h.bars.window().store_may_wait());
-            if store_wait.on_fault(may_wait) {
+            if store_wait.on_fault(|| hooks.is_some_and(|h| h.bars.window().wait_after_fault())) {
                 if let Some(h) = hooks {
                     h.bars.window().note_store_wait();
                 }

@@ -8,6 +8,9 @@
 //! - the same with the hot set itself in swap (the manager off, so it stays there);
 //! - swap-out throughput ÷ host memcpy throughput;
 //! - pause time per 64 MiB eviction, p50 and p99;
+//! - how long a guest CPU store into the buffer being evicted waits (its chunks are
+//!   read-only while they move), p50 and p99 over the evictions, beside the gap between
+//!   the same stores when nothing moves;
 //! - time for two allocating VMs to converge to equal VRAM shares.
 //!
 //! The sim GPU charges system-memory accesses like VRAM accesses (no PCIe model), so the
@@ -22,6 +25,7 @@
 //! beside it and swing by tens of percent on a loaded 2-core host.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -61,6 +65,8 @@ pub struct SwapOpts {
     pub runs: u32,
     /// 64 MiB evictions timed for the pause percentiles.
     pub pause_reps: u32,
+    /// 64 MiB evictions with a guest thread storing into the buffer (store waits).
+    pub store_reps: u32,
     /// Bytes each VM of the convergence run allocates (in 4 MiB steps).
     pub converge_bytes: u64,
 }
@@ -72,6 +78,7 @@ impl SwapOpts {
             iters: 20,
             runs: 5,
             pause_reps: 21,
+            store_reps: 11,
             converge_bytes: 128 * MIB,
         }
     }
@@ -82,6 +89,7 @@ impl SwapOpts {
             iters: 5,
             runs: 2,
             pause_reps: 3,
+            store_reps: 2,
             converge_bytes: 64 * MIB,
         }
     }
@@ -447,6 +455,34 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
     let mut ch = ctx.create_channel()?;
     let buf = ctx.alloc_vram(64 * MIB)?;
     let small_buf = ctx.alloc_vram(MIB)?;
+    // For the second set of evictions, a guest thread storing into the buffer, one word
+    // per page round the buffer with a 100 µs sleep between stores, recording every gap
+    // between two stores. (The first set, for pause and throughput, runs without it: the
+    // storing thread shares the two cores with the copy.)
+    let writer_stop = Arc::new(AtomicBool::new(false));
+    let start_writer = |buf: Buffer| {
+        let stop = writer_stop.clone();
+        std::thread::spawn(move || -> (Buffer, Vec<(Instant, Duration)>) {
+            let mut gaps = Vec::new();
+            let pages = 64 * MIB / 4096;
+            let mut last = Instant::now();
+            let mut k = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                if buf.write((k % pages) * 4096, &k.to_le_bytes()).is_err() {
+                    break;
+                }
+                let now = Instant::now();
+                gaps.push((last, now - last));
+                last = now;
+                k += 1;
+                std::thread::sleep(Duration::from_micros(100));
+            }
+            (buf, gaps)
+        })
+    };
+    let mut buf = Some(buf);
+    let mut writer = None;
+    let mut evictions: Vec<(Instant, Instant)> = Vec::new();
     let (mut pauses, mut rates) = (Vec::new(), Vec::new());
     let (mut memcpys, mut ratios) = (Vec::new(), Vec::new());
     let mut failed = 0u32;
@@ -454,7 +490,11 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
         vec![0x5au8; 64 * MIB as usize],
         vec![0u8; 64 * MIB as usize],
     );
-    for _ in 0..opts.pause_reps {
+    for rep in 0..opts.pause_reps + opts.store_reps {
+        let storing = rep >= opts.pause_reps;
+        if storing && writer.is_none() {
+            writer = buf.take().map(start_writer);
+        }
         // Some work in flight on the paused channel.
         ch.launch(
             &KernelArgs::Memset {
@@ -465,7 +505,12 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
             [1, 1, 1],
         )?;
         ch.submit()?;
-        let r = match rig.backend.vram_evict("a", 64 * MIB) {
+        let t_evict = Instant::now();
+        let evicted = rig.backend.vram_evict("a", 64 * MIB);
+        if storing {
+            evictions.push((t_evict, Instant::now()));
+        }
+        let r = match evicted {
             Ok(r) => r,
             Err(e) => {
                 // A drain that timed out on a loaded host: counted, not fatal.
@@ -474,7 +519,7 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
                 continue;
             }
         };
-        if r.bytes >= 64 * MIB {
+        if r.bytes >= 64 * MIB && !storing {
             pauses.push(r.pause_ns as f64 / 1e6);
             let rate = r.bytes as f64 / (r.copy_ns.max(1) as f64 / 1e9);
             // Host memcpy of the same size right after, so both see the same load.
@@ -494,6 +539,34 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
     }
     let f = ch.submit()?;
     ch.wait(f)?;
+    writer_stop.store(true, Ordering::Relaxed);
+    let (buf, gaps) = match writer {
+        Some(w) => {
+            let (b, g) = w
+                .join()
+                .map_err(|_| SwapSuiteError::Loopback("the storing thread panicked".into()))?;
+            (Some(b), g)
+        }
+        None => (buf, Vec::new()),
+    };
+    // Per eviction, the longest wait of a store that ended inside it; apart from the
+    // evictions, the usual gap.
+    let mut store_waits = Vec::new();
+    let mut idle_gaps = Vec::new();
+    for (start, gap) in &gaps {
+        let end = *start + *gap;
+        if !evictions.iter().any(|(a, b)| end >= *a && *start <= *b) {
+            idle_gaps.push(gap.as_secs_f64() * 1e3);
+        }
+    }
+    for (a, b) in &evictions {
+        let longest = gaps
+            .iter()
+            .filter(|(start, gap)| *start + *gap >= *a && *start <= *b)
+            .map(|(_, gap)| gap.as_secs_f64() * 1e3)
+            .fold(0.0, f64::max);
+        store_waits.push(longest);
+    }
     drop((buf, small_buf, ch, ctx, dev));
     let memcpy = median(memcpys);
     let swap_rate = median(rates);
@@ -539,6 +612,27 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
         SUITE,
         "pause_64mib_p99",
         quantile(pauses, 0.99),
+        "ms",
+        Better::Lower,
+    ));
+    figs.push(Figure::new(
+        SUITE,
+        "cpu_store_wait_64mib_p50",
+        quantile(store_waits.clone(), 0.5),
+        "ms",
+        Better::Lower,
+    ));
+    figs.push(Figure::new(
+        SUITE,
+        "cpu_store_wait_64mib_p99",
+        quantile(store_waits, 0.99),
+        "ms",
+        Better::Lower,
+    ));
+    figs.push(Figure::new(
+        SUITE,
+        "cpu_store_gap_idle_p50",
+        quantile(idle_gaps, 0.5),
         "ms",
         Better::Lower,
     ));
