@@ -163,6 +163,12 @@ impl ShmWindow {
         self.wp.wait_after_fault()
     }
 
+    /// The window's protection generation, bumped on every change of its read-only
+    /// ranges.
+    pub fn protection_generation(&self) -> u32 {
+        self.wp.generation()
+    }
+
     /// Performs a guest store at `off` that KVM handed to userspace as an MMIO write
     /// because the page is read-only (some KVMs emulate such stores instead of failing
     /// with EFAULT). Like the store itself, it waits while the page is read-only: the

@@ -156,6 +156,12 @@ impl Registration {
         slot_may_wait(s, now_ns())
     }
 
+    /// The window's protection generation (bumped on every change).
+    pub fn generation(&self) -> u32 {
+        self.slot
+            .map_or(0, |i| TABLE[i].generation.load(Ordering::Acquire))
+    }
+
     /// Whether a store that faulted in this window just now should be retried: some of it
     /// is read-only, or its protection changed so recently that the store may have raced
     /// the change.
@@ -219,16 +225,24 @@ fn wait_for_store(addr: usize) -> bool {
 /// says a store may be waiting, for at most [`MAX_WAIT`] in a row.
 #[derive(Debug, Default)]
 pub struct StoreFaultWait {
-    since: Option<std::time::Instant>,
+    /// When the current wait began, and the window's protection generation then.
+    since: Option<(std::time::Instant, u32)>,
     waits: u64,
 }
 
 impl StoreFaultWait {
-    /// After a fault: whether to re-enter the guest. `wait` is the window's
-    /// [`Registration::wait_after_fault`] (through `ShmWindow`).
-    pub fn on_fault(&mut self, wait: impl FnOnce() -> bool) -> bool {
-        let since = *self.since.get_or_insert_with(std::time::Instant::now);
-        if since.elapsed() > MAX_WAIT || !wait() {
+    /// After a fault: whether to re-enter the guest. `generation` is the window's
+    /// protection generation now, `wait` its [`Registration::wait_after_fault`] (both
+    /// through `ShmWindow`). A guest usually runs on after a retried store without any
+    /// exit, so a fault after the protection changed starts a new wait: only a store
+    /// that waits through no change for [`MAX_WAIT`] is given up on.
+    pub fn on_fault(&mut self, generation: u32, wait: impl FnOnce() -> bool) -> bool {
+        let now = std::time::Instant::now();
+        let (since, _) = match self.since {
+            Some((t, g)) if g == generation => (t, g),
+            _ => *self.since.insert((now, generation)),
+        };
+        if now.duration_since(since) > MAX_WAIT || !wait() {
             return false;
         }
         self.waits += 1;
@@ -324,5 +338,19 @@ mod tests {
         assert!(slot_of(0x1000_1000).is_none());
         drop(r);
         assert!(slot_of(0x1000_0000).is_none());
+    }
+
+    #[test]
+    fn a_vcpu_gives_up_only_on_a_store_that_waits_through_no_change() {
+        let mut w = StoreFaultWait::default();
+        assert!(w.on_fault(1, || true));
+        assert!(!w.on_fault(1, || false), "not ours: give up");
+        // Pretend the wait at generation 1 began long ago.
+        w.since = Some((std::time::Instant::now() - MAX_WAIT * 2, 1));
+        assert!(!w.on_fault(1, || true), "no change for MAX_WAIT: give up");
+        // A change since: a new wait (the guest ran on without an exit in between).
+        w.since = Some((std::time::Instant::now() - MAX_WAIT * 2, 1));
+        assert!(w.on_fault(2, || true));
+        assert_eq!(w.waits(), 2);
     }
 }

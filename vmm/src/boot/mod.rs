@@ -700,11 +700,20 @@ fn vcpu_loop(
             Ok(exit) => matches!(exit, VcpuExit::MemoryFault { .. }),
         };
         if store_fault {
-            if store_wait.on_fault(|| hooks.is_some_and(|h| h.bars.window().wait_after_fault())) {
-                if let Some(h) = hooks {
-                    h.bars.window().note_store_wait();
+            let window = hooks.map(|h| h.bars.window());
+            let generation = window.map_or(0, |w| w.protection_generation());
+            if store_wait.on_fault(generation, || window.is_some_and(|w| w.wait_after_fault())) {
+                if let Some(w) = window {
+                    w.note_store_wait();
                 }
                 continue;
+            }
+            if let Some(w) = window {
+                log::error!(
+                    "vCPU {cpu}: a memory fault not retried: window read-only bytes {}, protection generation {generation}, {} retries so far",
+                    w.read_only_bytes(),
+                    store_wait.waits()
+                );
             }
         } else {
             store_wait.on_progress();
