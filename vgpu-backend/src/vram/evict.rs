@@ -252,9 +252,10 @@ impl Session {
         };
         // From here on the guest's CPU stores into these chunks wait (see the module doc).
         if let Some(ap) = aperture {
-            if let Err((done, e)) = self.map_chunk_views(ap, &b, &todo, false, shm) {
+            if let Err((_, e)) = self.map_chunk_views(ap, &b, &todo, false, shm) {
                 warn!("VRAM manager: write-protecting the aperture of object {mem}: {e}");
-                self.unprotect(ap, mem, &b, &todo[..done], shm);
+                // All of them: a failed map may have left a hole where the old view was.
+                self.unprotect(ap, mem, &b, &todo, shm);
                 self.resume(&held, shm);
                 for (_, o) in &new_vram {
                     let _ = self.gpu.free_vram(*o);
@@ -412,5 +413,124 @@ impl Session {
             }
         }
         Ok(report)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::RawFd;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Mutex;
+
+    use vgpu_host_shim::{SimConfig, SimGpu};
+    use vgpu_protocol::request::{Op, ReplyBody, Request};
+    use vm_memory::GuestAddress;
+
+    use super::*;
+    use crate::error::ShmError;
+    use crate::guest_mem::GuestMemory;
+    use crate::session::VmLimits;
+
+    const MIB: u64 = 1 << 20;
+
+    /// Records maps `(offset, len, writable)`; refuses read-only ones when told to.
+    #[derive(Default)]
+    struct Recorder {
+        maps: Mutex<Vec<(u64, u64, bool)>>,
+        refuse_read_only: AtomicBool,
+    }
+
+    impl ShmMapper for Recorder {
+        fn map(
+            &self,
+            off: u64,
+            _: RawFd,
+            _: u64,
+            len: u64,
+            writable: bool,
+        ) -> Result<(), ShmError> {
+            if !writable && self.refuse_read_only.load(Ordering::Relaxed) {
+                return Err(ShmError::Frontend("no read-only maps here".into()));
+            }
+            self.maps.lock().unwrap().push((off, len, writable));
+            Ok(())
+        }
+        fn unmap(&self, _: u64, _: u64) -> Result<(), ShmError> {
+            Ok(())
+        }
+    }
+
+    /// A session with one 4 MiB VRAM object (two chunks) whose aperture is mapped.
+    fn object_with_aperture(shm: &Recorder) -> (Session, u32, u64) {
+        let gpu = SimGpu::new(SimConfig {
+            vram_bytes: 16 * MIB,
+            ..SimConfig::default()
+        })
+        .unwrap();
+        let limits = VmLimits {
+            swap_bytes: 16 * MIB,
+            ..VmLimits::default()
+        };
+        let mut s = Session::new(gpu, limits);
+        let mem = GuestMemory::from_ranges(&[(GuestAddress(0x10000), 0x10000)]).unwrap();
+        let req = |s: &mut Session, ctx: u32, op: Op| {
+            s.execute(&Request { pid: 7, ctx, op }, &mem, shm).unwrap()
+        };
+        let ReplyBody::Context { ctx } = req(&mut s, 0, Op::CreateContext) else {
+            panic!("context");
+        };
+        let ReplyBody::Mem { mem: obj, .. } = req(
+            &mut s,
+            ctx,
+            Op::AllocVram {
+                size: 4 * MIB,
+                align: 2 * MIB,
+            },
+        ) else {
+            panic!("alloc");
+        };
+        let ReplyBody::Aperture { offset } = req(&mut s, ctx, Op::MapAperture { mem: obj }) else {
+            panic!("aperture");
+        };
+        (s, obj, offset)
+    }
+
+    #[test]
+    fn a_move_write_protects_the_view_before_the_copy_and_unprotects_on_the_new_copy() {
+        let shm = Recorder::default();
+        let (mut s, obj, ap) = object_with_aperture(&shm);
+        shm.maps.lock().unwrap().clear();
+        let r = s
+            .move_chunks(obj, &[0, 1], Dir::Out, &shm, Duration::from_millis(100))
+            .unwrap();
+        assert_eq!(r.chunks, 2);
+        let maps = shm.maps.lock().unwrap().clone();
+        // Read-only first (one request or one per chunk), covering both chunks...
+        let ro: Vec<_> = maps.iter().take_while(|m| !m.2).collect();
+        assert_eq!(ro.iter().map(|m| m.1).sum::<u64>(), 4 * MIB, "{maps:?}");
+        assert_eq!(ro[0].0, ap);
+        // ...then only writable maps, onto the new copy, covering both chunks again.
+        let rw = &maps[ro.len()..];
+        assert!(rw.iter().all(|m| m.2), "{maps:?}");
+        assert_eq!(rw.iter().map(|m| m.1).sum::<u64>(), 4 * MIB);
+        assert_eq!(s.vram_report().vm.swapped_bytes, 4 * MIB);
+    }
+
+    #[test]
+    fn a_frontend_refusing_read_only_maps_keeps_the_chunks_where_they_are() {
+        let shm = Recorder::default();
+        let (mut s, obj, ap) = object_with_aperture(&shm);
+        shm.maps.lock().unwrap().clear();
+        shm.refuse_read_only.store(true, Ordering::Relaxed);
+        let r = s.move_chunks(obj, &[0, 1], Dir::Out, &shm, Duration::from_millis(100));
+        assert!(matches!(r, Err(MoveError::Aperture(_))), "{r:?}");
+        let rep = s.vram_report();
+        assert_eq!((rep.vm.resident_bytes, rep.vm.swapped_bytes), (4 * MIB, 0));
+        assert_eq!(rep.vm.move_failures, 1);
+        // The whole view was mapped writable again, on the old backing.
+        let maps = shm.maps.lock().unwrap().clone();
+        assert!(maps.iter().all(|m| m.2));
+        assert_eq!(maps.iter().map(|m| m.1).sum::<u64>(), 4 * MIB);
+        assert_eq!(maps[0].0, ap);
     }
 }
