@@ -7,17 +7,18 @@
 //!    `GP_GET` equals its real `GP_PUT` (the sim advances `GP_GET` only when an entry has
 //!    finished, so the GPU is done with everything released) or it stopped on an error;
 //!    skipped when the object has no GPU mapping (then no channel can reach it);
-//! 2. **write-protect** the guest's CPU view of the chunks (SHMEM_MAP of the current
-//!    backing, read-only): a guest store meanwhile faults and waits in its VMM (KVM_RUN's
-//!    EFAULT in `vgpu-vmm`, SIGSEGV in the loopback VM) instead of landing in the copy's
-//!    source after it was read, where it would be lost; reads go on;
-//!    **copy** the chunk (`vram_read` into the swap memfd, or `vram_write` from it);
-//! 3. **remap** the PTEs of every mapping of the object to the new target at the same GPU
-//!    VA, then `invalidate_tlb` (which waits for accesses in flight);
-//! 4. **remap the aperture** window (SHMEM_MAP of the new backing, writable) so the
-//!    guest's CPU view follows and its waiting stores go on, into the new copy;
-//! 5. **free** the old backing (VRAM chunk, or punch the swap range), **resume** (release
-//!    the holds).
+//! 2. chunk by chunk:
+//!    - **write-protect** the guest's CPU view of the chunk (SHMEM_MAP of its current
+//!      backing, read-only): a guest store meanwhile faults and waits in its VMM
+//!      (KVM_RUN's EFAULT in `vgpu-vmm`, SIGSEGV in the loopback VM) instead of landing
+//!      in the copy's source after it was read, where it would be lost; reads go on;
+//!    - **copy** the chunk (`vram_read` into the swap memfd, or `vram_write` from it);
+//!    - **remap** the PTEs of every mapping of the object to the new target at the
+//!      same GPU VA;
+//!    - **remap the aperture** (SHMEM_MAP of the new backing, writable) so the guest's
+//!      CPU view follows and its waiting stores go on, into the new copy;
+//! 3. `invalidate_tlb` (which waits for accesses in flight), **free** the old backings
+//!    (VRAM chunks; swap pages stay committed), **resume** (release the holds).
 //!
 //! Runs with the VM's session lock held, so no request of this VM (FREE_MEM, UNMAP,
 //! DESTROY_*) interleaves with a move: freeing a buffer mid-eviction waits for the move
@@ -115,56 +116,28 @@ impl Session {
         Ok((held, ns(t0)))
     }
 
-    /// Maps the aperture of chunks `idx` of `b` (at BAR offset `ap`) on their current
-    /// backing, `writable` or read-only; runs of contiguous backing go in one request.
-    /// Stops at the first failure, saying how many of `idx` were done and why.
-    fn map_chunk_views(
+    /// Maps the aperture of chunk `i` of `b` (at BAR offset `ap`) on its current
+    /// backing, `writable` or read-only.
+    fn map_chunk_view(
         &mut self,
         ap: u64,
         b: &ObjBacking,
-        idx: &[usize],
+        i: usize,
         writable: bool,
         shm: &dyn ShmMapper,
-    ) -> Result<(), (usize, String)> {
-        let mut k = 0;
-        while k < idx.len() {
-            let first = b.chunks[idx[k]];
-            let t = b
-                .chunk_target(&first)
-                .ok_or((k, "chunk without backing".into()))?;
-            // Extend over following chunks that continue both the window and the backing.
-            let mut len = first.len;
-            let mut n = 1;
-            while let Some(&j) = idx.get(k + n) {
-                let c = b.chunks[j];
-                let contiguous = c.off == first.off + len
-                    && match (b.chunk_target(&c), t) {
-                        (Some(RunTarget::Vram(o)), RunTarget::Vram(s)) => o == s + len,
-                        (Some(RunTarget::Swap(o)), RunTarget::Swap(s)) => o == s + len,
-                        _ => false,
-                    };
-                if !contiguous {
-                    break;
-                }
-                len += c.len;
-                n += 1;
-            }
-            let (fd, off) = self.cpu_range(t, len).map_err(|e| (k, e.to_string()))?;
-            shm.map(ap + first.off, fd, off, len, writable)
-                .map_err(|e| (k, e.to_string()))?;
-            k += n;
-        }
-        Ok(())
+    ) -> Result<(), String> {
+        let c = b.chunks[i];
+        let t = b.chunk_target(&c).ok_or("chunk without backing")?;
+        let (fd, off) = self.cpu_range(t, c.len).map_err(|e| e.to_string())?;
+        shm.map(ap + c.off, fd, off, c.len, writable)
+            .map_err(|e| e.to_string())
     }
 
-    /// Gives chunks `idx` their writable view back on their current backing. A failure
-    /// leaves the guest's stores to them waiting until its VMM gives up; nothing better
-    /// can be done with a frontend that refuses maps, so it is logged loudly.
-    fn unprotect(&mut self, ap: u64, mem: u32, b: &ObjBacking, idx: &[usize], shm: &dyn ShmMapper) {
-        if idx.is_empty() {
-            return;
-        }
-        if let Err((_, e)) = self.map_chunk_views(ap, b, idx, true, shm) {
+    /// Gives chunk `i` its writable view back on its current backing. A failure leaves
+    /// the guest's stores to it waiting until its VMM gives up; nothing better can be done
+    /// with a frontend that refuses maps, so it is logged loudly.
+    fn unprotect(&mut self, ap: u64, mem: u32, b: &ObjBacking, i: usize, shm: &dyn ShmMapper) {
+        if let Err(e) = self.map_chunk_view(ap, b, i, true, shm) {
             error!("VRAM manager: object {mem}: the aperture stays read-only: {e}");
         }
     }
@@ -250,20 +223,6 @@ impl Session {
                 }
             }
         };
-        // From here on the guest's CPU stores into these chunks wait (see the module doc).
-        if let Some(ap) = aperture {
-            if let Err((_, e)) = self.map_chunk_views(ap, &b, &todo, false, shm) {
-                warn!("VRAM manager: write-protecting the aperture of object {mem}: {e}");
-                // All of them: a failed map may have left a hole where the old view was.
-                self.unprotect(ap, mem, &b, &todo, shm);
-                self.resume(&held, shm);
-                for (_, o) in &new_vram {
-                    let _ = self.gpu.free_vram(*o);
-                }
-                self.swap.counters.vm.move_failures += 1;
-                return Err(MoveError::Aperture(e));
-            }
-        }
         let mut report = MoveReport {
             channels_paused: held.len() as u32,
             drain_ns,
@@ -274,37 +233,59 @@ impl Session {
         let mut failed = None;
         for (k, &i) in todo.iter().enumerate() {
             let c = b.chunks[i];
+            if !matches!(
+                (dir, c.loc),
+                (Dir::Out, Loc::Vram(_)) | (Dir::In, Loc::Swap)
+            ) {
+                continue;
+            }
             let swap_off = region + c.off;
             let Some(ptr) = store.ptr(swap_off, c.len) else {
                 failed = Some(MoveError::NoSwap);
                 break;
             };
+            // From here the guest's CPU stores into this chunk wait (see the module doc).
+            // One chunk at a time, so a store waits for one chunk's copy, not the batch's.
+            if let Some(ap) = aperture {
+                if let Err(e) = self.map_chunk_view(ap, &b, i, false, shm) {
+                    // A failed map may have left a hole where the old view was.
+                    self.unprotect(ap, mem, &b, i, shm);
+                    failed = Some(MoveError::Aperture(e));
+                    break;
+                }
+            }
             let len = c.len as usize;
-            let (new_loc, new_target) = match (dir, c.loc) {
+            let copied = match (dir, c.loc) {
                 (Dir::Out, Loc::Vram(o)) => {
                     store.populate(swap_off, c.len);
                     // SAFETY: `ptr..ptr+len` lies in the swap store's mapping (checked by
                     // `ptr`); no GPU mapping and no guest view leads there while the chunk
                     // is resident, and the session lock excludes other movers.
                     let dst = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
-                    if let Err(e) = self.gpu.vram_read(o, dst) {
-                        failed = Some(MoveError::Hal(e.to_string()));
-                        break;
-                    }
-                    (Loc::Swap, RunTarget::Swap(swap_off))
+                    self.gpu
+                        .vram_read(o, dst)
+                        .map(|()| (Loc::Swap, RunTarget::Swap(swap_off)))
                 }
-                (Dir::In, Loc::Swap) => {
+                _ => {
                     let o = new_vram[k].1;
                     // SAFETY: as above; the channels that could write the swap copy are
-                    // paused, so it does not change while we read it.
+                    // paused and the guest's view of it is read-only, so it does not change
+                    // while we read it.
                     let src = unsafe { std::slice::from_raw_parts(ptr, len) };
-                    if let Err(e) = self.gpu.vram_write(o, src) {
-                        failed = Some(MoveError::Hal(e.to_string()));
-                        break;
-                    }
-                    (Loc::Vram(o), RunTarget::Vram(o))
+                    self.gpu
+                        .vram_write(o, src)
+                        .map(|()| (Loc::Vram(o), RunTarget::Vram(o)))
                 }
-                _ => continue,
+            };
+            let (new_loc, new_target) = match copied {
+                Ok(v) => v,
+                Err(e) => {
+                    if let Some(ap) = aperture {
+                        self.unprotect(ap, mem, &b, i, shm);
+                    }
+                    failed = Some(MoveError::Hal(e.to_string()));
+                    break;
+                }
             };
             let mut ok = true;
             for &va in &vas {
@@ -316,14 +297,35 @@ impl Session {
                     ok = false;
                 }
             }
-            if !ok {
-                // Put every mapping back on the old backing, which is still intact.
+            // The guest's view follows to the new copy, where its waiting stores go on.
+            let view = match (ok, aperture) {
+                (false, _) => Err(MoveError::Hal("remap".into())),
+                (true, Some(ap)) => self
+                    .cpu_range(new_target, c.len)
+                    .map_err(|e| e.to_string())
+                    .and_then(|(fd, off)| {
+                        shm.map(ap + c.off, fd, off, c.len, true)
+                            .map_err(|e| e.to_string())
+                    })
+                    .map_err(|e| {
+                        warn!("VRAM manager: aperture remap of object {mem}: {e}");
+                        MoveError::Aperture(e)
+                    }),
+                (true, None) => Ok(()),
+            };
+            if let Err(e) = view {
+                // Put every mapping back on the old backing, which is still intact (the
+                // channels are paused and the guest's stores were held), and the view too.
                 if let Some(old) = b.chunk_target(&c) {
                     for &va in &vas {
                         let _ = self.gpu.remap(hctx, va + c.off, c.len, old.map_target());
                     }
                 }
-                failed = Some(MoveError::Hal("remap".into()));
+                if let Some(ap) = aperture {
+                    self.unprotect(ap, mem, &b, i, shm);
+                }
+                // (New VRAM of a swap-in is freed below: it is not in `done`.)
+                failed = Some(e);
                 break;
             }
             moved.push((i, new_loc));
@@ -334,37 +336,10 @@ impl Session {
                 warn!("VRAM manager: invalidate ctx {ctx}: {e}");
             }
         }
-        // The guest's CPU view follows, then the old backing goes.
+        // Then the old backing goes.
         let mut done = Vec::new();
         for (i, new_loc) in moved {
             let c = b.chunks[i];
-            if let Some(ap) = aperture {
-                let t = match new_loc {
-                    Loc::Vram(o) => RunTarget::Vram(o),
-                    Loc::Swap => RunTarget::Swap(region + c.off),
-                };
-                let res = self
-                    .cpu_range(t, c.len)
-                    .map_err(|e| e.to_string())
-                    .and_then(|(fd, off)| {
-                        shm.map(ap + c.off, fd, off, c.len, true)
-                            .map_err(|e| e.to_string())
-                    });
-                if let Err(e) = res {
-                    // The window may still show the old backing: keep it, move the GPU
-                    // back onto it (nothing ran meanwhile: the channels are paused).
-                    warn!("VRAM manager: aperture remap of object {mem}: {e}");
-                    if let Some(old) = b.chunk_target(&c) {
-                        for &va in &vas {
-                            let _ = self.gpu.remap(hctx, va + c.off, c.len, old.map_target());
-                        }
-                        let _ = self.gpu.invalidate_tlb(hctx);
-                    }
-                    // (New VRAM of a swap-in is freed below: it is not in `done`.)
-                    failed = Some(MoveError::Aperture(e));
-                    continue;
-                }
-            }
             match c.loc {
                 Loc::Vram(o) => {
                     if let Err(e) = self.gpu.free_vram(o) {
@@ -385,12 +360,6 @@ impl Session {
             report.chunks += 1;
             report.bytes += c.len;
             done.push(i);
-        }
-        // Chunks that stayed where they were (a failure cut the batch short) get their
-        // writable view back; their waiting stores go on into the intact old backing.
-        if let Some(ap) = aperture {
-            let stayed: Vec<usize> = todo.iter().copied().filter(|i| !done.contains(i)).collect();
-            self.unprotect(ap, mem, &b, &stayed, shm);
         }
         // Unused new VRAM (a failure cut the batch short).
         for (i, o) in &new_vram {
@@ -496,7 +465,7 @@ mod tests {
     }
 
     #[test]
-    fn a_move_write_protects_the_view_before_the_copy_and_unprotects_on_the_new_copy() {
+    fn a_move_write_protects_each_chunk_before_its_copy_and_unprotects_it_on_the_new_copy() {
         let shm = Recorder::default();
         let (mut s, obj, ap) = object_with_aperture(&shm);
         shm.maps.lock().unwrap().clear();
@@ -504,15 +473,19 @@ mod tests {
             .move_chunks(obj, &[0, 1], Dir::Out, &shm, Duration::from_millis(100))
             .unwrap();
         assert_eq!(r.chunks, 2);
+        // Chunk by chunk: read-only on the old copy before its copy, writable on the new
+        // copy after it (a guest store waits for one chunk's copy).
         let maps = shm.maps.lock().unwrap().clone();
-        // Read-only first (one request or one per chunk), covering both chunks...
-        let ro: Vec<_> = maps.iter().take_while(|m| !m.2).collect();
-        assert_eq!(ro.iter().map(|m| m.1).sum::<u64>(), 4 * MIB, "{maps:?}");
-        assert_eq!(ro[0].0, ap);
-        // ...then only writable maps, onto the new copy, covering both chunks again.
-        let rw = &maps[ro.len()..];
-        assert!(rw.iter().all(|m| m.2), "{maps:?}");
-        assert_eq!(rw.iter().map(|m| m.1).sum::<u64>(), 4 * MIB);
+        let chunk = 2 * MIB;
+        assert_eq!(
+            maps,
+            [
+                (ap, chunk, false),
+                (ap, chunk, true),
+                (ap + chunk, chunk, false),
+                (ap + chunk, chunk, true)
+            ]
+        );
         assert_eq!(s.vram_report().vm.swapped_bytes, 4 * MIB);
     }
 
@@ -527,10 +500,9 @@ mod tests {
         let rep = s.vram_report();
         assert_eq!((rep.vm.resident_bytes, rep.vm.swapped_bytes), (4 * MIB, 0));
         assert_eq!(rep.vm.move_failures, 1);
-        // The whole view was mapped writable again, on the old backing.
+        // The refused chunk's view was mapped writable again, on the old backing; the
+        // second chunk was never touched.
         let maps = shm.maps.lock().unwrap().clone();
-        assert!(maps.iter().all(|m| m.2));
-        assert_eq!(maps.iter().map(|m| m.1).sum::<u64>(), 4 * MIB);
-        assert_eq!(maps[0].0, ap);
+        assert_eq!(maps, [(ap, 2 * MIB, true)]);
     }
 }
