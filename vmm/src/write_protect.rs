@@ -144,16 +144,7 @@ impl Registration {
     /// window is read-only, until its protection changes (at most one 1 ms slice), and
     /// says whether to retry the store; `false` means the fault is not ours.
     pub fn wait_after_fault(&self) -> bool {
-        let Some(s) = self.slot.map(|i| &TABLE[i]) else {
-            return false;
-        };
-        let seen = s.generation.load(Ordering::Acquire);
-        if s.read_only.load(Ordering::Acquire) > 0 {
-            futex_wait(&s.generation, seen);
-            return true;
-        }
-        // Nothing read-only: retry at once if the store may have raced a change.
-        slot_may_wait(s, now_ns())
+        self.slot.is_some_and(|i| wait_slice(&TABLE[i]))
     }
 
     /// The window's protection generation (bumped on every change).
@@ -194,29 +185,41 @@ fn slot_of(addr: usize) -> Option<&'static Slot> {
     })
 }
 
-/// Waits (in a signal handler) for a store at `addr` to become possible. Returns whether
-/// to retry the store; `false` means the fault is not ours to handle.
+/// One wait of a store that faulted on window `s`: while part of it is read-only, until
+/// its protection changes (at most one slice); says whether to retry the store (`false`:
+/// the fault is not ours). Shared by the vCPU loop and the SIGSEGV handler.
+fn wait_slice(s: &Slot) -> bool {
+    let seen = s.generation.load(Ordering::Acquire);
+    if s.read_only.load(Ordering::Acquire) > 0 {
+        futex_wait(&s.generation, seen);
+        return true;
+    }
+    // Nothing read-only: retry at once if the store may have raced a change.
+    slot_may_wait(s, now_ns())
+}
+
+/// Waits (in a signal handler) for a store at `addr` to become possible: until the
+/// window's protection changes, at most [`MAX_WAIT`]. Returns whether to retry the store;
+/// `false` means the fault is not ours to handle.
 fn wait_for_store(addr: usize) -> bool {
     let Some(s) = slot_of(addr) else {
         return false;
     };
     let t0 = now_ns();
-    if !slot_may_wait(s, t0) {
-        return false;
-    }
     let gen0 = s.generation.load(Ordering::Acquire);
     let limit = u64::try_from(MAX_WAIT.as_nanos()).unwrap_or(u64::MAX);
-    // A store that raced the last change retries at once; otherwise wait for a change.
-    if s.read_only.load(Ordering::Acquire) == 0 {
-        return true;
-    }
-    while s.generation.load(Ordering::Acquire) == gen0 {
+    loop {
+        if !wait_slice(s) {
+            return false;
+        }
+        if s.read_only.load(Ordering::Acquire) == 0 || s.generation.load(Ordering::Acquire) != gen0
+        {
+            return true;
+        }
         if now_ns().saturating_sub(t0) > limit {
             return false;
         }
-        futex_wait(&s.generation, gen0);
     }
-    true
 }
 
 /// A vCPU's view of store faults on a window: `KVM_RUN` failing with EFAULT (or a
