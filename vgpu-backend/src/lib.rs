@@ -85,7 +85,7 @@ pub use sched::cli::SchedArgs;
 pub use sched::shares::{GpuShares, IntervalRecord, ProcShare, VmShare};
 pub use sched::{Policy, SchedConfig, SchedError, SchedStats};
 pub use session::{Session, SessionShared, SessionState, VmLimits, VmStats};
-pub use shadow::{ChannelPeek, ShadowError, ShadowStats, ShadowSwitch};
+pub use shadow::{ChannelPeek, Holder, Holders, ShadowError, ShadowStats, ShadowSwitch};
 pub use shmem::{NullShm, ShmMapper, VhostShm};
 pub use vgpu_host_shim::Gpu;
 pub use vram::{
@@ -116,6 +116,22 @@ pub(crate) struct VmState {
 impl VmState {
     pub(crate) fn lock_session(&self) -> MutexGuard<'_, Session> {
         self.session.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The session if nobody holds its lock now.
+    pub(crate) fn try_lock_session(&self) -> Option<MutexGuard<'_, Session>> {
+        match self.session.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// Ends the frontend connection (the VM's socket then listens again).
+    pub(crate) fn end_connection(&self) {
+        if let Some(h) = self.conn.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            h.shutdown();
+        }
     }
 
     /// VRAM the config space advertises: the VM's limit, at most the GPU's size.
@@ -284,9 +300,10 @@ impl VgpuBackend {
         }
     }
 
-    /// Shadows (`on`) or unshadows a channel of VM `name`: its BAR slot is remapped through
-    /// the VM's vhost-user backend request channel (see [`shadow`]). While the operator
-    /// has the VM paused, an unshadow is remembered but not carried out ([`control`]).
+    /// Takes (`on`) or drops the scheduler's hold of a channel of VM `name`: its BAR slot
+    /// is remapped through the VM's vhost-user backend request channel (see [`shadow`]).
+    /// While another holder (the operator's pause, a VRAM move) holds the channel, an
+    /// unshadow only drops the scheduler's hold.
     pub fn shadow_channel(
         &self,
         name: &str,
@@ -303,16 +320,7 @@ impl VgpuBackend {
             .clone()
             .ok_or(ShadowError::NotConnected)?;
         let mut session = vm.lock_session();
-        if !on && session.hold.paused {
-            if !session.state.channels.contains_key(&guest_channel) {
-                return Err(ShadowError::NoChannel(guest_channel));
-            }
-            session.hold.note_other(guest_channel, false);
-            return Ok(ShadowSwitch::default());
-        }
-        let switch = session.shadow_channel(guest_channel, on, shm.as_ref())?;
-        session.hold.note_other(guest_channel, on);
-        Ok(switch)
+        session.hold_channel(guest_channel, Holder::Scheduler, on, shm.as_ref())
     }
 
     /// Lets at most `n` more entries of a shadowed channel run; returns how many were
@@ -327,10 +335,6 @@ impl VgpuBackend {
             .vm(name)
             .ok_or_else(|| ShadowError::NoVm(name.to_string()))?;
         let mut session = vm.lock_session();
-        if session.hold.paused {
-            // The operator's pause holds everything back.
-            return Ok(0);
-        }
         session.release_capped(guest_channel, n)
     }
 
@@ -440,6 +444,34 @@ fn serve_loop(vm: Arc<VmState>, mut listener: Listener, stop: Arc<AtomicBool>) {
     info!("VM {}: stopped serving", vm.name);
 }
 
+/// How long a disconnect waits for the connection's vring worker to exit.
+const WORKER_EXIT_WAIT: Duration = Duration::from_secs(2);
+
+/// Drops the daemon (which joins its vring worker), waiting at most
+/// [`WORKER_EXIT_WAIT`]: a worker stuck in a request must not keep the VM's session
+/// alive or its socket closed. The worker was told to stop and refuses further requests
+/// (`VhuVgpu::stop_worker`), so the session can be torn down meanwhile; a worker that
+/// never exits is left to finish on its own.
+fn join_worker(name: &str, daemon: VhostUserDaemon<Arc<VhuVgpu>>) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let spawned = std::thread::Builder::new()
+        .name(format!("vgpu-reap-{name}"))
+        .spawn(move || {
+            drop(daemon);
+            let _ = tx.send(());
+        });
+    match spawned {
+        Ok(_) => {
+            if rx.recv_timeout(WORKER_EXIT_WAIT).is_err() {
+                error!(
+                    "VM {name}: the vring worker did not exit; tearing the session down without it"
+                );
+            }
+        }
+        Err(e) => error!("VM {name}: cannot reap the vring worker: {e}"),
+    }
+}
+
 fn vhost_err(e: impl std::fmt::Display) -> BackendError {
     BackendError::VhostUser(e.to_string())
 }
@@ -476,8 +508,7 @@ fn serve_connection(
     *vm.conn.lock().unwrap_or_else(|e| e.into_inner()) = None;
     *vm.shm.lock().unwrap_or_else(|e| e.into_inner()) = None;
     dev.stop_worker();
-    // Dropping the daemon joins its vring worker: no request runs after this.
-    drop(daemon);
+    join_worker(&vm.name, daemon);
     {
         let mut s = vm.lock_session();
         let c = s.swap.counters.vm;

@@ -26,6 +26,7 @@ use vgpu_protocol::{ErrorCode, PAGE_SIZE, PROTOCOL_VERSION};
 use crate::events::ChannelSink;
 use crate::guest_mem::{GuestMemory, GuestSysMemory};
 use crate::session::{ChannelState, ContextState, MappingState, MappingTarget, MemState, Session};
+use crate::shadow::Holder;
 use crate::shmem::{first_fit_aperture, free_slot, page_round_up, ShmMapper};
 
 /// Largest VRAM alignment a guest may ask for.
@@ -652,6 +653,16 @@ impl Session {
         );
         self.hal.channels.insert(id, hch);
         self.shared.busy().add_live(id, pid, hch);
+        // Born into its owners' holds: shadowed before the guest learns of the slot, so
+        // a new channel cannot run ahead of a hold on its VM, process or context.
+        let born = self.hold.at_birth(pid, ctx);
+        for who in [Holder::Operator, Holder::Scheduler, Holder::Vram] {
+            if born.contains(who) {
+                if let Err(e) = self.hold_channel(id, who, true, shm) {
+                    warn!("CREATE_CHANNEL: cannot hold channel {id} for {who:?}: {e}");
+                }
+            }
+        }
         debug!("pid {pid} ctx {ctx}: channel {id} ({hch:?}) at slot {slot}");
         Ok(ReplyBody::Channel { channel: id, slot })
     }

@@ -75,6 +75,8 @@ pub struct VmStats {
     pub events_delivered: u64,
     pub events_dropped: u64,
     pub events_pending: u64,
+    /// Connections the backend ended because the driver broke a virtqueue.
+    pub ring_errors: u64,
 }
 
 /// A context: a GPU address space of one guest process.
@@ -171,7 +173,22 @@ pub struct HalHandles {
 pub(crate) struct BusyBook {
     live: BTreeMap<u32, (u32, ChannelId)>,
     retired: BTreeMap<u32, u64>,
+    /// Channels destroyed since the scheduler last looked, with their final busy time:
+    /// it charges what they used since its previous reading (see [`RetiredChannel`]).
+    recent: std::collections::VecDeque<RetiredChannel>,
 }
+
+/// A destroyed channel's final busy time, for the scheduler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetiredChannel {
+    pub pid: u32,
+    pub hal: ChannelId,
+    pub busy_ns: u64,
+}
+
+/// Destroyed channels kept for the scheduler between two of its readings; beyond that
+/// (no scheduler running) the oldest are dropped.
+const RECENT_RETIRED: usize = 4096;
 
 /// What a session shares with observers (the operator API, stats) and with GPU threads.
 /// Observers never take the session lock, so a slow frontend cannot stall them.
@@ -181,6 +198,7 @@ pub struct SessionShared {
     requests: AtomicU64,
     errors: AtomicU64,
     disconnects: AtomicU64,
+    ring_errors: AtomicU64,
     contexts: AtomicU64,
     channels: AtomicU64,
     vram_bytes: AtomicU64,
@@ -196,6 +214,7 @@ impl SessionShared {
             requests: AtomicU64::new(0),
             errors: AtomicU64::new(0),
             disconnects: AtomicU64::new(0),
+            ring_errors: AtomicU64::new(0),
             contexts: AtomicU64::new(0),
             channels: AtomicU64::new(0),
             vram_bytes: AtomicU64::new(0),
@@ -213,6 +232,10 @@ impl SessionShared {
         if error {
             self.errors.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    pub(crate) fn count_ring_error(&self) {
+        self.ring_errors.fetch_add(1, Ordering::Relaxed);
     }
 
     pub(crate) fn count_disconnect(&self) {
@@ -235,6 +258,7 @@ impl SessionShared {
             events_delivered: self.events.delivered(),
             events_dropped: self.events.dropped(),
             events_pending: self.events.pending() as u64,
+            ring_errors: r(&self.ring_errors),
         }
     }
 
@@ -264,6 +288,11 @@ impl SessionShared {
             .collect()
     }
 
+    /// Channels destroyed since the previous call, with their final busy time.
+    pub fn take_retired(&self) -> Vec<RetiredChannel> {
+        self.busy().recent.drain(..).collect()
+    }
+
     /// GPU busy time per guest PID: live channels' HAL counters plus destroyed channels.
     pub fn process_busy_ns(&self, gpu: &dyn Gpu) -> Vec<(u32, u64)> {
         let book = self.busy();
@@ -287,6 +316,14 @@ impl BusyBook {
         if let Some((pid, ch)) = self.live.remove(&guest_ch) {
             let busy = gpu.channel_counters(ch).map(|c| c.busy_ns).unwrap_or(0);
             *self.retired.entry(pid).or_default() += busy;
+            if self.recent.len() >= RECENT_RETIRED {
+                self.recent.pop_front();
+            }
+            self.recent.push_back(RetiredChannel {
+                pid,
+                hal: ch,
+                busy_ns: busy,
+            });
         }
     }
 
@@ -305,8 +342,9 @@ pub struct Session {
     pub(crate) hal: HalHandles,
     /// Shadowed channels and the VM's shadow-page pool.
     pub(crate) shadows: crate::shadow::Shadows,
-    /// Operator pause and the channels others hold shadowed ([`crate::control`]).
-    pub(crate) hold: crate::control::OperatorHold,
+    /// Holds on the VM's owners (pause, scheduler, VRAM moves) that channels are born
+    /// into ([`crate::shadow::holds`]).
+    pub(crate) hold: crate::shadow::OwnerHolds,
     /// Swap store and VRAM-manager counters.
     pub(crate) swap: crate::vram::VmSwap,
 }
@@ -321,7 +359,7 @@ impl Session {
             state: SessionState::default(),
             hal: HalHandles::default(),
             shadows: crate::shadow::Shadows::new(),
-            hold: crate::control::OperatorHold::default(),
+            hold: crate::shadow::OwnerHolds::default(),
             swap: crate::vram::VmSwap::default(),
         }
     }

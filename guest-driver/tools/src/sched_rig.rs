@@ -163,15 +163,25 @@ pub fn depth_for(kernel_ns: u64) -> usize {
     QUEUED_NS.div_ceil(kernel_ns.max(1)).clamp(2, 64) as usize
 }
 
+/// How a tenant uses channels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    /// `n` channels of one context, each kept `depth` deep (round robin).
+    Channels(usize),
+    /// Churn: for every kernel a new context and channel, destroyed once it finished.
+    Churn,
+}
+
 /// What a tenant runs.
 #[derive(Debug, Clone, Copy)]
 pub struct TenantSpec {
     pub pid: u32,
     pub kernel_ns: u64,
-    /// Submissions kept in flight.
+    /// Submissions kept in flight (per channel).
     pub depth: usize,
     /// Kernels to run; `None` runs until stopped.
     pub kernels: Option<u64>,
+    pub shape: Shape,
 }
 
 impl TenantSpec {
@@ -184,6 +194,24 @@ impl TenantSpec {
             kernel_ns,
             depth: depth_for(kernel_ns),
             kernels: None,
+            shape: Shape::Channels(1),
+        }
+    }
+
+    /// A saturating tenant with `n` channels, each queued like a throttle.
+    pub fn channels(pid: u32, kernel_ns: u64, n: usize) -> Self {
+        TenantSpec {
+            shape: Shape::Channels(n.max(1)),
+            ..Self::throttle(pid, kernel_ns)
+        }
+    }
+
+    /// A churning tenant: context + channel + one kernel + destroy, in a loop.
+    pub fn churn(pid: u32, kernel_ns: u64) -> Self {
+        TenantSpec {
+            depth: 1,
+            shape: Shape::Churn,
+            ..Self::throttle(pid, kernel_ns)
         }
     }
 
@@ -270,29 +298,70 @@ fn run_tenant(
 ) -> Result<TenantReport, String> {
     let err = |e: vgpu_guest::Error| e.to_string();
     let dev = Device::loopback(vm, spec.pid).map_err(err)?;
-    let ctx = dev.create_context().map_err(err)?;
-    let mut ch = ctx.create_channel().map_err(err)?;
-    let _ = ready.send(());
     let args = KernelArgs::Spin { ns: spec.kernel_ns };
-    let depth = spec.depth.max(1);
-    let mut in_flight = std::collections::VecDeque::with_capacity(depth);
-    let mut submitted = 0u64;
     let start = Instant::now();
-    loop {
-        let more = spec.kernels.is_none_or(|n| submitted < n) && !stop.load(Ordering::Acquire);
-        if in_flight.len() >= depth || (!more && !in_flight.is_empty()) {
-            if let Some(f) = in_flight.pop_front() {
+    let more = |submitted: u64| {
+        spec.kernels.is_none_or(|n| submitted < n) && !stop.load(Ordering::Acquire)
+    };
+    let n = match spec.shape {
+        Shape::Churn => {
+            let _ = ready.send(());
+            let mut submitted = 0u64;
+            while more(submitted) {
+                let ctx = dev.create_context().map_err(err)?;
+                let mut ch = ctx.create_channel().map_err(err)?;
+                ch.launch(&args, [1, 1, 1]).map_err(err)?;
+                let f = ch.submit().map_err(err)?;
+                submitted += 1;
                 ch.wait(f).map_err(err)?;
                 done.fetch_add(1, Ordering::Relaxed);
             }
+            return Ok(TenantReport {
+                kernels: done.load(Ordering::Relaxed),
+                elapsed: start.elapsed(),
+            });
+        }
+        Shape::Channels(n) => n.max(1),
+    };
+    let ctx = dev.create_context().map_err(err)?;
+    let mut chans = Vec::with_capacity(n);
+    for _ in 0..n {
+        chans.push((
+            ctx.create_channel().map_err(err)?,
+            std::collections::VecDeque::new(),
+        ));
+    }
+    let _ = ready.send(());
+    let depth = spec.depth.max(1);
+    let mut submitted = 0u64;
+    loop {
+        let go = more(submitted);
+        let mut progressed = false;
+        for (ch, in_flight) in chans.iter_mut() {
+            if go && in_flight.len() < depth {
+                ch.launch(&args, [1, 1, 1]).map_err(err)?;
+                in_flight.push_back(ch.submit().map_err(err)?);
+                submitted += 1;
+                progressed = true;
+            }
+        }
+        if progressed {
             continue;
         }
-        if !more {
+        // Every channel is full (or no more kernels): wait for the oldest of each.
+        let mut waited = false;
+        for (ch, in_flight) in chans.iter_mut() {
+            if in_flight.len() >= depth || (!go && !in_flight.is_empty()) {
+                if let Some(f) = in_flight.pop_front() {
+                    ch.wait(f).map_err(err)?;
+                    done.fetch_add(1, Ordering::Relaxed);
+                    waited = true;
+                }
+            }
+        }
+        if !go && !waited {
             break;
         }
-        ch.launch(&args, [1, 1, 1]).map_err(err)?;
-        in_flight.push_back(ch.submit().map_err(err)?);
-        submitted += 1;
     }
     Ok(TenantReport {
         kernels: done.load(Ordering::Relaxed),

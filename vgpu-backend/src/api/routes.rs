@@ -460,6 +460,7 @@ fn vm_detail(be: &VgpuBackend, name: &str) -> Result<VmDetail, Failure> {
             events_delivered: st.events_delivered,
             events_dropped: st.events_dropped,
             events_pending: st.events_pending,
+            ring_errors: st.ring_errors,
         },
         shadow: ShadowBody {
             shadowed_now: sh.shadowed_now,
@@ -566,6 +567,7 @@ pub fn scheduler(be: &VgpuBackend) -> SchedulerBody {
             shadowed_now: st.shadowed_now,
             tick_ns_last: st.tick_ns_last,
             tick_ns_max: st.tick_ns_max,
+            busy_skips: st.busy_skips,
             watchdog_kills: st.watchdog_kills,
         },
     }

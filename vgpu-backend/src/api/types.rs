@@ -77,6 +77,8 @@ pub struct CountersBody {
     pub events_delivered: u64,
     pub events_dropped: u64,
     pub events_pending: u64,
+    /// Connections ended because the driver broke a virtqueue.
+    pub ring_errors: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -297,6 +299,8 @@ pub struct SchedStatsBody {
     pub shadowed_now: u32,
     pub tick_ns_last: u64,
     pub tick_ns_max: u64,
+    /// Times a VM was left alone for an interval because its session stayed locked.
+    pub busy_skips: u64,
     /// Channels the kernel watchdog killed (all VMs).
     pub watchdog_kills: u64,
 }

@@ -20,26 +20,98 @@
 //! 3. `invalidate_tlb` (which waits for accesses in flight), **free** the old backings
 //!    (VRAM chunks; swap pages stay committed), **resume** (release the holds).
 //!
-//! Runs with the VM's session lock held, so no request of this VM (FREE_MEM, UNMAP,
-//! DESTROY_*) interleaves with a move: freeing a buffer mid-eviction waits for the move
-//! and then frees whatever the chunk's backing is by then.
+//! The session lock is **not** held while the GPU drains (step 1's wait, up to the drain
+//! timeout): the scheduler, the operator API and the VM's own requests go on meanwhile
+//! ([`move_chunks_unlocked`]). The context stays held for the VRAM manager — a channel the
+//! guest creates in it meanwhile is born held ([`crate::shadow::OwnerHolds`]) — and the
+//! move re-reads the object once drained, under the lock: an object freed meanwhile ends
+//! the move (`Gone`) and everything it held is released. The copy itself (step 2, bounded
+//! by the batch size) runs under the lock, so no request of this VM (FREE_MEM, UNMAP,
+//! DESTROY_*) interleaves with it.
 
 use std::time::{Duration, Instant};
 
 use log::{debug, error, warn};
-use vgpu_host_shim::ContextId;
 
 use super::backing::{Loc, ObjBacking, RunTarget};
 use super::stats::MoveReport;
 use super::MoveError;
 use crate::session::{MappingTarget, Session};
+use crate::shadow::Holder;
 use crate::shmem::ShmMapper;
+use crate::VmState;
 
 /// Direction of a move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dir {
     Out,
     In,
+}
+
+/// A move between its preparation and its copy ([`Session::prepare_move`]).
+pub(crate) struct MovePlan {
+    mem: u32,
+    ctx: u32,
+    dir: Dir,
+    /// Chunk indices to move.
+    todo: Vec<usize>,
+    /// New VRAM of a swap-in: (chunk index, offset).
+    new_vram: Vec<(usize, u64)>,
+    /// Whether the context's channels are held (the object has GPU mappings).
+    held: bool,
+    t0: Instant,
+}
+
+/// Waiting for a drain: a few yields, then sleeps growing to 1 ms.
+#[derive(Default)]
+struct Backoff {
+    rounds: u32,
+}
+
+impl Backoff {
+    fn wait(&mut self) {
+        self.rounds = self.rounds.saturating_add(1);
+        if self.rounds < 64 {
+            std::thread::yield_now();
+        } else {
+            let us = 50u64 << ((self.rounds - 64) / 16).min(4);
+            std::thread::sleep(Duration::from_micros(us));
+        }
+    }
+}
+
+/// Moves chunks `idx` of object `mem` of `vm` in direction `dir` without holding the
+/// session lock while the GPU drains (see the module doc): the lock is taken to prepare,
+/// for each look at the channels, and for the copy.
+pub(crate) fn move_chunks_unlocked(
+    vm: &VmState,
+    mem: u32,
+    idx: &[usize],
+    dir: Dir,
+    shm: &dyn ShmMapper,
+    timeout: Duration,
+) -> Result<MoveReport, MoveError> {
+    let plan = {
+        let mut s = vm.lock_session();
+        match s.prepare_move(mem, idx, dir, shm)? {
+            Some(plan) if !plan.held => return s.finish_move(plan, shm),
+            Some(plan) => plan,
+            None => return Ok(MoveReport::default()),
+        }
+    };
+    let mut backoff = Backoff::default();
+    loop {
+        {
+            let mut s = vm.lock_session();
+            if s.move_ready(&plan, shm) {
+                return s.finish_move(plan, shm);
+            }
+            if plan.t0.elapsed() > timeout {
+                return Err(s.abort_move(plan, shm, MoveError::DrainTimeout));
+            }
+        }
+        backoff.wait();
+    }
 }
 
 fn ns(t0: Instant) -> u64 {
@@ -57,63 +129,63 @@ impl Session {
             .collect()
     }
 
-    /// Shadows the channels of `ctx` and waits until the GPU finished what they released.
-    /// Returns the held channels (to release) and the drain time.
-    fn pause_context(
-        &mut self,
-        ctx: u32,
-        shm: &dyn ShmMapper,
-        timeout: Duration,
-    ) -> Result<(Vec<u32>, u64), MoveError> {
-        let chans: Vec<u32> = self
-            .state
+    /// Holds every channel of `ctx` for the VRAM manager (and channels born in it until
+    /// [`Session::release_context`]).
+    fn hold_context(&mut self, ctx: u32, shm: &dyn ShmMapper) -> Result<(), MoveError> {
+        self.hold.vram_ctxs.insert(ctx);
+        for ch in self.context_channels(ctx) {
+            if self.channel_holders(ch).contains(Holder::Vram) {
+                continue;
+            }
+            if let Err(e) = self.hold_channel(ch, Holder::Vram, true, shm) {
+                self.release_context(ctx, shm);
+                return Err(MoveError::Pause(e.to_string()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Channels of `ctx` whose slot is mapped (the ones that can be held).
+    fn context_channels(&self, ctx: u32) -> Vec<u32> {
+        self.state
             .channels
             .iter()
             .filter(|(_, c)| c.ctx == ctx && c.slot_mapped)
             .map(|(id, _)| *id)
-            .collect();
-        let mut held = Vec::with_capacity(chans.len());
-        for ch in chans {
-            match self.vram_hold(ch, true, shm) {
-                Ok(_) => held.push(ch),
-                Err(e) => {
-                    self.resume(&held, shm);
-                    return Err(MoveError::Pause(e.to_string()));
-                }
+            .collect()
+    }
+
+    /// Whether the GPU finished everything the held channels of `ctx` released (a
+    /// channel stopped on an error is done).
+    fn context_drained(&mut self, ctx: u32) -> bool {
+        for ch in self.context_channels(ctx) {
+            let Some(hch) = self.hal.channels.get(&ch).copied() else {
+                continue;
+            };
+            if matches!(self.gpu.channel_error(hch), Ok(Some(_))) {
+                continue;
+            }
+            // `_any`: an operator-paused VM's released work must be waited for too.
+            if matches!(self.peek_channel_any(ch), Ok(p) if p.gp_get != p.real_put) {
+                return false;
             }
         }
-        let t0 = Instant::now();
-        let mut spins = 0u32;
-        loop {
-            let mut busy = false;
-            for &ch in &held {
-                let Some(hch) = self.hal.channels.get(&ch).copied() else {
-                    continue;
-                };
-                if matches!(self.gpu.channel_error(hch), Ok(Some(_))) {
-                    continue;
-                }
-                // `_any`: an operator-paused VM's released work must be waited for too.
-                match self.peek_channel_any(ch) {
-                    Ok(p) if p.gp_get != p.real_put => busy = true,
-                    _ => {}
-                }
+        true
+    }
+
+    /// Ends the VRAM manager's hold of `ctx` and its channels.
+    fn release_context(&mut self, ctx: u32, shm: &dyn ShmMapper) {
+        self.hold.vram_ctxs.remove(&ctx);
+        for ch in self.context_channels(ctx) {
+            if !self.channel_holders(ch).contains(Holder::Vram) {
+                continue;
             }
-            if !busy {
-                break;
-            }
-            if t0.elapsed() > timeout {
-                self.resume(&held, shm);
-                return Err(MoveError::DrainTimeout);
-            }
-            spins += 1;
-            if spins < 64 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(50));
+            if let Err(e) = self.hold_channel(ch, Holder::Vram, false, shm) {
+                // The slot may still show the shadow page; nobody holds it now, so the
+                // scheduler's next tick retries the unshadow.
+                warn!("VRAM manager: resume channel {ch}: {e}");
             }
         }
-        Ok((held, ns(t0)))
     }
 
     /// Maps the aperture of chunk `i` of `b` (at BAR offset `ap`) on its current
@@ -142,37 +214,21 @@ impl Session {
         }
     }
 
-    fn resume(&mut self, held: &[u32], shm: &dyn ShmMapper) {
-        for &ch in held {
-            if let Err(e) = self.vram_hold(ch, false, shm) {
-                // The slot may still show the shadow page; the hold is gone, so the
-                // scheduler's next unshadow (or a retry) maps the real page back.
-                warn!("VRAM manager: resume channel {ch}: {e}");
-            }
-        }
-    }
-
-    /// Moves chunks `idx` of object `mem` in direction `dir` (chunks already there are
-    /// skipped). For `In`, stops early when VRAM runs out. The channels of the object's
-    /// context are paused once for the whole batch.
-    pub(crate) fn move_chunks(
+    /// Validates a move of chunks `idx` of object `mem` in direction `dir` (chunks already
+    /// there are skipped) and prepares it: new VRAM for a swap-in (before anyone is
+    /// paused), then, if the object has GPU mappings, the VRAM manager's hold of its
+    /// context. `None`: nothing to move.
+    fn prepare_move(
         &mut self,
         mem: u32,
         idx: &[usize],
         dir: Dir,
         shm: &dyn ShmMapper,
-        timeout: Duration,
-    ) -> Result<MoveReport, MoveError> {
-        let (ctx, pid, aperture) = {
-            let m = self.state.mems.get(&mem).ok_or(MoveError::Gone)?;
-            (m.ctx, m.pid, m.aperture)
-        };
-        let hctx: ContextId = self
-            .hal
-            .contexts
-            .get(&ctx)
-            .map(|(h, _)| *h)
-            .ok_or(MoveError::Gone)?;
+    ) -> Result<Option<MovePlan>, MoveError> {
+        let ctx = self.state.mems.get(&mem).ok_or(MoveError::Gone)?.ctx;
+        if !self.hal.contexts.contains_key(&ctx) {
+            return Err(MoveError::Gone);
+        }
         let mut b: ObjBacking = self.hal.vram.get(&mem).cloned().ok_or(MoveError::Gone)?;
         let mut todo: Vec<usize> = idx
             .iter()
@@ -185,17 +241,18 @@ impl Session {
             })
             .collect();
         if todo.is_empty() {
-            return Ok(MoveReport::default());
+            return Ok(None);
         }
-        let region = self
-            .ensure_swap_region(&mut b)
+        self.ensure_swap_region(&mut b)
             .map_err(|_| MoveError::NoSwap)?;
-        let store = self.swap_store().map_err(|_| MoveError::NoSwap)?;
-        // New VRAM for a swap-in is allocated before pausing anyone.
+        self.swap_store().map_err(|_| MoveError::NoSwap)?;
+        let align = b.align;
+        let lens: Vec<u64> = todo.iter().map(|&i| b.chunks[i].len).collect();
+        self.hal.vram.insert(mem, b);
         let mut new_vram: Vec<(usize, u64)> = Vec::new();
         if dir == Dir::In {
-            for &i in &todo {
-                match self.gpu.alloc_vram(b.chunks[i].len, b.align) {
+            for (&i, &len) in todo.iter().zip(&lens) {
+                match self.gpu.alloc_vram(len, align) {
                     Ok(a) => new_vram.push((i, a.offset)),
                     Err(_) => break,
                 }
@@ -205,26 +262,119 @@ impl Session {
                 return Err(MoveError::NoVram);
             }
         }
-        let vas = self.object_vas(ctx, mem);
-        let t0 = Instant::now();
-        let (held, drain_ns) = if vas.is_empty() {
-            (Vec::new(), 0)
-        } else {
-            match self.pause_context(ctx, shm, timeout) {
-                Ok(v) => v,
-                Err(e) => {
-                    for (_, o) in &new_vram {
-                        let _ = self.gpu.free_vram(*o);
-                    }
-                    if e == MoveError::DrainTimeout {
-                        self.swap.counters.vm.drain_timeouts += 1;
-                    }
-                    return Err(e);
-                }
+        let held = !self.object_vas(ctx, mem).is_empty();
+        let plan = MovePlan {
+            mem,
+            ctx,
+            dir,
+            todo,
+            new_vram,
+            held,
+            t0: Instant::now(),
+        };
+        if held {
+            if let Err(e) = self.hold_context(ctx, shm) {
+                return Err(self.abort_move(plan, shm, e));
             }
+        }
+        Ok(Some(plan))
+    }
+
+    /// Gives a prepared move up: releases its context and its new VRAM; returns `e`.
+    fn abort_move(&mut self, plan: MovePlan, shm: &dyn ShmMapper, e: MoveError) -> MoveError {
+        if plan.held {
+            self.release_context(plan.ctx, shm);
+        }
+        for (_, o) in &plan.new_vram {
+            let _ = self.gpu.free_vram(*o);
+        }
+        if e == MoveError::DrainTimeout {
+            self.swap.counters.vm.drain_timeouts += 1;
+        }
+        e
+    }
+
+    /// Whether a prepared move may copy now: every channel of its context is held (one
+    /// whose hold at birth failed is held now, or the move waits) and drained.
+    fn move_ready(&mut self, plan: &MovePlan, shm: &dyn ShmMapper) -> bool {
+        if !plan.held {
+            return true;
+        }
+        let mut all_held = true;
+        for ch in self.context_channels(plan.ctx) {
+            if !self.channel_holders(ch).contains(Holder::Vram)
+                && self.hold_channel(ch, Holder::Vram, true, shm).is_err()
+            {
+                all_held = false;
+            }
+        }
+        all_held && self.context_drained(plan.ctx)
+    }
+
+    /// Moves chunks `idx` of object `mem` in direction `dir` with this session held
+    /// throughout, the drain wait included (tests, and callers that hold the session
+    /// anyway); the VRAM manager uses [`move_chunks_unlocked`]. For `In`, stops early
+    /// when VRAM runs out.
+    #[cfg(test)]
+    pub(crate) fn move_chunks(
+        &mut self,
+        mem: u32,
+        idx: &[usize],
+        dir: Dir,
+        shm: &dyn ShmMapper,
+        timeout: Duration,
+    ) -> Result<MoveReport, MoveError> {
+        let Some(plan) = self.prepare_move(mem, idx, dir, shm)? else {
+            return Ok(MoveReport::default());
+        };
+        let mut backoff = Backoff::default();
+        while !self.move_ready(&plan, shm) {
+            if plan.t0.elapsed() > timeout {
+                return Err(self.abort_move(plan, shm, MoveError::DrainTimeout));
+            }
+            backoff.wait();
+        }
+        self.finish_move(plan, shm)
+    }
+
+    /// Copies and remaps a prepared move once [`Session::move_ready`], then releases its
+    /// context. The object is read anew: it may have changed (or gone) while the GPU
+    /// drained without the session lock.
+    fn finish_move(
+        &mut self,
+        plan: MovePlan,
+        shm: &dyn ShmMapper,
+    ) -> Result<MoveReport, MoveError> {
+        let current = self.state.mems.get(&plan.mem).and_then(|m| {
+            let hctx = self.hal.contexts.get(&plan.ctx).map(|(h, _)| *h)?;
+            let b = self.hal.vram.get(&plan.mem).cloned()?;
+            (m.ctx == plan.ctx).then_some((m.pid, m.aperture, hctx, b))
+        });
+        let Some((pid, aperture, hctx, mut b)) = current else {
+            return Err(self.abort_move(plan, shm, MoveError::Gone));
+        };
+        let (region, store) = match (self.ensure_swap_region(&mut b), self.swap_store()) {
+            (Ok(r), Ok(s)) => (r, s),
+            _ => return Err(self.abort_move(plan, shm, MoveError::NoSwap)),
+        };
+        let MovePlan {
+            mem,
+            ctx,
+            dir,
+            todo,
+            new_vram,
+            held,
+            t0,
+        } = plan;
+        let drain_ns = if held { ns(t0) } else { 0 };
+        let vas = self.object_vas(ctx, mem);
+        let held_channels = if held {
+            self.context_channels(ctx).len() as u32
+        } else {
+            0
         };
         let mut report = MoveReport {
-            channels_paused: held.len() as u32,
+            channels_paused: held_channels,
             drain_ns,
             ..MoveReport::default()
         };
@@ -368,8 +518,10 @@ impl Session {
             }
         }
         report.copy_ns = ns(tc);
-        self.resume(&held, shm);
-        report.pause_ns = if held.is_empty() { 0 } else { ns(t0) };
+        if held {
+            self.release_context(ctx, shm);
+        }
+        report.pause_ns = if held { ns(t0) } else { 0 };
         self.hal.vram.insert(mem, b);
         self.swap
             .counters

@@ -38,7 +38,7 @@ use thiserror::Error;
 use crate::session::Session;
 use crate::{VgpuBackend, VmState};
 use backing::{Loc, CHUNK};
-use evict::Dir;
+use evict::{move_chunks_unlocked, Dir};
 use policy::VmFigures;
 pub use stats::{MoveReport, ProcVramStats, VmVramStats, VramOverview, VramReport};
 
@@ -465,13 +465,15 @@ impl VgpuBackend {
         timeout: Duration,
         stuck: &mut BTreeSet<u32>,
     ) -> bool {
-        let mut s = v.vm.lock_session();
         loop {
-            let Some(((mem, idx), _)) = s.coldest_resident(amount, stuck) else {
-                return false;
+            let (mem, idx, ctx) = {
+                let s = v.vm.lock_session();
+                let Some(((mem, idx), _)) = s.coldest_resident(amount, stuck) else {
+                    return false;
+                };
+                (mem, idx, s.state.mems.get(&mem).map(|m| m.ctx).unwrap_or(0))
             };
-            let ctx = s.state.mems.get(&mem).map(|m| m.ctx).unwrap_or(0);
-            match s.move_chunks(mem, &idx, Dir::Out, v.shm.as_ref(), timeout) {
+            match move_chunks_unlocked(&v.vm, mem, &idx, Dir::Out, v.shm.as_ref(), timeout) {
                 Ok(r) if r.bytes > 0 => {
                     self.vram.batches.fetch_add(1, Ordering::Relaxed);
                     v.fig.resident = v.fig.resident.saturating_sub(r.bytes);
@@ -495,13 +497,15 @@ impl VgpuBackend {
         timeout: Duration,
         stuck: &mut BTreeSet<u32>,
     ) -> bool {
-        let mut s = v.vm.lock_session();
         loop {
-            let Some(((mem, idx), _)) = s.hottest_swapped(amount.max(1), stuck) else {
-                return false;
+            let (mem, idx, ctx) = {
+                let s = v.vm.lock_session();
+                let Some(((mem, idx), _)) = s.hottest_swapped(amount.max(1), stuck) else {
+                    return false;
+                };
+                (mem, idx, s.state.mems.get(&mem).map(|m| m.ctx).unwrap_or(0))
             };
-            let ctx = s.state.mems.get(&mem).map(|m| m.ctx).unwrap_or(0);
-            match s.move_chunks(mem, &idx, Dir::In, v.shm.as_ref(), timeout) {
+            match move_chunks_unlocked(&v.vm, mem, &idx, Dir::In, v.shm.as_ref(), timeout) {
                 Ok(r) if r.bytes > 0 => {
                     self.vram.batches.fetch_add(1, Ordering::Relaxed);
                     v.fig.resident += r.bytes;
@@ -521,7 +525,7 @@ impl VgpuBackend {
     fn exchange(&self, v: &mut PassVm, batch: u64, timeout: Duration) {
         let none = BTreeSet::new();
         for _ in 0..4 {
-            let mut s = v.vm.lock_session();
+            let s = v.vm.lock_session();
             let (Some((_, hot)), Some((_, cold))) = (
                 s.hottest_swapped(CHUNK, &none),
                 s.coldest_resident(CHUNK, &none),
@@ -546,18 +550,21 @@ impl VgpuBackend {
                             .is_some_and(|c| c.last_used < hot)
                     })
                     .collect();
-                if s.move_chunks(mem, &idx, Dir::Out, v.shm.as_ref(), timeout)
+                drop(s);
+                if move_chunks_unlocked(&v.vm, mem, &idx, Dir::Out, v.shm.as_ref(), timeout)
                     .map(|r| r.bytes)
                     .unwrap_or(0)
                     == 0
                 {
                     return;
                 }
+            } else {
+                drop(s);
             }
-            let Some(((mem, idx), _)) = s.hottest_swapped(batch, &none) else {
+            let Some(((mem, idx), _)) = v.vm.lock_session().hottest_swapped(batch, &none) else {
                 return;
             };
-            if s.move_chunks(mem, &idx, Dir::In, v.shm.as_ref(), timeout)
+            if move_chunks_unlocked(&v.vm, mem, &idx, Dir::In, v.shm.as_ref(), timeout)
                 .map(|r| r.bytes)
                 .unwrap_or(0)
                 == 0
@@ -643,14 +650,20 @@ impl VgpuBackend {
             .clone()
             .ok_or_else(|| VramError::NotConnected(name.to_string()))?;
         let timeout = Duration::from_millis(u64::from(self.vram.config().drain_timeout_ms));
-        let mut s = vm.lock_session();
         let mut total = MoveReport::default();
         let none = BTreeSet::new();
         while total.bytes < bytes {
-            let Some(((mem, idx), _)) = s.coldest_resident(bytes - total.bytes, &none) else {
+            let Some(((mem, idx), _)) = vm
+                .lock_session()
+                .coldest_resident(bytes - total.bytes, &none)
+            else {
                 break;
             };
-            let r = s.move_chunks(mem, &idx, Dir::Out, shm.as_ref(), timeout)?;
+            let r = match move_chunks_unlocked(&vm, mem, &idx, Dir::Out, shm.as_ref(), timeout) {
+                // Freed while its channels drained: nothing of it is resident any more.
+                Err(MoveError::Gone) => continue,
+                r => r?,
+            };
             if r.bytes == 0 {
                 break;
             }

@@ -15,7 +15,9 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use thiserror::Error;
-use vgpu_backend::{Policy, SchedConfig, SchedError, VgpuBackend};
+use vgpu_backend::{Policy, SchedConfig, SchedError, VgpuBackend, VramConfig};
+use vgpu_guest::Device;
+use vgpu_protocol::SemaphoreMode;
 
 use crate::report::{Better, Figure};
 use crate::sched_rig::{RigError, SchedRig, Tenant, TenantSpec};
@@ -153,6 +155,8 @@ pub fn run(opts: &SchedOpts) -> Result<Vec<Figure>> {
     two_levels(opts, &mut figs, &mut plots)?;
     overhead(opts, &mut figs)?;
     other_policies(opts, &mut figs)?;
+    churn_and_many_channels(opts, &mut figs)?;
+    tick_while_eviction_waits(opts, &mut figs)?;
     if let Some(dir) = &opts.plots {
         std::fs::create_dir_all(dir)?;
         for (file, plot) in plots {
@@ -733,5 +737,107 @@ fn other_policies(opts: &SchedOpts, figs: &mut Vec<Figure>) -> Result<()> {
         "count",
         Better::Higher,
     ));
+    Ok(())
+}
+
+/// Hostile shapes against a steady VM (issue 19), weights 1:1 under `fair` with default
+/// settings: VM `a` churns (two processes, each a new context and channel per 8 ms
+/// kernel, destroyed after it), or spreads one process over 16 saturating channels; VM `b`
+/// runs one saturating 1 ms channel. Both demand the whole GPU, so each is entitled to
+/// half; the figure is `a`'s deviation from it.
+fn churn_and_many_channels(opts: &SchedOpts, figs: &mut Vec<Figure>) -> Result<()> {
+    let cases: [(&str, Vec<TenantSpec>); 2] = [
+        (
+            "churn",
+            vec![TenantSpec::churn(1, 8 * MS), TenantSpec::churn(2, 8 * MS)],
+        ),
+        ("channels16", vec![TenantSpec::channels(1, MS, 16)]),
+    ];
+    for (name, specs) in cases {
+        let rig = SchedRig::new(name, &["a", "b"], false)?;
+        start(&rig.backend, Policy::Fair)?;
+        let mut tenants = Vec::new();
+        for spec in specs {
+            tenants.push(Tenant::spawn(rig.vm("a")?, spec)?);
+        }
+        tenants.push(Tenant::spawn(rig.vm("b")?, TenantSpec::throttle(9, MS))?);
+        std::thread::sleep(opts.warmup);
+        let before = (rig.vm_busy("a"), rig.vm_busy("b"));
+        std::thread::sleep(opts.window * 2);
+        let a = rig.vm_busy("a").saturating_sub(before.0);
+        let b = rig.vm_busy("b").saturating_sub(before.1);
+        stop_all(tenants)?;
+        let s = share(a, a + b) * 100.0;
+        figs.push(fig(
+            &format!("{name}_vs_steady_a_share"),
+            s,
+            "%",
+            Better::Higher,
+        ));
+        figs.push(dev(&format!("{name}_vs_steady_dev"), s - 50.0, "pp", 3.0));
+    }
+    Ok(())
+}
+
+/// The scheduler while an eviction waits for a channel that never drains (issue 19): VM
+/// `a` has a buffer and a channel blocked on a semaphore nobody releases; the operator
+/// evicts the buffer with a 2 s drain timeout while VM `b` runs a throttle. Intervals run
+/// per second of the wait, and the longest tick in intervals (target: under 2).
+fn tick_while_eviction_waits(opts: &SchedOpts, figs: &mut Vec<Figure>) -> Result<()> {
+    let rig = SchedRig::new("evict-wait", &["a", "b"], false)?;
+    let be = rig.backend.clone();
+    be.set_vram_config(VramConfig {
+        enabled: false,
+        drain_timeout_ms: 2_000,
+        ..VramConfig::default()
+    })
+    .map_err(|e| SchedSuiteError::Other(e.to_string()))?;
+    let guest = |e: vgpu_guest::Error| SchedSuiteError::Other(format!("guest: {e}"));
+    let dev = Device::loopback(rig.vm("a")?, 1).map_err(guest)?;
+    let ctx = dev.create_context().map_err(guest)?;
+    let buf = ctx.alloc_vram(4 << 20).map_err(guest)?;
+    let sem = ctx.alloc_vram(4096).map_err(guest)?;
+    let mut ch = ctx.create_channel().map_err(guest)?;
+    ch.sem_acquire(sem.gpu_va(), 1, SemaphoreMode::Equal)
+        .map_err(guest)?;
+    ch.submit().map_err(guest)?;
+    let tb = Tenant::spawn(rig.vm("b")?, TenantSpec::throttle(2, MS))?;
+    start(&be, Policy::Fair)?;
+    std::thread::sleep(opts.warmup);
+    let interval_ns = u64::from(SchedConfig::default().interval_ms) * MS;
+    let be2 = be.clone();
+    let ev = std::thread::spawn(move || be2.vram_evict("a", 4 << 20));
+    std::thread::sleep(Duration::from_millis(100));
+    let i0 = be.sched_stats().intervals;
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_millis(1500));
+    let st = be.sched_stats();
+    let secs = t0.elapsed().as_secs_f64();
+    let evicted = ev
+        .join()
+        .map_err(|_| SchedSuiteError::Other("eviction thread panicked".into()))?;
+    tb.stop()?;
+    if let Ok(r) = evicted {
+        return Err(SchedSuiteError::Other(format!(
+            "the eviction moved {} bytes past a busy channel",
+            r.bytes
+        )));
+    }
+    drop((ch, buf, sem));
+    figs.push(fig(
+        "evict_wait_intervals_per_s",
+        (st.intervals - i0) as f64 / secs,
+        "1/s",
+        Better::Higher,
+    ));
+    figs.push(
+        fig(
+            "evict_wait_tick_max",
+            st.tick_ns_max as f64 / interval_ns as f64,
+            "intervals",
+            Better::Lower,
+        )
+        .target(2.0),
+    );
     Ok(())
 }

@@ -46,8 +46,10 @@
 //! older copy from the shadow until the refresh. Closing it needs the GPU to hold a
 //! channel's completion writes during the switch (a HAL pause), which the HAL lacks.
 
+pub mod holds;
+
 use std::collections::btree_map::Entry;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
@@ -63,6 +65,18 @@ use vgpu_protocol::{ControlPage, PAGE_SIZE};
 use crate::error::ShmError;
 use crate::session::Session;
 use crate::shmem::ShmMapper;
+pub use holds::{Holder, Holders, OwnerHolds};
+
+/// A channel's control page and where the VM's BAR shows it: what every switch needs.
+#[derive(Debug, Clone, Copy)]
+pub struct ShadowTarget {
+    /// Guest channel id.
+    pub ch: u32,
+    /// The real control page.
+    pub page: FdRange,
+    /// The channel's slot in the BAR.
+    pub slot_off: u64,
+}
 
 /// Errors of shadow-channel operations.
 #[derive(Debug, Error)]
@@ -359,12 +373,8 @@ pub struct Shadows {
     /// The backend's mappings of real control pages, kept while the channel lives.
     real: BTreeMap<u32, PageMap>,
     stats: ShadowStats,
-    /// Channels the VRAM manager holds shadowed ([`Shadows::hold_for_vram`]): they stay
-    /// shadowed, and get no capped release, until it lets go, whatever others ask.
-    vram_held: BTreeSet<u32>,
-    /// Channels shadowed through [`Shadows::shadow`] (the scheduler, the operator) and not
-    /// unshadowed since: the VRAM manager's release leaves them shadowed.
-    others_held: BTreeSet<u32>,
+    /// Who holds each channel shadowed ([`holds`]); absent: nobody.
+    holds: BTreeMap<u32, Holders>,
 }
 
 fn elapsed_ns(t0: Instant) -> u64 {
@@ -418,79 +428,93 @@ impl Shadows {
             .ok_or_else(|| io::Error::other("shadow page missing"))
     }
 
-    /// Shadows channel `ch` whose real control page is `real_page`, mapped at BAR offset
-    /// `slot_off`.
-    pub fn shadow(
+    /// Who holds channel `ch` shadowed.
+    pub fn holders(&self, ch: u32) -> Holders {
+        self.holds.get(&ch).copied().unwrap_or_default()
+    }
+
+    fn set_holders(&mut self, ch: u32, h: Holders) {
+        if h.is_empty() {
+            self.holds.remove(&ch);
+        } else {
+            self.holds.insert(ch, h);
+        }
+    }
+
+    /// The one way channels are shadowed and unshadowed: `who` takes (`on`) or drops its
+    /// hold of `t.ch`. The channel is shadowed while anyone holds it and unshadowed when
+    /// the last holder lets go. A failed shadow records no hold. A failed unshadow leaves
+    /// the channel shadowed with the holds that remain ([`Shadows::orphans`] lists it
+    /// when none do, for a retry).
+    pub fn set_hold(
         &mut self,
-        ch: u32,
-        real_page: FdRange,
-        slot_off: u64,
+        t: ShadowTarget,
+        who: Holder,
+        on: bool,
         shm: &dyn ShmMapper,
     ) -> Result<ShadowSwitch, ShadowError> {
-        let r = self.switch_on(ch, real_page, slot_off, shm);
-        if r.is_ok() {
-            self.others_held.insert(ch);
+        let before = self.holders(t.ch);
+        if on {
+            let r = self.switch_on(t, shm);
+            if r.is_ok() {
+                self.set_holders(t.ch, before.with(who));
+            }
+            return r;
         }
-        r
+        let after = before.without(who);
+        self.set_holders(t.ch, after);
+        if !after.is_empty() {
+            return Ok(ShadowSwitch::default());
+        }
+        self.switch_off(t, shm)
+    }
+
+    /// Shadowed channels that nobody holds any more (an unshadow failed): to unshadow.
+    pub fn orphans(&self) -> Vec<u32> {
+        self.shadowed
+            .keys()
+            .filter(|ch| self.holders(**ch).is_empty())
+            .copied()
+            .collect()
+    }
+
+    /// Unshadows `t.ch` if nobody holds it (the retry of a failed unshadow).
+    pub fn unshadow_orphan(
+        &mut self,
+        t: ShadowTarget,
+        shm: &dyn ShmMapper,
+    ) -> Result<ShadowSwitch, ShadowError> {
+        if !self.holders(t.ch).is_empty() {
+            return Ok(ShadowSwitch::default());
+        }
+        self.switch_off(t, shm)
     }
 
     fn switch_on(
         &mut self,
-        ch: u32,
-        real_page: FdRange,
-        slot_off: u64,
+        t: ShadowTarget,
         shm: &dyn ShmMapper,
     ) -> Result<ShadowSwitch, ShadowError> {
-        if self.shadowed.contains_key(&ch) {
+        if self.shadowed.contains_key(&t.ch) {
             return Ok(ShadowSwitch::default());
         }
-        let r = self.shadow_inner(ch, real_page, slot_off, shm);
+        let r = self.shadow_inner(t, shm);
         if r.is_err() {
             self.stats.failures += 1;
         }
         r
     }
 
-    /// Shadows channel `ch` for the VRAM manager (a second pause reason beside the
-    /// scheduler's): until [`Shadows::release_for_vram`] the channel stays shadowed and
-    /// capped releases let nothing through, whatever [`Shadows::unshadow`] is asked.
-    pub fn hold_for_vram(
-        &mut self,
-        ch: u32,
-        real_page: FdRange,
-        slot_off: u64,
-        shm: &dyn ShmMapper,
-    ) -> Result<ShadowSwitch, ShadowError> {
-        let r = self.switch_on(ch, real_page, slot_off, shm);
-        if r.is_ok() {
-            self.vram_held.insert(ch);
-        }
-        r
-    }
-
-    /// Ends the VRAM manager's hold of `ch`: unshadows it unless someone else still holds
-    /// it shadowed.
-    pub fn release_for_vram(
-        &mut self,
-        ch: u32,
-        real_page: FdRange,
-        slot_off: u64,
-        shm: &dyn ShmMapper,
-    ) -> Result<ShadowSwitch, ShadowError> {
-        self.vram_held.remove(&ch);
-        if self.others_held.contains(&ch) {
-            return Ok(ShadowSwitch::default());
-        }
-        self.switch_off(ch, real_page, slot_off, shm)
-    }
-
     fn shadow_inner(
         &mut self,
-        ch: u32,
-        real_page: FdRange,
-        slot_off: u64,
+        t: ShadowTarget,
         shm: &dyn ShmMapper,
     ) -> Result<ShadowSwitch, ShadowError> {
+        let ShadowTarget {
+            ch,
+            page: real_page,
+            slot_off,
+        } = t;
         self.real_map(ch, real_page)?;
         let idx = self.pool.take()?;
         let fd = self.pool.fd().ok_or(ShadowError::NotConnected)?;
@@ -544,29 +568,16 @@ impl Shadows {
         Ok(ShadowSwitch { changed: true, ns })
     }
 
-    /// Maps the real control page back and releases everything the guest submitted
-    /// (not while the VRAM manager holds the channel: then only the request is recorded).
-    pub fn unshadow(
-        &mut self,
-        ch: u32,
-        real_page: FdRange,
-        slot_off: u64,
-        shm: &dyn ShmMapper,
-    ) -> Result<ShadowSwitch, ShadowError> {
-        self.others_held.remove(&ch);
-        if self.vram_held.contains(&ch) {
-            return Ok(ShadowSwitch::default());
-        }
-        self.switch_off(ch, real_page, slot_off, shm)
-    }
-
     fn switch_off(
         &mut self,
-        ch: u32,
-        real_page: FdRange,
-        slot_off: u64,
+        t: ShadowTarget,
         shm: &dyn ShmMapper,
     ) -> Result<ShadowSwitch, ShadowError> {
+        let ShadowTarget {
+            ch,
+            page: real_page,
+            slot_off,
+        } = t;
         let Some(s) = self.shadowed.get(&ch) else {
             return Ok(ShadowSwitch::default());
         };
@@ -603,11 +614,11 @@ impl Shadows {
 
     /// Lets at most `n` more entries of shadowed channel `ch` run: raises the real GP_PUT
     /// to the earlier of the shadow's GP_PUT and GP_GET + `n`. Returns how many entries
-    /// were newly released.
+    /// were newly released. Only the scheduler's holds are released so: a channel also
+    /// held by the operator or the VRAM manager lets nothing through.
     pub fn release_capped(&mut self, ch: u32, n: u32) -> Result<u32, ShadowError> {
         let s = self.shadowed.get(&ch).ok_or(ShadowError::NotShadowed(ch))?;
-        if self.vram_held.contains(&ch) {
-            // Paused for a VRAM move: nothing may run until it is done.
+        if !self.holders(ch).only(Holder::Scheduler) {
             return Ok(0);
         }
         let shadow = self.shadow_page(s)?;
@@ -685,8 +696,7 @@ impl Shadows {
             self.pool.give(s.page);
         }
         self.real.remove(&ch);
-        self.vram_held.remove(&ch);
-        self.others_held.remove(&ch);
+        self.holds.remove(&ch);
     }
 
     /// Forgets every channel (session teardown, after the BAR views are gone).
@@ -697,14 +707,13 @@ impl Shadows {
         }
         self.shadowed.clear();
         self.real.clear();
-        self.vram_held.clear();
-        self.others_held.clear();
+        self.holds.clear();
     }
 }
 
 impl Session {
     /// Where channel `ch`'s control page is and where the BAR shows it.
-    fn shadow_target(&self, ch: u32) -> Result<(FdRange, u64), ShadowError> {
+    fn shadow_target(&self, ch: u32) -> Result<ShadowTarget, ShadowError> {
         let c = self
             .state
             .channels
@@ -723,38 +732,40 @@ impl Session {
         if page.len < PAGE_SIZE {
             return Err(io::Error::other("control page shorter than a page").into());
         }
-        Ok((page, slot_off))
+        Ok(ShadowTarget { ch, page, slot_off })
     }
 
-    /// Shadows (`on`) or unshadows channel `ch`, remapping its slot through `shm`.
-    pub fn shadow_channel(
+    /// `who` takes (`on`) or drops its hold of channel `ch` (see [`Shadows::set_hold`]).
+    pub fn hold_channel(
         &mut self,
         ch: u32,
+        who: Holder,
         on: bool,
         shm: &dyn ShmMapper,
     ) -> Result<ShadowSwitch, ShadowError> {
-        let (page, slot_off) = self.shadow_target(ch)?;
-        if on {
-            self.shadows.shadow(ch, page, slot_off, shm)
-        } else {
-            self.shadows.unshadow(ch, page, slot_off, shm)
-        }
+        let t = self.shadow_target(ch)?;
+        self.shadows.set_hold(t, who, on, shm)
     }
 
-    /// Holds (`on`) or releases channel `ch` shadowed for the VRAM manager (see
-    /// [`Shadows::hold_for_vram`]).
-    pub(crate) fn vram_hold(
-        &mut self,
-        ch: u32,
-        on: bool,
-        shm: &dyn ShmMapper,
-    ) -> Result<ShadowSwitch, ShadowError> {
-        let (page, slot_off) = self.shadow_target(ch)?;
-        if on {
-            self.shadows.hold_for_vram(ch, page, slot_off, shm)
-        } else {
-            self.shadows.release_for_vram(ch, page, slot_off, shm)
+    /// Who holds channel `ch` shadowed.
+    pub fn channel_holders(&self, ch: u32) -> Holders {
+        self.shadows.holders(ch)
+    }
+
+    /// Unshadows the shadowed channels nobody holds (failed unshadows); returns how many
+    /// are still shadowed.
+    pub fn retry_orphans(&mut self, shm: &dyn ShmMapper) -> usize {
+        let mut left = 0;
+        for ch in self.shadows.orphans() {
+            let done = self
+                .shadow_target(ch)
+                .and_then(|t| self.shadows.unshadow_orphan(t, shm));
+            if let Err(e) = done {
+                debug!("channel {ch}: unshadow retry: {e}");
+                left += 1;
+            }
         }
+        left
     }
 
     /// See [`Shadows::release_capped`].
@@ -770,8 +781,6 @@ impl Session {
     /// the VM as idle rather than starving everyone else for it); see [`crate::control`].
     pub fn peek_channel(&mut self, ch: u32) -> Result<ChannelPeek, ShadowError> {
         if self.hold.paused {
-            // The scheduler forgets a channel it cannot peek; so does the hold.
-            self.hold.held_by_others.remove(&ch);
             return Err(ShadowError::Paused(ch));
         }
         self.peek_channel_any(ch)
@@ -779,24 +788,8 @@ impl Session {
 
     /// [`Session::peek_channel`], paused or not.
     pub fn peek_channel_any(&mut self, ch: u32) -> Result<ChannelPeek, ShadowError> {
-        let c = self
-            .state
-            .channels
-            .get(&ch)
-            .ok_or(ShadowError::NoChannel(ch))?;
-        if !c.slot_mapped {
-            return Err(ShadowError::SlotNotMapped(ch));
-        }
-        let hch = *self
-            .hal
-            .channels
-            .get(&ch)
-            .ok_or(ShadowError::NoChannel(ch))?;
-        let page = self.gpu.control_page(hch)?;
-        if page.len < PAGE_SIZE {
-            return Err(io::Error::other("control page shorter than a page").into());
-        }
-        Ok(self.shadows.peek(ch, page)?)
+        let t = self.shadow_target(ch)?;
+        Ok(self.shadows.peek(ch, t.page)?)
     }
 
     /// See [`Shadows::mirror`].
@@ -950,13 +943,22 @@ mod tests {
     #[test]
     fn shadow_capped_release_and_unshadow_keep_every_submission() {
         let f = Fixture::new();
-        let (page, gpu_view, shm) = (f.page, &f.gpu_view, &f.shm);
+        let (gpu_view, shm) = (&f.gpu_view, &f.shm);
+        let t = ShadowTarget {
+            ch: 1,
+            page: f.page,
+            slot_off: 0,
+        };
         gpu_view.store(ControlPage::GP_GET, 3);
         gpu_view.store(ControlPage::GP_PUT, 5);
         let guest = f.guest_word(0);
 
         let mut sh = Shadows::new();
-        assert!(sh.shadow(1, page, 0, shm).unwrap().changed);
+        assert!(
+            sh.set_hold(t, Holder::Scheduler, true, shm)
+                .unwrap()
+                .changed
+        );
         assert_eq!(guest.load(Ordering::Acquire), 5, "guest sees its GP_PUT");
         guest.store(9, Ordering::Release);
         assert_eq!(gpu_view.load(ControlPage::GP_PUT), 5, "held back");
@@ -971,7 +973,11 @@ mod tests {
         sh.mirror();
         let guest_get = f.guest_word(1);
         assert_eq!(guest_get.load(Ordering::Acquire), 5);
-        assert!(sh.unshadow(1, page, 0, shm).unwrap().changed);
+        assert!(
+            sh.set_hold(t, Holder::Scheduler, false, shm)
+                .unwrap()
+                .changed
+        );
         assert_eq!(gpu_view.load(ControlPage::GP_PUT), 9, "everything released");
         assert_eq!(guest.load(Ordering::Acquire), 9);
         assert_eq!(sh.stats().raised_on_unshadow, 1);
@@ -981,14 +987,27 @@ mod tests {
     #[test]
     fn vram_hold_outlasts_other_unshadows_and_blocks_capped_release() {
         let f = Fixture::new();
-        let (page, gpu_view, shm) = (f.page, &f.gpu_view, &f.shm);
+        let (gpu_view, shm) = (&f.gpu_view, &f.shm);
+        let t = ShadowTarget {
+            ch: 1,
+            page: f.page,
+            slot_off: 0,
+        };
         let guest = f.guest_word(0);
 
         let mut sh = Shadows::new();
         // The scheduler shadows, the VRAM manager holds, the scheduler lets go: still held.
-        assert!(sh.shadow(1, page, 0, shm).unwrap().changed);
-        assert!(!sh.hold_for_vram(1, page, 0, shm).unwrap().changed);
-        assert!(!sh.unshadow(1, page, 0, shm).unwrap().changed);
+        assert!(
+            sh.set_hold(t, Holder::Scheduler, true, shm)
+                .unwrap()
+                .changed
+        );
+        assert!(!sh.set_hold(t, Holder::Vram, true, shm).unwrap().changed);
+        assert!(
+            !sh.set_hold(t, Holder::Scheduler, false, shm)
+                .unwrap()
+                .changed
+        );
         assert!(sh.is_shadowed(1));
         guest.store(4, Ordering::Release);
         assert_eq!(
@@ -998,15 +1017,48 @@ mod tests {
         );
         assert_eq!(gpu_view.load(ControlPage::GP_PUT), 0);
         // The manager lets go: nobody else holds it, so it is unshadowed and released.
-        assert!(sh.release_for_vram(1, page, 0, shm).unwrap().changed);
+        assert!(sh.set_hold(t, Holder::Vram, false, shm).unwrap().changed);
         assert!(!sh.is_shadowed(1));
         assert_eq!(gpu_view.load(ControlPage::GP_PUT), 4);
         // Held by the manager first, then by the scheduler: the manager's release keeps it.
-        sh.hold_for_vram(1, page, 0, shm).unwrap();
-        sh.shadow(1, page, 0, shm).unwrap();
-        assert!(!sh.release_for_vram(1, page, 0, shm).unwrap().changed);
+        sh.set_hold(t, Holder::Vram, true, shm).unwrap();
+        sh.set_hold(t, Holder::Scheduler, true, shm).unwrap();
+        assert!(!sh.set_hold(t, Holder::Vram, false, shm).unwrap().changed);
         assert!(sh.is_shadowed(1));
-        assert!(sh.unshadow(1, page, 0, shm).unwrap().changed);
+        assert!(
+            sh.set_hold(t, Holder::Scheduler, false, shm)
+                .unwrap()
+                .changed
+        );
         assert!(!sh.is_shadowed(1));
+    }
+
+    #[test]
+    fn the_last_holder_unshadows_and_only_the_scheduler_releases_capped() {
+        let f = Fixture::new();
+        let (gpu_view, shm) = (&f.gpu_view, &f.shm);
+        let t = ShadowTarget {
+            ch: 1,
+            page: f.page,
+            slot_off: 0,
+        };
+        let guest = f.guest_word(0);
+        let mut sh = Shadows::new();
+        sh.set_hold(t, Holder::Operator, true, shm).unwrap();
+        sh.set_hold(t, Holder::Scheduler, true, shm).unwrap();
+        guest.store(3, Ordering::Release);
+        assert_eq!(sh.release_capped(1, 8).unwrap(), 0, "paused: nothing runs");
+        sh.set_hold(t, Holder::Operator, false, shm).unwrap();
+        assert!(sh.holders(1).only(Holder::Scheduler));
+        assert_eq!(sh.release_capped(1, 2).unwrap(), 2);
+        assert_eq!(gpu_view.load(ControlPage::GP_PUT), 2);
+        assert!(sh.orphans().is_empty());
+        assert!(
+            sh.set_hold(t, Holder::Scheduler, false, shm)
+                .unwrap()
+                .changed
+        );
+        assert_eq!(gpu_view.load(ControlPage::GP_PUT), 3);
+        assert!(sh.holders(1).is_empty() && !sh.is_shadowed(1));
     }
 }
