@@ -472,8 +472,8 @@ fn join_worker(name: &str, daemon: VhostUserDaemon<Arc<VhuVgpu>>) {
     }
 }
 
-fn vhost_err(e: impl std::fmt::Display) -> BackendError {
-    BackendError::VhostUser(e.to_string())
+fn vhost_err(e: vhost_user_backend::Error) -> BackendError {
+    BackendError::VhostUser(e)
 }
 
 /// Serves one frontend connection, then tears the VM's session down.
