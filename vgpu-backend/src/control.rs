@@ -10,7 +10,7 @@
 //! the VM as idle — otherwise its held-back work would make it look underserved and the
 //! scheduler would shadow every other VM in its favour. Channels the guest creates while
 //! paused are born held, before the reply reaches it (channel creation in
-//! [`crate::requests`]). A pause outlives frontend reconnects. **Resume** drops the
+//! [`crate::vm::requests`]). A pause outlives frontend reconnects. **Resume** drops the
 //! operator's holds: channels that the scheduler or a VRAM move still hold stay shadowed.
 //! **Drain** is pause plus waiting until the GPU completed everything already released to
 //! it (each channel's real `GP_GET` reached its real `GP_PUT`, or the channel stopped on an
@@ -30,8 +30,8 @@ use log::{info, warn};
 use thiserror::Error;
 use vgpu_protocol::ErrorCode;
 
-use crate::session::Session;
 use crate::shadow::{Holder, ShadowError};
+use crate::vm::session::Session;
 use crate::{VgpuBackend, VmState};
 
 /// Smallest VRAM quota: one 4 KiB page.

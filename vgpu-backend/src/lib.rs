@@ -53,19 +53,18 @@ pub mod control;
 pub mod error;
 pub mod events;
 pub mod guest_mem;
-pub mod requests;
 pub mod sched;
-pub mod session;
 pub mod shadow;
 pub mod shmem;
 pub mod vhu_vgpu;
+pub mod vm;
 pub mod vram;
 
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -73,7 +72,7 @@ use std::time::{Duration, Instant};
 
 use log::{error, info, warn};
 use vhost::vhost_user::{Error as VhostUserError, Listener};
-use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
+use vhost_user_backend::VhostUserDaemon;
 use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::epoll::EventSet;
 
@@ -84,61 +83,17 @@ pub use guest_mem::{GuestMemory, GuestSysMemory};
 pub use sched::cli::SchedArgs;
 pub use sched::shares::{GpuShares, IntervalRecord, ProcShare, VmShare};
 pub use sched::{Policy, SchedConfig, SchedError, SchedStats};
-pub use session::{Session, SessionShared, SessionState, VmLimits, VmStats};
 pub use shadow::{ChannelPeek, Holder, Holders, ShadowError, ShadowStats, ShadowSwitch};
 pub use shmem::{NullShm, ShmMapper, VhostShm};
 pub use vgpu_host_shim::Gpu;
+pub use vm::session::{Session, SessionShared, SessionState, VmLimits, VmStats};
 pub use vram::{
     MoveReport, ProcVramStats, VmVramStats, VramConfig, VramError, VramOverview, VramReport,
 };
 
 use crate::shmem::NullShm as Gone;
 use crate::vhu_vgpu::{VhuVgpu, EVENT_FD_TOKEN};
-
-/// One served VM.
-pub(crate) struct VmState {
-    pub(crate) name: String,
-    socket: PathBuf,
-    limits: VmLimits,
-    gpu_vram: u64,
-    pub(crate) shared: Arc<SessionShared>,
-    session: Mutex<Session>,
-    connected: AtomicBool,
-    conn: Mutex<Option<ShutdownHandle>>,
-    /// The connected frontend's BAR mapper (for shadow remaps requested by the operator).
-    shm: Mutex<Option<Arc<VhostShm>>>,
-    /// Operator weight for the scheduler ([`sched::MIN_WEIGHT`]..=[`sched::MAX_WEIGHT`]).
-    pub(crate) weight: AtomicU32,
-    /// Operator pause and VRAM quota ([`control`]).
-    pub(crate) control: control::VmControl,
-}
-
-impl VmState {
-    pub(crate) fn lock_session(&self) -> MutexGuard<'_, Session> {
-        self.session.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The session if nobody holds its lock now.
-    pub(crate) fn try_lock_session(&self) -> Option<MutexGuard<'_, Session>> {
-        match self.session.try_lock() {
-            Ok(g) => Some(g),
-            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        }
-    }
-
-    /// Ends the frontend connection (the VM's socket then listens again).
-    pub(crate) fn end_connection(&self) {
-        if let Some(h) = self.conn.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
-            h.shutdown();
-        }
-    }
-
-    /// VRAM the config space advertises: the VM's limit, at most the GPU's size.
-    pub(crate) fn config_vram_bytes(&self) -> u64 {
-        self.control.vram_quota().min(self.gpu_vram)
-    }
-}
+pub(crate) use crate::vm::VmState;
 
 /// The backend: a GPU shared by the VMs it serves.
 pub struct VgpuBackend {
@@ -538,6 +493,3 @@ fn serve_connection(
         Err(e) => Err(vhost_err(e)),
     }
 }
-
-#[cfg(test)]
-mod session_tests;

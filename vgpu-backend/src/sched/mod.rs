@@ -43,8 +43,8 @@ use vgpu_host_shim::clock::now_ns;
 use vgpu_host_shim::{ChannelCounters, ChannelId};
 use vgpu_protocol::ErrorCode;
 
-use crate::session::{RetiredChannel, Session};
 use crate::shadow::{ChannelPeek, Holder, Holders, ShadowError};
+use crate::vm::session::{RetiredChannel, Session};
 use crate::{VgpuBackend, VmState};
 use account::{Accounting, Estimator};
 use fair::{ChannelSample, Decision, FairState, ProcSample, VmSample};

@@ -7,11 +7,11 @@ use log::warn;
 use vgpu_host_shim::{ContextId, HalError, MapFlags, PageSize};
 use vgpu_protocol::ErrorCode;
 
-use super::backing::{Loc, ObjBacking, RunTarget};
-use super::store::SwapStore;
 use crate::error::ShmError;
-use crate::session::Session;
 use crate::shmem::ShmMapper;
+use crate::vm::session::Session;
+use crate::vram::backing::{Loc, ObjBacking, RunTarget};
+use crate::vram::store::SwapStore;
 
 impl Session {
     /// The VM's swap store, created on first use with room for its VRAM + swap limit.
@@ -25,7 +25,7 @@ impl Session {
             .saturating_add(self.limits.swap_bytes)
             // Room for fragmentation (virtual only: pages are committed when written).
             .saturating_mul(2)
-            .min(super::MAX_SWAP_STORE);
+            .min(crate::vram::MAX_SWAP_STORE);
         let store = Arc::new(SwapStore::new(cap).map_err(|e| {
             warn!("swap store: {e}");
             ErrorCode::Internal
@@ -171,8 +171,8 @@ mod tests {
 
     use super::*;
     use crate::guest_mem::GuestMemory;
-    use crate::session::VmLimits;
     use crate::shmem::NullShm;
+    use crate::vm::session::VmLimits;
 
     const MIB: u64 = 1 << 20;
 

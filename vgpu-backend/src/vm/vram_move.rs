@@ -33,12 +33,12 @@ use std::time::{Duration, Instant};
 
 use log::{debug, error, warn};
 
-use super::backing::{Loc, ObjBacking, RunTarget};
-use super::stats::MoveReport;
-use super::MoveError;
-use crate::session::{MappingTarget, Session};
 use crate::shadow::Holder;
 use crate::shmem::ShmMapper;
+use crate::vm::session::{MappingTarget, Session};
+use crate::vram::backing::{Loc, ObjBacking, RunTarget};
+use crate::vram::stats::MoveReport;
+use crate::vram::MoveError;
 use crate::VmState;
 
 /// Direction of a move.
@@ -550,7 +550,7 @@ mod tests {
     use super::*;
     use crate::error::ShmError;
     use crate::guest_mem::GuestMemory;
-    use crate::session::VmLimits;
+    use crate::vm::session::VmLimits;
 
     const MIB: u64 = 1 << 20;
 

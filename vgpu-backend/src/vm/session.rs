@@ -333,7 +333,7 @@ impl BusyBook {
 }
 
 /// One VM's GPU objects and the logic that manages them (request handling lives in
-/// [`crate::requests`]).
+/// [`crate::vm::requests`]).
 pub struct Session {
     pub(crate) gpu: Arc<dyn Gpu>,
     pub(crate) limits: VmLimits,

@@ -18,8 +18,8 @@ use vm_memory::GuestAddress;
 
 use crate::error::ShmError;
 use crate::guest_mem::GuestMemory;
-use crate::session::{MappingTarget, Session, VmLimits};
 use crate::shmem::ShmMapper;
+use crate::vm::session::{MappingTarget, Session, VmLimits};
 
 const MIB: u64 = 1 << 20;
 /// Guest RAM: 2 MiB at 0, 4 MiB at 256 MiB (2 MiB aligned), 64 KiB at 1 GiB.
