@@ -137,6 +137,14 @@ impl VgpuBackend {
         self.vms.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The served VMs as the scheduler sees them.
+    pub(crate) fn sched_vms(&self) -> Vec<Arc<dyn sched::handle::SchedVm>> {
+        self.lock_vms()
+            .values()
+            .map(|vm| vm.clone() as Arc<dyn sched::handle::SchedVm>)
+            .collect()
+    }
+
     fn vm(&self, name: &str) -> Option<Arc<VmState>> {
         self.lock_vms().get(name).cloned()
     }

@@ -24,6 +24,7 @@ pub mod account;
 pub mod api;
 pub mod cli;
 pub mod fair;
+pub mod handle;
 pub mod sampling;
 pub mod shares;
 pub mod timeslice;
@@ -32,7 +33,7 @@ pub mod watchdog;
 use std::collections::{BTreeMap, BTreeSet};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -43,11 +44,11 @@ use vgpu_host_shim::clock::now_ns;
 use vgpu_host_shim::{ChannelCounters, ChannelId};
 use vgpu_protocol::ErrorCode;
 
-use crate::shadow::{ChannelPeek, Holder, Holders, ShadowError};
-use crate::vm::session::{RetiredChannel, Session};
-use crate::{VgpuBackend, VmState};
+use crate::shadow::{ChannelPeek, Holder, Holders};
+use crate::VgpuBackend;
 use account::{Accounting, Estimator};
 use fair::{ChannelSample, Decision, FairState, ProcSample, VmSample};
+use handle::{HoldChange, RetiredChannel, SchedVm, VmHolds};
 use sampling::{SampleObs, Sampler};
 use shares::{ChannelBusy, History, IntervalRecord, ProcBusy, VmBusy};
 use timeslice::Timeslice;
@@ -435,27 +436,13 @@ struct Obs {
 struct VmObs {
     name: String,
     weight: u32,
-    vm: Arc<VmState>,
+    vm: Arc<dyn SchedVm>,
     /// Whether its session was locked for the observation (else it is left as it was).
     locked: bool,
     /// Its channels destroyed since the previous tick.
     retired: Vec<RetiredChannel>,
     /// Their GPU time in the interval, per guest PID (filled by `account`).
     retired_busy: BTreeMap<u32, u64>,
-}
-
-/// Locks `vm`'s session, waiting at most `wait`.
-fn lock_session_within(vm: &VmState, wait: Duration) -> Option<MutexGuard<'_, Session>> {
-    let deadline = Instant::now() + wait;
-    loop {
-        if let Some(g) = vm.try_lock_session() {
-            return Some(g);
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        std::thread::sleep(Duration::from_micros(50));
-    }
 }
 
 /// Owner holds of a decision: per VM, whether the whole VM is held and which of its
@@ -503,46 +490,41 @@ impl Sched {
     /// locked past [`SESSION_LOCK_WAIT`] is left as it was.
     fn observe(&mut self, be: &VgpuBackend) -> (Vec<VmObs>, Vec<Obs>) {
         let gpu = be.gpu().clone();
-        let vms: Vec<_> = be.lock_vms().values().cloned().collect();
+        let vms = be.sched_vms();
         let (mut vm_obs, mut obs) = (Vec::with_capacity(vms.len()), Vec::new());
         let mut skips = 0;
-        for vm in &vms {
-            if !vm.connected.load(Ordering::Acquire) {
+        for vm in vms {
+            if !vm.connected() {
                 continue;
             }
-            let counters = vm.shared.channel_counters(gpu.as_ref());
-            let retired = vm.shared.take_retired();
+            let view = vm.observe(gpu.as_ref(), SESSION_LOCK_WAIT);
+            skips += u64::from(!view.locked);
             let idx = vm_obs.len();
-            let mut session = lock_session_within(vm, SESSION_LOCK_WAIT);
-            skips += u64::from(session.is_none());
-            for (ch, pid, hal, c) in counters {
-                let (peek, holders) = match session.as_mut() {
-                    Some(s) => (s.peek_channel(ch).ok(), s.channel_holders(ch)),
-                    None => (None, Holders::NONE),
-                };
-                let pending = match (&session, peek) {
-                    (Some(_), p) => p.is_some_and(|p| p.pending()),
-                    (None, _) => self.pending.contains(&(vm.name.clone(), ch)),
+            for c in view.channels {
+                let pending = if view.locked {
+                    c.peek.is_some_and(|p| p.pending())
+                } else {
+                    self.pending.contains(&(vm.name().to_string(), c.ch))
                 };
                 obs.push(Obs {
                     vm: idx,
-                    ch,
-                    pid,
-                    hal,
-                    counters: c,
-                    peek,
+                    ch: c.ch,
+                    pid: c.pid,
+                    hal: c.hal,
+                    counters: c.counters,
+                    peek: c.peek,
                     pending,
-                    holders,
-                    dead: gpu.channel_error(hal).ok().flatten().is_some(),
+                    holders: c.holders,
+                    dead: gpu.channel_error(c.hal).ok().flatten().is_some(),
                     busy_delta_ns: 0,
                 });
             }
             vm_obs.push(VmObs {
-                name: vm.name.clone(),
-                weight: vm.weight.load(Ordering::Relaxed),
-                vm: vm.clone(),
-                locked: session.is_some(),
-                retired,
+                name: vm.name().to_string(),
+                weight: vm.weight(),
+                vm,
+                locked: view.locked,
+                retired: view.retired,
                 retired_busy: BTreeMap::new(),
             });
         }
@@ -806,12 +788,11 @@ impl Sched {
         else {
             return;
         };
-        let Some(vm) = be.vm(&name) else {
+        let Some(vm) = be.sched_vms().into_iter().find(|v| v.name() == name) else {
             return;
         };
         while Instant::now() + sampling::POLL < until {
-            let backlogged = lock_session_within(&vm, SESSION_LOCK_WAIT)
-                .is_some_and(|mut s| s.peek_channel(ch).is_ok_and(|p| p.real_put != p.gp_get));
+            let backlogged = vm.backlogged(ch, SESSION_LOCK_WAIT);
             self.sampler.observe_backlog(now_ns(), backlogged);
             std::thread::sleep(sampling::POLL);
         }
@@ -883,61 +864,49 @@ impl Sched {
             if !v.locked {
                 continue;
             }
-            let Some(shm) = v.vm.shm.lock().unwrap_or_else(|e| e.into_inner()).clone() else {
-                continue;
-            };
-            let Some(mut s) = lock_session_within(&v.vm, SESSION_LOCK_WAIT) else {
-                failed += 1;
-                continue;
-            };
             let (vm_held, pids) = holds.get(&v.name).cloned().unwrap_or_default();
-            s.hold.set_sched(vm_held, pids);
+            let mut plan = VmHolds {
+                vm: vm_held,
+                pids,
+                changes: Vec::new(),
+            };
             for o in obs.iter().filter(|o| o.vm == idx) {
                 let key = (v.name.clone(), o.ch);
                 let want = decision.shadow.contains(&key);
                 let have = self.shadowed.contains(&key);
                 if want && !have {
-                    match s.hold_channel(o.ch, Holder::Scheduler, true, shm.as_ref()) {
-                        Ok(_) => {
-                            self.shadowed.insert(key);
-                            sh += 1;
-                        }
-                        Err(e) => {
-                            failed += 1;
-                            debug!("scheduler: shadow {}/{}: {e}", v.name, o.ch);
-                        }
-                    }
+                    plan.changes.push((o.ch, HoldChange::Hold));
                 } else if !want && have {
-                    if let Some(cap) = self.cfg.unshadow_cap {
-                        if backlog.get(&key).copied().unwrap_or(0) > cap {
-                            match s.release_capped(o.ch, cap) {
-                                Ok(_) => capped += 1,
-                                Err(e) => {
-                                    failed += 1;
-                                    debug!("scheduler: capped release {}/{}: {e}", v.name, o.ch);
-                                }
-                            }
-                            continue;
+                    let change = match self.cfg.unshadow_cap {
+                        Some(cap) if backlog.get(&key).copied().unwrap_or(0) > cap => {
+                            HoldChange::ReleaseCapped(cap)
                         }
-                    }
-                    match s.hold_channel(o.ch, Holder::Scheduler, false, shm.as_ref()) {
-                        Ok(_) => {
-                            self.shadowed.remove(&key);
-                            un += 1;
-                        }
-                        Err(ShadowError::NoChannel(_)) => {
-                            self.shadowed.remove(&key);
-                        }
-                        Err(e) => {
-                            failed += 1;
-                            warn!("scheduler: unshadow {}/{}: {e}", v.name, o.ch);
-                        }
-                    }
+                        _ => HoldChange::Release,
+                    };
+                    plan.changes.push((o.ch, change));
                 }
             }
-            s.retry_orphans(shm.as_ref());
-            if s.shadow_stats().shadowed_now > 0 {
-                s.mirror_shadows();
+            let Some(results) = v.vm.apply(&plan, SESSION_LOCK_WAIT) else {
+                failed += 1;
+                continue;
+            };
+            for ((ch, change), r) in plan.changes.iter().zip(results) {
+                let key = (v.name.clone(), *ch);
+                match (change, r) {
+                    (HoldChange::Hold, Ok(())) => {
+                        self.shadowed.insert(key);
+                        sh += 1;
+                    }
+                    (HoldChange::Release, Ok(())) => {
+                        self.shadowed.remove(&key);
+                        un += 1;
+                    }
+                    (HoldChange::ReleaseCapped(_), Ok(())) => capped += 1,
+                    (_, Err(e)) => {
+                        failed += 1;
+                        debug!("scheduler: {change:?} {}/{ch}: {e}", v.name);
+                    }
+                }
             }
         }
         (sh, un, capped, failed)
@@ -946,24 +915,8 @@ impl Sched {
     /// Drops every hold of this scheduler, on channels and owners (stop, policy change).
     fn release_all(&mut self, be: &VgpuBackend) {
         let mut un = 0;
-        let vms: Vec<Arc<VmState>> = be.lock_vms().values().cloned().collect();
-        for vm in vms {
-            let shm = vm.shm.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            let mut s = vm.lock_session();
-            s.hold.clear_sched();
-            let Some(shm) = shm else {
-                // Disconnected: the teardown dropped every hold.
-                continue;
-            };
-            for (ch, _) in s.channel_list() {
-                if !s.channel_holders(ch).contains(Holder::Scheduler) {
-                    continue;
-                }
-                match s.hold_channel(ch, Holder::Scheduler, false, shm.as_ref()) {
-                    Ok(_) => un += 1,
-                    Err(e) => warn!("scheduler: final unshadow {}/{ch}: {e}", vm.name),
-                }
-            }
+        for vm in be.sched_vms() {
+            un += vm.release_scheduler();
         }
         self.shadowed.clear();
         self.update_stats(|st| st.unshadows += un);

@@ -5,6 +5,8 @@
 //!   migration serializes), this host's HAL handles (`HalHandles`), counters observers read
 //!   without the lock (`SessionShared`), limits, teardown;
 //! - [`requests`]: control-queue requests, by subject (contexts, memory, channels);
+//! - `sched_handle`: the scheduler's narrow handle on a VM
+//!   ([`crate::sched::handle::SchedVm`]);
 //! - [`shadowing`]: the session's channels through the shadow mechanism
 //!   ([`crate::shadow`], which knows nothing of sessions);
 //! - [`vram_objects`], [`vram_recency`], [`vram_move`]: VRAM objects in chunks, what the
@@ -13,6 +15,7 @@
 //! No other module has an `impl` block for these types.
 
 pub mod requests;
+mod sched_handle;
 pub mod session;
 pub mod shadowing;
 pub mod vram_move;
@@ -25,6 +28,7 @@ mod session_tests;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use vhost_user_backend::ShutdownHandle;
 
@@ -53,6 +57,20 @@ pub(crate) struct VmState {
 impl VmState {
     pub(crate) fn lock_session(&self) -> MutexGuard<'_, Session> {
         self.session.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The session, waiting at most `wait` for its lock.
+    pub(crate) fn lock_session_within(&self, wait: Duration) -> Option<MutexGuard<'_, Session>> {
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            if let Some(g) = self.try_lock_session() {
+                return Some(g);
+            }
+            if std::time::Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
     }
 
     /// The session if nobody holds its lock now.

@@ -28,6 +28,7 @@ use vgpu_protocol::PAGE_SIZE;
 
 use crate::events::{EventQueue, EVENT_FIFO_CAPACITY};
 use crate::guest_mem::GuestSysMemory;
+use crate::sched::handle::RetiredChannel;
 use crate::shmem::{NullShm, ShmMapper};
 
 /// Per-VM resource limits.
@@ -176,14 +177,6 @@ pub(crate) struct BusyBook {
     /// Channels destroyed since the scheduler last looked, with their final busy time:
     /// it charges what they used since its previous reading (see [`RetiredChannel`]).
     recent: std::collections::VecDeque<RetiredChannel>,
-}
-
-/// A destroyed channel's final busy time, for the scheduler.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RetiredChannel {
-    pub pid: u32,
-    pub hal: ChannelId,
-    pub busy_ns: u64,
 }
 
 /// Destroyed channels kept for the scheduler between two of its readings; beyond that
