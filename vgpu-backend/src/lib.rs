@@ -145,6 +145,19 @@ impl VgpuBackend {
             .collect()
     }
 
+    /// The served VMs as the VRAM manager sees them.
+    pub(crate) fn vram_vms(&self) -> Vec<Arc<dyn vram::handle::VramVm>> {
+        self.lock_vms()
+            .values()
+            .map(|vm| vm.clone() as Arc<dyn vram::handle::VramVm>)
+            .collect()
+    }
+
+    /// One served VM as the VRAM manager sees it.
+    pub(crate) fn vram_vm(&self, name: &str) -> Option<Arc<dyn vram::handle::VramVm>> {
+        self.vm(name).map(|vm| vm as Arc<dyn vram::handle::VramVm>)
+    }
+
     fn vm(&self, name: &str) -> Option<Arc<VmState>> {
         self.lock_vms().get(name).cloned()
     }

@@ -10,7 +10,8 @@
 //! - [`shadowing`]: the session's channels through the shadow mechanism
 //!   ([`crate::shadow`], which knows nothing of sessions);
 //! - [`vram_objects`], [`vram_recency`], [`vram_move`]: VRAM objects in chunks, what the
-//!   VRAM manager ([`crate::vram`]) reads of them, and the pause dance that moves them.
+//!   VRAM manager ([`crate::vram`]) reads of them, and the pause dance that moves them;
+//!   `vram_handle`: the manager's narrow handle ([`crate::vram::handle::VramVm`]).
 //!
 //! No other module has an `impl` block for these types.
 
@@ -18,6 +19,7 @@ pub mod requests;
 mod sched_handle;
 pub mod session;
 pub mod shadowing;
+mod vram_handle;
 pub mod vram_move;
 pub mod vram_objects;
 pub mod vram_recency;

@@ -37,16 +37,10 @@ use crate::shadow::Holder;
 use crate::shmem::ShmMapper;
 use crate::vm::session::{MappingTarget, Session};
 use crate::vram::backing::{Loc, ObjBacking, RunTarget};
+use crate::vram::handle::Dir;
 use crate::vram::stats::MoveReport;
 use crate::vram::MoveError;
 use crate::VmState;
-
-/// Direction of a move.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Dir {
-    Out,
-    In,
-}
 
 /// A move between its preparation and its copy ([`Session::prepare_move`]).
 pub(crate) struct MovePlan {

@@ -6,10 +6,8 @@ use std::collections::BTreeSet;
 
 use crate::vm::session::Session;
 use crate::vram::backing::{Loc, CHUNK};
+use crate::vram::handle::Batch;
 use crate::vram::{stats, ProcVramStats, VramReport};
-
-/// A batch the manager may move: chunks of one object.
-pub(crate) type Batch = (u32, Vec<usize>);
 
 impl Session {
     /// Updates chunk recency from the MMU's access counters (read and reset).

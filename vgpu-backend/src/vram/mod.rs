@@ -20,6 +20,7 @@
 //! scheduler.
 
 pub mod backing;
+pub mod handle;
 pub mod policy;
 pub mod stats;
 pub mod store;
@@ -33,9 +34,9 @@ use std::time::{Duration, Instant};
 use log::{debug, info};
 use thiserror::Error;
 
-use crate::vm::vram_move::{move_chunks_unlocked, Dir};
-use crate::{VgpuBackend, VmState};
+use crate::VgpuBackend;
 use backing::CHUNK;
+use handle::{Dir, VramVm};
 use policy::VmFigures;
 pub use stats::{MoveReport, ProcVramStats, VmVramStats, VramOverview, VramReport};
 
@@ -59,6 +60,8 @@ pub enum MoveError {
     Hal(String),
     #[error("aperture remap: {0}")]
     Aperture(String),
+    #[error("no frontend connected")]
+    Disconnected,
 }
 
 /// Errors of the VRAM manager's operator interface.
@@ -220,23 +223,11 @@ fn thread_main(be: Weak<VgpuBackend>, stop: Arc<AtomicBool>, waker: Arc<Waker>) 
 
 /// One VM as a pass sees it.
 struct PassVm {
-    vm: Arc<VmState>,
-    shm: Arc<crate::VhostShm>,
+    vm: Arc<dyn VramVm>,
     fig: VmFigures,
 }
 
 impl VgpuBackend {
-    fn connected_vms(&self) -> Vec<(Arc<VmState>, Arc<crate::VhostShm>)> {
-        self.lock_vms()
-            .values()
-            .filter(|vm| vm.connected.load(Ordering::Acquire))
-            .filter_map(|vm| {
-                let shm = vm.shm.lock().unwrap_or_else(|e| e.into_inner()).clone()?;
-                Some((vm.clone(), shm))
-            })
-            .collect()
-    }
-
     /// One pass of the manager: recency, shares, moves.
     pub(crate) fn vram_pass(&self) {
         let _g = self
@@ -248,18 +239,15 @@ impl VgpuBackend {
         let epoch = self.vram.epoch.fetch_add(1, Ordering::Relaxed) + 1;
         self.vram.passes.fetch_add(1, Ordering::Relaxed);
         let mut vms: Vec<PassVm> = Vec::new();
-        for (vm, shm) in self.connected_vms() {
-            let mut s = vm.lock_session();
-            s.refresh_recency(epoch);
-            let (allocated, resident) = s.vram_figures();
+        for vm in self.vram_vms().into_iter().filter(|v| v.movable()) {
+            let f = vm.begin_pass(epoch);
             let fig = VmFigures {
-                weight: vm.weight.load(Ordering::Relaxed),
-                quota: s.limits.vram_bytes,
-                allocated,
-                resident,
+                weight: vm.weight(),
+                quota: f.quota,
+                allocated: f.allocated,
+                resident: f.resident,
             };
-            drop(s);
-            vms.push(PassVm { vm, shm, fig });
+            vms.push(PassVm { vm, fig });
         }
         if !cfg.enabled || vms.is_empty() {
             return;
@@ -268,7 +256,7 @@ impl VgpuBackend {
         let figs: Vec<VmFigures> = vms.iter().map(|v| v.fig).collect();
         let shares = policy::shares(vram, &figs);
         for (v, s) in vms.iter().zip(&shares) {
-            v.vm.lock_session().swap.counters.vm.share_bytes = *s;
+            v.vm.set_share(*s);
         }
         let timeout = Duration::from_millis(u64::from(cfg.drain_timeout_ms));
         let deadline = Instant::now() + Duration::from_millis(200);
@@ -326,14 +314,11 @@ impl VgpuBackend {
         stuck: &mut BTreeSet<u32>,
     ) -> bool {
         loop {
-            let (mem, idx, ctx) = {
-                let s = v.vm.lock_session();
-                let Some(((mem, idx), _)) = s.coldest_resident(amount, stuck) else {
-                    return false;
-                };
-                (mem, idx, s.state.mems.get(&mem).map(|m| m.ctx).unwrap_or(0))
+            let Some(((mem, idx), _)) = v.vm.coldest_resident(amount, stuck) else {
+                return false;
             };
-            match move_chunks_unlocked(&v.vm, mem, &idx, Dir::Out, v.shm.as_ref(), timeout) {
+            let ctx = v.vm.object_context(mem).unwrap_or(0);
+            match v.vm.move_chunks(mem, &idx, Dir::Out, timeout) {
                 Ok(r) if r.bytes > 0 => {
                     self.vram.batches.fetch_add(1, Ordering::Relaxed);
                     v.fig.resident = v.fig.resident.saturating_sub(r.bytes);
@@ -341,7 +326,7 @@ impl VgpuBackend {
                 }
                 Ok(_) => return false,
                 Err(e) => {
-                    debug!("VM {}: eviction from ctx {ctx}: {e}", v.vm.name);
+                    debug!("VM {}: eviction from ctx {ctx}: {e}", v.vm.name());
                     // Give up on this victim, pick another.
                     stuck.insert(ctx);
                 }
@@ -358,14 +343,11 @@ impl VgpuBackend {
         stuck: &mut BTreeSet<u32>,
     ) -> bool {
         loop {
-            let (mem, idx, ctx) = {
-                let s = v.vm.lock_session();
-                let Some(((mem, idx), _)) = s.hottest_swapped(amount.max(1), stuck) else {
-                    return false;
-                };
-                (mem, idx, s.state.mems.get(&mem).map(|m| m.ctx).unwrap_or(0))
+            let Some(((mem, idx), _)) = v.vm.hottest_swapped(amount.max(1), stuck) else {
+                return false;
             };
-            match move_chunks_unlocked(&v.vm, mem, &idx, Dir::In, v.shm.as_ref(), timeout) {
+            let ctx = v.vm.object_context(mem).unwrap_or(0);
+            match v.vm.move_chunks(mem, &idx, Dir::In, timeout) {
                 Ok(r) if r.bytes > 0 => {
                     self.vram.batches.fetch_add(1, Ordering::Relaxed);
                     v.fig.resident += r.bytes;
@@ -373,7 +355,7 @@ impl VgpuBackend {
                 }
                 Ok(_) | Err(MoveError::NoVram) => return false,
                 Err(e) => {
-                    debug!("VM {}: swap-in to ctx {ctx}: {e}", v.vm.name);
+                    debug!("VM {}: swap-in to ctx {ctx}: {e}", v.vm.name());
                     stuck.insert(ctx);
                 }
             }
@@ -385,10 +367,9 @@ impl VgpuBackend {
     fn exchange(&self, v: &mut PassVm, batch: u64, timeout: Duration) {
         let none = BTreeSet::new();
         for _ in 0..4 {
-            let s = v.vm.lock_session();
             let (Some((_, hot)), Some((_, cold))) = (
-                s.hottest_swapped(CHUNK, &none),
-                s.coldest_resident(CHUNK, &none),
+                v.vm.hottest_swapped(CHUNK, &none),
+                v.vm.coldest_resident(CHUNK, &none),
             ) else {
                 return;
             };
@@ -396,35 +377,25 @@ impl VgpuBackend {
                 return;
             }
             if self.gpu.vram_free_bytes() < CHUNK {
-                let Some(((mem, idx), _)) = s.coldest_resident(batch, &none) else {
+                let Some(((mem, idx), _)) = v.vm.coldest_resident(batch, &none) else {
                     return;
                 };
                 // Only chunks colder than the hot one go.
-                let idx: Vec<usize> = idx
-                    .into_iter()
-                    .filter(|&i| {
-                        s.hal
-                            .vram
-                            .get(&mem)
-                            .and_then(|b| b.chunks.get(i))
-                            .is_some_and(|c| c.last_used < hot)
-                    })
-                    .collect();
-                drop(s);
-                if move_chunks_unlocked(&v.vm, mem, &idx, Dir::Out, v.shm.as_ref(), timeout)
+                let idx = v.vm.colder_than(mem, idx, hot);
+                if v.vm
+                    .move_chunks(mem, &idx, Dir::Out, timeout)
                     .map(|r| r.bytes)
                     .unwrap_or(0)
                     == 0
                 {
                     return;
                 }
-            } else {
-                drop(s);
             }
-            let Some(((mem, idx), _)) = v.vm.lock_session().hottest_swapped(batch, &none) else {
+            let Some(((mem, idx), _)) = v.vm.hottest_swapped(batch, &none) else {
                 return;
             };
-            if move_chunks_unlocked(&v.vm, mem, &idx, Dir::In, v.shm.as_ref(), timeout)
+            if v.vm
+                .move_chunks(mem, &idx, Dir::In, timeout)
                 .map(|r| r.bytes)
                 .unwrap_or(0)
                 == 0
@@ -439,9 +410,7 @@ impl VgpuBackend {
 
     /// VRAM figures and swap counters of VM `name`, totals and per guest process.
     pub fn vram_stats(&self, name: &str) -> Option<VramReport> {
-        let vm = self.vm(name)?;
-        let s = vm.lock_session();
-        Some(s.vram_report())
+        self.vram_vm(name).map(|vm| vm.report())
     }
 
     /// Backend-wide VRAM figures.
@@ -463,7 +432,7 @@ impl VgpuBackend {
         let vm = self
             .vm(name)
             .ok_or_else(|| VramError::NoVm(name.to_string()))?;
-        vm.lock_session().limits.vram_bytes = bytes;
+        vm.set_quota(bytes);
         self.vram.waker.wake();
         info!("VM {name}: VRAM quota {bytes} bytes");
         Ok(())
@@ -501,27 +470,25 @@ impl VgpuBackend {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         let vm = self
-            .vm(name)
+            .vram_vm(name)
             .ok_or_else(|| VramError::NoVm(name.to_string()))?;
-        let shm = vm
-            .shm
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-            .ok_or_else(|| VramError::NotConnected(name.to_string()))?;
+        if !vm.movable() {
+            return Err(VramError::NotConnected(name.to_string()));
+        }
         let timeout = Duration::from_millis(u64::from(self.vram.config().drain_timeout_ms));
         let mut total = MoveReport::default();
         let none = BTreeSet::new();
+        let mut gone = 0;
         while total.bytes < bytes {
-            let Some(((mem, idx), _)) = vm
-                .lock_session()
-                .coldest_resident(bytes - total.bytes, &none)
-            else {
+            let Some(((mem, idx), _)) = vm.coldest_resident(bytes - total.bytes, &none) else {
                 break;
             };
-            let r = match move_chunks_unlocked(&vm, mem, &idx, Dir::Out, shm.as_ref(), timeout) {
+            let r = match vm.move_chunks(mem, &idx, Dir::Out, timeout) {
                 // Freed while its channels drained: nothing of it is resident any more.
-                Err(MoveError::Gone) => continue,
+                Err(MoveError::Gone) if gone < 16 => {
+                    gone += 1;
+                    continue;
+                }
                 r => r?,
             };
             if r.bytes == 0 {
