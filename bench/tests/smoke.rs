@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use vgpu_backend::{VgpuBackend, VmLimits};
 use vgpu_guest::Device;
+use vgpu_guest_tools::smoke;
 use vgpu_host_shim::{SimConfig, SimGpu};
-use vgpu_tools::smoke;
 use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
 
 fn assert_all_pass(checks: &[smoke::Check], blocking_expected: bool) {

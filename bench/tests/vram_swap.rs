@@ -558,7 +558,7 @@ fn smoke_swap_check_moves_the_buffer_and_loses_no_store() {
         .unwrap();
     let dev = Device::loopback(host.connect("a"), 300).unwrap();
     let waited0 = vgpu_vmm::write_protect::stores_waited();
-    let r = vgpu_tools::swap_check::run(&dev, Duration::from_secs(6), 16, 96);
+    let r = vgpu_guest_tools::swap_check::run(&dev, Duration::from_secs(6), 16, 96);
     let st = host.backend.vram_stats("a").unwrap();
     println!(
         "swap check: {r:?}; evictions {} swap-ins {}; {} stores waited",

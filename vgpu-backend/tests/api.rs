@@ -1,7 +1,7 @@
 //! The control API through its real unix socket: every endpoint, bad input of every kind,
 //! slow and concurrent clients, `vgpuctl`, and the daemon started from a TOML config.
 //! (Pause, drain and weights with guest work running are in
-//! `guest-driver/tools/tests/api_loopback.rs`.)
+//! `bench/tests/api_loopback.rs`.)
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -132,7 +132,7 @@ fn every_endpoint_answers_through_the_socket() {
     assert_eq!(st.weight, 700);
     assert_eq!((st.vram_resident_bytes, st.vram_swapped_bytes), (0, 0));
     // No guest: the VRAM figures are there, all zero (moves are in
-    // `guest-driver/tools/tests/api_loopback.rs`).
+    // `bench/tests/api_loopback.rs`).
     assert_eq!(st.vram.quota_bytes, VmLimits::default().vram_bytes);
     assert_eq!(
         (st.vram.evictions, st.vram.swap_ins, st.vram.pauses),

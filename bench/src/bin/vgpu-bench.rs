@@ -3,13 +3,13 @@
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
-use vgpu_tools::report::{print_json, print_table, Figure};
-use vgpu_tools::suites::api::{self, ApiOpts};
-use vgpu_tools::suites::guest::{self, GuestOpts};
-use vgpu_tools::suites::sched::{self, SchedOpts};
-use vgpu_tools::suites::sim::{self, SimOpts};
-use vgpu_tools::suites::swap::{self, SwapOpts};
-use vgpu_tools::suites::virt::{self, VirtOpts};
+use vgpu_bench::report::{print_json, print_table, Figure};
+use vgpu_bench::suites::api::{self, ApiOpts};
+use vgpu_bench::suites::guest::{self, GuestOpts};
+use vgpu_bench::suites::sched::{self, SchedOpts};
+use vgpu_bench::suites::sim::{self, SimOpts};
+use vgpu_bench::suites::swap::{self, SwapOpts};
+use vgpu_bench::suites::virt::{self, VirtOpts};
 
 #[derive(Parser)]
 #[command(version, about = "vgpu benchmarks")]

@@ -1,5 +1,6 @@
-//! Suite `guest`: the shared workloads and submission round trips through one device, as
-//! an application in a VM sees them — over `/dev/vgpu` in a guest, or natively on an
+//! Suite `guest` (`vgpu-guest-bench` in a VM, `vgpu-bench guest` on a host): the shared
+//! workloads and submission round trips through one device, as an application in a VM
+//! sees them — over `/dev/vgpu` in a guest, or natively on an
 //! in-process sim (`--native`, the baseline to run on the host or in L1). Figures carry
 //! the transport in their names (`saxpy_devvgpu`, `saxpy_native`), so the two runs'
 //! figures put side by side give the VM-vs-native ratio.
@@ -15,9 +16,9 @@ use vgpu_guest::workloads::Workload;
 use vgpu_guest::{Context, Device, KernelArgs};
 use vgpu_host_shim::{HalError, SimConfig, SimGpu};
 
+use crate::measure::min;
 use crate::report::{Better, Figure};
 use crate::stats::percentile;
-use crate::suites::measure::min;
 
 const SUITE: &str = "guest";
 

@@ -45,8 +45,8 @@ fn throttle_runs_its_kernels() {
 #[test]
 fn bench_guest_native_json() {
     let text = run(
-        env!("CARGO_BIN_EXE_vgpu-bench"),
-        &["--json", "--quick", "guest", "--native"],
+        env!("CARGO_BIN_EXE_vgpu-guest-bench"),
+        &["--json", "--quick", "--native"],
     );
     let names: Vec<String> = text
         .lines()

@@ -8,8 +8,8 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use vgpu_guest::Device;
+use vgpu_guest_tools::smoke;
 use vgpu_host_shim::{SimConfig, SimGpu};
-use vgpu_tools::smoke;
 
 #[derive(Parser)]
 #[command(version, about = "Check every builtin kernel through /dev/vgpu")]
@@ -103,7 +103,7 @@ fn main() -> ExitCode {
         };
     }
     if cli.hostile {
-        return report(vgpu_tools::hostile::run(&cli.device));
+        return report(vgpu_guest_tools::hostile::run(&cli.device));
     }
     let dev = match open(&cli) {
         Ok(d) => d,
@@ -114,7 +114,7 @@ fn main() -> ExitCode {
         }
     };
     if let Some(secs) = cli.swap {
-        let r = vgpu_tools::swap_check::run(
+        let r = vgpu_guest_tools::swap_check::run(
             &dev,
             std::time::Duration::from_secs(secs),
             cli.swap_buffer_mib,
