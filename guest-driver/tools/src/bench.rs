@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 use vgpu_guest::workloads::Workload;
 use vgpu_guest::{Context, Device, KernelArgs};
-use vgpu_host_shim::{HalError, SimConfig, SimGpu};
 
 use crate::measure::min;
 use crate::report::{Better, Figure};
@@ -24,8 +23,8 @@ const SUITE: &str = "guest";
 
 #[derive(Debug, Error)]
 pub enum GuestSuiteError {
-    #[error("GPU: {0}")]
-    Hal(#[from] HalError),
+    #[error(transparent)]
+    Native(#[from] crate::native::NativeError),
     #[error("runtime: {0}")]
     Runtime(#[from] vgpu_guest::Error),
 }
@@ -88,13 +87,7 @@ fn round_trip(ctx: &Context, samples: u32, remote: bool) -> Result<(f64, f64), G
 pub fn run(opts: &GuestOpts) -> Result<Vec<Figure>, GuestSuiteError> {
     let dev = match &opts.device {
         Some(path) => Device::devvgpu(path)?,
-        None => {
-            let mut cfg = SimConfig::default();
-            if let Some(us) = opts.sim_idle_sleep_us {
-                cfg.max_idle_sleep_ns = us.saturating_mul(1000).max(cfg.min_idle_sleep_ns);
-            }
-            Device::native(SimGpu::new(cfg)?)?
-        }
+        None => crate::native::device(opts.sim_idle_sleep_us)?,
     };
     let side = dev.info().transport;
     let ctx = dev.create_context()?;

@@ -6,6 +6,7 @@
 pub mod bench;
 pub mod hostile;
 pub mod measure;
+pub mod native;
 pub mod report;
 pub mod smoke;
 pub mod stats;

@@ -2,14 +2,14 @@
 //! through `/dev/vgpu` and checks each result against the CPU reference; also the copy
 //! engine, a channel fault, and blocking waits on notify events and fences. Prints one
 //! line per check and `VGPU-SMOKE-RESULT pass=N fail=M skip=K`; exits non-zero on any
-//! failure. `--native` runs the same checks on an in-process sim GPU (a baseline).
+//! failure. `--native` runs the same checks on an in-process sim GPU (a baseline; in a
+//! build with feature `native`).
 
 use std::process::ExitCode;
 
 use clap::Parser;
 use vgpu_guest::Device;
 use vgpu_guest_tools::smoke;
-use vgpu_host_shim::{SimConfig, SimGpu};
 
 #[derive(Parser)]
 #[command(version, about = "Check every builtin kernel through /dev/vgpu")]
@@ -48,8 +48,7 @@ struct Cli {
 
 fn open(cli: &Cli) -> Result<Device, String> {
     if cli.native {
-        let gpu = SimGpu::new(SimConfig::default()).map_err(|e| e.to_string())?;
-        Device::native(gpu).map_err(|e| e.to_string())
+        vgpu_guest_tools::native::device(None).map_err(|e| e.to_string())
     } else {
         Device::devvgpu(&cli.device).map_err(|e| format!("{}: {e}", cli.device))
     }
