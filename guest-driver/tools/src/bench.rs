@@ -63,6 +63,40 @@ impl GuestOpts {
     }
 }
 
+/// The command-line options of the guest suite, shared by `vgpu-guest-bench` and
+/// `vgpu-bench guest`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct GuestArgs {
+    /// The device node.
+    #[arg(long, default_value = vgpu_guest::devvgpu::DEFAULT_PATH)]
+    pub device: String,
+    /// Use an in-process sim GPU instead of the device.
+    #[arg(long)]
+    pub native: bool,
+    /// Timed runs of each workload (the best counts); default 1 with --quick, else 5.
+    #[arg(long)]
+    pub reps: Option<u32>,
+    /// With --native: the sim's longest idle sleep between polls, µs (match the
+    /// backend's --sim-idle-sleep-us for a fair comparison).
+    #[arg(long)]
+    pub sim_idle_sleep_us: Option<u64>,
+}
+
+impl GuestArgs {
+    /// The suite's options: small sizes with `quick`, then what the arguments say.
+    pub fn opts(&self, quick: bool) -> GuestOpts {
+        let device = (!self.native).then(|| self.device.clone());
+        let mut opts = if quick {
+            GuestOpts::quick(device)
+        } else {
+            GuestOpts::full(device)
+        };
+        opts.reps = self.reps.unwrap_or(opts.reps);
+        opts.sim_idle_sleep_us = self.sim_idle_sleep_us;
+        opts
+    }
+}
+
 /// p50 and p99 (µs) of submit → fence seen for empty kernels, one at a time. With
 /// `remote`, GP_PUT goes to the host in a request (the API-remoting baseline).
 fn round_trip(ctx: &Context, samples: u32, remote: bool) -> Result<(f64, f64), GuestSuiteError> {

@@ -4,7 +4,7 @@
 //! people by default, `--json` for one JSON object per figure per line.
 
 use clap::Parser;
-use vgpu_guest_tools::bench::{self, GuestOpts};
+use vgpu_guest_tools::bench::{self, GuestArgs};
 use vgpu_guest_tools::report::{print_json, print_table};
 
 #[derive(Parser)]
@@ -19,32 +19,14 @@ struct Cli {
     /// Small sizes: a smoke run, not a measurement.
     #[arg(long)]
     quick: bool,
-    /// The device node.
-    #[arg(long, default_value = vgpu_guest::devvgpu::DEFAULT_PATH)]
-    device: String,
-    /// Use an in-process sim GPU instead of the device.
-    #[arg(long)]
-    native: bool,
-    /// Timed runs of each workload (the best counts); default 1 with --quick, else 5.
-    #[arg(long)]
-    reps: Option<u32>,
-    /// With --native: the sim's longest idle sleep between polls, µs (match the
-    /// backend's --sim-idle-sleep-us for a fair comparison).
-    #[arg(long)]
-    sim_idle_sleep_us: Option<u64>,
+    #[command(flatten)]
+    guest: GuestArgs,
 }
 
 fn main() {
     env_logger::init();
     let cli = Cli::parse();
-    let device = (!cli.native).then_some(cli.device);
-    let mut opts = if cli.quick {
-        GuestOpts::quick(device)
-    } else {
-        GuestOpts::full(device)
-    };
-    opts.reps = cli.reps.unwrap_or(opts.reps);
-    opts.sim_idle_sleep_us = cli.sim_idle_sleep_us;
+    let opts = cli.guest.opts(cli.quick);
     match bench::run(&opts) {
         Ok(figs) if cli.json => print_json(&figs),
         Ok(figs) => print_table(&figs),
