@@ -20,7 +20,7 @@ pub mod x86_64;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Mutex, Once};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -31,9 +31,9 @@ use kvm_bindings::{
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
 use thiserror::Error;
 use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
-use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use crate::guest_memory::{GuestMemoryError, GuestRam};
+use crate::kvm::{KvmError, Vcpu, VcpuKicker};
 use crate::pci::{PciBus, PciDevice};
 use crate::shm_window::{HoleFill, ShmWindow, ShmWindowError};
 use crate::vgpu_device::{VgpuDeviceError, VhostUserVgpu};
@@ -121,8 +121,12 @@ pub enum BootError {
     EventFd(io::Error),
     #[error("starting the vCPU {cpu} thread failed: {source}")]
     VcpuThread { cpu: u8, source: io::Error },
-    #[error("installing the vCPU kick signal handler failed: {0}")]
-    Signal(vmm_sys_util::errno::Error),
+    #[error("vCPU {cpu}: {source}")]
+    Vcpu {
+        cpu: u8,
+        #[source]
+        source: KvmError,
+    },
     #[error("vCPU {cpu}: KVM_RUN failed: {source}")]
     Run { cpu: u8, source: kvm_ioctls::Error },
     #[error("vCPU {cpu}: KVM_EXIT_FAIL_ENTRY, hardware reason {reason:#x}")]
@@ -214,7 +218,7 @@ pub struct LinuxVm {
     // Field order matters for drop: the interrupt thread stops first; vCPUs and the VM
     // (whose memslots the PCI wiring holds) go before the RAM they map.
     hooks: Option<Arc<VgpuHooks>>,
-    vcpus: Vec<VcpuFd>,
+    vcpus: Vec<Vcpu>,
     vm: Arc<VmFd>,
     _kvm: Kvm,
     devices: Arc<LegacyDevices>,
@@ -453,7 +457,7 @@ impl LinuxVm {
             let mut cpuid = base_cpuid.clone();
             x86_64::patch_cpuid(&mut cpuid, cpu, cfg.vcpus);
             setup_vcpu(&fd, cpu, &cpuid, &layout)?;
-            vcpus.push(fd);
+            vcpus.push(Vcpu::from_fd(fd).map_err(|source| BootError::Vcpu { cpu, source })?);
         }
 
         Ok(LinuxVm {
@@ -505,21 +509,21 @@ impl LinuxVm {
         &self.vm
     }
 
-    /// The vCPU fds (before [`LinuxVm::run`]).
-    pub fn vcpu_fds(&self) -> &[VcpuFd] {
+    /// The vCPUs (before [`LinuxVm::run`]).
+    pub fn vcpus(&self) -> &[Vcpu] {
         &self.vcpus
     }
 
     /// Runs every vCPU on its own thread until the guest ends; returns how it ended.
     /// `timeout`, if given, stops the VM with [`BootError::UnexpectedExit`] after that long.
     pub fn run(&mut self, timeout: Option<Duration>) -> Result<GuestExit, BootError> {
-        install_kick_handler()?;
         let stop = Arc::new(AtomicBool::new(false));
         let (tx, rx) = mpsc::channel::<(u8, Result<GuestExit, BootError>)>();
-        let mut threads: Vec<(u8, JoinHandle<()>)> = Vec::new();
+        let mut threads: Vec<VcpuThread> = Vec::new();
         let started = Instant::now();
-        for (i, fd) in self.vcpus.drain(..).enumerate() {
+        for (i, vcpu) in self.vcpus.drain(..).enumerate() {
             let cpu = i as u8;
+            let kicker = vcpu.kicker();
             let vcpu_stop = stop.clone();
             let tx = tx.clone();
             let devices = self.devices.clone();
@@ -529,7 +533,7 @@ impl LinuxVm {
                 .name(format!("vcpu{cpu}"))
                 .spawn(move || {
                     let res = vcpu_loop(
-                        fd,
+                        vcpu,
                         cpu,
                         &devices,
                         pci.as_deref(),
@@ -539,7 +543,11 @@ impl LinuxVm {
                     let _ = tx.send((cpu, res));
                 });
             match spawned {
-                Ok(h) => threads.push((cpu, h)),
+                Ok(handle) => threads.push(VcpuThread {
+                    cpu,
+                    handle,
+                    kicker,
+                }),
                 Err(source) => {
                     stop.store(true, Ordering::SeqCst);
                     stop_threads(threads);
@@ -677,7 +685,7 @@ fn lock(p: &Mutex<PciBus>) -> std::sync::MutexGuard<'_, PciBus> {
 
 /// The run loop of one vCPU.
 fn vcpu_loop(
-    mut fd: VcpuFd,
+    mut vcpu: Vcpu,
     cpu: u8,
     devices: &LegacyDevices,
     pci: Option<&Mutex<PciBus>>,
@@ -692,7 +700,7 @@ fn vcpu_loop(
                 exit: "stopped".into(),
             });
         }
-        let r = fd.run();
+        let r = vcpu.run_raw();
         // A store into a window page the backend holds read-only while it moves it: wait
         // and re-run the store (see `write_protect`).
         let store_fault = match &r {
@@ -792,33 +800,25 @@ fn vcpu_loop(
     }
 }
 
-fn kick_signal() -> i32 {
-    SIGRTMIN()
+/// A running vCPU thread and the kicker of its vCPU.
+struct VcpuThread {
+    cpu: u8,
+    handle: JoinHandle<()>,
+    kicker: VcpuKicker,
 }
 
-extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
-
-fn install_kick_handler() -> Result<(), BootError> {
-    static ONCE: Once = Once::new();
-    let mut res = Ok(());
-    ONCE.call_once(|| {
-        res = register_signal_handler(kick_signal(), kick_handler).map_err(BootError::Signal);
-    });
-    res
-}
-
-/// Kicks the vCPU threads out of KVM_RUN until they have all seen the stop flag, then
-/// joins them. Returns the first vCPU whose thread panicked.
-fn stop_threads(threads: Vec<(u8, JoinHandle<()>)>) -> Option<u8> {
+/// Kicks the vCPU threads out of KVM_RUN (the KVM layer's kick: `immediate_exit` and a
+/// signal, so one landing just before KVM_RUN is not lost) until they have all seen the
+/// stop flag, then joins them. Returns the first vCPU whose thread panicked.
+fn stop_threads(threads: Vec<VcpuThread>) -> Option<u8> {
     let mut panicked = None;
-    for (cpu, h) in threads {
-        // A kick that lands just before KVM_RUN is lost: repeat until the thread ends.
-        while !h.is_finished() {
-            let _ = h.kill(kick_signal());
+    for t in threads {
+        while !t.handle.is_finished() {
+            t.kicker.kick();
             std::thread::sleep(Duration::from_millis(5));
         }
-        if h.join().is_err() && panicked.is_none() {
-            panicked = Some(cpu);
+        if t.handle.join().is_err() && panicked.is_none() {
+            panicked = Some(t.cpu);
         }
     }
     panicked

@@ -3,13 +3,13 @@
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
-use vgpu_tools::report::{print_json, print_table, Figure};
-use vgpu_tools::suites::api::{self, ApiOpts};
-use vgpu_tools::suites::guest::{self, GuestOpts};
-use vgpu_tools::suites::sched::{self, SchedOpts};
-use vgpu_tools::suites::sim::{self, SimOpts};
-use vgpu_tools::suites::swap::{self, SwapOpts};
-use vgpu_tools::suites::virt::{self, VirtOpts};
+use vgpu_bench::report::{print_json, print_table, Figure};
+use vgpu_bench::suites::api::{self, ApiOpts};
+use vgpu_bench::suites::guest::{self, GuestArgs};
+use vgpu_bench::suites::sched::{self, SchedOpts};
+use vgpu_bench::suites::sim::{self, SimOpts};
+use vgpu_bench::suites::swap::{self, SwapOpts};
+use vgpu_bench::suites::virt::{self, VirtOpts};
 
 #[derive(Parser)]
 #[command(version, about = "vgpu benchmarks")]
@@ -34,21 +34,7 @@ enum Suite {
     Api,
     /// The workloads and submission round trips through /dev/vgpu (in a VM), or on an
     /// in-process sim with --native (the baseline to run outside the VM).
-    Guest {
-        /// The device node.
-        #[arg(long, default_value = vgpu_guest::devvgpu::DEFAULT_PATH)]
-        device: String,
-        /// Use an in-process sim GPU instead of the device.
-        #[arg(long)]
-        native: bool,
-        /// Timed runs of each workload (the best counts); default 1 with --quick, else 5.
-        #[arg(long)]
-        reps: Option<u32>,
-        /// With --native: the sim's longest idle sleep between polls, µs (match the
-        /// backend's --sim-idle-sleep-us for a fair comparison).
-        #[arg(long)]
-        sim_idle_sleep_us: Option<u64>,
-    },
+    Guest(GuestArgs),
     /// VRAM oversubscription: slowdown vs all-in-VRAM, swap throughput, pauses, convergence.
     Swap,
     /// The GPU scheduler over loopback VMs: Fleig §5.4 fairness, weights, two levels,
@@ -64,22 +50,7 @@ fn main() {
     env_logger::init();
     let cli = Cli::parse();
     let result: Result<Vec<Figure>, String> = match cli.suite {
-        Suite::Guest {
-            device,
-            native,
-            reps,
-            sim_idle_sleep_us,
-        } => {
-            let device = (!native).then_some(device);
-            let mut opts = if cli.quick {
-                GuestOpts::quick(device)
-            } else {
-                GuestOpts::full(device)
-            };
-            opts.reps = reps.unwrap_or(opts.reps);
-            opts.sim_idle_sleep_us = sim_idle_sleep_us;
-            guest::run(&opts).map_err(|e| e.to_string())
-        }
+        Suite::Guest(args) => guest::run(&args.opts(cli.quick)).map_err(|e| e.to_string()),
         Suite::Sim => {
             let opts = if cli.quick {
                 SimOpts::quick()

@@ -14,15 +14,14 @@
 //! `VGPU_SHADOW_REMAPS` sets the number of remaps (default [`DEFAULT_REMAPS`]); the run
 //! stops early at [`TIME_CAP`] and reports what it reached.
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use vgpu_backend::{VgpuBackend, VmLimits};
+use vgpu_backend::VmLimits;
 use vgpu_guest::{ChannelOptions, Device, SemaphoreMode};
-use vgpu_host_shim::{SimConfig, SimGpu};
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
+use vgpu_test_support::Host;
+use vgpu_vmm::loopback::LoopbackVm;
 
 /// Remaps of the default run (shadow and unshadow each count one).
 const DEFAULT_REMAPS: u64 = 100_000;
@@ -36,50 +35,14 @@ const GP_ENTRIES: u32 = 64;
 /// Entries let through by each capped release.
 const CAP: u32 = 4;
 
-struct Host {
-    backend: Arc<VgpuBackend>,
-    dir: PathBuf,
-}
-
-impl Host {
-    fn new(tag: &str) -> Host {
-        let gpu = SimGpu::new(SimConfig {
-            vram_bytes: 64 << 20,
-            ..Default::default()
-        })
-        .expect("sim GPU");
-        let backend = VgpuBackend::new(gpu, VmLimits::default());
-        let dir = std::env::temp_dir().join(format!("vgpu-shadow-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("socket dir");
-        backend
-            .serve_vm("vm", &dir.join("vm.sock"))
-            .expect("serve VM");
-        Host { backend, dir }
-    }
-
-    fn connect(&self) -> Arc<LoopbackVm> {
-        let sock = self.dir.join("vm.sock");
-        let t0 = Instant::now();
-        loop {
-            match LoopbackVm::connect(
-                &sock,
-                LoopbackConfig {
-                    mem_bytes: 128 << 20,
-                },
-            ) {
-                Ok(v) => return v,
-                Err(e) if t0.elapsed() > Duration::from_secs(10) => panic!("connect: {e}"),
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
-            }
-        }
-    }
-}
-
-impl Drop for Host {
-    fn drop(&mut self) {
-        self.backend.shutdown();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+/// The backend on a 64 MiB sim GPU serving one VM, `vm`.
+fn start_host(tag: &str) -> Host {
+    Host::new(
+        &format!("shadow-{tag}"),
+        64 << 20,
+        VmLimits::default(),
+        &["vm"],
+    )
 }
 
 /// What one writer saw.
@@ -192,8 +155,8 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
 /// can only be closed with a HAL pause of a channel's completion writes).
 fn run(target_remaps: u64, strict_monotonic: bool) {
     let _ = env_logger::builder().is_test(true).try_init();
-    let host = Host::new(&format!("{target_remaps}"));
-    let vm = host.connect();
+    let host = start_host(&format!("{target_remaps}"));
+    let vm = host.connect("vm");
     let ready = Arc::new(Barrier::new(WRITERS as usize + 1));
     let stop = Arc::new(AtomicBool::new(false));
     let final_unshadowed = Arc::new(AtomicBool::new(false));
@@ -326,8 +289,8 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
 #[test]
 fn shadow_holds_back_and_lifecycle_frees_pages() {
     let _ = env_logger::builder().is_test(true).try_init();
-    let host = Host::new("lifecycle");
-    let vm = host.connect();
+    let host = start_host("lifecycle");
+    let vm = host.connect("vm");
     let be = &host.backend;
     let dev = Device::loopback(vm.clone(), 7).expect("device");
     let ctx = dev.create_context().expect("context");

@@ -7,11 +7,11 @@ use std::time::{Duration, Instant};
 
 use vgpu_backend::api::types::VmVramBody;
 use vgpu_backend::VramConfig;
+use vgpu_bench::suites::api::{weight_flips, LiveRig, FLIP_VMS};
 use vgpu_guest::workloads::throttle::{self, ThrottleConfig};
 use vgpu_guest::{Device, KernelArgs};
 use vgpu_host_shim::kernels::reference;
 use vgpu_protocol::ErrorCode;
-use vgpu_tools::suites::api::{weight_flips, LiveRig, FLIP_VMS};
 
 fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     let t0 = Instant::now();

@@ -3,7 +3,6 @@
 //! between VRAM and the VMs' swap stores behind running kernels; every byte is checked
 //! through the CPU aperture and through GPU kernels at the same virtual addresses.
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,60 +10,17 @@ use std::time::{Duration, Instant};
 use vgpu_backend::{VgpuBackend, VmLimits, VramConfig};
 use vgpu_guest::{Buffer, Channel, Context, Device, KernelArgs};
 use vgpu_host_shim::kernels::reference;
-use vgpu_host_shim::{Gpu, SimConfig, SimGpu};
+use vgpu_host_shim::Gpu;
 use vgpu_protocol::ErrorCode;
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
+use vgpu_test_support::Host;
+use vgpu_vmm::loopback::LoopbackVm;
 
 const MIB: u64 = 1 << 20;
 const BLOCK: u64 = 64 << 10;
 
-struct Host {
-    gpu: Arc<SimGpu>,
-    backend: Arc<VgpuBackend>,
-    dir: PathBuf,
-}
-
-impl Host {
-    fn new(tag: &str, vram: u64, limits: VmLimits, vms: &[&str]) -> Host {
-        let gpu = SimGpu::new(SimConfig {
-            vram_bytes: vram,
-            ..Default::default()
-        })
-        .unwrap();
-        let backend = VgpuBackend::new(gpu.clone(), limits);
-        let dir = std::env::temp_dir().join(format!("vgpu-swap-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        for vm in vms {
-            backend
-                .serve_vm(vm, &dir.join(format!("{vm}.sock")))
-                .unwrap();
-        }
-        Host { gpu, backend, dir }
-    }
-
-    fn connect(&self, vm: &str) -> Arc<LoopbackVm> {
-        let sock = self.dir.join(format!("{vm}.sock"));
-        let t0 = Instant::now();
-        loop {
-            match LoopbackVm::connect(
-                &sock,
-                LoopbackConfig {
-                    mem_bytes: 128 << 20,
-                },
-            ) {
-                Ok(v) => return v,
-                Err(e) if t0.elapsed() > Duration::from_secs(10) => panic!("connect {vm}: {e}"),
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
-            }
-        }
-    }
-}
-
-impl Drop for Host {
-    fn drop(&mut self) {
-        self.backend.shutdown();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+/// The backend on a sim GPU of `vram` bytes serving `vms` with `limits` each.
+fn start_host(tag: &str, vram: u64, limits: VmLimits, vms: &[&str]) -> Host {
+    Host::new(&format!("swap-{tag}"), vram, limits, vms)
 }
 
 fn limits(quota: u64, swap: u64) -> VmLimits {
@@ -307,7 +263,7 @@ fn guest_process(vm: Arc<LoopbackVm>, pid: u32, budget: u64, stop: Arc<AtomicBoo
 #[test]
 fn three_vms_at_quarter_vram_lose_nothing() {
     let vram = 48 * MIB;
-    let host = Host::new("stress", vram, limits(32 * MIB, 64 * MIB), &["a", "b", "c"]);
+    let host = start_host("stress", vram, limits(32 * MIB, 64 * MIB), &["a", "b", "c"]);
     host.backend
         .set_vram_config(VramConfig {
             period_ms: 5,
@@ -410,7 +366,7 @@ fn three_vms_at_quarter_vram_lose_nothing() {
 /// addresses survive eviction and swap-in; CPU writes to a swapped buffer reach the GPU.
 #[test]
 fn evict_and_swap_in_keep_bytes_and_pause_only_the_owner() {
-    let host = Host::new("basic", 32 * MIB, limits(32 * MIB, 32 * MIB), &["a"]);
+    let host = start_host("basic", 32 * MIB, limits(32 * MIB, 32 * MIB), &["a"]);
     host.backend
         .set_vram_config(VramConfig {
             enabled: false,
@@ -483,7 +439,7 @@ fn evict_and_swap_in_keep_bytes_and_pause_only_the_owner() {
 #[test]
 fn hostile_free_mid_eviction_drain_timeout_and_swap_limit() {
     let vram = 16 * MIB;
-    let host = Host::new("hostile", vram, limits(8 * MIB, 8 * MIB), &["a"]);
+    let host = start_host("hostile", vram, limits(8 * MIB, 8 * MIB), &["a"]);
     host.backend
         .set_vram_config(VramConfig {
             enabled: false,
@@ -559,7 +515,7 @@ fn hostile_free_mid_eviction_drain_timeout_and_swap_limit() {
 /// CPU-written buffer out and back (the backend's counters say so), and no store is lost.
 #[test]
 fn smoke_swap_check_moves_the_buffer_and_loses_no_store() {
-    let host = Host::new("smoke", 64 * MIB, limits(64 * MIB, 128 * MIB), &["a"]);
+    let host = start_host("smoke", 64 * MIB, limits(64 * MIB, 128 * MIB), &["a"]);
     host.backend
         .set_vram_config(VramConfig {
             period_ms: 20,
@@ -568,7 +524,7 @@ fn smoke_swap_check_moves_the_buffer_and_loses_no_store() {
         .unwrap();
     let dev = Device::loopback(host.connect("a"), 300).unwrap();
     let waited0 = vgpu_vmm::write_protect::stores_waited();
-    let r = vgpu_tools::swap_check::run(&dev, Duration::from_secs(6), 16, 96);
+    let r = vgpu_guest_tools::swap_check::run(&dev, Duration::from_secs(6), 16, 96);
     let st = host.backend.vram_stats("a").unwrap();
     println!(
         "swap check: {r:?}; evictions {} swap-ins {}; {} stores waited",

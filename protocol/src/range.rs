@@ -1,5 +1,5 @@
-//! Range allocation: first fit over a free list with coalescing. Used for VRAM here
-//! and for GPU virtual addresses by the runtime.
+//! Range allocation: first fit over a free list with coalescing. Used for VRAM by the
+//! host-shim GPUs (`vgpu_host_shim::vram`) and for GPU virtual addresses by the runtime.
 
 use std::collections::BTreeMap;
 

@@ -9,10 +9,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vgpu_backend::{Policy, SchedConfig, SchedError, VgpuBackend};
+use vgpu_bench::sched_rig::{SchedRig, Tenant, TenantSpec};
 use vgpu_guest::{Device, Error as GuestError, KernelArgs};
 use vgpu_protocol::request::event;
 use vgpu_protocol::ErrorCode;
-use vgpu_tools::sched_rig::{SchedRig, Tenant, TenantSpec};
 
 const MS: u64 = 1_000_000;
 const WARMUP: Duration = Duration::from_millis(400);

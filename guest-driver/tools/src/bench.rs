@@ -1,5 +1,6 @@
-//! Suite `guest`: the shared workloads and submission round trips through one device, as
-//! an application in a VM sees them — over `/dev/vgpu` in a guest, or natively on an
+//! Suite `guest` (`vgpu-guest-bench` in a VM, `vgpu-bench guest` on a host): the shared
+//! workloads and submission round trips through one device, as an application in a VM
+//! sees them — over `/dev/vgpu` in a guest, or natively on an
 //! in-process sim (`--native`, the baseline to run on the host or in L1). Figures carry
 //! the transport in their names (`saxpy_devvgpu`, `saxpy_native`), so the two runs'
 //! figures put side by side give the VM-vs-native ratio.
@@ -13,18 +14,17 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 use vgpu_guest::workloads::Workload;
 use vgpu_guest::{Context, Device, KernelArgs};
-use vgpu_host_shim::{HalError, SimConfig, SimGpu};
 
+use crate::measure::min;
 use crate::report::{Better, Figure};
 use crate::stats::percentile;
-use crate::suites::measure::min;
 
 const SUITE: &str = "guest";
 
 #[derive(Debug, Error)]
 pub enum GuestSuiteError {
-    #[error("GPU: {0}")]
-    Hal(#[from] HalError),
+    #[error(transparent)]
+    Native(#[from] crate::native::NativeError),
     #[error("runtime: {0}")]
     Runtime(#[from] vgpu_guest::Error),
 }
@@ -63,6 +63,40 @@ impl GuestOpts {
     }
 }
 
+/// The command-line options of the guest suite, shared by `vgpu-guest-bench` and
+/// `vgpu-bench guest`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct GuestArgs {
+    /// The device node.
+    #[arg(long, default_value = vgpu_guest::devvgpu::DEFAULT_PATH)]
+    pub device: String,
+    /// Use an in-process sim GPU instead of the device.
+    #[arg(long)]
+    pub native: bool,
+    /// Timed runs of each workload (the best counts); default 1 with --quick, else 5.
+    #[arg(long)]
+    pub reps: Option<u32>,
+    /// With --native: the sim's longest idle sleep between polls, µs (match the
+    /// backend's --sim-idle-sleep-us for a fair comparison).
+    #[arg(long)]
+    pub sim_idle_sleep_us: Option<u64>,
+}
+
+impl GuestArgs {
+    /// The suite's options: small sizes with `quick`, then what the arguments say.
+    pub fn opts(&self, quick: bool) -> GuestOpts {
+        let device = (!self.native).then(|| self.device.clone());
+        let mut opts = if quick {
+            GuestOpts::quick(device)
+        } else {
+            GuestOpts::full(device)
+        };
+        opts.reps = self.reps.unwrap_or(opts.reps);
+        opts.sim_idle_sleep_us = self.sim_idle_sleep_us;
+        opts
+    }
+}
+
 /// p50 and p99 (µs) of submit → fence seen for empty kernels, one at a time. With
 /// `remote`, GP_PUT goes to the host in a request (the API-remoting baseline).
 fn round_trip(ctx: &Context, samples: u32, remote: bool) -> Result<(f64, f64), GuestSuiteError> {
@@ -87,13 +121,7 @@ fn round_trip(ctx: &Context, samples: u32, remote: bool) -> Result<(f64, f64), G
 pub fn run(opts: &GuestOpts) -> Result<Vec<Figure>, GuestSuiteError> {
     let dev = match &opts.device {
         Some(path) => Device::devvgpu(path)?,
-        None => {
-            let mut cfg = SimConfig::default();
-            if let Some(us) = opts.sim_idle_sleep_us {
-                cfg.max_idle_sleep_ns = us.saturating_mul(1000).max(cfg.min_idle_sleep_ns);
-            }
-            Device::native(SimGpu::new(cfg)?)?
-        }
+        None => crate::native::device(opts.sim_idle_sleep_us)?,
     };
     let side = dev.info().transport;
     let ctx = dev.create_context()?;

@@ -4,13 +4,11 @@
 //! checks run over `/dev/vgpu` (`ci/rig/l2-driver.sh`). Each check compares with the CPU
 //! reference, so these fail if a kernel, a mapping or a transport is wrong.
 
-use std::time::{Duration, Instant};
-
-use vgpu_backend::{VgpuBackend, VmLimits};
+use vgpu_backend::VmLimits;
 use vgpu_guest::Device;
+use vgpu_guest_tools::smoke;
 use vgpu_host_shim::{SimConfig, SimGpu};
-use vgpu_tools::smoke;
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
+use vgpu_test_support::Host;
 
 fn assert_all_pass(checks: &[smoke::Check], blocking_expected: bool) {
     let failed: Vec<_> = checks.iter().filter(|c| c.failure.is_some()).collect();
@@ -55,25 +53,7 @@ fn smoke_native() {
 #[test]
 fn smoke_loopback() {
     let gpu = SimGpu::new(SimConfig::default()).unwrap();
-    let backend = VgpuBackend::new(gpu, VmLimits::default());
-    let dir = std::env::temp_dir().join(format!("vgpu-smoke-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let sock = dir.join("vm.sock");
-    backend.serve_vm("vm", &sock).unwrap();
-    let t0 = Instant::now();
-    let vm = loop {
-        match LoopbackVm::connect(
-            &sock,
-            LoopbackConfig {
-                mem_bytes: 64 << 20,
-            },
-        ) {
-            Ok(v) => break v,
-            Err(e) if t0.elapsed() > Duration::from_secs(10) => panic!("connect: {e}"),
-            Err(_) => std::thread::sleep(Duration::from_millis(20)),
-        }
-    };
-    let dev = Device::loopback(vm, 42).unwrap();
+    let host = Host::with_gpu("smoke", gpu, VmLimits::default(), &["vm"]).with_vm_mem(64 << 20);
+    let dev = Device::loopback(host.connect("vm"), 42).unwrap();
     assert_all_pass(&smoke::run(&dev, 5), false);
-    let _ = std::fs::remove_dir_all(&dir);
 }

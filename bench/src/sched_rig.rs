@@ -16,6 +16,7 @@ use thiserror::Error;
 use vgpu_backend::{VgpuBackend, VmLimits};
 use vgpu_guest::{Device, KernelArgs};
 use vgpu_host_shim::{Gpu, HalError, SimConfig, SimGpu};
+use vgpu_test_support::{connect_retry, CONNECT_TIMEOUT};
 use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
 
 use crate::hidden_counters::HiddenCounters;
@@ -73,21 +74,11 @@ impl SchedRig {
             rig.backend
                 .serve_vm(vm, &sock)
                 .map_err(|e| RigError::Backend(e.to_string()))?;
-            let t0 = Instant::now();
-            let lvm = loop {
-                match LoopbackVm::connect(
-                    &sock,
-                    LoopbackConfig {
-                        mem_bytes: 32 << 20,
-                    },
-                ) {
-                    Ok(v) => break v,
-                    Err(e) if t0.elapsed() > Duration::from_secs(10) => {
-                        return Err(RigError::Loopback(vm.to_string(), e.to_string()))
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
-                }
+            let cfg = LoopbackConfig {
+                mem_bytes: 32 << 20,
             };
+            let lvm = connect_retry(&sock, cfg, CONNECT_TIMEOUT)
+                .map_err(|e| RigError::Loopback(vm.to_string(), e.to_string()))?;
             rig.vms.insert(vm.to_string(), lvm);
         }
         Ok(rig)

@@ -3,80 +3,34 @@
 //! loopback transport (requests on the control virtqueue, control pages and apertures in
 //! the BAR window, submissions by plain stores).
 
-use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vgpu_backend::{VgpuBackend, VmLimits};
+use vgpu_backend::VmLimits;
 use vgpu_guest::workloads::Workload;
 use vgpu_guest::{Device, KernelArgs};
-use vgpu_host_shim::{SimConfig, SimGpu};
 use vgpu_protocol::request::{decode_reply, GuestRange, Op, ReplyBody, Request};
 use vgpu_protocol::ErrorCode;
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
+use vgpu_test_support::Host;
+use vgpu_vmm::loopback::LoopbackVm;
 
-struct Host {
-    gpu: Arc<SimGpu>,
-    backend: Arc<VgpuBackend>,
-    dir: PathBuf,
+/// The backend on a 256 MiB sim GPU serving `vms`.
+fn start_host(tag: &str, vms: &[&str]) -> Host {
+    Host::new(&format!("e2e-{tag}"), 256 << 20, VmLimits::default(), vms)
 }
 
-impl Host {
-    fn new(tag: &str, vms: &[&str]) -> Host {
-        let gpu = SimGpu::new(SimConfig {
-            vram_bytes: 256 << 20,
-            ..Default::default()
-        })
-        .unwrap();
-        let backend = VgpuBackend::new(gpu.clone(), VmLimits::default());
-        let dir = std::env::temp_dir().join(format!("vgpu-e2e-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        for vm in vms {
-            backend
-                .serve_vm(vm, &dir.join(format!("{vm}.sock")))
-                .unwrap();
+/// Waits until the backend's view of `vm` satisfies `pred`.
+fn wait_stats(
+    host: &Host,
+    vm: &str,
+    pred: impl Fn(&vgpu_backend::VmStats) -> bool,
+) -> vgpu_backend::VmStats {
+    let t0 = Instant::now();
+    loop {
+        let s = host.backend.vm_stats(vm).unwrap();
+        if pred(&s) || t0.elapsed() > Duration::from_secs(10) {
+            return s;
         }
-        Host { gpu, backend, dir }
-    }
-
-    fn connect(&self, vm: &str) -> Arc<LoopbackVm> {
-        let sock = self.dir.join(format!("{vm}.sock"));
-        let t0 = Instant::now();
-        loop {
-            match LoopbackVm::connect(
-                &sock,
-                LoopbackConfig {
-                    mem_bytes: 128 << 20,
-                },
-            ) {
-                Ok(v) => return v,
-                Err(e) if t0.elapsed() > Duration::from_secs(10) => panic!("connect {vm}: {e}"),
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
-            }
-        }
-    }
-
-    /// Waits until the backend's view of `vm` satisfies `pred`.
-    fn wait_stats(
-        &self,
-        vm: &str,
-        pred: impl Fn(&vgpu_backend::VmStats) -> bool,
-    ) -> vgpu_backend::VmStats {
-        let t0 = Instant::now();
-        loop {
-            let s = self.backend.vm_stats(vm).unwrap();
-            if pred(&s) || t0.elapsed() > Duration::from_secs(10) {
-                return s;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
-impl Drop for Host {
-    fn drop(&mut self) {
-        self.backend.shutdown();
-        let _ = std::fs::remove_dir_all(&self.dir);
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 
@@ -88,7 +42,7 @@ fn call(vm: &LoopbackVm, pid: u32, ctx: u32, op: Op) -> Result<ReplyBody, ErrorC
 
 #[test]
 fn several_vms_run_workloads_at_once() {
-    let host = Host::new("multi", &["a", "b", "c"]);
+    let host = start_host("multi", &["a", "b", "c"]);
     let vms: Vec<_> = ["a", "b", "c"].iter().map(|v| host.connect(v)).collect();
     let mut threads = Vec::new();
     for (i, vm) in vms.iter().enumerate() {
@@ -118,7 +72,7 @@ fn several_vms_run_workloads_at_once() {
         t.join().unwrap();
     }
     for v in ["a", "b", "c"] {
-        let s = host.wait_stats(v, |s| s.contexts == 0);
+        let s = wait_stats(&host, v, |s| s.contexts == 0);
         assert_eq!(
             s.contexts, 0,
             "{v}: contexts freed when the runtime dropped them"
@@ -130,7 +84,7 @@ fn several_vms_run_workloads_at_once() {
 
 #[test]
 fn hostile_requests_get_errors_and_touch_nothing() {
-    let host = Host::new("hostile", &["victim", "attacker"]);
+    let host = start_host("hostile", &["victim", "attacker"]);
     let victim = host.connect("victim");
     let attacker = host.connect("attacker");
     // The victim owns contexts, VRAM buffers and a channel. Ids are per VM, so it makes
@@ -406,7 +360,7 @@ fn hostile_requests_get_errors_and_touch_nothing() {
 
 #[test]
 fn disconnect_mid_work_frees_everything_and_reconnect_works() {
-    let host = Host::new("disc", &["vm"]);
+    let host = start_host("disc", &["vm"]);
     let baseline = host.gpu.stats();
     let vm = host.connect("vm");
     let dev = Device::loopback(vm.clone(), 1).unwrap();
@@ -417,11 +371,11 @@ fn disconnect_mid_work_frees_everything_and_reconnect_works() {
     ch.launch(&KernelArgs::Spin { ns: 200_000_000 }, [1, 1, 1])
         .unwrap();
     ch.submit().unwrap();
-    let s = host.wait_stats("vm", |s| s.channels == 1);
+    let s = wait_stats(&host, "vm", |s| s.channels == 1);
     assert!(s.connected && s.vram_bytes >= 1 << 20 && s.aperture_bytes >= 1 << 20);
     // The VMM goes away while the kernel runs.
     vm.disconnect();
-    let s = host.wait_stats("vm", |s| !s.connected && s.contexts == 0);
+    let s = wait_stats(&host, "vm", |s| !s.connected && s.contexts == 0);
     assert_eq!(
         (
             s.contexts,
@@ -456,7 +410,7 @@ fn disconnect_mid_work_frees_everything_and_reconnect_works() {
 
 #[test]
 fn api_remoting_submits_through_the_backend() {
-    let host = Host::new("remote", &["vm"]);
+    let host = start_host("remote", &["vm"]);
     let vm = host.connect("vm");
     let dev = Device::loopback(vm, 5).unwrap();
     let ctx = dev.create_context().unwrap();

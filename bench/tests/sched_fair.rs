@@ -4,68 +4,24 @@
 //! GPU (long kernels win); with `fair`, `a` gets half. Shares are GPU busy time from the
 //! backend's per-PID books ([`VgpuBackend::process_busy_ns`]).
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use vgpu_backend::{Policy, SchedConfig, SchedError, VgpuBackend, VmLimits, VramConfig};
 use vgpu_guest::workloads::throttle::{self, ThrottleConfig};
 use vgpu_guest::{Device, KernelArgs};
-use vgpu_host_shim::{SimConfig, SimGpu};
 use vgpu_protocol::method::SemaphoreMode;
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
+use vgpu_test_support::Host;
+use vgpu_vmm::loopback::LoopbackVm;
 
 const WINDOW: Duration = Duration::from_secs(2);
 const WARMUP: Duration = Duration::from_millis(300);
 
-struct Host {
-    backend: Arc<VgpuBackend>,
-    dir: PathBuf,
-}
-
-impl Host {
-    fn new(tag: &str, vms: &[&str]) -> Host {
-        let gpu = SimGpu::new(SimConfig {
-            vram_bytes: 64 << 20,
-            ..Default::default()
-        })
-        .expect("sim GPU");
-        let backend = VgpuBackend::new(gpu, VmLimits::default());
-        let dir = std::env::temp_dir().join(format!("vgpu-sched-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("socket dir");
-        for vm in vms {
-            backend
-                .serve_vm(vm, &dir.join(format!("{vm}.sock")))
-                .expect("serve VM");
-        }
-        Host { backend, dir }
-    }
-
-    fn connect(&self, vm: &str) -> Arc<LoopbackVm> {
-        let sock = self.dir.join(format!("{vm}.sock"));
-        let t0 = Instant::now();
-        loop {
-            match LoopbackVm::connect(
-                &sock,
-                LoopbackConfig {
-                    mem_bytes: 64 << 20,
-                },
-            ) {
-                Ok(v) => return v,
-                Err(e) if t0.elapsed() > Duration::from_secs(10) => panic!("connect: {e}"),
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
-            }
-        }
-    }
-}
-
-impl Drop for Host {
-    fn drop(&mut self) {
-        self.backend.shutdown();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+/// The backend on a 64 MiB sim GPU serving `vms`, VMs with 64 MiB of RAM.
+fn start_host(tag: &str, vms: &[&str]) -> Host {
+    Host::new(&format!("sched-{tag}"), 64 << 20, VmLimits::default(), vms).with_vm_mem(64 << 20)
 }
 
 fn spawn_throttle(
@@ -110,7 +66,7 @@ fn share_a(be: &VgpuBackend) -> (f64, u64, u64) {
 #[test]
 fn fair_policy_splits_the_gpu_by_weight() {
     let _ = env_logger::builder().is_test(true).try_init();
-    let host = Host::new("fair", &["a", "b"]);
+    let host = start_host("fair", &["a", "b"]);
     let be = &host.backend;
     be.set_vm_weight("a", 100).expect("weight a");
     be.set_vm_weight("b", 100).expect("weight b");
@@ -183,7 +139,7 @@ fn fair_policy_splits_the_gpu_by_weight() {
 
 #[test]
 fn operator_interface_rejects_bad_input() {
-    let host = Host::new("ops", &["a"]);
+    let host = start_host("ops", &["a"]);
     let be = &host.backend;
     assert_eq!(be.vm_weight("a"), Some(vgpu_backend::sched::DEFAULT_WEIGHT));
     assert!(matches!(
@@ -272,7 +228,7 @@ fn spawn_churner(
 #[test]
 fn churning_channels_do_not_escape_fair() {
     let _ = env_logger::builder().is_test(true).try_init();
-    let host = Host::new("churn", &["a", "b"]);
+    let host = start_host("churn", &["a", "b"]);
     let be = &host.backend;
     let stop = Arc::new(AtomicBool::new(false));
     let va = host.connect("a");
@@ -310,7 +266,7 @@ fn churning_channels_do_not_escape_fair() {
 #[test]
 fn an_eviction_waiting_on_an_undrainable_channel_does_not_stall_the_scheduler() {
     let _ = env_logger::builder().is_test(true).try_init();
-    let host = Host::new("evict-wait", &["a", "b"]);
+    let host = start_host("evict-wait", &["a", "b"]);
     let be = host.backend.clone();
     be.set_vram_config(VramConfig {
         enabled: false,

@@ -1,9 +1,0 @@
-//! `vgpu-bench` suites: one module per suite, each returning its figures.
-
-pub mod api;
-pub mod guest;
-pub mod measure;
-pub mod sched;
-pub mod sim;
-pub mod swap;
-pub mod virt;
