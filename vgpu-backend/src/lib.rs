@@ -4,8 +4,13 @@
 //! Layout, in the style of rust-vmm's vhost-device crates:
 //! - [`vhu_vgpu`]: `VhostUserBackend` — features, config space, shared-memory region,
 //!   control and event virtqueues;
-//! - [`session`]: per-VM state (what each guest process owns) and teardown;
-//! - [`requests`]: validation and execution of control requests;
+//! - [`vm`]: **the one owner of per-VM state** — `VmState` and its `Session` (what each
+//!   guest process owns), control requests by subject, the session's channels through the
+//!   shadow mechanism, its VRAM objects and moves, teardown; nothing else has an `impl`
+//!   for them, and the managers below reach a VM only through narrow handles that `vm`
+//!   implements ([`sched::handle::SchedVm`], [`vram::handle::VramVm`]);
+//! - [`shadow`]: the shadow-channel mechanism (page switches, the holders of a channel,
+//!   owner holds for channels at birth), knowing nothing of sessions;
 //! - [`guest_mem`]: the GPU's view of a VM's guest memory ([`SysMemory`](vgpu_host_shim::SysMemory));
 //! - [`shmem`]: the BAR window (control-page slots, VRAM aperture) and SHMEM_MAP/UNMAP;
 //! - [`events`]: GPU events → per-VM FIFO → event virtqueue;
