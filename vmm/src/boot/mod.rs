@@ -24,16 +24,13 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvm_bindings::{
-    kvm_pit_config, kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY,
-    KVM_SYSTEM_EVENT_CRASH, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN,
-};
-use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
+use kvm_bindings::{KVM_SYSTEM_EVENT_CRASH, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
+use kvm_ioctls::{VcpuExit, VcpuFd};
 use thiserror::Error;
 use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 
 use crate::guest_memory::{GuestMemoryError, GuestRam};
-use crate::kvm::{KvmError, Vcpu, VcpuKicker};
+use crate::kvm::{Cap, KvmError, Vcpu, VcpuKicker, Vm};
 use crate::pci::{PciBus, PciDevice};
 use crate::shm_window::{HoleFill, ShmWindow, ShmWindowError};
 use crate::vgpu_device::{VgpuDeviceError, VhostUserVgpu};
@@ -48,6 +45,19 @@ use x86_64::BootLayout;
 
 /// Most vCPUs we boot (the MP table's LAPIC ids must stay below the IOAPIC id).
 pub const MAX_VCPUS: u8 = 64;
+
+impl From<KvmError> for BootError {
+    /// The KVM layer's errors, with the messages `vgpu-vmm` has always printed for a
+    /// missing or unusable `/dev/kvm`.
+    fn from(e: KvmError) -> Self {
+        match e {
+            KvmError::Open(e) => BootError::KvmOpen(e),
+            KvmError::ApiVersion(v) => BootError::KvmApi(v),
+            KvmError::MissingCap(c) => BootError::KvmCap(c),
+            e => BootError::KvmLayer(e),
+        }
+    }
+}
 
 /// Errors of VM setup and of the vCPU run loops.
 #[derive(Debug, Error)]
@@ -121,6 +131,8 @@ pub enum BootError {
     EventFd(io::Error),
     #[error("starting the vCPU {cpu} thread failed: {source}")]
     VcpuThread { cpu: u8, source: io::Error },
+    #[error("KVM: {0}")]
+    KvmLayer(#[source] KvmError),
     #[error("vCPU {cpu}: {source}")]
     Vcpu {
         cpu: u8,
@@ -219,13 +231,13 @@ pub struct LinuxVm {
     // (whose memslots the PCI wiring holds) go before the RAM they map.
     hooks: Option<Arc<VgpuHooks>>,
     vcpus: Vec<Vcpu>,
-    vm: Arc<VmFd>,
-    _kvm: Kvm,
+    /// Its memslots hold `ram` (and the shared-memory window) alive until it goes.
+    vm: Arc<Vm>,
     devices: Arc<LegacyDevices>,
     pci: Option<Arc<Mutex<PciBus>>>,
     layout: BootLayout,
     mem: GuestMemoryMmap,
-    ram: GuestRam,
+    ram: Arc<GuestRam>,
 }
 
 /// Wraps the memfd mappings of `ram` as vm-memory regions (for linux-loader). The
@@ -280,74 +292,28 @@ impl LinuxVm {
         }
         x86_64::make_cmdline(&cfg.cmdline)?;
 
-        let kvm = Kvm::new().map_err(BootError::KvmOpen)?;
-        let api = kvm.get_api_version();
-        if api != 12 {
-            return Err(BootError::KvmApi(api));
-        }
-        for (cap, name) in [
-            (kvm_ioctls::Cap::Irqchip, "KVM_CAP_IRQCHIP"),
-            (kvm_ioctls::Cap::Irqfd, "KVM_CAP_IRQFD"),
-            (kvm_ioctls::Cap::Pit2, "KVM_CAP_PIT2"),
-            (kvm_ioctls::Cap::UserMemory, "KVM_CAP_USER_MEMORY"),
-            (kvm_ioctls::Cap::ExtCpuid, "KVM_CAP_EXT_CPUID"),
-        ] {
-            if !kvm.check_extension(cap) {
-                return Err(BootError::KvmCap(name));
-            }
-        }
         if cfg.vgpu_stub && cfg.vgpu_socket.is_some() {
             return Err(BootError::VgpuTwice);
         }
-        let vm = Arc::new(kvm.create_vm().map_err(|source| BootError::Kvm {
-            what: "KVM_CREATE_VM",
-            source,
-        })?);
-        vm.set_tss_address(x86_64::KVM_TSS_ADDRESS)
-            .map_err(|source| BootError::Kvm {
-                what: "KVM_SET_TSS_ADDR",
-                source,
-            })?;
-        vm.create_irq_chip().map_err(|source| BootError::Kvm {
-            what: "KVM_CREATE_IRQCHIP",
-            source,
-        })?;
-        let pit = kvm_pit_config {
-            flags: KVM_PIT_SPEAKER_DUMMY,
-            ..Default::default()
-        };
-        vm.create_pit2(pit).map_err(|source| BootError::Kvm {
-            what: "KVM_CREATE_PIT2",
-            source,
-        })?;
-
-        // Guest RAM.
+        // The VM (TSS placed), the in-kernel irqchip and PIT, guest RAM as memslots.
+        let mut vm = Vm::new()?;
+        vm.require(&[
+            (Cap::Irqchip, "KVM_CAP_IRQCHIP"),
+            (Cap::Irqfd, "KVM_CAP_IRQFD"),
+            (Cap::Pit2, "KVM_CAP_PIT2"),
+            (Cap::ExtCpuid, "KVM_CAP_EXT_CPUID"),
+        ])?;
+        vm.create_irqchip()?;
+        vm.create_pit2()?;
+        let vm = Arc::new(vm);
         let mem_bytes = cfg.mem_mib << 20;
-        let ram = GuestRam::new(&x86_64::ram_layout(mem_bytes))?;
-        for (slot, r) in ram.regions().iter().enumerate() {
-            let region = kvm_userspace_memory_region {
-                slot: slot as u32,
-                flags: 0,
-                guest_phys_addr: r.gpa(),
-                memory_size: r.len(),
-                userspace_addr: r.host_addr() as u64,
-            };
-            // SAFETY: the region is a live mapping owned by `ram`, which `LinuxVm` keeps
-            // until after the VM fd is closed (field order), so KVM never sees it unmapped.
-            unsafe { vm.set_user_memory_region(region) }.map_err(|source| BootError::Kvm {
-                what: "KVM_SET_USER_MEMORY_REGION",
-                source,
-            })?;
-        }
+        let ram = Arc::new(GuestRam::new(&x86_64::ram_layout(mem_bytes))?);
+        vm.add_ram(&ram)?;
         let mem = guest_memory_of(&ram)?;
 
         // Devices.
         let irq = EventFdTrigger::new().map_err(BootError::EventFd)?;
-        vm.register_irqfd(irq.eventfd(), SERIAL_IRQ)
-            .map_err(|source| BootError::Kvm {
-                what: "KVM_IRQFD (serial)",
-                source,
-            })?;
+        vm.register_irqfd(irq.eventfd(), SERIAL_IRQ)?;
         let devices = Arc::new(LegacyDevices::new(irq, out));
         let shm_len = vgpu_protocol::device::SHM_SIZE;
         let place = pci_bar_placement(shm_len)?;
@@ -388,19 +354,17 @@ impl LinuxVm {
             );
             let bus = Arc::new(Mutex::new(bus));
             if let Some((window, kicks)) = vhost {
-                let memslot = ram.regions().len() as u32;
                 let calls =
                     with_vgpu(&bus, slot, |d| d.backend().calls().to_vec()).unwrap_or_default();
-                let bars = BarWiring::new(vm.clone(), slot, memslot, window, kicks);
-                let irqfd = |what| {
+                let bars = BarWiring::new(vm.clone(), slot, window, kicks);
+                let irqfd = || {
                     let fd = vmm_sys_util::eventfd::EventFd::new(libc::EFD_NONBLOCK)
                         .map_err(BootError::EventFd)?;
-                    vm.register_irqfd(&fd, u32::from(gsi))
-                        .map_err(|source| BootError::Kvm { what, source })?;
+                    vm.register_irqfd(&fd, u32::from(gsi))?;
                     Ok::<_, BootError>(fd)
                 };
-                let irq = irqfd("KVM_IRQFD (vgpu INTx)")?;
-                let config_irq = Arc::new(irqfd("KVM_IRQFD (vgpu config)")?);
+                let irq = irqfd()?;
+                let config_irq = Arc::new(irqfd()?);
                 let intx = IntxForwarder::start(bus.clone(), slot, irq, config_irq.clone())
                     .map_err(BootError::Intx)?;
                 let irqs = IrqRouting::new(
@@ -438,33 +402,23 @@ impl LinuxVm {
         );
 
         // vCPUs.
-        let base_cpuid = kvm
-            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-            .map_err(|source| BootError::Kvm {
-                what: "KVM_GET_SUPPORTED_CPUID",
-                source,
-            })?;
+        let base_cpuid = vm.supported_cpuid()?;
         // Keep `base_cpuid` pristine; patch a copy per vCPU.
         let mut vcpus = Vec::with_capacity(usize::from(cfg.vcpus));
         for cpu in 0..cfg.vcpus {
-            let fd = vm
+            let vcpu = vm
                 .create_vcpu(u64::from(cpu))
-                .map_err(|source| BootError::VcpuSetup {
-                    cpu,
-                    what: "KVM_CREATE_VCPU",
-                    source,
-                })?;
+                .map_err(|source| BootError::Vcpu { cpu, source })?;
             let mut cpuid = base_cpuid.clone();
             x86_64::patch_cpuid(&mut cpuid, cpu, cfg.vcpus);
-            setup_vcpu(&fd, cpu, &cpuid, &layout)?;
-            vcpus.push(Vcpu::from_fd(fd).map_err(|source| BootError::Vcpu { cpu, source })?);
+            setup_vcpu(vcpu.vcpu_fd(), cpu, &cpuid, &layout)?;
+            vcpus.push(vcpu);
         }
 
         Ok(LinuxVm {
             hooks,
             vcpus,
             vm,
-            _kvm: kvm,
             devices,
             pci,
             layout,
@@ -504,8 +458,8 @@ impl LinuxVm {
         self.hooks.as_ref().and_then(|h| h.bars.shm_gpa())
     }
 
-    /// The VM fd.
-    pub fn vm_fd(&self) -> &VmFd {
+    /// The VM (memslots, ioeventfds, irqfds; its raw fd through [`Vm::vm_fd`]).
+    pub fn vm(&self) -> &Vm {
         &self.vm
     }
 
