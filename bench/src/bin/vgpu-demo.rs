@@ -139,6 +139,9 @@ struct Progress {
     failures: AtomicU64,
 }
 
+/// How far a VM's share may be from its entitlement for the demo to call it fair (pp).
+const TOLERANCE_PP: f64 = 3.0;
+
 fn main() {
     env_logger::init();
     let cli = Cli::parse();
@@ -243,6 +246,8 @@ fn run(cli: &Cli) -> Result<(), Box<dyn std::error::Error>> {
     };
     let mut last = busy(&backend);
     let start = last.clone();
+    let seq_start = backend.next_interval();
+    let mut seq_change = None;
     let live = std::io::stdout().is_terminal();
     let t0 = Instant::now();
     let interval = Duration::from_secs_f64(cli.interval.max(0.05));
@@ -258,6 +263,7 @@ fn run(cli: &Cli) -> Result<(), Box<dyn std::error::Error>> {
             // What `vgpuctl --socket API vm set-weight VM W` does.
             let r = client.set_weight(&weight_vm, new_weight)?;
             at_change = Some(busy(&backend));
+            seq_change = Some(backend.next_interval());
             note = format!(
                 "t={:.1}s: vgpuctl --socket {} vm set-weight {weight_vm} {} -> ok\n",
                 t0.elapsed().as_secs_f64(),
@@ -310,6 +316,7 @@ fn run(cli: &Cli) -> Result<(), Box<dyn std::error::Error>> {
         printed = out.lines().count();
         let _ = std::io::stdout().flush();
     }
+    let seq_end = backend.next_interval();
     stop.store(true, Ordering::Relaxed);
     for h in handles {
         let _ = h.join();
@@ -377,6 +384,50 @@ fn run(cli: &Cli) -> Result<(), Box<dyn std::error::Error>> {
             share_of(&mid, &end, name)
         );
     }
+    // Each VM's share beside what it was owed: weighted max-min over the VMs' demands (a
+    // VM the scheduler never held back used what it wanted; see vgpu-backend's
+    // `sched::entitle`), from the scheduler's interval records.
+    let seq_mid = seq_change.unwrap_or(seq_end);
+    let phases = [
+        ("before", backend.gpu_shares_between(seq_start, seq_mid)),
+        ("after", backend.gpu_shares_between(seq_mid, seq_end)),
+    ];
+    println!(
+        "\n{:<6} {:<7} {:>7} {:>10} {:>10} {:>11}  verdict (±{TOLERANCE_PP} pp)",
+        "vm", "phase", "weight", "share", "entitled", "deviation"
+    );
+    let mut misses = 0;
+    for (phase, shares) in &phases {
+        for v in &shares.vms {
+            let dev = 100.0 * (v.share - v.entitled);
+            let ok = dev.abs() <= TOLERANCE_PP;
+            misses += u32::from(!ok);
+            println!(
+                "{:<6} {:<7} {:>7} {:>9.1}% {:>9.1}% {:>+8.1} pp  {}",
+                v.name,
+                phase,
+                v.weight,
+                100.0 * v.share,
+                100.0 * v.entitled,
+                dev,
+                if ok {
+                    "fair"
+                } else if dev < 0.0 {
+                    "got less than its entitlement"
+                } else {
+                    "got more than its entitlement"
+                }
+            );
+        }
+    }
+    println!(
+        "verdict: {}",
+        if misses == 0 {
+            "every VM within its entitlement".to_string()
+        } else {
+            format!("{misses} VM/phase result(s) outside ±{TOLERANCE_PP} pp")
+        }
+    );
     drop(api);
     for vm in &vms {
         vm.disconnect();

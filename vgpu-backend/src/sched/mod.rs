@@ -23,6 +23,7 @@
 pub mod account;
 pub mod api;
 pub mod cli;
+pub mod entitle;
 pub mod fair;
 pub mod handle;
 pub mod sampling;
@@ -728,8 +729,17 @@ impl Sched {
         kills
     }
 
-    /// Records who used the GPU in the interval.
-    fn record(&self, vms: &[VmObs], samples: &[VmSample], len_ns: u64) {
+    /// Records who used the GPU in the interval; `held`: the channels the scheduler held
+    /// shadowed during it.
+    fn record(
+        &self,
+        vms: &[VmObs],
+        samples: &[VmSample],
+        held: &BTreeSet<(String, u32)>,
+        len_ns: u64,
+    ) {
+        let held_back =
+            |vm: &str, c: &ChannelSample| c.pending && held.contains(&(vm.to_string(), c.ch));
         let seq = self.shared.seq.fetch_add(1, Ordering::Relaxed);
         let rec = IntervalRecord {
             seq,
@@ -747,6 +757,7 @@ impl Sched {
                         .map(|p| ProcBusy {
                             pid: p.pid,
                             weight: p.weight,
+                            held: p.channels.iter().any(|c| held_back(&s.name, c)),
                             busy_ns: p
                                 .channels
                                 .iter()
@@ -764,6 +775,7 @@ impl Sched {
                         })
                         .collect();
                     VmBusy {
+                        held: procs.iter().any(|p| p.held),
                         name: s.name.clone(),
                         weight: s.weight,
                         busy_ns: procs.iter().map(|p| p.busy_ns).sum(),
@@ -806,6 +818,8 @@ impl Sched {
         let len_ns = now.saturating_sub(self.last_tick_ns);
         self.last_tick_ns = now;
         let (mut vms, mut obs) = self.observe(be);
+        // What the scheduler held during the interval that just ended.
+        let held_during = self.shadowed.clone();
         self.account(&mut vms, &mut obs);
         // GPU time nobody used in the interval (all compute engines).
         let used: u64 = obs.iter().map(|o| o.busy_delta_ns).sum::<u64>()
@@ -829,7 +843,7 @@ impl Sched {
         let (sh, un, capped, failed) = self.enforce(&vms, &obs, &decision, &holds, &backlog);
         let kills = self.watch(be, &vms, &obs);
         if self.primed {
-            self.record(&vms, &samples, len_ns);
+            self.record(&vms, &samples, &held_during, len_ns);
         }
         self.primed = true;
         let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
