@@ -167,6 +167,35 @@ fn weight_change_takes_effect_within_two_intervals() {
     let share = a as f64 / (a + b).max(1) as f64;
     println!("a's share at weight 1 vs 100: {:.1} %", share * 100.0);
     assert!(share < 0.2, "a's share {:.1} %", share * 100.0);
+    // The API shows each VM's entitlement beside its share: at weight 1 against 100 `a`
+    // is owed at most what `b` (weight 100) leaves it — about 1/101 when `b` saturates,
+    // what `b` did not want otherwise; the deviation is the share's distance from that,
+    // and /metrics has the gauge.
+    for vm in ["a", "b"] {
+        let st = c.vm_stats(vm).expect("stats");
+        let w = st
+            .windows
+            .iter()
+            .find(|w| w.window_s == 1)
+            .expect("1 s window");
+        let (e, d) = (
+            w.entitled.expect("entitled"),
+            w.deviation_pp.expect("deviation"),
+        );
+        println!(
+            "{vm}: share {:.3}, entitled {e:.3}, deviation {d:+.1} pp",
+            w.share
+        );
+        assert!((0.0..=1.0).contains(&e) && d.is_finite());
+        if vm == "a" {
+            assert!(e < 0.05, "a at weight 1 is owed little: {e}");
+        }
+    }
+    let m = c.metrics().expect("metrics");
+    assert!(
+        metric(&m, "vgpu_vm_gpu_entitled_share{vm=\"b\",window=\"10s\"}").is_some(),
+        "entitlement gauge"
+    );
 }
 
 const MIB: u64 = 1 << 20;

@@ -115,6 +115,14 @@ pub struct WindowShare {
     pub share: f64,
     /// Fraction of the GPU's capacity (busy time / (span × engines)).
     pub utilization: f64,
+    /// What it was owed of the GPU time used in the window (0..=1): weighted max-min over
+    /// measured demands, from the scheduler's interval records (`null` before the
+    /// scheduler recorded an interval).
+    #[serde(default)]
+    pub entitled: Option<f64>,
+    /// Its share minus its entitlement in the same records, percentage points.
+    #[serde(default)]
+    pub deviation_pp: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
