@@ -1,6 +1,7 @@
 //! `vgpu-host-shim`: the GPU HAL ([`hal::Gpu`]) and the `sim` software GPU.
 
 pub mod clock;
+pub mod cuda;
 pub mod gpu_view;
 pub mod hal;
 pub mod kernels;
