@@ -1,5 +1,6 @@
 //! `vgpu-host-shim`: the GPU HAL ([`hal::Gpu`]) and the `sim` software GPU.
 
+pub mod choice;
 pub mod clock;
 pub mod cuda;
 pub mod gpu_view;
@@ -10,6 +11,7 @@ pub mod shared_mem;
 pub mod sim;
 pub mod vram;
 
+pub use choice::GpuChoice;
 pub use hal::{
     ChannelConfig, ChannelCounters, ChannelId, ContextId, EventSink, FdRange, Gpu, GpuEvent,
     GpuInfo, HalError, HostRange, MapFlags, MapTarget, PageSize, SysMemory, VramAlloc,

@@ -43,7 +43,7 @@ pub enum ConfigError {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GpuSection {
-    /// GPU model; only `"sim"` exists.
+    /// GPU model: `"sim"` (default), `"cuda"` or `"cuda:INDEX"`.
     pub model: Option<String>,
     pub vram_mib: Option<u64>,
     pub compute_engines: Option<u32>,
@@ -138,6 +138,8 @@ pub struct FileConfig {
 /// The GPU to create.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GpuConfig {
+    /// `sim` or `cuda[:INDEX]`.
+    pub model: vgpu_host_shim::GpuChoice,
     pub vram_bytes: u64,
     pub compute_engines: u32,
     pub max_channels: u32,
@@ -201,15 +203,15 @@ impl FileConfig {
     /// Applies defaults and checks every value.
     pub fn resolve(&self) -> Result<Config, ConfigError> {
         let g = &self.gpu;
-        if let Some(m) = &g.model {
-            if m != "sim" {
-                return Err(ConfigError::Invalid(format!(
-                    "gpu.model = {m:?}: only \"sim\" is supported"
-                )));
-            }
-        }
+        let model: vgpu_host_shim::GpuChoice = match &g.model {
+            Some(m) => m
+                .parse()
+                .map_err(|e| ConfigError::Invalid(format!("gpu.model: {e}")))?,
+            None => vgpu_host_shim::GpuChoice::Sim,
+        };
         let sim = vgpu_host_shim::SimConfig::default();
         let gpu = GpuConfig {
+            model,
             vram_bytes: range(
                 "gpu.vram_mib",
                 g.vram_mib.unwrap_or(sim.vram_bytes / MIB),

@@ -59,6 +59,9 @@ pub struct CudaDevice {
     name: String,
     total_mem: u64,
     funcs: [sys::CUfunction; 9],
+    /// Blocks of 1024 threads that fill every SM (a spin kernel occupies the whole GPU,
+    /// as the sim's spin occupies its engine).
+    spin_blocks: u32,
     /// GPU clock (%globaltimer) minus host CLOCK_MONOTONIC, so timestamps compare with
     /// the guest's clock readings.
     clock_offset: AtomicU64,
@@ -149,6 +152,10 @@ impl CudaDevice {
                 attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
             let minor =
                 attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+            let sms = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+            let threads =
+                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR)?;
+            let spin_blocks = (sms.max(1) * (threads / 1024).max(1)) as u32;
             let ptx = compile(major, minor)?;
             let mut module = std::ptr::null_mut();
             check(
@@ -167,6 +174,7 @@ impl CudaDevice {
                 name,
                 total_mem: total as u64,
                 funcs,
+                spin_blocks,
                 clock_offset: AtomicU64::new(0),
             };
             d.calibrate_clock()?;
@@ -252,7 +260,9 @@ impl CudaDevice {
         let blocks = |n: u64| (n.div_ceil(256).clamp(1, 8192)) as u32;
         match *args {
             KernelArgs::Empty => self.launch(s, Kern::Empty, (1, 1), (1, 1), &mut []),
-            KernelArgs::Spin { mut ns } => self.launch(s, Kern::Spin, (1, 1), (1, 1), &mut p!(ns)),
+            KernelArgs::Spin { mut ns } => {
+                self.launch(s, Kern::Spin, (self.spin_blocks, 1), (1024, 1), &mut p!(ns))
+            }
             KernelArgs::Memset {
                 mut dst,
                 mut len,
@@ -310,7 +320,7 @@ impl CudaDevice {
                 mut src,
                 mut len,
                 mut dst,
-            } => self.launch(s, Kern::Checksum, (1, 1), (1, 1), &mut p!(src, len, dst)),
+            } => self.launch(s, Kern::Checksum, (1, 1), (1024, 1), &mut p!(src, len, dst)),
             KernelArgs::Stencil2d {
                 mut src,
                 mut dst,

@@ -1,6 +1,8 @@
 //! Host memory the device may reach: which ranges are registered with the driver and
-//! which contexts use them. Ranges are registered once (the driver refuses overlapping
-//! registrations) and unregistered when the last context using them is gone.
+//! which mappings use them. Ranges are registered once (the driver refuses overlapping
+//! registrations) and unregistered when the last mapping using them is gone — promptly,
+//! because the owner may free the memory and a later allocation may land at the same
+//! address with other pages behind it, which a stale registration would not see.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -10,9 +12,12 @@ use crate::hal::ContextId;
 
 const PAGE: usize = 4096;
 
+/// A system-memory mapping: its context and GPU virtual address.
+pub type MapKey = (ContextId, u64);
+
 struct Piece {
     len: usize,
-    users: BTreeSet<ContextId>,
+    users: BTreeSet<MapKey>,
 }
 
 /// Disjoint registered pieces, keyed by start address.
@@ -22,11 +27,11 @@ pub struct HostRegistry {
 }
 
 impl HostRegistry {
-    /// Makes `ptr..ptr+len` (widened to whole pages) reachable for `ctx`.
+    /// Makes `ptr..ptr+len` (widened to whole pages) reachable for mapping `key`.
     pub fn register<D: Device>(
         &mut self,
         dev: &D,
-        ctx: ContextId,
+        key: MapKey,
         ptr: *mut u8,
         len: usize,
     ) -> Result<(), DeviceError> {
@@ -52,7 +57,7 @@ impl HostRegistry {
                 fresh.push((at, s - at));
             }
             if let Some(p) = self.pieces.get_mut(&s) {
-                p.users.insert(ctx);
+                p.users.insert(key);
             }
             at = at.max(s + l);
         }
@@ -65,17 +70,18 @@ impl HostRegistry {
                 s,
                 Piece {
                     len: l,
-                    users: BTreeSet::from([ctx]),
+                    users: BTreeSet::from([key]),
                 },
             );
         }
         Ok(())
     }
 
-    /// Drops `ctx` from every piece; pieces nobody uses any more are unregistered.
-    pub fn release<D: Device>(&mut self, dev: &D, ctx: ContextId) {
+    /// Drops the mappings `gone` selects from every piece; pieces nobody uses any more
+    /// are unregistered.
+    pub fn release<D: Device>(&mut self, dev: &D, gone: impl Fn(&MapKey) -> bool) {
         self.pieces.retain(|&s, p| {
-            p.users.remove(&ctx);
+            p.users.retain(|k| !gone(k));
             if p.users.is_empty() {
                 if let Err(e) = dev.unregister_host(s as *mut u8) {
                     log::warn!("cuda: unregistering host memory at {s:#x}: {e}");

@@ -14,7 +14,8 @@ __device__ __forceinline__ u64 vgpu_globaltimer() {
 
 extern "C" __global__ void vgpu_empty() {}
 
-// Occupies one SM for `ns` nanoseconds of the GPU clock.
+// Each thread spins for `ns` nanoseconds of the GPU clock; launched with enough blocks to
+// fill every SM, it occupies the whole GPU.
 extern "C" __global__ void vgpu_spin(u64 ns) {
     u64 start = vgpu_globaltimer();
     while (vgpu_globaltimer() - start < ns) {
@@ -122,14 +123,33 @@ extern "C" __global__ void vgpu_reduce_sum(const float* src, u64 n, float* dst) 
     if (threadIdx.x == 0) *dst = __double2float_rn(sum);
 }
 
-// FNV-1a 64, in byte order (one thread; it is sequential by definition).
+// FNV-1a 64, in byte order: one thread hashes (it is sequential by definition) while the
+// block stages the next tile through shared memory, so the hasher never waits on memory
+// (which may be host memory across the PCIe/C2C link).
+#define CB 8192
 extern "C" __global__ void vgpu_checksum(const unsigned char* src, u64 len, u64* dst) {
+    __shared__ unsigned char buf[2][CB];
     u64 h = 0xcbf29ce484222325ULL;
-    for (u64 i = 0; i < len; i++) {
-        h ^= src[i];
-        h *= 0x100000001b3ULL;
+    u64 tiles = (len + CB - 1) / CB;
+    for (u64 j = threadIdx.x; j < CB && j < len; j += blockDim.x) buf[0][j] = src[j];
+    __syncthreads();
+    for (u64 t = 0; t < tiles; t++) {
+        u64 base = (t + 1) * CB;
+        if (t + 1 < tiles) {
+            for (u64 j = threadIdx.x; j < CB && base + j < len; j += blockDim.x)
+                buf[(t + 1) & 1][j] = src[base + j];
+        }
+        if (threadIdx.x == 0) {
+            u64 cnt = len - t * CB < CB ? len - t * CB : CB;
+            const unsigned char* b = buf[t & 1];
+            for (u64 j = 0; j < cnt; j++) {
+                h ^= b[j];
+                h *= 0x100000001b3ULL;
+            }
+        }
+        __syncthreads();
     }
-    *dst = h;
+    if (threadIdx.x == 0) *dst = h;
 }
 
 // dst = cc*c + cn*(((n + s) + e) + w), edges clamped. src and dst never overlap here (the

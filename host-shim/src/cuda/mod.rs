@@ -118,6 +118,11 @@ impl<D: Device> Shared<D> {
 struct Context {
     space: Arc<AddressSpace>,
     sysmem: Arc<dyn SysMemory>,
+    /// System-memory mappings (GPU VA → size) whose host memory is registered.
+    sys_maps: BTreeMap<u64, u64>,
+    /// Mappings unmapped or retargeted since the last `invalidate_tlb`: their host memory
+    /// stays registered until the GPU is done with the old translations.
+    released: Vec<u64>,
 }
 
 /// The `cuda` GPU over a [`Device`]: [`CudaGpu`] on real hardware, [`FakeCudaGpu`] in tests.
@@ -317,8 +322,8 @@ impl<D: Device> CudaGpuOf<D> {
         drained
     }
 
-    /// Registers the host memory behind a system-memory mapping with the device.
-    fn register_sysram(&self, ctx: ContextId, addr: u64, size: u64) -> Result<()> {
+    /// Registers the host memory behind a system-memory mapping at `va` with the device.
+    fn register_sysram(&self, ctx: ContextId, va: u64, addr: u64, size: u64) -> Result<()> {
         let sysmem = self
             .lock_contexts()
             .get(&ctx)
@@ -332,11 +337,60 @@ impl<D: Device> CudaGpuOf<D> {
                 .translate(a, size - done)
                 .filter(|r| r.len > 0 && !r.ptr.is_null())
                 .ok_or(HalError::NotMapped { va: a, size })?;
-            reg.register(&*self.shared.dev, ctx, r.ptr, r.len)
-                .map_err(os_err)?;
+            if let Err(e) = reg.register(&*self.shared.dev, (ctx, va), r.ptr, r.len) {
+                reg.release(&*self.shared.dev, |k| *k == (ctx, va));
+                return Err(os_err(e));
+            }
             done += r.len as u64;
         }
         Ok(())
+    }
+
+    /// Marks the registered mappings wholly inside `va..va+size` as released (their
+    /// registration ends at the next `invalidate_tlb`, once the GPU is done with them).
+    fn release_sysram(&self, ctx: ContextId, va: u64, size: u64) {
+        let end = va.saturating_add(size);
+        if let Some(c) = self.lock_contexts().get_mut(&ctx) {
+            let gone: Vec<u64> = c
+                .sys_maps
+                .range(va..end)
+                .filter(|(&s, &l)| s.saturating_add(l) <= end)
+                .map(|(&s, _)| s)
+                .collect();
+            for s in gone {
+                c.sys_maps.remove(&s);
+                c.released.push(s);
+            }
+        }
+    }
+
+    /// Ends the registrations released in `ctx` (after the GPU drained).
+    fn unregister_released(&self, ctx: ContextId) {
+        let gone = self
+            .lock_contexts()
+            .get_mut(&ctx)
+            .map(|c| std::mem::take(&mut c.released))
+            .unwrap_or_default();
+        if gone.is_empty() {
+            return;
+        }
+        let c = self.lock_contexts().get(&ctx).map(|c| c.sys_maps.clone());
+        self.hostreg
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .release(&*self.shared.dev, |k| {
+                // A mapping re-made at the same VA since its release keeps its registration.
+                k.0 == ctx
+                    && gone.contains(&k.1)
+                    && !c.as_ref().is_some_and(|m| m.contains_key(&k.1))
+            });
+    }
+
+    /// Records a registered system-memory mapping.
+    fn note_sysram(&self, ctx: ContextId, va: u64, size: u64) {
+        if let Some(c) = self.lock_contexts().get_mut(&ctx) {
+            c.sys_maps.insert(va, size);
+        }
     }
 }
 
@@ -349,15 +403,29 @@ impl<D: Device> Drop for CudaGpuOf<D> {
             let _ = t.join();
         }
         let all = self.remove_channels(|_| true);
-        if self.reap(&all).is_ok() {
-            for p in std::mem::take(
-                &mut *self
-                    .shared
-                    .old_scratch
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner()),
-            ) {
-                self.shared.dev.free_scratch(p);
+        if self.reap(&all).is_err() {
+            // The GPU may still touch this memory: leaking it is the safe choice.
+            log::warn!("cuda: GPU dropped with work in flight; its memory stays registered");
+            return;
+        }
+        for p in std::mem::take(
+            &mut *self
+                .shared
+                .old_scratch
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        ) {
+            self.shared.dev.free_scratch(p);
+        }
+        self.hostreg
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .release(&*self.shared.dev, |_| true);
+        // The memfd is unmapped right after this; a registration left behind would make
+        // the next mapping at the same address unregistrable.
+        if let Some(p) = self.shared.vram.range_ptr(0, self.shared.vram.len()) {
+            if let Err(e) = self.shared.dev.unregister_host(p) {
+                log::warn!("cuda: unregistering VRAM: {e}");
             }
         }
     }
@@ -387,6 +455,8 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
             Context {
                 space: Arc::new(AddressSpace::new(sysmem.clone())),
                 sysmem,
+                sys_maps: BTreeMap::new(),
+                released: Vec::new(),
             },
         );
         Ok(id)
@@ -407,7 +477,7 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
                 self.hostreg
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
-                    .release(&*self.shared.dev, ctx);
+                    .release(&*self.shared.dev, |k| k.0 == ctx);
                 Ok(())
             }
             Err(e) => {
@@ -483,13 +553,27 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
                     return Err(HalError::InvalidArgument("VRAM target out of bounds"));
                 }
             }
-            MapTarget::Sysram { addr } => self.register_sysram(ctx, addr, size)?,
+            MapTarget::Sysram { addr } => {
+                let space = self.space(ctx)?;
+                self.register_sysram(ctx, va, addr, size)?;
+                if let Err(e) = space.map(va, size, target, page, flags) {
+                    self.hostreg
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .release(&*self.shared.dev, |k| *k == (ctx, va));
+                    return Err(e);
+                }
+                self.note_sysram(ctx, va, size);
+                return Ok(());
+            }
         }
         self.space(ctx)?.map(va, size, target, page, flags)
     }
 
     fn unmap(&self, ctx: ContextId, va: u64, size: u64) -> Result<()> {
-        self.space(ctx)?.unmap(va, size)
+        self.space(ctx)?.unmap(va, size)?;
+        self.release_sysram(ctx, va, size);
+        Ok(())
     }
 
     fn remap(&self, ctx: ContextId, va: u64, size: u64, target: MapTarget) -> Result<()> {
@@ -502,17 +586,29 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
                     return Err(HalError::InvalidArgument("VRAM target out of bounds"));
                 }
             }
-            MapTarget::Sysram { addr } => self.register_sysram(ctx, addr, size)?,
+            MapTarget::Sysram { addr } => {
+                let space = self.space(ctx)?;
+                // A new key for the retargeted range; whatever it replaces is released.
+                self.release_sysram(ctx, va, size);
+                self.register_sysram(ctx, va, addr, size)?;
+                space.remap(va, size, target)?;
+                self.note_sysram(ctx, va, size);
+                return Ok(());
+            }
         }
-        self.space(ctx)?.remap(va, size, target)
+        self.space(ctx)?.remap(va, size, target)?;
+        self.release_sysram(ctx, va, size);
+        Ok(())
     }
 
     fn invalidate_tlb(&self, ctx: ContextId) -> Result<()> {
         let space = self.space(ctx)?;
         space.invalidate_tlb();
         // Entries planned before this point carry pointers from the old translations:
-        // wait until the GPU has finished them.
-        self.drain(&self.context_channels(ctx))
+        // wait until the GPU has finished them; then released host memory may go.
+        self.drain(&self.context_channels(ctx))?;
+        self.unregister_released(ctx);
+        Ok(())
     }
 
     fn access_counts(

@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use vgpu_tools::report::{print_json, print_table, Figure};
 use vgpu_tools::suites::api::{self, ApiOpts};
+use vgpu_tools::suites::cuda::{self, CudaOpts};
 use vgpu_tools::suites::guest::{self, GuestOpts};
 use vgpu_tools::suites::sched::{self, SchedOpts};
 use vgpu_tools::suites::sim::{self, SimOpts};
@@ -49,6 +50,26 @@ enum Suite {
         #[arg(long)]
         sim_idle_sleep_us: Option<u64>,
     },
+    /// vgpu on an NVIDIA GPU (`cuda`): the workloads natively and in a loopback VM,
+    /// submission latency, back-to-back launches, fairness, front-end CPU; with
+    /// --baseline, the native CUDA program's figures beside them.
+    Cuda {
+        /// The GPU: `cuda[:INDEX]`.
+        #[arg(long, default_value = "cuda")]
+        gpu: vgpu_host_shim::GpuChoice,
+        /// The native CUDA baseline program (built from tools/cuda-native/native.cu).
+        #[arg(long, value_name = "PATH")]
+        baseline: Option<PathBuf>,
+        /// Timed runs of each workload per side (the best counts).
+        #[arg(long)]
+        reps: Option<u32>,
+        /// VRAM of the cuda GPU, MiB (pinned host memory).
+        #[arg(long)]
+        vram_mib: Option<u64>,
+        /// Run on the CPU stand-in for the CUDA device (checks the plumbing without a GPU).
+        #[arg(long)]
+        fake: bool,
+    },
     /// VRAM oversubscription: slowdown vs all-in-VRAM, swap throughput, pauses, convergence.
     Swap,
     /// The GPU scheduler over loopback VMs: Fleig §5.4 fairness, weights, two levels,
@@ -80,6 +101,29 @@ fn main() {
             opts.sim_idle_sleep_us = sim_idle_sleep_us;
             guest::run(&opts).map_err(|e| e.to_string())
         }
+        Suite::Cuda {
+            gpu,
+            baseline,
+            reps,
+            vram_mib,
+            fake,
+        } => match gpu {
+            vgpu_host_shim::GpuChoice::Sim => {
+                Err("vgpu-bench cuda needs --gpu cuda[:INDEX]".into())
+            }
+            vgpu_host_shim::GpuChoice::Cuda { index } => {
+                let mut opts = if cli.quick {
+                    CudaOpts::quick(index)
+                } else {
+                    CudaOpts::full(index)
+                };
+                opts.reps = reps.unwrap_or(opts.reps);
+                opts.vram_mib = vram_mib.unwrap_or(opts.vram_mib);
+                opts.baseline = baseline;
+                opts.fake = fake;
+                cuda::run(&opts).map_err(|e| e.to_string())
+            }
+        },
         Suite::Sim => {
             let opts = if cli.quick {
                 SimOpts::quick()

@@ -1,0 +1,288 @@
+// cuda-native: the baseline for `vgpu-bench cuda`. The same builtin kernels
+// (host-shim/src/cuda/kernels.cu), the same launch geometry and the same workload sizes
+// as the cuda suite, launched directly on one CUDA stream of this process, with the data
+// in device memory ("device") and in mapped pinned host memory ("pinned", where vgpu's
+// cuda GPU keeps guest VRAM). Prints `name value unit` lines.
+//
+// Build (on the device machine): nvcc -O2 -o cuda-native native.cu -lcuda
+// The fairness baseline forks two processes before CUDA is initialised.
+
+// -DVGPU_KERNELS_CU='"path"' when the file is not in its place in the tree.
+#ifndef VGPU_KERNELS_CU
+#define VGPU_KERNELS_CU "../../../host-shim/src/cuda/kernels.cu"
+#endif
+#include VGPU_KERNELS_CU
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <vector>
+
+#define CK(x)                                                                    \
+    do {                                                                         \
+        cudaError_t e_ = (x);                                                    \
+        if (e_ != cudaSuccess) {                                                 \
+            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,            \
+                    cudaGetErrorString(e_));                                     \
+            exit(1);                                                             \
+        }                                                                        \
+    } while (0)
+
+static u64 now_ns() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (u64)ts.tv_sec * 1000000000ull + ts.tv_nsec;
+}
+
+static int spin_blocks() {
+    int sms = 0, thr = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    CK(cudaDeviceGetAttribute(&thr, cudaDevAttrMaxThreadsPerMultiProcessor, 0));
+    return sms * std::max(1, thr / 1024);
+}
+
+static unsigned blocks(u64 n) { return (unsigned)std::min<u64>(std::max<u64>((n + 255) / 256, 1), 8192); }
+
+struct Mem {
+    bool pinned;
+    void* alloc(size_t n) {
+        void* p;
+        if (pinned) {
+            CK(cudaHostAlloc(&p, n, cudaHostAllocMapped | cudaHostAllocPortable));
+        } else {
+            CK(cudaMalloc(&p, n));
+        }
+        CK(cudaMemset(p, 0, n));
+        return p;
+    }
+    void free(void* p) {
+        if (pinned) cudaFreeHost(p); else cudaFree(p);
+    }
+};
+
+static double ms_since(u64 t0) { return (now_ns() - t0) / 1e6; }
+
+// Each workload: set up (untimed), then time the launches + synchronize, best of reps.
+static double best(int reps, double (*f)(Mem&, bool), Mem& m, bool quick) {
+    f(m, quick);
+    double b = 1e300;
+    for (int i = 0; i < reps; i++) b = std::min(b, f(m, quick));
+    return b;
+}
+
+static cudaStream_t S;
+
+static double w_throttle(Mem&, bool quick) {
+    int n = quick ? 32 : 200;
+    u64 ns = quick ? 20000 : 1000000;
+    int sb = spin_blocks();
+    u64 t0 = now_ns();
+    for (int i = 0; i < n; i++) vgpu_spin<<<sb, 1024, 0, S>>>(ns);
+    CK(cudaStreamSynchronize(S));
+    return ms_since(t0);
+}
+
+static double w_saxpy(Mem& m, bool quick) {
+    u64 n = quick ? 4099 : (1ull << 26);
+    int it = quick ? 8 : 20;
+    float *x = (float*)m.alloc(n * 4), *y = (float*)m.alloc(n * 4);
+    u64 t0 = now_ns();
+    for (int i = 0; i < it; i++) vgpu_saxpy<<<blocks(n), 256, 0, S>>>(x, y, n, 0.5f);
+    CK(cudaStreamSynchronize(S));
+    double r = ms_since(t0);
+    m.free(x); m.free(y);
+    return r;
+}
+
+static double w_sgemm(Mem& m, bool quick) {
+    unsigned M = quick ? 33 : 1024, N = quick ? 17 : 1024, K = quick ? 29 : 1024;
+    int it = quick ? 3 : 2;
+    float *a = (float*)m.alloc((size_t)M * K * 4), *b = (float*)m.alloc((size_t)K * N * 4),
+          *c = (float*)m.alloc((size_t)M * N * 4);
+    dim3 grid((N + 63) / 64, (M + 63) / 64);
+    u64 t0 = now_ns();
+    for (int i = 0; i < it; i++) vgpu_sgemm<<<grid, 256, 0, S>>>(a, b, c, M, N, K, 1.0f, 0.5f);
+    CK(cudaStreamSynchronize(S));
+    double r = ms_since(t0);
+    m.free(a); m.free(b); m.free(c);
+    return r;
+}
+
+static double w_hotspot(Mem& m, bool quick) {
+    unsigned W = quick ? 37 : 8192, H = quick ? 23 : 8192;
+    int it = quick ? 9 : 10;
+    float* buf[2] = {(float*)m.alloc((size_t)W * H * 4), (float*)m.alloc((size_t)W * H * 4)};
+    dim3 grid((W + 31) / 32, (H + 7) / 8), blk(32, 8);
+    u64 t0 = now_ns();
+    for (int i = 0; i < it; i++)
+        vgpu_stencil2d<<<grid, blk, 0, S>>>(buf[i % 2], buf[(i + 1) % 2], W, H, 0.6f, 0.1f);
+    CK(cudaStreamSynchronize(S));
+    double r = ms_since(t0);
+    m.free(buf[0]); m.free(buf[1]);
+    return r;
+}
+
+static double w_reduction(Mem& m, bool quick) {
+    u64 n = quick ? 10000 : (1ull << 23);
+    int it = quick ? 6 : 4;
+    float* src = (float*)m.alloc(n * 4);
+    char* res = (char*)m.alloc(16 * it);
+    u64 t0 = now_ns();
+    for (int i = 0; i < it; i++) {
+        u64 skip = i % 4;
+        vgpu_reduce_sum<<<1, 1024, 0, S>>>(src + skip, n - skip, (float*)(res + 16 * i));
+        vgpu_checksum<<<1, 1024, 0, S>>>((const unsigned char*)(src + skip), (n - skip) * 4,
+                                      (u64*)(res + 16 * i + 8));
+    }
+    CK(cudaStreamSynchronize(S));
+    double r = ms_since(t0);
+    m.free(src); m.free(res);
+    return r;
+}
+
+// Host (guest RAM on the vgpu side) → VRAM → VRAM → host copies, then a checksum.
+static double w_copy_heavy(Mem& m, bool quick) {
+    size_t len = quick ? (200 << 10) + 12 : (64u << 20);
+    size_t chunk = quick ? (64 << 10) : (4 << 20);
+    int it = quick ? 4 : 4;
+    Mem host{true};
+    char *src = (char*)host.alloc(len), *dst = (char*)host.alloc(len), *res = (char*)host.alloc(8 * it);
+    char *va = (char*)m.alloc(len), *vb = (char*)m.alloc(len);
+    u64 t0 = now_ns();
+    for (int i = 0; i < it; i++) {
+        for (size_t o = 0; o < len; o += chunk)
+            CK(cudaMemcpyAsync(va + o, src + o, std::min(chunk, len - o), cudaMemcpyDefault, S));
+        for (size_t o = 0; o < len; o += chunk)
+            CK(cudaMemcpyAsync(vb + o, va + o, std::min(chunk, len - o), cudaMemcpyDefault, S));
+        for (size_t o = 0; o < len; o += chunk)
+            CK(cudaMemcpyAsync(dst + o, vb + o, std::min(chunk, len - o), cudaMemcpyDefault, S));
+        vgpu_checksum<<<1, 1024, 0, S>>>((const unsigned char*)vb, len, (u64*)(res + 8 * i));
+    }
+    CK(cudaStreamSynchronize(S));
+    double r = ms_since(t0);
+    host.free(src); host.free(dst); host.free(res);
+    m.free(va); m.free(vb);
+    return r;
+}
+
+static u64 g_offset;
+
+static void calibrate() {
+    u64* d;
+    CK(cudaMalloc(&d, 8));
+    u64 best = ~0ull;
+    for (int i = 0; i < 20; i++) {
+        u64 t0 = now_ns();
+        vgpu_timestamp<<<1, 1, 0, S>>>(d, 0);
+        CK(cudaStreamSynchronize(S));
+        u64 g;
+        CK(cudaMemcpy(&g, d, 8, cudaMemcpyDeviceToHost));
+        u64 t1 = now_ns();
+        if (t1 - t0 < best) { best = t1 - t0; g_offset = g - (t0 + (t1 - t0) / 2); }
+    }
+    cudaFree(d);
+}
+
+static void latency(int samples) {
+    u64* ts;
+    CK(cudaHostAlloc(&ts, 8, cudaHostAllocMapped));
+    std::vector<double> v;
+    for (int i = 0; i < samples + 100; i++) {
+        u64 t = now_ns();
+        vgpu_timestamp<<<1, 1, 0, S>>>(ts, g_offset);
+        CK(cudaStreamSynchronize(S));
+        if (i >= 100) v.push_back(((double)(*(volatile u64*)ts) - (double)t) / 1e3);
+    }
+    std::sort(v.begin(), v.end());
+    printf("launch_to_kernel_start_p50_us %.3f us\n", v[v.size() / 2]);
+    printf("launch_to_kernel_start_p99_us %.3f us\n", v[v.size() * 99 / 100]);
+    // Launch + synchronize round trip.
+    std::vector<double> rt;
+    for (int i = 0; i < samples; i++) {
+        u64 t = now_ns();
+        vgpu_empty<<<1, 1, 0, S>>>();
+        CK(cudaStreamSynchronize(S));
+        rt.push_back((now_ns() - t) / 1e3);
+    }
+    std::sort(rt.begin(), rt.end());
+    printf("launch_sync_roundtrip_p50_us %.3f us\n", rt[rt.size() / 2]);
+    cudaFreeHost(ts);
+}
+
+static void b2b(int n) {
+    vgpu_empty<<<1, 1, 0, S>>>();
+    CK(cudaStreamSynchronize(S));
+    u64 t0 = now_ns();
+    for (int i = 0; i < n; i++) vgpu_empty<<<1, 1, 0, S>>>();
+    CK(cudaStreamSynchronize(S));
+    printf("b2b_empty_kernels_per_s %.1f kernels/s\n", n / ((now_ns() - t0) / 1e9));
+}
+
+// One tenant process: back-to-back fixed-length spin kernels, two in flight, for `secs`.
+static void tenant(u64 ns, double secs, u64* out) {
+    cudaStream_t s;
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    int sb = spin_blocks();
+    cudaEvent_t ev[2];
+    CK(cudaEventCreateWithFlags(&ev[0], cudaEventDisableTiming));
+    CK(cudaEventCreateWithFlags(&ev[1], cudaEventDisableTiming));
+    vgpu_spin<<<sb, 1024, 0, s>>>(ns);
+    CK(cudaStreamSynchronize(s));
+    u64 end = now_ns() + (u64)(secs * 1e9);
+    u64 done = 0;
+    for (int i = 0; i < 2; i++) { vgpu_spin<<<sb, 1024, 0, s>>>(ns); CK(cudaEventRecord(ev[i], s)); }
+    int k = 0;
+    while (now_ns() < end) {
+        CK(cudaEventSynchronize(ev[k]));
+        done++;
+        vgpu_spin<<<sb, 1024, 0, s>>>(ns);
+        CK(cudaEventRecord(ev[k], s));
+        k ^= 1;
+    }
+    *out = done;
+}
+
+static void fairness(double secs) {
+    u64* shared = (u64*)mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    u64 lens[2] = {10000000ull, 1000000ull};
+    pid_t kids[2];
+    for (int i = 0; i < 2; i++) {
+        kids[i] = fork();
+        if (kids[i] == 0) {
+            tenant(lens[i], secs, &shared[i]);
+            _exit(0);
+        }
+    }
+    for (int i = 0; i < 2; i++) waitpid(kids[i], nullptr, 0);
+    printf("fairness_two_procs_10ms_share %.2f %%\n", shared[0] * lens[0] / (secs * 1e9) * 100);
+    printf("fairness_two_procs_1ms_share %.2f %%\n", shared[1] * lens[1] / (secs * 1e9) * 100);
+}
+
+int main(int argc, char** argv) {
+    bool quick = argc > 1 && !strcmp(argv[1], "--quick");
+    // Before this process touches CUDA: children initialise their own.
+    fairness(quick ? 0.5 : 4.0);
+    CK(cudaSetDevice(0));
+    CK(cudaStreamCreateWithFlags(&S, cudaStreamNonBlocking));
+    calibrate();
+    int reps = quick ? 1 : 3;
+    struct { const char* name; double (*f)(Mem&, bool); } ws[] = {
+        {"throttle", w_throttle}, {"saxpy", w_saxpy}, {"sgemm", w_sgemm},
+        {"hotspot", w_hotspot}, {"reduction", w_reduction}, {"copy_heavy", w_copy_heavy},
+    };
+    for (auto& w : ws) {
+        for (int pinned = 0; pinned < 2; pinned++) {
+            Mem m{pinned == 1};
+            printf("%s_%s_ms %.3f ms\n", w.name, pinned ? "pinned" : "device", best(reps, w.f, m, quick));
+            fflush(stdout);
+        }
+    }
+    latency(quick ? 200 : 2000);
+    b2b(quick ? 500 : 20000);
+    return 0;
+}
