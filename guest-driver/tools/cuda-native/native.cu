@@ -5,6 +5,7 @@
 // cuda GPU keeps guest VRAM). Prints `name value unit` lines.
 //
 // Build (on the device machine): nvcc -O2 -o cuda-native native.cu -lcuda
+// (host-located VMM allocations need the driver API; the rest uses the runtime API).
 // The fairness baseline forks two processes before CUDA is initialised.
 
 // -DVGPU_KERNELS_CU='"path"' when the file is not in its place in the tree.
@@ -12,6 +13,8 @@
 #define VGPU_KERNELS_CU "../../../host-shim/src/cuda/kernels.cu"
 #endif
 #include VGPU_KERNELS_CU
+
+#include <cuda.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -88,8 +91,8 @@ static double w_throttle(Mem&, bool quick) {
 }
 
 static double w_saxpy(Mem& m, bool quick) {
-    u64 n = quick ? 4099 : (1ull << 26);
-    int it = quick ? 8 : 20;
+    u64 n = quick ? 4099 : (1ull << 24);
+    int it = quick ? 8 : 50;
     float *x = (float*)m.alloc(n * 4), *y = (float*)m.alloc(n * 4);
     u64 t0 = now_ns();
     for (int i = 0; i < it; i++) vgpu_saxpy<<<blocks(n), 256, 0, S>>>(x, y, n, 0.5f);
@@ -114,8 +117,8 @@ static double w_sgemm(Mem& m, bool quick) {
 }
 
 static double w_hotspot(Mem& m, bool quick) {
-    unsigned W = quick ? 37 : 8192, H = quick ? 23 : 8192;
-    int it = quick ? 9 : 10;
+    unsigned W = quick ? 37 : 4096, H = quick ? 23 : 4096;
+    int it = quick ? 9 : 20;
     float* buf[2] = {(float*)m.alloc((size_t)W * H * 4), (float*)m.alloc((size_t)W * H * 4)};
     dim3 grid((W + 31) / 32, (H + 7) / 8), blk(32, 8);
     u64 t0 = now_ns();
@@ -263,6 +266,104 @@ static void fairness(double secs) {
     printf("fairness_two_procs_1ms_share %.2f %%\n", shared[1] * lens[1] / (secs * 1e9) * 100);
 }
 
+
+#define CU(x)                                                                    \
+    do {                                                                         \
+        CUresult r_ = (x);                                                       \
+        if (r_ != CUDA_SUCCESS) {                                                \
+            const char* s_ = "?";                                                \
+            cuGetErrorName(r_, &s_);                                             \
+            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_);         \
+            exit(1);                                                             \
+        }                                                                        \
+    } while (0)
+
+// What vgpu's eviction would cost with VRAM in device memory (VMM API): 64 MiB in 2 MiB
+// chunks at a fixed VA, each copied by the copy engine into a host-located allocation
+// (CU_MEM_LOCATION_TYPE_HOST) and remapped at the same VA; against a plain device→host copy
+// of the same size; a kernel reads the range bit-exactly before and after; and the read
+// bandwidth of a kernel over resident vs evicted memory.
+static void vram_swap() {
+    const size_t CH = 2 << 20, LEN = 64 << 20, NCH = LEN / CH;
+    CUdevice dev;
+    CU(cuDeviceGet(&dev, 0));
+    CUmemAllocationProp dp = {};
+    dp.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    dp.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    dp.location.id = 0;
+    CUmemAllocationProp hp = dp;
+    hp.location.type = CU_MEM_LOCATION_TYPE_HOST;
+    hp.location.id = 0;
+    CUmemAccessDesc acc = {};
+    acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    acc.location.id = 0;
+    acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CUdeviceptr va, tmp;
+    CU(cuMemAddressReserve(&va, LEN, CH, 0, 0));
+    CU(cuMemAddressReserve(&tmp, CH, CH, 0, 0));
+    std::vector<CUmemGenericAllocationHandle> dh(NCH), hh(NCH);
+    for (size_t i = 0; i < NCH; i++) {
+        CU(cuMemCreate(&dh[i], CH, &dp, 0));
+        CU(cuMemMap(va + i * CH, CH, 0, dh[i], 0));
+        CU(cuMemCreate(&hh[i], CH, &hp, 0));
+    }
+    CU(cuMemSetAccess(va, LEN, &acc, 1));
+    vgpu_memset<<<blocks(LEN / 4), 256, 0, S>>>((unsigned char*)va, LEN, 0x9e3779b9u);
+    u64* sums;
+    CK(cudaHostAlloc(&sums, 16, cudaHostAllocMapped));
+    vgpu_checksum<<<1, 1024, 0, S>>>((const unsigned char*)va, LEN, &sums[0]);
+    CK(cudaStreamSynchronize(S));
+    // Plain copy of the same size into pinned host memory.
+    void* pinned;
+    CK(cudaHostAlloc(&pinned, LEN, 0));
+    u64 t0 = now_ns();
+    CK(cudaMemcpyAsync(pinned, (void*)va, LEN, cudaMemcpyDeviceToHost, S));
+    CK(cudaStreamSynchronize(S));
+    double plain = (now_ns() - t0) / 1e9;
+    // Eviction: copy each chunk through a temporary mapping of its host allocation, then
+    // remap the host allocation at the chunk's own VA.
+    std::vector<double> pause;
+    u64 e0 = now_ns();
+    for (size_t i = 0; i < NCH; i++) {
+        u64 c0 = now_ns();
+        CU(cuMemMap(tmp, CH, 0, hh[i], 0));
+        CU(cuMemSetAccess(tmp, CH, &acc, 1));
+        CU(cuMemcpyDtoDAsync(tmp, va + i * CH, CH, S));
+        CK(cudaStreamSynchronize(S));
+        CU(cuMemUnmap(tmp, CH));
+        CU(cuMemUnmap(va + i * CH, CH));
+        CU(cuMemMap(va + i * CH, CH, 0, hh[i], 0));
+        CU(cuMemSetAccess(va + i * CH, CH, &acc, 1));
+        pause.push_back((now_ns() - c0) / 1e3);
+    }
+    double evict = (now_ns() - e0) / 1e9;
+    vgpu_checksum<<<1, 1024, 0, S>>>((const unsigned char*)va, LEN, &sums[1]);
+    CK(cudaStreamSynchronize(S));
+    // Kernel read bandwidth: saxpy over 64 MiB evicted (host-located) vs a resident copy.
+    float* res;
+    CK(cudaMalloc(&res, LEN));
+    CK(cudaMemset(res, 0, LEN));
+    u64 n = LEN / 4;
+    u64 r0 = now_ns();
+    for (int i = 0; i < 10; i++) vgpu_saxpy<<<blocks(n), 256, 0, S>>>((float*)va, res, n, 1.0f);
+    CK(cudaStreamSynchronize(S));
+    double host_rd = (now_ns() - r0) / 1e9;
+    float* res2;
+    CK(cudaMalloc(&res2, LEN));
+    r0 = now_ns();
+    for (int i = 0; i < 10; i++) vgpu_saxpy<<<blocks(n), 256, 0, S>>>(res, res2, n, 1.0f);
+    CK(cudaStreamSynchronize(S));
+    double dev_rd = (now_ns() - r0) / 1e9;
+    std::sort(pause.begin(), pause.end());
+    printf("swap_plain_dtoh_64mib_gb_per_s %.2f GB/s\n", LEN / plain / 1e9);
+    printf("swap_evict_64mib_gb_per_s %.2f GB/s\n", LEN / evict / 1e9);
+    printf("swap_evict_64mib_ms %.3f ms\n", evict * 1e3);
+    printf("swap_evict_chunk_pause_p50_us %.1f us\n", pause[pause.size() / 2]);
+    printf("swap_evicted_equals_resident %d bool\n", sums[0] == sums[1] ? 1 : 0);
+    printf("swap_saxpy_64mib_evicted_ms %.3f ms\n", host_rd * 100);
+    printf("swap_saxpy_64mib_resident_ms %.3f ms\n", dev_rd * 100);
+}
+
 int main(int argc, char** argv) {
     bool quick = argc > 1 && !strcmp(argv[1], "--quick");
     // Before this process touches CUDA: children initialise their own.
@@ -284,5 +385,6 @@ int main(int argc, char** argv) {
     }
     latency(quick ? 200 : 2000);
     b2b(quick ? 500 : 20000);
+    vram_swap();
     return 0;
 }

@@ -19,6 +19,8 @@ pub struct Inflight<M> {
     pub next_get: u32,
     pub start: Option<M>,
     pub end: M,
+    /// Whether the entry put work on the stream (only then is it charged).
+    pub runs: bool,
     pub host: Vec<HostAction>,
     pub waits: bool,
     pub copies: u64,
@@ -31,6 +33,8 @@ pub struct ChanState<D: Device> {
     pub inflight: VecDeque<Inflight<D::Mark>>,
     /// Per-channel staging buffer on the device (pointer, bytes).
     pub scratch: Option<(u64, u64)>,
+    /// Timeline time at which the last retired entry ended.
+    pub last_end: u64,
 }
 
 pub struct CudaChannel<D: Device> {
@@ -77,6 +81,7 @@ impl<D: Device> CudaChannel<D> {
                 fetched: 0,
                 inflight: VecDeque::new(),
                 scratch: None,
+                last_end: 0,
             }),
             busy_ns: AtomicU64::new(0),
             gp_completed: AtomicU64::new(0),

@@ -4,6 +4,7 @@
 
 use std::ffi::{c_void, CStr, CString};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
@@ -65,6 +66,7 @@ pub struct CudaDevice {
     /// GPU clock (%globaltimer) minus host CLOCK_MONOTONIC, so timestamps compare with
     /// the guest's clock readings.
     clock_offset: AtomicU64,
+    events: EventPool,
 }
 
 // SAFETY: CUDA contexts, functions, streams and events may be used from any thread once
@@ -80,8 +82,14 @@ unsafe impl Send for CudaStream {}
 // SAFETY: as above.
 unsafe impl Sync for CudaStream {}
 
-/// A recorded CUDA event.
-pub struct CudaMark(sys::CUevent);
+/// Events not in use, kept for reuse (creating one per GP entry costs a driver call).
+type EventPool = Arc<Mutex<Vec<sys::CUevent>>>;
+
+/// A recorded CUDA event; it goes back to the pool when dropped.
+pub struct CudaMark {
+    ev: sys::CUevent,
+    pool: EventPool,
+}
 // SAFETY: an event handle may be queried from any thread with its context current.
 unsafe impl Send for CudaMark {}
 // SAFETY: as above.
@@ -97,8 +105,14 @@ impl Drop for CudaStream {
 
 impl Drop for CudaMark {
     fn drop(&mut self) {
-        // SAFETY: the handle came from cuEventCreate and is destroyed once.
-        unsafe { sys::cuEventDestroy_v2(self.0) };
+        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        if pool.len() < 4096 {
+            pool.push(self.ev);
+        } else {
+            // SAFETY: the handle came from cuEventCreate and is destroyed once (it is not
+            // in the pool).
+            unsafe { sys::cuEventDestroy_v2(self.ev) };
+        }
     }
 }
 
@@ -176,6 +190,7 @@ impl CudaDevice {
                 funcs,
                 spin_blocks,
                 clock_offset: AtomicU64::new(0),
+                events: Arc::new(Mutex::new(Vec::new())),
             };
             d.calibrate_clock()?;
             log::info!(
@@ -486,23 +501,32 @@ impl Device for CudaDevice {
 
     fn mark(&self, s: &CudaStream) -> Result<CudaMark, DeviceError> {
         self.current()?;
-        let mut e = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; `s` is a live stream.
-        unsafe {
-            check(
-                "cuEventCreate",
-                sys::cuEventCreate(&mut e, sys::CUevent_flags_enum::CU_EVENT_DEFAULT as u32),
-            )?;
-            let m = CudaMark(e);
-            check("cuEventRecord", sys::cuEventRecord(e, s.0))?;
-            Ok(m)
-        }
+        let pooled = self.events.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let e = match pooled {
+            Some(e) => e,
+            None => {
+                let mut e = std::ptr::null_mut();
+                // SAFETY: valid out-pointer.
+                check("cuEventCreate", unsafe {
+                    sys::cuEventCreate(&mut e, sys::CUevent_flags_enum::CU_EVENT_DEFAULT as u32)
+                })?;
+                e
+            }
+        };
+        let m = CudaMark {
+            ev: e,
+            pool: self.events.clone(),
+        };
+        // SAFETY: `e` is a live event no other mark holds (it came from the pool or was
+        // just created); `s` is a live stream. Re-recording a reused event is allowed.
+        check("cuEventRecord", unsafe { sys::cuEventRecord(e, s.0) })?;
+        Ok(m)
     }
 
     fn reached(&self, m: &CudaMark) -> Result<bool, DeviceError> {
         self.current()?;
         // SAFETY: `m` is a live, recorded event.
-        match unsafe { sys::cuEventQuery(m.0) } {
+        match unsafe { sys::cuEventQuery(m.ev) } {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
             sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
             r => check("cuEventQuery", r).map(|_| false),
@@ -513,7 +537,7 @@ impl Device for CudaDevice {
         self.current().ok()?;
         let mut ms = 0f32;
         // SAFETY: both events are live and recorded with timing enabled.
-        let r = unsafe { sys::cuEventElapsedTime_v2(&mut ms, from.0, to.0) };
+        let r = unsafe { sys::cuEventElapsedTime_v2(&mut ms, from.ev, to.ev) };
         (r == sys::CUresult::CUDA_SUCCESS).then(|| (f64::from(ms.max(0.0)) * 1e6) as u64)
     }
 }

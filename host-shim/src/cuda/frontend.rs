@@ -16,6 +16,7 @@ use vgpu_protocol::{ControlPage, ErrorCode, GpEntry};
 use super::channel::{CudaChannel, Inflight};
 use super::device::Device;
 use super::plan::{plan_entry, HostAction, Translate};
+use super::timeline::Timeline;
 use super::Shared;
 use crate::clock::{now_ns, thread_cpu_ns};
 use crate::gpu_view::GpuView;
@@ -108,11 +109,17 @@ fn counter_after(a: u32, b: u32) -> bool {
 
 impl<D: Device> CudaChannel<D> {
     /// Retires reached entries, then issues new ones. Returns whether anything happened.
-    pub fn step(&self, dev: &D, vram: &SharedMem, old_scratch: &mut Vec<u64>) -> bool {
+    pub fn step(
+        &self,
+        dev: &D,
+        vram: &SharedMem,
+        old_scratch: &mut Vec<u64>,
+        tl: &mut Option<Timeline<D>>,
+    ) -> bool {
         if self.is_stopped() {
             return false;
         }
-        let mut progress = self.retire(dev);
+        let mut progress = self.retire(dev, tl);
         match self.issue_new(dev, vram, old_scratch) {
             Ok(p) => progress |= p,
             Err((code, info)) => {
@@ -123,7 +130,7 @@ impl<D: Device> CudaChannel<D> {
         progress
     }
 
-    fn retire(&self, dev: &D) -> bool {
+    fn retire(&self, dev: &D, tl: &mut Option<Timeline<D>>) -> bool {
         let mut st = self.lock();
         let mut progress = false;
         while let Some(head) = st.inflight.front() {
@@ -140,9 +147,19 @@ impl<D: Device> CudaChannel<D> {
             let Some(done) = st.inflight.pop_front() else {
                 break;
             };
-            if let Some(start) = &done.start {
-                if let Some(ns) = dev.elapsed_ns(start, &done.end) {
-                    self.busy_ns.fetch_add(ns, Ordering::Relaxed);
+            if let Some(tl) = tl.as_mut() {
+                if let Some(end) = tl.at(dev, &done.end) {
+                    // Queued behind its own stream's previous entry: it started no earlier
+                    // than that one's end.
+                    let start = match &done.start {
+                        Some(s) => tl.at(dev, s).unwrap_or(end),
+                        None => st.last_end,
+                    };
+                    if done.runs {
+                        let ns = tl.charge(start.min(end), end);
+                        self.busy_ns.fetch_add(ns, Ordering::Relaxed);
+                    }
+                    st.last_end = end;
                 }
             }
             for a in &done.host {
@@ -203,7 +220,13 @@ impl<D: Device> CudaChannel<D> {
                 log::warn!("cuda channel {:?}: {e}", self.id);
                 (ErrorCode::Internal, 0)
             };
-            let start = if plan.ops.is_empty() {
+            // A start mark only when the stream is idle: queued behind its own previous
+            // entry, this one starts when that one ends (one event per entry saved).
+            let idle = st
+                .inflight
+                .back()
+                .is_none_or(|last| dev.reached(&last.end).unwrap_or(true));
+            let start = if plan.ops.is_empty() || !idle {
                 None
             } else {
                 Some(dev.mark(&self.stream).map_err(internal)?)
@@ -224,6 +247,7 @@ impl<D: Device> CudaChannel<D> {
                 next_get,
                 start,
                 end,
+                runs: !plan.ops.is_empty(),
                 host: plan.host,
                 waits: plan.waits,
                 copies: plan.copies,
@@ -272,6 +296,10 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
     let mut sleep_ns = shared.cfg.min_idle_sleep_ns;
     let mut cpu_mark = thread_cpu_ns();
     let mut old_scratch = Vec::new();
+    let mut tl = Timeline::new(&*shared.dev);
+    if tl.is_none() {
+        log::warn!("cuda: no timeline stream: channels report no busy time");
+    }
     while !shared.shutdown.load(Ordering::Acquire) {
         let gen = shared.gen.load(Ordering::Acquire);
         if gen != seen_gen {
@@ -280,7 +308,7 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
         }
         let mut progress = false;
         for ch in &chans {
-            progress |= ch.step(&*shared.dev, &shared.vram, &mut old_scratch);
+            progress |= ch.step(&*shared.dev, &shared.vram, &mut old_scratch, &mut tl);
         }
         if !old_scratch.is_empty() {
             shared.retire_scratch(std::mem::take(&mut old_scratch));

@@ -24,6 +24,7 @@ pub mod fake;
 mod frontend;
 mod hostreg;
 pub mod plan;
+pub mod timeline;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};

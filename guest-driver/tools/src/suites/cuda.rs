@@ -89,7 +89,9 @@ impl CudaOpts {
 }
 
 /// The workloads at the sizes this suite measures (also the baseline program's sizes:
-/// keep `tools/cuda-native/native.cu` in step).
+/// keep `tools/cuda-native/native.cu` in step). A VM's CPU window onto VRAM
+/// (`vgpu_protocol::device::APERTURE_SIZE`, 256 MiB) bounds the VRAM a workload may fill
+/// from the CPU at once.
 pub fn workloads(small: bool) -> Vec<Workload> {
     if small {
         return Workload::NAMES
@@ -105,8 +107,8 @@ pub fn workloads(small: bool) -> Vec<Workload> {
             stop: None,
         }),
         Workload::Saxpy(SaxpyConfig {
-            n: 1 << 26,
-            iterations: 20,
+            n: 1 << 24,
+            iterations: 50,
             ..SaxpyConfig::default()
         }),
         Workload::Sgemm(SgemmConfig {
@@ -117,9 +119,9 @@ pub fn workloads(small: bool) -> Vec<Workload> {
             ..SgemmConfig::default()
         }),
         Workload::Hotspot(HotspotConfig {
-            width: 8192,
-            height: 8192,
-            iterations: 10,
+            width: 4096,
+            height: 4096,
+            iterations: 20,
             ..HotspotConfig::default()
         }),
         Workload::Reduction(ReductionConfig {
@@ -149,7 +151,14 @@ struct Rig {
 
 impl Rig {
     fn new(gpu: Arc<dyn Gpu>, names: &[&str], vm_mem: u64) -> Result<Self, CudaSuiteError> {
-        let backend = VgpuBackend::new(gpu, VmLimits::default());
+        let backend = VgpuBackend::new(
+            gpu,
+            VmLimits {
+                vram_bytes: 4 << 30,
+                mapped_guest_bytes: 2 << 30,
+                ..VmLimits::default()
+            },
+        );
         let dir = std::env::temp_dir().join(format!(
             "vgpu-bench-cuda-{}-{}",
             std::process::id(),
