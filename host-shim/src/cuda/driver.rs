@@ -82,8 +82,13 @@ unsafe impl Send for CudaStream {}
 // SAFETY: as above.
 unsafe impl Sync for CudaStream {}
 
+/// An event handle not in use.
+struct IdleEvent(sys::CUevent);
+// SAFETY: an event handle may be used from any thread with its context current.
+unsafe impl Send for IdleEvent {}
+
 /// Events not in use, kept for reuse (creating one per GP entry costs a driver call).
-type EventPool = Arc<Mutex<Vec<sys::CUevent>>>;
+type EventPool = Arc<Mutex<Vec<IdleEvent>>>;
 
 /// A recorded CUDA event; it goes back to the pool when dropped.
 pub struct CudaMark {
@@ -107,7 +112,7 @@ impl Drop for CudaMark {
     fn drop(&mut self) {
         let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
         if pool.len() < 4096 {
-            pool.push(self.ev);
+            pool.push(IdleEvent(self.ev));
         } else {
             // SAFETY: the handle came from cuEventCreate and is destroyed once (it is not
             // in the pool).
@@ -503,7 +508,7 @@ impl Device for CudaDevice {
         self.current()?;
         let pooled = self.events.lock().unwrap_or_else(|e| e.into_inner()).pop();
         let e = match pooled {
-            Some(e) => e,
+            Some(IdleEvent(e)) => e,
             None => {
                 let mut e = std::ptr::null_mut();
                 // SAFETY: valid out-pointer.
