@@ -183,9 +183,9 @@ static void calibrate() {
         u64 t0 = now_ns();
         vgpu_timestamp<<<1, 1, 0, S>>>(d, 0);
         CK(cudaStreamSynchronize(S));
+        u64 t1 = now_ns();
         u64 g;
         CK(cudaMemcpy(&g, d, 8, cudaMemcpyDeviceToHost));
-        u64 t1 = now_ns();
         if (t1 - t0 < best) { best = t1 - t0; g_offset = g - (t0 + (t1 - t0) / 2); }
     }
     cudaFree(d);
@@ -226,24 +226,62 @@ static void b2b(int n) {
     printf("b2b_empty_kernels_per_s %.1f kernels/s\n", n / ((now_ns() - t0) / 1e9));
 }
 
-// One tenant process: back-to-back fixed-length spin kernels, two in flight, for `secs`.
-static void tenant(u64 ns, double secs, u64* out) {
+// Fixed work filling every SM: a spin on the clock would count time its context spends
+// switched out as work done, so the time-slicing baseline needs kernels of fixed work.
+__global__ void fixed_work(u64 iters, float* sink) {
+    float x = threadIdx.x;
+    for (u64 i = 0; i < iters; i++) x = x * 0.9999f + 0.5f;
+    if (x == 12345.0f) *sink = x;
+}
+
+static double work_ms(cudaStream_t s, u64 iters, float* sink) {
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    CK(cudaEventRecord(a, s));
+    fixed_work<<<spin_blocks(), 1024, 0, s>>>(iters, sink);
+    CK(cudaEventRecord(b, s));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    return ms;
+}
+
+// Iterations for a kernel of `target_ms` when it has the GPU to itself.
+static u64 calibrate_work(double target_ms) {
+    cudaStream_t s;
+    CK(cudaStreamCreate(&s));
+    float* sink;
+    CK(cudaMalloc(&sink, 4));
+    work_ms(s, 1000, sink);
+    u64 it = 100000;
+    for (int round = 0; round < 4; round++) {
+        double ms = work_ms(s, it, sink);
+        it = (u64)(it * target_ms / ms);
+    }
+    return it;
+}
+
+// One tenant process: back-to-back fixed-work kernels, two in flight, for `secs`.
+static void tenant(u64 iters, double secs, u64* out) {
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    float* sink;
+    CK(cudaMalloc(&sink, 4));
     int sb = spin_blocks();
     cudaEvent_t ev[2];
     CK(cudaEventCreateWithFlags(&ev[0], cudaEventDisableTiming));
     CK(cudaEventCreateWithFlags(&ev[1], cudaEventDisableTiming));
-    vgpu_spin<<<sb, 1024, 0, s>>>(ns);
+    fixed_work<<<sb, 1024, 0, s>>>(iters, sink);
     CK(cudaStreamSynchronize(s));
     u64 end = now_ns() + (u64)(secs * 1e9);
     u64 done = 0;
-    for (int i = 0; i < 2; i++) { vgpu_spin<<<sb, 1024, 0, s>>>(ns); CK(cudaEventRecord(ev[i], s)); }
+    for (int i = 0; i < 2; i++) { fixed_work<<<sb, 1024, 0, s>>>(iters, sink); CK(cudaEventRecord(ev[i], s)); }
     int k = 0;
     while (now_ns() < end) {
         CK(cudaEventSynchronize(ev[k]));
         done++;
-        vgpu_spin<<<sb, 1024, 0, s>>>(ns);
+        fixed_work<<<sb, 1024, 0, s>>>(iters, sink);
         CK(cudaEventRecord(ev[k], s));
         k ^= 1;
     }
@@ -252,20 +290,27 @@ static void tenant(u64 ns, double secs, u64* out) {
 
 static void fairness(double secs) {
     u64* shared = (u64*)mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    u64 lens[2] = {10000000ull, 1000000ull};
+    double lens_ms[2] = {10.0, 1.0};
+    // Calibrate in a child of its own: this process must not initialise CUDA before fork.
+    pid_t c = fork();
+    if (c == 0) {
+        shared[2] = calibrate_work(lens_ms[0]);
+        shared[3] = calibrate_work(lens_ms[1]);
+        _exit(0);
+    }
+    waitpid(c, nullptr, 0);
     pid_t kids[2];
     for (int i = 0; i < 2; i++) {
         kids[i] = fork();
         if (kids[i] == 0) {
-            tenant(lens[i], secs, &shared[i]);
+            tenant(shared[2 + i], secs, &shared[i]);
             _exit(0);
         }
     }
     for (int i = 0; i < 2; i++) waitpid(kids[i], nullptr, 0);
-    printf("fairness_two_procs_10ms_share %.2f %%\n", shared[0] * lens[0] / (secs * 1e9) * 100);
-    printf("fairness_two_procs_1ms_share %.2f %%\n", shared[1] * lens[1] / (secs * 1e9) * 100);
+    printf("fairness_two_procs_10ms_share %.2f %%\n", shared[0] * lens_ms[0] / (secs * 1e3) * 100);
+    printf("fairness_two_procs_1ms_share %.2f %%\n", shared[1] * lens_ms[1] / (secs * 1e3) * 100);
 }
-
 
 #define CU(x)                                                                    \
     do {                                                                         \
@@ -383,6 +428,7 @@ int main(int argc, char** argv) {
             fflush(stdout);
         }
     }
+    calibrate();  // the GPU clock drifts from the host's by µs per second
     latency(quick ? 200 : 2000);
     b2b(quick ? 500 : 20000);
     vram_swap();

@@ -13,9 +13,11 @@ use crate::hal::{ChannelConfig, ChannelCounters, ChannelId, ContextId, EventSink
 use crate::mmu::AddressSpace;
 use crate::sim::control_pages::ControlPages;
 
-/// One issued GP entry, waiting for its end mark.
+/// Issued GP entries sharing one end mark.
 pub struct Inflight<M> {
-    /// GP_GET after this entry completes.
+    /// GP entries in the batch.
+    pub entries: u32,
+    /// GP_GET after the batch completes.
     pub next_get: u32,
     pub start: Option<M>,
     pub end: M,

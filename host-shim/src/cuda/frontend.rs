@@ -25,8 +25,20 @@ use crate::kernels::{FaultKind, KernelMemory, MemFault};
 use crate::mmu::{AddressSpace, TranslateError};
 use crate::shared_mem::SharedMem;
 
-/// Most GP entries one channel may have on its stream at once.
-const MAX_INFLIGHT: usize = 256;
+/// Most completion marks (batches) one channel may have on its stream at once.
+const MAX_INFLIGHT: usize = 64;
+/// Most GP entries sharing one completion mark.
+const BATCH: u32 = 32;
+
+/// GP entries issued since the last mark.
+struct Batch<M> {
+    start: Option<M>,
+    entries: u32,
+    runs: bool,
+    host: Vec<HostAction>,
+    waits: bool,
+    copies: u64,
+}
 
 /// Resolves a context's ranges through its page tables to registered host memory.
 pub struct CtxTranslate<'a, D: Device> {
@@ -169,13 +181,17 @@ impl<D: Device> CudaChannel<D> {
                 }
             }
             self.copies.fetch_add(done.copies, Ordering::Relaxed);
-            self.gp_completed.fetch_add(1, Ordering::Relaxed);
+            self.gp_completed
+                .fetch_add(u64::from(done.entries), Ordering::Relaxed);
             self.store(ControlPage::GP_GET, done.next_get);
             progress = true;
         }
         progress
     }
 
+    /// Issues new GP entries. Entries issued in one sweep share one completion mark (up
+    /// to [`BATCH`]): GP_GET then moves by the batch, as a GPU's may, and the front end
+    /// spends one event per batch instead of one per entry.
     fn issue_new(
         &self,
         dev: &D,
@@ -183,14 +199,53 @@ impl<D: Device> CudaChannel<D> {
         old_scratch: &mut Vec<u64>,
     ) -> Result<bool, (ErrorCode, u64)> {
         let mut st = self.lock();
-        let mut progress = false;
+        if st.inflight.len() >= MAX_INFLIGHT || st.inflight.iter().any(|i| i.waits) {
+            return Ok(false);
+        }
+        let mut batch: Option<Batch<D::Mark>> = None;
+        let res = self.issue_batch(dev, vram, old_scratch, &mut st, &mut batch);
+        if let Some(b) = batch {
+            // Whatever was issued is tracked, even when a later entry faulted.
+            let next_get = st.fetched;
+            match dev.mark(&self.stream) {
+                Ok(end) => st.inflight.push_back(Inflight {
+                    next_get,
+                    start: b.start,
+                    end,
+                    entries: b.entries,
+                    runs: b.runs,
+                    host: b.host,
+                    waits: b.waits,
+                    copies: b.copies,
+                }),
+                Err(e) => {
+                    log::warn!("cuda channel {:?}: {e}", self.id);
+                    return Err((ErrorCode::Internal, 0));
+                }
+            }
+            return res.map(|_| true);
+        }
+        res
+    }
+
+    fn issue_batch(
+        &self,
+        dev: &D,
+        vram: &SharedMem,
+        old_scratch: &mut Vec<u64>,
+        st: &mut super::channel::ChanState<D>,
+        batch: &mut Option<Batch<D::Mark>>,
+    ) -> Result<bool, (ErrorCode, u64)> {
         loop {
-            if st.inflight.len() >= MAX_INFLIGHT || st.inflight.iter().any(|i| i.waits) {
-                return Ok(progress);
+            if batch
+                .as_ref()
+                .is_some_and(|b| b.waits || b.entries >= BATCH)
+            {
+                return Ok(true);
             }
             let put = self.load(ControlPage::GP_PUT);
             if !counter_after(put, st.fetched) {
-                return Ok(progress);
+                return Ok(batch.is_some());
             }
             let get = self.load(ControlPage::GP_GET);
             if put.wrapping_sub(get) > self.cfg.gp_entries {
@@ -216,21 +271,30 @@ impl<D: Device> CudaChannel<D> {
                     old_scratch.push(old);
                 }
             }
-            let internal = |e| {
-                log::warn!("cuda channel {:?}: {e}", self.id);
-                (ErrorCode::Internal, 0)
-            };
-            // A start mark only when the stream is idle: queued behind its own previous
-            // entry, this one starts when that one ends (one event per entry saved).
-            let idle = st
-                .inflight
-                .back()
-                .is_none_or(|last| dev.reached(&last.end).unwrap_or(true));
-            let start = if plan.ops.is_empty() || !idle {
-                None
-            } else {
-                Some(dev.mark(&self.stream).map_err(internal)?)
-            };
+            if batch.is_none() {
+                // A start mark only when the stream is idle: queued behind its own
+                // previous entry, the batch starts when that one ends.
+                let idle = st
+                    .inflight
+                    .back()
+                    .is_none_or(|last| dev.reached(&last.end).unwrap_or(true));
+                let start = if idle {
+                    Some(dev.mark(&self.stream).map_err(|e| {
+                        log::warn!("cuda channel {:?}: {e}", self.id);
+                        (ErrorCode::Internal, 0)
+                    })?)
+                } else {
+                    None
+                };
+                *batch = Some(Batch {
+                    start,
+                    entries: 0,
+                    runs: false,
+                    host: Vec::new(),
+                    waits: false,
+                    copies: 0,
+                });
+            }
             for op in &plan.ops {
                 // A launch the driver refuses (e.g. a grid beyond its limits) is the
                 // guest's bad argument, not a GPU failure.
@@ -239,20 +303,15 @@ impl<D: Device> CudaChannel<D> {
                     (ErrorCode::BadKernelArgs, 0)
                 })?;
             }
-            let end = dev.mark(&self.stream).map_err(internal)?;
             self.kernels.fetch_add(plan.kernels, Ordering::Relaxed);
             st.fetched = st.fetched.wrapping_add(1);
-            let next_get = st.fetched;
-            st.inflight.push_back(Inflight {
-                next_get,
-                start,
-                end,
-                runs: !plan.ops.is_empty(),
-                host: plan.host,
-                waits: plan.waits,
-                copies: plan.copies,
-            });
-            progress = true;
+            if let Some(b) = batch.as_mut() {
+                b.entries += 1;
+                b.runs |= !plan.ops.is_empty();
+                b.host.extend(plan.host);
+                b.waits |= plan.waits;
+                b.copies += plan.copies;
+            }
         }
     }
 
