@@ -27,7 +27,10 @@ use crate::shared_mem::SharedMem;
 
 /// Most completion marks (batches) one channel may have on its stream at once.
 const MAX_INFLIGHT: usize = 64;
-/// Most GP entries sharing one completion mark.
+/// Most GP entries sharing one completion mark while one channel has the GPU. With
+/// several channels busy every entry gets its own mark: a batch's span would include the
+/// other channels' kernels interleaved with it and blur the busy time the scheduler
+/// charges (measured: the fair policy's 10 ms vs 1 ms split went from 50/50 to 84/16).
 const BATCH: u32 = 32;
 
 /// GP entries issued since the last mark.
@@ -127,12 +130,13 @@ impl<D: Device> CudaChannel<D> {
         vram: &SharedMem,
         old_scratch: &mut Vec<u64>,
         tl: &mut Option<Timeline<D>>,
+        batch_limit: u32,
     ) -> bool {
         if self.is_stopped() {
             return false;
         }
         let mut progress = self.retire(dev, tl);
-        match self.issue_new(dev, vram, old_scratch) {
+        match self.issue_new(dev, vram, old_scratch, batch_limit) {
             Ok(p) => progress |= p,
             Err((code, info)) => {
                 self.fault(code, info);
@@ -190,20 +194,21 @@ impl<D: Device> CudaChannel<D> {
     }
 
     /// Issues new GP entries. Entries issued in one sweep share one completion mark (up
-    /// to [`BATCH`]): GP_GET then moves by the batch, as a GPU's may, and the front end
+    /// to `batch_limit`): GP_GET then moves by the batch, as a GPU's may, and the front end
     /// spends one event per batch instead of one per entry.
     fn issue_new(
         &self,
         dev: &D,
         vram: &SharedMem,
         old_scratch: &mut Vec<u64>,
+        batch_limit: u32,
     ) -> Result<bool, (ErrorCode, u64)> {
         let mut st = self.lock();
         if st.inflight.len() >= MAX_INFLIGHT || st.inflight.iter().any(|i| i.waits) {
             return Ok(false);
         }
         let mut batch: Option<Batch<D::Mark>> = None;
-        let res = self.issue_batch(dev, vram, old_scratch, &mut st, &mut batch);
+        let res = self.issue_batch(dev, vram, old_scratch, &mut st, &mut batch, batch_limit);
         if let Some(b) = batch {
             // Whatever was issued is tracked, even when a later entry faulted.
             let next_get = st.fetched;
@@ -366,8 +371,19 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
             seen_gen = gen;
         }
         let mut progress = false;
+        let busy_chans = chans
+            .iter()
+            .filter(|c| !c.lock().inflight.is_empty())
+            .count();
+        let batch_limit = if busy_chans > 1 { 1 } else { BATCH };
         for ch in &chans {
-            progress |= ch.step(&*shared.dev, &shared.vram, &mut old_scratch, &mut tl);
+            progress |= ch.step(
+                &*shared.dev,
+                &shared.vram,
+                &mut old_scratch,
+                &mut tl,
+                batch_limit,
+            );
         }
         if !old_scratch.is_empty() {
             shared.retire_scratch(std::mem::take(&mut old_scratch));
