@@ -240,11 +240,12 @@ impl<D: Device> CudaChannel<D> {
         old_scratch: &mut Vec<u64>,
         st: &mut super::channel::ChanState<D>,
         batch: &mut Option<Batch<D::Mark>>,
+        batch_limit: u32,
     ) -> Result<bool, (ErrorCode, u64)> {
         loop {
             if batch
                 .as_ref()
-                .is_some_and(|b| b.waits || b.entries >= BATCH)
+                .is_some_and(|b| b.waits || b.entries >= batch_limit)
             {
                 return Ok(true);
             }
