@@ -25,14 +25,6 @@ use crate::kernels::{FaultKind, KernelMemory, MemFault};
 use crate::mmu::{AddressSpace, TranslateError};
 use crate::shared_mem::SharedMem;
 
-/// Most completion marks (batches) one channel may have on its stream at once.
-const MAX_INFLIGHT: usize = 64;
-/// Most GP entries sharing one completion mark while one channel has the GPU. With
-/// several channels busy every entry gets its own mark: a batch's span would include the
-/// other channels' kernels interleaved with it and blur the busy time the scheduler
-/// charges (measured: the fair policy's 10 ms vs 1 ms split went from 50/50 to 84/16).
-const BATCH: u32 = 32;
-
 /// GP entries issued since the last mark.
 struct Batch<M> {
     start: Option<M>,
@@ -130,13 +122,13 @@ impl<D: Device> CudaChannel<D> {
         vram: &SharedMem,
         old_scratch: &mut Vec<u64>,
         tl: &mut Option<Timeline<D>>,
-        batch_limit: u32,
+        limits: (u32, usize),
     ) -> bool {
         if self.is_stopped() {
             return false;
         }
         let mut progress = self.retire(dev, tl);
-        match self.issue_new(dev, vram, old_scratch, batch_limit) {
+        match self.issue_new(dev, vram, old_scratch, limits) {
             Ok(p) => progress |= p,
             Err((code, info)) => {
                 self.fault(code, info);
@@ -201,10 +193,10 @@ impl<D: Device> CudaChannel<D> {
         dev: &D,
         vram: &SharedMem,
         old_scratch: &mut Vec<u64>,
-        batch_limit: u32,
+        (batch_limit, max_inflight): (u32, usize),
     ) -> Result<bool, (ErrorCode, u64)> {
         let mut st = self.lock();
-        if st.inflight.len() >= MAX_INFLIGHT || st.inflight.iter().any(|i| i.waits) {
+        if st.inflight.len() >= max_inflight || st.inflight.iter().any(|i| i.waits) {
             return Ok(false);
         }
         let mut batch: Option<Batch<D::Mark>> = None;
@@ -376,14 +368,18 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
             .iter()
             .filter(|c| !c.lock().inflight.is_empty())
             .count();
-        let batch_limit = if busy_chans > 1 { 1 } else { BATCH };
+        let batch_limit = if busy_chans > 1 {
+            1
+        } else {
+            shared.cfg.batch.max(1)
+        };
         for ch in &chans {
             progress |= ch.step(
                 &*shared.dev,
                 &shared.vram,
                 &mut old_scratch,
                 &mut tl,
-                batch_limit,
+                (batch_limit, shared.cfg.max_inflight.max(1)),
             );
         }
         if !old_scratch.is_empty() {

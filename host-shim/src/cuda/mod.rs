@@ -62,6 +62,12 @@ pub struct CudaConfig {
     pub max_idle_sleep_ns: u64,
     /// How long `invalidate_tlb`/`destroy_context` wait for a context's GPU work.
     pub drain_timeout: Duration,
+    /// Most GP entries sharing one completion mark while a single channel has work on
+    /// the GPU (with several busy, every entry gets its own mark, so busy time stays
+    /// exact per entry).
+    pub batch: u32,
+    /// Most completion marks one channel may have on its stream at once.
+    pub max_inflight: usize,
 }
 
 impl Default for CudaConfig {
@@ -74,6 +80,8 @@ impl Default for CudaConfig {
             min_idle_sleep_ns: 10_000,
             max_idle_sleep_ns: 1_000_000,
             drain_timeout: Duration::from_secs(10),
+            batch: 32,
+            max_inflight: 64,
         }
     }
 }

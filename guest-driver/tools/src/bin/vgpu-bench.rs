@@ -69,6 +69,15 @@ enum Suite {
         /// Run on the CPU stand-in for the CUDA device (checks the plumbing without a GPU).
         #[arg(long)]
         fake: bool,
+        /// Only the two-VM fairness runs.
+        #[arg(long)]
+        fairness_only: bool,
+        /// GP entries per completion mark while one channel is busy [default: 32].
+        #[arg(long)]
+        batch: Option<u32>,
+        /// Completion marks in flight per channel [default: 64].
+        #[arg(long)]
+        max_inflight: Option<usize>,
     },
     /// VRAM oversubscription: slowdown vs all-in-VRAM, swap throughput, pauses, convergence.
     Swap,
@@ -107,6 +116,9 @@ fn main() {
             reps,
             vram_mib,
             fake,
+            fairness_only,
+            batch,
+            max_inflight,
         } => match gpu {
             vgpu_host_shim::GpuChoice::Sim => {
                 Err("vgpu-bench cuda needs --gpu cuda[:INDEX]".into())
@@ -121,6 +133,9 @@ fn main() {
                 opts.vram_mib = vram_mib.unwrap_or(opts.vram_mib);
                 opts.baseline = baseline;
                 opts.fake = fake;
+                opts.fairness_only = fairness_only;
+                opts.batch = batch.unwrap_or(opts.batch);
+                opts.max_inflight = max_inflight.unwrap_or(opts.max_inflight);
                 cuda::run(&opts).map_err(|e| e.to_string())
             }
         },

@@ -58,6 +58,11 @@ pub struct CudaOpts {
     pub vram_mib: u64,
     /// The native CUDA baseline program to run alongside.
     pub baseline: Option<PathBuf>,
+    /// Only the fairness runs.
+    pub fairness_only: bool,
+    /// The front end's batching (see `CudaConfig::batch`, `max_inflight`).
+    pub batch: u32,
+    pub max_inflight: usize,
 }
 
 impl CudaOpts {
@@ -72,6 +77,9 @@ impl CudaOpts {
             fairness_secs: 4.0,
             vram_mib: 8192,
             baseline: None,
+            fairness_only: false,
+            batch: CudaConfig::default().batch,
+            max_inflight: CudaConfig::default().max_inflight,
         }
     }
 
@@ -242,7 +250,7 @@ fn run_on<D: CudaDeviceTrait>(
 ) -> Result<Vec<Figure>, CudaSuiteError> {
     let mut figs = Vec::new();
     let dyn_gpu: Arc<dyn Gpu> = gpu.clone();
-    {
+    if !opts.fairness_only {
         let rig = Rig::new(dyn_gpu.clone(), &["bench"], 768 << 20)?;
         let native = Device::native(dyn_gpu.clone())?;
         let guest = Device::loopback(rig.vms[0].clone(), 1000)?;
@@ -436,6 +444,8 @@ fn ratios(figs: &[Figure]) -> Vec<Figure> {
 pub fn run(opts: &CudaOpts) -> Result<Vec<Figure>, CudaSuiteError> {
     let cfg = CudaConfig {
         vram_bytes: opts.vram_mib << 20,
+        batch: opts.batch,
+        max_inflight: opts.max_inflight,
         ..CudaConfig::default()
     };
     let mut figs = if opts.fake {
@@ -447,7 +457,7 @@ pub fn run(opts: &CudaOpts) -> Result<Vec<Figure>, CudaSuiteError> {
             CudaGpu::open(opts.index, cfg).map_err(|e| CudaSuiteError::Open(e.to_string()))?;
         run_on(gpu, opts)?
     };
-    if let Some(path) = &opts.baseline {
+    if let (Some(path), false) = (&opts.baseline, opts.fairness_only) {
         figs.extend(baseline(path, opts.small)?);
         let r = ratios(&figs);
         figs.extend(r);
