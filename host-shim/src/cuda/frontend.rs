@@ -364,11 +364,12 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
             seen_gen = gen;
         }
         let mut progress = false;
-        let busy_chans = chans
-            .iter()
-            .filter(|c| !c.lock().inflight.is_empty())
-            .count();
-        let batch_limit = if busy_chans > 1 {
+        // Batch completion marks only while a single channel exists: with several, a
+        // batch's span includes other channels' kernels interleaved with it and blurs the
+        // busy time the scheduler charges (measured on the H200: the fair policy's 10 ms
+        // vs 1 ms split went from 50/50 to 85/15 with batches of 32, even when limited to
+        // sweeps with one busy channel; docs/bench-logs/cuda-fairness-batching-*.txt).
+        let batch_limit = if chans.len() > 1 {
             1
         } else {
             shared.cfg.batch.max(1)

@@ -62,9 +62,8 @@ pub struct CudaConfig {
     pub max_idle_sleep_ns: u64,
     /// How long `invalidate_tlb`/`destroy_context` wait for a context's GPU work.
     pub drain_timeout: Duration,
-    /// Most GP entries sharing one completion mark while a single channel has work on
-    /// the GPU (with several busy, every entry gets its own mark, so busy time stays
-    /// exact per entry).
+    /// Most GP entries sharing one completion mark while the GPU has a single channel
+    /// (with several, every entry gets its own mark, so busy time stays exact per entry).
     pub batch: u32,
     /// Most completion marks one channel may have on its stream at once.
     pub max_inflight: usize,
