@@ -420,12 +420,28 @@ mod tests {
     }
 
     #[test]
+    fn gpu_model_picks_sim_or_cuda() {
+        use vgpu_host_shim::GpuChoice;
+        let model = |t: &str| parse(t);
+        assert_eq!(model("").unwrap().gpu.model, GpuChoice::Sim);
+        assert_eq!(
+            model("[gpu]\nmodel = \"cuda:1\"").unwrap().gpu.model,
+            GpuChoice::Cuda { index: 1 }
+        );
+        assert_eq!(
+            model("[gpu]\nmodel = \"cuda\"").unwrap().gpu.model,
+            GpuChoice::Cuda { index: 0 }
+        );
+    }
+
+    #[test]
     fn bad_values_are_clear_errors() {
         let cases = [
             ("bogus = 1", "unknown field"),
             ("[gpu]\nvram = 5", "unknown field"),
             ("[gpu]\nvram_mib = 0", "gpu.vram_mib = 0"),
-            ("[gpu]\nmodel = \"rtx\"", "only \"sim\""),
+            ("[gpu]\nmodel = \"rtx\"", "expected \"sim\", \"cuda\""),
+            ("[gpu]\nmodel = \"cuda:x\"", "gpu.model"),
             ("[gpu]\nvram_mib = -4", "invalid value"),
             ("[scheduler]\ninterval_ms = 5000", "scheduler.interval_ms"),
             ("[scheduler]\npolicy = \"fast\"", "scheduler.policy"),
