@@ -244,6 +244,45 @@ fn fairness(gpu: Arc<dyn Gpu>, policy: Policy, secs: f64) -> Result<(f64, f64), 
     ))
 }
 
+/// Three VMs with weights 1:2:4, each running 1 ms kernels, under the fair policy: each
+/// VM's share of the wall time.
+fn weighted(gpu: Arc<dyn Gpu>, secs: f64) -> Result<Vec<f64>, CudaSuiteError> {
+    let rig = Rig::new(gpu, &["w1", "w2", "w4"], 32 << 20)?;
+    for (name, w) in [("w1", 100), ("w2", 200), ("w4", 400)] {
+        rig.backend
+            .set_vm_weight(name, w)
+            .map_err(|e| CudaSuiteError::Backend(e.to_string()))?;
+    }
+    rig.backend
+        .start_scheduler(SchedConfig {
+            policy: Policy::Fair,
+            ..SchedConfig::default()
+        })
+        .map_err(|e| CudaSuiteError::Backend(e.to_string()))?;
+    let mut tenants = Vec::new();
+    for (i, vm) in rig.vms.iter().enumerate() {
+        tenants.push(
+            Tenant::spawn(vm.clone(), TenantSpec::throttle(i as u32 + 1, MS))
+                .map_err(|e| CudaSuiteError::Backend(e.to_string()))?,
+        );
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let c0: Vec<u64> = tenants.iter().map(|t| t.completed()).collect();
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_secs_f64(secs));
+    let c1: Vec<u64> = tenants.iter().map(|t| t.completed()).collect();
+    let wall = t0.elapsed().as_nanos() as f64;
+    for t in tenants {
+        t.stop()
+            .map_err(|e| CudaSuiteError::Backend(e.to_string()))?;
+    }
+    Ok(c0
+        .iter()
+        .zip(&c1)
+        .map(|(a, b)| (b - a) as f64 * MS as f64 / wall * 100.0)
+        .collect())
+}
+
 fn run_on<D: CudaDeviceTrait>(
     gpu: Arc<CudaGpuOf<D>>,
     opts: &CudaOpts,
@@ -361,6 +400,25 @@ fn run_on<D: CudaDeviceTrait>(
             "%",
             Better::Higher,
         ));
+    }
+    let shares = weighted(dyn_gpu.clone(), opts.fairness_secs)?;
+    let want = [100.0 / 7.0, 200.0 / 7.0, 400.0 / 7.0];
+    for ((w, share), want) in [1, 2, 4].iter().zip(&shares).zip(want) {
+        figs.push(fig(
+            &format!("weights_1_2_4_w{w}_share"),
+            *share,
+            "%",
+            Better::Higher,
+        ));
+        figs.push(
+            fig(
+                &format!("weights_1_2_4_w{w}_off_by"),
+                (share - want).abs(),
+                "pp",
+                Better::Lower,
+            )
+            .target(2.0),
+        );
     }
     Ok(figs)
 }
