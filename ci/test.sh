@@ -13,11 +13,17 @@ cargo test --workspace --release 2>&1
 if [ "${SKIP_FUZZ:-0}" != "1" ]; then
     ci/install-fuzz.sh
     # Every parser of guest input has a fuzz target: the protocol decoders and the
-    # backend's request handling (a whole session driven by arbitrary bytes).
+    # backend's request handling (a whole session driven by arbitrary bytes); so has the
+    # control API's HTTP request parser (vgpu-backend/fuzz http_request).
     for crate in protocol vgpu-backend; do
         for target in $(cd "$crate" && cargo fuzz list); do
             echo "== fuzz $crate/$target for ${FUZZ_SECONDS}s"
             rm -rf "$crate/fuzz/artifacts/$target"
+            # A target that no longer builds must fail the suite, not run nothing.
+            if ! (cd "$crate" && RUSTC_BOOTSTRAP=1 cargo fuzz build "$target" 2>&1 | tail -3); then
+                echo "fuzz target $crate/$target does not build"
+                exit 1
+            fi
             # cargo-fuzz needs nightly flags; RUSTC_BOOTSTRAP lets stable accept them.
             (cd "$crate" && RUSTC_BOOTSTRAP=1 cargo fuzz run "$target" -- \
                 -max_total_time="$FUZZ_SECONDS" -rss_limit_mb=2048 2>&1 \

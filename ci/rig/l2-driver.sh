@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Boot an L2 Linux under vgpu-vmm inside the rig's L1 with the guest driver vgpu.ko and
-# the static guest tools (vgpu-smoke, vgpu-throttle, vgpu-bench) in its initramfs; load
+# the static guest tools (vgpu-smoke, vgpu-throttle, vgpu-guest-bench) in its initramfs; load
 # the virtio modules and vgpu.ko, run a command in L2, print its result.
 #
 # --backend real (default): vgpu-backend runs in L1 (sim GPU) and vgpu-vmm connects to
@@ -71,7 +71,7 @@ esac
 
 TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
 MUSL="$TARGET_DIR/x86_64-unknown-linux-musl/release"
-TOOLS="vgpu-smoke vgpu-throttle vgpu-bench"
+TOOLS="vgpu-smoke vgpu-throttle vgpu-guest-bench"
 [ -f "$ROOT/ci/cache/rig/l1.cpio.gz" ] || "$RIG/build-l1.sh" >&2
 KERNEL="$(readlink -f "$ROOT/ci/cache/rig/vmlinuz")"
 KVER="${KVER:-$(basename "$KERNEL" | sed 's/^vmlinuz-//')}"
@@ -81,9 +81,14 @@ MODDIR="$ROOT/ci/cache/rig/kernel-$KVER/lib/modules/$KVER/kernel/drivers/virtio"
 if [ "$BUILD" = 1 ]; then
     rustup target list --installed | grep -q x86_64-unknown-linux-musl \
         || rustup target add x86_64-unknown-linux-musl >&2
-    bins=(--bin vgpu-vmm --bin vgpu-backend); for t in $TOOLS; do bins+=(--bin "$t"); done
+    # Host programs for L1 (vgpu-bench: the native baseline of the guest suite).
     (cd "$ROOT" && cargo build --release --target x86_64-unknown-linux-musl \
-        -p vgpu-vmm -p vgpu-backend -p vgpu-tools "${bins[@]}" >&2)
+        -p vgpu-vmm -p vgpu-backend -p vgpu-bench \
+        --bin vgpu-vmm --bin vgpu-backend --bin vgpu-bench >&2)
+    # The guest tools for L2 build on the guest runtime alone (no backend, VMM or sim).
+    bins=(); for t in $TOOLS; do bins+=(--bin "$t"); done
+    (cd "$ROOT" && cargo build --release --target x86_64-unknown-linux-musl \
+        -p vgpu-guest-tools "${bins[@]}" >&2)
     [ -d "$KDIR" ] || apt-get install -y --no-install-recommends "linux-headers-$KVER" >&2
     make -C "$ROOT/guest-driver/kernel" KDIR="$KDIR" >&2
 fi
@@ -96,6 +101,7 @@ WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 
 [ "$BACKEND" != real ] || strip -o "$WORK/vgpu-backend" "$MUSL/vgpu-backend"
+[ "$BACKEND" != real ] || strip -o "$WORK/vgpu-bench" "$MUSL/vgpu-bench"
 # Static tools, stripped: the L2 initramfs rides inside L1's.
 l2_adds=(--add "$WORK/l2-cmd.sh:/l2-cmd.sh" --add "$KO:/mods/vgpu.ko")
 for t in $TOOLS; do

@@ -30,7 +30,7 @@ check swap_cpu_stores $(ok $r)
 vgpu-throttle --kernel-us 2000 --duration 60 > /tmp/t.out 2>&1 & tp=$!
 sleep 2; kill -9 $tp; wait $tp 2>/dev/null
 # The guest benchmark, as JSON lines (l2-driver.sh sets them beside an L1-native run).
-vgpu-bench --json --quick guest --reps 5 > /tmp/bench.out 2>&1; r=$?
+vgpu-guest-bench --json --quick --reps 5 > /tmp/bench.out 2>&1; r=$?
 while read -r l; do echo "L2-BENCH $l"; done < /tmp/bench.out
 check bench_quick $(ok $r)
 vgpu-smoke --stats > /tmp/stats.out 2>&1; cat /tmp/stats.out

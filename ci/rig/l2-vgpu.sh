@@ -9,7 +9,7 @@
 #   - with --exit-cost BIN: the exit costs seen from L2 (ci/rig/exit-cost.c);
 #   - with --l2-cmd FILE: FILE (run as `sh FILE` in L2) prints "L2-USER-OK";
 #   - --guest: all of the guest stack — builds vgpu.ko, the static guest tools
-#     (vgpu-smoke, vgpu-throttle, vgpu-bench) and exit-cost, and runs
+#     (vgpu-smoke, vgpu-throttle, vgpu-guest-bench) and exit-cost, and runs
 #     ci/rig/l2-guest-checks.sh in every L2 (unless --l2-cmd names another script).
 # Each L2 prints "L2-VGPU-RESULT ...", each VM's line "L2-VGPU-CHECK vm=K ..." appears on
 # L1's console, and the backend must exit cleanly on SIGTERM afterwards.
@@ -62,7 +62,7 @@ case "$VMS" in [1-8]) ;; *) die "--vms must be 1..8" ;; esac
 
 TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
 MUSL="$TARGET_DIR/x86_64-unknown-linux-musl/release"
-TOOLS="vgpu-smoke vgpu-throttle vgpu-bench"
+TOOLS="vgpu-smoke vgpu-throttle vgpu-guest-bench"
 [ -f "$ROOT/ci/cache/rig/l1.cpio.gz" ] || "$RIG/build-l1.sh" >&2
 KERNEL="$(readlink -f "$ROOT/ci/cache/rig/vmlinuz")"
 KVER="$(basename "$KERNEL" | sed 's/^vmlinuz-//')"
@@ -70,10 +70,14 @@ MODDIR="$ROOT/ci/cache/rig/kernel-$KVER/lib/modules/$KVER/kernel/drivers/virtio"
 if [ "$BUILD" = 1 ]; then
     rustup target list --installed | grep -q x86_64-unknown-linux-musl \
         || rustup target add x86_64-unknown-linux-musl >&2
-    bins=(--bin vgpu-vmm --bin vgpu-backend --bin vgpuctl)
-    [ "$GUEST" = 0 ] || for t in $TOOLS; do bins+=(--bin "$t"); done
     (cd "$ROOT" && cargo build --release --target x86_64-unknown-linux-musl \
-        -p vgpu-vmm -p vgpu-backend $([ "$GUEST" = 0 ] || echo -p vgpu-tools) "${bins[@]}" >&2)
+        -p vgpu-vmm -p vgpu-backend --bin vgpu-vmm --bin vgpu-backend --bin vgpuctl >&2)
+    if [ "$GUEST" = 1 ]; then
+        # The guest tools build on the guest runtime alone (no backend, VMM or sim).
+        bins=(); for t in $TOOLS; do bins+=(--bin "$t"); done
+        (cd "$ROOT" && cargo build --release --target x86_64-unknown-linux-musl \
+            -p vgpu-guest-tools "${bins[@]}" >&2)
+    fi
     if [ "$GUEST" = 1 ]; then
         KDIR="/usr/src/linux-headers-$KVER"
         [ -d "$KDIR" ] || apt-get install -y --no-install-recommends "linux-headers-$KVER" >&2

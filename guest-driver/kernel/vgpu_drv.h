@@ -18,7 +18,7 @@
 #include <linux/wait.h>
 #include <linux/xarray.h>
 
-#include "vgpu_wire.h"
+#include "vgpu_protocol.h"
 
 #define VGPU_EVENT_BUFS 64
 

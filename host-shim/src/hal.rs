@@ -9,6 +9,7 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 
 use thiserror::Error;
+pub use vgpu_protocol::mem::{MapFlags, PageSize};
 use vgpu_protocol::ErrorCode;
 
 /// A GPU address space (one per guest process context).
@@ -26,26 +27,6 @@ pub struct VramAlloc {
     pub size: u64,
 }
 
-/// GPU page sizes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum PageSize {
-    Small4K,
-    Big64K,
-    Huge2M,
-}
-
-impl PageSize {
-    pub const ALL: [PageSize; 3] = [PageSize::Small4K, PageSize::Big64K, PageSize::Huge2M];
-
-    pub fn bytes(self) -> u64 {
-        match self {
-            PageSize::Small4K => 4 << 10,
-            PageSize::Big64K => 64 << 10,
-            PageSize::Huge2M => 2 << 20,
-        }
-    }
-}
-
 /// Where a mapping points.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MapTarget {
@@ -53,12 +34,6 @@ pub enum MapTarget {
     Vram { offset: u64 },
     /// Address in the context's system memory (see [`SysMemory`]).
     Sysram { addr: u64 },
-}
-
-/// Mapping attributes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct MapFlags {
-    pub read_only: bool,
 }
 
 /// A channel's GP ring, fixed at creation (GPU-private state, not in the control page).

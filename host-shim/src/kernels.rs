@@ -6,7 +6,6 @@
 //! [`CHUNK_BYTES`], checking the abort flag between chunks so the engine can stop a long
 //! kernel promptly.
 
-use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use vgpu_protocol::kernel::{fnv1a64, FNV_OFFSET};
@@ -28,15 +27,19 @@ const MR: usize = 4;
 const NR: usize = 8;
 
 /// Why a memory access by the GPU failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum FaultKind {
+    #[error("not mapped")]
     NotMapped,
+    #[error("read-only")]
     ReadOnly,
+    #[error("bad target")]
     BadTarget,
 }
 
 /// A failed GPU memory access: `va` is an address within the access that failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("{} fault at {:#x}: {}", if *.write { "write" } else { "read" }, .va, .kind)]
 pub struct MemFault {
     pub va: u64,
     pub write: bool,
@@ -50,42 +53,15 @@ pub trait KernelMemory {
 }
 
 /// Why a kernel did not complete.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum KernelError {
-    Fault(MemFault),
+    #[error("memory fault: {0}")]
+    Fault(#[source] MemFault),
+    #[error("kernel aborted")]
     Aborted,
+    #[error("kernel arguments too large: {0}")]
     TooLarge(&'static str),
 }
-
-impl fmt::Display for FaultKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            FaultKind::NotMapped => "not mapped",
-            FaultKind::ReadOnly => "read-only",
-            FaultKind::BadTarget => "bad target",
-        })
-    }
-}
-
-impl fmt::Display for MemFault {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let op = if self.write { "write" } else { "read" };
-        write!(f, "{op} fault at {:#x}: {}", self.va, self.kind)
-    }
-}
-
-impl fmt::Display for KernelError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            KernelError::Fault(fault) => write!(f, "memory fault: {fault}"),
-            KernelError::Aborted => f.write_str("kernel aborted"),
-            KernelError::TooLarge(what) => write!(f, "kernel arguments too large: {what}"),
-        }
-    }
-}
-
-impl std::error::Error for MemFault {}
-impl std::error::Error for KernelError {}
 
 impl From<MemFault> for KernelError {
     fn from(fault: MemFault) -> Self {
@@ -104,7 +80,7 @@ pub fn run_kernel(
     abort: &AtomicBool,
     now_ns: &dyn Fn() -> u64,
 ) -> Result<(), KernelError> {
-    let mut gpu = Gpu { mem, abort };
+    let mut gpu = KernelCtx { mem, abort };
     match *args {
         KernelArgs::Empty | KernelArgs::Spin { .. } => Ok(()),
         KernelArgs::Memset { dst, len, pattern } => memset(&mut gpu, dst, len, pattern),
@@ -208,12 +184,12 @@ fn le_f32(b: &[u8]) -> f32 {
 }
 
 /// A kernel's view of the GPU: memory plus the abort flag.
-struct Gpu<'a> {
+struct KernelCtx<'a> {
     mem: &'a mut dyn KernelMemory,
     abort: &'a AtomicBool,
 }
 
-impl Gpu<'_> {
+impl KernelCtx<'_> {
     /// Called between chunks so a watchdog or channel kill takes effect promptly.
     fn poll(&self) -> Result<(), KernelError> {
         if self.abort.load(Ordering::Relaxed) {
@@ -275,7 +251,7 @@ impl Gpu<'_> {
     }
 }
 
-fn memset(gpu: &mut Gpu<'_>, dst: u64, len: u64, pattern: u32) -> Result<(), KernelError> {
+fn memset(gpu: &mut KernelCtx<'_>, dst: u64, len: u64, pattern: u32) -> Result<(), KernelError> {
     check_range(dst, len, true)?;
     // CHUNK_BYTES is a multiple of 4, so every chunk starts at the pattern's first byte.
     let buf: Vec<u8> = pattern
@@ -294,7 +270,7 @@ fn memset(gpu: &mut Gpu<'_>, dst: u64, len: u64, pattern: u32) -> Result<(), Ker
     Ok(())
 }
 
-fn memcpy(gpu: &mut Gpu<'_>, dst: u64, src: u64, len: u64) -> Result<(), KernelError> {
+fn memcpy(gpu: &mut KernelCtx<'_>, dst: u64, src: u64, len: u64) -> Result<(), KernelError> {
     check_range(src, len, false)?;
     check_range(dst, len, true)?;
     let mut buf = vec![0u8; chunk_at(len, 0)];
@@ -313,7 +289,7 @@ fn memcpy(gpu: &mut Gpu<'_>, dst: u64, src: u64, len: u64) -> Result<(), KernelE
     Ok(())
 }
 
-fn saxpy(gpu: &mut Gpu<'_>, x: u64, y: u64, n: u64, a: f32) -> Result<(), KernelError> {
+fn saxpy(gpu: &mut KernelCtx<'_>, x: u64, y: u64, n: u64, a: f32) -> Result<(), KernelError> {
     let len = f32_len(x, n, false)?;
     check_range(x, len, false)?;
     check_range(y, len, false)?;
@@ -353,7 +329,7 @@ struct Gemm {
 ///
 /// B is loaded once and packed into NR-column strips; A and C are processed in row panels
 /// of about [`PANEL_BYTES`], with a MR×NR register tile per strip and row group.
-fn sgemm(gpu: &mut Gpu<'_>, g: Gemm) -> Result<(), KernelError> {
+fn sgemm(gpu: &mut KernelCtx<'_>, g: Gemm) -> Result<(), KernelError> {
     let b_len =
         g.k.checked_mul(g.n)
             .and_then(|e| e.checked_mul(4))
@@ -424,7 +400,7 @@ fn sgemm(gpu: &mut Gpu<'_>, g: Gemm) -> Result<(), KernelError> {
 
 /// Reads the k×n matrix B and packs it as NR-column strips, each k rows of NR contiguous
 /// values (zero-padded past column n), so the register tile reads B sequentially.
-fn pack_b(gpu: &mut Gpu<'_>, b: u64, k: usize, n: usize) -> Result<Vec<f32>, KernelError> {
+fn pack_b(gpu: &mut KernelCtx<'_>, b: u64, k: usize, n: usize) -> Result<Vec<f32>, KernelError> {
     let mut packed = vec![0.0f32; n.div_ceil(NR) * k * NR];
     let rows_per_read = (CHUNK_BYTES / 4 / n).max(1);
     let (mut rows, mut scratch) = (Vec::new(), Vec::new());
@@ -474,7 +450,7 @@ fn micro_tile(apanel: &[f32], bstrip: &[f32]) -> [[f32; NR]; MR] {
     acc
 }
 
-fn reduce_sum(gpu: &mut Gpu<'_>, src: u64, n: u64, dst: u64) -> Result<(), KernelError> {
+fn reduce_sum(gpu: &mut KernelCtx<'_>, src: u64, n: u64, dst: u64) -> Result<(), KernelError> {
     let len = f32_len(src, n, false)?;
     check_range(src, len, false)?;
     check_range(dst, 4, true)?;
@@ -493,7 +469,7 @@ fn reduce_sum(gpu: &mut Gpu<'_>, src: u64, n: u64, dst: u64) -> Result<(), Kerne
     gpu.write(dst, &(sum as f32).to_le_bytes())
 }
 
-fn checksum(gpu: &mut Gpu<'_>, src: u64, len: u64, dst: u64) -> Result<(), KernelError> {
+fn checksum(gpu: &mut KernelCtx<'_>, src: u64, len: u64, dst: u64) -> Result<(), KernelError> {
     check_range(src, len, false)?;
     check_range(dst, 8, true)?;
     let mut buf = vec![0u8; chunk_at(len, 0)];
@@ -517,7 +493,7 @@ fn checksum(gpu: &mut Gpu<'_>, src: u64, len: u64, dst: u64) -> Result<(), Kerne
 /// carried over, not re-read), and a band is written only after all rows it needs were read.
 /// A band's write can then only clobber source rows that were already read.
 fn stencil2d(
-    gpu: &mut Gpu<'_>,
+    gpu: &mut KernelCtx<'_>,
     src: u64,
     dst: u64,
     width: u32,
@@ -554,10 +530,11 @@ fn stencil2d(
         };
         let (lo, hi) = (y0.saturating_sub(1), (y1 + 1).min(h));
         let (keep_lo, keep_hi) = (lo.max(win_lo), hi.min(win_hi));
-        let mut read_rows = |gpu: &mut Gpu<'_>, from: usize, to: usize, next: &mut Vec<f32>| {
-            let va = row_va(src, from as u64, width.into(), false)?;
-            gpu.read_f32s(va, (to - from) * w, next, &mut scratch)
-        };
+        let mut read_rows =
+            |gpu: &mut KernelCtx<'_>, from: usize, to: usize, next: &mut Vec<f32>| {
+                let va = row_va(src, from as u64, width.into(), false)?;
+                gpu.read_f32s(va, (to - from) * w, next, &mut scratch)
+            };
         next.clear();
         if keep_lo < keep_hi {
             read_rows(gpu, lo, keep_lo, &mut next)?;
@@ -604,84 +581,9 @@ fn stencil_row(cc: f32, cn: f32, north: &[f32], row: &[f32], south: &[f32], out:
     out[w - 1] = cell(w - 1, row[w - 2], row[w - 1]);
 }
 
-/// CPU reference implementations on plain slices, used by tests, by workload verification in
-/// the runtime crate, and by benchmarks. Results are bit-identical to the kernels'.
-///
-/// These trust their caller: they panic if a slice is shorter than its dimensions say.
-pub mod reference {
-    use vgpu_protocol::kernel::{fnv1a64, FNV_OFFSET};
-
-    /// `y[i] += a * x[i]` over the shorter of the two slices.
-    pub fn saxpy(a: f32, x: &[f32], y: &mut [f32]) {
-        for (yv, &xv) in y.iter_mut().zip(x) {
-            *yv += a * xv;
-        }
-    }
-
-    /// Row-major `C = alpha*A*B + beta*C` with A m×k, B k×n, C m×n. Each dot product is
-    /// summed in f32 over p = 0..k in order from 0.0 (an i-p-j loop over a row accumulator
-    /// keeps that order per element while vectorising over j).
-    #[allow(clippy::too_many_arguments)]
-    pub fn sgemm(
-        m: usize,
-        n: usize,
-        k: usize,
-        alpha: f32,
-        a: &[f32],
-        b: &[f32],
-        beta: f32,
-        c: &mut [f32],
-    ) {
-        assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
-        let mut acc = vec![0.0f32; n];
-        for i in 0..m {
-            acc.fill(0.0);
-            for p in 0..k {
-                let aip = a[i * k + p];
-                for (x, &bv) in acc.iter_mut().zip(&b[p * n..(p + 1) * n]) {
-                    *x += aip * bv;
-                }
-            }
-            for (cv, &av) in c[i * n..(i + 1) * n].iter_mut().zip(&acc) {
-                *cv = alpha * av + beta * *cv;
-            }
-        }
-    }
-
-    /// Sum with f64 accumulation in index order, rounded to f32 at the end.
-    pub fn reduce_sum(x: &[f32]) -> f32 {
-        x.iter().fold(0.0f64, |s, &v| s + f64::from(v)) as f32
-    }
-
-    /// FNV-1a 64 from the standard offset basis.
-    pub fn checksum(bytes: &[u8]) -> u64 {
-        fnv1a64(bytes, FNV_OFFSET)
-    }
-
-    /// One 5-point stencil step: `dst = c_center*c + c_neighbor*(((n + s) + e) + w)`, where
-    /// n/s are the cells above/below, e/w right/left, and out-of-range neighbours clamp to
-    /// the edge cell.
-    pub fn stencil2d(
-        width: usize,
-        height: usize,
-        c_center: f32,
-        c_neighbor: f32,
-        src: &[f32],
-        dst: &mut [f32],
-    ) {
-        assert!(src.len() >= width * height && dst.len() >= width * height);
-        for y in 0..height {
-            for x in 0..width {
-                let at = |yy: usize, xx: usize| src[yy * width + xx];
-                let n = at(y.saturating_sub(1), x);
-                let s = at((y + 1).min(height - 1), x);
-                let e = at(y, (x + 1).min(width - 1));
-                let w = at(y, x.saturating_sub(1));
-                dst[y * width + x] = c_center * at(y, x) + c_neighbor * (n + s + e + w);
-            }
-        }
-    }
-}
+/// CPU reference implementations on plain slices (in `vgpu-protocol`, shared with the
+/// runtime and the tools). Results are bit-identical to the kernels'.
+pub use vgpu_protocol::reference;
 
 #[cfg(test)]
 mod tests {

@@ -9,7 +9,12 @@ pub mod kernels;
 pub mod mmu;
 pub mod shared_mem;
 pub mod sim;
-pub mod vram;
+
+/// The VRAM allocator: the protocol's range allocator, shared with the runtime's GPU
+/// virtual address allocator.
+pub mod vram {
+    pub use vgpu_protocol::range::{RangeAllocator, VramAllocator, VRAM_GRANULE};
+}
 
 pub use choice::GpuChoice;
 pub use hal::{

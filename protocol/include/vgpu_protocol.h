@@ -5,10 +5,10 @@
  * Mirrors the Rust crate `vgpu-protocol` (protocol/src); every value below is checked
  * against the Rust constants by protocol/tests/c_header.rs, which also compiles this
  * header and checks the struct layouts against the Rust encoders. The specification
- * is docs/protocol.md. All multi-byte fields are little-endian.
+ * is docs/protocol.md. All multi-byte fields are little-endian. The one C header of the
+ * wire format: the guest driver (guest-driver/kernel) includes it too.
  *
- * Not covered yet (planned, not yet specified): control virtqueue requests and
- * replies, event-queue events, device config space, migration state.
+ * Not covered: the migration-state format (host only).
  */
 #ifndef VGPU_PROTOCOL_H
 #define VGPU_PROTOCOL_H
@@ -18,10 +18,15 @@
 #include <linux/types.h>
 /* No floating point in the kernel: f32 fields are carried as their IEEE-754 bits. */
 typedef uint32_t vgpu_f32;
+/* Little-endian wire fields: the kernel's sparse-checked types. */
+typedef __le32 vgpu_le32;
+typedef __le64 vgpu_le64;
 #else
 #include <stddef.h>
 #include <stdint.h>
 typedef float vgpu_f32;
+typedef uint32_t vgpu_le32;
+typedef uint64_t vgpu_le64;
 #endif
 
 /* ---- Protocol version: major in bits 16..31, minor in bits 0..15. ---------------- */
@@ -239,5 +244,79 @@ _Static_assert(sizeof(struct vgpu_timestamp_args) == 8, "timestamp args");
 #define VGPU_ERR_VERSION_MISMATCH 15
 #define VGPU_ERR_INTERNAL 16
 #define VGPU_ERR_COUNT 17
+
+/* ---- The virtio device (protocol.md §9-§13): id, queues, config space, shared memory. */
+#define VGPU_VIRTIO_ID 60
+#define VGPU_CONTROL_QUEUE 0
+#define VGPU_EVENT_QUEUE 1
+#define VGPU_NUM_QUEUES 2
+#define VGPU_SHM_REGION_ID 0
+#define VGPU_CHANNEL_SLOTS 1024
+#define VGPU_APERTURE_OFFSET 0x400000
+#define VGPU_APERTURE_SIZE 0x10000000
+#define VGPU_SHM_SIZE 0x10400000
+
+/* Config space (32 bytes). */
+struct vgpu_virtio_config {
+	vgpu_le32 version;
+	vgpu_le32 channel_slots;
+	vgpu_le64 aperture_offset;
+	vgpu_le64 aperture_size;
+	vgpu_le64 vram_bytes;
+};
+
+/* ---- Control requests (control queue): a header, an op-specific body. ---------------- */
+#define VGPU_OP_GET_INFO 1
+#define VGPU_OP_CREATE_CONTEXT 2
+#define VGPU_OP_DESTROY_CONTEXT 3
+#define VGPU_OP_ALLOC_VRAM 4
+#define VGPU_OP_FREE_MEM 5
+#define VGPU_OP_MAP_VRAM 6
+#define VGPU_OP_MAP_GUEST 7
+#define VGPU_OP_UNMAP 8
+#define VGPU_OP_MAP_APERTURE 9
+#define VGPU_OP_UNMAP_APERTURE 10
+#define VGPU_OP_CREATE_CHANNEL 11
+#define VGPU_OP_DESTROY_CHANNEL 12
+#define VGPU_OP_GET_STATS 13
+#define VGPU_OP_SUBMIT 14
+
+#define VGPU_REQ_HEADER_SIZE 16
+#define VGPU_REPLY_HEADER_SIZE 8
+#define VGPU_MAX_SG_ENTRIES 512
+#define VGPU_MAX_REQUEST_SIZE 8232
+#define VGPU_MAX_REPLY_SIZE 72
+#define VGPU_WIRE_PAGE_4K 0
+#define VGPU_WIRE_MAP_READ_ONLY 1
+
+struct vgpu_req_header {
+	vgpu_le32 op;
+	vgpu_le32 pid;
+	vgpu_le32 ctx;
+	vgpu_le32 reserved;
+};
+
+struct vgpu_reply_header {
+	vgpu_le32 status;
+	vgpu_le32 len;
+};
+
+struct vgpu_sg_range {
+	vgpu_le64 gpa;
+	vgpu_le64 len;
+};
+
+/* ---- Events (event queue, 24 bytes each). ------------------------------------------ */
+#define VGPU_EVENT_NOTIFY 1
+#define VGPU_EVENT_CHANNEL_ERROR 2
+#define VGPU_EVENT_SIZE 24
+
+struct vgpu_wire_event {
+	vgpu_le32 kind;
+	vgpu_le32 channel;
+	vgpu_le32 value;
+	vgpu_le32 reserved;
+	vgpu_le64 info;
+};
 
 #endif /* VGPU_PROTOCOL_H */

@@ -1,7 +1,9 @@
 //! `vgpu-protocol`: the wire formats shared by the guest, the backend and the GPU model.
 //!
 //! Everything here is plain data and pure functions: no I/O, no allocation on the
-//! decode paths of per-submission data. Every decoder takes untrusted bytes and either
+//! decode paths of per-submission data. Beside the wire formats it holds what both sides
+//! compute alike: page sizes and mapping flags (`mem`), the range allocator of VRAM and
+//! GPU virtual addresses (`range`) and the builtin kernels' CPU references (`reference`). Every decoder takes untrusted bytes and either
 //! returns a value or an error; none of them panics (checked by property tests and a
 //! cargo-fuzz target in `protocol/fuzz`).
 
@@ -10,13 +12,17 @@ pub mod device;
 pub mod error;
 pub mod gp;
 pub mod kernel;
+pub mod mem;
 pub mod method;
+pub mod range;
+pub mod reference;
 pub mod request;
 
 pub use channel::ControlPage;
 pub use error::ErrorCode;
 pub use gp::GpEntry;
 pub use kernel::{KernelArgs, KernelId};
+pub use mem::{MapFlags, PageSize};
 pub use method::{Method, MethodDecoder, SemaphoreMode};
 
 /// Protocol version, written by the GPU into every control page and reported by

@@ -1,4 +1,5 @@
-//! Checks the C header `include/vgpu_protocol.h` against the Rust definitions.
+//! Checks the C header `include/vgpu_protocol.h` — the one C header of the wire format,
+//! which the guest driver includes too — against the Rust definitions.
 //!
 //! Every `#define VGPU_NAME value` of the header must appear in the table built here from
 //! the Rust constants (and every table entry in the header), with the same value. Where
@@ -12,9 +13,17 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use vgpu_protocol::channel::{MAX_GP_ENTRIES, MIN_GP_ENTRIES};
+use vgpu_protocol::device::{
+    DeviceConfig, APERTURE_OFFSET, APERTURE_SIZE, CHANNEL_SLOTS, CONTROL_QUEUE, EVENT_QUEUE,
+    NUM_QUEUES, SHM_REGION_ID, SHM_SIZE, VIRTIO_ID_VGPU,
+};
 use vgpu_protocol::gp::{GPU_VA_LIMIT, GP_ENTRY_SIZE, MAX_PB_WORDS};
 use vgpu_protocol::kernel::{fnv1a64, FNV_OFFSET, MAX_DIM, MAX_KERNEL_BYTES, MAX_SPIN_NS};
 use vgpu_protocol::method::{op, MethodError, MAX_GRID_THREADS, SEM_RELEASE_TIMESTAMP};
+use vgpu_protocol::request::{
+    self as req, event, EVENT_SIZE, HEADER_SIZE, MAP_READ_ONLY, MAX_REPLY_SIZE, MAX_REQUEST_SIZE,
+    MAX_SG_ENTRIES, PAGE_4K, REPLY_HEADER_SIZE,
+};
 use vgpu_protocol::{
     ControlPage, ErrorCode, GpEntry, KernelArgs, KernelId, Method, SemaphoreMode, PAGE_SIZE,
     PROTOCOL_VERSION,
@@ -223,6 +232,45 @@ fn expected_defines() -> Vec<(String, u64)> {
         add(&format!("VGPU_ERR_{name}"), code.as_u32().into());
     }
     add("VGPU_ERR_COUNT", ErrorCode::ALL.len() as u64);
+
+    // The virtio device, control requests and events.
+    add("VGPU_VIRTIO_ID", VIRTIO_ID_VGPU.into());
+    add("VGPU_CONTROL_QUEUE", CONTROL_QUEUE as u64);
+    add("VGPU_EVENT_QUEUE", EVENT_QUEUE as u64);
+    add("VGPU_NUM_QUEUES", NUM_QUEUES as u64);
+    add("VGPU_SHM_REGION_ID", SHM_REGION_ID.into());
+    add("VGPU_CHANNEL_SLOTS", CHANNEL_SLOTS.into());
+    add("VGPU_APERTURE_OFFSET", APERTURE_OFFSET);
+    add("VGPU_APERTURE_SIZE", APERTURE_SIZE);
+    add("VGPU_SHM_SIZE", SHM_SIZE);
+    for (name, opcode) in [
+        ("GET_INFO", req::op::GET_INFO),
+        ("CREATE_CONTEXT", req::op::CREATE_CONTEXT),
+        ("DESTROY_CONTEXT", req::op::DESTROY_CONTEXT),
+        ("ALLOC_VRAM", req::op::ALLOC_VRAM),
+        ("FREE_MEM", req::op::FREE_MEM),
+        ("MAP_VRAM", req::op::MAP_VRAM),
+        ("MAP_GUEST", req::op::MAP_GUEST),
+        ("UNMAP", req::op::UNMAP),
+        ("MAP_APERTURE", req::op::MAP_APERTURE),
+        ("UNMAP_APERTURE", req::op::UNMAP_APERTURE),
+        ("CREATE_CHANNEL", req::op::CREATE_CHANNEL),
+        ("DESTROY_CHANNEL", req::op::DESTROY_CHANNEL),
+        ("GET_STATS", req::op::GET_STATS),
+        ("SUBMIT", req::op::SUBMIT),
+    ] {
+        add(&format!("VGPU_OP_{name}"), opcode as u64);
+    }
+    add("VGPU_REQ_HEADER_SIZE", HEADER_SIZE as u64);
+    add("VGPU_REPLY_HEADER_SIZE", REPLY_HEADER_SIZE as u64);
+    add("VGPU_MAX_SG_ENTRIES", MAX_SG_ENTRIES as u64);
+    add("VGPU_MAX_REQUEST_SIZE", MAX_REQUEST_SIZE as u64);
+    add("VGPU_MAX_REPLY_SIZE", MAX_REPLY_SIZE as u64);
+    add("VGPU_WIRE_PAGE_4K", PAGE_4K as u64);
+    add("VGPU_WIRE_MAP_READ_ONLY", MAP_READ_ONLY as u64);
+    add("VGPU_EVENT_NOTIFY", event::NOTIFY as u64);
+    add("VGPU_EVENT_CHANNEL_ERROR", event::CHANNEL_ERROR as u64);
+    add("VGPU_EVENT_SIZE", EVENT_SIZE as u64);
     t
 }
 
@@ -514,6 +562,16 @@ fn layout_asserts() -> String {
                 "_Static_assert(offsetof(struct {s}, {field}) == {off}, \"{s}.{field}\");\n"
             );
         }
+    }
+    // The device's wire structs (the guest driver builds them by hand).
+    for (name, size) in [
+        ("vgpu_virtio_config", DeviceConfig::SIZE),
+        ("vgpu_req_header", HEADER_SIZE),
+        ("vgpu_reply_header", REPLY_HEADER_SIZE),
+        ("vgpu_sg_range", 16),
+        ("vgpu_wire_event", EVENT_SIZE),
+    ] {
+        c += &format!("_Static_assert(sizeof(struct {name}) == {size}, \"sizeof {name}\");\n");
     }
     c += "\nint vgpu_header_check(void);\nint vgpu_header_check(void) { return 0; }\n";
     c

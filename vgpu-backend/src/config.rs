@@ -13,7 +13,7 @@ use serde::Deserialize;
 use thiserror::Error;
 
 use crate::sched::{Policy, SchedConfig, DEFAULT_WEIGHT, MAX_WEIGHT, MIN_WEIGHT};
-use crate::session::VmLimits;
+use crate::vm::session::VmLimits;
 
 const MIB: u64 = 1 << 20;
 

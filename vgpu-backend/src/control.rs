@@ -1,20 +1,17 @@
 //! Operator controls of a VM that the control API ([`crate::api`]) exposes: pause, resume
 //! and drain (through shadow channels), the VRAM quota, and a per-channel view.
 //!
-//! **Pause** holds every channel of the VM shadowed, so the guest's submissions stall in
-//! the shadow pages (the guest keeps running; only its GPU work waits). It is a second
-//! reason to hold a channel shadowed, beside the scheduler's: while a VM is paused, an
-//! unshadow asked for through [`VgpuBackend::shadow_channel`] (the scheduler's path) is
-//! remembered but not carried out, and a capped release lets nothing through. Peeking at a
-//! paused VM's channels ([`Session::peek_channel`], what the scheduler samples) fails, so
-//! the scheduler counts the VM as idle — otherwise its held-back work would make it look
-//! underserved and the scheduler would shadow every other VM in its favour — and forgets
-//! the channels it had shadowed there; the hold forgets them too. Channels the guest
-//! creates while paused are shadowed before the reply reaches it
-//! (`VmControl::hold_if_paused`, called by the request path). A pause outlives frontend
-//! reconnects. **Resume** unshadows the channels that nobody else holds shadowed. The VRAM
-//! manager's holds are kept apart in [`crate::shadow::Shadows`]: to it a pause is one of
-//! the "others" holds, so the end of a VRAM move leaves a paused channel shadowed.
+//! **Pause** holds every channel of the VM shadowed for the operator
+//! ([`Holder::Operator`], one of the three holders of [`crate::shadow::holds`]), so the
+//! guest's submissions stall in the shadow pages (the guest keeps running; only its GPU
+//! work waits). While a VM is paused, the scheduler's unshadow only drops its own hold and
+//! a capped release lets nothing through. Peeking at a paused VM's channels
+//! ([`Session::peek_channel`], what the scheduler samples) fails, so the scheduler counts
+//! the VM as idle — otherwise its held-back work would make it look underserved and the
+//! scheduler would shadow every other VM in its favour. Channels the guest creates while
+//! paused are born held, before the reply reaches it (channel creation in
+//! [`crate::vm::requests`]). A pause outlives frontend reconnects. **Resume** drops the
+//! operator's holds: channels that the scheduler or a VRAM move still hold stay shadowed.
 //! **Drain** is pause plus waiting until the GPU completed everything already released to
 //! it (each channel's real `GP_GET` reached its real `GP_PUT`, or the channel stopped on an
 //! error).
@@ -25,18 +22,16 @@
 //! usage. The config space and `GET_INFO` report the new value when next read (no
 //! config-change interrupt is sent).
 
-use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use log::{debug, info, warn};
+use log::{info, warn};
 use thiserror::Error;
 use vgpu_protocol::ErrorCode;
 
-use crate::session::Session;
-use crate::shadow::ShadowError;
-use crate::shmem::ShmMapper;
+use crate::shadow::{Holder, ShadowError};
+use crate::vm::session::Session;
 use crate::{VgpuBackend, VmState};
 
 /// Smallest VRAM quota: one 4 KiB page.
@@ -66,29 +61,9 @@ pub enum ControlError {
 /// Operator state of one VM outside its session (read without the session lock).
 #[derive(Debug)]
 pub(crate) struct VmControl {
-    /// Mirrors [`OperatorHold::paused`].
+    /// Mirrors the session's [`OwnerHolds::paused`](crate::shadow::OwnerHolds).
     paused: AtomicBool,
     vram_quota: AtomicU64,
-}
-
-/// The pause as the session keeps it (changed under the session lock).
-#[derive(Debug, Default)]
-pub struct OperatorHold {
-    pub(crate) paused: bool,
-    /// Channels that others (the scheduler) asked to be shadowed and not yet released:
-    /// resume leaves them shadowed.
-    pub(crate) held_by_others: BTreeSet<u32>,
-}
-
-impl OperatorHold {
-    /// Records a shadow (`on`) or unshadow asked for by someone other than the operator.
-    pub(crate) fn note_other(&mut self, ch: u32, on: bool) {
-        if on {
-            self.held_by_others.insert(ch);
-        } else {
-            self.held_by_others.remove(&ch);
-        }
-    }
 }
 
 impl VmControl {
@@ -105,22 +80,6 @@ impl VmControl {
 
     pub(crate) fn vram_quota(&self) -> u64 {
         self.vram_quota.load(Ordering::Acquire)
-    }
-
-    /// While paused, shadows the channels that are not yet (new ones). Call with the
-    /// session locked, before a reply that names a new channel goes to the guest.
-    pub(crate) fn hold_if_paused(&self, session: &mut Session, shm: &dyn ShmMapper) {
-        if !session.hold.paused {
-            return;
-        }
-        for (ch, _) in session.channel_list() {
-            if session.is_shadowed(ch) {
-                continue;
-            }
-            if let Err(e) = session.shadow_channel(ch, true, shm) {
-                debug!("paused VM: cannot shadow new channel {ch}: {e}");
-            }
-        }
     }
 }
 
@@ -206,7 +165,7 @@ impl VgpuBackend {
                 // No frontend: the session is being torn down; nothing runs.
                 break;
             };
-            match session.shadow_channel(ch, true, shm) {
+            match session.hold_channel(ch, Holder::Operator, true, shm) {
                 Ok(s) => out.switched += u32::from(s.changed),
                 Err(source) => {
                     warn!("VM {name}: pause: channel {ch}: {source}");
@@ -227,7 +186,8 @@ impl VgpuBackend {
         }
     }
 
-    /// Resumes VM `name`: unshadows the channels nobody else holds shadowed.
+    /// Resumes VM `name`: drops the operator's holds (channels nobody else holds are
+    /// unshadowed).
     pub fn resume_vm(&self, name: &str) -> Result<PauseOutcome, ControlError> {
         let vm = self.control_vm(name)?;
         let shm = vm.shm.lock().unwrap_or_else(|e| e.into_inner()).clone();
@@ -235,22 +195,19 @@ impl VgpuBackend {
         session.hold.paused = false;
         vm.control.paused.store(false, Ordering::Release);
         let channels = session.channel_list();
-        let live: BTreeSet<u32> = channels.iter().map(|(ch, _)| *ch).collect();
-        session.hold.held_by_others.retain(|ch| live.contains(ch));
-        let held = session.hold.held_by_others.clone();
         let mut out = PauseOutcome {
             channels: channels.len() as u32,
             switched: 0,
         };
         let mut first_err = None;
         for (ch, _) in channels {
-            if held.contains(&ch) || !session.is_shadowed(ch) {
+            if !session.channel_holders(ch).contains(Holder::Operator) {
                 continue;
             }
             let Some(shm) = shm.as_deref() else {
                 break;
             };
-            match session.shadow_channel(ch, false, shm) {
+            match session.hold_channel(ch, Holder::Operator, false, shm) {
                 Ok(s) => out.switched += u32::from(s.changed),
                 Err(source) => {
                     warn!("VM {name}: resume: channel {ch}: {source}");

@@ -24,7 +24,8 @@ pub enum BackendError {
     #[error("{path} exists and is not a socket")]
     NotASocket { path: PathBuf },
     #[error("vhost-user: {0}")]
-    VhostUser(String),
+    // The crate's error implements Display but not `std::error::Error`: kept as it is.
+    VhostUser(vhost_user_backend::Error),
     #[error("event notifier: {0}")]
     EventFd(#[source] io::Error),
     #[error("cannot start a thread: {0}")]

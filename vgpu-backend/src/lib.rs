@@ -4,8 +4,13 @@
 //! Layout, in the style of rust-vmm's vhost-device crates:
 //! - [`vhu_vgpu`]: `VhostUserBackend` — features, config space, shared-memory region,
 //!   control and event virtqueues;
-//! - [`session`]: per-VM state (what each guest process owns) and teardown;
-//! - [`requests`]: validation and execution of control requests;
+//! - [`vm`]: **the one owner of per-VM state** — `VmState` and its `Session` (what each
+//!   guest process owns), control requests by subject, the session's channels through the
+//!   shadow mechanism, its VRAM objects and moves, teardown; nothing else has an `impl`
+//!   for them, and the managers below reach a VM only through narrow handles that `vm`
+//!   implements ([`sched::handle::SchedVm`], [`vram::handle::VramVm`]);
+//! - [`shadow`]: the shadow-channel mechanism (page switches, the holders of a channel,
+//!   owner holds for channels at birth), knowing nothing of sessions;
 //! - [`guest_mem`]: the GPU's view of a VM's guest memory ([`SysMemory`](vgpu_host_shim::SysMemory));
 //! - [`shmem`]: the BAR window (control-page slots, VRAM aperture) and SHMEM_MAP/UNMAP;
 //! - [`events`]: GPU events → per-VM FIFO → event virtqueue;
@@ -53,19 +58,18 @@ pub mod control;
 pub mod error;
 pub mod events;
 pub mod guest_mem;
-pub mod requests;
 pub mod sched;
-pub mod session;
 pub mod shadow;
 pub mod shmem;
 pub mod vhu_vgpu;
+pub mod vm;
 pub mod vram;
 
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -73,7 +77,7 @@ use std::time::{Duration, Instant};
 
 use log::{error, info, warn};
 use vhost::vhost_user::{Error as VhostUserError, Listener};
-use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
+use vhost_user_backend::VhostUserDaemon;
 use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::epoll::EventSet;
 
@@ -84,45 +88,17 @@ pub use guest_mem::{GuestMemory, GuestSysMemory};
 pub use sched::cli::SchedArgs;
 pub use sched::shares::{GpuShares, IntervalRecord, ProcShare, VmShare};
 pub use sched::{Policy, SchedConfig, SchedError, SchedStats};
-pub use session::{Session, SessionShared, SessionState, VmLimits, VmStats};
-pub use shadow::{ChannelPeek, ShadowError, ShadowStats, ShadowSwitch};
+pub use shadow::{ChannelPeek, Holder, Holders, ShadowError, ShadowStats, ShadowSwitch};
 pub use shmem::{NullShm, ShmMapper, VhostShm};
 pub use vgpu_host_shim::Gpu;
+pub use vm::session::{Session, SessionShared, SessionState, VmLimits, VmStats};
 pub use vram::{
     MoveReport, ProcVramStats, VmVramStats, VramConfig, VramError, VramOverview, VramReport,
 };
 
 use crate::shmem::NullShm as Gone;
 use crate::vhu_vgpu::{VhuVgpu, EVENT_FD_TOKEN};
-
-/// One served VM.
-pub(crate) struct VmState {
-    pub(crate) name: String,
-    socket: PathBuf,
-    limits: VmLimits,
-    gpu_vram: u64,
-    pub(crate) shared: Arc<SessionShared>,
-    session: Mutex<Session>,
-    connected: AtomicBool,
-    conn: Mutex<Option<ShutdownHandle>>,
-    /// The connected frontend's BAR mapper (for shadow remaps requested by the operator).
-    shm: Mutex<Option<Arc<VhostShm>>>,
-    /// Operator weight for the scheduler ([`sched::MIN_WEIGHT`]..=[`sched::MAX_WEIGHT`]).
-    pub(crate) weight: AtomicU32,
-    /// Operator pause and VRAM quota ([`control`]).
-    pub(crate) control: control::VmControl,
-}
-
-impl VmState {
-    pub(crate) fn lock_session(&self) -> MutexGuard<'_, Session> {
-        self.session.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// VRAM the config space advertises: the VM's limit, at most the GPU's size.
-    pub(crate) fn config_vram_bytes(&self) -> u64 {
-        self.control.vram_quota().min(self.gpu_vram)
-    }
-}
+pub(crate) use crate::vm::VmState;
 
 /// The backend: a GPU shared by the VMs it serves.
 pub struct VgpuBackend {
@@ -164,6 +140,27 @@ impl VgpuBackend {
 
     fn lock_vms(&self) -> MutexGuard<'_, BTreeMap<String, Arc<VmState>>> {
         self.vms.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The served VMs as the scheduler sees them.
+    pub(crate) fn sched_vms(&self) -> Vec<Arc<dyn sched::handle::SchedVm>> {
+        self.lock_vms()
+            .values()
+            .map(|vm| vm.clone() as Arc<dyn sched::handle::SchedVm>)
+            .collect()
+    }
+
+    /// The served VMs as the VRAM manager sees them.
+    pub(crate) fn vram_vms(&self) -> Vec<Arc<dyn vram::handle::VramVm>> {
+        self.lock_vms()
+            .values()
+            .map(|vm| vm.clone() as Arc<dyn vram::handle::VramVm>)
+            .collect()
+    }
+
+    /// One served VM as the VRAM manager sees it.
+    pub(crate) fn vram_vm(&self, name: &str) -> Option<Arc<dyn vram::handle::VramVm>> {
+        self.vm(name).map(|vm| vm as Arc<dyn vram::handle::VramVm>)
     }
 
     fn vm(&self, name: &str) -> Option<Arc<VmState>> {
@@ -284,9 +281,10 @@ impl VgpuBackend {
         }
     }
 
-    /// Shadows (`on`) or unshadows a channel of VM `name`: its BAR slot is remapped through
-    /// the VM's vhost-user backend request channel (see [`shadow`]). While the operator
-    /// has the VM paused, an unshadow is remembered but not carried out ([`control`]).
+    /// Takes (`on`) or drops the scheduler's hold of a channel of VM `name`: its BAR slot
+    /// is remapped through the VM's vhost-user backend request channel (see [`shadow`]).
+    /// While another holder (the operator's pause, a VRAM move) holds the channel, an
+    /// unshadow only drops the scheduler's hold.
     pub fn shadow_channel(
         &self,
         name: &str,
@@ -303,16 +301,7 @@ impl VgpuBackend {
             .clone()
             .ok_or(ShadowError::NotConnected)?;
         let mut session = vm.lock_session();
-        if !on && session.hold.paused {
-            if !session.state.channels.contains_key(&guest_channel) {
-                return Err(ShadowError::NoChannel(guest_channel));
-            }
-            session.hold.note_other(guest_channel, false);
-            return Ok(ShadowSwitch::default());
-        }
-        let switch = session.shadow_channel(guest_channel, on, shm.as_ref())?;
-        session.hold.note_other(guest_channel, on);
-        Ok(switch)
+        session.hold_channel(guest_channel, Holder::Scheduler, on, shm.as_ref())
     }
 
     /// Lets at most `n` more entries of a shadowed channel run; returns how many were
@@ -327,10 +316,6 @@ impl VgpuBackend {
             .vm(name)
             .ok_or_else(|| ShadowError::NoVm(name.to_string()))?;
         let mut session = vm.lock_session();
-        if session.hold.paused {
-            // The operator's pause holds everything back.
-            return Ok(0);
-        }
         session.release_capped(guest_channel, n)
     }
 
@@ -440,8 +425,36 @@ fn serve_loop(vm: Arc<VmState>, mut listener: Listener, stop: Arc<AtomicBool>) {
     info!("VM {}: stopped serving", vm.name);
 }
 
-fn vhost_err(e: impl std::fmt::Display) -> BackendError {
-    BackendError::VhostUser(e.to_string())
+/// How long a disconnect waits for the connection's vring worker to exit.
+const WORKER_EXIT_WAIT: Duration = Duration::from_secs(2);
+
+/// Drops the daemon (which joins its vring worker), waiting at most
+/// [`WORKER_EXIT_WAIT`]: a worker stuck in a request must not keep the VM's session
+/// alive or its socket closed. The worker was told to stop and refuses further requests
+/// (`VhuVgpu::stop_worker`), so the session can be torn down meanwhile; a worker that
+/// never exits is left to finish on its own.
+fn join_worker(name: &str, daemon: VhostUserDaemon<Arc<VhuVgpu>>) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let spawned = std::thread::Builder::new()
+        .name(format!("vgpu-reap-{name}"))
+        .spawn(move || {
+            drop(daemon);
+            let _ = tx.send(());
+        });
+    match spawned {
+        Ok(_) => {
+            if rx.recv_timeout(WORKER_EXIT_WAIT).is_err() {
+                error!(
+                    "VM {name}: the vring worker did not exit; tearing the session down without it"
+                );
+            }
+        }
+        Err(e) => error!("VM {name}: cannot reap the vring worker: {e}"),
+    }
+}
+
+fn vhost_err(e: vhost_user_backend::Error) -> BackendError {
+    BackendError::VhostUser(e)
 }
 
 /// Serves one frontend connection, then tears the VM's session down.
@@ -476,8 +489,7 @@ fn serve_connection(
     *vm.conn.lock().unwrap_or_else(|e| e.into_inner()) = None;
     *vm.shm.lock().unwrap_or_else(|e| e.into_inner()) = None;
     dev.stop_worker();
-    // Dropping the daemon joins its vring worker: no request runs after this.
-    drop(daemon);
+    join_worker(&vm.name, daemon);
     {
         let mut s = vm.lock_session();
         let c = s.swap.counters.vm;
@@ -507,6 +519,3 @@ fn serve_connection(
         Err(e) => Err(vhost_err(e)),
     }
 }
-
-#[cfg(test)]
-mod session_tests;

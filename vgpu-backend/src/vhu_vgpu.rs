@@ -15,15 +15,19 @@
 //! exit event the library could not stop the vring worker at all.
 //!
 //! Nothing here trusts the guest: malformed chains get an error reply (or a zero-length
-//! used entry when there is nowhere to write one), never a panic or a disconnect; errors
-//! from `handle_event` would stop the worker thread, so it only returns errors for
-//! failures of the host side (eventfds).
+//! used entry when there is nowhere to write one), never a panic; errors from
+//! `handle_event` would stop the worker thread, so it only returns errors for failures of
+//! the host side (eventfds). A ring the driver broke (an avail index more than the queue
+//! size ahead, a ring outside guest memory) cannot be served at all: the device stops
+//! serving it and ends the connection, which a frontend reports to its driver as
+//! `DEVICE_NEEDS_RESET` (virtio 1.2 §2.1.2); the VM's GPU objects are freed as on every
+//! disconnect and the socket listens again. The worker never loops on such a ring.
 
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
-use log::{debug, warn};
+use log::{debug, error, warn};
 use vgpu_protocol::device::{
     DeviceConfig, APERTURE_OFFSET, APERTURE_SIZE, CHANNEL_SLOTS, CONTROL_QUEUE, EVENT_QUEUE,
     NUM_QUEUES, QUEUE_SIZE, SHM_REGION_ID, SHM_SIZE,
@@ -39,7 +43,7 @@ use virtio_bindings::bindings::virtio_config::{VIRTIO_F_NOTIFY_ON_EMPTY, VIRTIO_
 use virtio_bindings::bindings::virtio_ring::{
     VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
 };
-use virtio_queue::{DescriptorChain, QueueT};
+use virtio_queue::{DescriptorChain, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
@@ -96,6 +100,10 @@ pub struct VhuVgpu {
     mem: RwLock<GuestMemoryAtomicMmap>,
     shm: Arc<VhostShm>,
     event_idx: AtomicBool,
+    /// The driver broke a ring: nothing more is served on this connection.
+    ring_broken: AtomicBool,
+    /// The connection is over: a request still reaching the worker is refused.
+    retired: AtomicBool,
     exit: (EventConsumer, EventNotifier),
     config: [u8; DeviceConfig::SIZE],
 }
@@ -109,6 +117,8 @@ impl VhuVgpu {
             mem: RwLock::new(mem),
             shm: Arc::new(VhostShm::new()),
             event_idx: AtomicBool::new(false),
+            ring_broken: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
             exit,
             config,
         })
@@ -119,9 +129,42 @@ impl VhuVgpu {
         self.shm.clone()
     }
 
-    /// Tells the vring worker to exit.
+    /// Tells the vring worker to exit; requests it still reads are refused.
     pub(crate) fn stop_worker(&self) {
+        self.retired.store(true, Ordering::Release);
         let _ = self.exit.1.notify();
+    }
+
+    fn serving(&self) -> bool {
+        !self.ring_broken.load(Ordering::Acquire) && !self.retired.load(Ordering::Acquire)
+    }
+
+    /// The driver broke queue `queue`: stop serving, count it, end the connection.
+    fn ring_broken(&self, queue: u16, e: &virtio_queue::Error) {
+        if self.ring_broken.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        error!(
+            "VM {}: queue {queue}: invalid ring ({e}); ending the connection (the driver must reset the device)",
+            self.vm.name
+        );
+        self.vm.shared.count_ring_error();
+        self.vm.end_connection();
+    }
+
+    /// The next available chain, or the ring's error (an invalid avail index, say), which
+    /// `pop_descriptor_chain` would turn into "nothing there" while the avail index keeps
+    /// saying there is.
+    fn pop_chain<M>(
+        vring: &Vring,
+        mem: M,
+    ) -> Result<Option<DescriptorChain<M>>, virtio_queue::Error>
+    where
+        M: Clone + std::ops::Deref<Target = GuestMemory>,
+    {
+        let mut state = vring.get_mut();
+        let mut iter = state.get_queue_mut().iter(mem)?;
+        Ok(iter.next())
     }
 
     fn memory(&self) -> GuestMemoryAtomicMmap {
@@ -145,11 +188,11 @@ impl VhuVgpu {
                 }
             }
             drain(vring);
-            if !event_idx {
+            if !event_idx || !self.serving() {
                 break;
             }
             match vring.enable_notification() {
-                Ok(true) if more() => continue,
+                Ok(true) if more() && self.serving() => continue,
                 Ok(_) => break,
                 Err(e) => {
                     warn!("enable notification: {e}");
@@ -172,6 +215,9 @@ impl VhuVgpu {
     }
 
     fn process_control(&self, vring: &Vring) {
+        if !self.serving() {
+            return;
+        }
         self.with_notifications(vring, |v| self.drain_control(v), || true);
     }
 
@@ -179,12 +225,15 @@ impl VhuVgpu {
         let atomic = self.memory();
         let mem = atomic.memory();
         let mut used = false;
-        loop {
-            let chain = vring
-                .get_mut()
-                .get_queue_mut()
-                .pop_descriptor_chain(mem.clone());
-            let Some(chain) = chain else { break };
+        while self.serving() {
+            let chain = match Self::pop_chain(vring, mem.clone()) {
+                Ok(Some(chain)) => chain,
+                Ok(None) => break,
+                Err(e) => {
+                    self.ring_broken(CONTROL_QUEUE, &e);
+                    break;
+                }
+            };
             let head = chain.head_index();
             let len = self.serve_chain(chain, &mem);
             if let Err(e) = vring.add_used(head, len) {
@@ -229,15 +278,15 @@ impl VhuVgpu {
         }
         let reply = {
             let mut session = self.vm.lock_session();
-            let reply = match bad {
-                Some(code) => session.reject(code),
-                None => session.handle(&req, mem, self.shm.as_ref()),
-            };
-            // A channel created while the operator has the VM paused starts shadowed.
-            self.vm
-                .control
-                .hold_if_paused(&mut session, self.shm.as_ref());
-            reply
+            if self.retired.load(Ordering::Acquire) {
+                // The connection ended (the session is torn down or about to be).
+                session.reject(ErrorCode::Busy)
+            } else {
+                match bad {
+                    Some(code) => session.reject(code),
+                    None => session.handle(&req, mem, self.shm.as_ref()),
+                }
+            }
         };
         if writable.is_empty() {
             debug!("control chain without a reply buffer");
@@ -246,6 +295,9 @@ impl VhuVgpu {
     }
 
     fn process_events(&self, vring: &Vring) {
+        if !self.serving() {
+            return;
+        }
         {
             let state = vring.get_ref();
             if !state.get_queue().ready() || !state.is_enabled() {
@@ -262,13 +314,17 @@ impl VhuVgpu {
         let events = &self.vm.shared.events;
         let mut used = false;
         while let Some(ev) = events.pop() {
-            let chain = vring
-                .get_mut()
-                .get_queue_mut()
-                .pop_descriptor_chain(mem.clone());
-            let Some(chain) = chain else {
-                events.unpop(ev);
-                break;
+            let chain = match Self::pop_chain(vring, mem.clone()) {
+                Ok(Some(chain)) => chain,
+                Ok(None) => {
+                    events.unpop(ev);
+                    break;
+                }
+                Err(e) => {
+                    events.unpop(ev);
+                    self.ring_broken(EVENT_QUEUE, &e);
+                    break;
+                }
             };
             let head = chain.head_index();
             let writable: Vec<(GuestAddress, usize)> = chain

@@ -1,44 +1,35 @@
 //! The control API through its real unix socket: every endpoint, bad input of every kind,
 //! slow and concurrent clients, `vgpuctl`, and the daemon started from a TOML config.
 //! (Pause, drain and weights with guest work running are in
-//! `guest-driver/tools/tests/api_loopback.rs`.)
+//! `bench/tests/api_loopback.rs`.)
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use vgpu_backend::api::client::{parse_response, ApiClient, ClientError, RawResponse};
 use vgpu_backend::api::{ApiOptions, ApiServer};
-use vgpu_backend::{SchedConfig, VgpuBackend, VmLimits};
-use vgpu_host_shim::{SimConfig, SimGpu};
+use vgpu_backend::{SchedConfig, VmLimits};
+use vgpu_test_support::Host;
 
 struct Rig {
-    backend: Arc<VgpuBackend>,
+    host: Host,
     api: ApiServer,
-    dir: PathBuf,
 }
 
 impl Rig {
     fn new(tag: &str, opts: ApiOptions) -> Rig {
-        let gpu = SimGpu::new(SimConfig {
-            vram_bytes: 64 << 20,
-            ..Default::default()
-        })
-        .expect("sim GPU");
-        let backend = VgpuBackend::new(gpu, VmLimits::default());
-        let dir = std::env::temp_dir().join(format!("vgpu-api-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
-        for vm in ["vm1", "vm2"] {
-            backend
-                .serve_vm(vm, &dir.join(format!("{vm}.sock")))
-                .expect("serve");
-        }
-        let api = ApiServer::start(&backend, &dir.join("api.sock"), opts).expect("api");
-        Rig { backend, api, dir }
+        let host = Host::new(
+            &format!("api-{tag}"),
+            64 << 20,
+            VmLimits::default(),
+            &["vm1", "vm2"],
+        );
+        let api = ApiServer::start(&host.backend, &host.dir.join("api.sock"), opts).expect("api");
+        Rig { host, api }
     }
 
     fn client(&self) -> ApiClient {
@@ -57,8 +48,6 @@ impl Rig {
 impl Drop for Rig {
     fn drop(&mut self) {
         self.api.shutdown();
-        self.backend.shutdown();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -106,7 +95,7 @@ fn every_endpoint_answers_through_the_socket() {
     assert_eq!(d.limits.vram_bytes, VmLimits::default().vram_bytes);
 
     assert_eq!(c.set_weight("vm1", 700).expect("weight").weight, 700);
-    assert_eq!(rig.backend.vm_weight("vm1"), Some(700));
+    assert_eq!(rig.host.backend.vm_weight("vm1"), Some(700));
     assert_eq!(c.vm("vm1").expect("detail").weight, 700);
 
     assert_eq!(
@@ -114,13 +103,13 @@ fn every_endpoint_answers_through_the_socket() {
         8 << 20
     );
     assert_eq!(
-        rig.backend.vm_limits("vm2").map(|l| l.vram_bytes),
+        rig.host.backend.vm_limits("vm2").map(|l| l.vram_bytes),
         Some(8 << 20)
     );
 
     let p = c.pause("vm2").expect("pause");
     assert!(p.paused);
-    assert_eq!(rig.backend.vm_paused("vm2"), Some(true));
+    assert_eq!(rig.host.backend.vm_paused("vm2"), Some(true));
     let p = c.drain("vm2", Some(1000)).expect("drain");
     assert!(p.paused && p.waited_ms.is_some());
     let p = c.resume("vm2").expect("resume");
@@ -132,7 +121,7 @@ fn every_endpoint_answers_through_the_socket() {
     assert_eq!(st.weight, 700);
     assert_eq!((st.vram_resident_bytes, st.vram_swapped_bytes), (0, 0));
     // No guest: the VRAM figures are there, all zero (moves are in
-    // `guest-driver/tools/tests/api_loopback.rs`).
+    // `bench/tests/api_loopback.rs`).
     assert_eq!(st.vram.quota_bytes, VmLimits::default().vram_bytes);
     assert_eq!(
         (st.vram.evictions, st.vram.swap_ins, st.vram.pauses),
@@ -151,7 +140,7 @@ fn every_endpoint_answers_through_the_socket() {
     assert!(s.running);
     assert_eq!(s.config.interval_ms, 5);
     assert_eq!(
-        rig.backend.scheduler_config().map(|c| c.interval_ms),
+        rig.host.backend.scheduler_config().map(|c| c.interval_ms),
         Some(5)
     );
     // A partial change keeps the rest.
@@ -355,8 +344,8 @@ fn bad_requests_get_json_errors() {
         assert_error(s, &v, *status, code);
     }
     // Nothing changed.
-    assert_eq!(rig.backend.vm_weight("vm1"), Some(100));
-    assert_eq!(rig.backend.scheduler_config(), None);
+    assert_eq!(rig.host.backend.vm_weight("vm1"), Some(100));
+    assert_eq!(rig.host.backend.scheduler_config(), None);
     // 405 names the allowed methods.
     let r = rig
         .client()
@@ -416,7 +405,7 @@ fn keep_alive_and_pipelining() {
     let text = String::from_utf8_lossy(&out);
     assert_eq!(text.matches("HTTP/1.1 200 OK").count(), 3, "{text}");
     assert!(text.contains("\"weight\":42"), "{text}");
-    assert_eq!(rig.backend.vm_weight("vm2"), Some(42));
+    assert_eq!(rig.host.backend.vm_weight("vm2"), Some(42));
 }
 
 #[test]
@@ -470,7 +459,8 @@ fn slow_clients_are_cut_off() {
 #[test]
 fn concurrent_updates_are_consistent() {
     let rig = Rig::new("concurrent", ApiOptions::default());
-    rig.backend
+    rig.host
+        .backend
         .start_scheduler(SchedConfig::default())
         .expect("scheduler");
     let path = rig.api.path().to_path_buf();
@@ -501,12 +491,12 @@ fn concurrent_updates_are_consistent() {
         .into_iter()
         .map(|t| t.join().expect("thread"))
         .collect();
-    let w = rig.backend.vm_weight("vm1").expect("weight");
+    let w = rig.host.backend.vm_weight("vm1").expect("weight");
     assert!(lasts.contains(&w), "weight {w} is one thread's last write");
-    let cfg = rig.backend.scheduler_config().expect("config");
+    let cfg = rig.host.backend.scheduler_config().expect("config");
     assert_eq!(cfg.interval_ms, 7);
     assert_eq!(cfg.threshold_us, 1014);
-    assert_eq!(rig.backend.vm_paused("vm2"), Some(false));
+    assert_eq!(rig.host.backend.vm_paused("vm2"), Some(false));
     let s = rig.client().scheduler().expect("scheduler");
     assert!(s.running);
 }
@@ -545,7 +535,7 @@ fn client_reports_api_errors() {
         }
         other => panic!("{other:?}"),
     }
-    let gone = ApiClient::new(rig.dir.join("nothing.sock"));
+    let gone = ApiClient::new(rig.host.dir.join("nothing.sock"));
     assert!(matches!(gone.info(), Err(ClientError::Connect { .. })));
 }
 
@@ -577,7 +567,7 @@ fn vgpuctl_drives_the_api() {
     let (ok, out, err) = vgpuctl(&sock, &["vm", "set-weight", "vm1", "250"]);
     assert!(ok, "{err}");
     assert!(out.contains("weight 250"), "{out}");
-    assert_eq!(rig.backend.vm_weight("vm1"), Some(250));
+    assert_eq!(rig.host.backend.vm_weight("vm1"), Some(250));
     let (ok, _, err) = vgpuctl(&sock, &["vm", "set-weight", "vm1", "0"]);
     assert!(!ok && err.contains("invalid_weight"), "{err}");
     let (ok, _, err) = vgpuctl(&sock, &["vm", "set-weight", "vm1", "20000"]);
@@ -587,7 +577,7 @@ fn vgpuctl_drives_the_api() {
     let (ok, _, err) = vgpuctl(&sock, &["vm", "set-vram-quota", "vm2", "16M"]);
     assert!(ok, "{err}");
     assert_eq!(
-        rig.backend.vm_limits("vm2").map(|l| l.vram_bytes),
+        rig.host.backend.vm_limits("vm2").map(|l| l.vram_bytes),
         Some(16 << 20)
     );
     let (ok, out, _) = vgpuctl(&sock, &["--json", "vm", "show", "vm2"]);
@@ -636,7 +626,7 @@ fn vgpuctl_drives_the_api() {
         ok && out.contains("vgpu_vm_weight{vm=\"vm1\"} 250"),
         "{out}"
     );
-    let (ok, _, err) = vgpuctl(&rig.dir.join("none.sock"), &["info"]);
+    let (ok, _, err) = vgpuctl(&rig.host.dir.join("none.sock"), &["info"]);
     assert!(!ok && err.contains("none.sock"), "{err}");
 }
 

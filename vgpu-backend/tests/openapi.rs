@@ -20,8 +20,8 @@ use serde_json::{json, Map, Value};
 use vgpu_backend::api::client::ApiClient;
 use vgpu_backend::api::routes::ROUTES;
 use vgpu_backend::api::{ApiOptions, ApiServer};
-use vgpu_backend::{VgpuBackend, VmLimits};
-use vgpu_host_shim::{SimConfig, SimGpu};
+use vgpu_backend::VmLimits;
+use vgpu_test_support::Host;
 
 const VMS: [&str; 2] = ["vm1", "vm2"];
 
@@ -258,37 +258,31 @@ fn mutate(doc: &Value, schema: &Value, mut v: Value, how: usize, at: Index) -> V
 }
 
 struct Rig {
-    backend: Arc<VgpuBackend>,
+    host: Host,
     api: ApiServer,
-    dir: PathBuf,
 }
 
 impl Rig {
     fn new(tag: &str) -> Rig {
-        let gpu = SimGpu::new(SimConfig {
-            vram_bytes: 64 << 20,
-            ..Default::default()
-        })
-        .expect("sim GPU");
-        let backend = VgpuBackend::new(gpu, VmLimits::default());
-        let dir = std::env::temp_dir().join(format!("vgpu-openapi-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
-        for vm in VMS {
-            backend
-                .serve_vm(vm, &dir.join(format!("{vm}.sock")))
-                .expect("serve");
-        }
-        let api =
-            ApiServer::start(&backend, &dir.join("api.sock"), ApiOptions::default()).expect("api");
-        Rig { backend, api, dir }
+        let host = Host::new(
+            &format!("openapi-{tag}"),
+            64 << 20,
+            VmLimits::default(),
+            &VMS,
+        );
+        let api = ApiServer::start(
+            &host.backend,
+            &host.dir.join("api.sock"),
+            ApiOptions::default(),
+        )
+        .expect("api");
+        Rig { host, api }
     }
 }
 
 impl Drop for Rig {
     fn drop(&mut self) {
         self.api.shutdown();
-        self.backend.shutdown();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -451,7 +445,7 @@ fn generated_requests_follow_the_document() {
         Ok(())
     });
     // Leave the shared state sane for the checks below.
-    rig.backend.set_vm_weight("vm1", 100).expect("reset");
+    rig.host.backend.set_vm_weight("vm1", 100).expect("reset");
     if let Err(e) = result {
         panic!("{e}");
     }

@@ -532,3 +532,84 @@ fn end_to_end_over_vhost_user() {
     });
     assert!(!sock.exists());
 }
+
+/// Issue 19, fault 1: with EVENT_IDX negotiated, an avail index moved more than the queue
+/// size ahead made the vring worker spin (the notification loop saw work that popping
+/// never returned) and the VM's slot died: its session was never torn down and the socket
+/// never listened again. Now the backend ends the connection, frees the VM's objects and
+/// serves the socket again — for either queue.
+#[test]
+fn a_broken_avail_index_ends_the_connection_and_the_socket_serves_again() {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let sim = SimGpu::new(SimConfig {
+        vram_bytes: 64 << 20,
+        ..SimConfig::default()
+    })
+    .unwrap();
+    let baseline = sim.stats();
+    let gpu: Arc<dyn Gpu> = sim.clone();
+    let backend = VgpuBackend::new(gpu, VmLimits::default());
+    let sock = socket_path("broken-ring");
+    backend.serve_vm("vmb", &sock).unwrap();
+    for (round, queue) in [CONTROL_QUEUE, EVENT_QUEUE].into_iter().enumerate() {
+        let mut vm = Vm::connect(&sock, true);
+        let ctx = match vm.request(3, 0, Op::CreateContext).unwrap() {
+            ReplyBody::Context { ctx } => ctx,
+            other => panic!("{other:?}"),
+        };
+        vm.request(
+            3,
+            ctx,
+            Op::AllocVram {
+                size: 1 << 20,
+                align: 4096,
+            },
+        )
+        .unwrap();
+        assert_eq!(backend.vm_stats("vmb").unwrap().contexts, 1);
+        let q = if queue == CONTROL_QUEUE {
+            &mut vm.ctrl
+        } else {
+            // The event queue is only read when there is an event: make one.
+            let chans = sim.channels();
+            assert!(chans.is_empty());
+            &mut vm.evq
+        };
+        let bad = q.next_avail.wrapping_add(3 * QSIZE);
+        vm.mem.write_obj(bad, GuestAddress(q.avail + 2)).unwrap();
+        q.kick.write(1).unwrap();
+        if queue == EVENT_QUEUE {
+            // A channel error queues an event, which makes the worker read the ring.
+            vm.request(
+                3,
+                ctx,
+                Op::CreateChannel {
+                    gp_ring_va: 0x10000,
+                    gp_entries: 16,
+                },
+            )
+            .unwrap();
+            let chans = sim.channels();
+            sim.kill_channel(chans[0].0, ErrorCode::WatchdogKilled)
+                .unwrap();
+        }
+        let n = round as u64 + 1;
+        wait_until("the backend ends the connection and frees the VM", || {
+            let s = backend.vm_stats("vmb").unwrap();
+            !s.connected && s.disconnects == n && s.contexts == 0 && s.vram_bytes == 0
+        });
+        assert_eq!(backend.vm_stats("vmb").unwrap().ring_errors, n);
+        wait_until("HAL back to baseline", || sim.stats() == baseline);
+        drop(vm);
+    }
+    // The socket serves a well-behaved frontend again.
+    let mut vm = Vm::connect(&sock, true);
+    for _ in 0..5 {
+        assert!(matches!(
+            vm.request(1, 0, Op::GetStats),
+            Ok(ReplyBody::Stats(_))
+        ));
+    }
+    drop(vm);
+    backend.shutdown();
+}

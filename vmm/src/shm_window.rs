@@ -560,10 +560,8 @@ mod tests {
         w.map(0, PAGE_SIZE, PAGE_SIZE, f.as_raw_fd(), 0, true)
             .unwrap();
         // SAFETY: test; the page was just mapped readable.
-        assert_eq!(
-            unsafe { w.base().add(PAGE_SIZE as usize + 7).read_volatile() },
-            0x5a
-        );
+        let byte = unsafe { w.base().add(PAGE_SIZE as usize + 7).read_volatile() };
+        assert_eq!(byte, 0x5a);
         assert!(w
             .map(0, 16 * PAGE_SIZE, PAGE_SIZE, f.as_raw_fd(), 0, true)
             .is_err());

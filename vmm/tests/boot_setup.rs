@@ -201,7 +201,7 @@ fn tiny_kernel_runs_and_resets() {
     let mut vm = LinuxVm::with_serial(&cfg, SerialOut::from_writer(Box::new(out.clone()))).unwrap();
 
     // Boot vCPU state: long mode at the entry point, %rsi at the zero page.
-    let fd = &vm.vcpu_fds()[0];
+    let fd = vm.vcpus()[0].vcpu_fd();
     let regs = fd.get_regs().unwrap();
     assert_eq!(regs.rip, arch::HIMEM_START + 0x200);
     assert_eq!(regs.rsi, arch::ZERO_PAGE_START);
@@ -214,7 +214,7 @@ fn tiny_kernel_runs_and_resets() {
     assert_eq!((sregs.cs.selector, sregs.cs.l), (0x08, 1));
     assert_eq!(sregs.gdt.base, arch::BOOT_GDT_START);
     // CPUID: APIC ids per vCPU.
-    for (i, fd) in vm.vcpu_fds().iter().enumerate() {
+    for (i, fd) in vm.vcpus().iter().map(|v| v.vcpu_fd()).enumerate() {
         let cpuid = fd.get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES).unwrap();
         let leaf1 = cpuid
             .as_slice()

@@ -440,8 +440,11 @@ fn shmem_map_remap_unmap() {
     let vm = connect(&server);
     let base = vm.shm_base();
     let off = 5 * PAGE;
-    // SAFETY (all reads below): the page at `off` is mapped readable at that point.
-    let read = |o: u64| unsafe { base.add(o as usize).read_volatile() };
+    let read = |o: u64| {
+        // SAFETY: every read below is of a page at `off` that is mapped readable at
+        // that point (the window itself stays reserved for the VM's lifetime).
+        unsafe { base.add(o as usize).read_volatile() }
+    };
 
     assert!(cmd(&vm, CMD_MAP, off, 0x11));
     assert_eq!(vm.shmem_maps(), 1);

@@ -298,10 +298,8 @@ fn linux_style_bring_up_requests_shmem_map_and_reset() {
         std::thread::sleep(Duration::from_millis(10));
     }
     // SAFETY: as above; the slot is now scratch memory.
-    assert_eq!(
-        unsafe { page.add(ControlPage::VERSION).cast::<u32>().read_volatile() },
-        0
-    );
+    let version = unsafe { page.add(ControlPage::VERSION).cast::<u32>().read_volatile() };
+    assert_eq!(version, 0);
 
     // And the driver can start over on the same connection, with fresh rings.
     g.ctrl = SplitQueue::new(64, &g.ram, &mut g.alloc).unwrap();

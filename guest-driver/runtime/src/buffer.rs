@@ -3,7 +3,7 @@
 use std::cell::OnceCell;
 use std::sync::Arc;
 
-use vgpu_host_shim::hal::{MapFlags, PageSize};
+use vgpu_protocol::mem::{MapFlags, PageSize};
 
 use crate::context::CtxInner;
 use crate::error::{Error, Result};

@@ -303,7 +303,7 @@ impl Channel {
         self.mem.write(slot, entry)?;
         let seq = self.put.wrapping_add(1);
         if self.stamp_publish {
-            self.last_publish_ns = vgpu_host_shim::clock::now_ns();
+            self.last_publish_ns = crate::clock::now_ns();
         }
         if self.api_remoting {
             self.ctx
@@ -366,7 +366,7 @@ impl Channel {
         self.api_remoting = on;
     }
 
-    /// Records the host clock (`vgpu_host_shim::clock::now_ns`) right before every GP_PUT
+    /// Records the clock (`CLOCK_MONOTONIC`, the host GPU clock when on a host) right before every GP_PUT
     /// store (or remoted submit), so benchmarks can time store → kernel start exactly.
     pub fn set_stamp_publish(&mut self, on: bool) {
         self.stamp_publish = on;

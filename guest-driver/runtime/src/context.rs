@@ -2,7 +2,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use vgpu_host_shim::hal::PageSize;
+use vgpu_protocol::mem::PageSize;
 
 use crate::buffer::Buffer;
 use crate::channel::{Channel, ChannelOptions};

@@ -2,11 +2,8 @@
 
 use std::sync::Arc;
 
-use vgpu_host_shim::hal::Gpu;
-
 use crate::context::Context;
 use crate::error::Result;
-use crate::native::NativeTransport;
 use crate::transport::{DeviceInfo, Transport};
 
 /// An opened GPU. Cheap to clone; contexts keep the transport alive on their own.
@@ -31,8 +28,9 @@ impl Device {
     }
 
     /// Opens a GPU of this process directly (the baseline without virtualization).
-    pub fn native(gpu: Arc<dyn Gpu>) -> Result<Self> {
-        Self::new(Arc::new(NativeTransport::new(gpu)))
+    #[cfg(feature = "native")]
+    pub fn native(gpu: Arc<dyn vgpu_host_shim::hal::Gpu>) -> Result<Self> {
+        Self::new(Arc::new(crate::native::NativeTransport::new(gpu)))
     }
 
     /// Opens the vgpu device of a loopback VM as guest process `pid`.

@@ -1,7 +1,6 @@
 //! The runtime's error type: transport failures, caller mistakes and channel faults.
 
 use thiserror::Error;
-use vgpu_host_shim::hal::HalError;
 use vgpu_protocol::gp::GpEntryError;
 use vgpu_protocol::ErrorCode;
 
@@ -9,8 +8,9 @@ use vgpu_protocol::ErrorCode;
 #[derive(Debug, Error)]
 pub enum Error {
     /// The native transport's GPU refused a request.
+    #[cfg(feature = "native")]
     #[error("GPU: {0}")]
-    Hal(#[from] HalError),
+    Hal(#[from] vgpu_host_shim::hal::HalError),
     /// A transport request was answered with a protocol error code.
     #[error("device request failed: {0}")]
     Device(ErrorCode),
@@ -61,6 +61,7 @@ impl Error {
     /// driver would return).
     pub fn code(&self) -> ErrorCode {
         match self {
+            #[cfg(feature = "native")]
             Error::Hal(e) => e.code(),
             Error::Device(c) => *c,
             Error::ChannelFault { code, .. } => *code,

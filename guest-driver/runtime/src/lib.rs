@@ -1,13 +1,15 @@
 //! `vgpu-guest`: the guest runtime. Applications are written once against [`Device`],
 //! [`Context`], [`Buffer`] and [`Channel`]; a [`Transport`] carries the resource requests
-//! (natively to a host-shim GPU, over the loopback frontend, or through `/dev/vgpu`).
+//! (through `/dev/vgpu` in a VM; on a host, with feature `native` to a host-shim GPU in
+//! this process, with feature `loopback` over the loopback frontend). The default build
+//! depends on `vgpu-protocol` alone: what a guest compiles has no host code in it.
 //! Work submission itself never goes through the transport: the runtime writes GP
 //! entries into memory it owns and stores GP_PUT into the channel's mapped control page.
 //!
 //! ```no_run
-//! # fn demo(gpu: std::sync::Arc<dyn vgpu_host_shim::hal::Gpu>) -> vgpu_guest::Result<()> {
+//! # fn demo() -> vgpu_guest::Result<()> {
 //! use vgpu_guest::{Device, KernelArgs};
-//! let dev = Device::native(gpu)?;
+//! let dev = Device::devvgpu(vgpu_guest::devvgpu::DEFAULT_PATH)?;
 //! let ctx = dev.create_context()?;
 //! let x = ctx.alloc_vram(4096)?;
 //! x.write_f32(0, &[1.0; 1024])?;
@@ -21,6 +23,7 @@
 mod arena;
 mod buffer;
 mod channel;
+mod clock;
 mod context;
 mod control;
 mod device;
@@ -29,6 +32,7 @@ mod error;
 #[cfg(feature = "loopback")]
 pub mod loopback;
 pub mod mmap;
+#[cfg(feature = "native")]
 mod native;
 mod pushbuf;
 mod transport;
@@ -41,10 +45,11 @@ pub use channel::{Channel, ChannelOptions, Fence};
 pub use context::{Context, BIG_PAGE_THRESHOLD, HUGE_PAGE_THRESHOLD};
 pub use device::Device;
 pub use error::{Error, Result};
+#[cfg(feature = "native")]
 pub use native::{HostRegions, NativeTransport};
 pub use transport::{
     BlockOn, ChanHandle, ChannelDesc, CpuPtr, CtxHandle, DeviceInfo, MemHandle, MemKind, Transport,
 };
 pub use va::{BIG_BASE, HUGE_BASE, SMALL_BASE, VA_END};
-pub use vgpu_host_shim::hal::{MapFlags, PageSize};
+pub use vgpu_protocol::mem::{MapFlags, PageSize};
 pub use vgpu_protocol::{ErrorCode, KernelArgs, KernelId, Method, SemaphoreMode};

@@ -8,8 +8,8 @@ use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
-use vgpu_host_shim::hal::{MapFlags, PageSize};
 use vgpu_protocol::device::slot_offset;
+use vgpu_protocol::mem::{MapFlags, PageSize};
 use vgpu_protocol::request::{
     decode_reply, GuestRange, Op, ReplyBody, Request, MAP_READ_ONLY, PAGE_2M, PAGE_4K, PAGE_64K,
 };

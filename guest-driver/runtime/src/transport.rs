@@ -10,7 +10,7 @@
 use std::ptr::NonNull;
 use std::time::Duration;
 
-use vgpu_host_shim::hal::{MapFlags, PageSize};
+use vgpu_protocol::mem::{MapFlags, PageSize};
 
 use crate::error::Result;
 

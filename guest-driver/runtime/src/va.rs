@@ -5,8 +5,8 @@
 //! unmapped guard gap of one page, so running off its end faults instead of silently
 //! touching a neighbour.
 
-use vgpu_host_shim::hal::PageSize;
-use vgpu_host_shim::vram::RangeAllocator;
+use vgpu_protocol::mem::PageSize;
+use vgpu_protocol::range::RangeAllocator;
 
 /// Where small-page buffers start. Low addresses stay unmapped so that small integers
 /// used as pointers fault.

@@ -1,22 +1,16 @@
 //! Checks the Rust mirror of the `/dev/vgpu` ioctl ABI (`src/devvgpu/abi.rs`) against the
-//! driver's header `guest-driver/kernel/vgpu_ioctl.h`, and the driver's wire header
-//! `vgpu_wire.h` against `vgpu-protocol`: a C file of `_Static_assert`s generated from the
-//! Rust side (sizes, field offsets, ioctl numbers, constants) must compile with the
-//! headers. Every ioctl the header defines must also be in the Rust table.
+//! driver's header `guest-driver/kernel/vgpu_ioctl.h`: a C file of `_Static_assert`s
+//! generated from the Rust side (sizes, field offsets, ioctl numbers, constants) must
+//! compile with the header. Every ioctl the header defines must also be in the Rust table.
+//! (The wire format's C header, `protocol/include/vgpu_protocol.h`, which the driver
+//! includes too, is checked by `protocol/tests/c_header.rs`.)
 
 use std::mem::{offset_of, size_of};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use vgpu_guest::devvgpu::abi;
-use vgpu_protocol::device::{
-    APERTURE_OFFSET, APERTURE_SIZE, CHANNEL_SLOTS, CONTROL_QUEUE, EVENT_QUEUE, NUM_QUEUES,
-    SHM_REGION_ID, SHM_SIZE, VIRTIO_ID_VGPU,
-};
-use vgpu_protocol::request::{
-    op, HEADER_SIZE, MAP_READ_ONLY, MAX_REPLY_SIZE, MAX_REQUEST_SIZE, MAX_SG_ENTRIES, PAGE_2M,
-    PAGE_4K, PAGE_64K, REPLY_HEADER_SIZE,
-};
+use vgpu_protocol::request::{MAP_READ_ONLY, PAGE_2M, PAGE_4K, PAGE_64K};
 
 fn kernel_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../kernel")
@@ -78,7 +72,7 @@ fn structs() -> Vec<(&'static str, usize, Fields)> {
     ]
 }
 
-/// Scalar defines of both headers with the Rust value they must have.
+/// Scalar defines of the header with the Rust value they must have.
 fn constants() -> Vec<(&'static str, u64)> {
     vec![
         ("VGPU_IOCTL_ABI_VERSION", abi::ABI_VERSION as u64),
@@ -95,52 +89,11 @@ fn constants() -> Vec<(&'static str, u64)> {
         ("VGPU_IOC_PAGE_64K", PAGE_64K as u64),
         ("VGPU_IOC_PAGE_2M", PAGE_2M as u64),
         ("VGPU_IOC_MAP_READ_ONLY", MAP_READ_ONLY as u64),
-        // vgpu_wire.h
-        ("VGPU_VIRTIO_ID", VIRTIO_ID_VGPU as u64),
-        ("VGPU_CONTROL_QUEUE", CONTROL_QUEUE as u64),
-        ("VGPU_EVENT_QUEUE", EVENT_QUEUE as u64),
-        ("VGPU_NUM_QUEUES", NUM_QUEUES as u64),
-        ("VGPU_SHM_REGION_ID", SHM_REGION_ID as u64),
-        ("VGPU_CHANNEL_SLOTS", CHANNEL_SLOTS as u64),
-        ("VGPU_APERTURE_OFFSET", APERTURE_OFFSET),
-        ("VGPU_APERTURE_SIZE", APERTURE_SIZE),
-        ("VGPU_SHM_SIZE", SHM_SIZE),
-        ("VGPU_OP_GET_INFO", op::GET_INFO as u64),
-        ("VGPU_OP_CREATE_CONTEXT", op::CREATE_CONTEXT as u64),
-        ("VGPU_OP_DESTROY_CONTEXT", op::DESTROY_CONTEXT as u64),
-        ("VGPU_OP_ALLOC_VRAM", op::ALLOC_VRAM as u64),
-        ("VGPU_OP_FREE_MEM", op::FREE_MEM as u64),
-        ("VGPU_OP_MAP_VRAM", op::MAP_VRAM as u64),
-        ("VGPU_OP_MAP_GUEST", op::MAP_GUEST as u64),
-        ("VGPU_OP_UNMAP", op::UNMAP as u64),
-        ("VGPU_OP_MAP_APERTURE", op::MAP_APERTURE as u64),
-        ("VGPU_OP_UNMAP_APERTURE", op::UNMAP_APERTURE as u64),
-        ("VGPU_OP_CREATE_CHANNEL", op::CREATE_CHANNEL as u64),
-        ("VGPU_OP_DESTROY_CHANNEL", op::DESTROY_CHANNEL as u64),
-        ("VGPU_OP_GET_STATS", op::GET_STATS as u64),
-        ("VGPU_OP_SUBMIT", op::SUBMIT as u64),
-        ("VGPU_REQ_HEADER_SIZE", HEADER_SIZE as u64),
-        ("VGPU_REPLY_HEADER_SIZE", REPLY_HEADER_SIZE as u64),
-        ("VGPU_MAX_SG_ENTRIES", MAX_SG_ENTRIES as u64),
-        ("VGPU_MAX_REQUEST_SIZE", MAX_REQUEST_SIZE as u64),
-        ("VGPU_MAX_REPLY_SIZE", MAX_REPLY_SIZE as u64),
-        ("VGPU_WIRE_PAGE_4K", PAGE_4K as u64),
-        ("VGPU_WIRE_MAP_READ_ONLY", MAP_READ_ONLY as u64),
-        (
-            "VGPU_EVENT_NOTIFY",
-            vgpu_protocol::request::event::NOTIFY as u64,
-        ),
-        (
-            "VGPU_EVENT_CHANNEL_ERROR",
-            vgpu_protocol::request::event::CHANNEL_ERROR as u64,
-        ),
-        ("VGPU_EVENT_SIZE", vgpu_protocol::request::EVENT_SIZE as u64),
     ]
 }
 
 fn asserts() -> String {
-    let mut c =
-        String::from("#include <stddef.h>\n#include \"vgpu_ioctl.h\"\n#include \"vgpu_wire.h\"\n");
+    let mut c = String::from("#include <stddef.h>\n#include \"vgpu_ioctl.h\"\n");
     for (name, size, fields) in structs() {
         c += &format!("_Static_assert(sizeof(struct {name}) == {size}, \"{name} size\");\n");
         for (f, off) in fields {
@@ -154,19 +107,6 @@ fn asserts() -> String {
     }
     for (name, v) in constants() {
         c += &format!("_Static_assert({name} == {v:#x}ull, \"{name}\");\n");
-    }
-    // Wire structs the driver builds by hand.
-    for (name, size) in [
-        (
-            "vgpu_virtio_config",
-            vgpu_protocol::device::DeviceConfig::SIZE,
-        ),
-        ("vgpu_req_header", HEADER_SIZE),
-        ("vgpu_reply_header", REPLY_HEADER_SIZE),
-        ("vgpu_sg_range", 16),
-        ("vgpu_wire_event", vgpu_protocol::request::EVENT_SIZE),
-    ] {
-        c += &format!("_Static_assert(sizeof(struct {name}) == {size}, \"{name} size\");\n");
     }
     c
 }
@@ -203,7 +143,7 @@ fn ioctl_numbers_are_distinct() {
 #[test]
 fn headers_match_rust() {
     if Command::new("cc").arg("--version").output().is_err() {
-        println!("note: no `cc` found; skipping the C check of vgpu_ioctl.h / vgpu_wire.h");
+        println!("note: no `cc` found; skipping the C check of vgpu_ioctl.h");
         return;
     }
     let dir = std::env::temp_dir().join(format!("vgpu_ioctl_abi_{}", std::process::id()));
@@ -220,7 +160,7 @@ fn headers_match_rust() {
     let _ = std::fs::remove_dir_all(&dir);
     assert!(
         out.status.success(),
-        "the headers disagree with the Rust side:\n{}{}",
+        "the header disagrees with the Rust side:\n{}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );

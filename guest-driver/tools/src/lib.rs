@@ -1,12 +1,13 @@
-//! Tools built on the `vgpu-guest` runtime: the `vgpu-bench` suites, the multi-tenant
-//! demo, and shared helpers for reporting figures.
+//! The guest tools, built on the `vgpu-guest` runtime only: the `vgpu-smoke` checks
+//! (also `--hostile` and `--swap`), the guest benchmark `vgpu-guest-bench`, and the
+//! figures, statistics and measuring helpers it shares with the host's `vgpu-bench`
+//! (`bench/`), which runs the same guest suite as `vgpu-bench guest`.
 
-pub mod hidden_counters;
+pub mod bench;
 pub mod hostile;
+pub mod measure;
+pub mod native;
 pub mod report;
-pub mod sched_rig;
 pub mod smoke;
 pub mod stats;
-pub mod suites;
-pub mod svg;
 pub mod swap_check;

@@ -2,13 +2,13 @@
 //! transport: every builtin kernel on VRAM and on host (guest-RAM) buffers, the copy
 //! engine, a fault, and — where the transport has a driver — blocking waits woken by
 //! notify events. Every result is compared with the CPU reference
-//! (`vgpu_host_shim::kernels::reference`; the builtin kernels are bit-identical to it).
+//! (`vgpu_protocol::reference`; the builtin kernels are bit-identical to it).
 
 use std::time::{Duration, Instant};
 
 use vgpu_guest::workloads::XorShift;
 use vgpu_guest::{Buffer, Channel, Context, Device, Error, ErrorCode, KernelArgs, MemKind};
-use vgpu_host_shim::kernels::reference;
+use vgpu_protocol::reference;
 
 /// The outcome of one check.
 #[derive(Debug, Clone)]

@@ -1,5 +1,5 @@
 // vgpu builtin kernels for the `cuda` GPU, compiled by NVRTC at start (and by nvcc for the
-// native baseline, tools/cuda-native). Results must be bit-identical to the sim's
+// native baseline, bench/cuda-native). Results must be bit-identical to the sim's
 // (host-shim/src/kernels.rs): every f32 operation is an explicitly rounded __fmul_rn /
 // __fadd_rn in the sim's order, so no multiply-add is ever contracted.
 

@@ -69,6 +69,8 @@ fuzz_target!(|data: &[u8]| {
             max_channels: 4,
             vram_bytes: 8 << 20,
             mapped_guest_bytes: 2 << 20,
+            // Oversubscription on: allocations past the quota spill to the swap store.
+            swap_bytes: 8 << 20,
         },
     );
     let shm = Frontend::default();

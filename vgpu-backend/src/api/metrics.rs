@@ -2,7 +2,7 @@
 
 use std::fmt::Write;
 
-use crate::api::share::{Entity, ShareBook, WINDOWS_S};
+use crate::api::share::{with_entitlement, Entity, ShareBook, WINDOWS_S};
 use crate::sched::Policy;
 use crate::vram::{ProcVramStats, VmVramStats, VramReport};
 use crate::VgpuBackend;
@@ -105,6 +105,28 @@ pub fn render(be: &VgpuBackend, shares: &ShareBook, api_requests: &[(u16, u64)])
                 &[("vm", n), ("window", &format!("{}s", w.window_s))],
                 w.share,
             );
+        }
+    }
+    o.family(
+        "vgpu_vm_gpu_entitled_share",
+        "gauge",
+        "What the VM was owed of the GPU time used in the recent window (0..1): weighted \
+         max-min over measured demands, from the scheduler's interval records.",
+    );
+    for n in &names {
+        let ws = with_entitlement(
+            be,
+            Entity::Vm(n),
+            shares.windows(Entity::Vm(n), gi.compute_engines),
+        );
+        for w in ws {
+            if let Some(e) = w.entitled {
+                o.value(
+                    "vgpu_vm_gpu_entitled_share",
+                    &[("vm", n), ("window", &format!("{}s", w.window_s))],
+                    e,
+                );
+            }
         }
     }
     o.family(

@@ -10,7 +10,7 @@ use serde_json::{Map, Number, Value};
 
 use crate::api::http::{Request, Response};
 use crate::api::metrics;
-use crate::api::share::{Entity, ShareBook};
+use crate::api::share::{with_entitlement, Entity, ShareBook};
 use crate::api::types::*;
 use crate::control::{ControlError, MAX_VRAM_QUOTA, MIN_VRAM_QUOTA};
 use crate::sched::{Policy, SchedConfig, SchedError, MAX_WEIGHT, MIN_WEIGHT};
@@ -250,7 +250,11 @@ impl ApiState {
             weight: be.vm_weight(name).ok_or_else(gone)?,
             paused: be.vm_paused(name).ok_or_else(gone)?,
             gpu_busy_ns: procs.iter().map(|(_, b)| *b).sum(),
-            windows: self.shares.windows(Entity::Vm(name), engines),
+            windows: with_entitlement(
+                be,
+                Entity::Vm(name),
+                self.shares.windows(Entity::Vm(name), engines),
+            ),
             vram_resident_bytes: vram.resident_bytes,
             vram_swapped_bytes: vram.swapped_bytes,
             vram_quota_bytes: be.vm_limits(name).ok_or_else(gone)?.vram_bytes,
@@ -263,7 +267,11 @@ impl ApiState {
                 .map(|(pid, busy)| ProcessStats {
                     pid: *pid,
                     gpu_busy_ns: *busy,
-                    windows: self.shares.windows(Entity::Process(name, *pid), engines),
+                    windows: with_entitlement(
+                        be,
+                        Entity::Process(name, *pid),
+                        self.shares.windows(Entity::Process(name, *pid), engines),
+                    ),
                 })
                 .collect(),
             channels: channels
@@ -460,6 +468,7 @@ fn vm_detail(be: &VgpuBackend, name: &str) -> Result<VmDetail, Failure> {
             events_delivered: st.events_delivered,
             events_dropped: st.events_dropped,
             events_pending: st.events_pending,
+            ring_errors: st.ring_errors,
         },
         shadow: ShadowBody {
             shadowed_now: sh.shadowed_now,
@@ -566,6 +575,7 @@ pub fn scheduler(be: &VgpuBackend) -> SchedulerBody {
             shadowed_now: st.shadowed_now,
             tick_ns_last: st.tick_ns_last,
             tick_ns_max: st.tick_ns_max,
+            busy_skips: st.busy_skips,
             watchdog_kills: st.watchdog_kills,
         },
     }

@@ -121,10 +121,44 @@ impl ShareBook {
                     mine as f64 / all as f64
                 },
                 utilization: mine as f64 / (dt.as_nanos() as f64 * f64::from(engines.max(1))),
+                entitled: None,
+                deviation_pp: None,
             });
         }
         out
     }
+}
+
+/// Fills in each window's entitlement (and the deviation from it) for `who`, from the
+/// scheduler's interval records over the same span ([`VgpuBackend::gpu_shares`]).
+pub fn with_entitlement(
+    be: &VgpuBackend,
+    who: Entity<'_>,
+    mut windows: Vec<WindowShare>,
+) -> Vec<WindowShare> {
+    for w in windows.iter_mut() {
+        let shares = be.gpu_shares(Duration::from_secs(u64::from(w.window_s)));
+        if shares.intervals == 0 {
+            continue;
+        }
+        let found = match who {
+            Entity::Vm(vm) => shares
+                .vms
+                .iter()
+                .find(|v| v.name == vm)
+                .map(|v| (v.share, v.entitled)),
+            Entity::Process(vm, pid) => shares
+                .vms
+                .iter()
+                .find(|v| v.name == vm)
+                .and_then(|v| v.procs.iter().find(|p| p.pid == pid))
+                .map(|p| (p.share, p.entitled)),
+        };
+        let (share, entitled) = found.unwrap_or((0.0, 0.0));
+        w.entitled = Some(entitled);
+        w.deviation_pp = Some(100.0 * (share - entitled));
+    }
+    windows
 }
 
 #[cfg(test)]

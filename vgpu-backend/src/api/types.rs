@@ -77,6 +77,8 @@ pub struct CountersBody {
     pub events_delivered: u64,
     pub events_dropped: u64,
     pub events_pending: u64,
+    /// Connections ended because the driver broke a virtqueue.
+    pub ring_errors: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -113,6 +115,14 @@ pub struct WindowShare {
     pub share: f64,
     /// Fraction of the GPU's capacity (busy time / (span × engines)).
     pub utilization: f64,
+    /// What it was owed of the GPU time used in the window (0..=1): weighted max-min over
+    /// measured demands, from the scheduler's interval records (`null` before the
+    /// scheduler recorded an interval).
+    #[serde(default)]
+    pub entitled: Option<f64>,
+    /// Its share minus its entitlement in the same records, percentage points.
+    #[serde(default)]
+    pub deviation_pp: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -297,6 +307,8 @@ pub struct SchedStatsBody {
     pub shadowed_now: u32,
     pub tick_ns_last: u64,
     pub tick_ns_max: u64,
+    /// Times a VM was left alone for an interval because its session stayed locked.
+    pub busy_skips: u64,
     /// Channels the kernel watchdog killed (all VMs).
     pub watchdog_kills: u64,
 }

@@ -419,14 +419,30 @@ fn run(cli: Cli) -> Result<(), ClientError> {
                 ms(v.pause_ns_max)
             );
             let share_cols = |ws: &[WindowShare]| -> Vec<String> {
-                [1, 10, 60]
+                let mut c: Vec<String> = [1, 10, 60]
                     .iter()
                     .map(|w| pct(window(ws, *w).map(|x| x.share)))
-                    .collect()
+                    .collect();
+                // What it was owed over the last 10 s, and how far it is from that.
+                let w10 = window(ws, 10);
+                c.push(pct(w10.and_then(|x| x.entitled)));
+                c.push(
+                    w10.and_then(|x| x.deviation_pp)
+                        .map_or("-".to_string(), |d| format!("{d:+.1} pp")),
+                );
+                c
             };
-            let mut rows = vec![["WHO", "GPU TIME s", "SHARE 1s", "SHARE 10s", "SHARE 60s"]
-                .map(String::from)
-                .to_vec()];
+            let mut rows = vec![[
+                "WHO",
+                "GPU TIME s",
+                "SHARE 1s",
+                "SHARE 10s",
+                "SHARE 60s",
+                "ENTITLED 10s",
+                "DEVIATION 10s",
+            ]
+            .map(String::from)
+            .to_vec()];
             let mut first = vec![
                 "vm".to_string(),
                 format!("{:.3}", s.gpu_busy_ns as f64 / 1e9),

@@ -20,6 +20,18 @@ impl VgpuBackend {
         lock(&self.sched.history).shares(ns, policy)
     }
 
+    /// GPU shares and entitlements over the intervals numbered `from..to` (see
+    /// [`VgpuBackend::next_interval`]).
+    pub fn gpu_shares_between(&self, from: u64, to: u64) -> GpuShares {
+        let policy = self.sched.config().map_or(Policy::None, |c| c.policy);
+        lock(&self.sched.history).shares_between(from, to, policy)
+    }
+
+    /// The number the scheduler's next interval record will get.
+    pub fn next_interval(&self) -> u64 {
+        self.sched.seq.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// The scheduler's per-interval records with interval number `since` or later
     /// (the last few thousand intervals are kept), oldest first.
     pub fn sched_history(&self, since: u64) -> Vec<IntervalRecord> {

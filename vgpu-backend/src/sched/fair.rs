@@ -48,12 +48,30 @@ impl ChannelSample {
 }
 
 /// A guest process and its channels.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ProcSample {
     pub pid: u32,
     /// Share weight among the VM's processes (1..=10000; 0 is treated as 1).
     pub weight: u32,
     pub channels: Vec<ChannelSample>,
+    /// GPU time, in the interval, of the process's channels destroyed before its end:
+    /// charged like the live channels' (a tenant must not escape its clock by churning
+    /// channels), and it makes the process active.
+    pub retired_busy_ns: u64,
+}
+
+impl ProcSample {
+    fn busy_ns(&self) -> u64 {
+        self.channels
+            .iter()
+            .map(|c| c.busy_delta_ns)
+            .sum::<u64>()
+            .saturating_add(self.retired_busy_ns)
+    }
+
+    fn active(&self) -> bool {
+        self.retired_busy_ns > 0 || self.channels.iter().any(|c| c.active())
+    }
 }
 
 /// A VM and its processes.
@@ -203,8 +221,8 @@ impl FairState {
                 Entry {
                     key: v.name.clone(),
                     weight: v.weight,
-                    busy_delta_ns: chans().map(|c| c.busy_delta_ns).sum(),
-                    active: chans().any(|c| c.active()),
+                    busy_delta_ns: v.procs.iter().map(ProcSample::busy_ns).sum(),
+                    active: v.procs.iter().any(ProcSample::active),
                     held: chans().any(|c| is_held(&v.name, c)),
                     runnable: chans().any(|c| runs(&v.name, c)),
                 }
@@ -230,8 +248,8 @@ impl FairState {
                 .map(|p| Entry {
                     key: p.pid,
                     weight: p.weight,
-                    busy_delta_ns: p.channels.iter().map(|c| c.busy_delta_ns).sum(),
-                    active: p.channels.iter().any(|c| c.active()),
+                    busy_delta_ns: p.busy_ns(),
+                    active: p.active(),
                     held: p.channels.iter().any(|c| is_held(&v.name, c)),
                     runnable: p.channels.iter().any(|c| runs(&v.name, c)),
                 })
@@ -289,6 +307,7 @@ mod tests {
             pid,
             weight: 1,
             channels,
+            ..ProcSample::default()
         }
     }
 
@@ -556,6 +575,7 @@ mod tests {
                         pid: 1,
                         weight: w1,
                         channels: vec![ch(1, 5 * MS, true)],
+                        ..ProcSample::default()
                     }],
                 ),
                 vm("b", 1, vec![proc_(2, vec![ch(2, 5 * MS, true)])]),
@@ -574,6 +594,7 @@ mod tests {
                         pid: 1,
                         weight: 10_000,
                         channels: vec![ch(1, 9 * MS, true)],
+                        ..ProcSample::default()
                     }],
                 ),
                 vm("b", 1, vec![proc_(2, vec![ch(2, MS, true)])]),
@@ -611,6 +632,7 @@ mod tests {
                                     pid: 21,
                                     weight: 3,
                                     channels: vec![ch(2, got[1], true)],
+                                    ..ProcSample::default()
                                 },
                                 proc_(22, vec![ch(3, got[2], true)]),
                             ],

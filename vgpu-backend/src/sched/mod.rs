@@ -23,7 +23,9 @@
 pub mod account;
 pub mod api;
 pub mod cli;
+pub mod entitle;
 pub mod fair;
+pub mod handle;
 pub mod sampling;
 pub mod shares;
 pub mod timeslice;
@@ -43,14 +45,19 @@ use vgpu_host_shim::clock::now_ns;
 use vgpu_host_shim::{ChannelCounters, ChannelId};
 use vgpu_protocol::ErrorCode;
 
-use crate::shadow::{ChannelPeek, ShadowError};
+use crate::shadow::{ChannelPeek, Holder, Holders};
 use crate::VgpuBackend;
 use account::{Accounting, Estimator};
 use fair::{ChannelSample, Decision, FairState, ProcSample, VmSample};
+use handle::{HoldChange, RetiredChannel, SchedVm, VmHolds};
 use sampling::{SampleObs, Sampler};
 use shares::{ChannelBusy, History, IntervalRecord, ProcBusy, VmBusy};
 use timeslice::Timeslice;
 use watchdog::Watchdog;
+
+/// How long the scheduler waits for a VM's session lock before it leaves that VM as it
+/// was for the interval: whatever holds the lock, a tick stays bounded.
+pub const SESSION_LOCK_WAIT: Duration = Duration::from_millis(1);
 
 /// Operator weights of VMs: 1..=[`MAX_WEIGHT`], [`DEFAULT_WEIGHT`] unless set.
 pub const MIN_WEIGHT: u32 = 1;
@@ -213,6 +220,9 @@ pub struct SchedStats {
     pub tick_ns_max: u64,
     /// Channels the watchdog killed.
     pub watchdog_kills: u64,
+    /// Times a VM was left as it was for an interval because its session stayed locked
+    /// past [`SESSION_LOCK_WAIT`] (a long request, a frontend slow to ack a remap).
+    pub busy_skips: u64,
     /// `sampling`: rounds started, samples taken, samples dropped.
     pub sample_rounds: u64,
     pub samples: u64,
@@ -335,8 +345,11 @@ struct Sched {
     timeslice: Timeslice,
     sampler: Sampler,
     watchdog: Option<Watchdog>,
-    /// Channels this scheduler shadowed: (VM, guest channel).
+    /// Channels this scheduler holds shadowed: (VM, guest channel), as the sessions
+    /// recorded them at the last observation.
     shadowed: BTreeSet<(String, u32)>,
+    /// Channels with pending work at the last observation (for VMs left alone).
+    pending: BTreeSet<(String, u32)>,
     shared: Shared,
     /// Whether the first interval (the accounting baseline) is over.
     primed: bool,
@@ -363,6 +376,7 @@ fn thread_main(
             .watchdog_ms
             .map(|ms| Watchdog::new(u64::from(ms) * 1_000_000)),
         shadowed: BTreeSet::new(),
+        pending: BTreeSet::new(),
         shared,
         primed: false,
         last_tick_ns: now_ns(),
@@ -406,8 +420,14 @@ struct Obs {
     pid: u32,
     hal: ChannelId,
     counters: ChannelCounters,
-    /// `None` when the channel's slot is not mapped (it cannot be shadowed).
+    /// `None` when the channel's slot is not mapped (it cannot be shadowed), or its VM's
+    /// session could not be locked this tick.
     peek: Option<ChannelPeek>,
+    /// Submitted work not finished (from `peek`; for a VM left alone this tick, as at the
+    /// previous one).
+    pending: bool,
+    /// Who holds it shadowed (empty for a VM left alone this tick).
+    holders: Holders,
     /// Stopped on an error (faulted, killed): it will never run again.
     dead: bool,
     busy_delta_ns: u64,
@@ -417,6 +437,46 @@ struct Obs {
 struct VmObs {
     name: String,
     weight: u32,
+    vm: Arc<dyn SchedVm>,
+    /// Whether its session was locked for the observation (else it is left as it was).
+    locked: bool,
+    /// Its channels destroyed since the previous tick.
+    retired: Vec<RetiredChannel>,
+    /// Their GPU time in the interval, per guest PID (filled by `account`).
+    retired_busy: BTreeMap<u32, u64>,
+}
+
+/// Owner holds of a decision: per VM, whether the whole VM is held and which of its
+/// processes are — what a channel created before the next decision is born into. An
+/// owner is held when the policy said it is over its share, or when every one of its
+/// channels is to be shadowed (`timeslice`, `sampling`).
+fn owner_holds(samples: &[VmSample], d: &Decision) -> BTreeMap<String, (bool, BTreeSet<u32>)> {
+    let mut out = BTreeMap::new();
+    for v in samples {
+        let held = |c: &ChannelSample| d.shadow.contains(&(v.name.clone(), c.ch));
+        let all_held = |chans: &mut dyn Iterator<Item = &ChannelSample>| {
+            let mut any = false;
+            for c in chans {
+                if !held(c) {
+                    return false;
+                }
+                any = true;
+            }
+            any
+        };
+        let vm_held = d.over_vms.contains(&v.name)
+            || all_held(&mut v.procs.iter().flat_map(|p| p.channels.iter()));
+        let pids: BTreeSet<u32> = v
+            .procs
+            .iter()
+            .filter(|p| {
+                d.over_procs.contains(&(v.name.clone(), p.pid)) || all_held(&mut p.channels.iter())
+            })
+            .map(|p| p.pid)
+            .collect();
+        out.insert(v.name.clone(), (vm_held, pids));
+    }
+    out
 }
 
 impl Sched {
@@ -426,40 +486,77 @@ impl Sched {
         st.shadowed_now = self.shadowed.len() as u32;
     }
 
-    /// Reads every connected VM's channels.
+    /// Reads every connected VM's channels, and what the sessions record of the
+    /// scheduler's holds (its channels born held included). A VM whose session stays
+    /// locked past [`SESSION_LOCK_WAIT`] is left as it was.
     fn observe(&mut self, be: &VgpuBackend) -> (Vec<VmObs>, Vec<Obs>) {
         let gpu = be.gpu().clone();
-        let vms: Vec<_> = be.lock_vms().values().cloned().collect();
+        let vms = be.sched_vms();
         let (mut vm_obs, mut obs) = (Vec::with_capacity(vms.len()), Vec::new());
-        for vm in &vms {
-            if !vm.connected.load(Ordering::Acquire) {
+        let mut skips = 0;
+        for vm in vms {
+            if !vm.connected() {
                 continue;
             }
-            let counters = vm.shared.channel_counters(gpu.as_ref());
+            let view = vm.observe(gpu.as_ref(), SESSION_LOCK_WAIT);
+            skips += u64::from(!view.locked);
             let idx = vm_obs.len();
-            vm_obs.push(VmObs {
-                name: vm.name.clone(),
-                weight: vm.weight.load(Ordering::Relaxed),
-            });
-            let mut session = vm.lock_session();
-            for (ch, pid, hal, c) in counters {
+            for c in view.channels {
+                let pending = if view.locked {
+                    c.peek.is_some_and(|p| p.pending())
+                } else {
+                    self.pending.contains(&(vm.name().to_string(), c.ch))
+                };
                 obs.push(Obs {
                     vm: idx,
-                    ch,
-                    pid,
-                    hal,
-                    counters: c,
-                    peek: session.peek_channel(ch).ok(),
-                    dead: gpu.channel_error(hal).ok().flatten().is_some(),
+                    ch: c.ch,
+                    pid: c.pid,
+                    hal: c.hal,
+                    counters: c.counters,
+                    peek: c.peek,
+                    pending,
+                    holders: c.holders,
+                    dead: gpu.channel_error(c.hal).ok().flatten().is_some(),
                     busy_delta_ns: 0,
                 });
             }
+            vm_obs.push(VmObs {
+                name: vm.name().to_string(),
+                weight: vm.weight(),
+                vm,
+                locked: view.locked,
+                retired: view.retired,
+                retired_busy: BTreeMap::new(),
+            });
+        }
+        let mut shadowed = BTreeSet::new();
+        let mut pending = BTreeSet::new();
+        for o in &obs {
+            let Some(v) = vm_obs.get(o.vm) else { continue };
+            let key = (v.name.clone(), o.ch);
+            let ours = if v.locked {
+                o.holders.contains(Holder::Scheduler)
+            } else {
+                self.shadowed.contains(&key)
+            };
+            if o.pending {
+                pending.insert(key.clone());
+            }
+            if ours {
+                shadowed.insert(key);
+            }
+        }
+        self.shadowed = shadowed;
+        self.pending = pending;
+        if skips > 0 {
+            self.update_stats(|st| st.busy_skips += skips);
         }
         (vm_obs, obs)
     }
 
-    /// Charges each channel its GPU time of the interval.
-    fn account(&mut self, obs: &mut [Obs]) {
+    /// Charges each channel its GPU time of the interval, and each process the time of
+    /// its channels destroyed since the previous tick.
+    fn account(&mut self, vms: &mut [VmObs], obs: &mut [Obs]) {
         for o in obs.iter_mut() {
             o.busy_delta_ns = if self.use_counters {
                 self.acct.delta(o.hal, o.counters.busy_ns)
@@ -472,6 +569,17 @@ impl Sched {
                     None => 0,
                 }
             };
+        }
+        for v in vms.iter_mut() {
+            for r in std::mem::take(&mut v.retired) {
+                // Without counters the last progress of a destroyed channel is unknown.
+                let d = if self.use_counters {
+                    self.acct.delta(r.hal, r.busy_ns)
+                } else {
+                    0
+                };
+                *v.retired_busy.entry(r.pid).or_default() += d;
+            }
         }
         self.acct.end_interval();
         self.est.end_interval();
@@ -495,19 +603,30 @@ impl Sched {
                 procs: Vec::new(),
             })
             .collect();
-        let mut procs: BTreeMap<(usize, u32), Vec<ChannelSample>> = BTreeMap::new();
+        let mut procs: BTreeMap<(usize, u32), (Vec<ChannelSample>, u64)> = BTreeMap::new();
         for o in obs {
             let held = vms
                 .get(o.vm)
                 .is_some_and(|v| self.shadowed.contains(&(v.name.clone(), o.ch)));
             let blocked = o.busy_delta_ns == 0 && !held && gpu_idled;
-            procs.entry((o.vm, o.pid)).or_default().push(ChannelSample {
-                ch: o.ch,
-                busy_delta_ns: o.busy_delta_ns,
-                pending: o.peek.is_some_and(|p| p.pending()) && !o.dead && !blocked,
-            });
+            procs
+                .entry((o.vm, o.pid))
+                .or_default()
+                .0
+                .push(ChannelSample {
+                    ch: o.ch,
+                    busy_delta_ns: o.busy_delta_ns,
+                    pending: o.pending && !o.dead && !blocked,
+                });
         }
-        for ((vm, pid), channels) in procs {
+        for (i, v) in vms.iter().enumerate() {
+            for (pid, busy) in &v.retired_busy {
+                if *busy > 0 {
+                    procs.entry((i, *pid)).or_default().1 += busy;
+                }
+            }
+        }
+        for ((vm, pid), (channels, retired_busy_ns)) in procs {
             if let Some(v) = out.get_mut(vm) {
                 let weight = hints
                     .get(&v.name)
@@ -518,6 +637,7 @@ impl Sched {
                     pid,
                     weight,
                     channels,
+                    retired_busy_ns,
                 });
             }
         }
@@ -609,8 +729,17 @@ impl Sched {
         kills
     }
 
-    /// Records who used the GPU in the interval.
-    fn record(&self, vms: &[VmObs], samples: &[VmSample], len_ns: u64) {
+    /// Records who used the GPU in the interval; `held`: the channels the scheduler held
+    /// shadowed during it.
+    fn record(
+        &self,
+        vms: &[VmObs],
+        samples: &[VmSample],
+        held: &BTreeSet<(String, u32)>,
+        len_ns: u64,
+    ) {
+        let held_back =
+            |vm: &str, c: &ChannelSample| c.pending && held.contains(&(vm.to_string(), c.ch));
         let seq = self.shared.seq.fetch_add(1, Ordering::Relaxed);
         let rec = IntervalRecord {
             seq,
@@ -628,7 +757,13 @@ impl Sched {
                         .map(|p| ProcBusy {
                             pid: p.pid,
                             weight: p.weight,
-                            busy_ns: p.channels.iter().map(|c| c.busy_delta_ns).sum(),
+                            held: p.channels.iter().any(|c| held_back(&s.name, c)),
+                            busy_ns: p
+                                .channels
+                                .iter()
+                                .map(|c| c.busy_delta_ns)
+                                .sum::<u64>()
+                                .saturating_add(p.retired_busy_ns),
                             channels: p
                                 .channels
                                 .iter()
@@ -640,6 +775,7 @@ impl Sched {
                         })
                         .collect();
                     VmBusy {
+                        held: procs.iter().any(|p| p.held),
                         name: s.name.clone(),
                         weight: s.weight,
                         busy_ns: procs.iter().map(|p| p.busy_ns).sum(),
@@ -664,14 +800,11 @@ impl Sched {
         else {
             return;
         };
-        let Some(vm) = be.vm(&name) else {
+        let Some(vm) = be.sched_vms().into_iter().find(|v| v.name() == name) else {
             return;
         };
         while Instant::now() + sampling::POLL < until {
-            let backlogged = vm
-                .lock_session()
-                .peek_channel(ch)
-                .is_ok_and(|p| p.real_put != p.gp_get);
+            let backlogged = vm.backlogged(ch, SESSION_LOCK_WAIT);
             self.sampler.observe_backlog(now_ns(), backlogged);
             std::thread::sleep(sampling::POLL);
         }
@@ -684,10 +817,16 @@ impl Sched {
         let now = now_ns();
         let len_ns = now.saturating_sub(self.last_tick_ns);
         self.last_tick_ns = now;
-        let (vms, mut obs) = self.observe(be);
-        self.account(&mut obs);
+        let (mut vms, mut obs) = self.observe(be);
+        // What the scheduler held during the interval that just ended.
+        let held_during = self.shadowed.clone();
+        self.account(&mut vms, &mut obs);
         // GPU time nobody used in the interval (all compute engines).
-        let used: u64 = obs.iter().map(|o| o.busy_delta_ns).sum();
+        let used: u64 = obs.iter().map(|o| o.busy_delta_ns).sum::<u64>()
+            + vms
+                .iter()
+                .flat_map(|v| v.retired_busy.values())
+                .sum::<u64>();
         let capacity = len_ns.saturating_mul(u64::from(self.engines.max(1)));
         let idle_ns = capacity.saturating_sub(used);
         let samples = self.samples(&vms, &obs, idle_ns, capacity);
@@ -700,10 +839,11 @@ impl Sched {
                 Some(((vms.get(o.vm)?.name.clone(), o.ch), p.backlog()))
             })
             .collect();
-        let (sh, un, capped, failed) = self.enforce(be, &decision, &backlog);
+        let holds = owner_holds(&samples, &decision);
+        let (sh, un, capped, failed) = self.enforce(&vms, &obs, &decision, &holds, &backlog);
         let kills = self.watch(be, &vms, &obs);
         if self.primed {
-            self.record(&vms, &samples, len_ns);
+            self.record(&vms, &samples, &held_during, len_ns);
         }
         self.primed = true;
         let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -720,82 +860,79 @@ impl Sched {
         self.poll_measured(be, &vms, &obs, next_tick);
     }
 
-    /// Applies a decision: shadows what it picks, releases what it no longer picks.
-    /// Returns (shadows, unshadows, capped releases, failures).
+    /// Applies a decision, one VM (one session lock) at a time: sets the owner holds new
+    /// channels are born into, shadows what it picks, releases what it no longer picks
+    /// (capped, with an unshadow cap), retries failed unshadows and mirrors GPU progress
+    /// into the shadow pages. VMs left alone this tick are not touched. Returns (shadows,
+    /// unshadows, capped releases, failures).
     fn enforce(
         &mut self,
-        be: &VgpuBackend,
+        vms: &[VmObs],
+        obs: &[Obs],
         decision: &Decision,
+        holds: &BTreeMap<String, (bool, BTreeSet<u32>)>,
         backlog: &BTreeMap<(String, u32), u32>,
     ) -> (u64, u64, u64, u64) {
-        // Channels that went away (destroyed, VM disconnected) are no longer ours.
-        self.shadowed.retain(|k| backlog.contains_key(k));
         let (mut sh, mut un, mut capped, mut failed) = (0u64, 0u64, 0u64, 0u64);
-        for key in &decision.shadow {
-            if self.shadowed.contains(key) || !backlog.contains_key(key) {
+        for (idx, v) in vms.iter().enumerate() {
+            if !v.locked {
                 continue;
             }
-            match be.shadow_channel(&key.0, key.1, true) {
-                Ok(_) => {
-                    self.shadowed.insert(key.clone());
-                    sh += 1;
-                }
-                Err(e) => {
-                    failed += 1;
-                    debug!("scheduler: shadow {}/{}: {e}", key.0, key.1);
-                }
-            }
-        }
-        let release: Vec<(String, u32)> = self
-            .shadowed
-            .iter()
-            .filter(|k| !decision.shadow.contains(*k))
-            .cloned()
-            .collect();
-        for key in release {
-            if let Some(cap) = self.cfg.unshadow_cap {
-                if backlog.get(&key).copied().unwrap_or(0) > cap {
-                    match be.release_capped(&key.0, key.1, cap) {
-                        Ok(_) => capped += 1,
-                        Err(e) => {
-                            failed += 1;
-                            debug!("scheduler: capped release {}/{}: {e}", key.0, key.1);
+            let (vm_held, pids) = holds.get(&v.name).cloned().unwrap_or_default();
+            let mut plan = VmHolds {
+                vm: vm_held,
+                pids,
+                changes: Vec::new(),
+            };
+            for o in obs.iter().filter(|o| o.vm == idx) {
+                let key = (v.name.clone(), o.ch);
+                let want = decision.shadow.contains(&key);
+                let have = self.shadowed.contains(&key);
+                if want && !have {
+                    plan.changes.push((o.ch, HoldChange::Hold));
+                } else if !want && have {
+                    let change = match self.cfg.unshadow_cap {
+                        Some(cap) if backlog.get(&key).copied().unwrap_or(0) > cap => {
+                            HoldChange::ReleaseCapped(cap)
                         }
+                        _ => HoldChange::Release,
+                    };
+                    plan.changes.push((o.ch, change));
+                }
+            }
+            let Some(results) = v.vm.apply(&plan, SESSION_LOCK_WAIT) else {
+                failed += 1;
+                continue;
+            };
+            for ((ch, change), r) in plan.changes.iter().zip(results) {
+                let key = (v.name.clone(), *ch);
+                match (change, r) {
+                    (HoldChange::Hold, Ok(())) => {
+                        self.shadowed.insert(key);
+                        sh += 1;
                     }
-                    continue;
+                    (HoldChange::Release, Ok(())) => {
+                        self.shadowed.remove(&key);
+                        un += 1;
+                    }
+                    (HoldChange::ReleaseCapped(_), Ok(())) => capped += 1,
+                    (_, Err(e)) => {
+                        failed += 1;
+                        debug!("scheduler: {change:?} {}/{ch}: {e}", v.name);
+                    }
                 }
             }
-            match be.shadow_channel(&key.0, key.1, false) {
-                Ok(_) => {
-                    self.shadowed.remove(&key);
-                    un += 1;
-                }
-                Err(ShadowError::NoChannel(_) | ShadowError::NoVm(_)) => {
-                    self.shadowed.remove(&key);
-                }
-                Err(e) => {
-                    failed += 1;
-                    warn!("scheduler: unshadow {}/{}: {e}", key.0, key.1);
-                }
-            }
-        }
-        let mirrored: BTreeSet<&str> = self.shadowed.iter().map(|k| k.0.as_str()).collect();
-        for name in mirrored {
-            let _ = be.mirror_shadows(name);
         }
         (sh, un, capped, failed)
     }
 
-    /// Unshadows every channel this scheduler shadowed (stop, policy change).
+    /// Drops every hold of this scheduler, on channels and owners (stop, policy change).
     fn release_all(&mut self, be: &VgpuBackend) {
         let mut un = 0;
-        for key in std::mem::take(&mut self.shadowed) {
-            match be.shadow_channel(&key.0, key.1, false) {
-                Ok(_) => un += 1,
-                Err(ShadowError::NoChannel(_) | ShadowError::NoVm(_)) => {}
-                Err(e) => warn!("scheduler: final unshadow {}/{}: {e}", key.0, key.1),
-            }
+        for vm in be.sched_vms() {
+            un += vm.release_scheduler();
         }
+        self.shadowed.clear();
         self.update_stats(|st| st.unshadows += un);
     }
 }

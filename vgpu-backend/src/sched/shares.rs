@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+use super::entitle::{max_min, Claim};
 use super::Policy;
 
 /// How many interval records are kept (at 10 ms intervals about 40 s).
@@ -25,6 +26,8 @@ pub struct ProcBusy {
     pub weight: u32,
     pub busy_ns: u64,
     pub channels: Vec<ChannelBusy>,
+    /// Held back by the scheduler (a channel shadowed with work pending) in the interval.
+    pub held: bool,
 }
 
 /// One VM's busy time in an interval.
@@ -34,6 +37,8 @@ pub struct VmBusy {
     pub weight: u32,
     pub busy_ns: u64,
     pub procs: Vec<ProcBusy>,
+    /// Held back by the scheduler in the interval.
+    pub held: bool,
 }
 
 /// What the scheduler measured in one interval.
@@ -68,6 +73,11 @@ pub struct ProcShare {
     pub share: f64,
     /// Fraction of its VM's GPU time (0..=1).
     pub share_of_vm: f64,
+    /// What it was owed of all GPU time used in the window (0..=1): its part of its VM's
+    /// entitlement by max-min over its processes' demands ([`super::entitle`]).
+    pub entitled: f64,
+    /// Intervals in which the scheduler held it back.
+    pub held_intervals: u32,
     pub channels: Vec<ChannelShare>,
 }
 
@@ -79,8 +89,18 @@ pub struct VmShare {
     pub busy_ns: u64,
     /// Fraction of all GPU time used in the window (0..=1).
     pub share: f64,
+    /// What it was owed of all GPU time used in the window (0..=1), by weighted max-min
+    /// over the VMs' demands: a VM held back in at least [`SATURATED`] of the intervals
+    /// wanted more than it got (unbounded demand); any other used what it wanted.
+    pub entitled: f64,
+    /// Intervals in which the scheduler held it back.
+    pub held_intervals: u32,
     pub procs: Vec<ProcShare>,
 }
+
+/// Fraction of a window's intervals in which an entity must have been held back for its
+/// demand to count as unbounded (below it, what it used is what it wanted).
+pub const SATURATED: f64 = 0.05;
 
 /// GPU shares over a recent window ([`crate::VgpuBackend::gpu_shares`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -137,69 +157,143 @@ impl History {
     /// if there is any).
     pub fn shares(&self, window_ns: u64, policy: Policy) -> GpuShares {
         let mut len_ns = 0u64;
-        let mut n = 0u32;
-        let mut estimated = false;
-        // name -> (weight, busy, pid -> (weight, busy, channel -> busy))
-        type Procs = BTreeMap<u32, (u32, u64, BTreeMap<u32, u64>)>;
-        let mut vms: BTreeMap<String, (u32, u64, Procs)> = BTreeMap::new();
+        let mut picked = Vec::new();
         for r in self.records.iter().rev() {
-            if n > 0 && len_ns.saturating_add(r.len_ns) > window_ns {
+            if !picked.is_empty() && len_ns.saturating_add(r.len_ns) > window_ns {
                 break;
             }
             len_ns = len_ns.saturating_add(r.len_ns);
-            n += 1;
-            estimated |= r.estimated;
-            for v in &r.vms {
-                let e = vms.entry(v.name.clone()).or_default();
-                // The newest record comes first: it sets the weights shown.
-                if e.0 == 0 {
-                    e.0 = v.weight;
+            picked.push(r);
+        }
+        summarize(&picked, policy)
+    }
+
+    /// Shares over the records numbered `from..to`.
+    pub fn shares_between(&self, from: u64, to: u64, policy: Policy) -> GpuShares {
+        let picked: Vec<&IntervalRecord> = self
+            .records
+            .iter()
+            .rev()
+            .filter(|r| (from..to).contains(&r.seq))
+            .collect();
+        summarize(&picked, policy)
+    }
+}
+
+/// Demand of an entity held back in `held` of `n` intervals that used `busy`.
+fn demand(held: u32, n: u32, busy: u64) -> Option<f64> {
+    if n > 0 && f64::from(held) >= SATURATED * f64::from(n) {
+        None
+    } else {
+        Some(busy as f64)
+    }
+}
+
+/// Busy time per VM, process and channel, with held-back counts.
+#[derive(Default)]
+struct Tally {
+    weight: u32,
+    busy: u64,
+    held: u32,
+    /// pid -> (weight, busy, held, channel -> busy)
+    procs: BTreeMap<u32, (u32, u64, u32, BTreeMap<u32, u64>)>,
+}
+
+/// Shares and entitlements over `records`, newest first.
+fn summarize(records: &[&IntervalRecord], policy: Policy) -> GpuShares {
+    let mut len_ns = 0u64;
+    let n = records.len() as u32;
+    let mut estimated = false;
+    let mut vms: BTreeMap<String, Tally> = BTreeMap::new();
+    for r in records {
+        len_ns = len_ns.saturating_add(r.len_ns);
+        estimated |= r.estimated;
+        for v in &r.vms {
+            let e = vms.entry(v.name.clone()).or_default();
+            // The newest record comes first: it sets the weights shown.
+            if e.weight == 0 {
+                e.weight = v.weight;
+            }
+            e.busy += v.busy_ns;
+            e.held += u32::from(v.held);
+            for p in &v.procs {
+                let pe = e.procs.entry(p.pid).or_default();
+                if pe.0 == 0 {
+                    pe.0 = p.weight;
                 }
-                e.1 += v.busy_ns;
-                for p in &v.procs {
-                    let pe = e.2.entry(p.pid).or_default();
-                    if pe.0 == 0 {
-                        pe.0 = p.weight;
-                    }
-                    pe.1 += p.busy_ns;
-                    for c in &p.channels {
-                        *pe.2.entry(c.channel).or_default() += c.busy_ns;
-                    }
+                pe.1 += p.busy_ns;
+                pe.2 += u32::from(p.held);
+                for c in &p.channels {
+                    *pe.3.entry(c.channel).or_default() += c.busy_ns;
                 }
             }
         }
-        let total: u64 = vms.values().map(|v| v.1).sum();
-        GpuShares {
-            policy,
-            intervals: n,
-            window_ns: len_ns,
-            total_busy_ns: total,
-            utilization: ratio(total, len_ns),
-            estimated,
-            vms: vms
-                .into_iter()
-                .map(|(name, (weight, busy, procs))| VmShare {
+    }
+    let total: u64 = vms.values().map(|v| v.busy).sum();
+    let claims: Vec<Claim> = vms
+        .values()
+        .map(|v| Claim {
+            weight: v.weight,
+            demand: demand(v.held, n, v.busy),
+        })
+        .collect();
+    let entitled = max_min(total as f64, &claims);
+    GpuShares {
+        policy,
+        intervals: n,
+        window_ns: len_ns,
+        total_busy_ns: total,
+        utilization: ratio(total, len_ns),
+        estimated,
+        vms: vms
+            .into_iter()
+            .zip(entitled)
+            .map(|((name, v), vm_entitled)| {
+                let claims: Vec<Claim> = v
+                    .procs
+                    .values()
+                    .map(|p| Claim {
+                        weight: p.0,
+                        demand: demand(p.2, n, p.1),
+                    })
+                    .collect();
+                let proc_entitled = max_min(vm_entitled, &claims);
+                VmShare {
                     name,
-                    weight,
-                    busy_ns: busy,
-                    share: ratio(busy, total),
-                    procs: procs
+                    weight: v.weight,
+                    busy_ns: v.busy,
+                    share: ratio(v.busy, total),
+                    entitled: fraction(vm_entitled, total),
+                    held_intervals: v.held,
+                    procs: v
+                        .procs
                         .into_iter()
-                        .map(|(pid, (weight, pbusy, chans))| ProcShare {
+                        .zip(proc_entitled)
+                        .map(|((pid, (weight, pbusy, held, chans)), pe)| ProcShare {
                             pid,
                             weight,
                             busy_ns: pbusy,
                             share: ratio(pbusy, total),
-                            share_of_vm: ratio(pbusy, busy),
+                            share_of_vm: ratio(pbusy, v.busy),
+                            entitled: fraction(pe, total),
+                            held_intervals: held,
                             channels: chans
                                 .into_iter()
                                 .map(|(channel, busy_ns)| ChannelShare { channel, busy_ns })
                                 .collect(),
                         })
                         .collect(),
-                })
-                .collect(),
-        }
+                }
+            })
+            .collect(),
+    }
+}
+
+fn fraction(part: f64, total: u64) -> f64 {
+    if total == 0 {
+        0.0
+    } else {
+        part / total as f64
     }
 }
 
@@ -216,6 +310,7 @@ mod tests {
                 channel: pid,
                 busy_ns: busy,
             }],
+            held: false,
         };
         IntervalRecord {
             seq,
@@ -228,12 +323,14 @@ mod tests {
                     weight: 100,
                     busy_ns: a,
                     procs: vec![p(1, a)],
+                    held: false,
                 },
                 VmBusy {
                     name: "b".into(),
                     weight: 100,
                     busy_ns: b1 + b2,
                     procs: vec![p(2, b1), p(3, b2)],
+                    held: false,
                 },
             ],
         }
@@ -257,6 +354,9 @@ mod tests {
         assert!((b.procs[0].share - 0.2).abs() < 1e-9);
         assert!((b.procs[1].share_of_vm - 0.6).abs() < 1e-9);
         assert_eq!(b.procs[1].channels[0].busy_ns, 6);
+        // Nobody was held back: everyone got what it wanted, so entitlement = use.
+        assert!((s.vms[0].entitled - 0.5).abs() < 1e-9);
+        assert!((b.procs[1].entitled - b.procs[1].share).abs() < 1e-9);
         // A window shorter than one interval still reports the newest.
         assert_eq!(h.shares(1, Policy::Fair).intervals, 1);
         assert_eq!(h.since(2).len(), 1);
@@ -271,5 +371,34 @@ mod tests {
             h.push(rec(i, 1, 1, 1));
         }
         assert_eq!(h.since(0).len(), HISTORY_LEN);
+    }
+
+    #[test]
+    fn a_held_back_vm_is_owed_what_a_light_one_left() {
+        // a (held back every interval) used 7, b (never held) used 3 of 10 per interval:
+        // b wanted no more than it got, so a is owed the 7 it got; with a held and b at
+        // 6 of 10 while held too, both are owed 5.
+        let mut h = History::default();
+        for seq in 0..10 {
+            let mut r = rec(seq, 7, 3, 0);
+            r.vms[0].held = true;
+            h.push(r);
+        }
+        let s = h.shares_between(0, 10, Policy::Fair);
+        assert_eq!(s.intervals, 10);
+        assert!((s.vms[0].entitled - 0.7).abs() < 1e-9, "{s:?}");
+        assert!((s.vms[1].entitled - 0.3).abs() < 1e-9);
+        let mut h = History::default();
+        for seq in 0..10 {
+            let mut r = rec(seq, 4, 6, 0);
+            r.vms[0].held = true;
+            r.vms[1].held = true;
+            h.push(r);
+        }
+        let s = h.shares_between(0, 10, Policy::Fair);
+        assert!((s.vms[0].entitled - 0.5).abs() < 1e-9, "{s:?}");
+        assert!((s.vms[1].entitled - 0.5).abs() < 1e-9);
+        assert_eq!(s.vms[1].held_intervals, 10);
+        assert_eq!(h.shares_between(3, 5, Policy::Fair).intervals, 2);
     }
 }

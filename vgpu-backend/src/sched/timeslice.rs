@@ -128,6 +128,7 @@ mod tests {
                         busy_delta_ns: 0,
                         pending,
                     }],
+                    ..ProcSample::default()
                 })
                 .collect(),
         }

@@ -20,8 +20,7 @@
 //! scheduler.
 
 pub mod backing;
-pub mod evict;
-pub mod object;
+pub mod handle;
 pub mod policy;
 pub mod stats;
 pub mod store;
@@ -35,10 +34,9 @@ use std::time::{Duration, Instant};
 use log::{debug, info};
 use thiserror::Error;
 
-use crate::session::Session;
-use crate::{VgpuBackend, VmState};
-use backing::{Loc, CHUNK};
-use evict::Dir;
+use crate::VgpuBackend;
+use backing::CHUNK;
+use handle::{Dir, VramVm};
 use policy::VmFigures;
 pub use stats::{MoveReport, ProcVramStats, VmVramStats, VramOverview, VramReport};
 
@@ -62,6 +60,8 @@ pub enum MoveError {
     Hal(String),
     #[error("aperture remap: {0}")]
     Aperture(String),
+    #[error("no frontend connected")]
+    Disconnected,
 }
 
 /// Errors of the VRAM manager's operator interface.
@@ -149,143 +149,6 @@ impl VmSwap {
     }
 }
 
-/// A batch the manager may move: chunks of one object.
-type Batch = (u32, Vec<usize>);
-
-impl Session {
-    /// Updates chunk recency from the MMU's access counters (read and reset).
-    pub(crate) fn refresh_recency(&mut self, epoch: u64) {
-        self.swap.epoch = epoch;
-        let maps: Vec<(u32, u64, u32, u64)> = self
-            .state
-            .mappings
-            .iter()
-            .filter_map(|((ctx, va), m)| match m.target {
-                crate::session::MappingTarget::Vram { mem } => Some((*ctx, *va, mem, m.size)),
-                _ => None,
-            })
-            .collect();
-        for (ctx, va, mem, size) in maps {
-            let Some((hctx, _)) = self.hal.contexts.get(&ctx) else {
-                continue;
-            };
-            let Ok(counts) = self.gpu.access_counts(*hctx, va, size, true) else {
-                continue;
-            };
-            let Some(b) = self.hal.vram.get_mut(&mem) else {
-                continue;
-            };
-            for (page_va, n) in counts {
-                if n == 0 {
-                    continue;
-                }
-                let i = ((page_va - va) / CHUNK) as usize;
-                if let Some(c) = b.chunks.get_mut(i) {
-                    c.last_used = epoch;
-                }
-            }
-        }
-    }
-
-    /// (allocated, resident) bytes of the VM's VRAM objects.
-    pub(crate) fn vram_figures(&self) -> (u64, u64) {
-        let resident = self.hal.vram.values().map(|b| b.resident_bytes()).sum();
-        (self.state.usage.vram_bytes, resident)
-    }
-
-    /// The coldest resident chunks: the object of the coldest chunk, its resident chunks
-    /// coldest first, up to `max` bytes. Objects in `skip_ctx` are left alone.
-    fn coldest_resident(&self, max: u64, skip_ctx: &BTreeSet<u32>) -> Option<(Batch, u64)> {
-        self.pick(max, skip_ctx, true)
-    }
-
-    /// The hottest swapped chunks, likewise.
-    fn hottest_swapped(&self, max: u64, skip_ctx: &BTreeSet<u32>) -> Option<(Batch, u64)> {
-        self.pick(max, skip_ctx, false)
-    }
-
-    /// Returns the batch and the recency of its first chunk.
-    fn pick(&self, max: u64, skip_ctx: &BTreeSet<u32>, resident: bool) -> Option<(Batch, u64)> {
-        let want = |l: &Loc| matches!(l, Loc::Vram(_)) == resident;
-        let mut best: Option<(u32, u64)> = None;
-        for (mem, b) in &self.hal.vram {
-            let Some(m) = self.state.mems.get(mem) else {
-                continue;
-            };
-            if skip_ctx.contains(&m.ctx) {
-                continue;
-            }
-            for c in b.chunks.iter().filter(|c| want(&c.loc)) {
-                let better = match best {
-                    None => true,
-                    Some((_, t)) if resident => c.last_used < t,
-                    Some((_, t)) => c.last_used > t,
-                };
-                if better {
-                    best = Some((*mem, c.last_used));
-                }
-            }
-        }
-        let (mem, t) = best?;
-        let b = self.hal.vram.get(&mem)?;
-        let mut idx: Vec<usize> = (0..b.chunks.len())
-            .filter(|&i| want(&b.chunks[i].loc))
-            .collect();
-        if resident {
-            idx.sort_by_key(|&i| b.chunks[i].last_used);
-        } else {
-            idx.sort_by_key(|&i| std::cmp::Reverse(b.chunks[i].last_used));
-        }
-        let mut bytes = 0;
-        let mut out = Vec::new();
-        for i in idx {
-            if bytes >= max {
-                break;
-            }
-            bytes += b.chunks[i].len;
-            out.push(i);
-        }
-        Some(((mem, out), t))
-    }
-
-    /// Per-process resident and swapped bytes merged into the counters.
-    fn vram_report(&self) -> VramReport {
-        let c = &self.swap.counters;
-        let mut procs = c.procs.clone();
-        for (p, st) in procs.iter_mut() {
-            st.pid = *p;
-            st.resident_bytes = 0;
-            st.swapped_bytes = 0;
-        }
-        let (mut res, mut swp) = (0, 0);
-        for (mem, b) in &self.hal.vram {
-            let Some(m) = self.state.mems.get(mem) else {
-                continue;
-            };
-            let p = procs.entry(m.pid).or_insert(ProcVramStats {
-                pid: m.pid,
-                ..Default::default()
-            });
-            p.resident_bytes += b.resident_bytes();
-            p.swapped_bytes += b.swapped_bytes();
-            res += b.resident_bytes();
-            swp += b.swapped_bytes();
-        }
-        let mut vm = c.vm;
-        vm.quota_bytes = self.limits.vram_bytes;
-        vm.swap_limit_bytes = self.limits.swap_bytes;
-        vm.resident_bytes = res;
-        vm.swapped_bytes = swp;
-        let samples: Vec<u64> = c.pause_samples.iter().copied().collect();
-        VramReport {
-            vm,
-            procs: procs.into_values().collect(),
-            pause_p50_ns: stats::quantile(&samples, 0.5),
-            pause_p99_ns: stats::quantile(&samples, 0.99),
-        }
-    }
-}
-
 /// The backend's VRAM manager.
 #[derive(Default)]
 pub(crate) struct VramManager {
@@ -360,23 +223,11 @@ fn thread_main(be: Weak<VgpuBackend>, stop: Arc<AtomicBool>, waker: Arc<Waker>) 
 
 /// One VM as a pass sees it.
 struct PassVm {
-    vm: Arc<VmState>,
-    shm: Arc<crate::VhostShm>,
+    vm: Arc<dyn VramVm>,
     fig: VmFigures,
 }
 
 impl VgpuBackend {
-    fn connected_vms(&self) -> Vec<(Arc<VmState>, Arc<crate::VhostShm>)> {
-        self.lock_vms()
-            .values()
-            .filter(|vm| vm.connected.load(Ordering::Acquire))
-            .filter_map(|vm| {
-                let shm = vm.shm.lock().unwrap_or_else(|e| e.into_inner()).clone()?;
-                Some((vm.clone(), shm))
-            })
-            .collect()
-    }
-
     /// One pass of the manager: recency, shares, moves.
     pub(crate) fn vram_pass(&self) {
         let _g = self
@@ -388,18 +239,15 @@ impl VgpuBackend {
         let epoch = self.vram.epoch.fetch_add(1, Ordering::Relaxed) + 1;
         self.vram.passes.fetch_add(1, Ordering::Relaxed);
         let mut vms: Vec<PassVm> = Vec::new();
-        for (vm, shm) in self.connected_vms() {
-            let mut s = vm.lock_session();
-            s.refresh_recency(epoch);
-            let (allocated, resident) = s.vram_figures();
+        for vm in self.vram_vms().into_iter().filter(|v| v.movable()) {
+            let f = vm.begin_pass(epoch);
             let fig = VmFigures {
-                weight: vm.weight.load(Ordering::Relaxed),
-                quota: s.limits.vram_bytes,
-                allocated,
-                resident,
+                weight: vm.weight(),
+                quota: f.quota,
+                allocated: f.allocated,
+                resident: f.resident,
             };
-            drop(s);
-            vms.push(PassVm { vm, shm, fig });
+            vms.push(PassVm { vm, fig });
         }
         if !cfg.enabled || vms.is_empty() {
             return;
@@ -408,7 +256,7 @@ impl VgpuBackend {
         let figs: Vec<VmFigures> = vms.iter().map(|v| v.fig).collect();
         let shares = policy::shares(vram, &figs);
         for (v, s) in vms.iter().zip(&shares) {
-            v.vm.lock_session().swap.counters.vm.share_bytes = *s;
+            v.vm.set_share(*s);
         }
         let timeout = Duration::from_millis(u64::from(cfg.drain_timeout_ms));
         let deadline = Instant::now() + Duration::from_millis(200);
@@ -465,13 +313,12 @@ impl VgpuBackend {
         timeout: Duration,
         stuck: &mut BTreeSet<u32>,
     ) -> bool {
-        let mut s = v.vm.lock_session();
         loop {
-            let Some(((mem, idx), _)) = s.coldest_resident(amount, stuck) else {
+            let Some(((mem, idx), _)) = v.vm.coldest_resident(amount, stuck) else {
                 return false;
             };
-            let ctx = s.state.mems.get(&mem).map(|m| m.ctx).unwrap_or(0);
-            match s.move_chunks(mem, &idx, Dir::Out, v.shm.as_ref(), timeout) {
+            let ctx = v.vm.object_context(mem).unwrap_or(0);
+            match v.vm.move_chunks(mem, &idx, Dir::Out, timeout) {
                 Ok(r) if r.bytes > 0 => {
                     self.vram.batches.fetch_add(1, Ordering::Relaxed);
                     v.fig.resident = v.fig.resident.saturating_sub(r.bytes);
@@ -479,7 +326,7 @@ impl VgpuBackend {
                 }
                 Ok(_) => return false,
                 Err(e) => {
-                    debug!("VM {}: eviction from ctx {ctx}: {e}", v.vm.name);
+                    debug!("VM {}: eviction from ctx {ctx}: {e}", v.vm.name());
                     // Give up on this victim, pick another.
                     stuck.insert(ctx);
                 }
@@ -495,13 +342,12 @@ impl VgpuBackend {
         timeout: Duration,
         stuck: &mut BTreeSet<u32>,
     ) -> bool {
-        let mut s = v.vm.lock_session();
         loop {
-            let Some(((mem, idx), _)) = s.hottest_swapped(amount.max(1), stuck) else {
+            let Some(((mem, idx), _)) = v.vm.hottest_swapped(amount.max(1), stuck) else {
                 return false;
             };
-            let ctx = s.state.mems.get(&mem).map(|m| m.ctx).unwrap_or(0);
-            match s.move_chunks(mem, &idx, Dir::In, v.shm.as_ref(), timeout) {
+            let ctx = v.vm.object_context(mem).unwrap_or(0);
+            match v.vm.move_chunks(mem, &idx, Dir::In, timeout) {
                 Ok(r) if r.bytes > 0 => {
                     self.vram.batches.fetch_add(1, Ordering::Relaxed);
                     v.fig.resident += r.bytes;
@@ -509,7 +355,7 @@ impl VgpuBackend {
                 }
                 Ok(_) | Err(MoveError::NoVram) => return false,
                 Err(e) => {
-                    debug!("VM {}: swap-in to ctx {ctx}: {e}", v.vm.name);
+                    debug!("VM {}: swap-in to ctx {ctx}: {e}", v.vm.name());
                     stuck.insert(ctx);
                 }
             }
@@ -521,10 +367,9 @@ impl VgpuBackend {
     fn exchange(&self, v: &mut PassVm, batch: u64, timeout: Duration) {
         let none = BTreeSet::new();
         for _ in 0..4 {
-            let mut s = v.vm.lock_session();
             let (Some((_, hot)), Some((_, cold))) = (
-                s.hottest_swapped(CHUNK, &none),
-                s.coldest_resident(CHUNK, &none),
+                v.vm.hottest_swapped(CHUNK, &none),
+                v.vm.coldest_resident(CHUNK, &none),
             ) else {
                 return;
             };
@@ -532,21 +377,13 @@ impl VgpuBackend {
                 return;
             }
             if self.gpu.vram_free_bytes() < CHUNK {
-                let Some(((mem, idx), _)) = s.coldest_resident(batch, &none) else {
+                let Some(((mem, idx), _)) = v.vm.coldest_resident(batch, &none) else {
                     return;
                 };
                 // Only chunks colder than the hot one go.
-                let idx: Vec<usize> = idx
-                    .into_iter()
-                    .filter(|&i| {
-                        s.hal
-                            .vram
-                            .get(&mem)
-                            .and_then(|b| b.chunks.get(i))
-                            .is_some_and(|c| c.last_used < hot)
-                    })
-                    .collect();
-                if s.move_chunks(mem, &idx, Dir::Out, v.shm.as_ref(), timeout)
+                let idx = v.vm.colder_than(mem, idx, hot);
+                if v.vm
+                    .move_chunks(mem, &idx, Dir::Out, timeout)
                     .map(|r| r.bytes)
                     .unwrap_or(0)
                     == 0
@@ -554,10 +391,11 @@ impl VgpuBackend {
                     return;
                 }
             }
-            let Some(((mem, idx), _)) = s.hottest_swapped(batch, &none) else {
+            let Some(((mem, idx), _)) = v.vm.hottest_swapped(batch, &none) else {
                 return;
             };
-            if s.move_chunks(mem, &idx, Dir::In, v.shm.as_ref(), timeout)
+            if v.vm
+                .move_chunks(mem, &idx, Dir::In, timeout)
                 .map(|r| r.bytes)
                 .unwrap_or(0)
                 == 0
@@ -572,9 +410,7 @@ impl VgpuBackend {
 
     /// VRAM figures and swap counters of VM `name`, totals and per guest process.
     pub fn vram_stats(&self, name: &str) -> Option<VramReport> {
-        let vm = self.vm(name)?;
-        let s = vm.lock_session();
-        Some(s.vram_report())
+        self.vram_vm(name).map(|vm| vm.report())
     }
 
     /// Backend-wide VRAM figures.
@@ -596,7 +432,7 @@ impl VgpuBackend {
         let vm = self
             .vm(name)
             .ok_or_else(|| VramError::NoVm(name.to_string()))?;
-        vm.lock_session().limits.vram_bytes = bytes;
+        vm.set_quota(bytes);
         self.vram.waker.wake();
         info!("VM {name}: VRAM quota {bytes} bytes");
         Ok(())
@@ -634,23 +470,27 @@ impl VgpuBackend {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         let vm = self
-            .vm(name)
+            .vram_vm(name)
             .ok_or_else(|| VramError::NoVm(name.to_string()))?;
-        let shm = vm
-            .shm
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-            .ok_or_else(|| VramError::NotConnected(name.to_string()))?;
+        if !vm.movable() {
+            return Err(VramError::NotConnected(name.to_string()));
+        }
         let timeout = Duration::from_millis(u64::from(self.vram.config().drain_timeout_ms));
-        let mut s = vm.lock_session();
         let mut total = MoveReport::default();
         let none = BTreeSet::new();
+        let mut gone = 0;
         while total.bytes < bytes {
-            let Some(((mem, idx), _)) = s.coldest_resident(bytes - total.bytes, &none) else {
+            let Some(((mem, idx), _)) = vm.coldest_resident(bytes - total.bytes, &none) else {
                 break;
             };
-            let r = s.move_chunks(mem, &idx, Dir::Out, shm.as_ref(), timeout)?;
+            let r = match vm.move_chunks(mem, &idx, Dir::Out, timeout) {
+                // Freed while its channels drained: nothing of it is resident any more.
+                Err(MoveError::Gone) if gone < 16 => {
+                    gone += 1;
+                    continue;
+                }
+                r => r?,
+            };
             if r.bytes == 0 {
                 break;
             }

@@ -7,8 +7,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use kvm_bindings::kvm_userspace_memory_region;
-use kvm_ioctls::{IoEventAddress, NoDatamatch, VmFd};
+use crate::kvm::{IoEventAddress, NoDatamatch, SlotId, Vm};
 use log::{debug, error, info, warn};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -18,36 +17,34 @@ use crate::virtio_pci::{BAR0_INDEX, NOTIFY_MULTIPLIER, NOTIFY_OFFSET, SHM_BAR_IN
 
 #[derive(Debug, Default)]
 struct Placed {
-    /// Guest-physical address of the memslot, while there is one.
-    shm: Option<u64>,
+    /// Guest-physical address and number of the memslot, while there is one.
+    shm: Option<(u64, SlotId)>,
     /// BAR0's address, while the doorbell ioeventfds are registered there.
     bar0: Option<u64>,
 }
 
 /// The BAR backing of one vgpu function (see the module documentation).
 pub struct BarWiring {
-    vm: Arc<VmFd>,
+    vm: Arc<Vm>,
     pci_slot: u8,
-    memslot: u32,
     window: Arc<ShmWindow>,
     kicks: Vec<Arc<EventFd>>,
     placed: Mutex<Placed>,
 }
 
 impl BarWiring {
-    /// Backing for the function in `pci_slot`: `window` goes into KVM memslot `memslot`,
-    /// `kicks[q]` onto queue `q`'s doorbell. Nothing is registered until the BARs decode.
+    /// Backing for the function in `pci_slot`: `window` goes into a KVM memslot (the VM
+    /// keeps the window alive while the slot exists), `kicks[q]` onto queue `q`'s
+    /// doorbell. Nothing is registered until the BARs decode.
     pub fn new(
-        vm: Arc<VmFd>,
+        vm: Arc<Vm>,
         pci_slot: u8,
-        memslot: u32,
         window: Arc<ShmWindow>,
         kicks: Vec<Arc<EventFd>>,
     ) -> Self {
         BarWiring {
             vm,
             pci_slot,
-            memslot,
             window,
             kicks,
             placed: Mutex::new(Placed::default()),
@@ -77,7 +74,7 @@ impl BarWiring {
     }
 
     pub fn shm_gpa(&self) -> Option<u64> {
-        self.lock().shm
+        self.lock().shm.map(|(gpa, _)| gpa)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Placed> {
@@ -96,39 +93,24 @@ impl BarWiring {
         }
     }
 
-    fn set_memslot(&self, gpa: u64, len: u64) -> Result<(), kvm_ioctls::Error> {
-        let region = kvm_userspace_memory_region {
-            slot: self.memslot,
-            flags: 0,
-            guest_phys_addr: gpa,
-            memory_size: len,
-            userspace_addr: self.window.base() as u64,
-        };
-        // SAFETY: the window is a reservation that `self.window` keeps mapped for as long
-        // as this wiring lives, and the VM (which holds the slot) never outlives it: the
-        // VMM drops the PCI bus, and with it this wiring, only after its vCPUs and
-        // before the VM fd goes. A size of 0 deletes the slot.
-        unsafe { self.vm.set_user_memory_region(region) }
-    }
-
     fn move_window(&self, placed: &mut Placed, to: Option<u64>) {
-        if placed.shm == to {
+        if placed.shm.map(|(gpa, _)| gpa) == to {
             return;
         }
-        if let Some(old) = placed.shm.take() {
-            match self.set_memslot(old, 0) {
-                Ok(()) => debug!("vgpu: shared-memory memslot removed from {old:#x}"),
+        if let Some((old, slot)) = placed.shm.take() {
+            match self.vm.remove_memslot(slot) {
+                Ok(_) => debug!("vgpu: shared-memory memslot removed from {old:#x}"),
                 Err(e) => error!("vgpu: removing the shared-memory memslot: {e}"),
             }
         }
         if let Some(gpa) = to {
-            match self.set_memslot(gpa, self.window.len()) {
-                Ok(()) => {
+            match self.vm.add_shm_window(gpa, &self.window) {
+                Ok(slot) => {
                     info!(
                         "vgpu: shared-memory window ({:#x} bytes) at GPA {gpa:#x}",
                         self.window.len()
                     );
-                    placed.shm = Some(gpa);
+                    placed.shm = Some((gpa, slot));
                 }
                 // The BAR then reads as zeros through MMIO exits: the device is unusable,
                 // but the guest keeps running.
@@ -149,7 +131,7 @@ impl BarWiring {
             for (q, k) in self.kicks.iter().enumerate() {
                 if let Err(e) =
                     self.vm
-                        .unregister_ioevent(k.as_ref(), &Self::doorbell(old, q), NoDatamatch)
+                        .unregister_ioevent(k.as_ref(), Self::doorbell(old, q), NoDatamatch)
                 {
                     error!("vgpu: unregistering the queue {q} doorbell: {e}");
                 }
@@ -161,7 +143,7 @@ impl BarWiring {
                 // Any width: Linux writes the queue index as 16 bits.
                 if let Err(e) =
                     self.vm
-                        .register_ioevent(k.as_ref(), &Self::doorbell(bar0, q), NoDatamatch)
+                        .register_ioevent(k.as_ref(), Self::doorbell(bar0, q), NoDatamatch)
                 {
                     // The doorbell still works through the MMIO exit.
                     error!("vgpu: ioeventfd for the queue {q} doorbell: {e}");

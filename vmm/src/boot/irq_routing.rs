@@ -16,11 +16,11 @@
 
 use std::sync::{Arc, Mutex};
 
+use crate::kvm::Vm;
 use kvm_bindings::{
     kvm_irq_routing_entry, KvmIrqRouting, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER,
     KVM_IRQCHIP_PIC_SLAVE, KVM_IRQ_ROUTING_IRQCHIP, KVM_IRQ_ROUTING_MSI,
 };
-use kvm_ioctls::VmFd;
 use log::{debug, error, info};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -46,7 +46,7 @@ struct Current {
 
 /// See the module documentation.
 pub struct IrqRouting {
-    vm: Arc<VmFd>,
+    vm: Arc<Vm>,
     pci_slot: u8,
     intx_gsi: u32,
     calls: Vec<Arc<EventFd>>,
@@ -82,7 +82,7 @@ impl IrqRouting {
     /// Routing for the vgpu function in `pci_slot`: `config_irq` must already be an irqfd
     /// on `intx_gsi` (the state before the guest enables MSI-X).
     pub fn new(
-        vm: Arc<VmFd>,
+        vm: Arc<Vm>,
         pci_slot: u8,
         intx_gsi: u32,
         calls: Vec<Arc<EventFd>>,
@@ -137,9 +137,7 @@ impl IrqRouting {
             entries.push(msi_route(gsi, addr, data));
         }
         let table = KvmIrqRouting::from_entries(&entries).map_err(|e| format!("{e:?}"))?;
-        self.vm
-            .set_gsi_routing(&table)
-            .map_err(|e| format!("KVM_SET_GSI_ROUTING: {e}"))
+        self.vm.set_gsi_routing(&table).map_err(|e| e.to_string())
     }
 
     fn move_irqfd(&self, fd: &EventFd, from: Option<u32>, to: Option<u32>) {

@@ -20,20 +20,17 @@ pub mod x86_64;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Mutex, Once};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvm_bindings::{
-    kvm_pit_config, kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY,
-    KVM_SYSTEM_EVENT_CRASH, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN,
-};
-use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
+use kvm_bindings::{KVM_SYSTEM_EVENT_CRASH, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
+use kvm_ioctls::{VcpuExit, VcpuFd};
 use thiserror::Error;
 use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
-use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use crate::guest_memory::{GuestMemoryError, GuestRam};
+use crate::kvm::{Cap, KvmError, Vcpu, VcpuKicker, Vm};
 use crate::pci::{PciBus, PciDevice};
 use crate::shm_window::{HoleFill, ShmWindow, ShmWindowError};
 use crate::vgpu_device::{VgpuDeviceError, VhostUserVgpu};
@@ -48,6 +45,19 @@ use x86_64::BootLayout;
 
 /// Most vCPUs we boot (the MP table's LAPIC ids must stay below the IOAPIC id).
 pub const MAX_VCPUS: u8 = 64;
+
+impl From<KvmError> for BootError {
+    /// The KVM layer's errors, with the messages `vgpu-vmm` has always printed for a
+    /// missing or unusable `/dev/kvm`.
+    fn from(e: KvmError) -> Self {
+        match e {
+            KvmError::Open(e) => BootError::KvmOpen(e),
+            KvmError::ApiVersion(v) => BootError::KvmApi(v),
+            KvmError::MissingCap(c) => BootError::KvmCap(c),
+            e => BootError::KvmLayer(e),
+        }
+    }
+}
 
 /// Errors of VM setup and of the vCPU run loops.
 #[derive(Debug, Error)]
@@ -121,8 +131,14 @@ pub enum BootError {
     EventFd(io::Error),
     #[error("starting the vCPU {cpu} thread failed: {source}")]
     VcpuThread { cpu: u8, source: io::Error },
-    #[error("installing the vCPU kick signal handler failed: {0}")]
-    Signal(vmm_sys_util::errno::Error),
+    #[error("KVM: {0}")]
+    KvmLayer(#[source] KvmError),
+    #[error("vCPU {cpu}: {source}")]
+    Vcpu {
+        cpu: u8,
+        #[source]
+        source: KvmError,
+    },
     #[error("vCPU {cpu}: KVM_RUN failed: {source}")]
     Run { cpu: u8, source: kvm_ioctls::Error },
     #[error("vCPU {cpu}: KVM_EXIT_FAIL_ENTRY, hardware reason {reason:#x}")]
@@ -214,14 +230,14 @@ pub struct LinuxVm {
     // Field order matters for drop: the interrupt thread stops first; vCPUs and the VM
     // (whose memslots the PCI wiring holds) go before the RAM they map.
     hooks: Option<Arc<VgpuHooks>>,
-    vcpus: Vec<VcpuFd>,
-    vm: Arc<VmFd>,
-    _kvm: Kvm,
+    vcpus: Vec<Vcpu>,
+    /// Its memslots hold `ram` (and the shared-memory window) alive until it goes.
+    vm: Arc<Vm>,
     devices: Arc<LegacyDevices>,
     pci: Option<Arc<Mutex<PciBus>>>,
     layout: BootLayout,
     mem: GuestMemoryMmap,
-    ram: GuestRam,
+    ram: Arc<GuestRam>,
 }
 
 /// Wraps the memfd mappings of `ram` as vm-memory regions (for linux-loader). The
@@ -276,74 +292,28 @@ impl LinuxVm {
         }
         x86_64::make_cmdline(&cfg.cmdline)?;
 
-        let kvm = Kvm::new().map_err(BootError::KvmOpen)?;
-        let api = kvm.get_api_version();
-        if api != 12 {
-            return Err(BootError::KvmApi(api));
-        }
-        for (cap, name) in [
-            (kvm_ioctls::Cap::Irqchip, "KVM_CAP_IRQCHIP"),
-            (kvm_ioctls::Cap::Irqfd, "KVM_CAP_IRQFD"),
-            (kvm_ioctls::Cap::Pit2, "KVM_CAP_PIT2"),
-            (kvm_ioctls::Cap::UserMemory, "KVM_CAP_USER_MEMORY"),
-            (kvm_ioctls::Cap::ExtCpuid, "KVM_CAP_EXT_CPUID"),
-        ] {
-            if !kvm.check_extension(cap) {
-                return Err(BootError::KvmCap(name));
-            }
-        }
         if cfg.vgpu_stub && cfg.vgpu_socket.is_some() {
             return Err(BootError::VgpuTwice);
         }
-        let vm = Arc::new(kvm.create_vm().map_err(|source| BootError::Kvm {
-            what: "KVM_CREATE_VM",
-            source,
-        })?);
-        vm.set_tss_address(x86_64::KVM_TSS_ADDRESS)
-            .map_err(|source| BootError::Kvm {
-                what: "KVM_SET_TSS_ADDR",
-                source,
-            })?;
-        vm.create_irq_chip().map_err(|source| BootError::Kvm {
-            what: "KVM_CREATE_IRQCHIP",
-            source,
-        })?;
-        let pit = kvm_pit_config {
-            flags: KVM_PIT_SPEAKER_DUMMY,
-            ..Default::default()
-        };
-        vm.create_pit2(pit).map_err(|source| BootError::Kvm {
-            what: "KVM_CREATE_PIT2",
-            source,
-        })?;
-
-        // Guest RAM.
+        // The VM (TSS placed), the in-kernel irqchip and PIT, guest RAM as memslots.
+        let mut vm = Vm::new()?;
+        vm.require(&[
+            (Cap::Irqchip, "KVM_CAP_IRQCHIP"),
+            (Cap::Irqfd, "KVM_CAP_IRQFD"),
+            (Cap::Pit2, "KVM_CAP_PIT2"),
+            (Cap::ExtCpuid, "KVM_CAP_EXT_CPUID"),
+        ])?;
+        vm.create_irqchip()?;
+        vm.create_pit2()?;
+        let vm = Arc::new(vm);
         let mem_bytes = cfg.mem_mib << 20;
-        let ram = GuestRam::new(&x86_64::ram_layout(mem_bytes))?;
-        for (slot, r) in ram.regions().iter().enumerate() {
-            let region = kvm_userspace_memory_region {
-                slot: slot as u32,
-                flags: 0,
-                guest_phys_addr: r.gpa(),
-                memory_size: r.len(),
-                userspace_addr: r.host_addr() as u64,
-            };
-            // SAFETY: the region is a live mapping owned by `ram`, which `LinuxVm` keeps
-            // until after the VM fd is closed (field order), so KVM never sees it unmapped.
-            unsafe { vm.set_user_memory_region(region) }.map_err(|source| BootError::Kvm {
-                what: "KVM_SET_USER_MEMORY_REGION",
-                source,
-            })?;
-        }
+        let ram = Arc::new(GuestRam::new(&x86_64::ram_layout(mem_bytes))?);
+        vm.add_ram(&ram)?;
         let mem = guest_memory_of(&ram)?;
 
         // Devices.
         let irq = EventFdTrigger::new().map_err(BootError::EventFd)?;
-        vm.register_irqfd(irq.eventfd(), SERIAL_IRQ)
-            .map_err(|source| BootError::Kvm {
-                what: "KVM_IRQFD (serial)",
-                source,
-            })?;
+        vm.register_irqfd(irq.eventfd(), SERIAL_IRQ)?;
         let devices = Arc::new(LegacyDevices::new(irq, out));
         let shm_len = vgpu_protocol::device::SHM_SIZE;
         let place = pci_bar_placement(shm_len)?;
@@ -384,19 +354,17 @@ impl LinuxVm {
             );
             let bus = Arc::new(Mutex::new(bus));
             if let Some((window, kicks)) = vhost {
-                let memslot = ram.regions().len() as u32;
                 let calls =
                     with_vgpu(&bus, slot, |d| d.backend().calls().to_vec()).unwrap_or_default();
-                let bars = BarWiring::new(vm.clone(), slot, memslot, window, kicks);
-                let irqfd = |what| {
+                let bars = BarWiring::new(vm.clone(), slot, window, kicks);
+                let irqfd = || {
                     let fd = vmm_sys_util::eventfd::EventFd::new(libc::EFD_NONBLOCK)
                         .map_err(BootError::EventFd)?;
-                    vm.register_irqfd(&fd, u32::from(gsi))
-                        .map_err(|source| BootError::Kvm { what, source })?;
+                    vm.register_irqfd(&fd, u32::from(gsi))?;
                     Ok::<_, BootError>(fd)
                 };
-                let irq = irqfd("KVM_IRQFD (vgpu INTx)")?;
-                let config_irq = Arc::new(irqfd("KVM_IRQFD (vgpu config)")?);
+                let irq = irqfd()?;
+                let config_irq = Arc::new(irqfd()?);
                 let intx = IntxForwarder::start(bus.clone(), slot, irq, config_irq.clone())
                     .map_err(BootError::Intx)?;
                 let irqs = IrqRouting::new(
@@ -434,33 +402,23 @@ impl LinuxVm {
         );
 
         // vCPUs.
-        let base_cpuid = kvm
-            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-            .map_err(|source| BootError::Kvm {
-                what: "KVM_GET_SUPPORTED_CPUID",
-                source,
-            })?;
+        let base_cpuid = vm.supported_cpuid()?;
         // Keep `base_cpuid` pristine; patch a copy per vCPU.
         let mut vcpus = Vec::with_capacity(usize::from(cfg.vcpus));
         for cpu in 0..cfg.vcpus {
-            let fd = vm
+            let vcpu = vm
                 .create_vcpu(u64::from(cpu))
-                .map_err(|source| BootError::VcpuSetup {
-                    cpu,
-                    what: "KVM_CREATE_VCPU",
-                    source,
-                })?;
+                .map_err(|source| BootError::Vcpu { cpu, source })?;
             let mut cpuid = base_cpuid.clone();
             x86_64::patch_cpuid(&mut cpuid, cpu, cfg.vcpus);
-            setup_vcpu(&fd, cpu, &cpuid, &layout)?;
-            vcpus.push(fd);
+            setup_vcpu(vcpu.vcpu_fd(), cpu, &cpuid, &layout)?;
+            vcpus.push(vcpu);
         }
 
         Ok(LinuxVm {
             hooks,
             vcpus,
             vm,
-            _kvm: kvm,
             devices,
             pci,
             layout,
@@ -500,26 +458,26 @@ impl LinuxVm {
         self.hooks.as_ref().and_then(|h| h.bars.shm_gpa())
     }
 
-    /// The VM fd.
-    pub fn vm_fd(&self) -> &VmFd {
+    /// The VM (memslots, ioeventfds, irqfds; its raw fd through [`Vm::vm_fd`]).
+    pub fn vm(&self) -> &Vm {
         &self.vm
     }
 
-    /// The vCPU fds (before [`LinuxVm::run`]).
-    pub fn vcpu_fds(&self) -> &[VcpuFd] {
+    /// The vCPUs (before [`LinuxVm::run`]).
+    pub fn vcpus(&self) -> &[Vcpu] {
         &self.vcpus
     }
 
     /// Runs every vCPU on its own thread until the guest ends; returns how it ended.
     /// `timeout`, if given, stops the VM with [`BootError::UnexpectedExit`] after that long.
     pub fn run(&mut self, timeout: Option<Duration>) -> Result<GuestExit, BootError> {
-        install_kick_handler()?;
         let stop = Arc::new(AtomicBool::new(false));
         let (tx, rx) = mpsc::channel::<(u8, Result<GuestExit, BootError>)>();
-        let mut threads: Vec<(u8, JoinHandle<()>)> = Vec::new();
+        let mut threads: Vec<VcpuThread> = Vec::new();
         let started = Instant::now();
-        for (i, fd) in self.vcpus.drain(..).enumerate() {
+        for (i, vcpu) in self.vcpus.drain(..).enumerate() {
             let cpu = i as u8;
+            let kicker = vcpu.kicker();
             let vcpu_stop = stop.clone();
             let tx = tx.clone();
             let devices = self.devices.clone();
@@ -529,7 +487,7 @@ impl LinuxVm {
                 .name(format!("vcpu{cpu}"))
                 .spawn(move || {
                     let res = vcpu_loop(
-                        fd,
+                        vcpu,
                         cpu,
                         &devices,
                         pci.as_deref(),
@@ -539,7 +497,11 @@ impl LinuxVm {
                     let _ = tx.send((cpu, res));
                 });
             match spawned {
-                Ok(h) => threads.push((cpu, h)),
+                Ok(handle) => threads.push(VcpuThread {
+                    cpu,
+                    handle,
+                    kicker,
+                }),
                 Err(source) => {
                     stop.store(true, Ordering::SeqCst);
                     stop_threads(threads);
@@ -677,7 +639,7 @@ fn lock(p: &Mutex<PciBus>) -> std::sync::MutexGuard<'_, PciBus> {
 
 /// The run loop of one vCPU.
 fn vcpu_loop(
-    mut fd: VcpuFd,
+    mut vcpu: Vcpu,
     cpu: u8,
     devices: &LegacyDevices,
     pci: Option<&Mutex<PciBus>>,
@@ -692,7 +654,7 @@ fn vcpu_loop(
                 exit: "stopped".into(),
             });
         }
-        let r = fd.run();
+        let r = vcpu.run_raw();
         // A store into a window page the backend holds read-only while it moves it: wait
         // and re-run the store (see `write_protect`).
         let store_fault = match &r {
@@ -792,33 +754,25 @@ fn vcpu_loop(
     }
 }
 
-fn kick_signal() -> i32 {
-    SIGRTMIN()
+/// A running vCPU thread and the kicker of its vCPU.
+struct VcpuThread {
+    cpu: u8,
+    handle: JoinHandle<()>,
+    kicker: VcpuKicker,
 }
 
-extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
-
-fn install_kick_handler() -> Result<(), BootError> {
-    static ONCE: Once = Once::new();
-    let mut res = Ok(());
-    ONCE.call_once(|| {
-        res = register_signal_handler(kick_signal(), kick_handler).map_err(BootError::Signal);
-    });
-    res
-}
-
-/// Kicks the vCPU threads out of KVM_RUN until they have all seen the stop flag, then
-/// joins them. Returns the first vCPU whose thread panicked.
-fn stop_threads(threads: Vec<(u8, JoinHandle<()>)>) -> Option<u8> {
+/// Kicks the vCPU threads out of KVM_RUN (the KVM layer's kick: `immediate_exit` and a
+/// signal, so one landing just before KVM_RUN is not lost) until they have all seen the
+/// stop flag, then joins them. Returns the first vCPU whose thread panicked.
+fn stop_threads(threads: Vec<VcpuThread>) -> Option<u8> {
     let mut panicked = None;
-    for (cpu, h) in threads {
-        // A kick that lands just before KVM_RUN is lost: repeat until the thread ends.
-        while !h.is_finished() {
-            let _ = h.kill(kick_signal());
+    for t in threads {
+        while !t.handle.is_finished() {
+            t.kicker.kick();
             std::thread::sleep(Duration::from_millis(5));
         }
-        if h.join().is_err() && panicked.is_none() {
-            panicked = Some(cpu);
+        if t.handle.join().is_err() && panicked.is_none() {
+            panicked = Some(t.cpu);
         }
     }
     panicked

@@ -21,7 +21,7 @@ use std::io;
 
 use thiserror::Error;
 
-pub use kvm_ioctls::{IoEventAddress, NoDatamatch};
+pub use kvm_ioctls::{Cap, IoEventAddress, NoDatamatch};
 pub use vcpu::{Vcpu, VcpuKicker, VmExit};
 pub use vm::{MemslotInfo, SlotId, Vm};
 
@@ -71,6 +71,12 @@ pub enum KvmError {
     Irqfd { gsi: u32, source: kvm_ioctls::Error },
     #[error("KVM_IRQ_LINE {irq} failed: {source}")]
     IrqLine { irq: u32, source: kvm_ioctls::Error },
+    #[error("KVM_CREATE_PIT2 failed: {0}")]
+    Pit(kvm_ioctls::Error),
+    #[error("KVM_SET_GSI_ROUTING failed: {0}")]
+    GsiRouting(kvm_ioctls::Error),
+    #[error("KVM_GET_SUPPORTED_CPUID failed: {0}")]
+    Cpuid(kvm_ioctls::Error),
     #[error("vCPU register access failed: {0}")]
     Regs(kvm_ioctls::Error),
     #[error("installing the vCPU kick signal handler failed: {0}")]

@@ -141,6 +141,12 @@ impl Vcpu {
         })
     }
 
+    /// Wraps a vCPU fd created outside [`Vm`](super::Vm) (the booting VMM's, whose
+    /// memslots it keeps itself), so it runs and is kicked like any other.
+    pub fn from_fd(fd: VcpuFd) -> Result<Self, KvmError> {
+        Self::new(fd, Slots::default())
+    }
+
     /// The raw vCPU fd, for what this layer does not wrap yet.
     pub fn vcpu_fd(&self) -> &VcpuFd {
         &self.fd
@@ -192,6 +198,20 @@ impl Vcpu {
 
     /// Runs the vCPU until the next exit userspace must handle.
     pub fn run(&mut self) -> Result<VmExit<'_>, KvmError> {
+        match self.run_raw() {
+            Ok(exit) => convert(exit),
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                Ok(VmExit::Interrupted)
+            }
+            Err(e) => Err(KvmError::Run(e)),
+        }
+    }
+
+    /// One `KVM_RUN`, kickable like [`Vcpu::run`], returning the exit as `kvm-ioctls`
+    /// reports it: for a device model that handles more exits than [`VmExit`] names
+    /// (the booting VMM: system events, memory faults it retries). A kick returns
+    /// `EINTR` (once: the kick is re-armed).
+    pub fn run_raw(&mut self) -> Result<VcpuExit<'_>, kvm_ioctls::Error> {
         // `thread` names this thread only while it is inside this function.
         {
             // SAFETY: pthread_self has no preconditions.
@@ -200,20 +220,15 @@ impl Vcpu {
         }
         let r = self.fd.run();
         self.kick.lock().thread = None;
-        match r {
-            Ok(exit) => {
-                if !matches!(exit, VcpuExit::Intr) {
-                    self.exits += 1;
-                }
-                convert(exit)
-            }
+        match &r {
+            Ok(exit) if !matches!(exit, VcpuExit::Intr) => self.exits += 1,
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                 // Re-arm: a kick is reported once.
                 KickState::set_immediate_exit(&self.kick.lock(), 0);
-                Ok(VmExit::Interrupted)
             }
-            Err(e) => Err(KvmError::Run(e)),
+            _ => {}
         }
+        r
     }
 
     /// Runs the vCPU, handing each exit to `handle`, until `handle` breaks (returns the

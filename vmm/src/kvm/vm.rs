@@ -5,7 +5,10 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_READONLY};
+use kvm_bindings::{
+    kvm_pit_config, kvm_userspace_memory_region, CpuId, KvmIrqRouting, KVM_MAX_CPUID_ENTRIES,
+    KVM_MEM_READONLY, KVM_PIT_SPEAKER_DUMMY,
+};
 use kvm_ioctls::{Cap, IoEventAddress, Kvm, VmFd};
 use log::debug;
 use vmm_sys_util::eventfd::EventFd;
@@ -326,6 +329,35 @@ impl Vm {
         self.fd
             .unregister_irqfd(fd, gsi)
             .map_err(|source| KvmError::Irqfd { gsi, source })
+    }
+
+    /// Fails with [`KvmError::MissingCap`] naming the first of `caps` KVM lacks.
+    pub fn require(&self, caps: &[(Cap, &'static str)]) -> Result<(), KvmError> {
+        match caps.iter().find(|(c, _)| !self.kvm.check_extension(*c)) {
+            Some((_, name)) => Err(KvmError::MissingCap(name)),
+            None => Ok(()),
+        }
+    }
+
+    /// Creates the in-kernel PIT (i8254), with a dummy speaker port.
+    pub fn create_pit2(&self) -> Result<(), KvmError> {
+        let pit = kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
+        self.fd.create_pit2(pit).map_err(KvmError::Pit)
+    }
+
+    /// Replaces the GSI routing table (irqchip pins and MSI routes).
+    pub fn set_gsi_routing(&self, table: &KvmIrqRouting) -> Result<(), KvmError> {
+        self.fd.set_gsi_routing(table).map_err(KvmError::GsiRouting)
+    }
+
+    /// The CPUID entries KVM supports (the base each vCPU's CPUID is patched from).
+    pub fn supported_cpuid(&self) -> Result<CpuId, KvmError> {
+        self.kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(KvmError::Cpuid)
     }
 
     /// Sets the level of interrupt line `irq` of the in-kernel irqchip.

@@ -15,7 +15,7 @@ use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use vgpu_host_shim::hal::{MapFlags, PageSize};
+use vgpu_protocol::mem::{MapFlags, PageSize};
 use vgpu_protocol::ErrorCode;
 
 use crate::error::{Error, Result};

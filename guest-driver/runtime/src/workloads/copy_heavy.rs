@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use vgpu_host_shim::kernels::reference;
+use vgpu_protocol::reference;
 use vgpu_protocol::KernelArgs;
 
 use super::{grid_1d, host_len, WorkloadReport, XorShift};

@@ -3,7 +3,7 @@
 //!
 //! Each workload allocates what it needs in the given context, runs a timed loop of GPU
 //! work, then checks the GPU's results against the CPU references in
-//! `vgpu_host_shim::kernels::reference` (the builtin kernels are bit-identical to them).
+//! `vgpu_protocol::reference` (the builtin kernels are bit-identical to them).
 //! A mismatch is an error, never a silent `verified: false`. `elapsed` covers the timed
 //! loop only (first submission to last completion), not setup, upload or verification.
 

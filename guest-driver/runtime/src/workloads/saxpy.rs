@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use vgpu_host_shim::kernels::reference;
+use vgpu_protocol::reference;
 use vgpu_protocol::KernelArgs;
 
 use super::{compare_f32, f32_bytes, grid_1d, host_len, WorkloadReport, XorShift};

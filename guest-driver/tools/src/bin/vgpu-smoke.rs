@@ -2,14 +2,14 @@
 //! through `/dev/vgpu` and checks each result against the CPU reference; also the copy
 //! engine, a channel fault, and blocking waits on notify events and fences. Prints one
 //! line per check and `VGPU-SMOKE-RESULT pass=N fail=M skip=K`; exits non-zero on any
-//! failure. `--native` runs the same checks on an in-process sim GPU (a baseline).
+//! failure. `--native` runs the same checks on an in-process sim GPU (a baseline; in a
+//! build with feature `native`).
 
 use std::process::ExitCode;
 
 use clap::Parser;
 use vgpu_guest::Device;
-use vgpu_host_shim::{SimConfig, SimGpu};
-use vgpu_tools::smoke;
+use vgpu_guest_tools::smoke;
 
 #[derive(Parser)]
 #[command(version, about = "Check every builtin kernel through /dev/vgpu")]
@@ -48,8 +48,7 @@ struct Cli {
 
 fn open(cli: &Cli) -> Result<Device, String> {
     if cli.native {
-        let gpu = SimGpu::new(SimConfig::default()).map_err(|e| e.to_string())?;
-        Device::native(gpu).map_err(|e| e.to_string())
+        vgpu_guest_tools::native::device(None).map_err(|e| e.to_string())
     } else {
         Device::devvgpu(&cli.device).map_err(|e| format!("{}: {e}", cli.device))
     }
@@ -103,7 +102,7 @@ fn main() -> ExitCode {
         };
     }
     if cli.hostile {
-        return report(vgpu_tools::hostile::run(&cli.device));
+        return report(vgpu_guest_tools::hostile::run(&cli.device));
     }
     let dev = match open(&cli) {
         Ok(d) => d,
@@ -114,7 +113,7 @@ fn main() -> ExitCode {
         }
     };
     if let Some(secs) = cli.swap {
-        let r = vgpu_tools::swap_check::run(
+        let r = vgpu_guest_tools::swap_check::run(
             &dev,
             std::time::Duration::from_secs(secs),
             cli.swap_buffer_mib,

@@ -12,7 +12,6 @@ use std::time::Duration;
 use clap::Parser;
 use vgpu_guest::workloads::{ThrottleConfig, Workload};
 use vgpu_guest::Device;
-use vgpu_host_shim::{SimConfig, SimGpu};
 
 #[derive(Parser)]
 #[command(version, about = "Keep the GPU busy with fixed-length spin kernels")]
@@ -39,8 +38,7 @@ struct Cli {
 
 fn run(cli: &Cli) -> Result<(), String> {
     let dev = if cli.native {
-        let gpu = SimGpu::new(SimConfig::default()).map_err(|e| e.to_string())?;
-        Device::native(gpu).map_err(|e| e.to_string())?
+        vgpu_guest_tools::native::device(None).map_err(|e| e.to_string())?
     } else {
         Device::devvgpu(&cli.device).map_err(|e| format!("{}: {e}", cli.device))?
     };

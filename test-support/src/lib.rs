@@ -1,0 +1,123 @@
+//! `vgpu-test-support`: the fixtures the integration tests (and the benchmark rigs) share,
+//! so that each test says only what differs.
+//!
+//! - [`Host`]: a `vgpu-backend` on a `sim` GPU serving VMs on vhost-user sockets in a
+//!   private directory, shut down and cleaned up on drop;
+//! - [`connect_retry`]: a loopback VM connecting to a socket the backend may not have
+//!   bound yet.
+//!
+//! Fixtures panic on setup failures: a test that cannot set up has failed.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vgpu_backend::{VgpuBackend, VmLimits};
+use vgpu_host_shim::{SimConfig, SimGpu};
+use vgpu_vmm::loopback::{LoopbackConfig, LoopbackError, LoopbackVm};
+
+/// How long [`Host::connect`] keeps trying.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Guest RAM of a loopback VM unless [`Host::with_vm_mem`] says otherwise.
+pub const DEFAULT_VM_MEM: u64 = 128 << 20;
+
+/// Connects a loopback VM to `socket`, retrying every 10 ms for up to `timeout` while
+/// the backend is not listening yet; the last error when it never succeeds.
+pub fn connect_retry(
+    socket: &Path,
+    cfg: LoopbackConfig,
+    timeout: Duration,
+) -> Result<Arc<LoopbackVm>, LoopbackError> {
+    let t0 = Instant::now();
+    loop {
+        match LoopbackVm::connect(socket, cfg.clone()) {
+            Ok(vm) => return Ok(vm),
+            Err(e) if t0.elapsed() > timeout => return Err(e),
+            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
+}
+
+/// A private directory under the system's temporary one, unique in this process.
+pub fn temp_dir(prefix: &str) -> PathBuf {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "vgpu-{prefix}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir).expect("test directory");
+    dir
+}
+
+/// A backend on a sim GPU serving VMs on `<dir>/<vm>.sock`.
+pub struct Host {
+    pub gpu: Arc<SimGpu>,
+    pub backend: Arc<VgpuBackend>,
+    pub dir: PathBuf,
+    vm_mem: u64,
+}
+
+impl Host {
+    /// A sim GPU with `vram_bytes` of VRAM (the rest default), a backend with `limits`
+    /// per VM, serving `vms`; the socket directory is named after `tag`.
+    pub fn new(tag: &str, vram_bytes: u64, limits: VmLimits, vms: &[&str]) -> Host {
+        let gpu = SimGpu::new(SimConfig {
+            vram_bytes,
+            ..Default::default()
+        })
+        .expect("sim GPU");
+        Host::with_gpu(tag, gpu, limits, vms)
+    }
+
+    /// As [`Host::new`], on a GPU the caller configured.
+    pub fn with_gpu(tag: &str, gpu: Arc<SimGpu>, limits: VmLimits, vms: &[&str]) -> Host {
+        let backend = VgpuBackend::new(gpu.clone(), limits);
+        let host = Host {
+            gpu,
+            backend,
+            dir: temp_dir(tag),
+            vm_mem: DEFAULT_VM_MEM,
+        };
+        for vm in vms {
+            host.serve(vm);
+        }
+        host
+    }
+
+    /// Guest RAM of the loopback VMs [`Host::connect`] makes.
+    pub fn with_vm_mem(mut self, bytes: u64) -> Host {
+        self.vm_mem = bytes;
+        self
+    }
+
+    /// The socket of `vm`.
+    pub fn socket(&self, vm: &str) -> PathBuf {
+        self.dir.join(format!("{vm}.sock"))
+    }
+
+    /// Serves one more VM.
+    pub fn serve(&self, vm: &str) {
+        self.backend
+            .serve_vm(vm, &self.socket(vm))
+            .unwrap_or_else(|e| panic!("serve {vm}: {e}"));
+    }
+
+    /// A loopback VM connected as `vm`'s VMM.
+    pub fn connect(&self, vm: &str) -> Arc<LoopbackVm> {
+        let cfg = LoopbackConfig {
+            mem_bytes: self.vm_mem,
+        };
+        connect_retry(&self.socket(vm), cfg, CONNECT_TIMEOUT)
+            .unwrap_or_else(|e| panic!("connect {vm}: {e}"))
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        self.backend.shutdown();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -1,0 +1,86 @@
+//! What the scheduler needs of a VM, as a narrow handle ([`SchedVm`]): read its channels
+//! at a tick, apply the scheduler's holds, drop them all. The VM's state owner
+//! ([`crate::vm`]) implements it; the scheduler never sees a session.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use vgpu_host_shim::{ChannelCounters, ChannelId, Gpu};
+
+use crate::shadow::{ChannelPeek, Holders, ShadowError};
+
+/// A destroyed channel's final busy time, for the scheduler's accounting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetiredChannel {
+    pub pid: u32,
+    pub hal: ChannelId,
+    pub busy_ns: u64,
+}
+
+/// One live channel at a tick.
+#[derive(Debug, Clone, Copy)]
+pub struct ChannelView {
+    /// Guest channel id.
+    pub ch: u32,
+    /// Owning guest PID.
+    pub pid: u32,
+    pub hal: ChannelId,
+    pub counters: ChannelCounters,
+    /// Its control pages; `None` when the slot is not mapped, the VM is paused, or the
+    /// VM's session could not be locked.
+    pub peek: Option<ChannelPeek>,
+    /// Who holds it shadowed (empty when the session could not be locked).
+    pub holders: Holders,
+}
+
+/// A VM at a tick.
+#[derive(Debug, Clone, Default)]
+pub struct VmView {
+    pub channels: Vec<ChannelView>,
+    /// Channels destroyed since the previous tick.
+    pub retired: Vec<RetiredChannel>,
+    /// Whether the session was locked in time (else `peek` and `holders` are unknown).
+    pub locked: bool,
+}
+
+/// One change of the scheduler's hold on a channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HoldChange {
+    /// Take the scheduler's hold (shadow).
+    Hold,
+    /// Drop it (unshadow unless someone else holds it).
+    Release,
+    /// Keep it, but let at most this many more entries run.
+    ReleaseCapped(u32),
+}
+
+/// The scheduler's decision for one VM.
+#[derive(Debug, Clone, Default)]
+pub struct VmHolds {
+    /// The whole VM is held back: channels born before the next tick start held.
+    pub vm: bool,
+    /// Guest processes held back (likewise).
+    pub pids: BTreeSet<u32>,
+    /// Changes to the scheduler's holds of channels.
+    pub changes: Vec<(u32, HoldChange)>,
+}
+
+/// What the scheduler asks of a VM.
+pub trait SchedVm: Send + Sync {
+    fn name(&self) -> &str;
+    /// Operator weight.
+    fn weight(&self) -> u32;
+    /// Whether a frontend is connected (only connected VMs are scheduled).
+    fn connected(&self) -> bool;
+    /// Its live channels and the ones destroyed since the last call, waiting at most
+    /// `wait` for the session.
+    fn observe(&self, gpu: &dyn Gpu, wait: Duration) -> VmView;
+    /// Applies `holds` (waiting at most `wait` for the session): the result of each
+    /// change in order, then mirrors GPU progress into shadow pages and retries failed
+    /// unshadows. `None`: the session could not be locked in time, nothing changed.
+    fn apply(&self, holds: &VmHolds, wait: Duration) -> Option<Vec<Result<(), ShadowError>>>;
+    /// Whether channel `ch` has work released to the GPU (`sampling`'s poll).
+    fn backlogged(&self, ch: u32, wait: Duration) -> bool;
+    /// Drops every hold of the scheduler (it stops); returns the channels unshadowed.
+    fn release_scheduler(&self) -> u64;
+}

@@ -1,0 +1,98 @@
+//! The one owner of a VM's state: [`VmState`] (what the backend keeps per served VM) with
+//! its [`session::Session`] (every GPU object the guest created, behind one lock), and
+//! every operation on them:
+//! - [`session`]: the state — plain data keyed by guest-visible ids (`SessionState`, what
+//!   migration serializes), this host's HAL handles (`HalHandles`), counters observers read
+//!   without the lock (`SessionShared`), limits, teardown;
+//! - [`requests`]: control-queue requests, by subject (contexts, memory, channels);
+//! - `sched_handle`: the scheduler's narrow handle on a VM
+//!   ([`crate::sched::handle::SchedVm`]);
+//! - [`shadowing`]: the session's channels through the shadow mechanism
+//!   ([`crate::shadow`], which knows nothing of sessions);
+//! - [`vram_objects`], [`vram_recency`], [`vram_move`]: VRAM objects in chunks, what the
+//!   VRAM manager ([`crate::vram`]) reads of them, and the pause dance that moves them;
+//!   `vram_handle`: the manager's narrow handle ([`crate::vram::handle::VramVm`]).
+//!
+//! No other module has an `impl` block for these types.
+
+pub mod requests;
+mod sched_handle;
+pub mod session;
+pub mod shadowing;
+mod vram_handle;
+pub mod vram_move;
+pub mod vram_objects;
+pub mod vram_recency;
+
+#[cfg(test)]
+mod session_tests;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use vhost_user_backend::ShutdownHandle;
+
+use crate::control;
+use crate::shmem::VhostShm;
+use session::{Session, SessionShared, VmLimits};
+
+/// One served VM.
+pub(crate) struct VmState {
+    pub(crate) name: String,
+    pub(crate) socket: PathBuf,
+    pub(crate) limits: VmLimits,
+    pub(crate) gpu_vram: u64,
+    pub(crate) shared: Arc<SessionShared>,
+    pub(crate) session: Mutex<Session>,
+    pub(crate) connected: AtomicBool,
+    pub(crate) conn: Mutex<Option<ShutdownHandle>>,
+    /// The connected frontend's BAR mapper (for shadow remaps requested by the operator).
+    pub(crate) shm: Mutex<Option<Arc<VhostShm>>>,
+    /// Operator weight for the scheduler ([`sched::MIN_WEIGHT`]..=[`sched::MAX_WEIGHT`]).
+    pub(crate) weight: AtomicU32,
+    /// Operator pause and VRAM quota ([`control`]).
+    pub(crate) control: control::VmControl,
+}
+
+impl VmState {
+    pub(crate) fn lock_session(&self) -> MutexGuard<'_, Session> {
+        self.session.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The session, waiting at most `wait` for its lock.
+    pub(crate) fn lock_session_within(&self, wait: Duration) -> Option<MutexGuard<'_, Session>> {
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            if let Some(g) = self.try_lock_session() {
+                return Some(g);
+            }
+            if std::time::Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+
+    /// The session if nobody holds its lock now.
+    pub(crate) fn try_lock_session(&self) -> Option<MutexGuard<'_, Session>> {
+        match self.session.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// Ends the frontend connection (the VM's socket then listens again).
+    pub(crate) fn end_connection(&self) {
+        if let Some(h) = self.conn.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            h.shutdown();
+        }
+    }
+
+    /// VRAM the config space advertises: the VM's limit, at most the GPU's size.
+    pub(crate) fn config_vram_bytes(&self) -> u64 {
+        self.control.vram_quota().min(self.gpu_vram)
+    }
+}

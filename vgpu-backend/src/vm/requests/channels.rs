@@ -1,0 +1,166 @@
+//! Requests on channels: CREATE_CHANNEL (born into its owners' holds), SUBMIT (the API-remoting baseline), DESTROY_CHANNEL.
+
+use super::*;
+
+impl Session {
+    // ---- channels ---------------------------------------------------------------------
+
+    pub(super) fn create_channel(
+        &mut self,
+        pid: u32,
+        ctx: u32,
+        gp_ring_va: u64,
+        gp_entries: u32,
+        shm: &dyn ShmMapper,
+    ) -> Reply {
+        let (hctx, _) = self.owned_ctx(pid, ctx)?;
+        let ring_ok = valid_gp_entries(gp_entries)
+            && gp_ring_va.is_multiple_of(GP_ENTRY_SIZE as u64)
+            && gp_ring_va
+                .checked_add(u64::from(gp_entries) * GP_ENTRY_SIZE as u64)
+                .is_some_and(|end| end <= GPU_VA_LIMIT);
+        if !ring_ok {
+            return Err(ErrorCode::InvalidArgument);
+        }
+        if self.state.channels.len() >= self.limits.max_channels as usize {
+            return Err(ErrorCode::LimitExceeded);
+        }
+        let slot = free_slot(self.state.channels.values().map(|c| c.slot))
+            .ok_or(ErrorCode::LimitExceeded)?;
+        let slot_off = slot_offset(slot).ok_or(ErrorCode::Internal)?;
+        let channels = &self.state.channels;
+        let id = fresh_id(&mut self.state.last_channel, |i| channels.contains_key(&i));
+        let sink = Arc::new(ChannelSink::new(self.shared.events.clone(), id));
+        let cfg = ChannelConfig {
+            gp_ring_va,
+            gp_entries,
+        };
+        let hch = self
+            .gpu
+            .create_channel(hctx, cfg, sink)
+            .map_err(|e| e.code())?;
+        let mapped = match self.gpu.control_page(hch) {
+            Ok(page) if page.len >= PAGE_SIZE => shm
+                .map(slot_off, page.fd, page.offset, PAGE_SIZE, true)
+                .map_err(|e| {
+                    warn!("CREATE_CHANNEL: SHMEM_MAP of slot {slot}: {e}");
+                    e.code()
+                }),
+            Ok(_) => Err(ErrorCode::Internal),
+            Err(e) => {
+                warn!("CREATE_CHANNEL: control page: {e}");
+                Err(ErrorCode::Internal)
+            }
+        };
+        if let Err(code) = mapped {
+            if let Err(e) = self.gpu.destroy_channel(hch) {
+                warn!("CREATE_CHANNEL: undo: {e}");
+            }
+            return Err(code);
+        }
+        self.state.channels.insert(
+            id,
+            ChannelState {
+                pid,
+                ctx,
+                slot,
+                slot_mapped: true,
+                gp_ring_va,
+                gp_entries,
+            },
+        );
+        self.hal.channels.insert(id, hch);
+        self.shared.busy().add_live(id, pid, hch);
+        // Born into its owners' holds: shadowed before the guest learns of the slot, so
+        // a new channel cannot run ahead of a hold on its VM, process or context.
+        let born = self.hold.at_birth(pid, ctx);
+        for who in [Holder::Operator, Holder::Scheduler, Holder::Vram] {
+            if born.contains(who) {
+                if let Err(e) = self.hold_channel(id, who, true, shm) {
+                    warn!("CREATE_CHANNEL: cannot hold channel {id} for {who:?}: {e}");
+                }
+            }
+        }
+        debug!("pid {pid} ctx {ctx}: channel {id} ({hch:?}) at slot {slot}");
+        Ok(ReplyBody::Channel { channel: id, slot })
+    }
+
+    /// API-remoting baseline: stores GP_PUT into the channel's real control page.
+    pub(super) fn submit(&mut self, pid: u32, ctx: u32, channel: u32, gp_put: u32) -> Reply {
+        self.owned_ctx(pid, ctx)?;
+        let c = self
+            .state
+            .channels
+            .get(&channel)
+            .ok_or(ErrorCode::NotFound)?;
+        if c.pid != pid {
+            return Err(ErrorCode::PermissionDenied);
+        }
+        if c.ctx != ctx {
+            return Err(ErrorCode::NotFound);
+        }
+        if self.shadows.submit(channel, gp_put) {
+            // Shadowed: held back like a store through the BAR would be.
+            return Ok(ReplyBody::Empty);
+        }
+        let hch = *self.hal.channels.get(&channel).ok_or(ErrorCode::NotFound)?;
+        if !self.hal.control_maps.contains_key(&hch) {
+            // Drop mappings of channels that are gone before adding one.
+            let live = &self.hal.channels;
+            self.hal
+                .control_maps
+                .retain(|id, _| live.values().any(|h| h == id));
+            let page = self.gpu.control_page(hch).map_err(|e| e.code())?;
+            let map = crate::shadow::PageMap::new(page).map_err(|e| {
+                warn!("SUBMIT: mapping the control page: {e}");
+                ErrorCode::Internal
+            })?;
+            self.hal.control_maps.insert(hch, map);
+        }
+        let map = self.hal.control_maps.get(&hch).ok_or(ErrorCode::Internal)?;
+        map.store(vgpu_protocol::ControlPage::GP_PUT, gp_put);
+        Ok(ReplyBody::Empty)
+    }
+
+    pub(super) fn destroy_channel(
+        &mut self,
+        pid: u32,
+        ctx: u32,
+        channel: u32,
+        shm: &dyn ShmMapper,
+    ) -> Reply {
+        self.owned_ctx(pid, ctx)?;
+        let c = self
+            .state
+            .channels
+            .get_mut(&channel)
+            .ok_or(ErrorCode::NotFound)?;
+        if c.pid != pid {
+            return Err(ErrorCode::PermissionDenied);
+        }
+        if c.ctx != ctx {
+            return Err(ErrorCode::NotFound);
+        }
+        if c.slot_mapped {
+            let off = slot_offset(c.slot).ok_or(ErrorCode::Internal)?;
+            shm.unmap(off, PAGE_SIZE).map_err(|e| {
+                warn!("DESTROY_CHANNEL: SHMEM_UNMAP of slot {}: {e}", c.slot);
+                ErrorCode::Internal
+            })?;
+            c.slot_mapped = false;
+        }
+        self.state.channels.remove(&channel);
+        self.shadows.forget(channel);
+        if let Some(hch) = self.hal.channels.remove(&channel) {
+            self.hal.control_maps.remove(&hch);
+            let mut book = self.shared.busy();
+            book.retire(self.gpu.as_ref(), channel);
+            if let Err(e) = self.gpu.destroy_channel(hch) {
+                warn!("DESTROY_CHANNEL: {e}");
+            }
+        } else {
+            self.shared.busy().forget(channel);
+        }
+        Ok(ReplyBody::Empty)
+    }
+}

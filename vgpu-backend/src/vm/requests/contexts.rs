@@ -1,0 +1,105 @@
+//! Requests on contexts: CREATE_CONTEXT, DESTROY_CONTEXT (which frees everything the context owns).
+
+use super::*;
+
+impl Session {
+    // ---- contexts ---------------------------------------------------------------------
+
+    pub(super) fn create_context(&mut self, pid: u32, mem: &GuestMemory) -> Reply {
+        if self.state.contexts.len() >= self.limits.max_contexts as usize {
+            return Err(ErrorCode::LimitExceeded);
+        }
+        let contexts = &self.state.contexts;
+        let id = fresh_id(&mut self.state.last_context, |i| contexts.contains_key(&i));
+        let sys = Arc::new(GuestSysMemory::new(mem.clone()));
+        // The GPU also reaches the VM's swap store (above guest RAM, see crate::vram).
+        let store = self.swap_store()?;
+        let gpu_sys = Arc::new(crate::vram::store::VmSysMemory::new(sys.clone(), store));
+        let hctx = self.gpu.create_context(gpu_sys).map_err(|e| e.code())?;
+        self.state.contexts.insert(id, ContextState { pid });
+        self.hal.contexts.insert(id, (hctx, sys));
+        debug!("pid {pid}: context {id} ({hctx:?})");
+        Ok(ReplyBody::Context { ctx: id })
+    }
+
+    pub(super) fn destroy_context(&mut self, pid: u32, ctx: u32, shm: &dyn ShmMapper) -> Reply {
+        let (hctx, _) = self.owned_ctx(pid, ctx)?;
+        // 1. Remove the guest's BAR views of the context's objects. On failure the context
+        //    stays (consistent: what was unmapped is recorded as such) and may be retried.
+        for ch in self.state.channels.values_mut().filter(|c| c.ctx == ctx) {
+            if ch.slot_mapped {
+                let off = slot_offset(ch.slot).ok_or(ErrorCode::Internal)?;
+                shm.unmap(off, PAGE_SIZE).map_err(|e| {
+                    warn!("DESTROY_CONTEXT: SHMEM_UNMAP of slot {}: {e}", ch.slot);
+                    ErrorCode::Internal
+                })?;
+                ch.slot_mapped = false;
+            }
+        }
+        let usage = &mut self.state.usage;
+        for m in self.state.mems.values_mut().filter(|m| m.ctx == ctx) {
+            if let Some(off) = m.aperture {
+                let len = page_round_up(m.size).ok_or(ErrorCode::Internal)?;
+                shm.unmap(off, len).map_err(|e| {
+                    warn!("DESTROY_CONTEXT: SHMEM_UNMAP of aperture {off:#x}: {e}");
+                    ErrorCode::Internal
+                })?;
+                m.aperture = None;
+                usage.aperture_bytes = usage.aperture_bytes.saturating_sub(len);
+            }
+        }
+        // 2. Channels, then the address space (no engine uses it once this returns).
+        let channels: Vec<u32> = self
+            .state
+            .channels
+            .iter()
+            .filter(|(_, c)| c.ctx == ctx)
+            .map(|(id, _)| *id)
+            .collect();
+        {
+            let mut book = self.shared.busy();
+            for id in channels {
+                self.state.channels.remove(&id);
+                self.shadows.forget(id);
+                if let Some(ch) = self.hal.channels.remove(&id) {
+                    self.hal.control_maps.remove(&ch);
+                    book.retire(self.gpu.as_ref(), id);
+                    if let Err(e) = self.gpu.destroy_channel(ch) {
+                        warn!("DESTROY_CONTEXT: destroy channel {id}: {e}");
+                    }
+                }
+            }
+        }
+        if let Err(e) = self.gpu.destroy_context(hctx) {
+            warn!("DESTROY_CONTEXT: destroy context {ctx}: {e}");
+        }
+        self.hal.contexts.remove(&ctx);
+        self.state.contexts.remove(&ctx);
+        // 3. Mappings and VRAM objects of the context.
+        let keys: Vec<(u32, u64)> = self
+            .state
+            .mappings
+            .range((ctx, 0)..=(ctx, u64::MAX))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in keys {
+            if let Some(m) = self.state.mappings.remove(&k) {
+                if let MappingTarget::Guest { .. } = m.target {
+                    let u = &mut self.state.usage;
+                    u.mapped_guest_bytes = u.mapped_guest_bytes.saturating_sub(m.size);
+                }
+            }
+        }
+        let mems: Vec<u32> = self
+            .state
+            .mems
+            .iter()
+            .filter(|(_, m)| m.ctx == ctx)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in mems {
+            self.release_vram(id);
+        }
+        Ok(ReplyBody::Empty)
+    }
+}

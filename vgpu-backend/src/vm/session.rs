@@ -1,0 +1,477 @@
+//! Per-VM session: every GPU object a VM's guest created, who owns it, and what it uses.
+//!
+//! The state is split in two:
+//! - [`SessionState`]: plain data keyed by the guest-visible ids (contexts, VRAM objects,
+//!   GPU mappings, channels, usage) — what live migration will serialize;
+//! - [`HalHandles`]: the HAL's handles for those objects on *this* host (context and
+//!   channel ids, VRAM offsets, the sysmem snapshots) — rebuilt on a migration target.
+//!
+//! Ownership: a context belongs to the guest PID that created it; VRAM objects, mappings
+//! and channels belong to the (PID, context) that created them. Ids are per VM, so another
+//! VM's ids are simply not found.
+//!
+//! Lifetime: a session lives as long as its vhost-user connection. When the frontend
+//! disconnects (or the backend restarts) the session is torn down: every channel, context
+//! and VRAM object of the VM is destroyed in the HAL. Nothing of the guest's GPU state
+//! survives a backend restart; the guest driver must re-create its contexts, buffers and
+//! channels (a reconnecting frontend resets the device, so the driver probes again).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use log::{debug, warn};
+use vgpu_host_shim::{ChannelCounters, ChannelId, ContextId, Gpu};
+use vgpu_protocol::device::slot_offset;
+use vgpu_protocol::request::GuestRange;
+use vgpu_protocol::PAGE_SIZE;
+
+use crate::events::{EventQueue, EVENT_FIFO_CAPACITY};
+use crate::guest_mem::GuestSysMemory;
+use crate::sched::handle::RetiredChannel;
+use crate::shmem::{NullShm, ShmMapper};
+
+/// Per-VM resource limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VmLimits {
+    pub max_contexts: u32,
+    pub max_channels: u32,
+    /// VRAM the VM's objects may hold in total.
+    pub vram_bytes: u64,
+    /// Guest memory the VM may have mapped into GPU address spaces in total.
+    pub mapped_guest_bytes: u64,
+    /// VRAM objects the VM may hold beyond `vram_bytes`, swapped to system memory
+    /// ([`crate::vram`]); 0: no oversubscription.
+    pub swap_bytes: u64,
+}
+
+impl Default for VmLimits {
+    fn default() -> Self {
+        VmLimits {
+            max_contexts: 64,
+            max_channels: 128,
+            vram_bytes: 512 << 20,
+            mapped_guest_bytes: 1 << 30,
+            swap_bytes: 0,
+        }
+    }
+}
+
+/// A VM's usage and counters, as the operator sees them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VmStats {
+    /// Whether a frontend is connected now.
+    pub connected: bool,
+    pub contexts: u32,
+    pub channels: u32,
+    pub vram_bytes: u64,
+    pub mapped_guest_bytes: u64,
+    pub aperture_bytes: u64,
+    /// Control requests handled (all connections).
+    pub requests: u64,
+    /// Of those, answered with an error.
+    pub errors: u64,
+    /// Frontend disconnects (each tore the session down).
+    pub disconnects: u64,
+    pub events_delivered: u64,
+    pub events_dropped: u64,
+    pub events_pending: u64,
+    /// Connections the backend ended because the driver broke a virtqueue.
+    pub ring_errors: u64,
+}
+
+/// A context: a GPU address space of one guest process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContextState {
+    pub pid: u32,
+}
+
+/// A VRAM object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemState {
+    pub pid: u32,
+    pub ctx: u32,
+    /// Bytes allocated (at least what was asked for).
+    pub size: u64,
+    pub align: u64,
+    /// Region-relative offset of its aperture window, if mapped there.
+    pub aperture: Option<u64>,
+}
+
+/// What a GPU mapping points at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MappingTarget {
+    /// A whole VRAM object.
+    Vram { mem: u32 },
+    /// Guest-physical ranges, mapped back to back.
+    Guest { ranges: Vec<GuestRange> },
+}
+
+/// A GPU mapping made by MAP_VRAM or MAP_GUEST, keyed by (ctx, va).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MappingState {
+    pub pid: u32,
+    pub size: u64,
+    /// Page size code (`vgpu_protocol::request::PAGE_*`).
+    pub page: u32,
+    pub flags: u32,
+    pub target: MappingTarget,
+}
+
+/// A channel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChannelState {
+    pub pid: u32,
+    pub ctx: u32,
+    /// Its control-page slot in the BAR (reserved while the channel lives).
+    pub slot: u32,
+    /// Whether the slot is mapped: the real control page, or its shadow page while the
+    /// channel is shadowed (see [`crate::shadow`]).
+    pub slot_mapped: bool,
+    pub gp_ring_va: u64,
+    pub gp_entries: u32,
+}
+
+/// Resource usage counted against [`VmLimits`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub vram_bytes: u64,
+    pub mapped_guest_bytes: u64,
+    pub aperture_bytes: u64,
+}
+
+/// The serializable part of a session.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SessionState {
+    pub contexts: BTreeMap<u32, ContextState>,
+    pub mems: BTreeMap<u32, MemState>,
+    /// Keyed by (ctx, va).
+    pub mappings: BTreeMap<(u32, u64), MappingState>,
+    pub channels: BTreeMap<u32, ChannelState>,
+    pub usage: Usage,
+    /// Last ids handed out (contexts, VRAM objects and channels get fresh ids, never
+    /// reused soon, so a stale id in a buggy guest process does not hit a new object).
+    pub last_context: u32,
+    pub last_mem: u32,
+    pub last_channel: u32,
+}
+
+/// HAL handles of a session's objects on this host.
+#[derive(Default)]
+pub struct HalHandles {
+    pub contexts: BTreeMap<u32, (ContextId, Arc<GuestSysMemory>)>,
+    /// VRAM objects in chunks (in VRAM or swapped, see [`crate::vram`]).
+    pub vram: BTreeMap<u32, crate::vram::backing::ObjBacking>,
+    pub channels: BTreeMap<u32, ChannelId>,
+    /// The backend's own mappings of control pages, for SUBMIT (API-remoting baseline),
+    /// keyed by the HAL's channel id, which is never reused.
+    pub control_maps: BTreeMap<ChannelId, crate::shadow::PageMap>,
+}
+
+/// Per-PID busy-time accounting: live channels (read from the HAL on demand) plus what
+/// destroyed channels had accumulated.
+#[derive(Debug, Default)]
+pub(crate) struct BusyBook {
+    live: BTreeMap<u32, (u32, ChannelId)>,
+    retired: BTreeMap<u32, u64>,
+    /// Channels destroyed since the scheduler last looked, with their final busy time:
+    /// it charges what they used since its previous reading (see [`RetiredChannel`]).
+    recent: std::collections::VecDeque<RetiredChannel>,
+}
+
+/// Destroyed channels kept for the scheduler between two of its readings; beyond that
+/// (no scheduler running) the oldest are dropped.
+const RECENT_RETIRED: usize = 4096;
+
+/// What a session shares with observers (the operator API, stats) and with GPU threads.
+/// Observers never take the session lock, so a slow frontend cannot stall them.
+pub struct SessionShared {
+    pub events: Arc<EventQueue>,
+    busy: Mutex<BusyBook>,
+    requests: AtomicU64,
+    errors: AtomicU64,
+    disconnects: AtomicU64,
+    ring_errors: AtomicU64,
+    contexts: AtomicU64,
+    channels: AtomicU64,
+    vram_bytes: AtomicU64,
+    mapped_guest_bytes: AtomicU64,
+    aperture_bytes: AtomicU64,
+}
+
+impl SessionShared {
+    pub fn new(events: Arc<EventQueue>) -> Self {
+        SessionShared {
+            events,
+            busy: Mutex::new(BusyBook::default()),
+            requests: AtomicU64::new(0),
+            errors: AtomicU64::new(0),
+            disconnects: AtomicU64::new(0),
+            ring_errors: AtomicU64::new(0),
+            contexts: AtomicU64::new(0),
+            channels: AtomicU64::new(0),
+            vram_bytes: AtomicU64::new(0),
+            mapped_guest_bytes: AtomicU64::new(0),
+            aperture_bytes: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn busy(&self) -> MutexGuard<'_, BusyBook> {
+        self.busy.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn count_request(&self, error: bool) {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        if error {
+            self.errors.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    pub(crate) fn count_ring_error(&self) {
+        self.ring_errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn count_disconnect(&self) {
+        self.disconnects.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Stats (without `connected`, which the caller knows).
+    pub fn stats(&self) -> VmStats {
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        VmStats {
+            connected: false,
+            contexts: r(&self.contexts) as u32,
+            channels: r(&self.channels) as u32,
+            vram_bytes: r(&self.vram_bytes),
+            mapped_guest_bytes: r(&self.mapped_guest_bytes),
+            aperture_bytes: r(&self.aperture_bytes),
+            requests: r(&self.requests),
+            errors: r(&self.errors),
+            disconnects: r(&self.disconnects),
+            events_delivered: self.events.delivered(),
+            events_dropped: self.events.dropped(),
+            events_pending: self.events.pending() as u64,
+            ring_errors: r(&self.ring_errors),
+        }
+    }
+
+    /// Busy time of each live channel as the HAL counts it: (guest channel id, owning
+    /// guest PID, HAL channel id, busy ns). Channels whose counters cannot be read are
+    /// left out.
+    pub fn channel_busy_ns(&self, gpu: &dyn Gpu) -> Vec<(u32, u32, ChannelId, u64)> {
+        let book = self.busy();
+        book.live
+            .iter()
+            .filter_map(|(g, (pid, ch))| {
+                gpu.channel_counters(*ch)
+                    .ok()
+                    .map(|c| (*g, *pid, *ch, c.busy_ns))
+            })
+            .collect()
+    }
+
+    /// Every counter of each live channel as the HAL reports it: (guest channel id, owning
+    /// guest PID, HAL channel id, counters). Channels whose counters cannot be read are
+    /// left out.
+    pub fn channel_counters(&self, gpu: &dyn Gpu) -> Vec<(u32, u32, ChannelId, ChannelCounters)> {
+        let book = self.busy();
+        book.live
+            .iter()
+            .filter_map(|(g, (pid, ch))| gpu.channel_counters(*ch).ok().map(|c| (*g, *pid, *ch, c)))
+            .collect()
+    }
+
+    /// Channels destroyed since the previous call, with their final busy time.
+    pub fn take_retired(&self) -> Vec<RetiredChannel> {
+        self.busy().recent.drain(..).collect()
+    }
+
+    /// GPU busy time per guest PID: live channels' HAL counters plus destroyed channels.
+    pub fn process_busy_ns(&self, gpu: &dyn Gpu) -> Vec<(u32, u64)> {
+        let book = self.busy();
+        let mut out = book.retired.clone();
+        for (pid, ch) in book.live.values() {
+            if let Ok(c) = gpu.channel_counters(*ch) {
+                *out.entry(*pid).or_default() += c.busy_ns;
+            }
+        }
+        out.into_iter().collect()
+    }
+}
+
+impl BusyBook {
+    pub(crate) fn add_live(&mut self, guest_ch: u32, pid: u32, ch: ChannelId) {
+        self.live.insert(guest_ch, (pid, ch));
+    }
+
+    /// Moves a channel's busy time to the retired books; call before destroying it.
+    pub(crate) fn retire(&mut self, gpu: &dyn Gpu, guest_ch: u32) {
+        if let Some((pid, ch)) = self.live.remove(&guest_ch) {
+            let busy = gpu.channel_counters(ch).map(|c| c.busy_ns).unwrap_or(0);
+            *self.retired.entry(pid).or_default() += busy;
+            if self.recent.len() >= RECENT_RETIRED {
+                self.recent.pop_front();
+            }
+            self.recent.push_back(RetiredChannel {
+                pid,
+                hal: ch,
+                busy_ns: busy,
+            });
+        }
+    }
+
+    pub(crate) fn forget(&mut self, guest_ch: u32) {
+        self.live.remove(&guest_ch);
+    }
+}
+
+/// One VM's GPU objects and the logic that manages them (request handling lives in
+/// [`crate::vm::requests`]).
+pub struct Session {
+    pub(crate) gpu: Arc<dyn Gpu>,
+    pub(crate) limits: VmLimits,
+    pub(crate) shared: Arc<SessionShared>,
+    pub(crate) state: SessionState,
+    pub(crate) hal: HalHandles,
+    /// Shadowed channels and the VM's shadow-page pool.
+    pub(crate) shadows: crate::shadow::Shadows,
+    /// Holds on the VM's owners (pause, scheduler, VRAM moves) that channels are born
+    /// into ([`crate::shadow::holds`]).
+    pub(crate) hold: crate::shadow::OwnerHolds,
+    /// Swap store and VRAM-manager counters.
+    pub(crate) swap: crate::vram::VmSwap,
+}
+
+impl Session {
+    /// A session that reports into `shared`.
+    pub fn with_shared(gpu: Arc<dyn Gpu>, limits: VmLimits, shared: Arc<SessionShared>) -> Self {
+        Session {
+            gpu,
+            limits,
+            shared,
+            state: SessionState::default(),
+            hal: HalHandles::default(),
+            shadows: crate::shadow::Shadows::new(),
+            hold: crate::shadow::OwnerHolds::default(),
+            swap: crate::vram::VmSwap::default(),
+        }
+    }
+
+    /// A stand-alone session (tests, tools): events go to a detached FIFO.
+    pub fn new(gpu: Arc<dyn Gpu>, limits: VmLimits) -> Self {
+        let events = Arc::new(EventQueue::detached(EVENT_FIFO_CAPACITY));
+        Self::with_shared(gpu, limits, Arc::new(SessionShared::new(events)))
+    }
+
+    pub fn limits(&self) -> VmLimits {
+        self.limits
+    }
+
+    pub fn state(&self) -> &SessionState {
+        &self.state
+    }
+
+    pub fn shared(&self) -> &Arc<SessionShared> {
+        &self.shared
+    }
+
+    /// Whether the session holds no object.
+    pub fn is_empty(&self) -> bool {
+        self.state.contexts.is_empty()
+            && self.state.mems.is_empty()
+            && self.state.channels.is_empty()
+            && self.state.mappings.is_empty()
+    }
+
+    /// Copies usage into the shared counters.
+    pub(crate) fn publish(&self) {
+        let s = &self.shared;
+        let u = &self.state.usage;
+        s.contexts
+            .store(self.state.contexts.len() as u64, Ordering::Relaxed);
+        s.channels
+            .store(self.state.channels.len() as u64, Ordering::Relaxed);
+        s.vram_bytes.store(u.vram_bytes, Ordering::Relaxed);
+        s.mapped_guest_bytes
+            .store(u.mapped_guest_bytes, Ordering::Relaxed);
+        s.aperture_bytes.store(u.aperture_bytes, Ordering::Relaxed);
+    }
+
+    /// Destroys every object of the VM in the HAL and forgets them. BAR mappings are
+    /// removed through `shm` where possible (best effort: failures are logged, the objects
+    /// are freed regardless — use [`NullShm`] when the frontend is gone). Pending events
+    /// are discarded and late events of the old channels are ignored.
+    pub fn teardown(&mut self, shm: &dyn ShmMapper) {
+        if !self.is_empty() {
+            debug!(
+                "tearing down session: {} contexts, {} channels, {} VRAM objects",
+                self.state.contexts.len(),
+                self.state.channels.len(),
+                self.state.mems.len()
+            );
+        }
+        // 1. Take the guest's view away: control-page slots and aperture windows.
+        for ch in self.state.channels.values_mut() {
+            if ch.slot_mapped {
+                if let Some(off) = slot_offset(ch.slot) {
+                    if let Err(e) = shm.unmap(off, PAGE_SIZE) {
+                        warn!("teardown: SHMEM_UNMAP of slot {}: {e}", ch.slot);
+                    }
+                }
+                ch.slot_mapped = false;
+            }
+        }
+        for mem in self.state.mems.values_mut() {
+            if let Some(off) = mem.aperture.take() {
+                let len = crate::shmem::page_round_up(mem.size).unwrap_or(mem.size);
+                if let Err(e) = shm.unmap(off, len) {
+                    warn!("teardown: SHMEM_UNMAP of aperture {off:#x}: {e}");
+                }
+            }
+        }
+        // The slots are unmapped (or the frontend is gone): shadow pages are free again.
+        self.shadows.clear();
+        // 2. Channels (after their busy time is booked), then address spaces: once
+        //    destroy_context returns no engine touches the VM's memory any more.
+        {
+            let mut book = self.shared.busy();
+            for (id, ch) in std::mem::take(&mut self.hal.channels) {
+                book.retire(self.gpu.as_ref(), id);
+                if let Err(e) = self.gpu.destroy_channel(ch) {
+                    debug!("teardown: destroy channel {id}: {e}");
+                }
+            }
+        }
+        for (id, (ctx, _)) in std::mem::take(&mut self.hal.contexts) {
+            if let Err(e) = self.gpu.destroy_context(ctx) {
+                warn!("teardown: destroy context {id}: {e}");
+            }
+        }
+        // 3. VRAM last: nothing can reach it now.
+        for (_, b) in std::mem::take(&mut self.hal.vram) {
+            self.free_object(&b);
+        }
+        self.hal.control_maps.clear();
+        let (last_context, last_mem, last_channel) = (
+            self.state.last_context,
+            self.state.last_mem,
+            self.state.last_channel,
+        );
+        self.state = SessionState {
+            last_context,
+            last_mem,
+            last_channel,
+            ..SessionState::default()
+        };
+        self.shared.events.reset();
+        self.publish();
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        if !self.is_empty() {
+            self.teardown(&NullShm);
+        }
+    }
+}

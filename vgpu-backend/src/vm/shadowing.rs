@@ -1,0 +1,119 @@
+//! A session's channels through the shadow mechanism ([`crate::shadow`]): where each
+//! channel's control page is and where the BAR shows it, the holders' one path to shadow
+//! and unshadow, peeks and mirrors.
+
+use std::io;
+
+use log::debug;
+use vgpu_protocol::device::slot_offset;
+use vgpu_protocol::PAGE_SIZE;
+
+use crate::shadow::{
+    ChannelPeek, Holder, Holders, ShadowError, ShadowStats, ShadowSwitch, ShadowTarget,
+};
+use crate::shmem::ShmMapper;
+use crate::vm::session::Session;
+
+impl Session {
+    /// Where channel `ch`'s control page is and where the BAR shows it.
+    pub(crate) fn shadow_target(&self, ch: u32) -> Result<ShadowTarget, ShadowError> {
+        let c = self
+            .state
+            .channels
+            .get(&ch)
+            .ok_or(ShadowError::NoChannel(ch))?;
+        if !c.slot_mapped {
+            return Err(ShadowError::SlotNotMapped(ch));
+        }
+        let slot_off = slot_offset(c.slot).ok_or(ShadowError::SlotNotMapped(ch))?;
+        let hch = *self
+            .hal
+            .channels
+            .get(&ch)
+            .ok_or(ShadowError::NoChannel(ch))?;
+        let page = self.gpu.control_page(hch)?;
+        if page.len < PAGE_SIZE {
+            return Err(io::Error::other("control page shorter than a page").into());
+        }
+        Ok(ShadowTarget { ch, page, slot_off })
+    }
+
+    /// `who` takes (`on`) or drops its hold of channel `ch` (see [`Shadows::set_hold`]).
+    pub fn hold_channel(
+        &mut self,
+        ch: u32,
+        who: Holder,
+        on: bool,
+        shm: &dyn ShmMapper,
+    ) -> Result<ShadowSwitch, ShadowError> {
+        let t = self.shadow_target(ch)?;
+        self.shadows.set_hold(t, who, on, shm)
+    }
+
+    /// Who holds channel `ch` shadowed.
+    pub fn channel_holders(&self, ch: u32) -> Holders {
+        self.shadows.holders(ch)
+    }
+
+    /// Unshadows the shadowed channels nobody holds (failed unshadows); returns how many
+    /// are still shadowed.
+    pub fn retry_orphans(&mut self, shm: &dyn ShmMapper) -> usize {
+        let mut left = 0;
+        for ch in self.shadows.orphans() {
+            let done = self
+                .shadow_target(ch)
+                .and_then(|t| self.shadows.unshadow_orphan(t, shm));
+            if let Err(e) = done {
+                debug!("channel {ch}: unshadow retry: {e}");
+                left += 1;
+            }
+        }
+        left
+    }
+
+    /// See [`Shadows::release_capped`].
+    pub fn release_capped(&mut self, ch: u32, n: u32) -> Result<u32, ShadowError> {
+        if !self.state.channels.contains_key(&ch) {
+            return Err(ShadowError::NoChannel(ch));
+        }
+        self.shadows.release_capped(ch, n)
+    }
+
+    /// See [`Shadows::peek`]. While the operator has the VM paused this fails with
+    /// [`ShadowError::Paused`], so that a scheduler leaves the channel alone (and counts
+    /// the VM as idle rather than starving everyone else for it); see [`crate::control`].
+    pub fn peek_channel(&mut self, ch: u32) -> Result<ChannelPeek, ShadowError> {
+        if self.hold.paused {
+            return Err(ShadowError::Paused(ch));
+        }
+        self.peek_channel_any(ch)
+    }
+
+    /// [`Session::peek_channel`], paused or not.
+    pub fn peek_channel_any(&mut self, ch: u32) -> Result<ChannelPeek, ShadowError> {
+        let t = self.shadow_target(ch)?;
+        Ok(self.shadows.peek(ch, t.page)?)
+    }
+
+    /// See [`Shadows::mirror`].
+    pub fn mirror_shadows(&mut self) -> usize {
+        self.shadows.mirror()
+    }
+
+    pub fn is_shadowed(&self, ch: u32) -> bool {
+        self.shadows.is_shadowed(ch)
+    }
+
+    pub fn shadow_stats(&self) -> ShadowStats {
+        self.shadows.stats()
+    }
+
+    /// The VM's channels: (guest channel id, owning guest PID).
+    pub fn channel_list(&self) -> Vec<(u32, u32)> {
+        self.state
+            .channels
+            .iter()
+            .map(|(id, c)| (*id, c.pid))
+            .collect()
+    }
+}
