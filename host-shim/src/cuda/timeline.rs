@@ -29,6 +29,15 @@ impl<D: Device> Timeline<D> {
     pub fn new(dev: &D) -> Option<Self> {
         let stream = dev.create_stream().ok()?;
         let m = dev.mark(&stream).ok()?;
+        // Times are measured from this mark, so it must have been reached before the first
+        // entry completes (immediate on a GPU; a thread's first turn on the fake).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !dev.reached(&m).ok()? {
+            if std::time::Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
         Some(Timeline {
             stream,
             base: (m, 0),
