@@ -1,6 +1,8 @@
 //! `vgpu-host-shim`: the GPU HAL ([`hal::Gpu`]) and the `sim` software GPU.
 
+pub mod choice;
 pub mod clock;
+pub mod cuda;
 pub mod gpu_view;
 pub mod hal;
 pub mod kernels;
@@ -14,6 +16,7 @@ pub mod vram {
     pub use vgpu_protocol::range::{RangeAllocator, VramAllocator, VRAM_GRANULE};
 }
 
+pub use choice::GpuChoice;
 pub use hal::{
     ChannelConfig, ChannelCounters, ChannelId, ContextId, EventSink, FdRange, Gpu, GpuEvent,
     GpuInfo, HalError, HostRange, MapFlags, MapTarget, PageSize, SysMemory, VramAlloc,

@@ -43,7 +43,7 @@ pub enum ConfigError {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GpuSection {
-    /// GPU model; only `"sim"` exists.
+    /// GPU model: `"sim"` (default), `"cuda"` or `"cuda:INDEX"`.
     pub model: Option<String>,
     pub vram_mib: Option<u64>,
     pub compute_engines: Option<u32>,
@@ -138,6 +138,8 @@ pub struct FileConfig {
 /// The GPU to create.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GpuConfig {
+    /// `sim` or `cuda[:INDEX]`.
+    pub model: vgpu_host_shim::GpuChoice,
     pub vram_bytes: u64,
     pub compute_engines: u32,
     pub max_channels: u32,
@@ -201,15 +203,15 @@ impl FileConfig {
     /// Applies defaults and checks every value.
     pub fn resolve(&self) -> Result<Config, ConfigError> {
         let g = &self.gpu;
-        if let Some(m) = &g.model {
-            if m != "sim" {
-                return Err(ConfigError::Invalid(format!(
-                    "gpu.model = {m:?}: only \"sim\" is supported"
-                )));
-            }
-        }
+        let model: vgpu_host_shim::GpuChoice = match &g.model {
+            Some(m) => m
+                .parse()
+                .map_err(|e| ConfigError::Invalid(format!("gpu.model: {e}")))?,
+            None => vgpu_host_shim::GpuChoice::Sim,
+        };
         let sim = vgpu_host_shim::SimConfig::default();
         let gpu = GpuConfig {
+            model,
             vram_bytes: range(
                 "gpu.vram_mib",
                 g.vram_mib.unwrap_or(sim.vram_bytes / MIB),
@@ -418,12 +420,28 @@ mod tests {
     }
 
     #[test]
+    fn gpu_model_picks_sim_or_cuda() {
+        use vgpu_host_shim::GpuChoice;
+        let model = |t: &str| parse(t);
+        assert_eq!(model("").unwrap().gpu.model, GpuChoice::Sim);
+        assert_eq!(
+            model("[gpu]\nmodel = \"cuda:1\"").unwrap().gpu.model,
+            GpuChoice::Cuda { index: 1 }
+        );
+        assert_eq!(
+            model("[gpu]\nmodel = \"cuda\"").unwrap().gpu.model,
+            GpuChoice::Cuda { index: 0 }
+        );
+    }
+
+    #[test]
     fn bad_values_are_clear_errors() {
         let cases = [
             ("bogus = 1", "unknown field"),
             ("[gpu]\nvram = 5", "unknown field"),
             ("[gpu]\nvram_mib = 0", "gpu.vram_mib = 0"),
-            ("[gpu]\nmodel = \"rtx\"", "only \"sim\""),
+            ("[gpu]\nmodel = \"rtx\"", "expected \"sim\", \"cuda\""),
+            ("[gpu]\nmodel = \"cuda:x\"", "gpu.model"),
             ("[gpu]\nvram_mib = -4", "invalid value"),
             ("[scheduler]\ninterval_ms = 5000", "scheduler.interval_ms"),
             ("[scheduler]\npolicy = \"fast\"", "scheduler.policy"),

@@ -12,7 +12,8 @@ use log::{error, info};
 use vgpu_backend::api::{ApiOptions, ApiServer};
 use vgpu_backend::config::FileConfig;
 use vgpu_backend::{SchedArgs, VgpuBackend, VmLimits};
-use vgpu_host_shim::{Gpu, SimConfig, SimGpu};
+use vgpu_host_shim::cuda::{CudaConfig, CudaGpu};
+use vgpu_host_shim::{Gpu, GpuChoice, SimConfig, SimGpu};
 
 #[derive(Debug, Parser)]
 #[command(name = "vgpu-backend", version, about)]
@@ -30,7 +31,12 @@ struct Cli {
     /// Unix socket of the operator control API.
     #[arg(long, value_name = "PATH")]
     api_socket: Option<PathBuf>,
-    /// VRAM of the sim GPU, MiB [default: 1024].
+    /// The GPU: `sim` (the software GPU) or `cuda[:INDEX]` (an NVIDIA GPU through the
+    /// CUDA driver, loaded at run time) [default: the config file's `gpu.model`, else sim].
+    #[arg(long, value_name = "sim|cuda[:INDEX]")]
+    gpu: Option<vgpu_host_shim::GpuChoice>,
+    /// VRAM of the GPU, MiB [default: 1024] (on cuda: pinned host memory, see
+    /// docs/operator-guide.md).
     #[arg(long)]
     vram_mib: Option<u64>,
     /// Compute engines of the sim GPU [default: 1].
@@ -123,6 +129,9 @@ impl Cli {
         s.unshadow_cap = a.sched_unshadow_cap.or(s.unshadow_cap);
         s.watchdog_ms = a.watchdog_ms.or(s.watchdog_ms);
         let g = &mut f.gpu;
+        if let Some(choice) = self.gpu {
+            g.model = Some(choice.to_string());
+        }
         g.vram_mib = self.vram_mib.or(g.vram_mib);
         g.compute_engines = self.compute_engines.or(g.compute_engines);
         g.max_channels = self.gpu_max_channels.or(g.max_channels);
@@ -186,17 +195,28 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
         return Err("no VM to serve: give --vm NAME or [[vm]] in the config file".into());
     }
     let set = block_signals().map_err(|e| format!("blocking signals: {e}"))?;
-    let gpu = SimGpu::new(SimConfig {
-        vram_bytes: cfg.gpu.vram_bytes,
-        compute_engines: cfg.gpu.compute_engines,
-        max_channels: cfg.gpu.max_channels,
-        max_contexts: cfg.gpu.max_contexts,
-        max_idle_sleep_ns: cli.sim_idle_sleep_us * 1000,
-        ..SimConfig::default()
-    })
-    .map_err(|e| format!("sim GPU: {e}"))?;
+    let gpu: Arc<dyn Gpu> = match cfg.gpu.model {
+        GpuChoice::Sim => SimGpu::new(SimConfig {
+            vram_bytes: cfg.gpu.vram_bytes,
+            compute_engines: cfg.gpu.compute_engines,
+            max_channels: cfg.gpu.max_channels,
+            max_contexts: cfg.gpu.max_contexts,
+            max_idle_sleep_ns: cli.sim_idle_sleep_us * 1000,
+            ..SimConfig::default()
+        })
+        .map_err(|e| format!("sim GPU: {e}"))?,
+        GpuChoice::Cuda { index } => CudaGpu::open(
+            index,
+            CudaConfig {
+                vram_bytes: cfg.gpu.vram_bytes,
+                max_channels: cfg.gpu.max_channels,
+                max_contexts: cfg.gpu.max_contexts,
+                ..CudaConfig::default()
+            },
+        )
+        .map_err(|e| format!("cuda GPU {index}: {e}"))?,
+    };
     let info = gpu.info();
-    let gpu: Arc<dyn Gpu> = gpu;
     let backend = VgpuBackend::new(gpu, VmLimits::default());
     for vm in &cfg.vms {
         if let Some(dir) = vm.socket.parent() {

@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use vgpu_bench::report::{print_json, print_table, Figure};
 use vgpu_bench::suites::api::{self, ApiOpts};
+use vgpu_bench::suites::cuda::{self, CudaOpts};
 use vgpu_bench::suites::guest::{self, GuestArgs};
 use vgpu_bench::suites::sched::{self, SchedOpts};
 use vgpu_bench::suites::sim::{self, SimOpts};
@@ -35,6 +36,35 @@ enum Suite {
     /// The workloads and submission round trips through /dev/vgpu (in a VM), or on an
     /// in-process sim with --native (the baseline to run outside the VM).
     Guest(GuestArgs),
+    /// vgpu on an NVIDIA GPU (`cuda`): the workloads natively and in a loopback VM,
+    /// submission latency, back-to-back launches, fairness, front-end CPU; with
+    /// --baseline, the native CUDA program's figures beside them.
+    Cuda {
+        /// The GPU: `cuda[:INDEX]`.
+        #[arg(long, default_value = "cuda")]
+        gpu: vgpu_host_shim::GpuChoice,
+        /// The native CUDA baseline program (built from bench/cuda-native/native.cu).
+        #[arg(long, value_name = "PATH")]
+        baseline: Option<PathBuf>,
+        /// Timed runs of each workload per side (the best counts).
+        #[arg(long)]
+        reps: Option<u32>,
+        /// VRAM of the cuda GPU, MiB (pinned host memory).
+        #[arg(long)]
+        vram_mib: Option<u64>,
+        /// Run on the CPU stand-in for the CUDA device (checks the plumbing without a GPU).
+        #[arg(long)]
+        fake: bool,
+        /// Only the two-VM fairness runs.
+        #[arg(long)]
+        fairness_only: bool,
+        /// GP entries per completion mark while one channel is busy [default: 32].
+        #[arg(long)]
+        batch: Option<u32>,
+        /// Completion marks in flight per channel [default: 64].
+        #[arg(long)]
+        max_inflight: Option<usize>,
+    },
     /// VRAM oversubscription: slowdown vs all-in-VRAM, swap throughput, pauses, convergence.
     Swap,
     /// The GPU scheduler over loopback VMs: Fleig §5.4 fairness, weights, two levels,
@@ -51,6 +81,35 @@ fn main() {
     let cli = Cli::parse();
     let result: Result<Vec<Figure>, String> = match cli.suite {
         Suite::Guest(args) => guest::run(&args.opts(cli.quick)).map_err(|e| e.to_string()),
+        Suite::Cuda {
+            gpu,
+            baseline,
+            reps,
+            vram_mib,
+            fake,
+            fairness_only,
+            batch,
+            max_inflight,
+        } => match gpu {
+            vgpu_host_shim::GpuChoice::Sim => {
+                Err("vgpu-bench cuda needs --gpu cuda[:INDEX]".into())
+            }
+            vgpu_host_shim::GpuChoice::Cuda { index } => {
+                let mut opts = if cli.quick {
+                    CudaOpts::quick(index)
+                } else {
+                    CudaOpts::full(index)
+                };
+                opts.reps = reps.unwrap_or(opts.reps);
+                opts.vram_mib = vram_mib.unwrap_or(opts.vram_mib);
+                opts.baseline = baseline;
+                opts.fake = fake;
+                opts.fairness_only = fairness_only;
+                opts.batch = batch.unwrap_or(opts.batch);
+                opts.max_inflight = max_inflight.unwrap_or(opts.max_inflight);
+                cuda::run(&opts).map_err(|e| e.to_string())
+            }
+        },
         Suite::Sim => {
             let opts = if cli.quick {
                 SimOpts::quick()

@@ -22,13 +22,14 @@ use vgpu_backend::api::{ApiOptions, ApiServer};
 use vgpu_backend::{Policy, SchedConfig, VgpuBackend, VmLimits};
 use vgpu_guest::workloads::{HotspotConfig, SaxpyConfig, SgemmConfig, ThrottleConfig, Workload};
 use vgpu_guest::Device;
-use vgpu_host_shim::{SimConfig, SimGpu};
+use vgpu_host_shim::cuda::{CudaConfig, CudaGpu};
+use vgpu_host_shim::{Gpu, GpuChoice, SimConfig, SimGpu};
 use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
 
 #[derive(Parser)]
 #[command(
     version,
-    about = "Several VMs sharing the sim GPU through vgpu-backend, with live GPU shares"
+    about = "Several VMs sharing one GPU (sim or cuda) through vgpu-backend, with live GPU shares"
 )]
 struct Cli {
     /// How long the tenants run, in seconds.
@@ -50,6 +51,9 @@ struct Cli {
     /// When to send it, seconds from the start (default: half the duration).
     #[arg(long)]
     weight_at: Option<f64>,
+    /// The GPU: `sim`, or `cuda[:INDEX]` for an NVIDIA GPU through the CUDA driver.
+    #[arg(long, default_value = "sim", value_name = "sim|cuda[:INDEX]")]
+    gpu: GpuChoice,
 }
 
 /// One guest process: which VM, its PID, what it runs.
@@ -159,8 +163,11 @@ fn run(cli: &Cli) -> Result<(), Box<dyn std::error::Error>> {
         .and_then(|(v, w)| Some((v.to_string(), w.parse::<u32>().ok()?)))
         .ok_or("--set-weight: expected VM=WEIGHT")?;
     let weight_at = cli.weight_at.unwrap_or(cli.duration / 2.0);
-    let gpu = SimGpu::new(SimConfig::default())?;
-    let backend = VgpuBackend::new(gpu.clone(), VmLimits::default());
+    let gpu: Arc<dyn Gpu> = match cli.gpu {
+        GpuChoice::Sim => SimGpu::new(SimConfig::default())?,
+        GpuChoice::Cuda { index } => CudaGpu::open(index, CudaConfig::default())?,
+    };
+    let backend = VgpuBackend::new(gpu, VmLimits::default());
     let dir = std::env::temp_dir().join(format!("vgpu-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let tenants = tenants(cli.quick);

@@ -2,6 +2,7 @@
 //! suite is the guest tools' (`vgpu-guest-bench` runs it in a VM).
 
 pub mod api;
+pub mod cuda;
 pub mod sched;
 pub mod sim;
 pub mod swap;

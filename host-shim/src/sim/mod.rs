@@ -3,7 +3,7 @@
 //! kernels, a concurrent copy engine, a paging MMU per context, and per-channel counters.
 
 mod channel;
-mod control_pages;
+pub(crate) mod control_pages;
 mod copy_engine;
 mod exec;
 mod pfifo;

@@ -3,6 +3,9 @@
 
 #![allow(dead_code)]
 
+pub mod cuda_cases;
+pub mod kernels;
+
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -126,14 +129,14 @@ pub const DATA_OFF: u64 = 0x40_0000;
 pub const ENTRIES: u32 = 64;
 
 /// A context with its system memory mapped at SYS_VA, and channels on it.
-pub struct Proc {
-    pub gpu: Arc<SimGpu>,
+pub struct Proc<G: Gpu + ?Sized = SimGpu> {
+    pub gpu: Arc<G>,
     pub ctx: ContextId,
     pub sys: Arc<TestSysMem>,
 }
 
-impl Proc {
-    pub fn new(gpu: &Arc<SimGpu>, base: u64) -> Self {
+impl<G: Gpu + ?Sized> Proc<G> {
+    pub fn new(gpu: &Arc<G>, base: u64) -> Self {
         let sys = Arc::new(TestSysMem::new(base, SYS_LEN));
         let ctx = gpu.create_context(sys.clone()).unwrap();
         gpu.map(

@@ -1,0 +1,436 @@
+// cuda-native: the baseline for `vgpu-bench cuda`. The same builtin kernels
+// (host-shim/src/cuda/kernels.cu), the same launch geometry and the same workload sizes
+// as the cuda suite, launched directly on one CUDA stream of this process, with the data
+// in device memory ("device") and in mapped pinned host memory ("pinned", where vgpu's
+// cuda GPU keeps guest VRAM). Prints `name value unit` lines.
+//
+// Build (on the device machine): nvcc -O2 -o cuda-native native.cu -lcuda
+// (host-located VMM allocations need the driver API; the rest uses the runtime API).
+// The fairness baseline forks two processes before CUDA is initialised.
+
+// -DVGPU_KERNELS_CU='"path"' when the file is not in its place in the tree.
+#ifndef VGPU_KERNELS_CU
+#define VGPU_KERNELS_CU "../../host-shim/src/cuda/kernels.cu"
+#endif
+#include VGPU_KERNELS_CU
+
+#include <cuda.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <vector>
+
+#define CK(x)                                                                    \
+    do {                                                                         \
+        cudaError_t e_ = (x);                                                    \
+        if (e_ != cudaSuccess) {                                                 \
+            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,            \
+                    cudaGetErrorString(e_));                                     \
+            exit(1);                                                             \
+        }                                                                        \
+    } while (0)
+
+static u64 now_ns() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (u64)ts.tv_sec * 1000000000ull + ts.tv_nsec;
+}
+
+static int spin_blocks() {
+    int sms = 0, thr = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    CK(cudaDeviceGetAttribute(&thr, cudaDevAttrMaxThreadsPerMultiProcessor, 0));
+    return sms * std::max(1, thr / 1024);
+}
+
+static unsigned blocks(u64 n) { return (unsigned)std::min<u64>(std::max<u64>((n + 255) / 256, 1), 8192); }
+
+struct Mem {
+    bool pinned;
+    void* alloc(size_t n) {
+        void* p;
+        if (pinned) {
+            CK(cudaHostAlloc(&p, n, cudaHostAllocMapped | cudaHostAllocPortable));
+        } else {
+            CK(cudaMalloc(&p, n));
+        }
+        CK(cudaMemset(p, 0, n));
+        return p;
+    }
+    void free(void* p) {
+        if (pinned) cudaFreeHost(p); else cudaFree(p);
+    }
+};
+
+static double ms_since(u64 t0) { return (now_ns() - t0) / 1e6; }
+
+// Each workload: set up (untimed), then time the launches + synchronize, best of reps.
+static double best(int reps, double (*f)(Mem&, bool), Mem& m, bool quick) {
+    f(m, quick);
+    double b = 1e300;
+    for (int i = 0; i < reps; i++) b = std::min(b, f(m, quick));
+    return b;
+}
+
+static cudaStream_t S;
+
+static double w_throttle(Mem&, bool quick) {
+    int n = quick ? 32 : 200;
+    u64 ns = quick ? 20000 : 1000000;
+    int sb = spin_blocks();
+    u64 t0 = now_ns();
+    for (int i = 0; i < n; i++) vgpu_spin<<<sb, 1024, 0, S>>>(ns);
+    CK(cudaStreamSynchronize(S));
+    return ms_since(t0);
+}
+
+static double w_saxpy(Mem& m, bool quick) {
+    u64 n = quick ? 4099 : (1ull << 24);
+    int it = quick ? 8 : 50;
+    float *x = (float*)m.alloc(n * 4), *y = (float*)m.alloc(n * 4);
+    u64 t0 = now_ns();
+    for (int i = 0; i < it; i++) vgpu_saxpy<<<blocks(n), 256, 0, S>>>(x, y, n, 0.5f);
+    CK(cudaStreamSynchronize(S));
+    double r = ms_since(t0);
+    m.free(x); m.free(y);
+    return r;
+}
+
+static double w_sgemm(Mem& m, bool quick) {
+    unsigned M = quick ? 33 : 1024, N = quick ? 17 : 1024, K = quick ? 29 : 1024;
+    int it = quick ? 3 : 2;
+    float *a = (float*)m.alloc((size_t)M * K * 4), *b = (float*)m.alloc((size_t)K * N * 4),
+          *c = (float*)m.alloc((size_t)M * N * 4);
+    dim3 grid((N + 63) / 64, (M + 63) / 64);
+    u64 t0 = now_ns();
+    for (int i = 0; i < it; i++) vgpu_sgemm<<<grid, 256, 0, S>>>(a, b, c, M, N, K, 1.0f, 0.5f);
+    CK(cudaStreamSynchronize(S));
+    double r = ms_since(t0);
+    m.free(a); m.free(b); m.free(c);
+    return r;
+}
+
+static double w_hotspot(Mem& m, bool quick) {
+    unsigned W = quick ? 37 : 4096, H = quick ? 23 : 4096;
+    int it = quick ? 9 : 20;
+    float* buf[2] = {(float*)m.alloc((size_t)W * H * 4), (float*)m.alloc((size_t)W * H * 4)};
+    dim3 grid((W + 31) / 32, (H + 7) / 8), blk(32, 8);
+    u64 t0 = now_ns();
+    for (int i = 0; i < it; i++)
+        vgpu_stencil2d<<<grid, blk, 0, S>>>(buf[i % 2], buf[(i + 1) % 2], W, H, 0.6f, 0.1f);
+    CK(cudaStreamSynchronize(S));
+    double r = ms_since(t0);
+    m.free(buf[0]); m.free(buf[1]);
+    return r;
+}
+
+static double w_reduction(Mem& m, bool quick) {
+    u64 n = quick ? 10000 : (1ull << 23);
+    int it = quick ? 6 : 4;
+    float* src = (float*)m.alloc(n * 4);
+    char* res = (char*)m.alloc(16 * it);
+    u64 t0 = now_ns();
+    for (int i = 0; i < it; i++) {
+        u64 skip = i % 4;
+        vgpu_reduce_sum<<<1, 1024, 0, S>>>(src + skip, n - skip, (float*)(res + 16 * i));
+        vgpu_checksum<<<1, 1024, 0, S>>>((const unsigned char*)(src + skip), (n - skip) * 4,
+                                      (u64*)(res + 16 * i + 8));
+    }
+    CK(cudaStreamSynchronize(S));
+    double r = ms_since(t0);
+    m.free(src); m.free(res);
+    return r;
+}
+
+// Host (guest RAM on the vgpu side) → VRAM → VRAM → host copies, then a checksum.
+static double w_copy_heavy(Mem& m, bool quick) {
+    size_t len = quick ? (200 << 10) + 12 : (64u << 20);
+    size_t chunk = quick ? (64 << 10) : (4 << 20);
+    int it = quick ? 4 : 4;
+    Mem host{true};
+    char *src = (char*)host.alloc(len), *dst = (char*)host.alloc(len), *res = (char*)host.alloc(8 * it);
+    char *va = (char*)m.alloc(len), *vb = (char*)m.alloc(len);
+    u64 t0 = now_ns();
+    for (int i = 0; i < it; i++) {
+        for (size_t o = 0; o < len; o += chunk)
+            CK(cudaMemcpyAsync(va + o, src + o, std::min(chunk, len - o), cudaMemcpyDefault, S));
+        for (size_t o = 0; o < len; o += chunk)
+            CK(cudaMemcpyAsync(vb + o, va + o, std::min(chunk, len - o), cudaMemcpyDefault, S));
+        for (size_t o = 0; o < len; o += chunk)
+            CK(cudaMemcpyAsync(dst + o, vb + o, std::min(chunk, len - o), cudaMemcpyDefault, S));
+        vgpu_checksum<<<1, 1024, 0, S>>>((const unsigned char*)vb, len, (u64*)(res + 8 * i));
+    }
+    CK(cudaStreamSynchronize(S));
+    double r = ms_since(t0);
+    host.free(src); host.free(dst); host.free(res);
+    m.free(va); m.free(vb);
+    return r;
+}
+
+static u64 g_offset;
+
+static void calibrate() {
+    u64* d;
+    CK(cudaMalloc(&d, 8));
+    u64 best = ~0ull;
+    for (int i = 0; i < 20; i++) {
+        u64 t0 = now_ns();
+        vgpu_timestamp<<<1, 1, 0, S>>>(d, 0);
+        CK(cudaStreamSynchronize(S));
+        u64 t1 = now_ns();
+        u64 g;
+        CK(cudaMemcpy(&g, d, 8, cudaMemcpyDeviceToHost));
+        if (t1 - t0 < best) { best = t1 - t0; g_offset = g - (t0 + (t1 - t0) / 2); }
+    }
+    cudaFree(d);
+}
+
+static void latency(int samples) {
+    u64* ts;
+    CK(cudaHostAlloc(&ts, 8, cudaHostAllocMapped));
+    std::vector<double> v;
+    for (int i = 0; i < samples + 100; i++) {
+        u64 t = now_ns();
+        vgpu_timestamp<<<1, 1, 0, S>>>(ts, g_offset);
+        CK(cudaStreamSynchronize(S));
+        if (i >= 100) v.push_back(((double)(*(volatile u64*)ts) - (double)t) / 1e3);
+    }
+    std::sort(v.begin(), v.end());
+    printf("launch_to_kernel_start_p50_us %.3f us\n", v[v.size() / 2]);
+    printf("launch_to_kernel_start_p99_us %.3f us\n", v[v.size() * 99 / 100]);
+    // Launch + synchronize round trip.
+    std::vector<double> rt;
+    for (int i = 0; i < samples; i++) {
+        u64 t = now_ns();
+        vgpu_empty<<<1, 1, 0, S>>>();
+        CK(cudaStreamSynchronize(S));
+        rt.push_back((now_ns() - t) / 1e3);
+    }
+    std::sort(rt.begin(), rt.end());
+    printf("launch_sync_roundtrip_p50_us %.3f us\n", rt[rt.size() / 2]);
+    cudaFreeHost(ts);
+}
+
+static void b2b(int n) {
+    vgpu_empty<<<1, 1, 0, S>>>();
+    CK(cudaStreamSynchronize(S));
+    u64 t0 = now_ns();
+    for (int i = 0; i < n; i++) vgpu_empty<<<1, 1, 0, S>>>();
+    CK(cudaStreamSynchronize(S));
+    printf("b2b_empty_kernels_per_s %.1f kernels/s\n", n / ((now_ns() - t0) / 1e9));
+}
+
+// Fixed work filling every SM: a spin on the clock would count time its context spends
+// switched out as work done, so the time-slicing baseline needs kernels of fixed work.
+__global__ void fixed_work(u64 iters, float* sink) {
+    float x = threadIdx.x;
+    for (u64 i = 0; i < iters; i++) x = x * 0.9999f + 0.5f;
+    if (x == 12345.0f) *sink = x;
+}
+
+static double work_ms(cudaStream_t s, u64 iters, float* sink) {
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    CK(cudaEventRecord(a, s));
+    fixed_work<<<spin_blocks(), 1024, 0, s>>>(iters, sink);
+    CK(cudaEventRecord(b, s));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    return ms;
+}
+
+// Iterations for a kernel of `target_ms` when it has the GPU to itself.
+static u64 calibrate_work(double target_ms) {
+    cudaStream_t s;
+    CK(cudaStreamCreate(&s));
+    float* sink;
+    CK(cudaMalloc(&sink, 4));
+    work_ms(s, 1000, sink);
+    u64 it = 100000;
+    for (int round = 0; round < 4; round++) {
+        double ms = work_ms(s, it, sink);
+        it = (u64)(it * target_ms / ms);
+    }
+    return it;
+}
+
+// One tenant process: back-to-back fixed-work kernels, two in flight, for `secs`.
+static void tenant(u64 iters, double secs, u64* out) {
+    cudaStream_t s;
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    float* sink;
+    CK(cudaMalloc(&sink, 4));
+    int sb = spin_blocks();
+    cudaEvent_t ev[2];
+    CK(cudaEventCreateWithFlags(&ev[0], cudaEventDisableTiming));
+    CK(cudaEventCreateWithFlags(&ev[1], cudaEventDisableTiming));
+    fixed_work<<<sb, 1024, 0, s>>>(iters, sink);
+    CK(cudaStreamSynchronize(s));
+    u64 end = now_ns() + (u64)(secs * 1e9);
+    u64 done = 0;
+    for (int i = 0; i < 2; i++) { fixed_work<<<sb, 1024, 0, s>>>(iters, sink); CK(cudaEventRecord(ev[i], s)); }
+    int k = 0;
+    while (now_ns() < end) {
+        CK(cudaEventSynchronize(ev[k]));
+        done++;
+        fixed_work<<<sb, 1024, 0, s>>>(iters, sink);
+        CK(cudaEventRecord(ev[k], s));
+        k ^= 1;
+    }
+    *out = done;
+}
+
+static void fairness(double secs) {
+    u64* shared = (u64*)mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    double lens_ms[2] = {10.0, 1.0};
+    // Calibrate in a child of its own: this process must not initialise CUDA before fork.
+    pid_t c = fork();
+    if (c == 0) {
+        shared[2] = calibrate_work(lens_ms[0]);
+        shared[3] = calibrate_work(lens_ms[1]);
+        _exit(0);
+    }
+    waitpid(c, nullptr, 0);
+    pid_t kids[2];
+    for (int i = 0; i < 2; i++) {
+        kids[i] = fork();
+        if (kids[i] == 0) {
+            tenant(shared[2 + i], secs, &shared[i]);
+            _exit(0);
+        }
+    }
+    for (int i = 0; i < 2; i++) waitpid(kids[i], nullptr, 0);
+    printf("fairness_two_procs_10ms_share %.2f %%\n", shared[0] * lens_ms[0] / (secs * 1e3) * 100);
+    printf("fairness_two_procs_1ms_share %.2f %%\n", shared[1] * lens_ms[1] / (secs * 1e3) * 100);
+}
+
+#define CU(x)                                                                    \
+    do {                                                                         \
+        CUresult r_ = (x);                                                       \
+        if (r_ != CUDA_SUCCESS) {                                                \
+            const char* s_ = "?";                                                \
+            cuGetErrorName(r_, &s_);                                             \
+            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_);         \
+            exit(1);                                                             \
+        }                                                                        \
+    } while (0)
+
+// What vgpu's eviction would cost with VRAM in device memory (VMM API): 64 MiB in 2 MiB
+// chunks at a fixed VA, each copied by the copy engine into a host-located allocation
+// (CU_MEM_LOCATION_TYPE_HOST) and remapped at the same VA; against a plain device→host copy
+// of the same size; a kernel reads the range bit-exactly before and after; and the read
+// bandwidth of a kernel over resident vs evicted memory.
+static void vram_swap() {
+    const size_t CH = 2 << 20, LEN = 64 << 20, NCH = LEN / CH;
+    CUdevice dev;
+    CU(cuDeviceGet(&dev, 0));
+    CUmemAllocationProp dp = {};
+    dp.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    dp.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    dp.location.id = 0;
+    CUmemAllocationProp hp = dp;
+    hp.location.type = CU_MEM_LOCATION_TYPE_HOST;
+    hp.location.id = 0;
+    CUmemAccessDesc acc = {};
+    acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    acc.location.id = 0;
+    acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CUdeviceptr va, tmp;
+    CU(cuMemAddressReserve(&va, LEN, CH, 0, 0));
+    CU(cuMemAddressReserve(&tmp, CH, CH, 0, 0));
+    std::vector<CUmemGenericAllocationHandle> dh(NCH), hh(NCH);
+    for (size_t i = 0; i < NCH; i++) {
+        CU(cuMemCreate(&dh[i], CH, &dp, 0));
+        CU(cuMemMap(va + i * CH, CH, 0, dh[i], 0));
+        CU(cuMemCreate(&hh[i], CH, &hp, 0));
+    }
+    CU(cuMemSetAccess(va, LEN, &acc, 1));
+    vgpu_memset<<<blocks(LEN / 4), 256, 0, S>>>((unsigned char*)va, LEN, 0x9e3779b9u);
+    u64* sums;
+    CK(cudaHostAlloc(&sums, 16, cudaHostAllocMapped));
+    vgpu_checksum<<<1, 1024, 0, S>>>((const unsigned char*)va, LEN, &sums[0]);
+    CK(cudaStreamSynchronize(S));
+    // Plain copy of the same size into pinned host memory.
+    void* pinned;
+    CK(cudaHostAlloc(&pinned, LEN, 0));
+    u64 t0 = now_ns();
+    CK(cudaMemcpyAsync(pinned, (void*)va, LEN, cudaMemcpyDeviceToHost, S));
+    CK(cudaStreamSynchronize(S));
+    double plain = (now_ns() - t0) / 1e9;
+    // Eviction: copy each chunk through a temporary mapping of its host allocation, then
+    // remap the host allocation at the chunk's own VA.
+    std::vector<double> pause;
+    u64 e0 = now_ns();
+    for (size_t i = 0; i < NCH; i++) {
+        u64 c0 = now_ns();
+        CU(cuMemMap(tmp, CH, 0, hh[i], 0));
+        CU(cuMemSetAccess(tmp, CH, &acc, 1));
+        CU(cuMemcpyDtoDAsync(tmp, va + i * CH, CH, S));
+        CK(cudaStreamSynchronize(S));
+        CU(cuMemUnmap(tmp, CH));
+        CU(cuMemUnmap(va + i * CH, CH));
+        CU(cuMemMap(va + i * CH, CH, 0, hh[i], 0));
+        CU(cuMemSetAccess(va + i * CH, CH, &acc, 1));
+        pause.push_back((now_ns() - c0) / 1e3);
+    }
+    double evict = (now_ns() - e0) / 1e9;
+    vgpu_checksum<<<1, 1024, 0, S>>>((const unsigned char*)va, LEN, &sums[1]);
+    CK(cudaStreamSynchronize(S));
+    // Kernel read bandwidth: saxpy over 64 MiB evicted (host-located) vs a resident copy.
+    float* res;
+    CK(cudaMalloc(&res, LEN));
+    CK(cudaMemset(res, 0, LEN));
+    u64 n = LEN / 4;
+    u64 r0 = now_ns();
+    for (int i = 0; i < 10; i++) vgpu_saxpy<<<blocks(n), 256, 0, S>>>((float*)va, res, n, 1.0f);
+    CK(cudaStreamSynchronize(S));
+    double host_rd = (now_ns() - r0) / 1e9;
+    float* res2;
+    CK(cudaMalloc(&res2, LEN));
+    r0 = now_ns();
+    for (int i = 0; i < 10; i++) vgpu_saxpy<<<blocks(n), 256, 0, S>>>(res, res2, n, 1.0f);
+    CK(cudaStreamSynchronize(S));
+    double dev_rd = (now_ns() - r0) / 1e9;
+    std::sort(pause.begin(), pause.end());
+    printf("swap_plain_dtoh_64mib_gb_per_s %.2f GB/s\n", LEN / plain / 1e9);
+    printf("swap_evict_64mib_gb_per_s %.2f GB/s\n", LEN / evict / 1e9);
+    printf("swap_evict_64mib_ms %.3f ms\n", evict * 1e3);
+    printf("swap_evict_chunk_pause_p50_us %.1f us\n", pause[pause.size() / 2]);
+    printf("swap_evicted_equals_resident %d bool\n", sums[0] == sums[1] ? 1 : 0);
+    printf("swap_saxpy_64mib_evicted_ms %.3f ms\n", host_rd * 100);
+    printf("swap_saxpy_64mib_resident_ms %.3f ms\n", dev_rd * 100);
+}
+
+int main(int argc, char** argv) {
+    bool quick = argc > 1 && !strcmp(argv[1], "--quick");
+    // Before this process touches CUDA: children initialise their own.
+    fairness(quick ? 0.5 : 4.0);
+    CK(cudaSetDevice(0));
+    CK(cudaStreamCreateWithFlags(&S, cudaStreamNonBlocking));
+    calibrate();
+    int reps = quick ? 1 : 3;
+    struct { const char* name; double (*f)(Mem&, bool); } ws[] = {
+        {"throttle", w_throttle}, {"saxpy", w_saxpy}, {"sgemm", w_sgemm},
+        {"hotspot", w_hotspot}, {"reduction", w_reduction}, {"copy_heavy", w_copy_heavy},
+    };
+    for (auto& w : ws) {
+        for (int pinned = 0; pinned < 2; pinned++) {
+            Mem m{pinned == 1};
+            printf("%s_%s_ms %.3f ms\n", w.name, pinned ? "pinned" : "device", best(reps, w.f, m, quick));
+            fflush(stdout);
+        }
+    }
+    calibrate();  // the GPU clock drifts from the host's by µs per second
+    latency(quick ? 200 : 2000);
+    b2b(quick ? 500 : 20000);
+    vram_swap();
+    return 0;
+}

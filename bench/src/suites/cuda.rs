@@ -1,0 +1,524 @@
+//! Suite `cuda`: vgpu on a real NVIDIA GPU. The shared workloads at realistic sizes, run
+//! through vgpu's native runtime on the `cuda` GPU and from a loopback VM over the real
+//! vhost-user path, side by side; submission latency (guest store → GPU clock at kernel
+//! start); back-to-back small-kernel throughput; GPU shares of two VMs with 10 ms vs 1 ms
+//! kernels; the front end's CPU use. With `baseline`, the project's native CUDA program
+//! (`bench/cuda-native`, the same kernels) runs in the same invocation and its figures are
+//! printed beside ours with the ratios.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+use vgpu_backend::{Policy, SchedConfig, VgpuBackend, VmLimits};
+use vgpu_guest::workloads::{
+    CopyHeavyConfig, HotspotConfig, ReductionConfig, SaxpyConfig, SgemmConfig, ThrottleConfig,
+    Workload,
+};
+use vgpu_guest::{Device, KernelArgs};
+use vgpu_host_shim::cuda::{
+    CudaConfig, CudaGpu, CudaGpuOf, Device as CudaDeviceTrait, FakeCudaGpu, FakeDevice,
+};
+use vgpu_host_shim::Gpu;
+use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
+
+use crate::report::{Better, Figure};
+use crate::sched_rig::{Tenant, TenantSpec};
+use crate::suites::measure::{min, submit_latency, Publish};
+
+const SUITE: &str = "cuda";
+const MS: u64 = 1_000_000;
+
+#[derive(Debug, Error)]
+pub enum CudaSuiteError {
+    #[error("cuda GPU: {0}")]
+    Open(String),
+    #[error("runtime: {0}")]
+    Runtime(#[from] vgpu_guest::Error),
+    #[error("backend: {0}")]
+    Backend(String),
+    #[error("loopback VM: {0}")]
+    Loopback(String),
+    #[error("baseline program: {0}")]
+    Baseline(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct CudaOpts {
+    pub index: u32,
+    /// Run on the CPU fake device instead (plumbing checks without a GPU).
+    pub fake: bool,
+    pub small: bool,
+    pub reps: u32,
+    pub latency_samples: u32,
+    pub b2b_kernels: u32,
+    pub fairness_secs: f64,
+    pub vram_mib: u64,
+    /// The native CUDA baseline program to run alongside.
+    pub baseline: Option<PathBuf>,
+    /// Only the fairness runs.
+    pub fairness_only: bool,
+    /// The front end's batching (see `CudaConfig::batch`, `max_inflight`).
+    pub batch: u32,
+    pub max_inflight: usize,
+}
+
+impl CudaOpts {
+    pub fn full(index: u32) -> Self {
+        CudaOpts {
+            index,
+            fake: false,
+            small: false,
+            reps: 3,
+            latency_samples: 2000,
+            b2b_kernels: 20_000,
+            fairness_secs: 4.0,
+            vram_mib: 8192,
+            baseline: None,
+            fairness_only: false,
+            batch: CudaConfig::default().batch,
+            max_inflight: CudaConfig::default().max_inflight,
+        }
+    }
+
+    pub fn quick(index: u32) -> Self {
+        CudaOpts {
+            small: true,
+            reps: 1,
+            latency_samples: 200,
+            b2b_kernels: 500,
+            fairness_secs: 0.5,
+            vram_mib: 256,
+            ..Self::full(index)
+        }
+    }
+}
+
+/// The workloads at the sizes this suite measures (also the baseline program's sizes:
+/// keep `bench/cuda-native/native.cu` in step). A VM's CPU window onto VRAM
+/// (`vgpu_protocol::device::APERTURE_SIZE`, 256 MiB) bounds the VRAM a workload may fill
+/// from the CPU at once.
+pub fn workloads(small: bool) -> Vec<Workload> {
+    if small {
+        return Workload::NAMES
+            .iter()
+            .filter_map(|n| Workload::by_name(n, true))
+            .collect();
+    }
+    vec![
+        Workload::Throttle(ThrottleConfig {
+            kernel_ns: 1_000_000,
+            iterations: Some(200),
+            depth: 4,
+            stop: None,
+        }),
+        Workload::Saxpy(SaxpyConfig {
+            n: 1 << 24,
+            iterations: 50,
+            ..SaxpyConfig::default()
+        }),
+        Workload::Sgemm(SgemmConfig {
+            m: 1024,
+            n: 1024,
+            k: 1024,
+            iterations: 2,
+            ..SgemmConfig::default()
+        }),
+        Workload::Hotspot(HotspotConfig {
+            width: 4096,
+            height: 4096,
+            iterations: 20,
+            ..HotspotConfig::default()
+        }),
+        Workload::Reduction(ReductionConfig {
+            n: 1 << 23,
+            iterations: 4,
+            ..ReductionConfig::default()
+        }),
+        Workload::CopyHeavy(CopyHeavyConfig {
+            bytes: 64 << 20,
+            chunk_bytes: 4 << 20,
+            iterations: 4,
+            ..CopyHeavyConfig::default()
+        }),
+    ]
+}
+
+fn fig(name: &str, value: f64, unit: &str, better: Better) -> Figure {
+    Figure::new(SUITE, name, value, unit, better)
+}
+
+/// A backend on `gpu` serving loopback VMs on private sockets.
+struct Rig {
+    backend: Arc<VgpuBackend>,
+    vms: Vec<Arc<LoopbackVm>>,
+    dir: PathBuf,
+}
+
+impl Rig {
+    fn new(gpu: Arc<dyn Gpu>, names: &[&str], vm_mem: u64) -> Result<Self, CudaSuiteError> {
+        let backend = VgpuBackend::new(
+            gpu,
+            VmLimits {
+                vram_bytes: 4 << 30,
+                mapped_guest_bytes: 2 << 30,
+                ..VmLimits::default()
+            },
+        );
+        let dir = std::env::temp_dir().join(format!(
+            "vgpu-bench-cuda-{}-{}",
+            std::process::id(),
+            crate::sched_rig::unique()
+        ));
+        std::fs::create_dir_all(&dir).map_err(|e| CudaSuiteError::Backend(e.to_string()))?;
+        let mut vms = Vec::new();
+        for name in names {
+            let sock = dir.join(format!("{name}.sock"));
+            backend
+                .serve_vm(name, &sock)
+                .map_err(|e| CudaSuiteError::Backend(e.to_string()))?;
+            let vm = LoopbackVm::connect(&sock, LoopbackConfig { mem_bytes: vm_mem })
+                .map_err(|e| CudaSuiteError::Loopback(e.to_string()))?;
+            vms.push(vm);
+        }
+        Ok(Rig { backend, vms, dir })
+    }
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        for vm in &self.vms {
+            vm.disconnect();
+        }
+        self.backend.shutdown();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Back-to-back empty kernels, one GP entry each; kernels per second.
+fn b2b_rate(ctx: &vgpu_guest::Context, kernels: u32) -> Result<f64, vgpu_guest::Error> {
+    let mut ch = ctx.create_channel()?;
+    ch.launch(&KernelArgs::Empty, [1, 1, 1])?;
+    let f = ch.submit()?;
+    ch.wait(f)?;
+    let t0 = Instant::now();
+    let mut last = None;
+    for _ in 0..kernels {
+        ch.launch(&KernelArgs::Empty, [1, 1, 1])?;
+        last = Some(ch.submit()?);
+    }
+    if let Some(f) = last {
+        ch.wait(f)?;
+    }
+    Ok(kernels as f64 / t0.elapsed().as_secs_f64())
+}
+
+/// Two VMs, one with 10 ms and one with 1 ms kernels, under `policy`: each VM's share of
+/// the wall time, from completed kernels × kernel length.
+fn fairness(gpu: Arc<dyn Gpu>, policy: Policy, secs: f64) -> Result<(f64, f64), CudaSuiteError> {
+    let rig = Rig::new(gpu, &["a", "b"], 32 << 20)?;
+    rig.backend
+        .start_scheduler(SchedConfig {
+            policy,
+            ..SchedConfig::default()
+        })
+        .map_err(|e| CudaSuiteError::Backend(e.to_string()))?;
+    let ten = |vm: usize, pid, ns| {
+        Tenant::spawn(rig.vms[vm].clone(), TenantSpec::throttle(pid, ns))
+            .map_err(|e| CudaSuiteError::Backend(e.to_string()))
+    };
+    let a = ten(0, 1, 10 * MS)?;
+    let b = ten(1, 2, MS)?;
+    std::thread::sleep(Duration::from_millis(300));
+    let (a0, b0, t0) = (a.completed(), b.completed(), Instant::now());
+    std::thread::sleep(Duration::from_secs_f64(secs));
+    let (a1, b1, wall) = (a.completed(), b.completed(), t0.elapsed().as_nanos() as f64);
+    let stop = |t: Tenant| t.stop().map_err(|e| CudaSuiteError::Backend(e.to_string()));
+    stop(a)?;
+    stop(b)?;
+    Ok((
+        (a1 - a0) as f64 * 10.0 * MS as f64 / wall * 100.0,
+        (b1 - b0) as f64 * MS as f64 / wall * 100.0,
+    ))
+}
+
+/// Three VMs with weights 1:2:4, each running 1 ms kernels, under the fair policy: each
+/// VM's share of the wall time.
+fn weighted(gpu: Arc<dyn Gpu>, secs: f64) -> Result<Vec<f64>, CudaSuiteError> {
+    let rig = Rig::new(gpu, &["w1", "w2", "w4"], 32 << 20)?;
+    for (name, w) in [("w1", 100), ("w2", 200), ("w4", 400)] {
+        rig.backend
+            .set_vm_weight(name, w)
+            .map_err(|e| CudaSuiteError::Backend(e.to_string()))?;
+    }
+    rig.backend
+        .start_scheduler(SchedConfig {
+            policy: Policy::Fair,
+            ..SchedConfig::default()
+        })
+        .map_err(|e| CudaSuiteError::Backend(e.to_string()))?;
+    let mut tenants = Vec::new();
+    for (i, vm) in rig.vms.iter().enumerate() {
+        tenants.push(
+            Tenant::spawn(vm.clone(), TenantSpec::throttle(i as u32 + 1, MS))
+                .map_err(|e| CudaSuiteError::Backend(e.to_string()))?,
+        );
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let c0: Vec<u64> = tenants.iter().map(|t| t.completed()).collect();
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_secs_f64(secs));
+    let c1: Vec<u64> = tenants.iter().map(|t| t.completed()).collect();
+    let wall = t0.elapsed().as_nanos() as f64;
+    for t in tenants {
+        t.stop()
+            .map_err(|e| CudaSuiteError::Backend(e.to_string()))?;
+    }
+    Ok(c0
+        .iter()
+        .zip(&c1)
+        .map(|(a, b)| (b - a) as f64 * MS as f64 / wall * 100.0)
+        .collect())
+}
+
+fn run_on<D: CudaDeviceTrait>(
+    gpu: Arc<CudaGpuOf<D>>,
+    opts: &CudaOpts,
+) -> Result<Vec<Figure>, CudaSuiteError> {
+    let mut figs = Vec::new();
+    let dyn_gpu: Arc<dyn Gpu> = gpu.clone();
+    if !opts.fairness_only {
+        let rig = Rig::new(dyn_gpu.clone(), &["bench"], 768 << 20)?;
+        let native = Device::native(dyn_gpu.clone())?;
+        let guest = Device::loopback(rig.vms[0].clone(), 1000)?;
+        let nctx = native.create_context()?;
+        let gctx = guest.create_context()?;
+        let cpu0 = gpu.frontend_cpu_ns();
+        let wall0 = Instant::now();
+        for w in workloads(opts.small) {
+            let name = w.name();
+            let (mut n, mut g) = (Vec::new(), Vec::new());
+            // Every run verifies its result bit-exactly against the CPU reference.
+            w.run(&nctx)?;
+            w.run(&gctx)?;
+            for _ in 0..opts.reps {
+                n.push(w.run(&nctx)?.elapsed.as_secs_f64());
+                g.push(w.run(&gctx)?.elapsed.as_secs_f64());
+            }
+            let (n, g) = (min(&n), min(&g));
+            log::info!("{name}: native {:.3} ms, VM {:.3} ms", n * 1e3, g * 1e3);
+            figs.push(fig(
+                &format!("{name}_vgpu_native_ms"),
+                n * 1e3,
+                "ms",
+                Better::Lower,
+            ));
+            figs.push(fig(&format!("{name}_vm_ms"), g * 1e3, "ms", Better::Lower));
+            figs.push(
+                fig(
+                    &format!("{name}_vm_vs_vgpu_native"),
+                    g / n,
+                    "ratio",
+                    Better::Lower,
+                )
+                .target(1.03),
+            );
+            figs.push(fig(
+                &format!("{name}_verified_bit_exact"),
+                1.0,
+                "bool",
+                Better::Higher,
+            ));
+        }
+        let busy_cpu = (gpu.frontend_cpu_ns() - cpu0) as f64 / wall0.elapsed().as_nanos() as f64;
+        figs.push(fig(
+            "frontend_cpu_under_workloads",
+            busy_cpu * 100.0,
+            "% of a core",
+            Better::Lower,
+        ));
+        let n = submit_latency(&nctx, opts.latency_samples, Publish::Store)?;
+        let g = submit_latency(&gctx, opts.latency_samples, Publish::Store)?;
+        figs.push(fig(
+            "submit_to_kernel_start_p50_vgpu_native",
+            n.0,
+            "us",
+            Better::Lower,
+        ));
+        figs.push(fig(
+            "submit_to_kernel_start_p99_vgpu_native",
+            n.1,
+            "us",
+            Better::Lower,
+        ));
+        figs.push(fig(
+            "submit_to_kernel_start_p50_vm",
+            g.0,
+            "us",
+            Better::Lower,
+        ));
+        figs.push(fig(
+            "submit_to_kernel_start_p99_vm",
+            g.1,
+            "us",
+            Better::Lower,
+        ));
+        let rn = b2b_rate(&nctx, opts.b2b_kernels)?;
+        let rg = b2b_rate(&gctx, opts.b2b_kernels)?;
+        figs.push(fig(
+            "b2b_empty_kernels_vgpu_native",
+            rn,
+            "kernels/s",
+            Better::Higher,
+        ));
+        figs.push(fig("b2b_empty_kernels_vm", rg, "kernels/s", Better::Higher));
+        // Idle: the front end should back off to near zero.
+        let cpu1 = gpu.frontend_cpu_ns();
+        let t = Instant::now();
+        std::thread::sleep(Duration::from_secs(1));
+        let idle = (gpu.frontend_cpu_ns() - cpu1) as f64 / t.elapsed().as_nanos() as f64;
+        figs.push(fig(
+            "frontend_cpu_idle",
+            idle * 100.0,
+            "% of a core",
+            Better::Lower,
+        ));
+    }
+    for (policy, tag) in [(Policy::None, "none"), (Policy::Fair, "fair")] {
+        let (a, b) = fairness(dyn_gpu.clone(), policy, opts.fairness_secs)?;
+        figs.push(fig(
+            &format!("fairness_{tag}_10ms_vm_share"),
+            a,
+            "%",
+            Better::Higher,
+        ));
+        figs.push(fig(
+            &format!("fairness_{tag}_1ms_vm_share"),
+            b,
+            "%",
+            Better::Higher,
+        ));
+    }
+    let shares = weighted(dyn_gpu.clone(), opts.fairness_secs)?;
+    let want = [100.0 / 7.0, 200.0 / 7.0, 400.0 / 7.0];
+    for ((w, share), want) in [1, 2, 4].iter().zip(&shares).zip(want) {
+        figs.push(fig(
+            &format!("weights_1_2_4_w{w}_share"),
+            *share,
+            "%",
+            Better::Higher,
+        ));
+        figs.push(
+            fig(
+                &format!("weights_1_2_4_w{w}_off_by"),
+                (share - want).abs(),
+                "pp",
+                Better::Lower,
+            )
+            .target(2.0),
+        );
+    }
+    Ok(figs)
+}
+
+/// Runs the native CUDA baseline program and turns its `name value unit` lines into figures.
+fn baseline(path: &PathBuf, small: bool) -> Result<Vec<Figure>, CudaSuiteError> {
+    let mut cmd = Command::new(path);
+    if small {
+        cmd.arg("--quick");
+    }
+    let out = cmd
+        .output()
+        .map_err(|e| CudaSuiteError::Baseline(format!("{}: {e}", path.display())))?;
+    if !out.status.success() {
+        return Err(CudaSuiteError::Baseline(format!(
+            "{} exited with {}: {}",
+            path.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )));
+    }
+    let mut figs = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        if let [name, value, unit] = parts[..] {
+            if let Ok(v) = value.parse::<f64>() {
+                let better = if unit.contains("/s") {
+                    Better::Higher
+                } else {
+                    Better::Lower
+                };
+                figs.push(fig(&format!("cuda_native_{name}"), v, unit, better));
+            }
+        }
+    }
+    Ok(figs)
+}
+
+/// Ratios of our figures to the baseline's where both exist.
+fn ratios(figs: &[Figure]) -> Vec<Figure> {
+    let get = |n: &str| figs.iter().find(|f| f.name == n).map(|f| f.value);
+    let mut out = Vec::new();
+    for w in Workload::NAMES {
+        for place in ["device", "pinned"] {
+            if let (Some(vm), Some(nat)) = (
+                get(&format!("{w}_vm_ms")),
+                get(&format!("cuda_native_{w}_{place}_ms")),
+            ) {
+                out.push(fig(
+                    &format!("{w}_vm_vs_cuda_native_{place}"),
+                    vm / nat,
+                    "ratio",
+                    Better::Lower,
+                ));
+            }
+        }
+    }
+    if let (Some(vm), Some(nat)) = (
+        get("submit_to_kernel_start_p50_vm"),
+        get("cuda_native_launch_to_kernel_start_p50_us"),
+    ) {
+        out.push(
+            fig(
+                "submit_latency_vm_minus_cuda_native_p50",
+                vm - nat,
+                "us",
+                Better::Lower,
+            )
+            .target(3.0),
+        );
+    }
+    if let (Some(vm), Some(nat)) = (
+        get("b2b_empty_kernels_vm"),
+        get("cuda_native_b2b_empty_kernels_per_s"),
+    ) {
+        out.push(fig("b2b_vm_vs_cuda_native", vm / nat, "ratio", Better::Higher).target(0.8));
+    }
+    out
+}
+
+pub fn run(opts: &CudaOpts) -> Result<Vec<Figure>, CudaSuiteError> {
+    let cfg = CudaConfig {
+        vram_bytes: opts.vram_mib << 20,
+        batch: opts.batch,
+        max_inflight: opts.max_inflight,
+        ..CudaConfig::default()
+    };
+    let mut figs = if opts.fake {
+        let gpu = FakeCudaGpu::with_device(Arc::new(FakeDevice::default()), cfg)
+            .map_err(|e| CudaSuiteError::Open(e.to_string()))?;
+        run_on(gpu, opts)?
+    } else {
+        let gpu =
+            CudaGpu::open(opts.index, cfg).map_err(|e| CudaSuiteError::Open(e.to_string()))?;
+        run_on(gpu, opts)?
+    };
+    if let (Some(path), false) = (&opts.baseline, opts.fairness_only) {
+        figs.extend(baseline(path, opts.small)?);
+        let r = ratios(&figs);
+        figs.extend(r);
+    }
+    Ok(figs)
+}

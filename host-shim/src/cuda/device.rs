@@ -1,0 +1,34 @@
+//! What the front end needs from a GPU driver, as a trait: the real CUDA device
+//! ([`super::driver::CudaDevice`]) and a CPU fake for GPU-free tests
+//! ([`super::fake::FakeDevice`]) implement it.
+
+use super::error::DeviceError;
+use super::plan::Op;
+
+/// A stream-ordered GPU: streams of operations and completion marks on them.
+///
+/// Pointers in ops are device pointers the front end obtained from [`Device::register_host`]
+/// memory (unified addressing: the device pointer equals the host pointer) or from
+/// [`Device::alloc_scratch`].
+pub trait Device: Send + Sync + 'static {
+    type Stream: Send + Sync;
+    /// A point in a stream: done once everything issued before it has completed.
+    type Mark: Send + Sync;
+
+    fn name(&self) -> String;
+    /// Makes host memory reachable by the device at the same address.
+    fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), DeviceError>;
+    fn unregister_host(&self, ptr: *mut u8) -> Result<(), DeviceError>;
+    /// Device memory for staging (never visible to guests).
+    fn alloc_scratch(&self, len: u64) -> Result<u64, DeviceError>;
+    fn free_scratch(&self, ptr: u64);
+
+    fn create_stream(&self) -> Result<Self::Stream, DeviceError>;
+    /// Enqueues one operation; it runs after everything issued earlier on `s`.
+    fn issue(&self, s: &Self::Stream, op: &Op) -> Result<(), DeviceError>;
+    fn mark(&self, s: &Self::Stream) -> Result<Self::Mark, DeviceError>;
+    /// Whether the mark has been reached (never blocks).
+    fn reached(&self, m: &Self::Mark) -> Result<bool, DeviceError>;
+    /// GPU time between two reached marks of one stream.
+    fn elapsed_ns(&self, from: &Self::Mark, to: &Self::Mark) -> Option<u64>;
+}

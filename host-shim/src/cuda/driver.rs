@@ -1,0 +1,576 @@
+//! The real device: the CUDA driver API through `cudarc`'s run-time loaded bindings, and
+//! the builtin kernels compiled by NVRTC when the device is opened. Nothing here links
+//! against CUDA, so every binary builds and starts on machines without it.
+
+use std::ffi::{c_void, CStr, CString};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys;
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+use vgpu_protocol::{KernelArgs, SemaphoreMode};
+
+use super::device::Device;
+use super::error::DeviceError;
+use super::plan::Op;
+use crate::clock::now_ns;
+
+const KERNELS_CU: &str = include_str!("kernels.cu");
+
+/// The names of the kernels in `kernels.cu`, in [`Kern`] order.
+const KERNEL_NAMES: [&CStr; 9] = [
+    c"vgpu_empty",
+    c"vgpu_spin",
+    c"vgpu_timestamp",
+    c"vgpu_memset",
+    c"vgpu_saxpy",
+    c"vgpu_sgemm",
+    c"vgpu_reduce_sum",
+    c"vgpu_checksum",
+    c"vgpu_stencil2d",
+];
+
+#[derive(Clone, Copy)]
+enum Kern {
+    Empty,
+    Spin,
+    Timestamp,
+    Memset,
+    Saxpy,
+    Sgemm,
+    Reduce,
+    Checksum,
+    Stencil,
+}
+
+fn check(call: &'static str, r: sys::CUresult) -> Result<(), DeviceError> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(DeviceError::Driver {
+            call,
+            code: format!("{r:?}"),
+        })
+    }
+}
+
+/// One CUDA GPU: its primary context, the compiled kernels and the clock offset.
+pub struct CudaDevice {
+    ctx: sys::CUcontext,
+    name: String,
+    total_mem: u64,
+    funcs: [sys::CUfunction; 9],
+    /// Blocks of 1024 threads that fill every SM (a spin kernel occupies the whole GPU,
+    /// as the sim's spin occupies its engine).
+    spin_blocks: u32,
+    /// GPU clock (%globaltimer) minus host CLOCK_MONOTONIC, so timestamps compare with
+    /// the guest's clock readings.
+    clock_offset: AtomicU64,
+    calibrated_at: AtomicU64,
+    /// The calibration's stream and 8-byte device buffer.
+    calib: Mutex<Option<(CudaStream, u64)>>,
+    events: EventPool,
+}
+
+// SAFETY: CUDA contexts, functions, streams and events may be used from any thread once
+// the context is made current there (every entry point below does so).
+unsafe impl Send for CudaDevice {}
+// SAFETY: as above; the driver API is thread-safe.
+unsafe impl Sync for CudaDevice {}
+
+/// A CUDA stream (non-blocking with respect to the legacy default stream).
+pub struct CudaStream(sys::CUstream);
+// SAFETY: a stream handle may be used from any thread with its context current.
+unsafe impl Send for CudaStream {}
+// SAFETY: as above.
+unsafe impl Sync for CudaStream {}
+
+/// An event handle not in use.
+struct IdleEvent(sys::CUevent);
+// SAFETY: an event handle may be used from any thread with its context current.
+unsafe impl Send for IdleEvent {}
+
+/// Events not in use, kept for reuse (creating one per GP entry costs a driver call).
+type EventPool = Arc<Mutex<Vec<IdleEvent>>>;
+
+/// A recorded CUDA event; it goes back to the pool when dropped.
+pub struct CudaMark {
+    ev: sys::CUevent,
+    pool: EventPool,
+}
+// SAFETY: an event handle may be queried from any thread with its context current.
+unsafe impl Send for CudaMark {}
+// SAFETY: as above.
+unsafe impl Sync for CudaMark {}
+
+impl Drop for CudaStream {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from cuStreamCreate and is destroyed once; work still
+        // queued completes before the driver frees it.
+        unsafe { sys::cuStreamDestroy_v2(self.0) };
+    }
+}
+
+impl Drop for CudaMark {
+    fn drop(&mut self) {
+        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        if pool.len() < 4096 {
+            pool.push(IdleEvent(self.ev));
+        } else {
+            // SAFETY: the handle came from cuEventCreate and is destroyed once (it is not
+            // in the pool).
+            unsafe { sys::cuEventDestroy_v2(self.ev) };
+        }
+    }
+}
+
+impl CudaDevice {
+    /// Loads the driver and NVRTC, opens GPU `index` and compiles the builtin kernels.
+    pub fn open(index: u32) -> Result<Self, DeviceError> {
+        // SAFETY: probing whether a shared library loads has no side effects we rely on.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(DeviceError::NoDriver);
+        }
+        // SAFETY: as above.
+        if !unsafe { nvrtc_sys::is_culib_present() } {
+            return Err(DeviceError::NoNvrtc);
+        }
+        // SAFETY: plain driver calls with valid out-pointers.
+        unsafe {
+            check("cuInit", sys::cuInit(0))?;
+            let mut count = 0;
+            check("cuDeviceGetCount", sys::cuDeviceGetCount(&mut count))?;
+            if index as i32 >= count {
+                return Err(DeviceError::NoDevice(index, count.max(0) as u32));
+            }
+            let mut dev = 0;
+            check("cuDeviceGet", sys::cuDeviceGet(&mut dev, index as i32))?;
+            let mut ctx = std::ptr::null_mut();
+            check(
+                "cuDevicePrimaryCtxRetain",
+                sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+            )?;
+            check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx))?;
+            let mut buf = [0 as std::ffi::c_char; 128];
+            check(
+                "cuDeviceGetName",
+                sys::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, dev),
+            )?;
+            let name = CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned();
+            let mut total = 0usize;
+            check(
+                "cuDeviceTotalMem",
+                sys::cuDeviceTotalMem_v2(&mut total, dev),
+            )?;
+            let attr = |a| {
+                let mut v = 0;
+                check(
+                    "cuDeviceGetAttribute",
+                    sys::cuDeviceGetAttribute(&mut v, a, dev),
+                )
+                .map(|_| v)
+            };
+            let major =
+                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+            let minor =
+                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+            let sms = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+            let threads =
+                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR)?;
+            let spin_blocks = (sms.max(1) * (threads / 1024).max(1)) as u32;
+            let ptx = compile(major, minor)?;
+            let mut module = std::ptr::null_mut();
+            check(
+                "cuModuleLoadData",
+                sys::cuModuleLoadData(&mut module, ptx.as_ptr() as *const c_void),
+            )?;
+            let mut funcs = [std::ptr::null_mut(); 9];
+            for (f, name) in funcs.iter_mut().zip(KERNEL_NAMES) {
+                check(
+                    "cuModuleGetFunction",
+                    sys::cuModuleGetFunction(f, module, name.as_ptr()),
+                )?;
+            }
+            let d = CudaDevice {
+                ctx,
+                name,
+                total_mem: total as u64,
+                funcs,
+                spin_blocks,
+                clock_offset: AtomicU64::new(0),
+                calibrated_at: AtomicU64::new(0),
+                calib: Mutex::new(None),
+                events: Arc::new(Mutex::new(Vec::new())),
+            };
+            d.calibrate_clock()?;
+            log::info!(
+                "cuda: GPU {index} is {} (sm_{major}{minor}, {} MiB)",
+                d.name,
+                d.total_mem >> 20
+            );
+            Ok(d)
+        }
+    }
+
+    /// Bytes of device memory.
+    pub fn total_mem(&self) -> u64 {
+        self.total_mem
+    }
+
+    fn current(&self) -> Result<(), DeviceError> {
+        // SAFETY: `ctx` is the retained primary context, valid for the device's life.
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx) })
+    }
+
+    /// Measures %globaltimer − CLOCK_MONOTONIC from the tightest of several round trips.
+    /// The two clocks drift apart by a few µs per second (measured on the H200: ~180 µs
+    /// after 30 s), so timestamps re-measure it when it is older than a second.
+    fn calibrate_clock(&self) -> Result<(), DeviceError> {
+        let mut cal = self.calib.lock().unwrap_or_else(|e| e.into_inner());
+        if cal.is_none() {
+            *cal = Some((self.create_stream()?, self.alloc_scratch(8)?));
+        }
+        let Some((s, dev)) = cal.as_ref() else {
+            return Ok(());
+        };
+        let mut best = (u64::MAX, 0u64);
+        for _ in 0..8 {
+            let (mut ptr, mut zero) = (*dev, 0u64);
+            let mut params = [
+                &mut ptr as *mut u64 as *mut c_void,
+                &mut zero as *mut u64 as *mut c_void,
+            ];
+            let t0 = now_ns();
+            self.launch(s, Kern::Timestamp, (1, 1), (1, 1), &mut params)?;
+            // SAFETY: `s` is a live stream.
+            check("cuStreamSynchronize", unsafe {
+                sys::cuStreamSynchronize(s.0)
+            })?;
+            let t1 = now_ns();
+            let mut g = 0u64;
+            // SAFETY: `dev` holds the 8 bytes just written; `g` is a valid target.
+            check("cuMemcpyDtoH", unsafe {
+                sys::cuMemcpyDtoH_v2(&mut g as *mut u64 as *mut c_void, *dev, 8)
+            })?;
+            if t1 - t0 < best.0 {
+                best = (t1 - t0, g.wrapping_sub(t0 + (t1 - t0) / 2));
+            }
+        }
+        self.calibrated_at.store(now_ns(), Ordering::Relaxed);
+        // A GPU busy with other streams' kernels delays the probe: keep the old offset
+        // rather than take a poor one.
+        if best.0 < 100_000 || self.clock_offset.load(Ordering::Relaxed) == 0 {
+            self.clock_offset.store(best.1, Ordering::Relaxed);
+        }
+        log::debug!("cuda: clock offset {:#x} (±{} ns)", best.1, best.0 / 2);
+        Ok(())
+    }
+
+    fn launch(
+        &self,
+        s: &CudaStream,
+        k: Kern,
+        grid: (u32, u32),
+        block: (u32, u32),
+        params: &mut [*mut c_void],
+    ) -> Result<(), DeviceError> {
+        // SAFETY: `params` holds one pointer per kernel parameter, each to a live value of
+        // the parameter's type (built by the caller from the kernel's signature), and every
+        // pointer argument names memory the planner checked against the context's mappings.
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                self.funcs[k as usize],
+                grid.0,
+                grid.1,
+                1,
+                block.0,
+                block.1,
+                1,
+                0,
+                s.0,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+
+    fn launch_args(&self, s: &CudaStream, args: &KernelArgs) -> Result<(), DeviceError> {
+        macro_rules! p {
+            ($($v:ident),*) => { [$(&mut $v as *mut _ as *mut c_void),*] };
+        }
+        let blocks = |n: u64| (n.div_ceil(256).clamp(1, 8192)) as u32;
+        match *args {
+            KernelArgs::Empty => self.launch(s, Kern::Empty, (1, 1), (1, 1), &mut []),
+            KernelArgs::Spin { mut ns } => {
+                self.launch(s, Kern::Spin, (self.spin_blocks, 1), (1024, 1), &mut p!(ns))
+            }
+            KernelArgs::Memset {
+                mut dst,
+                mut len,
+                mut pattern,
+            } => {
+                let g = blocks(len.div_ceil(4));
+                self.launch(
+                    s,
+                    Kern::Memset,
+                    (g, 1),
+                    (256, 1),
+                    &mut p!(dst, len, pattern),
+                )
+            }
+            KernelArgs::Saxpy {
+                mut x,
+                mut y,
+                mut n,
+                mut a,
+            } => self.launch(
+                s,
+                Kern::Saxpy,
+                (blocks(n), 1),
+                (256, 1),
+                &mut p!(x, y, n, a),
+            ),
+            KernelArgs::Sgemm {
+                mut a,
+                mut b,
+                mut c,
+                mut m,
+                mut n,
+                mut k,
+                mut alpha,
+                mut beta,
+            } => {
+                if m == 0 || n == 0 {
+                    return Ok(());
+                }
+                let grid = (n.div_ceil(64), m.div_ceil(64));
+                self.launch(
+                    s,
+                    Kern::Sgemm,
+                    grid,
+                    (256, 1),
+                    &mut p!(a, b, c, m, n, k, alpha, beta),
+                )
+            }
+            KernelArgs::ReduceSum {
+                mut src,
+                mut n,
+                mut dst,
+            } => self.launch(s, Kern::Reduce, (1, 1), (1024, 1), &mut p!(src, n, dst)),
+            KernelArgs::Checksum {
+                mut src,
+                mut len,
+                mut dst,
+            } => self.launch(s, Kern::Checksum, (1, 1), (1024, 1), &mut p!(src, len, dst)),
+            KernelArgs::Stencil2d {
+                mut src,
+                mut dst,
+                mut width,
+                mut height,
+                mut c_center,
+                mut c_neighbor,
+            } => {
+                if width == 0 || height == 0 {
+                    return Ok(());
+                }
+                let grid = (width.div_ceil(32), height.div_ceil(8));
+                self.launch(
+                    s,
+                    Kern::Stencil,
+                    grid,
+                    (32, 8),
+                    &mut p!(src, dst, width, height, c_center, c_neighbor),
+                )
+            }
+            KernelArgs::Memcpy { .. } | KernelArgs::Timestamp { .. } => Err(DeviceError::Driver {
+                call: "launch",
+                code: "memcpy and timestamp are planned as copies and clock writes".into(),
+            }),
+        }
+    }
+}
+
+/// Compiles `kernels.cu` to PTX for the device's architecture.
+fn compile(major: i32, minor: i32) -> Result<Vec<u8>, DeviceError> {
+    let src = CString::new(KERNELS_CU).map_err(|e| DeviceError::Compile(e.to_string()))?;
+    let prog = nvrtc::create_program(&src, Some(c"vgpu_kernels.cu"))
+        .map_err(|e| DeviceError::Compile(format!("{e:?}")))?;
+    let arch = format!("--gpu-architecture=compute_{major}{minor}");
+    let opts = [arch.as_str(), "--fmad=false", "--std=c++17"];
+    // SAFETY: `prog` was just created and is destroyed exactly once below.
+    let res = unsafe { nvrtc::compile_program(prog, &opts) };
+    // SAFETY: as above.
+    let out = unsafe {
+        match res {
+            Ok(()) => nvrtc::get_ptx(prog).map_err(|e| DeviceError::Compile(format!("{e:?}"))),
+            Err(e) => {
+                let log = nvrtc::get_program_log(prog)
+                    .map(|l| {
+                        let bytes: Vec<u8> = l.iter().map(|&c| c as u8).collect();
+                        String::from_utf8_lossy(&bytes).into_owned()
+                    })
+                    .unwrap_or_default();
+                Err(DeviceError::Compile(format!("{e:?}: {log}")))
+            }
+        }
+    };
+    // SAFETY: `prog` is live and not used afterwards.
+    let _ = unsafe { nvrtc::destroy_program(prog) };
+    let ptx = out?;
+    let mut bytes: Vec<u8> = ptx.iter().map(|&c| c as u8).collect();
+    if bytes.last() != Some(&0) {
+        bytes.push(0);
+    }
+    Ok(bytes)
+}
+
+impl Device for CudaDevice {
+    type Stream = CudaStream;
+    type Mark = CudaMark;
+
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), DeviceError> {
+        self.current()?;
+        let flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
+        // SAFETY: the caller guarantees `ptr..ptr+len` is mapped host memory that stays
+        // mapped until it unregisters it.
+        check("cuMemHostRegister", unsafe {
+            sys::cuMemHostRegister_v2(ptr as *mut c_void, len, flags)
+        })
+    }
+
+    fn unregister_host(&self, ptr: *mut u8) -> Result<(), DeviceError> {
+        self.current()?;
+        // SAFETY: `ptr` is the start of a range this device registered.
+        check("cuMemHostUnregister", unsafe {
+            sys::cuMemHostUnregister(ptr as *mut c_void)
+        })
+    }
+
+    fn alloc_scratch(&self, len: u64) -> Result<u64, DeviceError> {
+        self.current()?;
+        let mut p = 0;
+        // SAFETY: valid out-pointer.
+        check("cuMemAlloc", unsafe {
+            sys::cuMemAlloc_v2(&mut p, len.max(1) as usize)
+        })?;
+        Ok(p)
+    }
+
+    fn free_scratch(&self, ptr: u64) {
+        if self.current().is_ok() {
+            // SAFETY: `ptr` came from cuMemAlloc and no queued work uses it any more
+            // (callers free scratch only after draining the stream that used it).
+            unsafe { sys::cuMemFree_v2(ptr) };
+        }
+    }
+
+    fn create_stream(&self) -> Result<CudaStream, DeviceError> {
+        self.current()?;
+        let mut s = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        check("cuStreamCreate", unsafe {
+            sys::cuStreamCreate(
+                &mut s,
+                sys::CUstream_flags_enum::CU_STREAM_NON_BLOCKING as u32,
+            )
+        })?;
+        Ok(CudaStream(s))
+    }
+
+    fn issue(&self, s: &CudaStream, op: &Op) -> Result<(), DeviceError> {
+        self.current()?;
+        match *op {
+            Op::Launch(ref args) => self.launch_args(s, args),
+            // SAFETY: both ranges were checked by the planner (registered host memory or
+            // device memory, `len` bytes each).
+            Op::Copy { dst, src, len } => check("cuMemcpyAsync", unsafe {
+                sys::cuMemcpyAsync(dst, src, len as usize, s.0)
+            }),
+            Op::Timestamp { ptr } => {
+                if now_ns().saturating_sub(self.calibrated_at.load(Ordering::Relaxed))
+                    > 1_000_000_000
+                {
+                    if let Err(e) = self.calibrate_clock() {
+                        log::warn!("cuda: clock calibration: {e}");
+                    }
+                }
+                let (mut dst, mut off) = (ptr, self.clock_offset.load(Ordering::Relaxed));
+                let mut params = [
+                    &mut dst as *mut u64 as *mut c_void,
+                    &mut off as *mut u64 as *mut c_void,
+                ];
+                self.launch(s, Kern::Timestamp, (1, 1), (1, 1), &mut params)
+            }
+            // SAFETY: `ptr` names 4 writable bytes checked by the planner.
+            Op::WriteValue { ptr, value } => check("cuStreamWriteValue32", unsafe {
+                sys::cuStreamWriteValue32_v2(
+                    s.0,
+                    ptr,
+                    value,
+                    sys::CUstreamWriteValue_flags_enum::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+                )
+            }),
+            Op::WaitValue { ptr, value, mode } => {
+                let flags = match mode {
+                    SemaphoreMode::Equal => {
+                        sys::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_EQ
+                    }
+                    // GEQ is the cyclic compare (int32)(*ptr - value) >= 0, as the protocol's.
+                    SemaphoreMode::AtLeast => {
+                        sys::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_GEQ
+                    }
+                };
+                // SAFETY: `ptr` names 4 readable bytes checked by the planner.
+                check("cuStreamWaitValue32", unsafe {
+                    sys::cuStreamWaitValue32_v2(s.0, ptr, value, flags as u32)
+                })
+            }
+        }
+    }
+
+    fn mark(&self, s: &CudaStream) -> Result<CudaMark, DeviceError> {
+        self.current()?;
+        let pooled = self.events.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let e = match pooled {
+            Some(IdleEvent(e)) => e,
+            None => {
+                let mut e = std::ptr::null_mut();
+                // SAFETY: valid out-pointer.
+                check("cuEventCreate", unsafe {
+                    sys::cuEventCreate(&mut e, sys::CUevent_flags_enum::CU_EVENT_DEFAULT as u32)
+                })?;
+                e
+            }
+        };
+        let m = CudaMark {
+            ev: e,
+            pool: self.events.clone(),
+        };
+        // SAFETY: `e` is a live event no other mark holds (it came from the pool or was
+        // just created); `s` is a live stream. Re-recording a reused event is allowed.
+        check("cuEventRecord", unsafe { sys::cuEventRecord(e, s.0) })?;
+        Ok(m)
+    }
+
+    fn reached(&self, m: &CudaMark) -> Result<bool, DeviceError> {
+        self.current()?;
+        // SAFETY: `m` is a live, recorded event.
+        match unsafe { sys::cuEventQuery(m.ev) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => check("cuEventQuery", r).map(|_| false),
+        }
+    }
+
+    fn elapsed_ns(&self, from: &CudaMark, to: &CudaMark) -> Option<u64> {
+        self.current().ok()?;
+        let mut ms = 0f32;
+        // SAFETY: both events are live and recorded with timing enabled.
+        let r = unsafe { sys::cuEventElapsedTime_v2(&mut ms, from.ev, to.ev) };
+        (r == sys::CUresult::CUDA_SUCCESS).then(|| (f64::from(ms.max(0.0)) * 1e6) as u64)
+    }
+}

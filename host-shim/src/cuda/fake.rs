@@ -1,0 +1,266 @@
+//! A CPU stand-in for the CUDA device, for GPU-free tests of the whole `cuda` GPU: every
+//! stream is a thread that runs its operations in order on host memory (device pointers
+//! are host pointers, as with unified addressing), kernels are the sim's own kernels, and
+//! semaphore waits block the stream, not the front end.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+use super::device::Device;
+use super::error::DeviceError;
+use super::plan::Op;
+use crate::clock::now_ns;
+use crate::kernels::{run_kernel, KernelMemory, MemFault};
+
+/// Host memory addressed by raw pointers. The planner checked every range against the
+/// issuing context's mappings before it reached a stream.
+struct RawMemory;
+
+impl KernelMemory for RawMemory {
+    fn read(&mut self, va: u64, buf: &mut [u8]) -> Result<(), MemFault> {
+        // SAFETY: `va..va+len` lies in memory the planner translated for this operand.
+        unsafe { std::ptr::copy(va as *const u8, buf.as_mut_ptr(), buf.len()) };
+        Ok(())
+    }
+    fn write(&mut self, va: u64, buf: &[u8]) -> Result<(), MemFault> {
+        // SAFETY: as in `read`, for a writable operand.
+        unsafe { std::ptr::copy(buf.as_ptr(), va as *mut u8, buf.len()) };
+        Ok(())
+    }
+}
+
+/// Operations a fake stream has been asked to do, for tests that check issue order.
+#[derive(Default)]
+pub struct FakeLog {
+    pub ops: Mutex<Vec<Op>>,
+}
+
+/// Queued items: sequence number, the op (None for a mark) and, for a mark, where to
+/// record the time it was reached.
+type Item = (u64, Option<Op>, Option<Arc<AtomicU64>>);
+
+struct Queue {
+    ops: VecDeque<Item>,
+}
+
+struct StreamShared {
+    q: Mutex<Queue>,
+    cv: Condvar,
+    issued: AtomicU64,
+    done: AtomicU64,
+    stop: AtomicBool,
+}
+
+/// A fake stream: a worker thread and its queue.
+pub struct FakeStream {
+    sh: Arc<StreamShared>,
+    worker: Option<JoinHandle<()>>,
+}
+
+impl Drop for FakeStream {
+    fn drop(&mut self) {
+        self.sh.stop.store(true, Ordering::Release);
+        self.sh.cv.notify_all();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// A point in a fake stream, with the clock reading the stream took when it got there.
+pub struct FakeMark {
+    sh: Arc<StreamShared>,
+    seq: u64,
+    at: Arc<AtomicU64>,
+}
+
+/// The fake device.
+#[derive(Default)]
+pub struct FakeDevice {
+    pub log: FakeLog,
+    /// Bytes of scratch handed out (leaked on purpose: tests are short).
+    scratch: Mutex<Vec<Vec<u8>>>,
+    pub registered: Mutex<Vec<(usize, usize)>>,
+}
+
+fn run_op(op: &Op) {
+    let abort = AtomicBool::new(false);
+    match *op {
+        Op::Launch(args) => {
+            if let vgpu_protocol::KernelArgs::Spin { ns } = args {
+                let end = now_ns() + ns;
+                while now_ns() < end {
+                    std::thread::sleep(std::time::Duration::from_micros(50));
+                }
+                return;
+            }
+            if let Err(e) = run_kernel(&args, &mut RawMemory, &abort, &now_ns) {
+                log::warn!("fake device: kernel failed: {e}");
+            }
+        }
+        // SAFETY: both ranges were checked by the planner and do not overlap.
+        Op::Copy { dst, src, len } => unsafe {
+            std::ptr::copy(src as *const u8, dst as *mut u8, len as usize)
+        },
+        Op::Timestamp { ptr } => {
+            // SAFETY: `ptr` names 8 writable bytes checked by the planner.
+            unsafe { std::ptr::write_unaligned(ptr as *mut u64, now_ns()) }
+        }
+        Op::WriteValue { ptr, value } => {
+            // SAFETY: 4 writable bytes, checked; semaphores are 4-byte aligned in practice
+            // and an atomic keeps a concurrent waiter from tearing.
+            let a = unsafe { &*(ptr as *const std::sync::atomic::AtomicU32) };
+            a.store(value, Ordering::Release);
+        }
+        Op::WaitValue { .. } => {}
+    }
+}
+
+fn worker(sh: Arc<StreamShared>) {
+    loop {
+        let next = {
+            let mut q = sh.q.lock().unwrap_or_else(|e| e.into_inner());
+            loop {
+                if sh.stop.load(Ordering::Acquire) {
+                    return;
+                }
+                if let Some(front) = q.ops.front().cloned() {
+                    break front;
+                }
+                q = sh.cv.wait(q).unwrap_or_else(|e| e.into_inner());
+            }
+        };
+        let (seq, op, at) = next;
+        if let Some(at) = at {
+            at.store(now_ns(), Ordering::Release);
+        }
+        if let Some(Op::WaitValue { ptr, value, mode }) = op {
+            // SAFETY: 4 readable bytes, checked by the planner.
+            let a = unsafe { &*(ptr as *const std::sync::atomic::AtomicU32) };
+            while !mode.satisfied(a.load(Ordering::Acquire), value) {
+                if sh.stop.load(Ordering::Acquire) {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+        } else if let Some(op) = op {
+            run_op(&op);
+        }
+        sh.q.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .ops
+            .pop_front();
+        sh.done.store(seq, Ordering::Release);
+    }
+}
+
+impl Device for FakeDevice {
+    type Stream = FakeStream;
+    type Mark = FakeMark;
+
+    fn name(&self) -> String {
+        "fake".into()
+    }
+
+    fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), DeviceError> {
+        self.registered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((ptr as usize, len));
+        Ok(())
+    }
+
+    fn unregister_host(&self, ptr: *mut u8) -> Result<(), DeviceError> {
+        let mut r = self.registered.lock().unwrap_or_else(|e| e.into_inner());
+        let before = r.len();
+        r.retain(|&(p, _)| p != ptr as usize);
+        if r.len() == before {
+            return Err(DeviceError::Fake("unregistering memory never registered"));
+        }
+        Ok(())
+    }
+
+    fn alloc_scratch(&self, len: u64) -> Result<u64, DeviceError> {
+        let buf = vec![0u8; len.max(1) as usize];
+        let p = buf.as_ptr() as u64;
+        self.scratch
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(buf);
+        Ok(p)
+    }
+
+    fn free_scratch(&self, ptr: u64) {
+        self.scratch
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|b| b.as_ptr() as u64 != ptr);
+    }
+
+    fn create_stream(&self) -> Result<FakeStream, DeviceError> {
+        let sh = Arc::new(StreamShared {
+            q: Mutex::new(Queue {
+                ops: VecDeque::new(),
+            }),
+            cv: Condvar::new(),
+            issued: AtomicU64::new(0),
+            done: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+        });
+        let s = sh.clone();
+        let worker = std::thread::Builder::new()
+            .name("fake-stream".into())
+            .spawn(move || worker(s))
+            .map_err(|_| DeviceError::Fake("cannot start a stream thread"))?;
+        Ok(FakeStream {
+            sh,
+            worker: Some(worker),
+        })
+    }
+
+    fn issue(&self, s: &FakeStream, op: &Op) -> Result<(), DeviceError> {
+        self.log
+            .ops
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(*op);
+        let seq = s.sh.issued.fetch_add(1, Ordering::AcqRel) + 1;
+        s.sh.q
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .ops
+            .push_back((seq, Some(*op), None));
+        s.sh.cv.notify_all();
+        Ok(())
+    }
+
+    fn mark(&self, s: &FakeStream) -> Result<FakeMark, DeviceError> {
+        let seq = s.sh.issued.fetch_add(1, Ordering::AcqRel) + 1;
+        let at = Arc::new(AtomicU64::new(0));
+        s.sh.q
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .ops
+            .push_back((seq, None, Some(at.clone())));
+        s.sh.cv.notify_all();
+        Ok(FakeMark {
+            sh: s.sh.clone(),
+            seq,
+            at,
+        })
+    }
+
+    fn reached(&self, m: &FakeMark) -> Result<bool, DeviceError> {
+        Ok(m.sh.done.load(Ordering::Acquire) >= m.seq)
+    }
+
+    fn elapsed_ns(&self, from: &FakeMark, to: &FakeMark) -> Option<u64> {
+        let (a, b) = (
+            from.at.load(Ordering::Acquire),
+            to.at.load(Ordering::Acquire),
+        );
+        (a != 0 && b != 0).then(|| b.saturating_sub(a))
+    }
+}

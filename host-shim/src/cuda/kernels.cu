@@ -1,0 +1,169 @@
+// vgpu builtin kernels for the `cuda` GPU, compiled by NVRTC at start (and by nvcc for the
+// native baseline, bench/cuda-native). Results must be bit-identical to the sim's
+// (host-shim/src/kernels.rs): every f32 operation is an explicitly rounded __fmul_rn /
+// __fadd_rn in the sim's order, so no multiply-add is ever contracted.
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+
+__device__ __forceinline__ u64 vgpu_globaltimer() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+extern "C" __global__ void vgpu_empty() {}
+
+// Each thread spins for `ns` nanoseconds of the GPU clock; launched with enough blocks to
+// fill every SM, it occupies the whole GPU.
+extern "C" __global__ void vgpu_spin(u64 ns) {
+    u64 start = vgpu_globaltimer();
+    while (vgpu_globaltimer() - start < ns) {
+    }
+}
+
+// Writes the GPU clock minus `offset` (so it reads as host CLOCK_MONOTONIC).
+extern "C" __global__ void vgpu_timestamp(u64* dst, u64 offset) {
+    *dst = vgpu_globaltimer() - offset;
+}
+
+// Byte i of the fill is byte (i % 4) of the little-endian pattern.
+extern "C" __global__ void vgpu_memset(unsigned char* dst, u64 len, u32 pattern) {
+    u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 w = (u64)blockIdx.x * blockDim.x + threadIdx.x; w * 4 < len; w += stride) {
+        u64 i = w * 4;
+        if (i + 4 <= len && ((u64)(dst + i) & 3) == 0) {
+            *(u32*)(dst + i) = pattern;
+        } else {
+            for (u64 j = i; j < i + 4 && j < len; j++) {
+                dst[j] = (unsigned char)(pattern >> (8 * (j & 3)));
+            }
+        }
+    }
+}
+
+extern "C" __global__ void vgpu_saxpy(const float* x, float* y, u64 n, float a) {
+    u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        y[i] = __fadd_rn(y[i], __fmul_rn(a, x[i]));
+    }
+}
+
+// C = alpha*A*B + beta*C, row-major; each dot product summed in f32 over p = 0..k in order.
+// 64x64 tiles of C per block of 256 threads, 4x4 elements per thread, K in steps of 16.
+#define TM 64
+#define TN 64
+#define TK 16
+extern "C" __global__ void __launch_bounds__(256) vgpu_sgemm(const float* A, const float* B,
+                                                             float* C, u32 m, u32 n, u32 k,
+                                                             float alpha, float beta) {
+    __shared__ float As[TK][TM + 1];
+    __shared__ float Bs[TK][TN];
+    u32 tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    u64 row0 = (u64)blockIdx.y * TM, col0 = (u64)blockIdx.x * TN;
+    float acc[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
+    for (u32 p0 = 0; p0 < k; p0 += TK) {
+        // Load A tile (TM x TK) and B tile (TK x TN): 1024 elements each, 4 per thread.
+        for (int l = 0; l < 4; l++) {
+            u32 e = threadIdx.x + 256 * l;
+            u32 ar = e / TK, ac = e % TK;
+            u64 gr = row0 + ar, gc = p0 + ac;
+            As[ac][ar] = (gr < m && gc < k) ? A[gr * k + gc] : 0.0f;
+            u32 br = e / TN, bc = e % TN;
+            u64 hr = p0 + br, hc = col0 + bc;
+            Bs[br][bc] = (hr < k && hc < n) ? B[hr * n + hc] : 0.0f;
+        }
+        __syncthreads();
+        u32 kk = (k - p0) < TK ? (k - p0) : TK;
+        for (u32 p = 0; p < kk; p++) {
+            float av[4], bv[4];
+            for (int i = 0; i < 4; i++) av[i] = As[p][ty + 16 * i];
+            for (int j = 0; j < 4; j++) bv[j] = Bs[p][tx + 16 * j];
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 4; j++) acc[i][j] = __fadd_rn(acc[i][j], __fmul_rn(av[i], bv[j]));
+        }
+        __syncthreads();
+    }
+    for (int i = 0; i < 4; i++) {
+        u64 r = row0 + ty + 16 * i;
+        if (r >= m) continue;
+        for (int j = 0; j < 4; j++) {
+            u64 c = col0 + tx + 16 * j;
+            if (c >= n) continue;
+            float* cp = &C[r * n + c];
+            *cp = __fadd_rn(__fmul_rn(alpha, acc[i][j]), __fmul_rn(beta, *cp));
+        }
+    }
+}
+
+// In-order f64 sum, as the sim: one thread does the adds; the other threads of the block
+// stage the data through shared memory so the single adder never waits on DRAM.
+#define RB 1024
+extern "C" __global__ void vgpu_reduce_sum(const float* src, u64 n, float* dst) {
+    __shared__ float buf[2][RB];
+    double sum = 0.0;
+    u64 tiles = (n + RB - 1) / RB;
+    if (tiles > 0) {
+        u64 i = threadIdx.x;
+        if (i < n) buf[0][threadIdx.x] = src[i];
+    }
+    __syncthreads();
+    for (u64 t = 0; t < tiles; t++) {
+        u64 next = (t + 1) * RB + threadIdx.x;
+        if (t + 1 < tiles && next < n) buf[(t + 1) & 1][threadIdx.x] = src[next];
+        if (threadIdx.x == 0) {
+            u64 cnt = n - t * RB < RB ? n - t * RB : RB;
+            const float* b = buf[t & 1];
+            for (u64 j = 0; j < cnt; j++) sum = __dadd_rn(sum, (double)b[j]);
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *dst = __double2float_rn(sum);
+}
+
+// FNV-1a 64, in byte order: one thread hashes (it is sequential by definition) while the
+// block stages the next tile through shared memory, so the hasher never waits on memory
+// (which may be host memory across the PCIe/C2C link).
+#define CB 8192
+extern "C" __global__ void vgpu_checksum(const unsigned char* src, u64 len, u64* dst) {
+    __shared__ unsigned char buf[2][CB];
+    u64 h = 0xcbf29ce484222325ULL;
+    u64 tiles = (len + CB - 1) / CB;
+    for (u64 j = threadIdx.x; j < CB && j < len; j += blockDim.x) buf[0][j] = src[j];
+    __syncthreads();
+    for (u64 t = 0; t < tiles; t++) {
+        u64 base = (t + 1) * CB;
+        if (t + 1 < tiles) {
+            for (u64 j = threadIdx.x; j < CB && base + j < len; j += blockDim.x)
+                buf[(t + 1) & 1][j] = src[base + j];
+        }
+        if (threadIdx.x == 0) {
+            u64 cnt = len - t * CB < CB ? len - t * CB : CB;
+            const unsigned char* b = buf[t & 1];
+            for (u64 j = 0; j < cnt; j++) {
+                h ^= b[j];
+                h *= 0x100000001b3ULL;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *dst = h;
+}
+
+// dst = cc*c + cn*(((n + s) + e) + w), edges clamped. src and dst never overlap here (the
+// front end stages an overlapping source first).
+extern "C" __global__ void vgpu_stencil2d(const float* src, float* dst, u32 width, u32 height,
+                                          float cc, float cn) {
+    u32 x = blockIdx.x * blockDim.x + threadIdx.x;
+    u32 y = blockIdx.y * blockDim.y + threadIdx.y;
+    if (x >= width || y >= height) return;
+    u64 w = width;
+    u32 yn = y == 0 ? 0 : y - 1, ys = y + 1 < height ? y + 1 : height - 1;
+    u32 xw = x == 0 ? 0 : x - 1, xe = x + 1 < width ? x + 1 : width - 1;
+    float c = src[y * w + x];
+    float sum = __fadd_rn(__fadd_rn(__fadd_rn(src[yn * w + x], src[ys * w + x]), src[y * w + xe]),
+                          src[y * w + xw]);
+    dst[y * w + x] = __fadd_rn(__fmul_rn(cc, c), __fmul_rn(cn, sum));
+}

@@ -1,0 +1,716 @@
+//! `cuda`: the HAL on a real NVIDIA GPU.
+//!
+//! Guests see exactly what they see on the `sim`: channel control pages in host shared
+//! memory that they map and store GP_PUT into. A host front end ([`frontend`]) plays
+//! PFIFO and issues the work on one CUDA stream per channel.
+//!
+//! Memory. The GPU's page tables are the same software MMU the sim uses
+//! ([`crate::mmu::AddressSpace`]): every LAUNCH/COPY/semaphore address is translated and
+//! checked through the issuing context's mappings when the entry is planned
+//! ([`plan`]), and the kernels receive only the resulting flat pointers. VRAM is a memfd
+//! (the aperture the backend maps into VMs' BARs) registered with the driver, so the guest's
+//! CPU view and the GPU's view are the same bytes: a CPU store is seen by a later kernel
+//! and a kernel's result by a later CPU load, with no copies (the GPU reaches that memory
+//! over PCIe/C2C). System-memory targets (guest RAM) are registered when mapped. See
+//! `docs/architecture.md` ("The cuda GPU") for why VRAM is not device memory yet.
+//!
+//! Isolation: one CUDA context for all tenants, with checked pointer arguments.
+
+mod channel;
+pub mod device;
+pub mod driver;
+pub mod error;
+pub mod fake;
+mod frontend;
+mod hostreg;
+pub mod plan;
+pub mod timeline;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::thread::{JoinHandle, Thread};
+use std::time::{Duration, Instant};
+
+use vgpu_protocol::channel::valid_gp_entries;
+use vgpu_protocol::gp::{GPU_VA_LIMIT, GP_ENTRY_SIZE};
+use vgpu_protocol::ErrorCode;
+
+use self::channel::CudaChannel;
+pub use self::device::Device;
+pub use self::driver::CudaDevice;
+pub use self::error::DeviceError;
+pub use self::fake::FakeDevice;
+use self::hostreg::HostRegistry;
+use crate::hal::*;
+use crate::mmu::AddressSpace;
+use crate::shared_mem::SharedMem;
+use crate::sim::control_pages::ControlPages;
+use crate::vram::VramAllocator;
+
+/// Sizes and polling behaviour of a `cuda` GPU.
+#[derive(Debug, Clone)]
+pub struct CudaConfig {
+    /// Bytes of VRAM (pinned host memory, see the module docs).
+    pub vram_bytes: u64,
+    pub max_channels: u32,
+    pub max_contexts: u32,
+    /// After activity, the front end busy-polls this long before it starts sleeping.
+    pub busy_poll_ns: u64,
+    /// Shortest and longest sleep between polls when idle (doubling).
+    pub min_idle_sleep_ns: u64,
+    pub max_idle_sleep_ns: u64,
+    /// How long `invalidate_tlb`/`destroy_context` wait for a context's GPU work.
+    pub drain_timeout: Duration,
+    /// Most GP entries sharing one completion mark while the GPU has a single channel
+    /// (with several, every entry gets its own mark, so busy time stays exact per entry).
+    pub batch: u32,
+    /// Most completion marks one channel may have on its stream at once.
+    pub max_inflight: usize,
+}
+
+impl Default for CudaConfig {
+    fn default() -> Self {
+        CudaConfig {
+            vram_bytes: 1 << 30,
+            max_channels: 256,
+            max_contexts: 256,
+            busy_poll_ns: 200_000,
+            min_idle_sleep_ns: 10_000,
+            max_idle_sleep_ns: 1_000_000,
+            drain_timeout: Duration::from_secs(10),
+            batch: 32,
+            max_inflight: 64,
+        }
+    }
+}
+
+/// State shared by the API and the front-end thread.
+pub(crate) struct Shared<D: Device> {
+    cfg: CudaConfig,
+    dev: Arc<D>,
+    vram: SharedMem,
+    channels: RwLock<BTreeMap<ChannelId, Arc<CudaChannel<D>>>>,
+    gen: AtomicU64,
+    shutdown: AtomicBool,
+    frontend: OnceLock<Thread>,
+    frontend_cpu_ns: AtomicU64,
+    /// Scratch buffers replaced while work may still use them; freed at drop.
+    old_scratch: Mutex<Vec<u64>>,
+}
+
+impl<D: Device> Shared<D> {
+    fn channels_snapshot(&self) -> Vec<Arc<CudaChannel<D>>> {
+        self.channels
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    fn wake(&self) {
+        if let Some(t) = self.frontend.get() {
+            t.unpark();
+        }
+    }
+
+    fn retire_scratch(&self, ptrs: Vec<u64>) {
+        self.old_scratch
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(ptrs);
+    }
+}
+
+struct Context {
+    space: Arc<AddressSpace>,
+    sysmem: Arc<dyn SysMemory>,
+    /// System-memory mappings (GPU VA → size) whose host memory is registered.
+    sys_maps: BTreeMap<u64, u64>,
+    /// Mappings unmapped or retargeted since the last `invalidate_tlb`: their host memory
+    /// stays registered until the GPU is done with the old translations.
+    released: Vec<u64>,
+}
+
+/// The `cuda` GPU over a [`Device`]: [`CudaGpu`] on real hardware, [`FakeCudaGpu`] in tests.
+pub struct CudaGpuOf<D: Device> {
+    shared: Arc<Shared<D>>,
+    pages: Arc<ControlPages>,
+    vram_alloc: Mutex<VramAllocator>,
+    contexts: Mutex<HashMap<ContextId, Context>>,
+    hostreg: Mutex<HostRegistry>,
+    next_context: AtomicU32,
+    next_channel: AtomicU32,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// The `cuda` GPU on an NVIDIA GPU.
+pub type CudaGpu = CudaGpuOf<CudaDevice>;
+/// The `cuda` GPU on the CPU fake device (GPU-free tests).
+pub type FakeCudaGpu = CudaGpuOf<FakeDevice>;
+
+fn os_err(e: impl std::fmt::Display) -> HalError {
+    HalError::Os(e.to_string())
+}
+
+impl CudaGpu {
+    /// Opens NVIDIA GPU `index`. Fails with a clear error when the driver, NVRTC or the
+    /// GPU is missing (see [`DeviceError::is_absent`]).
+    pub fn open(index: u32, cfg: CudaConfig) -> std::result::Result<Arc<Self>, DeviceError> {
+        let dev = CudaDevice::open(index)?;
+        Self::with_device(Arc::new(dev), cfg).map_err(|e| DeviceError::Driver {
+            call: "starting the cuda GPU",
+            code: e.to_string(),
+        })
+    }
+}
+
+impl<D: Device> CudaGpuOf<D> {
+    /// Builds the GPU on `dev`: allocates and registers VRAM, starts the front end.
+    pub fn with_device(dev: Arc<D>, cfg: CudaConfig) -> Result<Arc<Self>> {
+        if cfg.max_channels == 0 || cfg.vram_bytes < 1 << 20 {
+            return Err(HalError::InvalidArgument(
+                "cuda needs at least one channel and 1 MiB of VRAM",
+            ));
+        }
+        let vram = SharedMem::new("vgpu-cuda-vram", cfg.vram_bytes).map_err(os_err)?;
+        let ptr = vram
+            .range_ptr(0, vram.len())
+            .ok_or(HalError::Os("VRAM mapping".into()))?;
+        let t0 = Instant::now();
+        dev.register_host(ptr, vram.len() as usize)
+            .map_err(os_err)?;
+        log::info!(
+            "cuda: {} MiB of VRAM registered in {:?}",
+            vram.len() >> 20,
+            t0.elapsed()
+        );
+        let pages = Arc::new(ControlPages::new(cfg.max_channels).map_err(os_err)?);
+        let shared = Arc::new(Shared {
+            cfg: cfg.clone(),
+            dev,
+            vram,
+            channels: RwLock::new(BTreeMap::new()),
+            gen: AtomicU64::new(0),
+            shutdown: AtomicBool::new(false),
+            frontend: OnceLock::new(),
+            frontend_cpu_ns: AtomicU64::new(0),
+            old_scratch: Mutex::new(Vec::new()),
+        });
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("cuda-pfifo".into())
+            .spawn(move || frontend::run(s))
+            .map_err(os_err)?;
+        let _ = shared.frontend.set(thread.thread().clone());
+        Ok(Arc::new(CudaGpuOf {
+            shared,
+            pages,
+            vram_alloc: Mutex::new(VramAllocator::new(cfg.vram_bytes)),
+            contexts: Mutex::new(HashMap::new()),
+            hostreg: Mutex::new(HostRegistry::default()),
+            next_context: AtomicU32::new(1),
+            next_channel: AtomicU32::new(1),
+            thread: Mutex::new(Some(thread)),
+        }))
+    }
+
+    /// The device under this GPU.
+    pub fn device(&self) -> &Arc<D> {
+        &self.shared.dev
+    }
+
+    /// Host memory pieces registered with the device (leak checks).
+    pub fn registered_pieces(&self) -> usize {
+        self.hostreg
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pieces()
+    }
+
+    /// CPU time of the front-end thread so far, in ns.
+    pub fn frontend_cpu_ns(&self) -> u64 {
+        self.shared.frontend_cpu_ns.load(Ordering::Relaxed)
+    }
+
+    /// Every live channel with its context and counters.
+    pub fn channels(&self) -> Vec<(ChannelId, ContextId, ChannelCounters)> {
+        self.shared
+            .channels_snapshot()
+            .iter()
+            .map(|c| (c.id, c.ctx, c.counters()))
+            .collect()
+    }
+
+    fn lock_contexts(&self) -> std::sync::MutexGuard<'_, HashMap<ContextId, Context>> {
+        self.contexts.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn lock_vram(&self) -> std::sync::MutexGuard<'_, VramAllocator> {
+        self.vram_alloc.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn space(&self, ctx: ContextId) -> Result<Arc<AddressSpace>> {
+        self.lock_contexts()
+            .get(&ctx)
+            .map(|c| c.space.clone())
+            .ok_or(HalError::NoContext(ctx))
+    }
+
+    fn channel(&self, ch: ChannelId) -> Result<Arc<CudaChannel<D>>> {
+        self.shared
+            .channels
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&ch)
+            .cloned()
+            .ok_or(HalError::NoChannel(ch))
+    }
+
+    /// Waits until every entry issued so far on `chans` has completed on the GPU.
+    fn drain(&self, chans: &[Arc<CudaChannel<D>>]) -> Result<()> {
+        let deadline = Instant::now() + self.shared.cfg.drain_timeout;
+        for c in chans {
+            while !c.drained(&*self.shared.dev) {
+                if Instant::now() > deadline {
+                    log::warn!("cuda: channel {:?} still has GPU work in flight", c.id);
+                    return Err(HalError::Os(
+                        "GPU work still in flight (a semaphore wait that nobody releases?)".into(),
+                    ));
+                }
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+        Ok(())
+    }
+
+    fn context_channels(&self, ctx: ContextId) -> Vec<Arc<CudaChannel<D>>> {
+        self.shared
+            .channels_snapshot()
+            .into_iter()
+            .filter(|c| c.ctx == ctx)
+            .collect()
+    }
+
+    fn remove_channels(&self, pred: impl Fn(&CudaChannel<D>) -> bool) -> Vec<Arc<CudaChannel<D>>> {
+        let mut chans = self
+            .shared
+            .channels
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
+        let mut removed = Vec::new();
+        chans.retain(|_, c| {
+            if pred(c) {
+                c.stop();
+                removed.push(c.clone());
+                false
+            } else {
+                true
+            }
+        });
+        drop(chans);
+        if !removed.is_empty() {
+            self.shared.gen.fetch_add(1, Ordering::AcqRel);
+            self.shared.wake();
+        }
+        removed
+    }
+
+    /// Frees removed channels' scratch once their streams have drained.
+    fn reap(&self, removed: &[Arc<CudaChannel<D>>]) -> Result<()> {
+        let drained = self.drain(removed);
+        if drained.is_ok() {
+            for c in removed {
+                if let Some((p, _)) = c.lock().scratch.take() {
+                    self.shared.dev.free_scratch(p);
+                }
+            }
+        }
+        drained
+    }
+
+    /// Registers the host memory behind a system-memory mapping at `va` with the device.
+    fn register_sysram(&self, ctx: ContextId, va: u64, addr: u64, size: u64) -> Result<()> {
+        let sysmem = self
+            .lock_contexts()
+            .get(&ctx)
+            .map(|c| c.sysmem.clone())
+            .ok_or(HalError::NoContext(ctx))?;
+        let mut reg = self.hostreg.lock().unwrap_or_else(|e| e.into_inner());
+        let mut done = 0u64;
+        while done < size {
+            let a = addr + done;
+            let r = sysmem
+                .translate(a, size - done)
+                .filter(|r| r.len > 0 && !r.ptr.is_null())
+                .ok_or(HalError::NotMapped { va: a, size })?;
+            if let Err(e) = reg.register(&*self.shared.dev, (ctx, va), r.ptr, r.len) {
+                reg.release(&*self.shared.dev, |k| *k == (ctx, va));
+                return Err(os_err(e));
+            }
+            done += r.len as u64;
+        }
+        Ok(())
+    }
+
+    /// Marks the registered mappings wholly inside `va..va+size` as released (their
+    /// registration ends at the next `invalidate_tlb`, once the GPU is done with them).
+    fn release_sysram(&self, ctx: ContextId, va: u64, size: u64) {
+        let end = va.saturating_add(size);
+        if let Some(c) = self.lock_contexts().get_mut(&ctx) {
+            let gone: Vec<u64> = c
+                .sys_maps
+                .range(va..end)
+                .filter(|(&s, &l)| s.saturating_add(l) <= end)
+                .map(|(&s, _)| s)
+                .collect();
+            for s in gone {
+                c.sys_maps.remove(&s);
+                c.released.push(s);
+            }
+        }
+    }
+
+    /// Ends the registrations released in `ctx` (after the GPU drained).
+    fn unregister_released(&self, ctx: ContextId) {
+        let gone = self
+            .lock_contexts()
+            .get_mut(&ctx)
+            .map(|c| std::mem::take(&mut c.released))
+            .unwrap_or_default();
+        if gone.is_empty() {
+            return;
+        }
+        let c = self.lock_contexts().get(&ctx).map(|c| c.sys_maps.clone());
+        self.hostreg
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .release(&*self.shared.dev, |k| {
+                // A mapping re-made at the same VA since its release keeps its registration.
+                k.0 == ctx
+                    && gone.contains(&k.1)
+                    && !c.as_ref().is_some_and(|m| m.contains_key(&k.1))
+            });
+    }
+
+    /// Records a registered system-memory mapping.
+    fn note_sysram(&self, ctx: ContextId, va: u64, size: u64) {
+        if let Some(c) = self.lock_contexts().get_mut(&ctx) {
+            c.sys_maps.insert(va, size);
+        }
+    }
+}
+
+impl<D: Device> Drop for CudaGpuOf<D> {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::Release);
+        self.shared.wake();
+        let t = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = t {
+            let _ = t.join();
+        }
+        let all = self.remove_channels(|_| true);
+        if self.reap(&all).is_err() {
+            // The GPU may still touch this memory: leaking it is the safe choice.
+            log::warn!("cuda: GPU dropped with work in flight; its memory stays registered");
+            return;
+        }
+        for p in std::mem::take(
+            &mut *self
+                .shared
+                .old_scratch
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        ) {
+            self.shared.dev.free_scratch(p);
+        }
+        self.hostreg
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .release(&*self.shared.dev, |_| true);
+        // The memfd is unmapped right after this; a registration left behind would make
+        // the next mapping at the same address unregistrable.
+        if let Some(p) = self.shared.vram.range_ptr(0, self.shared.vram.len()) {
+            if let Err(e) = self.shared.dev.unregister_host(p) {
+                log::warn!("cuda: unregistering VRAM: {e}");
+            }
+        }
+    }
+}
+
+impl<D: Device> Gpu for CudaGpuOf<D> {
+    fn info(&self) -> GpuInfo {
+        let cfg = &self.shared.cfg;
+        GpuInfo {
+            name: format!("cuda ({})", self.shared.dev.name()),
+            vram_bytes: self.lock_vram().size(),
+            compute_engines: 1,
+            max_channels: cfg.max_channels,
+            max_contexts: cfg.max_contexts,
+            has_busy_counters: true,
+        }
+    }
+
+    fn create_context(&self, sysmem: Arc<dyn SysMemory>) -> Result<ContextId> {
+        let mut ctxs = self.lock_contexts();
+        if ctxs.len() >= self.shared.cfg.max_contexts as usize {
+            return Err(HalError::TooMany("contexts"));
+        }
+        let id = ContextId(self.next_context.fetch_add(1, Ordering::Relaxed));
+        ctxs.insert(
+            id,
+            Context {
+                space: Arc::new(AddressSpace::new(sysmem.clone())),
+                sysmem,
+                sys_maps: BTreeMap::new(),
+                released: Vec::new(),
+            },
+        );
+        Ok(id)
+    }
+
+    fn destroy_context(&self, ctx: ContextId) -> Result<()> {
+        let context = self
+            .lock_contexts()
+            .remove(&ctx)
+            .ok_or(HalError::NoContext(ctx))?;
+        let removed = self.remove_channels(|c| c.ctx == ctx);
+        context.space.kill();
+        // Only once the GPU is done with the context's memory may it be unregistered (and
+        // the owner free it). A stuck semaphore wait keeps the registration (and so the
+        // pages) alive rather than let the GPU touch freed memory.
+        match self.reap(&removed) {
+            Ok(()) => {
+                self.hostreg
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .release(&*self.shared.dev, |k| k.0 == ctx);
+                Ok(())
+            }
+            Err(e) => {
+                log::warn!("cuda: context {ctx:?} destroyed with GPU work in flight: {e}");
+                Ok(())
+            }
+        }
+    }
+
+    fn alloc_vram(&self, size: u64, align: u64) -> Result<VramAlloc> {
+        if size == 0 || !align.is_power_of_two() {
+            return Err(HalError::InvalidArgument(
+                "VRAM size zero or alignment not a power of two",
+            ));
+        }
+        let (offset, size) = self
+            .lock_vram()
+            .alloc(size, align)
+            .ok_or(HalError::OutOfVram(size))?;
+        Ok(VramAlloc { offset, size })
+    }
+
+    fn free_vram(&self, offset: u64) -> Result<()> {
+        self.lock_vram()
+            .free(offset)
+            .map(|_| ())
+            .ok_or(HalError::NoAllocation(offset))
+    }
+
+    fn vram_free_bytes(&self) -> u64 {
+        self.lock_vram().free_bytes()
+    }
+
+    fn vram_fd(&self) -> FdRange {
+        FdRange {
+            fd: self.shared.vram.fd(),
+            offset: 0,
+            len: self.shared.vram.len(),
+        }
+    }
+
+    fn vram_read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        if self.shared.vram.read(offset, buf) {
+            Ok(())
+        } else {
+            Err(HalError::InvalidArgument("VRAM range out of bounds"))
+        }
+    }
+
+    fn vram_write(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        if self.shared.vram.write(offset, buf) {
+            Ok(())
+        } else {
+            Err(HalError::InvalidArgument("VRAM range out of bounds"))
+        }
+    }
+
+    fn map(
+        &self,
+        ctx: ContextId,
+        va: u64,
+        size: u64,
+        target: MapTarget,
+        page: PageSize,
+        flags: MapFlags,
+    ) -> Result<()> {
+        match target {
+            MapTarget::Vram { offset } => {
+                if offset
+                    .checked_add(size)
+                    .is_none_or(|end| end > self.shared.vram.len())
+                {
+                    return Err(HalError::InvalidArgument("VRAM target out of bounds"));
+                }
+            }
+            MapTarget::Sysram { addr } => {
+                let space = self.space(ctx)?;
+                self.register_sysram(ctx, va, addr, size)?;
+                if let Err(e) = space.map(va, size, target, page, flags) {
+                    self.hostreg
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .release(&*self.shared.dev, |k| *k == (ctx, va));
+                    return Err(e);
+                }
+                self.note_sysram(ctx, va, size);
+                return Ok(());
+            }
+        }
+        self.space(ctx)?.map(va, size, target, page, flags)
+    }
+
+    fn unmap(&self, ctx: ContextId, va: u64, size: u64) -> Result<()> {
+        self.space(ctx)?.unmap(va, size)?;
+        self.release_sysram(ctx, va, size);
+        Ok(())
+    }
+
+    fn remap(&self, ctx: ContextId, va: u64, size: u64, target: MapTarget) -> Result<()> {
+        match target {
+            MapTarget::Vram { offset } => {
+                if offset
+                    .checked_add(size)
+                    .is_none_or(|end| end > self.shared.vram.len())
+                {
+                    return Err(HalError::InvalidArgument("VRAM target out of bounds"));
+                }
+            }
+            MapTarget::Sysram { addr } => {
+                let space = self.space(ctx)?;
+                // A new key for the retargeted range; whatever it replaces is released.
+                self.release_sysram(ctx, va, size);
+                self.register_sysram(ctx, va, addr, size)?;
+                space.remap(va, size, target)?;
+                self.note_sysram(ctx, va, size);
+                return Ok(());
+            }
+        }
+        self.space(ctx)?.remap(va, size, target)?;
+        self.release_sysram(ctx, va, size);
+        Ok(())
+    }
+
+    fn invalidate_tlb(&self, ctx: ContextId) -> Result<()> {
+        let space = self.space(ctx)?;
+        space.invalidate_tlb();
+        // Entries planned before this point carry pointers from the old translations:
+        // wait until the GPU has finished them; then released host memory may go.
+        self.drain(&self.context_channels(ctx))?;
+        self.unregister_released(ctx);
+        Ok(())
+    }
+
+    fn access_counts(
+        &self,
+        ctx: ContextId,
+        va: u64,
+        size: u64,
+        reset: bool,
+    ) -> Result<Vec<(u64, u32)>> {
+        self.space(ctx)?.access_counts(va, size, reset)
+    }
+
+    fn create_channel(
+        &self,
+        ctx: ContextId,
+        cfg: ChannelConfig,
+        sink: Arc<dyn EventSink>,
+    ) -> Result<ChannelId> {
+        if !valid_gp_entries(cfg.gp_entries) {
+            return Err(HalError::InvalidArgument(
+                "GP ring size must be a power of two in 2..=65536",
+            ));
+        }
+        let ring_bytes = cfg.gp_entries as u64 * GP_ENTRY_SIZE as u64;
+        if !cfg.gp_ring_va.is_multiple_of(GP_ENTRY_SIZE as u64)
+            || cfg
+                .gp_ring_va
+                .checked_add(ring_bytes)
+                .is_none_or(|e| e > GPU_VA_LIMIT)
+        {
+            return Err(HalError::InvalidArgument(
+                "GP ring misaligned or outside the address space",
+            ));
+        }
+        let space = self.space(ctx)?;
+        let stream = self.shared.dev.create_stream().map_err(os_err)?;
+        let slot = self.pages.take().ok_or(HalError::TooMany("channels"))?;
+        let id = ChannelId(self.next_channel.fetch_add(1, Ordering::Relaxed));
+        let ch = Arc::new(CudaChannel::new(
+            id,
+            ctx,
+            space,
+            cfg,
+            slot,
+            self.pages.clone(),
+            sink,
+            stream,
+        ));
+        {
+            let ctxs = self.lock_contexts();
+            if !ctxs.contains_key(&ctx) {
+                return Err(HalError::NoContext(ctx));
+            }
+            self.shared
+                .channels
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id, ch);
+        }
+        self.shared.gen.fetch_add(1, Ordering::AcqRel);
+        self.shared.wake();
+        Ok(id)
+    }
+
+    fn destroy_channel(&self, ch: ChannelId) -> Result<()> {
+        let removed = self.remove_channels(|c| c.id == ch);
+        if removed.is_empty() {
+            return Err(HalError::NoChannel(ch));
+        }
+        if let Err(e) = self.reap(&removed) {
+            log::warn!("cuda: channel {ch:?} destroyed with GPU work in flight: {e}");
+        }
+        Ok(())
+    }
+
+    fn control_page(&self, ch: ChannelId) -> Result<FdRange> {
+        Ok(self.pages.fd_range(self.channel(ch)?.slot))
+    }
+
+    fn doorbell(&self, _ch: ChannelId) {
+        self.shared.wake();
+    }
+
+    fn channel_counters(&self, ch: ChannelId) -> Result<ChannelCounters> {
+        Ok(self.channel(ch)?.counters())
+    }
+
+    fn channel_error(&self, ch: ChannelId) -> Result<Option<(ErrorCode, u64)>> {
+        Ok(self.channel(ch)?.error())
+    }
+
+    fn kill_channel(&self, ch: ChannelId, code: ErrorCode) -> Result<()> {
+        self.channel(ch)?.fault(code, 0);
+        self.shared.wake();
+        Ok(())
+    }
+}

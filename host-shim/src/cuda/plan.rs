@@ -1,0 +1,611 @@
+//! Turning one GP entry's decoded methods into stream operations, with every address a
+//! guest names checked against the issuing context's mappings first.
+//!
+//! This is the isolation boundary of the `cuda` GPU: all tenants share one CUDA context
+//! (one address space on the device), so a kernel may only ever see device pointers that
+//! this module produced from the issuing context's page tables. An operand that is not
+//! fully mapped (or is read-only but written) faults the channel before anything is issued.
+
+use vgpu_protocol::kernel::KernelArgs;
+use vgpu_protocol::method::Method;
+use vgpu_protocol::{ErrorCode, SemaphoreMode};
+
+use crate::kernels::{FaultKind, MemFault, MAX_RESIDENT_BYTES};
+
+/// One operation on a channel's stream. Addresses are device pointers (for the real
+/// device: unified virtual addresses of registered host memory or device memory).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Op {
+    /// A builtin kernel with pointer fields already translated.
+    Launch(KernelArgs),
+    /// An asynchronous copy of non-overlapping ranges.
+    Copy { dst: u64, src: u64, len: u64 },
+    /// Writes the GPU clock (host CLOCK_MONOTONIC scale) as u64 at `ptr`.
+    Timestamp { ptr: u64 },
+    /// A stream memory write of a 32-bit value (SEM_RELEASE).
+    WriteValue { ptr: u64, value: u32 },
+    /// A stream memory wait (SEM_ACQUIRE): the stream stalls on the GPU until satisfied.
+    WaitValue {
+        ptr: u64,
+        value: u32,
+        mode: SemaphoreMode,
+    },
+}
+
+/// What the front end does on the host once the entry's stream work has completed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostAction {
+    SetRef(u32),
+    Notify(u32),
+}
+
+/// One GP entry ready to issue.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Plan {
+    pub ops: Vec<Op>,
+    /// Applied in order when the entry completes.
+    pub host: Vec<HostAction>,
+    pub kernels: u64,
+    pub copies: u64,
+    /// The entry waits on a semaphore: the front end issues nothing after it until it
+    /// completes, so a stuck wait never has guest work queued behind it.
+    pub waits: bool,
+}
+
+/// Resolves a context's GPU virtual ranges to device pointers.
+pub trait Translate {
+    /// The device pointer of `va..va+len`, which must be mapped (writable if `write`) and
+    /// contiguous in device memory. `len` is at least 1.
+    fn device_range(&self, va: u64, len: u64, write: bool) -> Result<u64, MemFault>;
+    /// A per-channel device buffer of at least `len` bytes for memmove-style staging, or
+    /// `None` if it cannot be had.
+    fn scratch(&self, len: u64) -> Option<u64>;
+}
+
+/// Reads a launch's argument block from guest memory.
+pub type ArgReader<'a> = dyn FnMut(u64, &mut [u8]) -> Result<(), MemFault> + 'a;
+
+/// Why an entry cannot run: the channel faults with `code` and `info`.
+pub type PlanError = (ErrorCode, u64);
+
+fn fault(f: MemFault) -> PlanError {
+    (ErrorCode::MmuFault, f.va)
+}
+
+fn wrap(va: u64, write: bool) -> PlanError {
+    fault(MemFault {
+        va,
+        write,
+        kind: FaultKind::NotMapped,
+    })
+}
+
+/// `count` f32 elements from `base` in bytes, or the sim's wrap fault.
+fn f32_bytes(base: u64, count: u64, write: bool) -> Result<u64, PlanError> {
+    count.checked_mul(4).ok_or(wrap(base, write))
+}
+
+/// Translates one operand; empty operands need no memory and get pointer 0.
+fn operand(t: &dyn Translate, va: u64, len: u64, write: bool) -> Result<u64, PlanError> {
+    if len == 0 {
+        return Ok(0);
+    }
+    if va.checked_add(len).is_none() {
+        return Err(wrap(va, write));
+    }
+    t.device_range(va, len, write).map_err(fault)
+}
+
+fn overlaps(a: u64, b: u64, len: u64) -> bool {
+    a < b.saturating_add(len) && b < a.saturating_add(len)
+}
+
+/// memmove of `len` bytes between device pointers: one copy when the ranges are apart,
+/// else pieces staged through scratch in the order that reads every source byte before
+/// it can be overwritten (backwards when `dst > src`).
+fn memmove(
+    t: &dyn Translate,
+    ops: &mut Vec<Op>,
+    dst: u64,
+    src: u64,
+    len: u64,
+) -> Result<(), PlanError> {
+    if len == 0 || dst == src {
+        return Ok(());
+    }
+    if !overlaps(dst, src, len) {
+        ops.push(Op::Copy { dst, src, len });
+        return Ok(());
+    }
+    const STAGE: u64 = 64 << 20;
+    let piece = len.min(STAGE);
+    let scratch = t.scratch(piece).ok_or((ErrorCode::Internal, dst))?;
+    let pieces = len.div_ceil(piece);
+    for i in 0..pieces {
+        let idx = if dst > src { pieces - 1 - i } else { i };
+        let off = idx * piece;
+        let n = piece.min(len - off);
+        ops.push(Op::Copy {
+            dst: scratch,
+            src: src + off,
+            len: n,
+        });
+        ops.push(Op::Copy {
+            dst: dst + off,
+            src: scratch,
+            len: n,
+        });
+    }
+    Ok(())
+}
+
+/// Translates a launch's arguments, with the same footprints and limits as the sim's
+/// kernels (`crate::kernels`), so a launch faults on the cuda GPU exactly when it would
+/// on the sim.
+fn launch(t: &dyn Translate, args: KernelArgs, plan: &mut Plan) -> Result<(), PlanError> {
+    let too_large = |va| (ErrorCode::BadKernelArgs, va);
+    let resolved = match args {
+        KernelArgs::Empty | KernelArgs::Spin { .. } => args,
+        KernelArgs::Memset { dst, len, pattern } => KernelArgs::Memset {
+            dst: operand(t, dst, len, true)?,
+            len,
+            pattern,
+        },
+        KernelArgs::Memcpy { dst, src, len } => {
+            let s = operand(t, src, len, false)?;
+            let d = operand(t, dst, len, true)?;
+            plan.kernels += 1;
+            return memmove(t, &mut plan.ops, d, s, len);
+        }
+        KernelArgs::Saxpy { x, y, n, a } => {
+            let len = f32_bytes(x, n, false)?;
+            KernelArgs::Saxpy {
+                x: operand(t, x, len, false)?,
+                y: operand(t, y, len, true)?,
+                n,
+                a,
+            }
+        }
+        KernelArgs::Sgemm {
+            a,
+            b,
+            c,
+            m,
+            n,
+            k,
+            alpha,
+            beta,
+        } => {
+            let (m64, n64, k64) = (u64::from(m), u64::from(n), u64::from(k));
+            let b_len = (k64 * n64)
+                .checked_mul(4)
+                .filter(|&l| l <= MAX_RESIDENT_BYTES)
+                .ok_or(too_large(b))?;
+            let a_len = f32_bytes(a, m64 * k64, false)?;
+            let c_len = f32_bytes(c, m64 * n64, true)?;
+            KernelArgs::Sgemm {
+                a: operand(t, a, a_len, false)?,
+                b: operand(t, b, b_len, false)?,
+                c: operand(t, c, c_len, true)?,
+                m,
+                n,
+                k,
+                alpha,
+                beta,
+            }
+        }
+        KernelArgs::ReduceSum { src, n, dst } => {
+            let len = f32_bytes(src, n, false)?;
+            KernelArgs::ReduceSum {
+                src: operand(t, src, len, false)?,
+                n,
+                dst: operand(t, dst, 4, true)?,
+            }
+        }
+        KernelArgs::Checksum { src, len, dst } => KernelArgs::Checksum {
+            src: operand(t, src, len, false)?,
+            len,
+            dst: operand(t, dst, 8, true)?,
+        },
+        KernelArgs::Stencil2d {
+            src,
+            dst,
+            width,
+            height,
+            c_center,
+            c_neighbor,
+        } => {
+            let row = u64::from(width) * 4;
+            if row.saturating_mul(4) > MAX_RESIDENT_BYTES {
+                return Err(too_large(src));
+            }
+            let len = row.checked_mul(height.into()).ok_or(wrap(src, false))?;
+            let s = operand(t, src, len, false)?;
+            let d = operand(t, dst, len, true)?;
+            // Overlapping grids behave as if the source were copied first (as on the sim).
+            let s = if len > 0 && overlaps(s, d, len) {
+                let tmp = t.scratch(len).ok_or(too_large(src))?;
+                plan.ops.push(Op::Copy {
+                    dst: tmp,
+                    src: s,
+                    len,
+                });
+                tmp
+            } else {
+                s
+            };
+            KernelArgs::Stencil2d {
+                src: s,
+                dst: d,
+                width,
+                height,
+                c_center,
+                c_neighbor,
+            }
+        }
+        KernelArgs::Timestamp { dst } => {
+            plan.kernels += 1;
+            plan.ops.push(Op::Timestamp {
+                ptr: operand(t, dst, 8, true)?,
+            });
+            return Ok(());
+        }
+    };
+    plan.kernels += 1;
+    plan.ops.push(Op::Launch(resolved));
+    Ok(())
+}
+
+/// Plans one GP entry. `read_args` fetches a launch's argument block from guest memory.
+pub fn plan_entry(
+    methods: &[Method],
+    t: &dyn Translate,
+    read_args: &mut ArgReader<'_>,
+) -> Result<Plan, PlanError> {
+    let mut plan = Plan::default();
+    for &m in methods {
+        match m {
+            Method::Nop => {}
+            Method::SetRef { value } => plan.host.push(HostAction::SetRef(value)),
+            Method::Notify { token } => plan.host.push(HostAction::Notify(token)),
+            Method::SemRelease {
+                va,
+                value,
+                timestamp,
+            } => {
+                if timestamp {
+                    let at = va.checked_add(8).ok_or(wrap(va, true))?;
+                    plan.ops.push(Op::Timestamp {
+                        ptr: operand(t, at, 8, true)?,
+                    });
+                }
+                plan.ops.push(Op::WriteValue {
+                    ptr: operand(t, va, 4, true)?,
+                    value,
+                });
+            }
+            Method::SemAcquire { va, value, mode } => {
+                plan.ops.push(Op::WaitValue {
+                    ptr: operand(t, va, 4, false)?,
+                    value,
+                    mode,
+                });
+                plan.waits = true;
+            }
+            Method::Launch {
+                kernel,
+                args_va,
+                args_len,
+                ..
+            } => {
+                if args_len as usize != KernelArgs::encoded_len(kernel) {
+                    return Err((ErrorCode::BadKernelArgs, args_va));
+                }
+                let mut raw = [0u8; 64];
+                let raw = &mut raw[..args_len as usize];
+                read_args(args_va, raw).map_err(fault)?;
+                let args = KernelArgs::decode(kernel, raw)
+                    .map_err(|_| (ErrorCode::BadKernelArgs, args_va))?;
+                debug_assert_eq!(args.kernel(), kernel);
+                launch(t, args, &mut plan)?;
+            }
+            Method::Copy { src, dst, len } => {
+                let s = operand(t, src, len, false)?;
+                let d = operand(t, dst, len, true)?;
+                memmove(t, &mut plan.ops, d, s, len)?;
+                plan.copies += 1;
+            }
+        }
+    }
+    Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+    use vgpu_protocol::KernelId;
+
+    /// Two tenants' worth of mappings: `va..va+len` → device `dev..`, optionally read-only.
+    struct Fake {
+        maps: Vec<(u64, u64, u64, bool)>,
+        scratch: Cell<u64>,
+    }
+
+    impl Translate for Fake {
+        fn device_range(&self, va: u64, len: u64, write: bool) -> Result<u64, MemFault> {
+            for &(base, size, dev, ro) in &self.maps {
+                if va >= base && va + len <= base + size {
+                    if write && ro {
+                        return Err(MemFault {
+                            va,
+                            write,
+                            kind: FaultKind::ReadOnly,
+                        });
+                    }
+                    return Ok(dev + (va - base));
+                }
+            }
+            Err(MemFault {
+                va,
+                write,
+                kind: FaultKind::NotMapped,
+            })
+        }
+        fn scratch(&self, len: u64) -> Option<u64> {
+            self.scratch.set(len);
+            Some(0xdead_0000)
+        }
+    }
+
+    fn fake() -> Fake {
+        Fake {
+            maps: vec![
+                (0x10_0000, 0x10_0000, 0xa000_0000, false),
+                (0x40_0000, 0x1000, 0xb000_0000, true),
+            ],
+            scratch: Cell::new(0),
+        }
+    }
+
+    fn args_reader(args: KernelArgs) -> impl FnMut(u64, &mut [u8]) -> Result<(), MemFault> {
+        move |_va, buf: &mut [u8]| {
+            buf.copy_from_slice(&args.encode());
+            Ok(())
+        }
+    }
+
+    fn launch_of(args: KernelArgs) -> Method {
+        Method::Launch {
+            kernel: args.kernel(),
+            grid: [1, 1, 1],
+            args_va: 0x10_0000,
+            args_len: KernelArgs::encoded_len(args.kernel()) as u32,
+        }
+    }
+
+    #[test]
+    fn saxpy_pointers_are_translated() {
+        let args = KernelArgs::Saxpy {
+            x: 0x10_0000,
+            y: 0x10_8000,
+            n: 1024,
+            a: 2.0,
+        };
+        let p = plan_entry(&[launch_of(args)], &fake(), &mut args_reader(args)).unwrap();
+        assert_eq!(
+            p.ops,
+            vec![Op::Launch(KernelArgs::Saxpy {
+                x: 0xa000_0000,
+                y: 0xa000_8000,
+                n: 1024,
+                a: 2.0
+            })]
+        );
+        assert_eq!(p.kernels, 1);
+    }
+
+    #[test]
+    fn an_operand_reaching_past_the_mapping_faults_at_its_start() {
+        // y's last element lies one element past the mapping.
+        let args = KernelArgs::Saxpy {
+            x: 0x10_0000,
+            y: 0x1f_f000,
+            n: 1025,
+            a: 2.0,
+        };
+        let e = plan_entry(&[launch_of(args)], &fake(), &mut args_reader(args)).unwrap_err();
+        assert_eq!(e.0, ErrorCode::MmuFault);
+    }
+
+    #[test]
+    fn another_tenants_address_is_refused_and_nothing_is_planned() {
+        // 0x8000_0000 is mapped only in some other context, not in `fake()`.
+        let args = KernelArgs::Memset {
+            dst: 0x8000_0000,
+            len: 16,
+            pattern: 7,
+        };
+        let e = plan_entry(&[launch_of(args)], &fake(), &mut args_reader(args)).unwrap_err();
+        assert_eq!(e, (ErrorCode::MmuFault, 0x8000_0000));
+        let copy = Method::Copy {
+            src: 0x10_0000,
+            dst: 0x8000_0000,
+            len: 4,
+        };
+        let e = plan_entry(&[copy], &fake(), &mut args_reader(args)).unwrap_err();
+        assert_eq!(e, (ErrorCode::MmuFault, 0x8000_0000));
+    }
+
+    #[test]
+    fn writes_to_read_only_mappings_fault_but_reads_pass() {
+        let rel = Method::SemRelease {
+            va: 0x40_0000,
+            value: 1,
+            timestamp: false,
+        };
+        assert_eq!(
+            plan_entry(&[rel], &fake(), &mut args_reader(KernelArgs::Empty)).unwrap_err(),
+            (ErrorCode::MmuFault, 0x40_0000)
+        );
+        let acq = Method::SemAcquire {
+            va: 0x40_0000,
+            value: 3,
+            mode: SemaphoreMode::AtLeast,
+        };
+        let p = plan_entry(&[acq], &fake(), &mut args_reader(KernelArgs::Empty)).unwrap();
+        assert_eq!(
+            p.ops,
+            vec![Op::WaitValue {
+                ptr: 0xb000_0000,
+                value: 3,
+                mode: SemaphoreMode::AtLeast
+            }]
+        );
+        assert!(p.waits);
+    }
+
+    #[test]
+    fn release_with_timestamp_writes_the_clock_before_the_value() {
+        let rel = Method::SemRelease {
+            va: 0x10_0100,
+            value: 9,
+            timestamp: true,
+        };
+        let p = plan_entry(
+            &[
+                rel,
+                Method::SetRef { value: 5 },
+                Method::Notify { token: 2 },
+            ],
+            &fake(),
+            &mut args_reader(KernelArgs::Empty),
+        )
+        .unwrap();
+        assert_eq!(
+            p.ops,
+            vec![
+                Op::Timestamp { ptr: 0xa000_0108 },
+                Op::WriteValue {
+                    ptr: 0xa000_0100,
+                    value: 9
+                }
+            ]
+        );
+        assert_eq!(p.host, vec![HostAction::SetRef(5), HostAction::Notify(2)]);
+        assert!(!p.waits);
+    }
+
+    #[test]
+    fn overlapping_copies_are_staged_backwards_when_moving_up() {
+        let copy = Method::Copy {
+            src: 0x10_0000,
+            dst: 0x10_0004,
+            len: 0x100,
+        };
+        let f = fake();
+        let p = plan_entry(&[copy], &f, &mut args_reader(KernelArgs::Empty)).unwrap();
+        assert_eq!(
+            p.ops,
+            vec![
+                Op::Copy {
+                    dst: 0xdead_0000,
+                    src: 0xa000_0000,
+                    len: 0x100
+                },
+                Op::Copy {
+                    dst: 0xa000_0004,
+                    src: 0xdead_0000,
+                    len: 0x100
+                }
+            ]
+        );
+        assert_eq!(f.scratch.get(), 0x100);
+        assert_eq!(p.copies, 1);
+    }
+
+    #[test]
+    fn disjoint_copies_are_one_op_and_empty_ones_none() {
+        let f = fake();
+        let r = &mut args_reader(KernelArgs::Empty);
+        let copy = |len| Method::Copy {
+            src: 0x10_0000,
+            dst: 0x18_0000,
+            len,
+        };
+        let p = plan_entry(&[copy(0x1000)], &f, r).unwrap();
+        assert_eq!(
+            p.ops,
+            vec![Op::Copy {
+                dst: 0xa008_0000,
+                src: 0xa000_0000,
+                len: 0x1000
+            }]
+        );
+        // A zero-length copy names no memory at all, even at unmapped addresses.
+        let empty = Method::Copy {
+            src: 0x9999_0000,
+            dst: 0x8888_0000,
+            len: 0,
+        };
+        assert!(plan_entry(&[empty], &f, r).unwrap().ops.is_empty());
+    }
+
+    #[test]
+    fn sgemm_limits_match_the_sim() {
+        let args = KernelArgs::Sgemm {
+            a: 0x10_0000,
+            b: 0x10_0000,
+            c: 0x10_0000,
+            m: 1,
+            n: 8192,
+            k: 4096,
+            alpha: 1.0,
+            beta: 0.0,
+        };
+        let e = plan_entry(&[launch_of(args)], &fake(), &mut args_reader(args)).unwrap_err();
+        assert_eq!(e.0, ErrorCode::BadKernelArgs);
+    }
+
+    #[test]
+    fn in_place_stencil_reads_a_staged_copy() {
+        let args = KernelArgs::Stencil2d {
+            src: 0x10_0000,
+            dst: 0x10_0000,
+            width: 16,
+            height: 16,
+            c_center: 0.5,
+            c_neighbor: 0.125,
+        };
+        let p = plan_entry(&[launch_of(args)], &fake(), &mut args_reader(args)).unwrap();
+        assert_eq!(p.ops.len(), 2);
+        assert_eq!(
+            p.ops[0],
+            Op::Copy {
+                dst: 0xdead_0000,
+                src: 0xa000_0000,
+                len: 1024
+            }
+        );
+        assert!(matches!(
+            p.ops[1],
+            Op::Launch(KernelArgs::Stencil2d {
+                src: 0xdead_0000,
+                dst: 0xa000_0000,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn wrong_argument_length_is_refused() {
+        let m = Method::Launch {
+            kernel: KernelId::Saxpy,
+            grid: [1, 1, 1],
+            args_va: 0x10_0000,
+            args_len: 8,
+        };
+        let e = plan_entry(&[m], &fake(), &mut args_reader(KernelArgs::Empty)).unwrap_err();
+        assert_eq!(e, (ErrorCode::BadKernelArgs, 0x10_0000));
+    }
+}

@@ -1,0 +1,232 @@
+//! Cases every `cuda` GPU must pass, on the fake device (CI) and on a real GPU.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::kernels::{data, f32s, from_f32s, run_all, Mem, T};
+use super::{Proc, DATA_OFF, SYS_BASE, SYS_VA};
+use vgpu_host_shim::kernels::reference;
+use vgpu_host_shim::*;
+use vgpu_protocol::{ErrorCode, KernelArgs, Method, SemaphoreMode};
+
+pub const VRAM_VA: u64 = 0x30_0000_0000;
+
+pub fn every_kernel_on_system_memory<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+    let p = Proc::new(gpu, SYS_BASE);
+    let mut ch = p.channel(0);
+    let mem = Mem {
+        p: &p,
+        vram: None,
+        va: SYS_VA + DATA_OFF,
+    };
+    run_all(&mem, &mut ch);
+}
+
+pub fn every_kernel_on_vram<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+    let p = Proc::new(gpu, SYS_BASE);
+    let buf = gpu.alloc_vram(2 << 20, 2 << 20).unwrap();
+    gpu.map(
+        p.ctx,
+        VRAM_VA,
+        2 << 20,
+        MapTarget::Vram { offset: buf.offset },
+        PageSize::Huge2M,
+        MapFlags::default(),
+    )
+    .unwrap();
+    let mut ch = p.channel(0);
+    let mem = Mem {
+        p: &p,
+        vram: Some(buf.offset),
+        va: VRAM_VA,
+    };
+    run_all(&mem, &mut ch);
+}
+
+/// The guest's CPU view of VRAM (an mmap of `vram_fd`, as a VM's BAR aperture is) and
+/// the GPU agree both ways: a CPU store is read by a kernel, a kernel's store is seen by
+/// a CPU load, with no copy in between.
+pub fn cpu_view_of_vram_is_coherent<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+    let p = Proc::new(gpu, SYS_BASE);
+    let buf = gpu.alloc_vram(2 << 20, 2 << 20).unwrap();
+    gpu.map(
+        p.ctx,
+        VRAM_VA,
+        2 << 20,
+        MapTarget::Vram { offset: buf.offset },
+        PageSize::Huge2M,
+        MapFlags::default(),
+    )
+    .unwrap();
+    let fdr = gpu.vram_fd();
+    // SAFETY: a fresh shared mapping of the GPU's VRAM file, unmapped below.
+    let cpu = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            2 << 20,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fdr.fd,
+            (fdr.offset + buf.offset) as libc::off_t,
+        )
+    };
+    assert_ne!(cpu, libc::MAP_FAILED);
+    let cpu = cpu as *mut f32;
+    let x = data(4096, 11);
+    for (i, v) in x.iter().enumerate() {
+        // SAFETY: inside the 2 MiB mapping.
+        unsafe { cpu.add(i).write_volatile(*v) };
+    }
+    let mut ch = p.channel(0);
+    let m = ch.launch(&KernelArgs::ReduceSum {
+        src: VRAM_VA,
+        n: 4096,
+        dst: VRAM_VA + 0x10_0000,
+    });
+    ch.submit(&[m]);
+    ch.wait_idle(T).unwrap();
+    // SAFETY: inside the mapping; the kernel finished (GP_GET moved).
+    let got = unsafe { (cpu.add(0x10_0000 / 4) as *const f32).read_volatile() };
+    assert_eq!(got, reference::reduce_sum(&x));
+    // SAFETY: the mapping made above.
+    unsafe { libc::munmap(cpu as *mut libc::c_void, 2 << 20) };
+}
+
+/// A launch or copy naming another tenant's address faults the channel with an MMU
+/// error and changes nothing in the other tenant's memory.
+pub fn hostile_pointers_fault_and_change_nothing<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+    let victim = Proc::new(gpu, SYS_BASE);
+    let attacker = Proc::new(gpu, SYS_BASE + (64 << 20));
+    let vbuf = gpu.alloc_vram(2 << 20, 2 << 20).unwrap();
+    gpu.map(
+        victim.ctx,
+        VRAM_VA,
+        2 << 20,
+        MapTarget::Vram {
+            offset: vbuf.offset,
+        },
+        PageSize::Huge2M,
+        MapFlags::default(),
+    )
+    .unwrap();
+    let secret = vec![0x5au8; 4096];
+    gpu.vram_write(vbuf.offset, &secret).unwrap();
+    victim.poke(DATA_OFF, &secret);
+    // The attacker names the victim's VRAM VA (unmapped in its own context)...
+    let mut ch = attacker.channel(0);
+    let m = ch.launch(&KernelArgs::Memset {
+        dst: VRAM_VA,
+        len: 4096,
+        pattern: 0,
+    });
+    ch.submit(&[m]);
+    assert_eq!(ch.wait_idle(T), Err(ErrorCode::MmuFault));
+    assert_eq!(
+        gpu.channel_error(ch.id).unwrap(),
+        Some((ErrorCode::MmuFault, VRAM_VA))
+    );
+    // ...and a copy out of its own memory into an address past its mapping.
+    let mut ch2 = attacker.channel(1);
+    ch2.submit(&[Method::Copy {
+        src: SYS_VA + DATA_OFF,
+        dst: SYS_VA + (8 << 20) - 8,
+        len: 4096,
+    }]);
+    assert_eq!(ch2.wait_idle(T), Err(ErrorCode::MmuFault));
+    // Nothing changed on the victim's side, and the victim still works.
+    let mut back = vec![0u8; 4096];
+    gpu.vram_read(vbuf.offset, &mut back).unwrap();
+    assert_eq!(back, secret);
+    assert_eq!(victim.peek(DATA_OFF, 4096), secret);
+    let mut vch = victim.channel(0);
+    let m = vch.launch(&KernelArgs::Checksum {
+        src: VRAM_VA,
+        len: 4096,
+        dst: SYS_VA + DATA_OFF + 8192,
+    });
+    vch.submit(&[m]);
+    vch.wait_idle(T).unwrap();
+    let sum = u64::from_le_bytes(victim.peek(DATA_OFF + 8192, 8).try_into().unwrap());
+    assert_eq!(sum, reference::checksum(&secret));
+}
+
+/// SEM_ACQUIRE blocks its channel until another channel's SEM_RELEASE; REF, NOTIFY and
+/// GP_GET follow completion.
+pub fn semaphores_order_channels<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+    let p = Proc::new(gpu, SYS_BASE);
+    let sem = SYS_VA + DATA_OFF;
+    let out = SYS_VA + DATA_OFF + 0x1000;
+    p.poke(DATA_OFF, &0u32.to_le_bytes());
+    let mut waiter = p.channel(0);
+    let mut releaser = p.channel(1);
+    let m = waiter.launch(&KernelArgs::Memset {
+        dst: out,
+        len: 4,
+        pattern: 0x1234_5678,
+    });
+    waiter.submit(&[
+        Method::SemAcquire {
+            va: sem,
+            value: 7,
+            mode: SemaphoreMode::AtLeast,
+        },
+        m,
+        Method::SetRef { value: 42 },
+        Method::Notify { token: 9 },
+    ]);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(waiter.ctrl.load(vgpu_protocol::ControlPage::GP_GET), 0);
+    assert_eq!(p.peek(DATA_OFF + 0x1000, 4), vec![0; 4]);
+    let spin = releaser.launch(&KernelArgs::Spin { ns: 2_000_000 });
+    releaser.submit(&[
+        spin,
+        Method::SemRelease {
+            va: sem,
+            value: 7,
+            timestamp: true,
+        },
+    ]);
+    waiter.wait_idle(T).unwrap();
+    releaser.wait_idle(T).unwrap();
+    assert_eq!(p.peek(DATA_OFF + 0x1000, 4), 0x1234_5678u32.to_le_bytes());
+    assert_eq!(waiter.ctrl.load(vgpu_protocol::ControlPage::REF), 42);
+    assert_eq!(waiter.ctrl.load(vgpu_protocol::ControlPage::NOTIFY_SEQ), 1);
+    let ts = u64::from_le_bytes(p.peek(DATA_OFF + 8, 8).try_into().unwrap());
+    assert!(ts > 0 && ts <= vgpu_host_shim::clock::now_ns());
+    let ev = waiter.events.0.lock().unwrap().clone();
+    assert!(ev.contains(&GpuEvent::Notify {
+        channel: waiter.id,
+        token: 9
+    }));
+}
+
+/// Destroying a context with channels leaves no channel, and a busy channel's counters
+/// show its kernels.
+pub fn counters_and_teardown<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+    let p = Proc::new(gpu, SYS_BASE);
+    let mut ch = p.channel(0);
+    let x = data(1 << 16, 3);
+    p.poke(DATA_OFF, &f32s(&x));
+    for _ in 0..20 {
+        let m = ch.launch(&KernelArgs::Saxpy {
+            x: SYS_VA + DATA_OFF,
+            y: SYS_VA + DATA_OFF,
+            n: 1 << 16,
+            a: 0.5,
+        });
+        ch.submit(&[m]);
+    }
+    ch.wait_idle(T).unwrap();
+    let c = gpu.channel_counters(ch.id).unwrap();
+    assert_eq!(c.kernels, 20);
+    assert_eq!(c.gp_completed, 20);
+    assert!(c.busy_ns > 0);
+    let mut want = x.clone();
+    for _ in 0..20 {
+        let snapshot = want.clone();
+        reference::saxpy(0.5, &snapshot, &mut want);
+    }
+    assert_eq!(from_f32s(&p.peek(DATA_OFF, 1 << 18)), want);
+    gpu.destroy_context(p.ctx).unwrap();
+    assert!(gpu.channel_counters(ch.id).is_err());
+}

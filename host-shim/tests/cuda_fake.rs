@@ -1,0 +1,100 @@
+//! The whole `cuda` GPU (front end, planner, host registration) on the CPU fake device:
+//! runs in CI, where there is no GPU.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::cuda_cases::*;
+use vgpu_host_shim::cuda::{CudaConfig, FakeCudaGpu, FakeDevice};
+
+fn gpu() -> Arc<FakeCudaGpu> {
+    FakeCudaGpu::with_device(
+        Arc::new(FakeDevice::default()),
+        CudaConfig {
+            vram_bytes: 64 << 20,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+#[test]
+fn fake_every_kernel_on_system_memory() {
+    every_kernel_on_system_memory(&gpu());
+}
+
+#[test]
+fn fake_every_kernel_on_vram() {
+    every_kernel_on_vram(&gpu());
+}
+
+#[test]
+fn fake_cpu_view_of_vram_is_coherent() {
+    cpu_view_of_vram_is_coherent(&gpu());
+}
+
+#[test]
+fn fake_hostile_pointers_fault_and_change_nothing() {
+    hostile_pointers_fault_and_change_nothing(&gpu());
+}
+
+#[test]
+fn fake_semaphores_order_channels() {
+    semaphores_order_channels(&gpu());
+}
+
+#[test]
+fn fake_counters_and_teardown_unregister_memory() {
+    let g = gpu();
+    counters_and_teardown(&g);
+    // VRAM stays registered; the context's system memory is gone.
+    assert_eq!(g.registered_pieces(), 0);
+    assert_eq!(g.device().registered.lock().unwrap().len(), 1);
+}
+
+#[test]
+fn fake_dropping_the_gpu_unregisters_everything() {
+    let dev = Arc::new(FakeDevice::default());
+    let g = FakeCudaGpu::with_device(dev.clone(), CudaConfig::default()).unwrap();
+    every_kernel_on_vram(&g);
+    drop(g);
+    assert!(dev.registered.lock().unwrap().is_empty());
+}
+
+/// Unmapped system memory stops being registered at the next TLB invalidation, so a
+/// later allocation at the same address (other pages) gets a fresh registration.
+#[test]
+fn fake_unmapped_system_memory_is_unregistered_at_invalidate() {
+    use vgpu_host_shim::*;
+    let g = gpu();
+    let p = common::Proc::new(&g, common::SYS_BASE);
+    let before = g.registered_pieces();
+    g.map(
+        p.ctx,
+        0x50_0000_0000,
+        0x1_0000,
+        MapTarget::Sysram {
+            addr: common::SYS_BASE,
+        },
+        PageSize::Big64K,
+        MapFlags::default(),
+    )
+    .unwrap();
+    g.unmap(p.ctx, 0x50_0000_0000, 0x1_0000).unwrap();
+    // Still registered: the GPU may use the old translation until the invalidation.
+    let regs = g.device().registered.lock().unwrap().len();
+    g.invalidate_tlb(p.ctx).unwrap();
+    // The range is also under Proc's own mapping, so the piece survives; unmapping that
+    // one too drops it.
+    assert_eq!(g.device().registered.lock().unwrap().len(), regs);
+    g.unmap(p.ctx, common::SYS_VA, common::SYS_LEN as u64)
+        .unwrap();
+    g.invalidate_tlb(p.ctx).unwrap();
+    assert_eq!(g.registered_pieces(), before - 1);
+    assert_eq!(
+        g.device().registered.lock().unwrap().len(),
+        1,
+        "only VRAM is left"
+    );
+}
