@@ -25,6 +25,7 @@ use crate::hal::*;
 use crate::mmu::AddressSpace;
 use crate::shared_mem::SharedMem;
 use crate::vram::VramAllocator;
+use crate::vram_pool::{self, VramPool};
 
 /// Sizes and polling behaviour of a sim GPU.
 #[derive(Debug, Clone)]
@@ -135,7 +136,7 @@ pub struct SimStats {
 pub struct SimGpu {
     shared: Arc<Shared>,
     pages: Arc<ControlPages>,
-    vram_alloc: Mutex<VramAllocator>,
+    vram_alloc: VramPool,
     contexts: Mutex<HashMap<ContextId, Context>>,
     next_context: AtomicU32,
     next_channel: AtomicU32,
@@ -181,7 +182,7 @@ impl SimGpu {
         Ok(Arc::new(SimGpu {
             shared,
             pages,
-            vram_alloc: Mutex::new(VramAllocator::new(cfg.vram_bytes)),
+            vram_alloc: VramPool::new(cfg.vram_bytes),
             contexts: Mutex::new(HashMap::new()),
             next_context: AtomicU32::new(1),
             next_channel: AtomicU32::new(1),
@@ -194,7 +195,7 @@ impl SimGpu {
     }
 
     fn lock_vram(&self) -> std::sync::MutexGuard<'_, VramAllocator> {
-        self.vram_alloc.lock().unwrap_or_else(|e| e.into_inner())
+        self.vram_alloc.lock()
     }
 
     fn space(&self, ctx: ContextId) -> Result<Arc<AddressSpace>> {
@@ -340,51 +341,27 @@ impl Gpu for SimGpu {
     }
 
     fn alloc_vram(&self, size: u64, align: u64) -> Result<VramAlloc> {
-        if size == 0 || !align.is_power_of_two() {
-            return Err(HalError::InvalidArgument(
-                "VRAM size zero or alignment not a power of two",
-            ));
-        }
-        let (offset, size) = self
-            .lock_vram()
-            .alloc(size, align)
-            .ok_or(HalError::OutOfVram(size))?;
-        Ok(VramAlloc { offset, size })
+        self.vram_alloc.alloc(size, align)
     }
 
     fn free_vram(&self, offset: u64) -> Result<()> {
-        self.lock_vram()
-            .free(offset)
-            .map(|_| ())
-            .ok_or(HalError::NoAllocation(offset))
+        self.vram_alloc.free(offset)
     }
 
     fn vram_free_bytes(&self) -> u64 {
-        self.lock_vram().free_bytes()
+        self.vram_alloc.free_bytes()
     }
 
     fn vram_fd(&self) -> FdRange {
-        FdRange {
-            fd: self.shared.vram.fd(),
-            offset: 0,
-            len: self.shared.vram.len(),
-        }
+        vram_pool::fd_range(&self.shared.vram)
     }
 
     fn vram_read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        if self.shared.vram.read(offset, buf) {
-            Ok(())
-        } else {
-            Err(HalError::InvalidArgument("VRAM range out of bounds"))
-        }
+        vram_pool::read(&self.shared.vram, offset, buf)
     }
 
     fn vram_write(&self, offset: u64, buf: &[u8]) -> Result<()> {
-        if self.shared.vram.write(offset, buf) {
-            Ok(())
-        } else {
-            Err(HalError::InvalidArgument("VRAM range out of bounds"))
-        }
+        vram_pool::write(&self.shared.vram, offset, buf)
     }
 
     fn map(
