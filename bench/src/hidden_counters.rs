@@ -45,7 +45,7 @@ impl Gpu for HiddenCounters {
     fn vram_free_bytes(&self) -> u64 {
         self.inner.vram_free_bytes()
     }
-    fn vram_fd(&self) -> FdRange {
+    fn vram_fd(&self) -> Option<FdRange> {
         self.inner.vram_fd()
     }
     fn vram_read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {

@@ -21,11 +21,13 @@ pub enum CopyError {
 /// One address space plus the physical memories its pages can point at.
 pub struct GpuView<'a> {
     space: &'a AddressSpace,
-    vram: &'a SharedMem,
+    /// VRAM the host can reach through pointers; `None` when VRAM is device memory (the
+    /// `cuda` GPU), where VRAM targets fault.
+    vram: Option<&'a SharedMem>,
 }
 
 impl<'a> GpuView<'a> {
-    pub fn new(space: &'a AddressSpace, vram: &'a SharedMem) -> Self {
+    pub fn new(space: &'a AddressSpace, vram: Option<&'a SharedMem>) -> Self {
         GpuView { space, vram }
     }
 
@@ -41,7 +43,7 @@ impl<'a> GpuView<'a> {
         match t.target {
             MapTarget::Vram { offset } => self
                 .vram
-                .range_ptr(offset, n)
+                .and_then(|v| v.range_ptr(offset, n))
                 .map(|p| (p, n as usize))
                 .ok_or(fault(FaultKind::BadTarget)),
             MapTarget::Sysram { addr } => match self.space.sysmem().translate(addr, n) {

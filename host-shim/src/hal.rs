@@ -177,9 +177,12 @@ pub trait Gpu: Send + Sync {
     fn free_vram(&self, offset: u64) -> Result<()>;
     /// Bytes of VRAM not allocated.
     fn vram_free_bytes(&self) -> u64;
-    /// The whole of VRAM as a file range (for aperture mappings).
-    fn vram_fd(&self) -> FdRange;
-    /// Host reads and writes of VRAM (bounds-checked).
+    /// The whole of VRAM as a file range (for aperture mappings), or `None` when the CPU
+    /// cannot map this GPU's VRAM (device memory behind no user-mappable BAR): then guests
+    /// reach VRAM only through the GPU (copies), and `MAP_APERTURE` is unsupported.
+    fn vram_fd(&self) -> Option<FdRange>;
+    /// Host reads and writes of VRAM (bounds-checked). Allocated VRAM reads as zero until
+    /// written: a new allocation never shows what an earlier owner left there.
     fn vram_read(&self, offset: u64, buf: &mut [u8]) -> Result<()>;
     fn vram_write(&self, offset: u64, buf: &[u8]) -> Result<()>;
 

@@ -138,6 +138,29 @@ impl SharedMem {
         }
     }
 
+    /// Zeroes a range by returning its pages to the kernel (they read as zero and cost no
+    /// memory until written again); falls back to writing zeros where that fails.
+    pub fn discard(&self, offset: u64, len: u64) -> bool {
+        if self.range_ptr(offset, len).is_none() {
+            return false;
+        }
+        let (Ok(off), Ok(n)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
+            return self.zero(offset, len);
+        };
+        // SAFETY: fallocate on our own memfd inside its size; it changes no mapping, only
+        // the pages' contents (to zero), which any sharer may see at any time.
+        let r = unsafe {
+            libc::fallocate(
+                self.fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                off,
+                n,
+            )
+        };
+        // A hole punch leaves partial pages' bytes zeroed too, so only failure needs more.
+        r == 0 || self.zero(offset, len)
+    }
+
     /// The 32-bit word at `offset` as an atomic, for fields shared with other agents.
     pub fn atomic_u32(&self, offset: u64) -> Option<&AtomicU32> {
         if !offset.is_multiple_of(4) {

@@ -1,6 +1,5 @@
-//! The HAL's VRAM calls over a range allocator and a memfd region, as both GPUs (`sim`
-//! and `cuda`) serve them: one implementation of `alloc_vram`, `free_vram`,
-//! `vram_free_bytes`, `vram_fd`, `vram_read` and `vram_write`.
+//! The HAL's VRAM calls over a range allocator (both GPUs) and a memfd region (the `sim`;
+//! the `cuda` GPU's VRAM is device memory, see `cuda::vram`).
 
 use std::sync::{Mutex, MutexGuard};
 
@@ -52,13 +51,28 @@ impl VramPool {
     }
 }
 
+/// `Gpu::alloc_vram` from `pool` over `mem`: the range reads as zero.
+pub(crate) fn alloc_zeroed(
+    pool: &VramPool,
+    mem: &SharedMem,
+    size: u64,
+    align: u64,
+) -> Result<VramAlloc> {
+    let a = pool.alloc(size, align)?;
+    if !mem.discard(a.offset, a.size) {
+        let _ = pool.free(a.offset);
+        return Err(HalError::InvalidArgument("VRAM range out of bounds"));
+    }
+    Ok(a)
+}
+
 /// `Gpu::vram_fd` of VRAM backed by `mem`.
-pub(crate) fn fd_range(mem: &SharedMem) -> FdRange {
-    FdRange {
+pub(crate) fn fd_range(mem: &SharedMem) -> Option<FdRange> {
+    Some(FdRange {
         fd: mem.fd(),
         offset: 0,
         len: mem.len(),
-    }
+    })
 }
 
 /// `Gpu::vram_read` from `mem`.

@@ -45,9 +45,9 @@ fn gpu_every_kernel_on_vram() {
 }
 
 #[test]
-fn gpu_cpu_view_of_vram_is_coherent() {
+fn gpu_host_copies_and_kernels_agree_on_vram() {
     if let Some(g) = gpu() {
-        cpu_view_of_vram_is_coherent(&g);
+        host_copies_and_kernels_agree_on_vram(&g);
     }
 }
 

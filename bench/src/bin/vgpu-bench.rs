@@ -49,7 +49,7 @@ enum Suite {
         /// Timed runs of each workload per side (the best counts).
         #[arg(long)]
         reps: Option<u32>,
-        /// VRAM of the cuda GPU, MiB (pinned host memory).
+        /// VRAM of the cuda GPU, MiB (device memory).
         #[arg(long)]
         vram_mib: Option<u64>,
         /// Run on the CPU stand-in for the CUDA device (checks the plumbing without a GPU).

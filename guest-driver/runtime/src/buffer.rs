@@ -1,11 +1,18 @@
 //! `Buffer`: memory the GPU sees at a fixed virtual address and the CPU can read/write.
+//!
+//! The CPU reaches a buffer through the transport's mapping of it (guest RAM, or the VRAM
+//! aperture). On a GPU whose VRAM the CPU cannot map (the device answers `MAP_APERTURE`
+//! with `UNSUPPORTED`: the `cuda` GPU), VRAM buffers are read and written through the
+//! context's [`Stager`](crate::stage::Stager) instead: copy-engine DMA to and from a
+//! buffer in guest RAM, as `cudaMemcpy` does. The same calls work either way.
 
 use std::cell::OnceCell;
 use std::sync::Arc;
 
 use vgpu_protocol::mem::{MapFlags, PageSize};
+use vgpu_protocol::ErrorCode;
 
-use crate::context::CtxInner;
+use crate::context::{CtxInner, CtxLink};
 use crate::error::{Error, Result};
 use crate::transport::{CpuPtr, MemHandle, MemKind};
 
@@ -15,14 +22,23 @@ use crate::transport::{CpuPtr, MemHandle, MemKind};
 /// reference into GPU-visible memory is ever formed. Synchronise with the GPU (wait on a
 /// fence) before reading results or overwriting inputs of work in flight.
 pub struct Buffer {
-    ctx: Arc<CtxInner>,
+    ctx: CtxLink,
     mem: MemHandle,
     kind: MemKind,
     va: u64,
     len: u64,
     mapped: u64,
     page: PageSize,
-    cpu: OnceCell<CpuPtr>,
+    cpu: OnceCell<CpuAccess>,
+}
+
+/// How the CPU reaches a buffer's bytes.
+#[derive(Debug, Clone, Copy)]
+enum CpuAccess {
+    /// Through the transport's mapping.
+    Mapped(CpuPtr),
+    /// Through the copy engine (VRAM without a CPU view).
+    Staged,
 }
 
 impl std::fmt::Debug for Buffer {
@@ -36,7 +52,13 @@ impl std::fmt::Debug for Buffer {
 }
 
 impl Buffer {
-    pub(crate) fn new(ctx: Arc<CtxInner>, kind: MemKind, len: u64, page: PageSize) -> Result<Self> {
+    pub(crate) fn new(
+        inner: &Arc<CtxInner>,
+        ctx: CtxLink,
+        kind: MemKind,
+        len: u64,
+        page: PageSize,
+    ) -> Result<Self> {
         if len == 0 {
             return Err(Error::InvalidArgument("zero-sized buffer"));
         }
@@ -49,7 +71,10 @@ impl Buffer {
             .checked_add(p - 1)
             .map(|v| v & !(p - 1))
             .ok_or(Error::InvalidArgument("buffer too large"))?;
-        let va = ctx.va().alloc(mapped, page).ok_or(Error::OutOfVa(mapped))?;
+        let va = inner
+            .va()
+            .alloc(mapped, page)
+            .ok_or(Error::OutOfVa(mapped))?;
         let t = &ctx.transport;
         let mem = match kind {
             MemKind::Vram => t.alloc_vram(ctx.handle, mapped, p),
@@ -58,7 +83,7 @@ impl Buffer {
         let mem = match mem {
             Ok(m) => m,
             Err(e) => {
-                ctx.va().release(va, mapped, page);
+                inner.va().release(va, mapped, page);
                 return Err(e);
             }
         };
@@ -66,7 +91,7 @@ impl Buffer {
             if let Err(e2) = t.free_mem(ctx.handle, mem) {
                 log::warn!("freeing unmappable buffer: {e2}");
             }
-            ctx.va().release(va, mapped, page);
+            inner.va().release(va, mapped, page);
             return Err(e);
         }
         log::trace!("{kind:?} buffer {len:#x} bytes at {va:#x}");
@@ -105,8 +130,8 @@ impl Buffer {
         self.page
     }
 
-    /// Address of byte `offset`, checked so that `len` bytes from there stay inside.
-    fn at(&self, offset: u64, len: usize) -> Result<*mut u8> {
+    /// Checks that `len` bytes at `offset` lie inside the buffer.
+    fn check(&self, offset: u64, len: usize) -> Result<()> {
         let oob = || Error::OutOfBounds {
             offset,
             len: len as u64,
@@ -116,25 +141,61 @@ impl Buffer {
         if end > self.len {
             return Err(oob());
         }
-        let cpu = match self.cpu.get() {
-            Some(c) => *c,
-            None => {
-                let c = self.ctx.transport.cpu_map(self.ctx.handle, self.mem)?;
+        Ok(())
+    }
+
+    fn access(&self) -> Result<CpuAccess> {
+        if let Some(a) = self.cpu.get() {
+            return Ok(*a);
+        }
+        let a = match self.ctx.transport.cpu_map(self.ctx.handle, self.mem) {
+            Ok(c) => {
                 if (c.len() as u64) < self.len {
                     return Err(Error::InvalidArgument("transport CPU view too short"));
                 }
-                *self.cpu.get_or_init(|| c)
+                CpuAccess::Mapped(c)
             }
+            Err(e) if self.kind == MemKind::Vram && e.code() == ErrorCode::Unsupported => {
+                log::debug!("VRAM at {:#x} has no CPU view: staging", self.va);
+                CpuAccess::Staged
+            }
+            Err(e) => return Err(e),
         };
-        let off = usize::try_from(offset).map_err(|_| oob())?;
-        // SAFETY: `off + len <= self.len <= cpu.len()` (checked above), so the result
-        // stays inside the transport's mapping, which lives as long as `self.mem`.
-        Ok(unsafe { cpu.as_ptr().add(off) })
+        Ok(*self.cpu.get_or_init(|| a))
     }
 
-    /// Copies `data` into the buffer at byte `offset`.
+    /// Address of byte `offset` in the CPU mapping, or `None` if the buffer is staged.
+    fn at(&self, offset: u64, len: usize) -> Result<Option<*mut u8>> {
+        self.check(offset, len)?;
+        let cpu = match self.access()? {
+            CpuAccess::Mapped(c) => c,
+            CpuAccess::Staged => return Ok(None),
+        };
+        let off = usize::try_from(offset).map_err(|_| Error::InvalidArgument("offset"))?;
+        // SAFETY: `off + len <= self.len <= cpu.len()` (checked above), so the result
+        // stays inside the transport's mapping, which lives as long as `self.mem`.
+        Ok(Some(unsafe { cpu.as_ptr().add(off) }))
+    }
+
+    /// Whether the CPU reaches this buffer through the copy engine (no CPU view).
+    pub fn is_staged(&self) -> Result<bool> {
+        Ok(matches!(self.access()?, CpuAccess::Staged))
+    }
+
+    fn stager(&self) -> Result<Arc<CtxInner>> {
+        self.ctx
+            .inner()
+            .ok_or(Error::InvalidArgument("context is being destroyed"))
+    }
+
+    /// Copies `data` into the buffer at byte `offset`. On a staged buffer the bytes have
+    /// reached VRAM when this returns.
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
-        let dst = self.at(offset, data.len())?;
+        let Some(dst) = self.at(offset, data.len())? else {
+            return self
+                .stager()?
+                .with_stager(|s| s.write(self.va + offset, data));
+        };
         // SAFETY: `dst` has room for `data.len()` bytes (checked by `at`); `data` is a
         // Rust slice, which cannot overlap the transport's GPU mapping.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
@@ -143,7 +204,11 @@ impl Buffer {
 
     /// Copies bytes at `offset` into `out`.
     pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
-        let src = self.at(offset, out.len())?;
+        let Some(src) = self.at(offset, out.len())? else {
+            return self
+                .stager()?
+                .with_stager(|s| s.read(self.va + offset, out));
+        };
         // SAFETY: `src` has `out.len()` readable bytes (checked by `at`); `out` is a Rust
         // slice and cannot overlap the mapping.
         unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
@@ -153,7 +218,17 @@ impl Buffer {
     /// Fills `len` bytes at `offset` with `byte`.
     pub fn fill(&self, offset: u64, len: u64, byte: u8) -> Result<()> {
         let n = usize::try_from(len).map_err(|_| Error::InvalidArgument("fill too long"))?;
-        let dst = self.at(offset, n)?;
+        let Some(dst) = self.at(offset, n)? else {
+            // Pieces of a staging buffer's size at a time, not one huge vector.
+            let piece = vec![byte; n.min(crate::stage::PIECE)];
+            let mut done = 0usize;
+            while done < n {
+                let k = piece.len().min(n - done);
+                self.write(offset + done as u64, &piece[..k])?;
+                done += k;
+            }
+            return Ok(());
+        };
         // SAFETY: `dst` has room for `n` bytes (checked by `at`).
         unsafe { std::ptr::write_bytes(dst, byte, n) };
         Ok(())
@@ -169,7 +244,10 @@ impl Buffer {
             .len()
             .checked_mul(4)
             .ok_or(Error::InvalidArgument("slice too long"))?;
-        let dst = self.at(offset, bytes)?;
+        let Some(dst) = self.at(offset, bytes)? else {
+            let raw: Vec<u8> = data.iter().flat_map(|&v| enc(v)).collect();
+            return self.write(offset, &raw);
+        };
         for (i, &v) in data.iter().enumerate() {
             // SAFETY: element `i` lies inside the `bytes` checked by `at`; unaligned
             // writes are used because `offset` need not be 4-aligned.
@@ -183,7 +261,14 @@ impl Buffer {
             .len()
             .checked_mul(4)
             .ok_or(Error::InvalidArgument("slice too long"))?;
-        let src = self.at(offset, bytes)?;
+        let Some(src) = self.at(offset, bytes)? else {
+            let mut raw = vec![0u8; bytes];
+            self.read(offset, &mut raw)?;
+            for (o, c) in out.iter_mut().zip(raw.chunks_exact(4)) {
+                *o = dec([c[0], c[1], c[2], c[3]]);
+            }
+            return Ok(());
+        };
         for (i, o) in out.iter_mut().enumerate() {
             // SAFETY: element `i` lies inside the `bytes` checked by `at`.
             *o = dec(unsafe { src.add(i * 4).cast::<[u8; 4]>().read_unaligned() });
@@ -242,6 +327,9 @@ impl Drop for Buffer {
         if let Err(e) = t.free_mem(h, self.mem) {
             log::warn!("freeing buffer at {:#x}: {e}", self.va);
         }
-        self.ctx.va().release(self.va, self.mapped, self.page);
+        // A context tearing down its own stager releases its whole VA space anyway.
+        if let Some(c) = self.ctx.inner() {
+            c.va().release(self.va, self.mapped, self.page);
+        }
     }
 }

@@ -15,11 +15,11 @@ use vgpu_protocol::{ErrorCode, GpEntry, KernelArgs, KernelId, Method, SemaphoreM
 
 use crate::arena::{Alloc, RingArena};
 use crate::buffer::Buffer;
-use crate::context::{Context, CtxInner};
+use crate::context::{page_for, Context, CtxInner, CtxLink};
 use crate::control::ControlView;
 use crate::error::{Error, Result};
 use crate::pushbuf::PushBuffer;
-use crate::transport::ChanHandle;
+use crate::transport::{ChanHandle, MemKind};
 use crate::wait::poll_until;
 
 /// Sizes of a channel's ring and arenas.
@@ -65,7 +65,7 @@ const SETUP_ALIGN: u64 = 4096;
 
 /// A command-submission channel.
 pub struct Channel {
-    ctx: Arc<CtxInner>,
+    ctx: CtxLink,
     handle: ChanHandle,
     control: ControlView,
     /// GP ring, push-buffer arena and argument arena, in that order.
@@ -130,6 +130,15 @@ fn alloc_wait(arena: &mut RingArena, control: &ControlView, len: u64, align: u64
 
 impl Channel {
     pub(crate) fn new(ctx: &Context, opts: ChannelOptions) -> Result<Self> {
+        Self::with_link(ctx.inner(), CtxLink::keeping(ctx.inner()), opts)
+    }
+
+    /// A channel in `inner` that reaches it through `link` (see [`CtxLink`]).
+    pub(crate) fn with_link(
+        inner: &Arc<CtxInner>,
+        link: CtxLink,
+        opts: ChannelOptions,
+    ) -> Result<Self> {
         if !valid_gp_entries(opts.gp_entries) {
             return Err(Error::InvalidArgument(
                 "GP ring size must be a power of two in range",
@@ -153,8 +162,7 @@ impl Channel {
         let total = arg_base
             .checked_add(opts.arg_bytes)
             .ok_or(Error::InvalidArgument("arena too large"))?;
-        let mem = ctx.alloc_host(total)?;
-        let inner = ctx.inner().clone();
+        let mem = Buffer::new(inner, link.clone(), MemKind::Host, total, page_for(total))?;
         let desc = inner
             .transport
             .create_channel(inner.handle, mem.gpu_va(), opts.gp_entries)?;
@@ -180,7 +188,7 @@ impl Channel {
             opts.gp_entries
         );
         Ok(Channel {
-            ctx: inner,
+            ctx: link,
             handle: desc.handle,
             control,
             mem,

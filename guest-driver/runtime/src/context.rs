@@ -1,12 +1,13 @@
 //! `Context`: one GPU address space and the allocations and channels living in it.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use vgpu_protocol::mem::PageSize;
 
 use crate::buffer::Buffer;
 use crate::channel::{Channel, ChannelOptions};
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::stage::Stager;
 use crate::transport::{CtxHandle, DeviceInfo, MemKind, Transport};
 use crate::va::VaSpace;
 
@@ -15,16 +16,80 @@ pub(crate) struct CtxInner {
     pub(crate) transport: Arc<dyn Transport>,
     pub(crate) handle: CtxHandle,
     va: Mutex<VaSpace>,
+    /// The copy channel and guest-RAM buffer that move bytes to and from VRAM the CPU
+    /// cannot map ([`Stager`]), made on first need.
+    stager: Mutex<Option<Stager>>,
 }
 
 impl CtxInner {
     pub(crate) fn va(&self) -> MutexGuard<'_, VaSpace> {
         self.va.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// Runs `f` with this context's stager, making it first if needed.
+    pub(crate) fn with_stager<T>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&mut Stager) -> Result<T>,
+    ) -> Result<T> {
+        let mut guard = self.stager.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.is_none() {
+            *guard = Some(Stager::new(self)?);
+        }
+        match guard.as_mut() {
+            Some(s) => f(s),
+            None => Err(Error::InvalidArgument("no stager")),
+        }
+    }
+}
+
+/// How a buffer or channel reaches its context. Objects the application holds keep the
+/// context alive; the context's own objects (its stager) must not, or it would never be
+/// dropped: they hold a weak reference and are torn down first when it goes.
+#[derive(Clone)]
+pub(crate) struct CtxLink {
+    pub(crate) transport: Arc<dyn Transport>,
+    pub(crate) handle: CtxHandle,
+    owner: Owner,
+}
+
+#[derive(Clone)]
+enum Owner {
+    Keeps(Arc<CtxInner>),
+    OwnedBy(Weak<CtxInner>),
+}
+
+impl CtxLink {
+    /// A link that keeps `ctx` alive.
+    pub(crate) fn keeping(ctx: &Arc<CtxInner>) -> Self {
+        CtxLink {
+            transport: ctx.transport.clone(),
+            handle: ctx.handle,
+            owner: Owner::Keeps(ctx.clone()),
+        }
+    }
+
+    /// A link for an object `ctx` owns itself.
+    pub(crate) fn owned_by(ctx: &Arc<CtxInner>) -> Self {
+        CtxLink {
+            transport: ctx.transport.clone(),
+            handle: ctx.handle,
+            owner: Owner::OwnedBy(Arc::downgrade(ctx)),
+        }
+    }
+
+    /// The context, unless it is being torn down.
+    pub(crate) fn inner(&self) -> Option<Arc<CtxInner>> {
+        match &self.owner {
+            Owner::Keeps(c) => Some(c.clone()),
+            Owner::OwnedBy(w) => w.upgrade(),
+        }
+    }
 }
 
 impl Drop for CtxInner {
     fn drop(&mut self) {
+        // The stager's channel and buffer go while the context still exists.
+        drop(self.stager.lock().unwrap_or_else(|p| p.into_inner()).take());
         if let Err(e) = self.transport.destroy_context(self.handle) {
             log::warn!("destroying context {}: {e}", self.handle.0);
         }
@@ -51,7 +116,7 @@ pub const BIG_PAGE_THRESHOLD: u64 = 64 << 10;
 /// Buffers at least this large use 2 MiB GPU pages: fewer translations per byte moved.
 pub const HUGE_PAGE_THRESHOLD: u64 = 2 << 20;
 
-fn page_for(bytes: u64) -> PageSize {
+pub(crate) fn page_for(bytes: u64) -> PageSize {
     if bytes >= HUGE_PAGE_THRESHOLD {
         PageSize::Huge2M
     } else if bytes >= BIG_PAGE_THRESHOLD {
@@ -75,6 +140,7 @@ impl Context {
                 transport,
                 handle,
                 va: Mutex::new(VaSpace::default()),
+                stager: Mutex::new(None),
             }),
         })
     }
@@ -89,17 +155,35 @@ impl Context {
 
     /// Allocates `bytes` of VRAM mapped into this address space.
     pub fn alloc_vram(&self, bytes: u64) -> Result<Buffer> {
-        Buffer::new(self.inner.clone(), MemKind::Vram, bytes, page_for(bytes))
+        Buffer::new(
+            &self.inner,
+            CtxLink::keeping(&self.inner),
+            MemKind::Vram,
+            bytes,
+            page_for(bytes),
+        )
     }
 
     /// Allocates `bytes` of zeroed host memory mapped into this address space.
     pub fn alloc_host(&self, bytes: u64) -> Result<Buffer> {
-        Buffer::new(self.inner.clone(), MemKind::Host, bytes, page_for(bytes))
+        Buffer::new(
+            &self.inner,
+            CtxLink::keeping(&self.inner),
+            MemKind::Host,
+            bytes,
+            page_for(bytes),
+        )
     }
 
     /// Allocates a buffer of either kind.
     pub fn alloc(&self, kind: MemKind, bytes: u64) -> Result<Buffer> {
-        Buffer::new(self.inner.clone(), kind, bytes, page_for(bytes))
+        Buffer::new(
+            &self.inner,
+            CtxLink::keeping(&self.inner),
+            kind,
+            bytes,
+            page_for(bytes),
+        )
     }
 
     /// Creates a channel with the default ring and arena sizes.

@@ -35,6 +35,7 @@ pub mod mmap;
 #[cfg(feature = "native")]
 mod native;
 mod pushbuf;
+mod stage;
 mod transport;
 mod va;
 mod wait;

@@ -13,7 +13,7 @@ use vgpu_host_shim::hal::{
     ChannelConfig, ChannelId, ContextId, EventSink, Gpu, GpuEvent, HostRange, MapFlags, MapTarget,
     PageSize, SysMemory, VramAlloc,
 };
-use vgpu_protocol::PAGE_SIZE;
+use vgpu_protocol::{ErrorCode, PAGE_SIZE};
 
 use crate::error::{Error, Result};
 use crate::mmap::Mmap;
@@ -280,6 +280,8 @@ impl Transport for NativeTransport {
             Backing::Host { map } => Ok(cpu_ptr(map)),
             Backing::Vram { alloc, cpu } => {
                 if cpu.is_none() {
+                    // A GPU without a CPU view of VRAM: the buffer stages through copies.
+                    let vram = vram.ok_or(Error::Device(ErrorCode::Unsupported))?;
                     let offset = vram
                         .offset
                         .checked_add(alloc.offset)

@@ -29,7 +29,8 @@ pub struct ChanHandle(pub u64);
 /// Where an allocation lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MemKind {
-    /// GPU memory; CPU access goes through an aperture mapping.
+    /// GPU memory; CPU access goes through an aperture mapping, or through copies where
+    /// the CPU cannot map VRAM (see `Buffer`).
     Vram,
     /// System memory the GPU reaches through its MMU (SYSRAM target).
     Host,

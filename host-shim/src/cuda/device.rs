@@ -9,7 +9,7 @@ use super::plan::Op;
 ///
 /// Pointers in ops are device pointers the front end obtained from [`Device::register_host`]
 /// memory (unified addressing: the device pointer equals the host pointer) or from
-/// [`Device::alloc_scratch`].
+/// [`Device::alloc_device`] (VRAM and staging).
 pub trait Device: Send + Sync + 'static {
     type Stream: Send + Sync;
     /// A point in a stream: done once everything issued before it has completed.
@@ -19,9 +19,28 @@ pub trait Device: Send + Sync + 'static {
     /// Makes host memory reachable by the device at the same address.
     fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), DeviceError>;
     fn unregister_host(&self, ptr: *mut u8) -> Result<(), DeviceError>;
-    /// Device memory for staging (never visible to guests).
-    fn alloc_scratch(&self, len: u64) -> Result<u64, DeviceError>;
-    fn free_scratch(&self, ptr: u64);
+    /// Device memory: the VRAM pool and channels' staging buffers.
+    fn alloc_device(&self, len: u64) -> Result<u64, DeviceError>;
+    fn free_device(&self, ptr: u64);
+    /// Copies `len` bytes of device memory at `src` to host memory at `dst`, and returns
+    /// when they have arrived. Ordered after nothing: callers make sure no stream writes
+    /// the range meanwhile.
+    ///
+    /// # Safety
+    /// `dst` must be valid for `len` bytes of writes and `src..src+len` device memory.
+    unsafe fn copy_to_host(&self, dst: *mut u8, src: u64, len: usize) -> Result<(), DeviceError>;
+    /// Copies host memory at `src` into device memory at `dst`; returns when done.
+    ///
+    /// # Safety
+    /// `src` must be valid for `len` bytes of reads and `dst..dst+len` device memory.
+    unsafe fn copy_from_host(
+        &self,
+        dst: u64,
+        src: *const u8,
+        len: usize,
+    ) -> Result<(), DeviceError>;
+    /// Sets `len` bytes of device memory at `dst` to zero; returns when done.
+    fn zero_device(&self, dst: u64, len: usize) -> Result<(), DeviceError>;
 
     fn create_stream(&self) -> Result<Self::Stream, DeviceError>;
     /// Enqueues one operation; it runs after everything issued earlier on `s`.

@@ -69,6 +69,9 @@ pub struct CudaDevice {
     calibrated_at: AtomicU64,
     /// The calibration's stream and 8-byte device buffer.
     calib: Mutex<Option<(CudaStream, u64)>>,
+    /// The stream of host↔VRAM copies (eviction, swap-in, zeroing), created on first use;
+    /// non-blocking, so they wait for no channel's work.
+    host_copies: Mutex<Option<CudaStream>>,
     events: EventPool,
 }
 
@@ -200,6 +203,7 @@ impl CudaDevice {
                 clock_offset: AtomicU64::new(0),
                 calibrated_at: AtomicU64::new(0),
                 calib: Mutex::new(None),
+                host_copies: Mutex::new(None),
                 events: Arc::new(Mutex::new(Vec::new())),
             };
             d.calibrate_clock()?;
@@ -222,13 +226,37 @@ impl CudaDevice {
         check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx) })
     }
 
+    /// Runs `f` on the host-copy stream and waits for it.
+    fn on_copy_stream(
+        &self,
+        call: &'static str,
+        f: impl FnOnce(sys::CUstream) -> sys::CUresult,
+    ) -> Result<(), DeviceError> {
+        self.current()?;
+        let mut guard = self.host_copies.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.is_none() {
+            *guard = Some(self.create_stream()?);
+        }
+        let Some(s) = guard.as_ref() else {
+            return Err(DeviceError::Driver {
+                call,
+                code: "no copy stream".into(),
+            });
+        };
+        check(call, f(s.0))?;
+        // SAFETY: `s` is a live stream.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(s.0)
+        })
+    }
+
     /// Measures %globaltimer − CLOCK_MONOTONIC from the tightest of several round trips.
     /// The two clocks drift apart by a few µs per second (measured on the H200: ~180 µs
     /// after 30 s), so timestamps re-measure it when it is older than a second.
     fn calibrate_clock(&self) -> Result<(), DeviceError> {
         let mut cal = self.calib.lock().unwrap_or_else(|e| e.into_inner());
         if cal.is_none() {
-            *cal = Some((self.create_stream()?, self.alloc_scratch(8)?));
+            *cal = Some((self.create_stream()?, self.alloc_device(8)?));
         }
         let Some((s, dev)) = cal.as_ref() else {
             return Ok(());
@@ -450,7 +478,7 @@ impl Device for CudaDevice {
         })
     }
 
-    fn alloc_scratch(&self, len: u64) -> Result<u64, DeviceError> {
+    fn alloc_device(&self, len: u64) -> Result<u64, DeviceError> {
         self.current()?;
         let mut p = 0;
         // SAFETY: valid out-pointer.
@@ -460,12 +488,39 @@ impl Device for CudaDevice {
         Ok(p)
     }
 
-    fn free_scratch(&self, ptr: u64) {
+    fn free_device(&self, ptr: u64) {
         if self.current().is_ok() {
             // SAFETY: `ptr` came from cuMemAlloc and no queued work uses it any more
             // (callers free scratch only after draining the stream that used it).
             unsafe { sys::cuMemFree_v2(ptr) };
         }
+    }
+
+    unsafe fn copy_to_host(&self, dst: *mut u8, src: u64, len: usize) -> Result<(), DeviceError> {
+        // SAFETY: the caller names `len` bytes of device memory at `src` and `len` writable
+        // host bytes at `dst`; the copy is complete when `on_copy_stream` returns.
+        self.on_copy_stream("cuMemcpyDtoHAsync", |s| unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, len, s)
+        })
+    }
+
+    unsafe fn copy_from_host(
+        &self,
+        dst: u64,
+        src: *const u8,
+        len: usize,
+    ) -> Result<(), DeviceError> {
+        // SAFETY: as in `copy_to_host`, the other way round.
+        self.on_copy_stream("cuMemcpyHtoDAsync", |s| unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, len, s)
+        })
+    }
+
+    fn zero_device(&self, dst: u64, len: usize) -> Result<(), DeviceError> {
+        // SAFETY: the caller names `len` bytes of device memory at `dst`.
+        self.on_copy_stream("cuMemsetD8Async", |s| unsafe {
+            sys::cuMemsetD8Async(dst, 0, len, s)
+        })
     }
 
     fn create_stream(&self) -> Result<CudaStream, DeviceError> {

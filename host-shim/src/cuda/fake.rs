@@ -80,7 +80,7 @@ pub struct FakeMark {
 #[derive(Default)]
 pub struct FakeDevice {
     pub log: FakeLog,
-    /// Bytes of scratch handed out (leaked on purpose: tests are short).
+    /// Device memory handed out (VRAM and staging), freed by `free_device`.
     scratch: Mutex<Vec<Vec<u8>>>,
     pub registered: Mutex<Vec<(usize, usize)>>,
 }
@@ -182,7 +182,7 @@ impl Device for FakeDevice {
         Ok(())
     }
 
-    fn alloc_scratch(&self, len: u64) -> Result<u64, DeviceError> {
+    fn alloc_device(&self, len: u64) -> Result<u64, DeviceError> {
         let buf = vec![0u8; len.max(1) as usize];
         let p = buf.as_ptr() as u64;
         self.scratch
@@ -192,11 +192,35 @@ impl Device for FakeDevice {
         Ok(p)
     }
 
-    fn free_scratch(&self, ptr: u64) {
+    fn free_device(&self, ptr: u64) {
         self.scratch
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .retain(|b| b.as_ptr() as u64 != ptr);
+    }
+
+    unsafe fn copy_to_host(&self, dst: *mut u8, src: u64, len: usize) -> Result<(), DeviceError> {
+        // SAFETY: the caller names `len` bytes of device memory (host memory here) at `src`
+        // and `len` writable host bytes at `dst`.
+        unsafe { std::ptr::copy(src as *const u8, dst, len) };
+        Ok(())
+    }
+
+    unsafe fn copy_from_host(
+        &self,
+        dst: u64,
+        src: *const u8,
+        len: usize,
+    ) -> Result<(), DeviceError> {
+        // SAFETY: as in `copy_to_host`, the other way round.
+        unsafe { std::ptr::copy(src, dst as *mut u8, len) };
+        Ok(())
+    }
+
+    fn zero_device(&self, dst: u64, len: usize) -> Result<(), DeviceError> {
+        // SAFETY: the caller names `len` bytes of device memory at `dst`.
+        unsafe { std::ptr::write_bytes(dst as *mut u8, 0, len) };
+        Ok(())
     }
 
     fn create_stream(&self) -> Result<FakeStream, DeviceError> {

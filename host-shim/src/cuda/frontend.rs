@@ -17,13 +17,13 @@ use super::channel::{CudaChannel, Inflight};
 use super::device::Device;
 use super::plan::{plan_entry, HostAction, Translate};
 use super::timeline::Timeline;
+use super::vram::DeviceVram;
 use super::Shared;
 use crate::clock::{now_ns, thread_cpu_ns};
 use crate::gpu_view::GpuView;
 use crate::hal::MapTarget;
 use crate::kernels::{FaultKind, KernelMemory, MemFault};
 use crate::mmu::{AddressSpace, TranslateError};
-use crate::shared_mem::SharedMem;
 
 /// GP entries issued since the last mark.
 struct Batch<M> {
@@ -36,11 +36,11 @@ struct Batch<M> {
 }
 
 /// Resolves a context's ranges through its page tables to registered host memory.
-pub struct CtxTranslate<'a, D: Device> {
-    pub space: &'a AddressSpace,
-    pub vram: &'a SharedMem,
-    pub dev: &'a D,
-    pub scratch: &'a mut Option<(u64, u64)>,
+pub(crate) struct CtxTranslate<'a, D: Device> {
+    pub(crate) space: &'a AddressSpace,
+    pub(crate) vram: &'a DeviceVram,
+    pub(crate) dev: &'a D,
+    pub(crate) scratch: &'a mut Option<(u64, u64)>,
 }
 
 fn mem_fault(va: u64, write: bool, kind: FaultKind) -> MemFault {
@@ -56,11 +56,7 @@ impl<D: Device> CtxTranslate<'_, D> {
         let n = len.min(t.contiguous);
         let bad = || mem_fault(va, write, FaultKind::BadTarget);
         match t.target {
-            MapTarget::Vram { offset } => self
-                .vram
-                .range_ptr(offset, n)
-                .map(|p| (p as u64, n))
-                .ok_or_else(bad),
+            MapTarget::Vram { offset } => self.vram.ptr(offset, n).map(|p| (p, n)).ok_or_else(bad),
             MapTarget::Sysram { addr } => match self.space.sysmem().translate(addr, n) {
                 Some(r) if r.len > 0 && !r.ptr.is_null() => {
                     Ok((r.ptr as u64, (r.len as u64).min(n)))
@@ -72,20 +68,19 @@ impl<D: Device> CtxTranslate<'_, D> {
 }
 
 impl<D: Device> Translate for std::cell::RefCell<CtxTranslate<'_, D>> {
-    fn device_range(&self, va: u64, len: u64, write: bool) -> Result<u64, MemFault> {
+    fn runs(&self, va: u64, len: u64, write: bool) -> Result<Vec<(u64, u64)>, MemFault> {
         let me = self.borrow();
-        let (first, mut got) = me.run(va, len, write)?;
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        let mut got = 0;
         while got < len {
-            let at = va + got;
-            let (p, n) = me.run(at, len - got, write)?;
-            if p != first + got {
-                // The operand is mapped but not contiguous in memory: kernels take flat
-                // pointers, so this faults where the discontinuity starts.
-                return Err(mem_fault(at, write, FaultKind::BadTarget));
+            let (p, n) = me.run(va + got, len - got, write)?;
+            match out.last_mut() {
+                Some(last) if last.0 + last.1 == p => last.1 += n,
+                _ => out.push((p, n)),
             }
             got += n;
         }
-        Ok(first)
+        Ok(out)
     }
 
     fn scratch(&self, len: u64) -> Option<u64> {
@@ -102,7 +97,7 @@ impl<D: Device> Translate for std::cell::RefCell<CtxTranslate<'_, D>> {
         // The old buffer may still be used by queued work: keep it (freed with the
         // channel) rather than free it under the GPU. Growth is rare and bounded.
         let size = len.next_power_of_two().max(1 << 20);
-        let p = me.dev.alloc_scratch(size).ok()?;
+        let p = me.dev.alloc_device(size).ok()?;
         if let Some((old, _)) = me.scratch.replace((p, size)) {
             log::debug!("cuda: channel scratch grows to {size} bytes (old {old:#x} kept)");
         }
@@ -119,7 +114,7 @@ impl<D: Device> CudaChannel<D> {
     pub fn step(
         &self,
         dev: &D,
-        vram: &SharedMem,
+        vram: &DeviceVram,
         old_scratch: &mut Vec<u64>,
         tl: &mut Option<Timeline<D>>,
         limits: (u32, usize),
@@ -191,7 +186,7 @@ impl<D: Device> CudaChannel<D> {
     fn issue_new(
         &self,
         dev: &D,
-        vram: &SharedMem,
+        vram: &DeviceVram,
         old_scratch: &mut Vec<u64>,
         (batch_limit, max_inflight): (u32, usize),
     ) -> Result<bool, (ErrorCode, u64)> {
@@ -228,7 +223,7 @@ impl<D: Device> CudaChannel<D> {
     fn issue_batch(
         &self,
         dev: &D,
-        vram: &SharedMem,
+        vram: &DeviceVram,
         old_scratch: &mut Vec<u64>,
         st: &mut super::channel::ChanState<D>,
         batch: &mut Option<Batch<D::Mark>>,
@@ -251,7 +246,7 @@ impl<D: Device> CudaChannel<D> {
                 // work that had not run yet (as the sim reports it).
                 return Err((ErrorCode::BadGpEntry, put as u64));
             }
-            let methods = self.fetch(vram, st.fetched)?;
+            let methods = self.fetch(st.fetched)?;
             let scratch_before = st.scratch;
             let plan = {
                 let tr = std::cell::RefCell::new(CtxTranslate {
@@ -260,7 +255,7 @@ impl<D: Device> CudaChannel<D> {
                     dev,
                     scratch: &mut st.scratch,
                 });
-                let mut view = GpuView::new(&self.space, vram);
+                let mut view = GpuView::new(&self.space, None);
                 let mut read = |va, buf: &mut [u8]| view.read(va, buf);
                 plan_entry(&methods, &tr, &mut read)?
             };
@@ -314,12 +309,10 @@ impl<D: Device> CudaChannel<D> {
     }
 
     /// Reads and decodes GP entry `seq` and its push buffer from guest memory.
-    fn fetch(
-        &self,
-        vram: &SharedMem,
-        seq: u32,
-    ) -> Result<Vec<vgpu_protocol::Method>, (ErrorCode, u64)> {
-        let mut view = GpuView::new(&self.space, vram);
+    /// Rings and push buffers must be in system memory: the front end cannot read VRAM
+    /// (device memory) without a copy, so an entry there faults the channel.
+    fn fetch(&self, seq: u32) -> Result<Vec<vgpu_protocol::Method>, (ErrorCode, u64)> {
+        let mut view = GpuView::new(&self.space, None);
         let index = (seq % self.cfg.gp_entries) as u64;
         let entry_va = self.cfg.gp_ring_va + index * GP_ENTRY_SIZE as u64;
         let mut raw = [0u8; GP_ENTRY_SIZE];

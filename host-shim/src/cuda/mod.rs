@@ -7,12 +7,12 @@
 //! Memory. The GPU's page tables are the same software MMU the sim uses
 //! ([`crate::mmu::AddressSpace`]): every LAUNCH/COPY/semaphore address is translated and
 //! checked through the issuing context's mappings when the entry is planned
-//! ([`plan`]), and the kernels receive only the resulting flat pointers. VRAM is a memfd
-//! (the aperture the backend maps into VMs' BARs) registered with the driver, so the guest's
-//! CPU view and the GPU's view are the same bytes: a CPU store is seen by a later kernel
-//! and a kernel's result by a later CPU load, with no copies (the GPU reaches that memory
-//! over PCIe/C2C). System-memory targets (guest RAM) are registered when mapped. See
-//! `docs/architecture.md` ("The cuda GPU") for why VRAM is not device memory yet.
+//! ([`plan`]), and the kernels receive only the resulting flat pointers. VRAM is device
+//! memory ([`vram`]); the CPU cannot map it, so the HAL offers no aperture file and guests
+//! move bytes in and out with the copy engine (the runtime stages through guest RAM, as
+//! `cudaMemcpy` does). System-memory targets (guest RAM, swapped VRAM chunks) are
+//! registered with the driver when mapped, so kernels reach them over PCIe/C2C. See
+//! `docs/architecture.md` ("The cuda GPU").
 //!
 //! Isolation: one CUDA context for all tenants, with checked pointer arguments.
 
@@ -25,6 +25,7 @@ mod frontend;
 mod hostreg;
 pub mod plan;
 pub mod timeline;
+mod vram;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -42,17 +43,17 @@ pub use self::driver::CudaDevice;
 pub use self::error::DeviceError;
 pub use self::fake::FakeDevice;
 use self::hostreg::HostRegistry;
+use self::vram::DeviceVram;
 use crate::hal::*;
 use crate::mmu::AddressSpace;
-use crate::shared_mem::SharedMem;
 use crate::sim::control_pages::ControlPages;
 use crate::vram::VramAllocator;
-use crate::vram_pool::{self, VramPool};
+use crate::vram_pool::VramPool;
 
 /// Sizes and polling behaviour of a `cuda` GPU.
 #[derive(Debug, Clone)]
 pub struct CudaConfig {
-    /// Bytes of VRAM (pinned host memory, see the module docs).
+    /// Bytes of VRAM (device memory, allocated at start).
     pub vram_bytes: u64,
     pub max_channels: u32,
     pub max_contexts: u32,
@@ -90,7 +91,7 @@ impl Default for CudaConfig {
 pub(crate) struct Shared<D: Device> {
     cfg: CudaConfig,
     dev: Arc<D>,
-    vram: SharedMem,
+    vram: DeviceVram,
     channels: RwLock<BTreeMap<ChannelId, Arc<CudaChannel<D>>>>,
     gen: AtomicU64,
     shutdown: AtomicBool,
@@ -175,15 +176,10 @@ impl<D: Device> CudaGpuOf<D> {
                 "cuda needs at least one channel and 1 MiB of VRAM",
             ));
         }
-        let vram = SharedMem::new("vgpu-cuda-vram", cfg.vram_bytes).map_err(os_err)?;
-        let ptr = vram
-            .range_ptr(0, vram.len())
-            .ok_or(HalError::Os("VRAM mapping".into()))?;
         let t0 = Instant::now();
-        dev.register_host(ptr, vram.len() as usize)
-            .map_err(os_err)?;
+        let vram = DeviceVram::new(&*dev, cfg.vram_bytes)?;
         log::info!(
-            "cuda: {} MiB of VRAM registered in {:?}",
+            "cuda: {} MiB of VRAM in device memory, allocated in {:?}",
             vram.len() >> 20,
             t0.elapsed()
         );
@@ -324,7 +320,7 @@ impl<D: Device> CudaGpuOf<D> {
         if drained.is_ok() {
             for c in removed {
                 if let Some((p, _)) = c.lock().scratch.take() {
-                    self.shared.dev.free_scratch(p);
+                    self.shared.dev.free_device(p);
                 }
             }
         }
@@ -424,19 +420,13 @@ impl<D: Device> Drop for CudaGpuOf<D> {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner()),
         ) {
-            self.shared.dev.free_scratch(p);
+            self.shared.dev.free_device(p);
         }
         self.hostreg
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .release(&*self.shared.dev, |_| true);
-        // The memfd is unmapped right after this; a registration left behind would make
-        // the next mapping at the same address unregistrable.
-        if let Some(p) = self.shared.vram.range_ptr(0, self.shared.vram.len()) {
-            if let Err(e) = self.shared.dev.unregister_host(p) {
-                log::warn!("cuda: unregistering VRAM: {e}");
-            }
-        }
+        self.shared.vram.free(&*self.shared.dev);
     }
 }
 
@@ -497,7 +487,14 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
     }
 
     fn alloc_vram(&self, size: u64, align: u64) -> Result<VramAlloc> {
-        self.vram_alloc.alloc(size, align)
+        let a = self.vram_alloc.alloc(size, align)?;
+        if let Err(e) = self.shared.vram.zero(&*self.shared.dev, a.offset, a.size) {
+            if let Err(e2) = self.vram_alloc.free(a.offset) {
+                log::warn!("cuda: undoing a VRAM allocation: {e2}");
+            }
+            return Err(e);
+        }
+        Ok(a)
     }
 
     fn free_vram(&self, offset: u64) -> Result<()> {
@@ -508,16 +505,16 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
         self.vram_alloc.free_bytes()
     }
 
-    fn vram_fd(&self) -> FdRange {
-        vram_pool::fd_range(&self.shared.vram)
+    fn vram_fd(&self) -> Option<FdRange> {
+        None
     }
 
     fn vram_read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        vram_pool::read(&self.shared.vram, offset, buf)
+        self.shared.vram.read(&*self.shared.dev, offset, buf)
     }
 
     fn vram_write(&self, offset: u64, buf: &[u8]) -> Result<()> {
-        vram_pool::write(&self.shared.vram, offset, buf)
+        self.shared.vram.write(&*self.shared.dev, offset, buf)
     }
 
     fn map(

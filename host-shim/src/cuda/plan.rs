@@ -54,11 +54,14 @@ pub struct Plan {
 
 /// Resolves a context's GPU virtual ranges to device pointers.
 pub trait Translate {
-    /// The device pointer of `va..va+len`, which must be mapped (writable if `write`) and
-    /// contiguous in device memory. `len` is at least 1.
-    fn device_range(&self, va: u64, len: u64, write: bool) -> Result<u64, MemFault>;
-    /// A per-channel device buffer of at least `len` bytes for memmove-style staging, or
-    /// `None` if it cannot be had.
+    /// The device pieces behind `va..va+len`, in address order (adjacent pieces merged),
+    /// which must all be mapped (writable if `write`). `len` is at least 1. One piece when
+    /// the range is contiguous in device memory; several when its chunks lie apart (VRAM
+    /// allocated piecewise, chunks swapped to host memory).
+    fn runs(&self, va: u64, len: u64, write: bool) -> Result<Vec<(u64, u64)>, MemFault>;
+    /// A per-channel device buffer of at least `len` bytes for staging, or `None` if it
+    /// cannot be had. Every call may return the same buffer: one entry's users must ask
+    /// once for all they need.
     fn scratch(&self, len: u64) -> Option<u64>;
 }
 
@@ -85,15 +88,115 @@ fn f32_bytes(base: u64, count: u64, write: bool) -> Result<u64, PlanError> {
     count.checked_mul(4).ok_or(wrap(base, write))
 }
 
-/// Translates one operand; empty operands need no memory and get pointer 0.
-fn operand(t: &dyn Translate, va: u64, len: u64, write: bool) -> Result<u64, PlanError> {
+/// The pieces of one operand; empty operands have none.
+fn pieces(t: &dyn Translate, va: u64, len: u64, write: bool) -> Result<Vec<(u64, u64)>, PlanError> {
     if len == 0 {
-        return Ok(0);
+        return Ok(Vec::new());
     }
     if va.checked_add(len).is_none() {
         return Err(wrap(va, write));
     }
-    t.device_range(va, len, write).map_err(fault)
+    t.runs(va, len, write).map_err(fault)
+}
+
+/// Translates an operand that must be contiguous (semaphores, timestamps); empty ones get
+/// pointer 0.
+fn operand(t: &dyn Translate, va: u64, len: u64, write: bool) -> Result<u64, PlanError> {
+    match pieces(t, va, len, write)?.as_slice() {
+        [] => Ok(0),
+        [(p, _)] => Ok(*p),
+        [_, (p, _), ..] => Err(fault(MemFault {
+            va: va.saturating_add(len.min(*p)),
+            write,
+            kind: FaultKind::BadTarget,
+        })),
+    }
+}
+
+/// Alignment of bounce regions in scratch.
+const BOUNCE_ALIGN: u64 = 256;
+
+/// A launch's operands. Kernels take flat pointers, so an operand whose memory is in
+/// several pieces is *bounced*: gathered into the channel's scratch before the kernel and,
+/// if the kernel writes it, scattered back after it (all on the channel's stream, so in
+/// order). Resolution runs twice: once to measure the scratch needed, once with it.
+struct Operands<'a> {
+    t: &'a dyn Translate,
+    /// Scratch base in the second pass; `None` while measuring.
+    base: Option<u64>,
+    used: u64,
+    pre: Vec<Op>,
+    post: Vec<Op>,
+    /// GPU VA ranges of operands: (va, len, bounced).
+    seen: Vec<(u64, u64, bool)>,
+}
+
+impl<'a> Operands<'a> {
+    fn new(t: &'a dyn Translate, base: Option<u64>) -> Self {
+        Operands {
+            t,
+            base,
+            used: 0,
+            pre: Vec::new(),
+            post: Vec::new(),
+            seen: Vec::new(),
+        }
+    }
+
+    /// `len` bytes of scratch (a placeholder while measuring).
+    fn take(&mut self, len: u64) -> u64 {
+        let off = self.used.next_multiple_of(BOUNCE_ALIGN);
+        self.used = off + len;
+        self.base.map_or(0, |b| b + off)
+    }
+
+    fn operand(&mut self, va: u64, len: u64, write: bool) -> Result<u64, PlanError> {
+        let runs = pieces(self.t, va, len, write)?;
+        match runs.as_slice() {
+            [] => return Ok(0),
+            [(p, _)] => {
+                self.seen.push((va, len, false));
+                return Ok(*p);
+            }
+            _ => {}
+        }
+        let p = self.take(len);
+        let mut off = 0;
+        for (ptr, n) in runs {
+            self.pre.push(Op::Copy {
+                dst: p + off,
+                src: ptr,
+                len: n,
+            });
+            if write {
+                self.post.push(Op::Copy {
+                    dst: ptr,
+                    src: p + off,
+                    len: n,
+                });
+            }
+            off += n;
+        }
+        self.seen.push((va, len, true));
+        Ok(p)
+    }
+
+    /// A bounced operand overlapping another operand would see (or leave) a different
+    /// copy of the same bytes: such a launch faults rather than compute something else.
+    fn check_overlaps(&self) -> Result<(), PlanError> {
+        for (i, &(va, len, bounced)) in self.seen.iter().enumerate() {
+            for &(vb, lb, bb) in &self.seen[i + 1..] {
+                if (bounced || bb) && va < vb.saturating_add(lb) && vb < va.saturating_add(len) {
+                    return Err(fault(MemFault {
+                        va: va.max(vb),
+                        write: true,
+                        kind: FaultKind::BadTarget,
+                    }));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 fn overlaps(a: u64, b: u64, len: u64) -> bool {
@@ -139,29 +242,116 @@ fn memmove(
     Ok(())
 }
 
+/// Copies between the pieces of two ranges of equal total length, pairwise.
+fn zip_copies(ops: &mut Vec<Op>, dst: &[(u64, u64)], src: &[(u64, u64)]) {
+    let (mut di, mut si) = (dst.iter().copied(), src.iter().copied());
+    let (mut d, mut s) = (di.next(), si.next());
+    while let (Some((dp, dn)), Some((sp, sn))) = (d, s) {
+        let n = dn.min(sn);
+        ops.push(Op::Copy {
+            dst: dp,
+            src: sp,
+            len: n,
+        });
+        d = if dn > n {
+            Some((dp + n, dn - n))
+        } else {
+            di.next()
+        };
+        s = if sn > n {
+            Some((sp + n, sn - n))
+        } else {
+            si.next()
+        };
+    }
+}
+
+/// A memmove of `len` bytes between GPU virtual ranges (COPY, the memcpy kernel):
+/// contiguous operands move directly; pieces pair up; overlapping pieced ranges go through
+/// scratch whole (every source byte is read before any is written).
+fn copy_va(
+    t: &dyn Translate,
+    ops: &mut Vec<Op>,
+    dst: u64,
+    src: u64,
+    len: u64,
+) -> Result<(), PlanError> {
+    let sr = pieces(t, src, len, false)?;
+    let dr = pieces(t, dst, len, true)?;
+    match (sr.as_slice(), dr.as_slice()) {
+        ([], _) | (_, []) => Ok(()),
+        ([(s, _)], [(d, _)]) => memmove(t, ops, *d, *s, len),
+        _ if !overlaps(dst, src, len) => {
+            zip_copies(ops, &dr, &sr);
+            Ok(())
+        }
+        _ => {
+            let tmp = t.scratch(len).ok_or((ErrorCode::BadKernelArgs, src))?;
+            zip_copies(ops, &[(tmp, len)], &sr);
+            zip_copies(ops, &dr, &[(tmp, len)]);
+            Ok(())
+        }
+    }
+}
+
 /// Translates a launch's arguments, with the same footprints and limits as the sim's
 /// kernels (`crate::kernels`), so a launch faults on the cuda GPU exactly when it would
 /// on the sim.
 fn launch(t: &dyn Translate, args: KernelArgs, plan: &mut Plan) -> Result<(), PlanError> {
+    match args {
+        KernelArgs::Memcpy { dst, src, len } => {
+            plan.kernels += 1;
+            return copy_va(t, &mut plan.ops, dst, src, len);
+        }
+        KernelArgs::Timestamp { dst } => {
+            plan.kernels += 1;
+            plan.ops.push(Op::Timestamp {
+                ptr: operand(t, dst, 8, true)?,
+            });
+            return Ok(());
+        }
+        _ => {}
+    }
+    let mut ops = Operands::new(t, None);
+    let mut resolved = resolve(&mut ops, args)?;
+    if ops.used > 0 {
+        let need = ops.used;
+        let base = t.scratch(need).ok_or((
+            ErrorCode::BadKernelArgs,
+            ops.seen.first().map_or(0, |s| s.0),
+        ))?;
+        ops = Operands::new(t, Some(base));
+        resolved = resolve(&mut ops, args)?;
+        if ops.used > need {
+            return Err((ErrorCode::Internal, 0));
+        }
+    }
+    ops.check_overlaps()?;
+    plan.kernels += 1;
+    plan.ops.append(&mut ops.pre);
+    plan.ops.push(Op::Launch(resolved));
+    plan.ops.append(&mut ops.post);
+    Ok(())
+}
+
+/// The launch's arguments with every pointer field resolved through `o`.
+fn resolve(o: &mut Operands<'_>, args: KernelArgs) -> Result<KernelArgs, PlanError> {
     let too_large = |va| (ErrorCode::BadKernelArgs, va);
-    let resolved = match args {
-        KernelArgs::Empty | KernelArgs::Spin { .. } => args,
+    Ok(match args {
+        KernelArgs::Empty
+        | KernelArgs::Spin { .. }
+        | KernelArgs::Memcpy { .. }
+        | KernelArgs::Timestamp { .. } => args,
         KernelArgs::Memset { dst, len, pattern } => KernelArgs::Memset {
-            dst: operand(t, dst, len, true)?,
+            dst: o.operand(dst, len, true)?,
             len,
             pattern,
         },
-        KernelArgs::Memcpy { dst, src, len } => {
-            let s = operand(t, src, len, false)?;
-            let d = operand(t, dst, len, true)?;
-            plan.kernels += 1;
-            return memmove(t, &mut plan.ops, d, s, len);
-        }
         KernelArgs::Saxpy { x, y, n, a } => {
             let len = f32_bytes(x, n, false)?;
             KernelArgs::Saxpy {
-                x: operand(t, x, len, false)?,
-                y: operand(t, y, len, true)?,
+                x: o.operand(x, len, false)?,
+                y: o.operand(y, len, true)?,
                 n,
                 a,
             }
@@ -184,9 +374,9 @@ fn launch(t: &dyn Translate, args: KernelArgs, plan: &mut Plan) -> Result<(), Pl
             let a_len = f32_bytes(a, m64 * k64, false)?;
             let c_len = f32_bytes(c, m64 * n64, true)?;
             KernelArgs::Sgemm {
-                a: operand(t, a, a_len, false)?,
-                b: operand(t, b, b_len, false)?,
-                c: operand(t, c, c_len, true)?,
+                a: o.operand(a, a_len, false)?,
+                b: o.operand(b, b_len, false)?,
+                c: o.operand(c, c_len, true)?,
                 m,
                 n,
                 k,
@@ -197,15 +387,15 @@ fn launch(t: &dyn Translate, args: KernelArgs, plan: &mut Plan) -> Result<(), Pl
         KernelArgs::ReduceSum { src, n, dst } => {
             let len = f32_bytes(src, n, false)?;
             KernelArgs::ReduceSum {
-                src: operand(t, src, len, false)?,
+                src: o.operand(src, len, false)?,
                 n,
-                dst: operand(t, dst, 4, true)?,
+                dst: o.operand(dst, 4, true)?,
             }
         }
         KernelArgs::Checksum { src, len, dst } => KernelArgs::Checksum {
-            src: operand(t, src, len, false)?,
+            src: o.operand(src, len, false)?,
             len,
-            dst: operand(t, dst, 8, true)?,
+            dst: o.operand(dst, 8, true)?,
         },
         KernelArgs::Stencil2d {
             src,
@@ -220,12 +410,12 @@ fn launch(t: &dyn Translate, args: KernelArgs, plan: &mut Plan) -> Result<(), Pl
                 return Err(too_large(src));
             }
             let len = row.checked_mul(height.into()).ok_or(wrap(src, false))?;
-            let s = operand(t, src, len, false)?;
-            let d = operand(t, dst, len, true)?;
+            let s = o.operand(src, len, false)?;
+            let d = o.operand(dst, len, true)?;
             // Overlapping grids behave as if the source were copied first (as on the sim).
             let s = if len > 0 && overlaps(s, d, len) {
-                let tmp = t.scratch(len).ok_or(too_large(src))?;
-                plan.ops.push(Op::Copy {
+                let tmp = o.take(len);
+                o.pre.push(Op::Copy {
                     dst: tmp,
                     src: s,
                     len,
@@ -243,17 +433,7 @@ fn launch(t: &dyn Translate, args: KernelArgs, plan: &mut Plan) -> Result<(), Pl
                 c_neighbor,
             }
         }
-        KernelArgs::Timestamp { dst } => {
-            plan.kernels += 1;
-            plan.ops.push(Op::Timestamp {
-                ptr: operand(t, dst, 8, true)?,
-            });
-            return Ok(());
-        }
-    };
-    plan.kernels += 1;
-    plan.ops.push(Op::Launch(resolved));
-    Ok(())
+    })
 }
 
 /// Plans one GP entry. `read_args` fetches a launch's argument block from guest memory.
@@ -310,9 +490,7 @@ pub fn plan_entry(
                 launch(t, args, &mut plan)?;
             }
             Method::Copy { src, dst, len } => {
-                let s = operand(t, src, len, false)?;
-                let d = operand(t, dst, len, true)?;
-                memmove(t, &mut plan.ops, d, s, len)?;
+                copy_va(t, &mut plan.ops, dst, src, len)?;
                 plan.copies += 1;
             }
         }
@@ -333,24 +511,35 @@ mod tests {
     }
 
     impl Translate for Fake {
-        fn device_range(&self, va: u64, len: u64, write: bool) -> Result<u64, MemFault> {
-            for &(base, size, dev, ro) in &self.maps {
-                if va >= base && va + len <= base + size {
-                    if write && ro {
-                        return Err(MemFault {
-                            va,
-                            write,
-                            kind: FaultKind::ReadOnly,
-                        });
-                    }
-                    return Ok(dev + (va - base));
+        fn runs(&self, va: u64, len: u64, write: bool) -> Result<Vec<(u64, u64)>, MemFault> {
+            let mut out: Vec<(u64, u64)> = Vec::new();
+            let mut at = va;
+            while at < va + len {
+                let &(base, size, dev, ro) = self
+                    .maps
+                    .iter()
+                    .find(|m| at >= m.0 && at < m.0 + m.1)
+                    .ok_or(MemFault {
+                        va: at,
+                        write,
+                        kind: FaultKind::NotMapped,
+                    })?;
+                if write && ro {
+                    return Err(MemFault {
+                        va: at,
+                        write,
+                        kind: FaultKind::ReadOnly,
+                    });
                 }
+                let n = (base + size - at).min(va + len - at);
+                let p = dev + (at - base);
+                match out.last_mut() {
+                    Some(last) if last.0 + last.1 == p => last.1 += n,
+                    _ => out.push((p, n)),
+                }
+                at += n;
             }
-            Err(MemFault {
-                va,
-                write,
-                kind: FaultKind::NotMapped,
-            })
+            Ok(out)
         }
         fn scratch(&self, len: u64) -> Option<u64> {
             self.scratch.set(len);
@@ -607,5 +796,102 @@ mod tests {
         };
         let e = plan_entry(&[m], &fake(), &mut args_reader(KernelArgs::Empty)).unwrap_err();
         assert_eq!(e, (ErrorCode::BadKernelArgs, 0x10_0000));
+    }
+
+    /// A buffer whose two halves lie apart in device memory (chunks allocated apart, or
+    /// one swapped to host memory), and a contiguous one.
+    fn split() -> Fake {
+        Fake {
+            maps: vec![
+                (0x10_0000, 0x1000, 0xa000_0000, false),
+                (0x10_1000, 0x1000, 0xc000_0000, false),
+                (0x20_0000, 0x2000, 0xd000_0000, false),
+                (0x40_0000, 0x1000, 0xb000_0000, true),
+            ],
+            scratch: Cell::new(0),
+        }
+    }
+
+    #[test]
+    fn a_pieced_operand_is_bounced_through_scratch() {
+        // y (written) is pieced: gathered before the kernel and scattered back after it.
+        let args = KernelArgs::Saxpy {
+            x: 0x20_0000,
+            y: 0x10_0000,
+            n: 2048,
+            a: 2.0,
+        };
+        let t = split();
+        let p = plan_entry(&[launch_of(args)], &t, &mut args_reader(args)).unwrap();
+        let s = 0xdead_0000;
+        assert_eq!(
+            p.ops,
+            vec![
+                Op::Copy {
+                    dst: s,
+                    src: 0xa000_0000,
+                    len: 0x1000
+                },
+                Op::Copy {
+                    dst: s + 0x1000,
+                    src: 0xc000_0000,
+                    len: 0x1000
+                },
+                Op::Launch(KernelArgs::Saxpy {
+                    x: 0xd000_0000,
+                    y: s,
+                    n: 2048,
+                    a: 2.0,
+                }),
+                Op::Copy {
+                    dst: 0xa000_0000,
+                    src: s,
+                    len: 0x1000
+                },
+                Op::Copy {
+                    dst: 0xc000_0000,
+                    src: s + 0x1000,
+                    len: 0x1000
+                },
+            ]
+        );
+        assert_eq!(t.scratch.get(), 0x2000);
+    }
+
+    #[test]
+    fn a_bounced_operand_overlapping_another_faults() {
+        let args = KernelArgs::Saxpy {
+            x: 0x10_0800,
+            y: 0x10_0000,
+            n: 1024,
+            a: 2.0,
+        };
+        let e = plan_entry(&[launch_of(args)], &split(), &mut args_reader(args)).unwrap_err();
+        assert_eq!(e.0, ErrorCode::MmuFault);
+    }
+
+    #[test]
+    fn copies_between_pieced_ranges_pair_their_pieces() {
+        let m = Method::Copy {
+            src: 0x10_0000,
+            dst: 0x20_0800,
+            len: 0x1800,
+        };
+        let p = plan_entry(&[m], &split(), &mut args_reader(KernelArgs::Empty)).unwrap();
+        assert_eq!(
+            p.ops,
+            vec![
+                Op::Copy {
+                    dst: 0xd000_0800,
+                    src: 0xa000_0000,
+                    len: 0x1000
+                },
+                Op::Copy {
+                    dst: 0xd000_1800,
+                    src: 0xc000_0000,
+                    len: 0x800
+                },
+            ]
+        );
     }
 }

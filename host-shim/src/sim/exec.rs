@@ -85,7 +85,7 @@ pub fn host_prefix(ch: &SimChannel, vram: &SharedMem, item: &mut WorkItem) -> St
 
 /// Reads and decodes GP entry number `get` of the channel's ring and its push buffer.
 pub fn fetch(ch: &SimChannel, vram: &SharedMem, get: u32) -> Result<WorkItem, (ErrorCode, u64)> {
-    let mut view = GpuView::new(&ch.space, vram);
+    let mut view = GpuView::new(&ch.space, Some(vram));
     let index = (get % ch.cfg.gp_entries) as u64;
     let entry_va = ch.cfg.gp_ring_va + index * GP_ENTRY_SIZE as u64;
     let mut raw = [0u8; GP_ENTRY_SIZE];
@@ -106,7 +106,7 @@ pub fn fetch(ch: &SimChannel, vram: &SharedMem, get: u32) -> Result<WorkItem, (E
 
 /// Runs `item` from its current method until it finishes, stalls, starts a spin or fails.
 pub fn run(ch: &SimChannel, vram: &SharedMem, item: &mut WorkItem, abort: &AtomicBool) -> Step {
-    let mut view = GpuView::new(&ch.space, vram);
+    let mut view = GpuView::new(&ch.space, Some(vram));
     while let Some(&m) = item.methods.get(item.pc) {
         if ch.is_stopped() || abort.load(Ordering::Relaxed) {
             return Step::Aborted;

@@ -341,7 +341,7 @@ impl Gpu for SimGpu {
     }
 
     fn alloc_vram(&self, size: u64, align: u64) -> Result<VramAlloc> {
-        self.vram_alloc.alloc(size, align)
+        vram_pool::alloc_zeroed(&self.vram_alloc, &self.shared.vram, size, align)
     }
 
     fn free_vram(&self, offset: u64) -> Result<()> {
@@ -352,7 +352,7 @@ impl Gpu for SimGpu {
         self.vram_alloc.free_bytes()
     }
 
-    fn vram_fd(&self) -> FdRange {
+    fn vram_fd(&self) -> Option<FdRange> {
         vram_pool::fd_range(&self.shared.vram)
     }
 

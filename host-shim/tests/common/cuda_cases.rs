@@ -43,10 +43,15 @@ pub fn every_kernel_on_vram<G: Gpu + ?Sized>(gpu: &Arc<G>) {
     run_all(&mem, &mut ch);
 }
 
-/// The guest's CPU view of VRAM (an mmap of `vram_fd`, as a VM's BAR aperture is) and
-/// the GPU agree both ways: a CPU store is read by a kernel, a kernel's store is seen by
-/// a CPU load, with no copy in between.
-pub fn cpu_view_of_vram_is_coherent<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+/// VRAM is device memory the CPU cannot map: the GPU offers no aperture file, and the
+/// host's copies (`vram_write`/`vram_read`, what swapping and the copy engine use) and the
+/// kernels agree both ways. A fresh allocation reads as zero even where an earlier
+/// owner left data.
+pub fn host_copies_and_kernels_agree_on_vram<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+    assert!(
+        gpu.vram_fd().is_none(),
+        "cuda VRAM must not offer a CPU view"
+    );
     let p = Proc::new(gpu, SYS_BASE);
     let buf = gpu.alloc_vram(2 << 20, 2 << 20).unwrap();
     gpu.map(
@@ -58,25 +63,8 @@ pub fn cpu_view_of_vram_is_coherent<G: Gpu + ?Sized>(gpu: &Arc<G>) {
         MapFlags::default(),
     )
     .unwrap();
-    let fdr = gpu.vram_fd();
-    // SAFETY: a fresh shared mapping of the GPU's VRAM file, unmapped below.
-    let cpu = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            2 << 20,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            fdr.fd,
-            (fdr.offset + buf.offset) as libc::off_t,
-        )
-    };
-    assert_ne!(cpu, libc::MAP_FAILED);
-    let cpu = cpu as *mut f32;
     let x = data(4096, 11);
-    for (i, v) in x.iter().enumerate() {
-        // SAFETY: inside the 2 MiB mapping.
-        unsafe { cpu.add(i).write_volatile(*v) };
-    }
+    gpu.vram_write(buf.offset, &f32s(&x)).unwrap();
     let mut ch = p.channel(0);
     let m = ch.launch(&KernelArgs::ReduceSum {
         src: VRAM_VA,
@@ -85,11 +73,21 @@ pub fn cpu_view_of_vram_is_coherent<G: Gpu + ?Sized>(gpu: &Arc<G>) {
     });
     ch.submit(&[m]);
     ch.wait_idle(T).unwrap();
-    // SAFETY: inside the mapping; the kernel finished (GP_GET moved).
-    let got = unsafe { (cpu.add(0x10_0000 / 4) as *const f32).read_volatile() };
-    assert_eq!(got, reference::reduce_sum(&x));
-    // SAFETY: the mapping made above.
-    unsafe { libc::munmap(cpu as *mut libc::c_void, 2 << 20) };
+    let mut got = [0u8; 4];
+    gpu.vram_read(buf.offset + 0x10_0000, &mut got).unwrap();
+    assert_eq!(from_f32s(&got)[0], reference::reduce_sum(&x));
+
+    gpu.unmap(p.ctx, VRAM_VA, 2 << 20).unwrap();
+    gpu.invalidate_tlb(p.ctx).unwrap();
+    gpu.free_vram(buf.offset).unwrap();
+    let again = gpu.alloc_vram(2 << 20, 2 << 20).unwrap();
+    let mut back = vec![0xffu8; 2 << 20];
+    gpu.vram_read(again.offset, &mut back).unwrap();
+    assert!(
+        back.iter().all(|&b| b == 0),
+        "a fresh allocation shows old data"
+    );
+    gpu.free_vram(again.offset).unwrap();
 }
 
 /// A launch or copy naming another tenant's address faults the channel with an MMU

@@ -677,7 +677,7 @@ fn aperture_windows() {
     let c = t.ctx(1);
     let (a, a_size) = t.alloc(1, c, 8192, 4096);
     let (b, _) = t.alloc(1, c, 4096, 4096);
-    let vram_fd = t.gpu.vram_fd();
+    let vram_fd = t.gpu.vram_fd().expect("the sim has a CPU view of VRAM");
     let off_a = match t.req(1, c, Op::MapAperture { mem: a }) {
         Ok(ReplyBody::Aperture { offset }) => offset,
         other => panic!("{other:?}"),

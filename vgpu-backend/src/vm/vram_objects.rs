@@ -132,7 +132,8 @@ impl Session {
     ) -> Result<(std::os::fd::RawFd, u64), ErrorCode> {
         match t {
             RunTarget::Vram(o) => {
-                let vram = self.gpu.vram_fd();
+                // A GPU whose VRAM the CPU cannot map has no aperture to show.
+                let vram = self.gpu.vram_fd().ok_or(ErrorCode::Unsupported)?;
                 if o.checked_add(len).is_none_or(|end| end > vram.len) {
                     return Err(ErrorCode::Internal);
                 }

@@ -265,6 +265,11 @@ impl Session {
         if m.aperture.is_some() {
             return Err(ErrorCode::InvalidArgument);
         }
+        // On a GPU whose VRAM the CPU cannot map (`cuda`), guests move VRAM bytes with the
+        // copy engine instead; a swapped object has a CPU view but would lose it on swap-in.
+        if self.gpu.vram_fd().is_none() {
+            return Err(ErrorCode::Unsupported);
+        }
         let len = page_round_up(m.size).ok_or(ErrorCode::Internal)?;
         let used = self
             .state

@@ -1,0 +1,94 @@
+//! The `cuda` GPU's VRAM: one block of device memory, addressed by VRAM offset.
+//!
+//! vgpu's GPU virtual addresses are its own (the software MMU in [`crate::mmu`] translates
+//! them when an entry is planned), so a chunk's *device* address never needs to stay
+//! fixed: an eviction copies the chunk out and retargets vgpu's page table to the host
+//! copy, and later entries get the new pointer. One `cuMemAlloc` block therefore serves
+//! where the CUDA VMM API (`cuMemCreate`/`cuMemMap` per 2 MiB) would add a driver call per
+//! chunk and nothing guests could observe.
+//!
+//! The CPU cannot map this memory (no BAR1 mapping for user space): host access is by
+//! copies on a stream of its own ([`Device::copy_to_host`] and friends), and the HAL
+//! reports no CPU view ([`crate::hal::Gpu::vram_fd`] is `None`).
+
+use super::device::Device;
+use crate::hal::HalError;
+
+type Result<T> = std::result::Result<T, HalError>;
+
+/// Copies are split so one call never pins a huge host range at once.
+const PIECE: usize = 64 << 20;
+
+/// A block of device memory standing for VRAM offsets `0..len`.
+#[derive(Debug)]
+pub(crate) struct DeviceVram {
+    base: u64,
+    len: u64,
+}
+
+fn dev_err(e: impl std::fmt::Display) -> HalError {
+    HalError::Os(e.to_string())
+}
+
+impl DeviceVram {
+    /// Allocates and zeroes `len` bytes of device memory.
+    pub(crate) fn new<D: Device>(dev: &D, len: u64) -> Result<Self> {
+        let base = dev.alloc_device(len).map_err(dev_err)?;
+        let vram = DeviceVram { base, len };
+        if let Err(e) = vram.zero(dev, 0, len) {
+            dev.free_device(base);
+            return Err(e);
+        }
+        Ok(vram)
+    }
+
+    pub(crate) fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// The device pointer of `offset..offset+n`, if that lies inside VRAM.
+    pub(crate) fn ptr(&self, offset: u64, n: u64) -> Option<u64> {
+        let end = offset.checked_add(n)?;
+        (end <= self.len).then_some(self.base + offset)
+    }
+
+    fn range(&self, offset: u64, n: usize) -> Result<u64> {
+        self.ptr(offset, n as u64)
+            .ok_or(HalError::InvalidArgument("VRAM range out of bounds"))
+    }
+
+    /// Copies VRAM at `offset` into `buf`.
+    pub(crate) fn read<D: Device>(&self, dev: &D, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let src = self.range(offset, buf.len())?;
+        for (i, piece) in buf.chunks_mut(PIECE).enumerate() {
+            let at = src + (i * PIECE) as u64;
+            // SAFETY: `piece` is a live mutable slice; `at..at+len` lies in this block
+            // (checked by `range`).
+            unsafe { dev.copy_to_host(piece.as_mut_ptr(), at, piece.len()) }.map_err(dev_err)?;
+        }
+        Ok(())
+    }
+
+    /// Copies `buf` into VRAM at `offset`.
+    pub(crate) fn write<D: Device>(&self, dev: &D, offset: u64, buf: &[u8]) -> Result<()> {
+        let dst = self.range(offset, buf.len())?;
+        for (i, piece) in buf.chunks(PIECE).enumerate() {
+            let at = dst + (i * PIECE) as u64;
+            // SAFETY: `piece` is a live slice; `at..at+len` lies in this block.
+            unsafe { dev.copy_from_host(at, piece.as_ptr(), piece.len()) }.map_err(dev_err)?;
+        }
+        Ok(())
+    }
+
+    /// Zeroes `len` bytes at `offset` (fresh allocations never show a former tenant's data).
+    pub(crate) fn zero<D: Device>(&self, dev: &D, offset: u64, len: u64) -> Result<()> {
+        let n = usize::try_from(len).map_err(|_| HalError::InvalidArgument("VRAM range"))?;
+        let dst = self.range(offset, n)?;
+        dev.zero_device(dst, n).map_err(dev_err)
+    }
+
+    /// Returns the block to the driver; no GPU work may use it any more.
+    pub(crate) fn free<D: Device>(&self, dev: &D) {
+        dev.free_device(self.base);
+    }
+}
