@@ -15,6 +15,7 @@ use vgpu_protocol::{ControlPage, ErrorCode, GpEntry};
 
 use super::channel::{CudaChannel, Inflight};
 use super::device::Device;
+use super::hostreg::HostRegistry;
 use super::plan::{plan_entry, HostAction, Translate};
 use super::timeline::Timeline;
 use super::vram::DeviceVram;
@@ -24,6 +25,13 @@ use crate::gpu_view::GpuView;
 use crate::hal::MapTarget;
 use crate::kernels::{FaultKind, KernelMemory, MemFault};
 use crate::mmu::{AddressSpace, TranslateError};
+
+/// The memories operands resolve to: VRAM and registered host memory.
+#[derive(Clone, Copy)]
+pub(crate) struct GpuMemory<'a> {
+    pub(crate) vram: &'a DeviceVram,
+    pub(crate) hostreg: &'a std::sync::Mutex<HostRegistry>,
+}
 
 /// GP entries issued since the last mark.
 struct Batch<M> {
@@ -38,7 +46,7 @@ struct Batch<M> {
 /// Resolves a context's ranges through its page tables to registered host memory.
 pub(crate) struct CtxTranslate<'a, D: Device> {
     pub(crate) space: &'a AddressSpace,
-    pub(crate) vram: &'a DeviceVram,
+    pub(crate) mem: GpuMemory<'a>,
     pub(crate) dev: &'a D,
     pub(crate) scratch: &'a mut Option<(u64, u64)>,
 }
@@ -48,6 +56,10 @@ fn mem_fault(va: u64, write: bool, kind: FaultKind) -> MemFault {
 }
 
 impl<D: Device> CtxTranslate<'_, D> {
+    fn is_vram(&self, p: u64) -> bool {
+        self.mem.vram.contains(p)
+    }
+
     fn run(&self, va: u64, len: u64, write: bool) -> Result<(u64, u64), MemFault> {
         let t = self.space.translate(va, write).map_err(|e| match e {
             TranslateError::NotMapped => mem_fault(va, write, FaultKind::NotMapped),
@@ -56,10 +68,22 @@ impl<D: Device> CtxTranslate<'_, D> {
         let n = len.min(t.contiguous);
         let bad = || mem_fault(va, write, FaultKind::BadTarget);
         match t.target {
-            MapTarget::Vram { offset } => self.vram.ptr(offset, n).map(|p| (p, n)).ok_or_else(bad),
+            MapTarget::Vram { offset } => {
+                self.mem.vram.ptr(offset, n).map(|p| (p, n)).ok_or_else(bad)
+            }
             MapTarget::Sysram { addr } => match self.space.sysmem().translate(addr, n) {
                 Some(r) if r.len > 0 && !r.ptr.is_null() => {
-                    Ok((r.ptr as u64, (r.len as u64).min(n)))
+                    // Stop at the end of the registration: a copy or kernel operand
+                    // spanning two registered pieces is refused by the driver.
+                    let p = r.ptr as usize;
+                    let in_piece = self
+                        .mem
+                        .hostreg
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .piece_end(p)
+                        .map_or(r.len, |end| end - p);
+                    Ok((p as u64, (r.len.min(in_piece) as u64).min(n)))
                 }
                 _ => Err(bad()),
             },
@@ -72,12 +96,17 @@ impl<D: Device> Translate for std::cell::RefCell<CtxTranslate<'_, D>> {
         let me = self.borrow();
         let mut out: Vec<(u64, u64)> = Vec::new();
         let mut got = 0;
+        // Adjacent VRAM pieces merge; host pieces never do (each ends at the end of its
+        // registration, and one driver call must not span two).
+        let mut vram_tail = false;
         while got < len {
             let (p, n) = me.run(va + got, len - got, write)?;
+            let vram = me.is_vram(p);
             match out.last_mut() {
-                Some(last) if last.0 + last.1 == p => last.1 += n,
+                Some(last) if vram && vram_tail && last.0 + last.1 == p => last.1 += n,
                 _ => out.push((p, n)),
             }
+            vram_tail = vram;
             got += n;
         }
         Ok(out)
@@ -114,7 +143,7 @@ impl<D: Device> CudaChannel<D> {
     pub fn step(
         &self,
         dev: &D,
-        vram: &DeviceVram,
+        mem: GpuMemory<'_>,
         old_scratch: &mut Vec<u64>,
         tl: &mut Option<Timeline<D>>,
         limits: (u32, usize),
@@ -123,7 +152,7 @@ impl<D: Device> CudaChannel<D> {
             return false;
         }
         let mut progress = self.retire(dev, tl);
-        match self.issue_new(dev, vram, old_scratch, limits) {
+        match self.issue_new(dev, mem, old_scratch, limits) {
             Ok(p) => progress |= p,
             Err((code, info)) => {
                 self.fault(code, info);
@@ -186,7 +215,7 @@ impl<D: Device> CudaChannel<D> {
     fn issue_new(
         &self,
         dev: &D,
-        vram: &DeviceVram,
+        mem: GpuMemory<'_>,
         old_scratch: &mut Vec<u64>,
         (batch_limit, max_inflight): (u32, usize),
     ) -> Result<bool, (ErrorCode, u64)> {
@@ -195,7 +224,7 @@ impl<D: Device> CudaChannel<D> {
             return Ok(false);
         }
         let mut batch: Option<Batch<D::Mark>> = None;
-        let res = self.issue_batch(dev, vram, old_scratch, &mut st, &mut batch, batch_limit);
+        let res = self.issue_batch(dev, mem, old_scratch, &mut st, &mut batch, batch_limit);
         if let Some(b) = batch {
             // Whatever was issued is tracked, even when a later entry faulted.
             let next_get = st.fetched;
@@ -223,7 +252,7 @@ impl<D: Device> CudaChannel<D> {
     fn issue_batch(
         &self,
         dev: &D,
-        vram: &DeviceVram,
+        mem: GpuMemory<'_>,
         old_scratch: &mut Vec<u64>,
         st: &mut super::channel::ChanState<D>,
         batch: &mut Option<Batch<D::Mark>>,
@@ -251,7 +280,7 @@ impl<D: Device> CudaChannel<D> {
             let plan = {
                 let tr = std::cell::RefCell::new(CtxTranslate {
                     space: &self.space,
-                    vram,
+                    mem,
                     dev,
                     scratch: &mut st.scratch,
                 });
@@ -292,7 +321,7 @@ impl<D: Device> CudaChannel<D> {
                 // A launch the driver refuses (e.g. a grid beyond its limits) is the
                 // guest's bad argument, not a GPU failure.
                 dev.issue(&self.stream, op).map_err(|e| {
-                    log::debug!("cuda channel {:?}: issue: {e}", self.id);
+                    log::debug!("cuda channel {:?}: issue {op:?}: {e}", self.id);
                     (ErrorCode::BadKernelArgs, 0)
                 })?;
             }
@@ -370,7 +399,10 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
         for ch in &chans {
             progress |= ch.step(
                 &*shared.dev,
-                &shared.vram,
+                GpuMemory {
+                    vram: &shared.vram,
+                    hostreg: &shared.hostreg,
+                },
                 &mut old_scratch,
                 &mut tl,
                 (batch_limit, shared.cfg.max_inflight.max(1)),
@@ -398,11 +430,16 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
         cpu_mark = t;
         // Work on the GPU: poll at the short interval so completions are seen promptly;
         // idle: back off up to the longest sleep (a doorbell wakes us).
+        let cap = if now - last_active < shared.cfg.warm_ns {
+            shared.cfg.warm_max_sleep_ns
+        } else {
+            shared.cfg.max_idle_sleep_ns
+        };
         let wait = if busy {
             shared.cfg.min_idle_sleep_ns
         } else {
-            let w = sleep_ns;
-            sleep_ns = (sleep_ns * 2).min(shared.cfg.max_idle_sleep_ns);
+            let w = sleep_ns.min(cap);
+            sleep_ns = (sleep_ns * 2).min(cap.max(shared.cfg.min_idle_sleep_ns));
             w
         };
         std::thread::park_timeout(Duration::from_nanos(wait));

@@ -93,6 +93,15 @@ impl HostRegistry {
         });
     }
 
+    /// The end of the registered piece that contains `addr`, if one does.
+    pub fn piece_end(&self, addr: usize) -> Option<usize> {
+        self.pieces
+            .range(..=addr)
+            .next_back()
+            .map(|(&s, p)| s + p.len)
+            .filter(|&end| end > addr)
+    }
+
     /// Registered pieces (leak checks).
     pub fn pieces(&self) -> usize {
         self.pieces.len()

@@ -62,6 +62,12 @@ pub struct CudaConfig {
     /// Shortest and longest sleep between polls when idle (doubling).
     pub min_idle_sleep_ns: u64,
     pub max_idle_sleep_ns: u64,
+    /// For this long after the last activity, sleeps stay at most `warm_max_sleep_ns`:
+    /// guests cannot ring a doorbell (a store to GP_PUT causes no exit), so the first
+    /// submission after a pause waits for the next poll, and an application between two
+    /// bursts of work should not pay the long idle sleep.
+    pub warm_ns: u64,
+    pub warm_max_sleep_ns: u64,
     /// How long `invalidate_tlb`/`destroy_context` wait for a context's GPU work.
     pub drain_timeout: Duration,
     /// Most GP entries sharing one completion mark while the GPU has a single channel
@@ -80,6 +86,8 @@ impl Default for CudaConfig {
             busy_poll_ns: 200_000,
             min_idle_sleep_ns: 10_000,
             max_idle_sleep_ns: 1_000_000,
+            warm_ns: 2_000_000_000,
+            warm_max_sleep_ns: 50_000,
             drain_timeout: Duration::from_secs(10),
             batch: 32,
             max_inflight: 64,
@@ -99,6 +107,9 @@ pub(crate) struct Shared<D: Device> {
     frontend_cpu_ns: AtomicU64,
     /// Scratch buffers replaced while work may still use them; freed at drop.
     old_scratch: Mutex<Vec<u64>>,
+    /// Host memory registered with the driver (the front end splits operands at its
+    /// pieces' ends: one driver call must not span two registrations).
+    hostreg: Mutex<HostRegistry>,
 }
 
 impl<D: Device> Shared<D> {
@@ -141,7 +152,6 @@ pub struct CudaGpuOf<D: Device> {
     pages: Arc<ControlPages>,
     vram_alloc: VramPool,
     contexts: Mutex<HashMap<ContextId, Context>>,
-    hostreg: Mutex<HostRegistry>,
     next_context: AtomicU32,
     next_channel: AtomicU32,
     thread: Mutex<Option<JoinHandle<()>>>,
@@ -194,6 +204,7 @@ impl<D: Device> CudaGpuOf<D> {
             frontend: OnceLock::new(),
             frontend_cpu_ns: AtomicU64::new(0),
             old_scratch: Mutex::new(Vec::new()),
+            hostreg: Mutex::new(HostRegistry::default()),
         });
         let s = shared.clone();
         let thread = std::thread::Builder::new()
@@ -206,7 +217,6 @@ impl<D: Device> CudaGpuOf<D> {
             pages,
             vram_alloc: VramPool::new(cfg.vram_bytes),
             contexts: Mutex::new(HashMap::new()),
-            hostreg: Mutex::new(HostRegistry::default()),
             next_context: AtomicU32::new(1),
             next_channel: AtomicU32::new(1),
             thread: Mutex::new(Some(thread)),
@@ -220,7 +230,8 @@ impl<D: Device> CudaGpuOf<D> {
 
     /// Host memory pieces registered with the device (leak checks).
     pub fn registered_pieces(&self) -> usize {
-        self.hostreg
+        self.shared
+            .hostreg
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .pieces()
@@ -334,7 +345,11 @@ impl<D: Device> CudaGpuOf<D> {
             .get(&ctx)
             .map(|c| c.sysmem.clone())
             .ok_or(HalError::NoContext(ctx))?;
-        let mut reg = self.hostreg.lock().unwrap_or_else(|e| e.into_inner());
+        let mut reg = self
+            .shared
+            .hostreg
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         let mut done = 0u64;
         while done < size {
             let a = addr + done;
@@ -380,7 +395,8 @@ impl<D: Device> CudaGpuOf<D> {
             return;
         }
         let c = self.lock_contexts().get(&ctx).map(|c| c.sys_maps.clone());
-        self.hostreg
+        self.shared
+            .hostreg
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .release(&*self.shared.dev, |k| {
@@ -422,7 +438,8 @@ impl<D: Device> Drop for CudaGpuOf<D> {
         ) {
             self.shared.dev.free_device(p);
         }
-        self.hostreg
+        self.shared
+            .hostreg
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .release(&*self.shared.dev, |_| true);
@@ -473,7 +490,8 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
         // pages) alive rather than let the GPU touch freed memory.
         match self.reap(&removed) {
             Ok(()) => {
-                self.hostreg
+                self.shared
+                    .hostreg
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .release(&*self.shared.dev, |k| k.0 == ctx);
@@ -539,7 +557,8 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
                 let space = self.space(ctx)?;
                 self.register_sysram(ctx, va, addr, size)?;
                 if let Err(e) = space.map(va, size, target, page, flags) {
-                    self.hostreg
+                    self.shared
+                        .hostreg
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
                         .release(&*self.shared.dev, |k| *k == (ctx, va));
