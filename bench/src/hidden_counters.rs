@@ -48,6 +48,12 @@ impl Gpu for HiddenCounters {
     fn vram_fd(&self) -> Option<FdRange> {
         self.inner.vram_fd()
     }
+    fn prepare_sysram_hint(&self, ctx: ContextId, addr: u64, len: u64) -> Result<()> {
+        self.inner.prepare_sysram_hint(ctx, addr, len)
+    }
+    fn release_sysram_hint(&self, ctx: ContextId, addr: u64, len: u64) {
+        self.inner.release_sysram_hint(ctx, addr, len)
+    }
     fn vram_read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.inner.vram_read(offset, buf)
     }

@@ -202,6 +202,16 @@ pub trait Gpu: Send + Sync {
     /// Rewrites the targets of existing mappings (for VRAM↔SYSRAM migration). Takes effect
     /// for the GPU only after [`Gpu::invalidate_tlb`].
     fn remap(&self, ctx: ContextId, va: u64, size: u64, target: MapTarget) -> Result<()>;
+    /// A hint: `ctx`'s system-memory range `addr..addr+len` is about to become the target
+    /// of mappings (a VRAM eviction's destination). A GPU that must prepare host memory
+    /// before it can reach it (pin and register it with a driver) may do that now, before
+    /// the owner pauses any channel, instead of inside the pause. Mappings made later keep
+    /// what they need; [`Gpu::release_sysram_hint`] drops the hint's own hold.
+    fn prepare_sysram_hint(&self, _ctx: ContextId, _addr: u64, _len: u64) -> Result<()> {
+        Ok(())
+    }
+    /// Ends a [`Gpu::prepare_sysram_hint`].
+    fn release_sysram_hint(&self, _ctx: ContextId, _addr: u64, _len: u64) {}
     /// Drops cached translations: page-table changes become visible to the engines. When it
     /// returns, no engine still uses memory reached through a dropped translation, so the
     /// owner may free memory it unmapped (or removed from the context's `SysMemory`).

@@ -119,16 +119,30 @@ const BOUNCE_ALIGN: u64 = 256;
 /// A launch's operands. Kernels take flat pointers, so an operand whose memory is in
 /// several pieces is *bounced*: gathered into the channel's scratch before the kernel and,
 /// if the kernel writes it, scattered back after it (all on the channel's stream, so in
-/// order). Resolution runs twice: once to measure the scratch needed, once with it.
+/// order). An operand inside a range already bounced uses that copy (e.g. saxpy with
+/// `x == y`). Resolution runs twice: once to measure the scratch needed, once with it.
 struct Operands<'a> {
     t: &'a dyn Translate,
     /// Scratch base in the second pass; `None` while measuring.
     base: Option<u64>,
     used: u64,
+    bounces: Vec<Bounce>,
+    /// Operands used in place: (va, len).
+    direct: Vec<(u64, u64)>,
+    /// Copies that must follow the gathers (a stencil's source snapshot).
     pre: Vec<Op>,
-    post: Vec<Op>,
-    /// GPU VA ranges of operands: (va, len, bounced).
-    seen: Vec<(u64, u64, bool)>,
+}
+
+struct Bounce {
+    va: u64,
+    len: u64,
+    ptr: u64,
+    write: bool,
+    runs: Vec<(u64, u64)>,
+}
+
+fn ranges_overlap(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.0 < b.0.saturating_add(b.1) && b.0 < a.0.saturating_add(a.1)
 }
 
 impl<'a> Operands<'a> {
@@ -137,9 +151,9 @@ impl<'a> Operands<'a> {
             t,
             base,
             used: 0,
+            bounces: Vec::new(),
+            direct: Vec::new(),
             pre: Vec::new(),
-            post: Vec::new(),
-            seen: Vec::new(),
         }
     }
 
@@ -152,50 +166,84 @@ impl<'a> Operands<'a> {
 
     fn operand(&mut self, va: u64, len: u64, write: bool) -> Result<u64, PlanError> {
         let runs = pieces(self.t, va, len, write)?;
-        match runs.as_slice() {
-            [] => return Ok(0),
-            [(p, _)] => {
-                self.seen.push((va, len, false));
-                return Ok(*p);
-            }
-            _ => {}
+        if runs.is_empty() {
+            return Ok(0);
         }
-        let p = self.take(len);
-        let mut off = 0;
-        for (ptr, n) in runs {
-            self.pre.push(Op::Copy {
-                dst: p + off,
-                src: ptr,
-                len: n,
-            });
-            if write {
-                self.post.push(Op::Copy {
-                    dst: ptr,
-                    src: p + off,
-                    len: n,
-                });
-            }
-            off += n;
+        if let Some(b) = self
+            .bounces
+            .iter_mut()
+            .find(|b| va >= b.va && va + len <= b.va + b.len)
+        {
+            b.write |= write;
+            return Ok(b.ptr + (va - b.va));
         }
-        self.seen.push((va, len, true));
-        Ok(p)
+        if let [(p, _)] = runs.as_slice() {
+            self.direct.push((va, len));
+            return Ok(*p);
+        }
+        let ptr = self.take(len);
+        self.bounces.push(Bounce {
+            va,
+            len,
+            ptr,
+            write,
+            runs,
+        });
+        Ok(ptr)
     }
 
-    /// A bounced operand overlapping another operand would see (or leave) a different
-    /// copy of the same bytes: such a launch faults rather than compute something else.
+    /// An operand used in place that overlaps a bounced one, or two bounced operands
+    /// overlapping without one containing the other, would see (or leave) different copies
+    /// of the same bytes: such a launch faults rather than compute something else.
     fn check_overlaps(&self) -> Result<(), PlanError> {
-        for (i, &(va, len, bounced)) in self.seen.iter().enumerate() {
-            for &(vb, lb, bb) in &self.seen[i + 1..] {
-                if (bounced || bb) && va < vb.saturating_add(lb) && vb < va.saturating_add(len) {
-                    return Err(fault(MemFault {
-                        va: va.max(vb),
-                        write: true,
-                        kind: FaultKind::BadTarget,
-                    }));
-                }
+        let clash = |va: u64| {
+            Err(fault(MemFault {
+                va,
+                write: true,
+                kind: FaultKind::BadTarget,
+            }))
+        };
+        for (i, b) in self.bounces.iter().enumerate() {
+            if let Some(d) = self
+                .direct
+                .iter()
+                .find(|&&d| ranges_overlap(d, (b.va, b.len)))
+            {
+                return clash(d.0.max(b.va));
+            }
+            if let Some(o) = self.bounces[i + 1..]
+                .iter()
+                .find(|o| ranges_overlap((o.va, o.len), (b.va, b.len)))
+            {
+                return clash(o.va.max(b.va));
             }
         }
         Ok(())
+    }
+
+    /// The gathers (then the other preparatory copies) and the scatters.
+    fn into_copies(self) -> (Vec<Op>, Vec<Op>) {
+        let (mut pre, mut post) = (Vec::new(), Vec::new());
+        for b in &self.bounces {
+            let mut off = 0;
+            for &(ptr, n) in &b.runs {
+                pre.push(Op::Copy {
+                    dst: b.ptr + off,
+                    src: ptr,
+                    len: n,
+                });
+                if b.write {
+                    post.push(Op::Copy {
+                        dst: ptr,
+                        src: b.ptr + off,
+                        len: n,
+                    });
+                }
+                off += n;
+            }
+        }
+        pre.extend(self.pre);
+        (pre, post)
     }
 }
 
@@ -318,7 +366,7 @@ fn launch(t: &dyn Translate, args: KernelArgs, plan: &mut Plan) -> Result<(), Pl
         let need = ops.used;
         let base = t.scratch(need).ok_or((
             ErrorCode::BadKernelArgs,
-            ops.seen.first().map_or(0, |s| s.0),
+            ops.bounces.first().map_or(0, |b| b.va),
         ))?;
         ops = Operands::new(t, Some(base));
         resolved = resolve(&mut ops, args)?;
@@ -327,10 +375,11 @@ fn launch(t: &dyn Translate, args: KernelArgs, plan: &mut Plan) -> Result<(), Pl
         }
     }
     ops.check_overlaps()?;
+    let (pre, post) = ops.into_copies();
     plan.kernels += 1;
-    plan.ops.append(&mut ops.pre);
+    plan.ops.extend(pre);
     plan.ops.push(Op::Launch(resolved));
-    plan.ops.append(&mut ops.post);
+    plan.ops.extend(post);
     Ok(())
 }
 
@@ -893,5 +942,36 @@ mod tests {
                 },
             ]
         );
+    }
+
+    #[test]
+    fn the_same_pieced_range_twice_is_bounced_once() {
+        // saxpy in place (x == y) over a pieced range: one gather, one scatter.
+        let args = KernelArgs::Saxpy {
+            x: 0x10_0000,
+            y: 0x10_0000,
+            n: 2048,
+            a: 0.5,
+        };
+        let t = split();
+        let p = plan_entry(&[launch_of(args)], &t, &mut args_reader(args)).unwrap();
+        let s = 0xdead_0000;
+        let launch = Op::Launch(KernelArgs::Saxpy {
+            x: s,
+            y: s,
+            n: 2048,
+            a: 0.5,
+        });
+        assert_eq!(p.ops.len(), 5, "{:?}", p.ops);
+        assert_eq!(p.ops[2], launch);
+        assert_eq!(
+            p.ops[4],
+            Op::Copy {
+                dst: 0xc000_0000,
+                src: s + 0x1000,
+                len: 0x1000
+            }
+        );
+        assert_eq!(t.scratch.get(), 0x2000);
     }
 }

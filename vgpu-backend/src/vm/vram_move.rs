@@ -39,6 +39,7 @@ use crate::vm::session::{MappingTarget, Session};
 use crate::vram::backing::{Loc, ObjBacking, RunTarget};
 use crate::vram::handle::Dir;
 use crate::vram::stats::MoveReport;
+use crate::vram::store::SWAP_BASE;
 use crate::vram::MoveError;
 use crate::VmState;
 
@@ -53,6 +54,9 @@ pub(crate) struct MovePlan {
     new_vram: Vec<(usize, u64)>,
     /// Whether the context's channels are held (the object has GPU mappings).
     held: bool,
+    /// Swap ranges (system-memory addresses, lengths) announced to the GPU before the
+    /// pause ([`vgpu_host_shim::Gpu::prepare_sysram_hint`]), released when the move ends.
+    hints: Vec<(u64, u64)>,
     t0: Instant,
 }
 
@@ -257,6 +261,11 @@ impl Session {
             }
         }
         let held = !self.object_vas(ctx, mem).is_empty();
+        let hints = if dir == Dir::Out {
+            self.hint_swap_ranges(ctx, mem, &todo)
+        } else {
+            Vec::new()
+        };
         let plan = MovePlan {
             mem,
             ctx,
@@ -264,6 +273,7 @@ impl Session {
             todo,
             new_vram,
             held,
+            hints,
             t0: Instant::now(),
         };
         if held {
@@ -274,8 +284,42 @@ impl Session {
         Ok(Some(plan))
     }
 
+    /// Tells the GPU, before any channel is paused, where chunks `todo` of object `mem`
+    /// will go in the swap store (a GPU may pin that memory now rather than in the pause).
+    fn hint_swap_ranges(&self, ctx: u32, mem: u32, todo: &[usize]) -> Vec<(u64, u64)> {
+        let (Some(hctx), Some(b)) = (
+            self.hal.contexts.get(&ctx).map(|(h, _)| *h),
+            self.hal.vram.get(&mem),
+        ) else {
+            return Vec::new();
+        };
+        let Some(region) = b.swap_region else {
+            return Vec::new();
+        };
+        let mut hints = Vec::new();
+        for &i in todo {
+            let Some(c) = b.chunks.get(i) else { continue };
+            let addr = SWAP_BASE + region + c.off;
+            match self.gpu.prepare_sysram_hint(hctx, addr, c.len) {
+                Ok(()) => hints.push((addr, c.len)),
+                // Only a hint: the remap registers what it needs anyway.
+                Err(e) => debug!("VRAM manager: swap hint for object {mem}: {e}"),
+            }
+        }
+        hints
+    }
+
+    fn release_hints(&self, ctx: u32, hints: &[(u64, u64)]) {
+        if let Some(hctx) = self.hal.contexts.get(&ctx).map(|(h, _)| *h) {
+            for &(addr, len) in hints {
+                self.gpu.release_sysram_hint(hctx, addr, len);
+            }
+        }
+    }
+
     /// Gives a prepared move up: releases its context and its new VRAM; returns `e`.
     fn abort_move(&mut self, plan: MovePlan, shm: &dyn ShmMapper, e: MoveError) -> MoveError {
+        self.release_hints(plan.ctx, &plan.hints);
         if plan.held {
             self.release_context(plan.ctx, shm);
         }
@@ -358,6 +402,7 @@ impl Session {
             todo,
             new_vram,
             held,
+            hints,
             t0,
         } = plan;
         let drain_ns = if held { ns(t0) } else { 0 };
@@ -515,6 +560,7 @@ impl Session {
         if held {
             self.release_context(ctx, shm);
         }
+        self.release_hints(ctx, &hints);
         report.pause_ns = if held { ns(t0) } else { 0 };
         self.hal.vram.insert(mem, b);
         self.swap
