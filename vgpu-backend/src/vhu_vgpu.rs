@@ -11,8 +11,9 @@
 //! migrated) keeps its GPU objects.
 //!
 //! vhost-user-backend registers the exit eventfd we return from `exit_event` with
-//! `into_raw_fd` and never closes it: one eventfd per connection stays open. Without an
-//! exit event the library could not stop the vring worker at all.
+//! `into_raw_fd` and never closes it. We hand it a duplicate, remember its number, and
+//! close it when the device is dropped — after the daemon (whose vring worker polled it)
+//! is gone, since the daemon holds the device — so no fd outlives the connection.
 //!
 //! Nothing here trusts the guest: malformed chains get an error reply (or a zero-length
 //! used entry when there is nowhere to write one), never a panic; errors from
@@ -24,6 +25,7 @@
 //! disconnect and the socket listens again. The worker never loops on such a ring.
 
 use std::io;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
@@ -105,7 +107,27 @@ pub struct VhuVgpu {
     /// The connection is over: a request still reaching the worker is refused.
     retired: AtomicBool,
     exit: (EventConsumer, EventNotifier),
+    /// Duplicates of `exit.0` the library took ownership of and never closes.
+    given_exit_fds: std::sync::Mutex<Vec<std::os::fd::RawFd>>,
     config: [u8; DeviceConfig::SIZE],
+}
+
+impl Drop for VhuVgpu {
+    fn drop(&mut self) {
+        let fds = std::mem::take(
+            &mut *self
+                .given_exit_fds
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        );
+        for fd in fds {
+            // SAFETY: `fd` is a duplicate we created in `exit_event` and whose ownership the
+            // library dropped (`into_raw_fd`, never closed). The device outlives the daemon
+            // that polled it (the daemon holds an `Arc` of the device), so nothing uses the
+            // number any more; it is closed exactly once (taken out of the list).
+            unsafe { libc::close(fd) };
+        }
+    }
 }
 
 impl VhuVgpu {
@@ -120,6 +142,7 @@ impl VhuVgpu {
             ring_broken: AtomicBool::new(false),
             retired: AtomicBool::new(false),
             exit,
+            given_exit_fds: std::sync::Mutex::new(Vec::new()),
             config,
         })
     }
@@ -438,7 +461,13 @@ impl VhostUserBackend for VhuVgpu {
 
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
         match (self.exit.0.try_clone(), self.exit.1.try_clone()) {
-            (Ok(c), Ok(n)) => Some((c, n)),
+            (Ok(c), Ok(n)) => {
+                self.given_exit_fds
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(c.as_raw_fd());
+                Some((c, n))
+            }
             (Err(e), _) | (_, Err(e)) => {
                 warn!("cannot clone the exit event: {e}");
                 None

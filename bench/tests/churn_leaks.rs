@@ -1,0 +1,122 @@
+//! Churn leaves nothing behind: after many connect/disconnect cycles of a VM over the real
+//! vhost-user socket, and many create/destroy cycles of contexts and channels in one
+//! connection, the process has the same open fds and threads as before (issue 15), and
+//! the backend's books show no object of the VM.
+
+use std::time::{Duration, Instant};
+
+use vgpu_backend::VmLimits;
+use vgpu_guest::{Device, KernelArgs};
+use vgpu_test_support::Host;
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
+}
+
+fn threads() -> usize {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Threads:"))
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// Waits (up to 10 s) until the fd and thread counts come back to `want`; returns them.
+fn settle(want: (usize, usize)) -> (usize, usize) {
+    let t0 = Instant::now();
+    loop {
+        let now = (open_fds(), threads());
+        if now == want || t0.elapsed() > Duration::from_secs(10) {
+            return now;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn wait_disconnected(host: &Host, vm: &str) {
+    let t0 = Instant::now();
+    while host.backend.vm_stats(vm).is_some_and(|s| s.connected)
+        && t0.elapsed() < Duration::from_secs(10)
+    {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// One connection's life: a process runs a kernel, then the VM goes.
+fn one_connection(host: &Host, vm: &str, pid: u32) {
+    let lvm = host.connect(vm);
+    {
+        let dev = Device::loopback(lvm.clone(), pid).unwrap();
+        let ctx = dev.create_context().unwrap();
+        let buf = ctx.alloc_vram(4096).unwrap();
+        let mut ch = ctx.create_channel().unwrap();
+        ch.launch(
+            &KernelArgs::Memset {
+                dst: buf.gpu_va(),
+                len: 4096,
+                pattern: pid,
+            },
+            [1, 1, 1],
+        )
+        .unwrap();
+        ch.finish().unwrap();
+    }
+    lvm.disconnect();
+    drop(lvm);
+    wait_disconnected(host, vm);
+}
+
+/// Both churns in one test: fd and thread counts are per process, so nothing else may
+/// run beside them.
+#[test]
+fn churn_leaks_no_fd_no_thread_and_no_object() {
+    connect_disconnect_cycles();
+    context_and_channel_churn_in_one_connection();
+}
+
+fn connect_disconnect_cycles() {
+    let host = Host::new("churn-conn", 256 << 20, VmLimits::default(), &["vm"]);
+    // The first connection starts what lives as long as the backend (thread pools).
+    one_connection(&host, "vm", 1);
+    let before = settle((open_fds(), threads()));
+    const CYCLES: u32 = 200;
+    for i in 0..CYCLES {
+        one_connection(&host, "vm", 2 + i);
+    }
+    let after = settle(before);
+    assert_eq!(
+        after, before,
+        "(fds, threads) before and after {CYCLES} connect/disconnect cycles"
+    );
+    let s = host.backend.vm_stats("vm").unwrap();
+    assert_eq!((s.contexts, s.channels, s.vram_bytes), (0, 0, 0), "{s:?}");
+}
+
+fn context_and_channel_churn_in_one_connection() {
+    let host = Host::new("churn-objs", 256 << 20, VmLimits::default(), &["vm"]);
+    let lvm = host.connect("vm");
+    let dev = Device::loopback(lvm.clone(), 7).unwrap();
+    {
+        let ctx = dev.create_context().unwrap();
+        let _ch = ctx.create_channel().unwrap();
+    }
+    let before = settle((open_fds(), threads()));
+    const CYCLES: u32 = 2000;
+    for _ in 0..CYCLES {
+        let ctx = dev.create_context().unwrap();
+        let ch = ctx.create_channel().unwrap();
+        drop(ch);
+        drop(ctx);
+    }
+    let after = settle(before);
+    assert_eq!(
+        after, before,
+        "(fds, threads) after {CYCLES} context+channel cycles"
+    );
+    let s = host.backend.vm_stats("vm").unwrap();
+    assert_eq!((s.contexts, s.channels), (0, 0), "{s:?}");
+    lvm.disconnect();
+}
