@@ -7,6 +7,7 @@ use vgpu_bench::report::{print_json, print_table, Figure};
 use vgpu_bench::suites::api::{self, ApiOpts};
 use vgpu_bench::suites::cuda::{self, CudaOpts};
 use vgpu_bench::suites::guest::{self, GuestArgs};
+use vgpu_bench::suites::scale::{self, ScaleOpts};
 use vgpu_bench::suites::sched::{self, SchedOpts};
 use vgpu_bench::suites::sim::{self, SimOpts};
 use vgpu_bench::suites::swap::{self, SwapOpts};
@@ -67,6 +68,13 @@ enum Suite {
     },
     /// VRAM oversubscription: slowdown vs all-in-VRAM, swap throughput, pauses, convergence.
     Swap,
+    /// One backend, many VMs: scheduler CPU per tick, shadow switches, RSS/fds/threads per
+    /// VM and channel, control-request latency (64 VMs × 4 processes × 4 channels).
+    Scale {
+        /// VMs (default 64; 8 with --quick).
+        #[arg(long)]
+        vms: Option<u32>,
+    },
     /// The GPU scheduler over loopback VMs: Fleig §5.4 fairness, weights, two levels,
     /// overhead, shadow switch cost, weight-change reaction, timeslice and sampling.
     Sched {
@@ -141,6 +149,15 @@ fn main() {
                 SwapOpts::full()
             };
             swap::run(&opts).map_err(|e| e.to_string())
+        }
+        Suite::Scale { vms } => {
+            let mut opts = if cli.quick {
+                ScaleOpts::quick()
+            } else {
+                ScaleOpts::full()
+            };
+            opts.vms = vms.unwrap_or(opts.vms);
+            scale::run(&opts).map_err(|e| e.to_string())
         }
         Suite::Sched { plots } => {
             let mut opts = if cli.quick {

@@ -851,12 +851,11 @@ impl Sched {
         let samples = self.samples(&vms, &obs, idle_ns, capacity);
         let charged_idle = if self.cfg.charge_idle { idle_ns } else { 0 };
         let decision = self.decide(&samples, &obs, &vms, charged_idle);
-        let backlog: BTreeMap<(String, u32), u32> = obs
+        // Keyed by VM index: no per-channel allocation (this runs for every channel of
+        // every VM each tick).
+        let backlog: BTreeMap<(usize, u32), u32> = obs
             .iter()
-            .filter_map(|o| {
-                let p = o.peek?;
-                Some(((vms.get(o.vm)?.name.clone(), o.ch), p.backlog()))
-            })
+            .filter_map(|o| Some(((o.vm, o.ch), o.peek?.backlog())))
             .collect();
         let holds = owner_holds(&samples, &decision);
         let (sh, un, capped, failed) = self.enforce(&vms, &obs, &decision, &holds, &backlog);
@@ -891,11 +890,10 @@ impl Sched {
     /// with a normal queue is unshadowed at once (no throughput lost).
     fn release_changes(
         &self,
-        vm: &str,
         releases: &[&Obs],
-        backlog: &BTreeMap<(String, u32), u32>,
+        backlog: &BTreeMap<(usize, u32), u32>,
     ) -> Vec<(u32, HoldChange)> {
-        let entries = |o: &Obs| backlog.get(&(vm.to_string(), o.ch)).copied().unwrap_or(0);
+        let entries = |o: &Obs| backlog.get(&(o.vm, o.ch)).copied().unwrap_or(0);
         if let Some(cap) = self.cfg.unshadow_cap {
             return releases
                 .iter()
@@ -950,7 +948,7 @@ impl Sched {
         obs: &[Obs],
         decision: &Decision,
         holds: &BTreeMap<String, (bool, BTreeSet<u32>)>,
-        backlog: &BTreeMap<(String, u32), u32>,
+        backlog: &BTreeMap<(usize, u32), u32>,
     ) -> (u64, u64, u64, u64) {
         let (mut sh, mut un, mut capped, mut failed) = (0u64, 0u64, 0u64, 0u64);
         for (idx, v) in vms.iter().enumerate() {
@@ -964,7 +962,12 @@ impl Sched {
                 changes: Vec::new(),
             };
             let mut releases = Vec::new();
-            for o in obs.iter().filter(|o| o.vm == idx) {
+            // Most VMs have nothing wanted or held: skip their channels without building a
+            // key for each.
+            let span = (v.name.clone(), 0)..=(v.name.clone(), u32::MAX);
+            let any = decision.shadow.range(span.clone()).next().is_some()
+                || self.shadowed.range(span).next().is_some();
+            for o in obs.iter().filter(|o| any && o.vm == idx) {
                 let key = (v.name.clone(), o.ch);
                 let want = decision.shadow.contains(&key);
                 let have = self.shadowed.contains(&key);
@@ -975,7 +978,7 @@ impl Sched {
                 }
             }
             plan.changes
-                .extend(self.release_changes(&v.name, &releases, backlog));
+                .extend(self.release_changes(&releases, backlog));
             let Some(results) = v.vm.apply(&plan, SESSION_LOCK_WAIT) else {
                 failed += 1;
                 continue;
