@@ -23,6 +23,7 @@
 //! `DEVICE_NEEDS_RESET` (virtio 1.2 §2.1.2); the VM's GPU objects are freed as on every
 //! disconnect and the socket listens again. The worker never loops on such a ring.
 
+use std::fs::File;
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
@@ -35,7 +36,8 @@ use vgpu_protocol::device::{
 use vgpu_protocol::request::{EVENT_SIZE, MAX_REQUEST_SIZE};
 use vgpu_protocol::{ErrorCode, PROTOCOL_VERSION};
 use vhost::vhost_user::message::{
-    VhostUserProtocolFeatures, VhostUserShMemConfig, VhostUserVirtioFeatures,
+    VhostTransferStateDirection, VhostTransferStatePhase, VhostUserProtocolFeatures,
+    VhostUserShMemConfig, VhostUserVirtioFeatures,
 };
 use vhost::vhost_user::Backend;
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
@@ -50,6 +52,7 @@ use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
 };
 
+use crate::device_state::StateTransfer;
 use crate::guest_mem::GuestMemory;
 use crate::shmem::VhostShm;
 use crate::VmState;
@@ -81,6 +84,7 @@ pub fn device_protocol_features() -> VhostUserProtocolFeatures {
         | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
         | VhostUserProtocolFeatures::RESET_DEVICE
         | VhostUserProtocolFeatures::SHMEM
+        | VhostUserProtocolFeatures::DEVICE_STATE
 }
 
 /// The device's virtio config space.
@@ -106,6 +110,8 @@ pub struct VhuVgpu {
     retired: AtomicBool,
     exit: (EventConsumer, EventNotifier),
     config: [u8; DeviceConfig::SIZE],
+    /// Device-state transfer (live migration).
+    transfer: StateTransfer,
 }
 
 impl VhuVgpu {
@@ -121,6 +127,7 @@ impl VhuVgpu {
             retired: AtomicBool::new(false),
             exit,
             config,
+            transfer: StateTransfer::default(),
         })
     }
 
@@ -218,6 +225,10 @@ impl VhuVgpu {
         if !self.serving() {
             return;
         }
+        // The frontend started the rings again after a device-state transfer: the VM
+        // runs here (a loaded VM on the destination, or the source after a failed
+        // migration).
+        self.vm.migration_resume(self.shm.as_ref());
         self.with_notifications(vring, |v| self.drain_control(v), || true);
     }
 
@@ -434,6 +445,32 @@ impl VhostUserBackend for VhuVgpu {
         let mut sizes = [0u64; SHM_REGION_ID as usize + 1];
         sizes[SHM_REGION_ID as usize] = SHM_SIZE;
         Ok(VhostUserShMemConfig::new(sizes.len() as u32, &sizes))
+    }
+
+    fn set_device_state_fd(
+        &self,
+        direction: VhostTransferStateDirection,
+        phase: VhostTransferStatePhase,
+        file: File,
+    ) -> io::Result<Option<File>> {
+        if phase != VhostTransferStatePhase::STOPPED {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "device state is transferred only while the device is stopped",
+            ));
+        }
+        self.transfer.start(
+            self.vm.clone(),
+            self.shm.clone(),
+            self.memory(),
+            direction,
+            file,
+        )?;
+        Ok(None)
+    }
+
+    fn check_device_state(&self) -> io::Result<()> {
+        self.transfer.check().map_err(io::Error::other)
     }
 
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
