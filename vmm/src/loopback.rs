@@ -27,7 +27,7 @@ use crate::shm_window::{ShmHandler, ShmWindow, ShmWindowError};
 mod migrate;
 use crate::vgpu_device::vgpu_requirements;
 use crate::virtq::{Buffer, SplitQueue, VirtqError};
-pub use migrate::MigrationReport;
+pub use migrate::{MigrationReport, StreamFilter};
 
 #[derive(Debug, Error)]
 pub enum LoopbackError {

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use log::{info, warn};
 use vgpu_protocol::device::{CONTROL_QUEUE, EVENT_QUEUE};
+use vgpu_protocol::migration::DeviceState;
 
 use super::{
     kick, lock, loopback_requirements, with_queues, IrqThread, LoopbackError, LoopbackVm,
@@ -32,39 +33,83 @@ use super::{
 use crate::frontend::VhostUserDevice;
 
 /// What a migration moved and how long the guest's GPU work stood still.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MigrationReport {
     /// Bytes of the full device state.
     pub state_bytes: usize,
     /// Bytes of the tail.
     pub tail_bytes: usize,
+    /// Objects in the state: contexts, VRAM objects (and their bytes), channels.
+    pub contexts: usize,
+    pub mems: usize,
+    pub vram_bytes: u64,
+    pub channels: usize,
+    /// GP entries the guest had submitted that had not run when the source paused
+    /// (they ran on the destination).
+    pub queued_entries: u64,
     /// From the freeze of the control queue to the kick on the destination.
     pub downtime: Duration,
 }
+
+impl MigrationReport {
+    fn of(state: &[u8], tail_bytes: usize) -> Self {
+        let mut r = MigrationReport {
+            state_bytes: state.len(),
+            tail_bytes,
+            ..Default::default()
+        };
+        if let Ok(st) = DeviceState::decode(state) {
+            r.contexts = st.contexts.len();
+            r.mems = st.mems.len();
+            r.vram_bytes = st.mems.iter().map(|m| m.size).sum();
+            r.channels = st.channels.len();
+            r.queued_entries = st
+                .channels
+                .iter()
+                .map(|c| u64::from(c.gp_put.wrapping_sub(c.gp_get)))
+                .sum();
+        }
+        r
+    }
+}
+
+/// A test's hook on the byte streams between the backends (fault injection): called
+/// with each stream (the full state, then the tail) before the destination gets it.
+pub type StreamFilter<'a> = &'a mut dyn FnMut(&mut Vec<u8>);
 
 impl LoopbackVm {
     /// Moves this VM's device from its backend to the one listening on `socket`, while
     /// the guest keeps running. On failure the VM keeps running on the current backend
     /// (see the module docs) and the error says what failed.
     pub fn migrate_to(&self, socket: &Path) -> Result<MigrationReport, LoopbackError> {
+        self.migrate_to_filtered(socket, &mut |_| {})
+    }
+
+    /// [`Self::migrate_to`] with `filter` applied to the streams on their way (tests use
+    /// it to cut or corrupt them).
+    pub fn migrate_to_filtered(
+        &self,
+        socket: &Path,
+        filter: StreamFilter<'_>,
+    ) -> Result<MigrationReport, LoopbackError> {
         let t0 = Instant::now();
         self.ctrl.freeze()?;
-        let r = self.migrate_frozen(socket);
+        let r = self.migrate_frozen(socket, filter);
         // The rings run again: on the destination, or on the source after a rollback.
         kick(&self.ctrl.kick);
         self.ctrl.thaw();
-        r.map(|(state_bytes, tail_bytes)| {
-            let rep = MigrationReport {
-                state_bytes,
-                tail_bytes,
-                downtime: t0.elapsed(),
-            };
+        r.map(|mut rep| {
+            rep.downtime = t0.elapsed();
             info!("loopback VM migrated: {rep:?}");
             rep
         })
     }
 
-    fn migrate_frozen(&self, socket: &Path) -> Result<(usize, usize), LoopbackError> {
+    fn migrate_frozen(
+        &self,
+        socket: &Path,
+        filter: StreamFilter<'_>,
+    ) -> Result<MigrationReport, LoopbackError> {
         let mut dev = lock(&self.dev);
         let queues = [CONTROL_QUEUE as usize, EVENT_QUEUE as usize];
         let bases = dev.stop_queues(&queues)?;
@@ -72,14 +117,14 @@ impl LoopbackVm {
         lock(&self.irq).stop();
         self.ctrl.harvest();
         self.events.harvest();
-        let moved = self.move_device(&mut dev, socket, &bases);
+        let moved = self.move_device(&mut dev, socket, &bases, filter);
         match moved {
-            Ok((dest, state, tail)) => {
+            Ok((dest, report)) => {
                 // The source frees the VM's objects; the BAR shows the destination's pages.
                 let mut source = std::mem::replace(&mut *dev, dest);
                 source.disconnect();
                 self.restart_irq(&dev)?;
-                Ok((state, tail))
+                Ok(report)
             }
             Err(e) => {
                 warn!("migration failed ({e}); resuming on the source");
@@ -90,24 +135,33 @@ impl LoopbackVm {
         }
     }
 
-    /// Steps 3 to 5: the destination device with the VM's state loaded, and the sizes of
-    /// the state and the tail.
+    /// Steps 3 to 5: the destination device with the VM's state loaded, and what moved.
     fn move_device(
         &self,
         source: &mut VhostUserDevice,
         socket: &Path,
         bases: &[u16],
-    ) -> Result<(VhostUserDevice, usize, usize), LoopbackError> {
-        let state = source.save_state()?;
+        filter: StreamFilter<'_>,
+    ) -> Result<(VhostUserDevice, MigrationReport), LoopbackError> {
+        let mut state = source.save_state()?;
+        let report = MigrationReport::of(&state, 0);
+        filter(&mut state);
         let mut dest =
             VhostUserDevice::connect(socket, &loopback_requirements(), self.handler.clone())?;
         with_queues(&self.ctrl, &self.events, |q| {
             dest.activate_at(DRIVER_FEATURES, &self.ram.vhost_regions(), q, bases)
         })?;
         dest.load_state(&state)?;
-        let tail = source.save_state()?;
+        let mut tail = source.save_state()?;
+        filter(&mut tail);
         dest.load_state(&tail)?;
-        Ok((dest, state.len(), tail.len()))
+        Ok((
+            dest,
+            MigrationReport {
+                tail_bytes: tail.len(),
+                ..report
+            },
+        ))
     }
 
     fn restart_irq(&self, dev: &VhostUserDevice) -> Result<(), LoopbackError> {
