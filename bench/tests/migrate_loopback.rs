@@ -5,11 +5,11 @@
 //! destination and the VM keeps running on the source.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use vgpu_backend::VmLimits;
+use vgpu_backend::{VgpuBackend, VmLimits};
 use vgpu_guest::workloads::Workload;
 use vgpu_guest::{Device, KernelArgs};
 use vgpu_test_support::Host;
@@ -17,8 +17,21 @@ use vgpu_vmm::loopback::LoopbackVm;
 
 const VM: &str = "vm";
 
+/// The backends of the running tests, for a stalled test's report.
+static HOSTS: Mutex<Vec<(String, Arc<VgpuBackend>)>> = Mutex::new(Vec::new());
+
 fn host(tag: &str) -> Host {
-    Host::new(&format!("mig-{tag}"), 256 << 20, VmLimits::default(), &[VM])
+    host_with(tag, VmLimits::default())
+}
+
+fn host_with(tag: &str, limits: VmLimits) -> Host {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let h = Host::new(&format!("mig-{tag}"), 256 << 20, limits, &[VM]);
+    HOSTS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push((tag.to_string(), h.backend.clone()));
+    h
 }
 
 /// Guest processes: one per shared workload, each running it over and over (a fresh
@@ -54,24 +67,35 @@ impl Guests {
             }));
         }
         let (vm2, stop2) = (vm.clone(), stop.clone());
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         threads.push(std::thread::spawn(move || -> Result<(), String> {
             let dev = Device::loopback(vm2, 300).map_err(|e| e.to_string())?;
             let ctx = dev.create_context().map_err(|e| e.to_string())?;
-            let mut ch = ctx.create_channel().map_err(|e| e.to_string())?;
+            // Two channels that live through every migration.
+            let mut chans = [
+                ctx.create_channel().map_err(|e| e.to_string())?,
+                ctx.create_channel().map_err(|e| e.to_string())?,
+            ];
+            let _ = ready_tx.send(());
             while !stop2.load(Ordering::Acquire) {
-                let mut last = None;
-                for _ in 0..24 {
-                    ch.launch(&KernelArgs::Spin { ns: 1_000_000 }, [1, 1, 1])
-                        .map_err(|e| e.to_string())?;
-                    last = Some(ch.submit().map_err(|e| e.to_string())?);
-                }
-                if let Some(f) = last {
-                    ch.wait_timeout(f, Duration::from_secs(60))
-                        .map_err(|e| format!("queue: {e}"))?;
+                for ch in &mut chans {
+                    let mut last = None;
+                    for _ in 0..12 {
+                        ch.launch(&KernelArgs::Spin { ns: 1_000_000 }, [1, 1, 1])
+                            .map_err(|e| e.to_string())?;
+                        last = Some(ch.submit().map_err(|e| e.to_string())?);
+                    }
+                    if let Some(f) = last {
+                        ch.wait_timeout(f, Duration::from_secs(60))
+                            .map_err(|e| format!("queue: {e}"))?;
+                    }
                 }
             }
             Ok(())
         }));
+        ready_rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the queue process started");
         Guests {
             stop,
             runs,
@@ -83,11 +107,21 @@ impl Guests {
     fn wait_runs(&self, since: u64, n: u64) {
         let t0 = Instant::now();
         while self.runs.load(Ordering::Acquire) < since + n {
-            assert!(
-                t0.elapsed() < Duration::from_secs(120),
-                "workloads stalled at {} runs",
-                self.runs.load(Ordering::Acquire)
-            );
+            if t0.elapsed() > Duration::from_secs(120) {
+                let hosts = HOSTS.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                for (tag, be) in hosts {
+                    eprintln!(
+                        "{tag}: paused {:?}, stats {:?}, channels {:?}",
+                        be.vm_paused(VM),
+                        be.vm_stats(VM),
+                        be.vm_channel_info(VM)
+                    );
+                }
+                panic!(
+                    "workloads stalled at {} runs",
+                    self.runs.load(Ordering::Acquire)
+                );
+            }
             if let Some(t) = self.threads.iter().find(|t| t.is_finished()) {
                 let _ = t;
                 panic!("a guest process ended early (an error: see finish)");
@@ -154,14 +188,24 @@ fn a_running_vm_migrates_between_backends_and_every_workload_completes_bit_exact
     eprintln!("migration: {rep:?}");
     assert!(rep.contexts >= 2 && rep.channels >= 2, "{rep:?}");
     assert!(rep.mems >= 1 && rep.vram_bytes > 0, "{rep:?}");
-    assert!(rep.queued_entries > 0, "entries were waiting in the rings: {rep:?}");
+    assert!(
+        rep.queued_entries > 0,
+        "entries were waiting in the rings: {rep:?}"
+    );
 
     // The source let the VM go: nothing of it left on its GPU or in its books.
     let s = wait_vm(&a, |s| !s.connected && s.contexts == 0);
     assert!(!s.connected);
-    assert_eq!((s.contexts, s.channels, s.vram_bytes, s.aperture_bytes), (0, 0, 0, 0));
+    assert_eq!(
+        (s.contexts, s.channels, s.vram_bytes, s.aperture_bytes),
+        (0, 0, 0, 0)
+    );
     assert_gpu_clean(&a, "source after the migration");
-    assert_eq!(a.backend.vm_paused(VM), Some(false), "the source's pause ended with it");
+    assert_eq!(
+        a.backend.vm_paused(VM),
+        Some(false),
+        "the source's pause ended with it"
+    );
     assert!(b.backend.vm_stats(VM).expect("vm").connected);
 
     // Everything continues on the destination, then moves back to the source.
@@ -209,9 +253,37 @@ fn a_cut_or_corrupt_state_is_refused_and_the_vm_keeps_running_on_the_source() {
     assert_eq!(a.backend.vm_paused(VM), Some(false));
 
     // Nothing was lost either: the same VM then migrates for real.
-    vm.migrate_to(&b.socket(VM)).expect("migration after two refusals");
+    vm.migrate_to(&b.socket(VM))
+        .expect("migration after two refusals");
     let done = guests.runs.load(Ordering::Acquire);
     guests.wait_runs(done, 6);
     guests.finish();
     assert_gpu_clean(&a, "source after the migration");
+}
+
+/// A destination whose limits cannot hold the VM (fewer channels) refuses the state
+/// before it touches the guest's BAR, frees what it had restored, and the VM runs on.
+#[test]
+fn a_destination_that_cannot_hold_the_vm_refuses_it_and_the_source_keeps_it() {
+    let a = host("full");
+    let small = VmLimits {
+        max_channels: 1,
+        ..VmLimits::default()
+    };
+    let b = host_with("small", small);
+    let vm = a.connect(VM);
+    let guests = Guests::start(&vm);
+    guests.wait_runs(0, 3);
+    let r = vm.migrate_to(&b.socket(VM));
+    assert!(r.is_err(), "a destination with one channel took {r:?}");
+    let s = wait_vm(&b, |s| !s.connected);
+    assert_eq!(
+        (s.connected, s.contexts, s.channels, s.vram_bytes),
+        (false, 0, 0, 0)
+    );
+    assert_gpu_clean(&b, "destination after refusing");
+    let done = guests.runs.load(Ordering::Acquire);
+    guests.wait_runs(done, 6);
+    assert_eq!(a.backend.vm_paused(VM), Some(false));
+    guests.finish();
 }

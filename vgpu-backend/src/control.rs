@@ -67,6 +67,8 @@ pub(crate) struct VmControl {
     vram_quota: AtomicU64,
     /// A live migration holds the pause ([`crate::vm::migration`]).
     migrating: AtomicBool,
+    /// This host saved the VM's state for the migration (it is the source).
+    saved: AtomicBool,
 }
 
 impl VmControl {
@@ -75,7 +77,17 @@ impl VmControl {
             paused: AtomicBool::new(false),
             vram_quota: AtomicU64::new(vram_quota),
             migrating: AtomicBool::new(false),
+            saved: AtomicBool::new(false),
         }
+    }
+
+    pub(crate) fn set_saved(&self, on: bool) {
+        self.saved.store(on, Ordering::Release);
+    }
+
+    /// Whether this host saved the VM's state; clears the mark.
+    pub(crate) fn take_saved(&self) -> bool {
+        self.saved.swap(false, Ordering::AcqRel)
     }
 
     pub(crate) fn set_paused(&self, on: bool) {

@@ -687,6 +687,16 @@ impl Shadows {
         }
     }
 
+    /// The shadow page of a shadowed channel, as a file range.
+    pub fn shadow_page_range(&self, ch: u32) -> Option<FdRange> {
+        let s = self.shadowed.get(&ch)?;
+        Some(FdRange {
+            fd: self.pool.fd()?,
+            offset: s.page as u64 * PAGE_SIZE,
+            len: PAGE_SIZE,
+        })
+    }
+
     /// Raises a shadowed channel's shadow GP_PUT to `put` (compare-and-swap relative to
     /// the real GP_GET, never lowering it): submissions the guest made through another
     /// host's page (live migration). Returns whether the channel is shadowed.

@@ -6,15 +6,20 @@
 //! sizes, limits, ownership); only the ids, BAR slots and aperture offsets are forced to
 //! the saved ones, and a forced one that is taken or invalid is refused.
 
+use std::collections::BTreeSet;
+
 use log::{info, warn};
 use vgpu_host_shim::ChannelResume;
+use vgpu_protocol::channel::valid_gp_entries;
+use vgpu_protocol::device::CHANNEL_SLOTS;
+use vgpu_protocol::gp::{GPU_VA_LIMIT, GP_ENTRY_SIZE};
 use vgpu_protocol::migration::{DeviceState, MappingTargetRecord, TailState};
 use vgpu_protocol::request::{GuestRange, ReplyBody};
-use vgpu_protocol::ErrorCode;
+use vgpu_protocol::{ErrorCode, PAGE_SIZE};
 
 use super::MigrationError;
 use crate::guest_mem::GuestMemory;
-use crate::shmem::ShmMapper;
+use crate::shmem::{aperture_window_free, ShmMapper};
 use crate::vm::requests::Reply;
 use crate::vm::session::Session;
 use crate::vram::backing::Loc;
@@ -116,6 +121,9 @@ impl Session {
                 ));
             }
         }
+        // Nothing of the guest's BAR has changed yet: refuse here whatever would fail
+        // once pages start replacing the source's views.
+        self.check_views(st)?;
         for m in &st.mems {
             if let Some(off) = m.aperture {
                 let e = restore_err("aperture of VRAM object", u64::from(m.id));
@@ -169,6 +177,59 @@ impl Session {
         Ok(())
     }
 
+    /// Checks the BAR views of `st` (aperture windows, channel slots) and the channels'
+    /// records before any is mapped: a load that fails after it began mapping has
+    /// replaced some of the source's pages in the guest's BAR (the source maps them back
+    /// when it resumes, but a store a guest made into the destination's page meanwhile
+    /// would be lost), so only frontend failures may remain after this.
+    fn check_views(&self, st: &DeviceState) -> Result<(), MigrationError> {
+        let bad = |what, id: u32| restore_err(what, u64::from(id))(ErrorCode::InvalidArgument);
+        let mut windows: Vec<(u64, u64)> = Vec::new();
+        for m in &st.mems {
+            let Some(off) = m.aperture else { continue };
+            let ok = self
+                .state
+                .mems
+                .get(&m.id)
+                .is_some_and(|x| x.pid == m.pid && x.ctx == m.ctx && x.size == m.size)
+                && aperture_window_free(windows.iter().copied(), off, m.size);
+            if !ok {
+                return Err(bad("aperture of VRAM object", m.id));
+            }
+            windows.push((off, m.size));
+        }
+        if st.channels.len() > self.limits.max_channels as usize {
+            return Err(restore_err("channels", st.channels.len() as u64)(
+                ErrorCode::LimitExceeded,
+            ));
+        }
+        let mut ids = BTreeSet::new();
+        let mut slots = BTreeSet::new();
+        for c in &st.channels {
+            let ring_ok = valid_gp_entries(c.gp_entries)
+                && c.gp_ring_va.is_multiple_of(GP_ENTRY_SIZE as u64)
+                && c.gp_ring_va
+                    .checked_add(u64::from(c.gp_entries) * GP_ENTRY_SIZE as u64)
+                    .is_some_and(|end| end <= GPU_VA_LIMIT);
+            let ok = c.id != 0
+                && ids.insert(c.id)
+                && c.slot < CHANNEL_SLOTS
+                && slots.insert(c.slot)
+                && ring_ok
+                && self
+                    .state
+                    .contexts
+                    .get(&c.ctx)
+                    .is_some_and(|x| x.pid == c.pid)
+                && c.error
+                    .is_none_or(|(code, _)| ErrorCode::from_u32(code).is_ok());
+            if !ok {
+                return Err(bad("channel", c.id));
+            }
+        }
+        Ok(())
+    }
+
     /// Raises the shadow GP_PUT of each listed channel to the guest's final value on the
     /// source. Unknown or unshadowed channels are skipped (logged).
     pub(crate) fn apply_tail(&mut self, tail: &TailState) -> Result<(), MigrationError> {
@@ -181,6 +242,36 @@ impl Session {
             }
         }
         Ok(())
+    }
+
+    /// Maps every BAR view of the session again (aperture windows; channel slots with
+    /// their shadow or real page): the source's views after a failed migration, whose
+    /// destination may have mapped its own pages over them.
+    pub(crate) fn remap_views(&mut self, shm: &dyn ShmMapper) {
+        let wins: Vec<(u32, u64)> = self
+            .state
+            .mems
+            .iter()
+            .filter_map(|(id, m)| m.aperture.map(|o| (*id, o)))
+            .collect();
+        for (id, off) in wins {
+            let Some(b) = self.hal.vram.get(&id).cloned() else {
+                continue;
+            };
+            if let Err(e) = self.map_object_aperture(off, &b, shm) {
+                warn!("remap aperture of VRAM object {id}: {e}");
+            }
+        }
+        for (ch, _) in self.channel_list() {
+            let t = match self.shadow_target(ch) {
+                Ok(t) => t,
+                Err(_) => continue,
+            };
+            let page = self.shadows.shadow_page_range(ch).unwrap_or(t.page);
+            if let Err(e) = shm.map(t.slot_off, page.fd, page.offset, PAGE_SIZE, true) {
+                warn!("remap slot of channel {ch}: {e}");
+            }
+        }
     }
 
     /// Writes an object's contents where its chunks live (VRAM or swap).

@@ -30,6 +30,7 @@ impl VmState {
             return Ok(tail.encode());
         }
         self.control.set_migrating(true);
+        self.control.set_saved(true);
         let drained = self.drain(Some(shm), DRAIN_TIMEOUT);
         let out = drained.map_err(MigrationError::from).and_then(|d| {
             let rec = VmRecord {
@@ -106,8 +107,19 @@ impl VmState {
             return;
         }
         self.control.set_migrating(false);
+        if self.control.take_saved() {
+            // The source after a failed migration: its pages back over whatever the
+            // destination had mapped, before the channels unshadow.
+            self.lock_session().remap_views(shm);
+        }
         if let Err(e) = self.resume(Some(shm)) {
             log::warn!("VM {}: resume after migration: {e}", self.name);
+        }
+        // Events queued while the event ring was stopped: deliver them now.
+        if let Some(fd) = self.shared.events.notifier() {
+            if let Err(e) = fd.write(1) {
+                log::warn!("VM {}: waking event delivery: {e}", self.name);
+            }
         }
     }
 
@@ -116,6 +128,7 @@ impl VmState {
     pub(crate) fn migration_forget(&self) {
         if self.control.migrating() {
             self.control.set_migrating(false);
+            self.control.take_saved();
             self.lock_session().hold.paused = false;
             self.control.set_paused(false);
         }
