@@ -240,6 +240,9 @@ impl VhuVgpu {
             let chain = match Self::pop_chain(vring, mem.clone()) {
                 Ok(Some(chain)) => chain,
                 Ok(None) => break,
+                // The frontend stopped the ring (GET_VRING_BASE) while a kick was on its
+                // way: nothing to serve, nothing broken.
+                Err(virtio_queue::Error::QueueNotReady) => break,
                 Err(e) => {
                     self.ring_broken(CONTROL_QUEUE, &e);
                     break;
@@ -328,6 +331,10 @@ impl VhuVgpu {
             let chain = match Self::pop_chain(vring, mem.clone()) {
                 Ok(Some(chain)) => chain,
                 Ok(None) => {
+                    events.unpop(ev);
+                    break;
+                }
+                Err(virtio_queue::Error::QueueNotReady) => {
                     events.unpop(ev);
                     break;
                 }

@@ -148,20 +148,36 @@ impl LoopbackVm {
         filter(&mut state);
         let mut dest =
             VhostUserDevice::connect(socket, &loopback_requirements(), self.handler.clone())?;
-        with_queues(&self.ctrl, &self.events, |q| {
-            dest.activate_at(DRIVER_FEATURES, &self.ram.vhost_regions(), q, bases)
-        })?;
-        dest.load_state(&state)?;
-        let mut tail = source.save_state()?;
-        filter(&mut tail);
-        dest.load_state(&tail)?;
-        Ok((
-            dest,
-            MigrationReport {
-                tail_bytes: tail.len(),
-                ..report
-            },
-        ))
+        let loaded = (|| {
+            with_queues(&self.ctrl, &self.events, |q| {
+                dest.activate_at(DRIVER_FEATURES, &self.ram.vhost_regions(), q, bases)
+            })?;
+            dest.load_state(&state)?;
+            let mut tail = source.save_state()?;
+            filter(&mut tail);
+            dest.load_state(&tail)?;
+            Ok::<usize, LoopbackError>(tail.len())
+        })();
+        match loaded {
+            Ok(tail_bytes) => Ok((
+                dest,
+                MigrationReport {
+                    tail_bytes,
+                    ..report
+                },
+            )),
+            Err(e) => {
+                // The destination shares the rings' kick eventfds: it must stop watching
+                // them before the source's rings restart, or it could take the kick that
+                // resumes the source (or serve the source's requests).
+                let queues = [CONTROL_QUEUE as usize, EVENT_QUEUE as usize];
+                if let Err(e2) = dest.stop_queues(&queues) {
+                    warn!("stopping the refused destination's rings: {e2}");
+                }
+                dest.disconnect();
+                Err(e)
+            }
+        }
     }
 
     fn restart_irq(&self, dev: &VhostUserDevice) -> Result<(), LoopbackError> {
