@@ -71,8 +71,10 @@ pub struct DeviceRequirements {
     /// Virtio feature bits the driver wants besides VERSION_1 / PROTOCOL_FEATURES (acked
     /// where offered).
     pub virtio_features: u64,
-    /// Protocol features that must be offered; exactly these are acked.
+    /// Protocol features that must be offered; these are acked.
     pub protocol_features: VhostUserProtocolFeatures,
+    /// Protocol features acked as well where the backend offers them.
+    pub optional_protocol_features: VhostUserProtocolFeatures,
     /// Shared-memory regions `(id, size)` the device must report in GET_SHMEM_CONFIG.
     pub shm_regions: Vec<(u8, u64)>,
     /// Bytes of config space to read at connect.
@@ -140,7 +142,7 @@ impl VhostUserDevice {
                 req.protocol_features - offered_proto,
             ));
         }
-        let acked_proto = req.protocol_features;
+        let acked_proto = req.protocol_features | (req.optional_protocol_features & offered_proto);
         fe.set_protocol_features(acked_proto)
             .map_err(proto("SET_PROTOCOL_FEATURES"))?;
 

@@ -479,11 +479,11 @@ fn irq_loop(ctrl: &Ctrl, events: &Events, shm: &ShmWindow, exit_fd: RawFd, mut s
 /// Virtio features the loopback driver acks.
 const DRIVER_FEATURES: u64 = 1 << VIRTIO_F_VERSION_1;
 
-/// What the loopback VM needs of the backend: the vgpu requirements plus device-state
-/// transfer (for [`LoopbackVm::migrate_to`]).
+/// What the loopback VM needs of the backend: the vgpu requirements, plus device-state
+/// transfer where offered (for [`LoopbackVm::migrate_to`]).
 fn loopback_requirements() -> crate::frontend::DeviceRequirements {
     let mut r = vgpu_requirements();
-    r.protocol_features |= vhost::vhost_user::VhostUserProtocolFeatures::DEVICE_STATE;
+    r.optional_protocol_features |= vhost::vhost_user::VhostUserProtocolFeatures::DEVICE_STATE;
     r
 }
 
