@@ -287,3 +287,53 @@ fn a_destination_that_cannot_hold_the_vm_refuses_it_and_the_source_keeps_it() {
     assert_eq!(a.backend.vm_paused(VM), Some(false));
     guests.finish();
 }
+
+/// VRAM objects partly swapped out to system memory on the source (a GPU too small for
+/// the VM, the rest in the VM's swap store) move with their contents: the workloads'
+/// buffers come back bit-exact on the destination.
+#[test]
+fn a_vm_with_vram_swapped_out_migrates_bit_exactly() {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let limits = VmLimits {
+        swap_bytes: 256 << 20,
+        ..VmLimits::default()
+    };
+    let a = Host::new("mig-tiny", 1 << 20, limits, &[VM]);
+    let b = host("roomy");
+    let vm = a.connect(VM);
+    // Ballast bigger than the source GPU: at least its first 2 MiB chunk is swapped out.
+    let dev = Device::loopback(vm.clone(), 400).expect("device");
+    let ctx = dev.create_context().expect("context");
+    let ballast = ctx.alloc_vram(3 << 20).expect("ballast");
+    let pattern: Vec<u8> = (0..3u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    ballast.write(0, &pattern).expect("write ballast");
+    let guests = Guests::start(&vm);
+    guests.wait_runs(0, 4);
+    let rep = vm.migrate_to(&b.socket(VM)).expect("migration");
+    eprintln!("migration with swap: {rep:?}");
+    assert!(
+        rep.swapped_bytes >= 2 << 20,
+        "nothing was swapped out: {rep:?}"
+    );
+    let mut back_bytes = vec![0u8; pattern.len()];
+    ballast.read(0, &mut back_bytes).expect("read ballast");
+    assert!(back_bytes == pattern, "the ballast changed in the move");
+    let done = guests.runs.load(Ordering::Acquire);
+    guests.wait_runs(done, 6);
+    let back = vm
+        .migrate_to(&a.socket(VM))
+        .expect("migration back to the small GPU");
+    eprintln!("migration back: {back:?}");
+    let done = guests.runs.load(Ordering::Acquire);
+    guests.wait_runs(done, 6);
+    guests.finish();
+    ballast.read(0, &mut back_bytes).expect("read ballast");
+    assert!(
+        back_bytes == pattern,
+        "the ballast changed in the move back"
+    );
+    drop((ballast, ctx, dev));
+    assert_gpu_clean(&b, "destination after the migration back");
+}

@@ -43,6 +43,8 @@ pub struct MigrationReport {
     pub contexts: usize,
     pub mems: usize,
     pub vram_bytes: u64,
+    /// Of `vram_bytes`, what was swapped out to system memory on the source.
+    pub swapped_bytes: u64,
     pub channels: usize,
     /// GP entries the guest had submitted that had not run when the source paused
     /// (they ran on the destination).
@@ -62,6 +64,21 @@ impl MigrationReport {
             r.contexts = st.contexts.len();
             r.mems = st.mems.len();
             r.vram_bytes = st.mems.iter().map(|m| m.size).sum();
+            r.swapped_bytes = st
+                .mems
+                .iter()
+                .map(|m| {
+                    let chunk = 2u64 << 20;
+                    let mut bytes = 0;
+                    for (i, resident) in m.resident.iter().enumerate() {
+                        if !resident {
+                            let off = i as u64 * chunk;
+                            bytes += m.size.saturating_sub(off).min(chunk);
+                        }
+                    }
+                    bytes
+                })
+                .sum();
             r.channels = st.channels.len();
             r.queued_entries = st
                 .channels
