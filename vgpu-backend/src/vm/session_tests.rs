@@ -1371,7 +1371,8 @@ fn migration_source() -> (T, Vec<u32>) {
     assert_eq!(size, 3 * MIB);
     a.s.hold.paused = true;
     for ch in [ch1, ch2] {
-        a.s.hold_channel(ch, Holder::Operator, true, &a.shm).unwrap();
+        a.s.hold_channel(ch, Holder::Operator, true, &a.shm)
+            .unwrap();
     }
     (a, vec![ch1, ch2])
 }
@@ -1386,7 +1387,11 @@ fn migration_round_trip_restores_everything_at_the_same_places() {
     let st = DeviceState::decode(&st.encode()).unwrap();
     assert_eq!(st.channels[0].gp_put, 3);
     assert_eq!(st.mems[0].data.len() as u64, 3 * MIB);
-    assert!(st.mems[0].data.iter().enumerate().all(|(i, &v)| v == (i as u64 * 31 % 251) as u8));
+    assert!(st.mems[0]
+        .data
+        .iter()
+        .enumerate()
+        .all(|(i, &v)| v == (i as u64 * 31 % 251) as u8));
 
     let mut b = T::new();
     b.s.load_device_state(&st, &b.mem, &b.shm).unwrap();
