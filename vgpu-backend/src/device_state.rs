@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use log::{error, info};
-use vgpu_protocol::migration::{stream_len, HEADER_SIZE};
+use vgpu_protocol::migration::{stream_len, StateError, HEADER_SIZE};
 use vhost::vhost_user::message::VhostTransferStateDirection;
 
 use crate::guest_mem::GuestMemory;
@@ -26,6 +26,10 @@ use crate::VmState;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
 
 type Job = JoinHandle<Result<(), MigrationError>>;
+
+/// Bytes a device state may carry beyond the VM's VRAM contents (contexts, mappings,
+/// channels, events).
+const METADATA_ALLOWANCE: u64 = 64 << 20;
 
 /// The transfer of one connection.
 #[derive(Default)]
@@ -102,6 +106,16 @@ fn load(
     bytes.truncate(got);
     // A short or bad header is reported by the decoder below.
     if let Ok(total) = stream_len(&bytes) {
+        // What this VM may hold, plus room for its books: a longer stream cannot be one
+        // this host would accept, so it is refused before it is read.
+        let most = vm
+            .limits
+            .vram_bytes
+            .saturating_add(vm.limits.swap_bytes)
+            .saturating_add(METADATA_ALLOWANCE);
+        if total > most {
+            return Err(MigrationError::Format(StateError::TooLarge(total)));
+        }
         // Read what the header declares, plus one byte to notice trailing garbage.
         let want = total.saturating_add(1).saturating_sub(got as u64);
         (&mut file).take(want).read_to_end(&mut bytes)?;
