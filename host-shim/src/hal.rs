@@ -45,6 +45,19 @@ pub struct ChannelConfig {
     pub gp_entries: u32,
 }
 
+/// Where a re-created channel resumes (live migration): its ring position and the fields
+/// the GPU writes into its control page, as the source GPU left them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ChannelResume {
+    /// GP entries completed: the GPU fetches entry `gp_get` next (GP_PUT starts equal, so
+    /// nothing runs until the owner raises it).
+    pub gp_get: u32,
+    pub reference: u32,
+    pub notify_seq: u32,
+    /// The error the channel had stopped on: it starts stopped with it (no event is sent).
+    pub error: Option<(ErrorCode, u64)>,
+}
+
 /// Per-channel accounting, as real GPUs expose it to the host.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ChannelCounters {
@@ -139,6 +152,8 @@ pub enum HalError {
     PageSizeConflict(u64),
     #[error("host memory: {0}")]
     Os(String),
+    #[error("not supported by this GPU: {0}")]
+    Unsupported(&'static str),
 }
 
 impl HalError {
@@ -155,6 +170,7 @@ impl HalError {
             | HalError::NotMapped { .. }
             | HalError::PageSizeConflict(_) => ErrorCode::InvalidArgument,
             HalError::Os(_) => ErrorCode::Internal,
+            HalError::Unsupported(_) => ErrorCode::Unsupported,
         }
     }
 }
@@ -233,6 +249,22 @@ pub trait Gpu: Send + Sync {
         cfg: ChannelConfig,
         sink: Arc<dyn EventSink>,
     ) -> Result<ChannelId>;
+    /// Creates a channel in `ctx` that continues where a channel of another GPU stopped
+    /// (live migration): its control page starts with `at`'s fields and GP_PUT = GP_GET,
+    /// and the GPU fetches entry `at.gp_get` next. A GPU that cannot place a channel's
+    /// fetch position says [`HalError::Unsupported`] (the default).
+    fn create_channel_resumed(
+        &self,
+        ctx: ContextId,
+        cfg: ChannelConfig,
+        sink: Arc<dyn EventSink>,
+        at: ChannelResume,
+    ) -> Result<ChannelId> {
+        let _ = (ctx, cfg, sink, at);
+        Err(HalError::Unsupported(
+            "creating a channel at a saved ring position",
+        ))
+    }
     /// Destroys a channel at any moment; work in flight is abandoned.
     fn destroy_channel(&self, ch: ChannelId) -> Result<()>;
     /// The channel's 4 KiB control page.

@@ -19,7 +19,7 @@ pub mod vram {
 
 pub use choice::GpuChoice;
 pub use hal::{
-    ChannelConfig, ChannelCounters, ChannelId, ContextId, EventSink, FdRange, Gpu, GpuEvent,
-    GpuInfo, HalError, HostRange, MapFlags, MapTarget, PageSize, SysMemory, VramAlloc,
+    ChannelConfig, ChannelCounters, ChannelId, ChannelResume, ContextId, EventSink, FdRange, Gpu,
+    GpuEvent, GpuInfo, HalError, HostRange, MapFlags, MapTarget, PageSize, SysMemory, VramAlloc,
 };
 pub use sim::{SimConfig, SimGpu, SimStats};

@@ -14,6 +14,7 @@ pub mod gp;
 pub mod kernel;
 pub mod mem;
 pub mod method;
+pub mod migration;
 pub mod range;
 pub mod reference;
 pub mod request;

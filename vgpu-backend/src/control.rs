@@ -24,14 +24,13 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use log::{info, warn};
 use thiserror::Error;
 use vgpu_protocol::ErrorCode;
 
-use crate::shadow::{Holder, ShadowError};
-use crate::vm::session::Session;
+use crate::shadow::ShadowError;
+use crate::shmem::ShmMapper;
 use crate::{VgpuBackend, VmState};
 
 /// Smallest VRAM quota: one 4 KiB page.
@@ -56,14 +55,20 @@ pub enum ControlError {
     Vram(String),
     #[error("drain timed out after {waited_ms} ms with {pending} channel(s) still running")]
     DrainTimeout { waited_ms: u64, pending: u32 },
+    #[error("VM {0:?} is being migrated: its pause ends with the migration")]
+    Migrating(String),
 }
 
 /// Operator state of one VM outside its session (read without the session lock).
 #[derive(Debug)]
 pub(crate) struct VmControl {
     /// Mirrors the session's [`OwnerHolds::paused`](crate::shadow::OwnerHolds).
-    paused: AtomicBool,
+    pub(crate) paused: AtomicBool,
     vram_quota: AtomicU64,
+    /// A live migration holds the pause ([`crate::vm::migration`]).
+    migrating: AtomicBool,
+    /// This host saved the VM's state for the migration (it is the source).
+    saved: AtomicBool,
 }
 
 impl VmControl {
@@ -71,7 +76,30 @@ impl VmControl {
         VmControl {
             paused: AtomicBool::new(false),
             vram_quota: AtomicU64::new(vram_quota),
+            migrating: AtomicBool::new(false),
+            saved: AtomicBool::new(false),
         }
+    }
+
+    pub(crate) fn set_saved(&self, on: bool) {
+        self.saved.store(on, Ordering::Release);
+    }
+
+    /// Whether this host saved the VM's state; clears the mark.
+    pub(crate) fn take_saved(&self) -> bool {
+        self.saved.swap(false, Ordering::AcqRel)
+    }
+
+    pub(crate) fn set_paused(&self, on: bool) {
+        self.paused.store(on, Ordering::Release);
+    }
+
+    pub(crate) fn migrating(&self) -> bool {
+        self.migrating.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn set_migrating(&self, on: bool) {
+        self.migrating.store(on, Ordering::Release);
     }
 
     pub(crate) fn paused(&self) -> bool {
@@ -151,111 +179,26 @@ impl VgpuBackend {
     pub fn pause_vm(&self, name: &str) -> Result<PauseOutcome, ControlError> {
         let vm = self.control_vm(name)?;
         let shm = vm.shm.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let mut session = vm.lock_session();
-        session.hold.paused = true;
-        vm.control.paused.store(true, Ordering::Release);
-        let channels = session.channel_list();
-        let mut out = PauseOutcome {
-            channels: channels.len() as u32,
-            switched: 0,
-        };
-        let mut first_err = None;
-        for (ch, _) in channels {
-            let Some(shm) = shm.as_deref() else {
-                // No frontend: the session is being torn down; nothing runs.
-                break;
-            };
-            match session.hold_channel(ch, Holder::Operator, true, shm) {
-                Ok(s) => out.switched += u32::from(s.changed),
-                Err(source) => {
-                    warn!("VM {name}: pause: channel {ch}: {source}");
-                    first_err.get_or_insert(ControlError::Shadow {
-                        channel: ch,
-                        source,
-                    });
-                }
-            }
-        }
-        info!(
-            "VM {name}: paused ({} channel(s), {} switched)",
-            out.channels, out.switched
-        );
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(out),
-        }
+        vm.pause(shm.as_deref().map(|s| s as &dyn ShmMapper))
     }
 
     /// Resumes VM `name`: drops the operator's holds (channels nobody else holds are
-    /// unshadowed).
+    /// unshadowed). Refused while the VM is being migrated.
     pub fn resume_vm(&self, name: &str) -> Result<PauseOutcome, ControlError> {
         let vm = self.control_vm(name)?;
+        if vm.control.migrating() {
+            return Err(ControlError::Migrating(name.to_string()));
+        }
         let shm = vm.shm.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let mut session = vm.lock_session();
-        session.hold.paused = false;
-        vm.control.paused.store(false, Ordering::Release);
-        let channels = session.channel_list();
-        let mut out = PauseOutcome {
-            channels: channels.len() as u32,
-            switched: 0,
-        };
-        let mut first_err = None;
-        for (ch, _) in channels {
-            if !session.channel_holders(ch).contains(Holder::Operator) {
-                continue;
-            }
-            let Some(shm) = shm.as_deref() else {
-                break;
-            };
-            match session.hold_channel(ch, Holder::Operator, false, shm) {
-                Ok(s) => out.switched += u32::from(s.changed),
-                Err(source) => {
-                    warn!("VM {name}: resume: channel {ch}: {source}");
-                    first_err.get_or_insert(ControlError::Shadow {
-                        channel: ch,
-                        source,
-                    });
-                }
-            }
-        }
-        info!(
-            "VM {name}: resumed ({} channel(s), {} switched)",
-            out.channels, out.switched
-        );
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(out),
-        }
+        vm.resume(shm.as_deref().map(|s| s as &dyn ShmMapper))
     }
 
     /// Pauses VM `name` and waits (at most `timeout`) until the GPU completed all the work
     /// that had been released to it. On timeout the VM stays paused.
     pub fn drain_vm(&self, name: &str, timeout: Duration) -> Result<DrainOutcome, ControlError> {
-        let pause = self.pause_vm(name)?;
         let vm = self.control_vm(name)?;
-        let t0 = Instant::now();
-        loop {
-            let pending = {
-                let mut session = vm.lock_session();
-                // Let the guest see the progress of what it released.
-                session.mirror_shadows();
-                running_channels(&mut session)
-            };
-            let waited = t0.elapsed();
-            if pending == 0 {
-                return Ok(DrainOutcome {
-                    pause,
-                    waited_ns: u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX),
-                });
-            }
-            if waited >= timeout {
-                return Err(ControlError::DrainTimeout {
-                    waited_ms: u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
-                    pending,
-                });
-            }
-            std::thread::sleep(Duration::from_micros(500));
-        }
+        let shm = vm.shm.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        vm.drain(shm.as_deref().map(|s| s as &dyn ShmMapper), timeout)
     }
 
     /// Copies GPU progress into the shadow pages of every paused VM, so guests see the
@@ -298,28 +241,4 @@ impl VgpuBackend {
         }
         Some(out)
     }
-}
-
-/// Channels whose released work the GPU has not completed yet (a channel stopped on an
-/// error counts as done: it will not run anything more).
-fn running_channels(session: &mut Session) -> u32 {
-    let gpu = session.gpu.clone();
-    let mut n = 0;
-    for (ch, _) in session.channel_list() {
-        let stopped = session
-            .hal
-            .channels
-            .get(&ch)
-            .and_then(|h| gpu.channel_error(*h).ok().flatten())
-            .is_some();
-        if stopped {
-            continue;
-        }
-        if let Ok(p) = session.peek_channel_any(ch) {
-            if p.gp_get != p.real_put {
-                n += 1;
-            }
-        }
-    }
-    n
 }

@@ -55,6 +55,7 @@
 pub mod api;
 pub mod config;
 pub mod control;
+mod device_state;
 pub mod error;
 pub mod events;
 pub mod guest_mem;
@@ -490,6 +491,8 @@ fn serve_connection(
     *vm.shm.lock().unwrap_or_else(|e| e.into_inner()) = None;
     dev.stop_worker();
     join_worker(&vm.name, daemon);
+    // A migration pause belongs to the connection that ended.
+    vm.migration_forget();
     {
         let mut s = vm.lock_session();
         let c = s.swap.counters.vm;

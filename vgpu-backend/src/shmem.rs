@@ -165,6 +165,29 @@ pub fn first_fit_aperture(used: impl IntoIterator<Item = (u64, u64)>, len: u64) 
     (at <= end && end - at >= len).then_some(at)
 }
 
+/// Whether a window of `len` bytes (rounded to pages) at region-relative `off` lies in
+/// the aperture, page-aligned, clear of the windows in `used` (`(offset, len)`).
+pub fn aperture_window_free(
+    used: impl IntoIterator<Item = (u64, u64)>,
+    off: u64,
+    len: u64,
+) -> bool {
+    let Some(len) = page_round_up(len) else {
+        return false;
+    };
+    let Some(end) = off.checked_add(len) else {
+        return false;
+    };
+    len != 0
+        && off.is_multiple_of(PAGE_SIZE)
+        && off >= APERTURE_OFFSET
+        && end <= APERTURE_OFFSET + APERTURE_SIZE
+        && used.into_iter().all(|(o, l)| {
+            let l = page_round_up(l).unwrap_or(u64::MAX);
+            o.saturating_add(l) <= off || end <= o
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

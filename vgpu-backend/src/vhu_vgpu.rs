@@ -24,6 +24,7 @@
 //! `DEVICE_NEEDS_RESET` (virtio 1.2 §2.1.2); the VM's GPU objects are freed as on every
 //! disconnect and the socket listens again. The worker never loops on such a ring.
 
+use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,7 +38,8 @@ use vgpu_protocol::device::{
 use vgpu_protocol::request::{EVENT_SIZE, MAX_REQUEST_SIZE};
 use vgpu_protocol::{ErrorCode, PROTOCOL_VERSION};
 use vhost::vhost_user::message::{
-    VhostUserProtocolFeatures, VhostUserShMemConfig, VhostUserVirtioFeatures,
+    VhostTransferStateDirection, VhostTransferStatePhase, VhostUserProtocolFeatures,
+    VhostUserShMemConfig, VhostUserVirtioFeatures,
 };
 use vhost::vhost_user::Backend;
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
@@ -52,6 +54,7 @@ use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
 };
 
+use crate::device_state::StateTransfer;
 use crate::guest_mem::GuestMemory;
 use crate::shmem::VhostShm;
 use crate::VmState;
@@ -83,6 +86,7 @@ pub fn device_protocol_features() -> VhostUserProtocolFeatures {
         | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
         | VhostUserProtocolFeatures::RESET_DEVICE
         | VhostUserProtocolFeatures::SHMEM
+        | VhostUserProtocolFeatures::DEVICE_STATE
 }
 
 /// The device's virtio config space.
@@ -110,6 +114,8 @@ pub struct VhuVgpu {
     /// Duplicates of `exit.0` the library took ownership of and never closes.
     given_exit_fds: std::sync::Mutex<Vec<std::os::fd::RawFd>>,
     config: [u8; DeviceConfig::SIZE],
+    /// Device-state transfer (live migration).
+    transfer: StateTransfer,
 }
 
 impl Drop for VhuVgpu {
@@ -144,6 +150,7 @@ impl VhuVgpu {
             exit,
             given_exit_fds: std::sync::Mutex::new(Vec::new()),
             config,
+            transfer: StateTransfer::default(),
         })
     }
 
@@ -241,6 +248,10 @@ impl VhuVgpu {
         if !self.serving() {
             return;
         }
+        // The frontend started the rings again after a device-state transfer: the VM
+        // runs here (a loaded VM on the destination, or the source after a failed
+        // migration).
+        self.vm.migration_resume(self.shm.as_ref());
         self.with_notifications(vring, |v| self.drain_control(v), || true);
     }
 
@@ -252,6 +263,9 @@ impl VhuVgpu {
             let chain = match Self::pop_chain(vring, mem.clone()) {
                 Ok(Some(chain)) => chain,
                 Ok(None) => break,
+                // The frontend stopped the ring (GET_VRING_BASE) while a kick was on its
+                // way: nothing to serve, nothing broken.
+                Err(virtio_queue::Error::QueueNotReady) => break,
                 Err(e) => {
                     self.ring_broken(CONTROL_QUEUE, &e);
                     break;
@@ -340,6 +354,10 @@ impl VhuVgpu {
             let chain = match Self::pop_chain(vring, mem.clone()) {
                 Ok(Some(chain)) => chain,
                 Ok(None) => {
+                    events.unpop(ev);
+                    break;
+                }
+                Err(virtio_queue::Error::QueueNotReady) => {
                     events.unpop(ev);
                     break;
                 }
@@ -457,6 +475,32 @@ impl VhostUserBackend for VhuVgpu {
         let mut sizes = [0u64; SHM_REGION_ID as usize + 1];
         sizes[SHM_REGION_ID as usize] = SHM_SIZE;
         Ok(VhostUserShMemConfig::new(sizes.len() as u32, &sizes))
+    }
+
+    fn set_device_state_fd(
+        &self,
+        direction: VhostTransferStateDirection,
+        phase: VhostTransferStatePhase,
+        file: File,
+    ) -> io::Result<Option<File>> {
+        if phase != VhostTransferStatePhase::STOPPED {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "device state is transferred only while the device is stopped",
+            ));
+        }
+        self.transfer.start(
+            self.vm.clone(),
+            self.shm.clone(),
+            self.memory(),
+            direction,
+            file,
+        )?;
+        Ok(None)
+    }
+
+    fn check_device_state(&self) -> io::Result<()> {
+        self.transfer.check().map_err(io::Error::other)
     }
 
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {

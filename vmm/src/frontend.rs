@@ -14,8 +14,12 @@ use std::path::Path;
 use std::sync::Arc;
 
 use log::{debug, info};
+use std::io::{Read, Write};
 use thiserror::Error;
-use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserHeaderFlag};
+
+use vhost::vhost_user::message::{
+    VhostTransferStateDirection, VhostTransferStatePhase, VhostUserConfigFlags, VhostUserHeaderFlag,
+};
 use vhost::vhost_user::{
     Frontend, VhostUserFrontend, VhostUserFrontendReqHandler, VhostUserProtocolFeatures,
     VhostUserVirtioFeatures,
@@ -49,6 +53,10 @@ pub enum FrontendError {
     Disconnected,
     #[error("bad queue setup: {0}")]
     BadQueue(&'static str),
+    #[error("device-state transfer: {0}")]
+    StateIo(std::io::Error),
+    #[error("the backend refused the device state (CHECK_DEVICE_STATE): {0}")]
+    StateRefused(vhost::Error),
 }
 
 fn proto(step: &'static str) -> impl FnOnce(vhost::Error) -> FrontendError {
@@ -63,8 +71,10 @@ pub struct DeviceRequirements {
     /// Virtio feature bits the driver wants besides VERSION_1 / PROTOCOL_FEATURES (acked
     /// where offered).
     pub virtio_features: u64,
-    /// Protocol features that must be offered; exactly these are acked.
+    /// Protocol features that must be offered; these are acked.
     pub protocol_features: VhostUserProtocolFeatures,
+    /// Protocol features acked as well where the backend offers them.
+    pub optional_protocol_features: VhostUserProtocolFeatures,
     /// Shared-memory regions `(id, size)` the device must report in GET_SHMEM_CONFIG.
     pub shm_regions: Vec<(u8, u64)>,
     /// Bytes of config space to read at connect.
@@ -132,7 +142,7 @@ impl VhostUserDevice {
                 req.protocol_features - offered_proto,
             ));
         }
-        let acked_proto = req.protocol_features;
+        let acked_proto = req.protocol_features | (req.optional_protocol_features & offered_proto);
         fe.set_protocol_features(acked_proto)
             .map_err(proto("SET_PROTOCOL_FEATURES"))?;
 
@@ -248,6 +258,19 @@ impl VhostUserDevice {
         mem: &[VhostUserMemoryRegionInfo],
         queues: &[QueueSetup<'_>],
     ) -> Result<(), FrontendError> {
+        self.activate_at(driver_features, mem, queues, &[])
+    }
+
+    /// [`Self::activate`] with each queue's next available index (`bases[i]` for
+    /// `queues[i]`, 0 where missing): for a device that continues rings another backend
+    /// served (live migration).
+    pub fn activate_at(
+        &mut self,
+        driver_features: u64,
+        mem: &[VhostUserMemoryRegionInfo],
+        queues: &[QueueSetup<'_>],
+        bases: &[u16],
+    ) -> Result<(), FrontendError> {
         let acked = (driver_features | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits())
             & self.offered_features;
         let reply_ack = self
@@ -262,7 +285,8 @@ impl VhostUserDevice {
             fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
         }
         fe.set_mem_table(mem).map_err(proto("SET_MEM_TABLE"))?;
-        for q in queues {
+        for (i, q) in queues.iter().enumerate() {
+            let base = bases.get(i).copied().unwrap_or(0);
             if q.index as u64 >= queue_num {
                 return Err(FrontendError::BadQueue("queue index out of range"));
             }
@@ -282,7 +306,7 @@ impl VhostUserDevice {
             };
             fe.set_vring_addr(q.index, &cfg)
                 .map_err(proto("SET_VRING_ADDR"))?;
-            fe.set_vring_base(q.index, 0)
+            fe.set_vring_base(q.index, base)
                 .map_err(proto("SET_VRING_BASE"))?;
             fe.set_vring_call(q.index, q.call)
                 .map_err(proto("SET_VRING_CALL"))?;
@@ -313,6 +337,87 @@ impl VhostUserDevice {
         }
         self.acked_features = 0;
         Ok(())
+    }
+
+    /// Stops `queues` (GET_VRING_BASE: the backend no longer touches them when it
+    /// answers) and returns each one's next available index.
+    pub fn stop_queues(&mut self, queues: &[usize]) -> Result<Vec<u16>, FrontendError> {
+        let fe = self.fe()?;
+        let mut bases = Vec::with_capacity(queues.len());
+        for &q in queues {
+            let b = fe.get_vring_base(q).map_err(proto("GET_VRING_BASE"))?;
+            bases.push(u16::try_from(b).unwrap_or(0));
+        }
+        Ok(bases)
+    }
+
+    /// Starts queues stopped by [`Self::stop_queues`] again at `bases`.
+    pub fn restart_queues(
+        &mut self,
+        queues: &[QueueSetup<'_>],
+        bases: &[u16],
+    ) -> Result<(), FrontendError> {
+        let fe = self.fe()?;
+        for (q, &base) in queues.iter().zip(bases) {
+            fe.set_vring_base(q.index, base)
+                .map_err(proto("SET_VRING_BASE"))?;
+            fe.set_vring_call(q.index, q.call)
+                .map_err(proto("SET_VRING_CALL"))?;
+            fe.set_vring_kick(q.index, q.kick)
+                .map_err(proto("SET_VRING_KICK"))?;
+            fe.set_vring_enable(q.index, true)
+                .map_err(proto("SET_VRING_ENABLE"))?;
+        }
+        Ok(())
+    }
+
+    /// Saves the stopped device's state (SET_DEVICE_STATE_FD with a pipe, read to EOF,
+    /// then CHECK_DEVICE_STATE).
+    pub fn save_state(&mut self) -> Result<Vec<u8>, FrontendError> {
+        let (mut rd, wr) = std::io::pipe().map_err(FrontendError::StateIo)?;
+        let fe = self.fe()?;
+        let back = fe
+            .set_device_state_fd(
+                VhostTransferStateDirection::SAVE,
+                VhostTransferStatePhase::STOPPED,
+                wr.into(),
+            )
+            .map_err(proto("SET_DEVICE_STATE_FD"))?;
+        let mut bytes = Vec::new();
+        match back {
+            // The backend chose its own channel.
+            Some(mut f) => f.read_to_end(&mut bytes),
+            None => rd.read_to_end(&mut bytes),
+        }
+        .map_err(FrontendError::StateIo)?;
+        fe.check_device_state()
+            .map_err(FrontendError::StateRefused)?;
+        Ok(bytes)
+    }
+
+    /// Loads `bytes` as the device's state (SET_DEVICE_STATE_FD with a pipe written to
+    /// EOF, then CHECK_DEVICE_STATE, which fails if the backend refused it).
+    pub fn load_state(&mut self, bytes: &[u8]) -> Result<(), FrontendError> {
+        let (rd, mut wr) = std::io::pipe().map_err(FrontendError::StateIo)?;
+        let fe = self.fe()?;
+        let back = fe
+            .set_device_state_fd(
+                VhostTransferStateDirection::LOAD,
+                VhostTransferStatePhase::STOPPED,
+                rd.into(),
+            )
+            .map_err(proto("SET_DEVICE_STATE_FD"))?;
+        let written = match back {
+            Some(mut f) => f.write_all(bytes),
+            None => wr.write_all(bytes),
+        };
+        drop(wr);
+        // A backend that stopped reading (it refused the stream) breaks the pipe: its
+        // verdict comes from CHECK_DEVICE_STATE.
+        if let Err(e) = written {
+            debug!("device-state write: {e}");
+        }
+        fe.check_device_state().map_err(FrontendError::StateRefused)
     }
 
     /// Whether the backend-request channel has stopped (closed or broken).

@@ -23,8 +23,11 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::frontend::{FrontendError, QueueSetup, VhostUserDevice};
 use crate::guest_memory::{GuestMemoryError, GuestRam, PageAllocator, PAGE_SIZE};
 use crate::shm_window::{ShmHandler, ShmWindow, ShmWindowError};
+
+mod migrate;
 use crate::vgpu_device::vgpu_requirements;
 use crate::virtq::{Buffer, SplitQueue, VirtqError};
+pub use migrate::{MigrationReport, StreamFilter};
 
 #[derive(Debug, Error)]
 pub enum LoopbackError {
@@ -119,6 +122,8 @@ struct CtrlState {
     head_slot: Vec<Option<usize>>,
     done: Vec<Option<u32>>,
     dead: bool,
+    /// The device is being moved to another backend: new requests wait.
+    frozen: bool,
 }
 
 /// The control queue: requests from many threads, at most one per slot in flight.
@@ -139,6 +144,10 @@ impl Ctrl {
         let slot = loop {
             if st.dead {
                 return Err(LoopbackError::Disconnected);
+            }
+            if st.frozen {
+                st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+                continue;
             }
             if let Some(s) = st.free_slots.pop() {
                 break s;
@@ -225,6 +234,31 @@ impl Ctrl {
 
     fn kill(&self) {
         lock(&self.st).dead = true;
+        self.cv.notify_all();
+    }
+
+    /// Stops new requests and waits until none is in flight (the harvest runs on the
+    /// irq thread, which must still be running).
+    fn freeze(&self) -> Result<(), LoopbackError> {
+        let mut st = lock(&self.st);
+        st.frozen = true;
+        let nslots = self.slots.len();
+        while st.free_slots.len() < nslots {
+            if st.dead {
+                st.frozen = false;
+                return Err(LoopbackError::Disconnected);
+            }
+            st = self
+                .cv
+                .wait_timeout(st, Duration::from_millis(50))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+
+    fn thaw(&self) {
+        lock(&self.st).frozen = false;
         self.cv.notify_all();
     }
 }
@@ -442,9 +476,50 @@ fn irq_loop(ctrl: &Ctrl, events: &Events, shm: &ShmWindow, exit_fd: RawFd, mut s
     }
 }
 
+/// Virtio features the loopback driver acks.
+const DRIVER_FEATURES: u64 = 1 << VIRTIO_F_VERSION_1;
+
+/// What the loopback VM needs of the backend: the vgpu requirements, plus device-state
+/// transfer where offered (for [`LoopbackVm::migrate_to`]).
+fn loopback_requirements() -> crate::frontend::DeviceRequirements {
+    let mut r = vgpu_requirements();
+    r.optional_protocol_features |= vhost::vhost_user::VhostUserProtocolFeatures::DEVICE_STATE;
+    r
+}
+
+/// Runs `f` with the setup of both queues (control, event).
+fn with_queues<T>(ctrl: &Ctrl, events: &Events, f: impl FnOnce(&[QueueSetup<'_>]) -> T) -> T {
+    let (cd, ca, cu) = lock(&ctrl.st).q.host_addrs();
+    let (ed, ea, eu) = lock(&events.st).q.host_addrs();
+    let queues = [
+        QueueSetup {
+            index: CONTROL_QUEUE as usize,
+            size: QUEUE_SIZE,
+            desc_addr: cd,
+            avail_addr: ca,
+            used_addr: cu,
+            call: &ctrl.call,
+            kick: &ctrl.kick,
+        },
+        QueueSetup {
+            index: EVENT_QUEUE as usize,
+            size: QUEUE_SIZE,
+            desc_addr: ed,
+            avail_addr: ea,
+            used_addr: eu,
+            call: &events.call,
+            kick: &events.kick,
+        },
+    ];
+    f(&queues)
+}
+
 /// A loopback VM connected to a vgpu backend.
 pub struct LoopbackVm {
     dev: Mutex<VhostUserDevice>,
+    /// Serves the backend's SHMEM requests into `shm` (kept for a migration's next
+    /// backend).
+    handler: Arc<ShmHandler>,
     ctrl: Arc<Ctrl>,
     events: Arc<Events>,
     irq: Mutex<IrqThread>,
@@ -474,7 +549,7 @@ impl LoopbackVm {
 
         let shm = Arc::new(ShmWindow::new(SHM_REGION_ID, SHM_SIZE)?);
         let handler = Arc::new(ShmHandler::new(vec![shm.clone()]));
-        let mut dev = VhostUserDevice::connect(socket, &vgpu_requirements(), handler)?;
+        let mut dev = VhostUserDevice::connect(socket, &loopback_requirements(), handler.clone())?;
         if DeviceConfig::decode(dev.config()).is_none() {
             return Err(LoopbackError::BadDeviceConfig);
         }
@@ -502,6 +577,7 @@ impl LoopbackVm {
                 head_slot: vec![None; QUEUE_SIZE as usize],
                 done: vec![None; nslots],
                 dead: false,
+                frozen: false,
             }),
             cv: Condvar::new(),
             slots,
@@ -537,33 +613,9 @@ impl LoopbackVm {
             }
         }
 
-        {
-            let cst = lock(&ctrl.st);
-            let est = lock(&events.st);
-            let (cd, ca, cu) = cst.q.host_addrs();
-            let (ed, ea, eu) = est.q.host_addrs();
-            let queues = [
-                QueueSetup {
-                    index: CONTROL_QUEUE as usize,
-                    size: QUEUE_SIZE,
-                    desc_addr: cd,
-                    avail_addr: ca,
-                    used_addr: cu,
-                    call: &ctrl.call,
-                    kick: &ctrl.kick,
-                },
-                QueueSetup {
-                    index: EVENT_QUEUE as usize,
-                    size: QUEUE_SIZE,
-                    desc_addr: ed,
-                    avail_addr: ea,
-                    used_addr: eu,
-                    call: &events.call,
-                    kick: &events.kick,
-                },
-            ];
-            dev.activate(1 << VIRTIO_F_VERSION_1, &ram.vhost_regions(), &queues)?;
-        }
+        with_queues(&ctrl, &events, |queues| {
+            dev.activate(DRIVER_FEATURES, &ram.vhost_regions(), queues)
+        })?;
         kick(&events.kick);
 
         let irq = IrqThread::start(ctrl.clone(), events.clone(), shm.clone(), dev.socket_fd())?;
@@ -574,6 +626,7 @@ impl LoopbackVm {
         );
         Ok(Arc::new(LoopbackVm {
             dev: Mutex::new(dev),
+            handler,
             ctrl,
             events,
             irq: Mutex::new(irq),

@@ -46,6 +46,7 @@ pub fn vgpu_requirements() -> DeviceRequirements {
             | VhostUserProtocolFeatures::BACKEND_REQ
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::SHMEM,
+        optional_protocol_features: VhostUserProtocolFeatures::empty(),
         shm_regions: vec![(SHM_REGION_ID, SHM_SIZE)],
         config_size: DeviceConfig::SIZE as u32,
     }

@@ -1,13 +1,15 @@
 //! A sim channel: configuration, control-page slot, counters and error state. The PFIFO's
 //! execution state for it (fetch position, pending work) lives in the PFIFO thread.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use vgpu_protocol::{ControlPage, ErrorCode};
 
 use super::control_pages::ControlPages;
-use crate::hal::{ChannelConfig, ChannelCounters, ChannelId, ContextId, EventSink, GpuEvent};
+use crate::hal::{
+    ChannelConfig, ChannelCounters, ChannelId, ChannelResume, ContextId, EventSink, GpuEvent,
+};
 use crate::mmu::AddressSpace;
 
 pub struct SimChannel {
@@ -34,6 +36,9 @@ pub struct SimChannel {
     error: Mutex<Option<(ErrorCode, u64)>>,
     /// Set once the channel has stopped (error, kill or destroy): engines drop its work.
     pub stopped: AtomicBool,
+    /// GP entries completed before this channel existed (a channel resumed after live
+    /// migration): where the PFIFO starts fetching.
+    start_get: AtomicU32,
 }
 
 /// What a channel shares with its context.
@@ -76,7 +81,32 @@ impl SimChannel {
             copies: AtomicU64::new(0),
             error: Mutex::new(None),
             stopped: AtomicBool::new(false),
+            start_get: AtomicU32::new(0),
         }
+    }
+
+    /// Makes a channel that nothing has run on yet continue where a migrated channel
+    /// stopped: the control page's GPU-written fields and GP_PUT = GP_GET, the fetch
+    /// position, and a stopped channel's error (recorded without an event: its owner was
+    /// told on the source).
+    pub fn resume_at(&self, at: ChannelResume) {
+        self.start_get.store(at.gp_get, Ordering::Release);
+        self.store(ControlPage::REF, at.reference);
+        self.store(ControlPage::NOTIFY_SEQ, at.notify_seq);
+        self.store(ControlPage::GP_GET, at.gp_get);
+        self.store(ControlPage::GP_PUT, at.gp_get);
+        if let Some((code, info)) = at.error {
+            *self.error.lock().unwrap_or_else(|e| e.into_inner()) = Some((code, info));
+            self.stopped.store(true, Ordering::Release);
+            self.pages
+                .store_u64(self.slot, ControlPage::ERROR_INFO, info);
+            self.store(ControlPage::ERROR, code.as_u32());
+        }
+    }
+
+    /// Where the PFIFO starts fetching (0 for a fresh channel).
+    pub fn start_get(&self) -> u32 {
+        self.start_get.load(Ordering::Acquire)
     }
 
     pub fn load(&self, field: usize) -> u32 {

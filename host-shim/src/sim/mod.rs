@@ -421,6 +421,58 @@ impl Gpu for SimGpu {
         cfg: ChannelConfig,
         sink: Arc<dyn EventSink>,
     ) -> Result<ChannelId> {
+        self.new_channel(ctx, cfg, sink, None)
+    }
+
+    fn create_channel_resumed(
+        &self,
+        ctx: ContextId,
+        cfg: ChannelConfig,
+        sink: Arc<dyn EventSink>,
+        at: ChannelResume,
+    ) -> Result<ChannelId> {
+        self.new_channel(ctx, cfg, sink, Some(at))
+    }
+
+    fn destroy_channel(&self, ch: ChannelId) -> Result<()> {
+        if self.remove_channels(|c| c.id == ch) == 0 {
+            return Err(HalError::NoChannel(ch));
+        }
+        Ok(())
+    }
+
+    fn control_page(&self, ch: ChannelId) -> Result<FdRange> {
+        Ok(self.pages.fd_range(self.channel(ch)?.slot))
+    }
+
+    fn doorbell(&self, _ch: ChannelId) {
+        self.shared.wake_pfifo();
+    }
+
+    fn channel_counters(&self, ch: ChannelId) -> Result<ChannelCounters> {
+        Ok(self.channel(ch)?.counters())
+    }
+
+    fn channel_error(&self, ch: ChannelId) -> Result<Option<(ErrorCode, u64)>> {
+        Ok(self.channel(ch)?.error())
+    }
+
+    fn kill_channel(&self, ch: ChannelId, code: ErrorCode) -> Result<()> {
+        self.channel(ch)?.fault(code, 0);
+        self.shared.wake_pfifo();
+        Ok(())
+    }
+}
+
+impl SimGpu {
+    /// A new channel, fresh or resumed at `at` (see [`Gpu::create_channel_resumed`]).
+    fn new_channel(
+        &self,
+        ctx: ContextId,
+        cfg: ChannelConfig,
+        sink: Arc<dyn EventSink>,
+        at: Option<ChannelResume>,
+    ) -> Result<ChannelId> {
         if !valid_gp_entries(cfg.gp_entries) {
             return Err(HalError::InvalidArgument(
                 "GP ring size must be a power of two in 2..=65536",
@@ -456,6 +508,9 @@ impl Gpu for SimGpu {
             self.pages.clone(),
             sink,
         ));
+        if let Some(at) = at {
+            ch.resume_at(at);
+        }
         {
             // The context may have been destroyed meanwhile; check under the channel lock
             // order (contexts, then channels) so no channel outlives its context.
@@ -472,34 +527,5 @@ impl Gpu for SimGpu {
         self.shared.gen.fetch_add(1, Ordering::AcqRel);
         self.shared.wake_pfifo();
         Ok(id)
-    }
-
-    fn destroy_channel(&self, ch: ChannelId) -> Result<()> {
-        if self.remove_channels(|c| c.id == ch) == 0 {
-            return Err(HalError::NoChannel(ch));
-        }
-        Ok(())
-    }
-
-    fn control_page(&self, ch: ChannelId) -> Result<FdRange> {
-        Ok(self.pages.fd_range(self.channel(ch)?.slot))
-    }
-
-    fn doorbell(&self, _ch: ChannelId) {
-        self.shared.wake_pfifo();
-    }
-
-    fn channel_counters(&self, ch: ChannelId) -> Result<ChannelCounters> {
-        Ok(self.channel(ch)?.counters())
-    }
-
-    fn channel_error(&self, ch: ChannelId) -> Result<Option<(ErrorCode, u64)>> {
-        Ok(self.channel(ch)?.error())
-    }
-
-    fn kill_channel(&self, ch: ChannelId, code: ErrorCode) -> Result<()> {
-        self.channel(ch)?.fault(code, 0);
-        self.shared.wake_pfifo();
-        Ok(())
     }
 }

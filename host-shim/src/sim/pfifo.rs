@@ -114,9 +114,9 @@ impl Pfifo {
         self.chans = current
             .into_iter()
             .map(|ch| {
-                old.remove(&ch.id).unwrap_or(ChanExec {
+                old.remove(&ch.id).unwrap_or_else(|| ChanExec {
+                    get: ch.start_get(),
                     ch,
-                    get: 0,
                     item: None,
                     on_engine: false,
                 })

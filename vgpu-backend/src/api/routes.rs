@@ -365,6 +365,7 @@ fn control_failure(e: ControlError) -> Failure {
         ControlError::Shadow { .. } => (500, "shadow_failed"),
         ControlError::DrainTimeout { .. } => (504, "drain_timeout"),
         ControlError::Vram(_) => (500, "vram_failed"),
+        ControlError::Migrating(_) => (409, "migrating"),
     };
     fail(status, code, e.to_string())
 }

@@ -687,6 +687,32 @@ impl Shadows {
         }
     }
 
+    /// The shadow page of a shadowed channel, as a file range.
+    pub fn shadow_page_range(&self, ch: u32) -> Option<FdRange> {
+        let s = self.shadowed.get(&ch)?;
+        Some(FdRange {
+            fd: self.pool.fd()?,
+            offset: s.page as u64 * PAGE_SIZE,
+            len: PAGE_SIZE,
+        })
+    }
+
+    /// Raises a shadowed channel's shadow GP_PUT to `put` (compare-and-swap relative to
+    /// the real GP_GET, never lowering it): submissions the guest made through another
+    /// host's page (live migration). Returns whether the channel is shadowed.
+    pub fn raise_shadow_put(&self, ch: u32, put: u32) -> bool {
+        let (Some(real), Some(shadow)) = (
+            self.real.get(&ch),
+            self.shadowed
+                .get(&ch)
+                .and_then(|s| self.pool.pages.get(s.page)),
+        ) else {
+            return false;
+        };
+        shadow.raise(ControlPage::GP_PUT, put, real.load(ControlPage::GP_GET));
+        true
+    }
+
     /// Forgets channel `ch` (destroyed, or its slot unmapped): its shadow page goes back to
     /// the pool. Only call once no guest mapping leads to the shadow page.
     pub fn forget(&mut self, ch: u32) {

@@ -15,6 +15,8 @@
 //!
 //! No other module has an `impl` block for these types.
 
+pub mod migration;
+mod pause;
 pub mod requests;
 mod sched_handle;
 pub mod session;

@@ -13,6 +13,37 @@ impl Session {
         gp_entries: u32,
         shm: &dyn ShmMapper,
     ) -> Reply {
+        self.new_channel(pid, ctx, gp_ring_va, gp_entries, None, shm)
+    }
+
+    /// A channel that continues a migrated one: at BAR slot `slot`, resuming at `at`,
+    /// born shadowed (the VM is paused while it is restored), never showing the real page
+    /// before the pause ends.
+    pub(in crate::vm) fn restore_channel(
+        &mut self,
+        pid: u32,
+        ctx: u32,
+        ring: (u64, u32),
+        slot: u32,
+        at: ChannelResume,
+        shm: &dyn ShmMapper,
+    ) -> Reply {
+        if !self.hold.paused {
+            return Err(ErrorCode::Busy);
+        }
+        self.new_channel(pid, ctx, ring.0, ring.1, Some((slot, at)), shm)
+    }
+
+    /// CREATE_CHANNEL, or a restored channel (`resume`: its slot and position).
+    fn new_channel(
+        &mut self,
+        pid: u32,
+        ctx: u32,
+        gp_ring_va: u64,
+        gp_entries: u32,
+        resume: Option<(u32, ChannelResume)>,
+        shm: &dyn ShmMapper,
+    ) -> Reply {
         let (hctx, _) = self.owned_ctx(pid, ctx)?;
         let ring_ok = valid_gp_entries(gp_entries)
             && gp_ring_va.is_multiple_of(GP_ENTRY_SIZE as u64)
@@ -25,8 +56,16 @@ impl Session {
         if self.state.channels.len() >= self.limits.max_channels as usize {
             return Err(ErrorCode::LimitExceeded);
         }
-        let slot = free_slot(self.state.channels.values().map(|c| c.slot))
-            .ok_or(ErrorCode::LimitExceeded)?;
+        let slot = match resume {
+            None => free_slot(self.state.channels.values().map(|c| c.slot))
+                .ok_or(ErrorCode::LimitExceeded)?,
+            Some((slot, _)) => {
+                if slot >= CHANNEL_SLOTS || self.state.channels.values().any(|c| c.slot == slot) {
+                    return Err(ErrorCode::InvalidArgument);
+                }
+                slot
+            }
+        };
         let slot_off = slot_offset(slot).ok_or(ErrorCode::Internal)?;
         let channels = &self.state.channels;
         let id = fresh_id(&mut self.state.last_channel, |i| channels.contains_key(&i));
@@ -35,11 +74,14 @@ impl Session {
             gp_ring_va,
             gp_entries,
         };
-        let hch = self
-            .gpu
-            .create_channel(hctx, cfg, sink)
-            .map_err(|e| e.code())?;
+        let hch = match resume {
+            None => self.gpu.create_channel(hctx, cfg, sink),
+            Some((_, at)) => self.gpu.create_channel_resumed(hctx, cfg, sink, at),
+        }
+        .map_err(|e| e.code())?;
         let mapped = match self.gpu.control_page(hch) {
+            // A restored channel's slot shows its shadow page first (its hold below).
+            Ok(page) if page.len >= PAGE_SIZE && resume.is_some() => Ok(()),
             Ok(page) if page.len >= PAGE_SIZE => shm
                 .map(slot_off, page.fd, page.offset, PAGE_SIZE, true)
                 .map_err(|e| {
@@ -78,6 +120,14 @@ impl Session {
             if born.contains(who) {
                 if let Err(e) = self.hold_channel(id, who, true, shm) {
                     warn!("CREATE_CHANNEL: cannot hold channel {id} for {who:?}: {e}");
+                    if resume.is_some() {
+                        // Nothing shows the restored channel: undo it.
+                        if let Some(c) = self.state.channels.get_mut(&id) {
+                            c.slot_mapped = false;
+                        }
+                        let _ = self.destroy_channel(pid, ctx, id, shm);
+                        return Err(ErrorCode::Internal);
+                    }
                 }
             }
         }

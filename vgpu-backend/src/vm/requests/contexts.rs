@@ -5,7 +5,7 @@ use super::*;
 impl Session {
     // ---- contexts ---------------------------------------------------------------------
 
-    pub(super) fn create_context(&mut self, pid: u32, mem: &GuestMemory) -> Reply {
+    pub(in crate::vm) fn create_context(&mut self, pid: u32, mem: &GuestMemory) -> Reply {
         if self.state.contexts.len() >= self.limits.max_contexts as usize {
             return Err(ErrorCode::LimitExceeded);
         }

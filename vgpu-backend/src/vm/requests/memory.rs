@@ -5,7 +5,7 @@ use super::*;
 impl Session {
     // ---- VRAM objects -----------------------------------------------------------------
 
-    pub(super) fn alloc_vram(&mut self, pid: u32, ctx: u32, size: u64, align: u64) -> Reply {
+    pub(in crate::vm) fn alloc_vram(&mut self, pid: u32, ctx: u32, size: u64, align: u64) -> Reply {
         self.owned_ctx(pid, ctx)?;
         let gpu_vram = self.gpu.info().vram_bytes;
         // What the VM may hold: its VRAM quota plus its swap limit.
@@ -80,7 +80,7 @@ impl Session {
 
     // ---- GPU mappings -----------------------------------------------------------------
 
-    pub(super) fn map_vram(
+    pub(in crate::vm) fn map_vram(
         &mut self,
         pid: u32,
         ctx: u32,
@@ -112,7 +112,7 @@ impl Session {
         Ok(ReplyBody::Empty)
     }
 
-    pub(super) fn map_guest(
+    pub(in crate::vm) fn map_guest(
         &mut self,
         pid: u32,
         ctx: u32,
@@ -260,6 +260,29 @@ impl Session {
         mem: u32,
         shm: &dyn ShmMapper,
     ) -> Reply {
+        self.aperture_window(pid, ctx, mem, None, shm)
+    }
+
+    /// MAP_APERTURE at a given offset (a migrated VM's windows stay where they were).
+    pub(in crate::vm) fn restore_aperture(
+        &mut self,
+        pid: u32,
+        ctx: u32,
+        mem: u32,
+        at: u64,
+        shm: &dyn ShmMapper,
+    ) -> Reply {
+        self.aperture_window(pid, ctx, mem, Some(at), shm)
+    }
+
+    fn aperture_window(
+        &mut self,
+        pid: u32,
+        ctx: u32,
+        mem: u32,
+        at: Option<u64>,
+        shm: &dyn ShmMapper,
+    ) -> Reply {
         self.owned_ctx(pid, ctx)?;
         let m = self.owned_mem(pid, ctx, mem)?;
         if m.aperture.is_some() {
@@ -276,7 +299,11 @@ impl Session {
             .mems
             .values()
             .filter_map(|m| m.aperture.map(|o| (o, m.size)));
-        let off = first_fit_aperture(used, len).ok_or(ErrorCode::LimitExceeded)?;
+        let off = match at {
+            None => first_fit_aperture(used, len).ok_or(ErrorCode::LimitExceeded)?,
+            Some(off) if aperture_window_free(used, off, len) => off,
+            Some(_) => return Err(ErrorCode::InvalidArgument),
+        };
         let backing = self.hal.vram.get(&mem).ok_or(ErrorCode::Internal)?.clone();
         if backing.size() != len {
             return Err(ErrorCode::Internal);

@@ -19,7 +19,7 @@ mod memory;
 use std::sync::Arc;
 
 use log::{debug, warn};
-use vgpu_host_shim::{ChannelConfig, ContextId, MapFlags, MapTarget, PageSize};
+use vgpu_host_shim::{ChannelConfig, ChannelResume, ContextId, MapFlags, MapTarget, PageSize};
 use vgpu_protocol::channel::valid_gp_entries;
 use vgpu_protocol::device::{slot_offset, CHANNEL_SLOTS};
 use vgpu_protocol::gp::{GPU_VA_LIMIT, GP_ENTRY_SIZE};
@@ -32,7 +32,7 @@ use vgpu_protocol::{ErrorCode, PAGE_SIZE, PROTOCOL_VERSION};
 use crate::events::ChannelSink;
 use crate::guest_mem::{GuestMemory, GuestSysMemory};
 use crate::shadow::Holder;
-use crate::shmem::{first_fit_aperture, free_slot, page_round_up, ShmMapper};
+use crate::shmem::{aperture_window_free, first_fit_aperture, free_slot, page_round_up, ShmMapper};
 use crate::vm::session::{
     ChannelState, ContextState, MappingState, MappingTarget, MemState, Session,
 };
@@ -40,7 +40,7 @@ use crate::vm::session::{
 /// Largest VRAM alignment a guest may ask for.
 pub const MAX_VRAM_ALIGN: u64 = 1 << 30;
 
-type Reply = Result<ReplyBody, ErrorCode>;
+pub(in crate::vm) type Reply = Result<ReplyBody, ErrorCode>;
 
 fn page_size(code: u32) -> Result<PageSize, ErrorCode> {
     match code {

@@ -1,0 +1,340 @@
+//! Live migration of a loopback VM between two backends (issue 14, first slice), over the
+//! real vhost-user sockets: guest processes run the shared workloads (whose results are
+//! checked bit-exactly against the CPU references, so a submission lost or run twice
+//! fails them) while the VM moves; a stream cut or corrupted on its way is refused by the
+//! destination and the VM keeps running on the source.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use vgpu_backend::{VgpuBackend, VmLimits};
+use vgpu_guest::workloads::Workload;
+use vgpu_guest::{Device, KernelArgs};
+use vgpu_test_support::Host;
+use vgpu_vmm::loopback::LoopbackVm;
+
+const VM: &str = "vm";
+
+/// The backends of the running tests, for a stalled test's report.
+static HOSTS: Mutex<Vec<(String, Arc<VgpuBackend>)>> = Mutex::new(Vec::new());
+
+fn host(tag: &str) -> Host {
+    host_with(tag, VmLimits::default())
+}
+
+fn host_with(tag: &str, limits: VmLimits) -> Host {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let h = Host::new(&format!("mig-{tag}"), 256 << 20, limits, &[VM]);
+    HOSTS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push((tag.to_string(), h.backend.clone()));
+    h
+}
+
+/// Guest processes: one per shared workload, each running it over and over (a fresh
+/// context each time, so contexts, buffers and channels are created and destroyed
+/// around the migration too), plus one that keeps a deep queue of spin kernels so that
+/// GP entries are waiting in the ring when the source pauses.
+struct Guests {
+    stop: Arc<AtomicBool>,
+    /// Workload runs completed (all verified).
+    runs: Arc<AtomicU64>,
+    threads: Vec<JoinHandle<Result<(), String>>>,
+}
+
+impl Guests {
+    fn start(vm: &Arc<LoopbackVm>) -> Guests {
+        let stop = Arc::new(AtomicBool::new(false));
+        let runs = Arc::new(AtomicU64::new(0));
+        let mut threads = Vec::new();
+        for (i, name) in Workload::NAMES.iter().enumerate() {
+            let (vm, stop, runs) = (vm.clone(), stop.clone(), runs.clone());
+            threads.push(std::thread::spawn(move || -> Result<(), String> {
+                let dev = Device::loopback(vm, 100 + i as u32).map_err(|e| e.to_string())?;
+                let w = Workload::by_name(name, true).ok_or("no such workload")?;
+                while !stop.load(Ordering::Acquire) {
+                    let ctx = dev.create_context().map_err(|e| format!("{name}: {e}"))?;
+                    let r = w.run(&ctx).map_err(|e| format!("{name}: {e}"))?;
+                    if !r.verified && *name != "throttle" {
+                        return Err(format!("{name}: not verified"));
+                    }
+                    runs.fetch_add(1, Ordering::AcqRel);
+                }
+                Ok(())
+            }));
+        }
+        let (vm2, stop2) = (vm.clone(), stop.clone());
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        threads.push(std::thread::spawn(move || -> Result<(), String> {
+            let dev = Device::loopback(vm2, 300).map_err(|e| e.to_string())?;
+            let ctx = dev.create_context().map_err(|e| e.to_string())?;
+            // Two channels that live through every migration.
+            let mut chans = [
+                ctx.create_channel().map_err(|e| e.to_string())?,
+                ctx.create_channel().map_err(|e| e.to_string())?,
+            ];
+            let _ = ready_tx.send(());
+            while !stop2.load(Ordering::Acquire) {
+                for ch in &mut chans {
+                    let mut last = None;
+                    for _ in 0..12 {
+                        ch.launch(&KernelArgs::Spin { ns: 1_000_000 }, [1, 1, 1])
+                            .map_err(|e| e.to_string())?;
+                        last = Some(ch.submit().map_err(|e| e.to_string())?);
+                    }
+                    if let Some(f) = last {
+                        ch.wait_timeout(f, Duration::from_secs(60))
+                            .map_err(|e| format!("queue: {e}"))?;
+                    }
+                }
+            }
+            Ok(())
+        }));
+        ready_rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the queue process started");
+        Guests {
+            stop,
+            runs,
+            threads,
+        }
+    }
+
+    /// Waits until `n` more workload runs completed than `since`.
+    fn wait_runs(&self, since: u64, n: u64) {
+        let t0 = Instant::now();
+        while self.runs.load(Ordering::Acquire) < since + n {
+            if t0.elapsed() > Duration::from_secs(120) {
+                let hosts = HOSTS.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                for (tag, be) in hosts {
+                    eprintln!(
+                        "{tag}: paused {:?}, stats {:?}, channels {:?}",
+                        be.vm_paused(VM),
+                        be.vm_stats(VM),
+                        be.vm_channel_info(VM)
+                    );
+                }
+                panic!(
+                    "workloads stalled at {} runs",
+                    self.runs.load(Ordering::Acquire)
+                );
+            }
+            if let Some(t) = self.threads.iter().find(|t| t.is_finished()) {
+                let _ = t;
+                panic!("a guest process ended early (an error: see finish)");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Stops the guest processes and checks that each ended well, within a bound (a
+    /// submission lost in the move leaves its process waiting for ever).
+    fn finish(self) {
+        self.stop.store(true, Ordering::Release);
+        let t0 = Instant::now();
+        while !self.threads.iter().all(|t| t.is_finished()) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "a guest process is stuck (work lost in the migration?)"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        for t in self.threads {
+            t.join().expect("guest thread").expect("guest process");
+        }
+    }
+}
+
+/// Waits until `pred` holds for the backend's view of the VM.
+fn wait_vm(host: &Host, pred: impl Fn(&vgpu_backend::VmStats) -> bool) -> vgpu_backend::VmStats {
+    let t0 = Instant::now();
+    loop {
+        let s = host.backend.vm_stats(VM).expect("vm");
+        if pred(&s) || t0.elapsed() > Duration::from_secs(10) {
+            return s;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The GPU of `host` holds nothing for any VM.
+fn assert_gpu_clean(host: &Host, what: &str) {
+    let t0 = Instant::now();
+    loop {
+        let g = host.gpu.stats();
+        let clean = g.contexts == 0
+            && g.channels == 0
+            && g.control_slots_in_use == 0
+            && g.vram_allocations == 0;
+        if clean {
+            return;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "{what}: {g:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn a_running_vm_migrates_between_backends_and_every_workload_completes_bit_exactly() {
+    let (a, b) = (host("a"), host("b"));
+    let vm = a.connect(VM);
+    let guests = Guests::start(&vm);
+    guests.wait_runs(0, 4);
+
+    let rep = vm.migrate_to(&b.socket(VM)).expect("migration");
+    eprintln!("migration: {rep:?}");
+    assert!(rep.contexts >= 2 && rep.channels >= 2, "{rep:?}");
+    assert!(rep.mems >= 1 && rep.vram_bytes > 0, "{rep:?}");
+    assert!(
+        rep.queued_entries > 0,
+        "entries were waiting in the rings: {rep:?}"
+    );
+
+    // The source let the VM go: nothing of it left on its GPU or in its books.
+    let s = wait_vm(&a, |s| !s.connected && s.contexts == 0);
+    assert!(!s.connected);
+    assert_eq!(
+        (s.contexts, s.channels, s.vram_bytes, s.aperture_bytes),
+        (0, 0, 0, 0)
+    );
+    assert_gpu_clean(&a, "source after the migration");
+    assert_eq!(
+        a.backend.vm_paused(VM),
+        Some(false),
+        "the source's pause ended with it"
+    );
+    assert!(b.backend.vm_stats(VM).expect("vm").connected);
+
+    // Everything continues on the destination, then moves back to the source.
+    let done = guests.runs.load(Ordering::Acquire);
+    guests.wait_runs(done, 6);
+    let back = vm.migrate_to(&a.socket(VM)).expect("migration back");
+    eprintln!("migration back: {back:?}");
+    assert_gpu_clean(&b, "destination after the migration back");
+    let done = guests.runs.load(Ordering::Acquire);
+    guests.wait_runs(done, 6);
+    guests.finish();
+    assert_eq!(b.backend.vm_paused(VM), Some(false));
+    drop(vm);
+    assert_gpu_clean(&a, "source after the VM ended");
+}
+
+#[test]
+fn a_cut_or_corrupt_state_is_refused_and_the_vm_keeps_running_on_the_source() {
+    let (a, b) = (host("src"), host("dst"));
+    let vm = a.connect(VM);
+    let guests = Guests::start(&vm);
+    guests.wait_runs(0, 3);
+
+    let cut = vm.migrate_to_filtered(&b.socket(VM), &mut |s: &mut Vec<u8>| {
+        let n = s.len() / 2;
+        s.truncate(n);
+    });
+    assert!(cut.is_err(), "a cut stream was accepted");
+    let mut first = true;
+    let corrupt = vm.migrate_to_filtered(&b.socket(VM), &mut |s: &mut Vec<u8>| {
+        if std::mem::take(&mut first) {
+            // In the middle: VRAM contents, which only the checksum guards.
+            let i = s.len() / 2;
+            s[i] ^= 0x40;
+        }
+    });
+    assert!(corrupt.is_err(), "a corrupt stream was accepted");
+
+    // The destination holds nothing; the VM runs on the source, unpaused.
+    let s = wait_vm(&b, |s| !s.connected);
+    assert_eq!((s.connected, s.contexts, s.channels), (false, 0, 0));
+    assert_gpu_clean(&b, "destination after refusing");
+    assert!(a.backend.vm_stats(VM).expect("vm").connected);
+    let done = guests.runs.load(Ordering::Acquire);
+    guests.wait_runs(done, 6);
+    assert_eq!(a.backend.vm_paused(VM), Some(false));
+
+    // Nothing was lost either: the same VM then migrates for real.
+    vm.migrate_to(&b.socket(VM))
+        .expect("migration after two refusals");
+    let done = guests.runs.load(Ordering::Acquire);
+    guests.wait_runs(done, 6);
+    guests.finish();
+    assert_gpu_clean(&a, "source after the migration");
+}
+
+/// A destination whose limits cannot hold the VM (fewer channels) refuses the state
+/// before it touches the guest's BAR, frees what it had restored, and the VM runs on.
+#[test]
+fn a_destination_that_cannot_hold_the_vm_refuses_it_and_the_source_keeps_it() {
+    let a = host("full");
+    let small = VmLimits {
+        max_channels: 1,
+        ..VmLimits::default()
+    };
+    let b = host_with("small", small);
+    let vm = a.connect(VM);
+    let guests = Guests::start(&vm);
+    guests.wait_runs(0, 3);
+    let r = vm.migrate_to(&b.socket(VM));
+    assert!(r.is_err(), "a destination with one channel took {r:?}");
+    let s = wait_vm(&b, |s| !s.connected);
+    assert_eq!(
+        (s.connected, s.contexts, s.channels, s.vram_bytes),
+        (false, 0, 0, 0)
+    );
+    assert_gpu_clean(&b, "destination after refusing");
+    let done = guests.runs.load(Ordering::Acquire);
+    guests.wait_runs(done, 6);
+    assert_eq!(a.backend.vm_paused(VM), Some(false));
+    guests.finish();
+}
+
+/// VRAM objects partly swapped out to system memory on the source (a GPU too small for
+/// the VM, the rest in the VM's swap store) move with their contents: the workloads'
+/// buffers come back bit-exact on the destination.
+#[test]
+fn a_vm_with_vram_swapped_out_migrates_bit_exactly() {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let limits = VmLimits {
+        swap_bytes: 256 << 20,
+        ..VmLimits::default()
+    };
+    let a = Host::new("mig-tiny", 1 << 20, limits, &[VM]);
+    let b = host("roomy");
+    let vm = a.connect(VM);
+    // Ballast bigger than the source GPU: at least its first 2 MiB chunk is swapped out.
+    let dev = Device::loopback(vm.clone(), 400).expect("device");
+    let ctx = dev.create_context().expect("context");
+    let ballast = ctx.alloc_vram(3 << 20).expect("ballast");
+    let pattern: Vec<u8> = (0..3u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    ballast.write(0, &pattern).expect("write ballast");
+    let guests = Guests::start(&vm);
+    guests.wait_runs(0, 4);
+    let rep = vm.migrate_to(&b.socket(VM)).expect("migration");
+    eprintln!("migration with swap: {rep:?}");
+    assert!(
+        rep.swapped_bytes >= 2 << 20,
+        "nothing was swapped out: {rep:?}"
+    );
+    let mut back_bytes = vec![0u8; pattern.len()];
+    ballast.read(0, &mut back_bytes).expect("read ballast");
+    assert!(back_bytes == pattern, "the ballast changed in the move");
+    let done = guests.runs.load(Ordering::Acquire);
+    guests.wait_runs(done, 6);
+    let back = vm
+        .migrate_to(&a.socket(VM))
+        .expect("migration back to the small GPU");
+    eprintln!("migration back: {back:?}");
+    let done = guests.runs.load(Ordering::Acquire);
+    guests.wait_runs(done, 6);
+    guests.finish();
+    ballast.read(0, &mut back_bytes).expect("read ballast");
+    assert!(
+        back_bytes == pattern,
+        "the ballast changed in the move back"
+    );
+    drop((ballast, ctx, dev));
+    assert_gpu_clean(&b, "destination after the migration back");
+}
