@@ -97,3 +97,8 @@ fn fake_unmapped_system_memory_is_unregistered_at_invalidate() {
         "nothing is left registered"
     );
 }
+
+#[test]
+fn fake_resumed_channel_continues_at_its_saved_position() {
+    resumed_channel_continues_at_its_saved_position(&gpu());
+}

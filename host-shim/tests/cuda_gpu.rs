@@ -72,3 +72,10 @@ fn gpu_counters_and_teardown() {
         assert_eq!(g.registered_pieces(), 0);
     }
 }
+
+#[test]
+fn gpu_resumed_channel_continues_at_its_saved_position() {
+    if let Some(g) = gpu() {
+        resumed_channel_continues_at_its_saved_position(&g);
+    }
+}

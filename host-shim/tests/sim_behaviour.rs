@@ -409,57 +409,5 @@ fn semaphore_wait_is_cheap_and_resumes() {
 /// and a stopped channel comes back stopped without a new event.
 #[test]
 fn resumed_channel_continues_at_its_saved_position() {
-    let gpu = gpu();
-    let p = Proc::new(&gpu, SYS_BASE);
-    let mut ch = p.channel(0);
-    for r in 0..3u32 {
-        ch.submit(&[Method::SetRef { value: 100 + r }]);
-    }
-    ch.wait_idle(T).unwrap();
-    assert_eq!(ch.ctrl.load(ControlPage::REF), 102);
-    let saved = ChannelResume {
-        gp_get: ch.ctrl.load(ControlPage::GP_GET),
-        reference: ch.ctrl.load(ControlPage::REF),
-        notify_seq: 5,
-        error: None,
-    };
-    gpu.destroy_channel(ch.id).unwrap();
-    let cfg = ChannelConfig {
-        gp_ring_va: SYS_VA + RING_OFF,
-        gp_entries: ENTRIES,
-    };
-    let id = gpu
-        .create_channel_resumed(p.ctx, cfg, ch.events.clone(), saved)
-        .unwrap();
-    ch.id = id;
-    ch.ctrl = CtrlMap::new(gpu.control_page(id).unwrap());
-    for f in [ControlPage::GP_GET, ControlPage::GP_PUT] {
-        assert_eq!(ch.ctrl.load(f), 3);
-    }
-    assert_eq!(ch.ctrl.load(ControlPage::REF), 102);
-    assert_eq!(ch.ctrl.load(ControlPage::NOTIFY_SEQ), 5);
-    ch.submit(&[Method::SetRef { value: 200 }]);
-    ch.wait_idle(T).unwrap();
-    assert_eq!(ch.ctrl.load(ControlPage::REF), 200);
-    assert_eq!(ch.ctrl.load(ControlPage::GP_GET), 4);
-    assert_eq!(gpu.channel_counters(id).unwrap().gp_completed, 1);
-
-    let stopped = ChannelResume {
-        gp_get: 4,
-        reference: 200,
-        notify_seq: 0,
-        error: Some((ErrorCode::MmuFault, 0x1234)),
-    };
-    let events = ch.events.clone();
-    let before = events.0.lock().unwrap().len();
-    let id2 = gpu
-        .create_channel_resumed(p.ctx, cfg, events.clone(), stopped)
-        .unwrap();
-    assert_eq!(
-        gpu.channel_error(id2).unwrap(),
-        Some((ErrorCode::MmuFault, 0x1234))
-    );
-    let page = CtrlMap::new(gpu.control_page(id2).unwrap());
-    assert_eq!(page.load(ControlPage::ERROR), ErrorCode::MmuFault.as_u32());
-    assert_eq!(events.0.lock().unwrap().len(), before);
+    common::cuda_cases::resumed_channel_continues_at_its_saved_position(&gpu());
 }

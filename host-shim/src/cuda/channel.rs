@@ -94,6 +94,25 @@ impl<D: Device> CudaChannel<D> {
         }
     }
 
+    /// Continues where a migrated channel stopped: the front end fetches entry
+    /// `at.gp_get` next, the control page shows the saved fields with GP_PUT = GP_GET, and
+    /// a saved error stops the channel again without a new event. Called before the
+    /// channel is visible to the front end.
+    pub fn resume_at(&self, at: crate::hal::ChannelResume) {
+        self.lock().fetched = at.gp_get;
+        self.store(ControlPage::REF, at.reference);
+        self.store(ControlPage::NOTIFY_SEQ, at.notify_seq);
+        self.store(ControlPage::GP_GET, at.gp_get);
+        self.store(ControlPage::GP_PUT, at.gp_get);
+        if let Some((code, info)) = at.error {
+            *self.error.lock().unwrap_or_else(|e| e.into_inner()) = Some((code, info));
+            self.stopped.store(true, Ordering::Release);
+            self.pages
+                .store_u64(self.slot, ControlPage::ERROR_INFO, info);
+            self.store(ControlPage::ERROR, code.as_u32());
+        }
+    }
+
     pub fn lock(&self) -> std::sync::MutexGuard<'_, ChanState<D>> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -342,6 +342,63 @@ impl<D: Device> CudaGpuOf<D> {
         drained
     }
 
+    /// A new channel, fresh or continuing at a saved position (live migration).
+    fn new_channel(
+        &self,
+        ctx: ContextId,
+        cfg: ChannelConfig,
+        sink: Arc<dyn EventSink>,
+        at: Option<ChannelResume>,
+    ) -> Result<ChannelId> {
+        if !valid_gp_entries(cfg.gp_entries) {
+            return Err(HalError::InvalidArgument(
+                "GP ring size must be a power of two in 2..=65536",
+            ));
+        }
+        let ring_bytes = cfg.gp_entries as u64 * GP_ENTRY_SIZE as u64;
+        if !cfg.gp_ring_va.is_multiple_of(GP_ENTRY_SIZE as u64)
+            || cfg
+                .gp_ring_va
+                .checked_add(ring_bytes)
+                .is_none_or(|e| e > GPU_VA_LIMIT)
+        {
+            return Err(HalError::InvalidArgument(
+                "GP ring misaligned or outside the address space",
+            ));
+        }
+        let space = self.space(ctx)?;
+        let stream = self.shared.dev.create_stream().map_err(os_err)?;
+        let slot = self.pages.take().ok_or(HalError::TooMany("channels"))?;
+        let id = ChannelId(self.next_channel.fetch_add(1, Ordering::Relaxed));
+        let ch = Arc::new(CudaChannel::new(
+            id,
+            ctx,
+            space,
+            cfg,
+            slot,
+            self.pages.clone(),
+            sink,
+            stream,
+        ));
+        if let Some(at) = at {
+            ch.resume_at(at);
+        }
+        {
+            let ctxs = self.lock_contexts();
+            if !ctxs.contains_key(&ctx) {
+                return Err(HalError::NoContext(ctx));
+            }
+            self.shared
+                .channels
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id, ch);
+        }
+        self.shared.gen.fetch_add(1, Ordering::AcqRel);
+        self.shared.wake();
+        Ok(id)
+    }
+
     /// Registers the host memory behind a system-memory mapping at `va` with the device.
     fn register_sysram(&self, ctx: ContextId, va: u64, addr: u64, size: u64) -> Result<()> {
         let sysmem = self
@@ -647,50 +704,17 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
         cfg: ChannelConfig,
         sink: Arc<dyn EventSink>,
     ) -> Result<ChannelId> {
-        if !valid_gp_entries(cfg.gp_entries) {
-            return Err(HalError::InvalidArgument(
-                "GP ring size must be a power of two in 2..=65536",
-            ));
-        }
-        let ring_bytes = cfg.gp_entries as u64 * GP_ENTRY_SIZE as u64;
-        if !cfg.gp_ring_va.is_multiple_of(GP_ENTRY_SIZE as u64)
-            || cfg
-                .gp_ring_va
-                .checked_add(ring_bytes)
-                .is_none_or(|e| e > GPU_VA_LIMIT)
-        {
-            return Err(HalError::InvalidArgument(
-                "GP ring misaligned or outside the address space",
-            ));
-        }
-        let space = self.space(ctx)?;
-        let stream = self.shared.dev.create_stream().map_err(os_err)?;
-        let slot = self.pages.take().ok_or(HalError::TooMany("channels"))?;
-        let id = ChannelId(self.next_channel.fetch_add(1, Ordering::Relaxed));
-        let ch = Arc::new(CudaChannel::new(
-            id,
-            ctx,
-            space,
-            cfg,
-            slot,
-            self.pages.clone(),
-            sink,
-            stream,
-        ));
-        {
-            let ctxs = self.lock_contexts();
-            if !ctxs.contains_key(&ctx) {
-                return Err(HalError::NoContext(ctx));
-            }
-            self.shared
-                .channels
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(id, ch);
-        }
-        self.shared.gen.fetch_add(1, Ordering::AcqRel);
-        self.shared.wake();
-        Ok(id)
+        self.new_channel(ctx, cfg, sink, None)
+    }
+
+    fn create_channel_resumed(
+        &self,
+        ctx: ContextId,
+        cfg: ChannelConfig,
+        sink: Arc<dyn EventSink>,
+        at: ChannelResume,
+    ) -> Result<ChannelId> {
+        self.new_channel(ctx, cfg, sink, Some(at))
     }
 
     fn destroy_channel(&self, ch: ChannelId) -> Result<()> {

@@ -4,10 +4,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::kernels::{data, f32s, from_f32s, run_all, Mem, T};
-use super::{Proc, DATA_OFF, SYS_BASE, SYS_VA};
+use super::{CtrlMap, Proc, DATA_OFF, ENTRIES, RING_OFF, SYS_BASE, SYS_VA};
 use vgpu_host_shim::kernels::reference;
 use vgpu_host_shim::*;
-use vgpu_protocol::{ErrorCode, KernelArgs, Method, SemaphoreMode};
+use vgpu_protocol::{ControlPage, ErrorCode, KernelArgs, Method, SemaphoreMode};
 
 pub const VRAM_VA: u64 = 0x30_0000_0000;
 
@@ -227,4 +227,62 @@ pub fn counters_and_teardown<G: Gpu + ?Sized>(gpu: &Arc<G>) {
     assert_eq!(from_f32s(&p.peek(DATA_OFF, 1 << 18)), want);
     gpu.destroy_context(p.ctx).unwrap();
     assert!(gpu.channel_counters(ch.id).is_err());
+}
+
+/// A channel created at a saved position (live migration) continues there: control page
+/// fields as saved, the next entry fetched is the saved GP_GET, a saved error comes back
+/// without a new event.
+pub fn resumed_channel_continues_at_its_saved_position<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+    let p = Proc::new(gpu, SYS_BASE);
+    let mut ch = p.channel(0);
+    for r in 0..3u32 {
+        ch.submit(&[Method::SetRef { value: 100 + r }]);
+    }
+    ch.wait_idle(T).unwrap();
+    assert_eq!(ch.ctrl.load(ControlPage::REF), 102);
+    let saved = ChannelResume {
+        gp_get: ch.ctrl.load(ControlPage::GP_GET),
+        reference: ch.ctrl.load(ControlPage::REF),
+        notify_seq: 5,
+        error: None,
+    };
+    gpu.destroy_channel(ch.id).unwrap();
+    let cfg = ChannelConfig {
+        gp_ring_va: SYS_VA + RING_OFF,
+        gp_entries: ENTRIES,
+    };
+    let id = gpu
+        .create_channel_resumed(p.ctx, cfg, ch.events.clone(), saved)
+        .unwrap();
+    ch.id = id;
+    ch.ctrl = CtrlMap::new(gpu.control_page(id).unwrap());
+    for f in [ControlPage::GP_GET, ControlPage::GP_PUT] {
+        assert_eq!(ch.ctrl.load(f), 3);
+    }
+    assert_eq!(ch.ctrl.load(ControlPage::REF), 102);
+    assert_eq!(ch.ctrl.load(ControlPage::NOTIFY_SEQ), 5);
+    ch.submit(&[Method::SetRef { value: 200 }]);
+    ch.wait_idle(T).unwrap();
+    assert_eq!(ch.ctrl.load(ControlPage::REF), 200);
+    assert_eq!(ch.ctrl.load(ControlPage::GP_GET), 4);
+    assert_eq!(gpu.channel_counters(id).unwrap().gp_completed, 1);
+
+    let stopped = ChannelResume {
+        gp_get: 4,
+        reference: 200,
+        notify_seq: 0,
+        error: Some((ErrorCode::MmuFault, 0x1234)),
+    };
+    let events = ch.events.clone();
+    let before = events.0.lock().unwrap().len();
+    let id2 = gpu
+        .create_channel_resumed(p.ctx, cfg, events.clone(), stopped)
+        .unwrap();
+    assert_eq!(
+        gpu.channel_error(id2).unwrap(),
+        Some((ErrorCode::MmuFault, 0x1234))
+    );
+    let page = CtrlMap::new(gpu.control_page(id2).unwrap());
+    assert_eq!(page.load(ControlPage::ERROR), ErrorCode::MmuFault.as_u32());
+    assert_eq!(events.0.lock().unwrap().len(), before);
 }
