@@ -4,6 +4,7 @@
 //! (`vgpu-guest-tools`), so the same code measures in a VM and on the host.
 
 pub mod hidden_counters;
+pub mod proc_stats;
 pub mod sched_rig;
 pub mod suites;
 pub mod svg;

@@ -6,26 +6,12 @@
 use std::time::{Duration, Instant};
 
 use vgpu_backend::VmLimits;
+use vgpu_bench::proc_stats::{open_fds, threads};
 use vgpu_guest::{Device, KernelArgs};
 use vgpu_test_support::Host;
 
-fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
-}
-
-fn threads() -> usize {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Threads:"))
-                .and_then(|v| v.trim().parse().ok())
-        })
-        .unwrap_or(0)
-}
-
 /// Waits (up to 10 s) until the fd and thread counts come back to `want`; returns them.
-fn settle(want: (usize, usize)) -> (usize, usize) {
+fn settle(want: (u64, u64)) -> (u64, u64) {
     let t0 = Instant::now();
     loop {
         let now = (open_fds(), threads());

@@ -70,6 +70,36 @@ fn floats(n: usize, seed: u32) -> Vec<f32> {
         .collect()
 }
 
+/// Writes `x` and `y` into VRAM buffers, runs `y = a·x + y` on the GPU and returns
+/// the result read back, with the CPU reference beside it.
+fn saxpy_in_vram(
+    ctx: &vgpu_guest::Context,
+    x: &[f32],
+    mut y: Vec<f32>,
+    a: f32,
+) -> (Vec<f32>, Vec<f32>, vgpu_guest::Buffer) {
+    let n = x.len();
+    let xb = ctx.alloc_vram(n as u64 * 4).unwrap();
+    let yb = ctx.alloc_vram(n as u64 * 4).unwrap();
+    xb.write_f32(0, x).unwrap();
+    yb.write_f32(0, &y).unwrap();
+    let mut ch = ctx.create_channel().unwrap();
+    ch.launch(
+        &KernelArgs::Saxpy {
+            x: xb.gpu_va(),
+            y: yb.gpu_va(),
+            n: n as u64,
+            a,
+        },
+        [(n as u32).div_ceil(256), 1, 1],
+    )
+    .unwrap();
+    ch.finish().unwrap();
+    let got = yb.read_f32_vec(0, n).unwrap();
+    reference::saxpy(a, x, &mut y);
+    (got, y, xb)
+}
+
 /// CPU stores and GPU reads agree on VRAM the CPU cannot map: a buffer larger than the
 /// stager's two halves is written from the CPU, a kernel computes on it, and the CPU reads
 /// the result back, bit-exactly.
@@ -80,26 +110,8 @@ fn vram_without_a_cpu_view_is_staged_and_agrees_with_kernels() {
     let ctx = dev.create_context().unwrap();
     let n = (20 * MIB / 4) as usize + 3;
     let x = floats(n, 1);
-    let mut y = floats(n, 2);
-    let xb = ctx.alloc_vram(n as u64 * 4).unwrap();
-    let yb = ctx.alloc_vram(n as u64 * 4).unwrap();
+    let (got, y, xb) = saxpy_in_vram(&ctx, &x, floats(n, 2), 0.5);
     assert!(xb.is_staged().unwrap(), "cuda VRAM must not be CPU-mapped");
-    xb.write_f32(0, &x).unwrap();
-    yb.write_f32(0, &y).unwrap();
-    let mut ch = ctx.create_channel().unwrap();
-    ch.launch(
-        &KernelArgs::Saxpy {
-            x: xb.gpu_va(),
-            y: yb.gpu_va(),
-            n: n as u64,
-            a: 0.5,
-        },
-        [(n as u32).div_ceil(256), 1, 1],
-    )
-    .unwrap();
-    ch.finish().unwrap();
-    reference::saxpy(0.5, &x, &mut y);
-    let got = yb.read_f32_vec(0, n).unwrap();
     assert!(
         got == y,
         "saxpy over staged VRAM differs from the CPU reference"
@@ -149,25 +161,7 @@ fn oversubscribed_vram_evicts_to_host_memory_and_results_stay_exact() {
                 let mut round = 0u32;
                 while t0.elapsed() < Duration::from_secs(4) || round < 3 {
                     let x = floats(n, round);
-                    let mut y = floats(n, round + 7);
-                    let xb = ctx.alloc_vram(n as u64 * 4).unwrap();
-                    let yb = ctx.alloc_vram(n as u64 * 4).unwrap();
-                    xb.write_f32(0, &x).unwrap();
-                    yb.write_f32(0, &y).unwrap();
-                    let mut ch = ctx.create_channel().unwrap();
-                    ch.launch(
-                        &KernelArgs::Saxpy {
-                            x: xb.gpu_va(),
-                            y: yb.gpu_va(),
-                            n: n as u64,
-                            a: 2.0,
-                        },
-                        [(n as u32).div_ceil(256), 1, 1],
-                    )
-                    .unwrap();
-                    ch.finish().unwrap();
-                    reference::saxpy(2.0, &x, &mut y);
-                    let got = yb.read_f32_vec(0, n).unwrap();
+                    let (got, y, _) = saxpy_in_vram(&ctx, &x, floats(n, round + 7), 2.0);
                     assert!(got == y, "VM {i} round {round}: result differs");
                     round += 1;
                 }

@@ -15,6 +15,7 @@ use vgpu_guest::{Channel, Context, Device, KernelArgs};
 use vgpu_host_shim::{HalError, SimConfig, SimGpu};
 use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
 
+use crate::proc_stats::{open_fds, rss, thread_cpu_ns, threads};
 use crate::report::{Better, Figure};
 
 const SUITE: &str = "scale";
@@ -82,48 +83,6 @@ fn pct(sorted: &[f64], p: f64) -> f64 {
     }
     let i = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
     sorted[i.min(sorted.len() - 1)]
-}
-
-/// Resident set size of this process, bytes.
-fn rss() -> u64 {
-    std::fs::read_to_string("/proc/self/statm")
-        .ok()
-        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .map_or(0, |pages| pages * 4096)
-}
-
-fn open_fds() -> u64 {
-    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64)
-}
-
-fn threads() -> u64 {
-    std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count() as u64)
-}
-
-/// CPU time (ns) of this process's threads named `name` so far.
-fn thread_cpu_ns(name: &str) -> u64 {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return 0;
-    };
-    let tick_ns = 1e9 / 100.0; // USER_HZ
-    let mut total = 0.0;
-    for t in tasks.flatten() {
-        let p = t.path();
-        let comm = std::fs::read_to_string(p.join("comm")).unwrap_or_default();
-        if comm.trim() != name {
-            continue;
-        }
-        let stat = std::fs::read_to_string(p.join("stat")).unwrap_or_default();
-        // Fields after the parenthesised comm: state is 3rd, utime 14th, stime 15th.
-        let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        let (u, s) = (
-            f.get(11).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0),
-            f.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0),
-        );
-        total += (u + s) * tick_ns;
-    }
-    total as u64
 }
 
 struct Tenant {

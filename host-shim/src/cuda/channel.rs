@@ -100,16 +100,10 @@ impl<D: Device> CudaChannel<D> {
     /// channel is visible to the front end.
     pub fn resume_at(&self, at: crate::hal::ChannelResume) {
         self.lock().fetched = at.gp_get;
-        self.store(ControlPage::REF, at.reference);
-        self.store(ControlPage::NOTIFY_SEQ, at.notify_seq);
-        self.store(ControlPage::GP_GET, at.gp_get);
-        self.store(ControlPage::GP_PUT, at.gp_get);
-        if let Some((code, info)) = at.error {
-            *self.error.lock().unwrap_or_else(|e| e.into_inner()) = Some((code, info));
+        self.pages.restore(self.slot, &at);
+        if let Some(err) = at.error {
+            *self.error.lock().unwrap_or_else(|e| e.into_inner()) = Some(err);
             self.stopped.store(true, Ordering::Release);
-            self.pages
-                .store_u64(self.slot, ControlPage::ERROR_INFO, info);
-            self.store(ControlPage::ERROR, code.as_u32());
         }
     }
 
@@ -145,9 +139,7 @@ impl<D: Device> CudaChannel<D> {
             *e = Some((code, info));
         }
         self.stopped.store(true, Ordering::Release);
-        self.pages
-            .store_u64(self.slot, ControlPage::ERROR_INFO, info);
-        self.store(ControlPage::ERROR, code.as_u32());
+        self.pages.show_error(self.slot, code, info);
         log::debug!("cuda channel {:?} faulted: {code} ({info:#x})", self.id);
         self.sink.event(GpuEvent::Error {
             channel: self.id,

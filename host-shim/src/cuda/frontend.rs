@@ -56,11 +56,9 @@ fn mem_fault(va: u64, write: bool, kind: FaultKind) -> MemFault {
 }
 
 impl<D: Device> CtxTranslate<'_, D> {
-    fn is_vram(&self, p: u64) -> bool {
-        self.mem.vram.contains(p)
-    }
-
-    fn run(&self, va: u64, len: u64, write: bool) -> Result<(u64, u64), MemFault> {
+    /// The device pointer and length of the contiguous piece at `va` (at most `len`),
+    /// and whether it is VRAM (else registered host memory).
+    fn run(&self, va: u64, len: u64, write: bool) -> Result<(u64, u64, bool), MemFault> {
         let t = self.space.translate(va, write).map_err(|e| match e {
             TranslateError::NotMapped => mem_fault(va, write, FaultKind::NotMapped),
             TranslateError::ReadOnly => mem_fault(va, write, FaultKind::ReadOnly),
@@ -68,9 +66,12 @@ impl<D: Device> CtxTranslate<'_, D> {
         let n = len.min(t.contiguous);
         let bad = || mem_fault(va, write, FaultKind::BadTarget);
         match t.target {
-            MapTarget::Vram { offset } => {
-                self.mem.vram.ptr(offset, n).map(|p| (p, n)).ok_or_else(bad)
-            }
+            MapTarget::Vram { offset } => self
+                .mem
+                .vram
+                .ptr(offset, n)
+                .map(|p| (p, n, true))
+                .ok_or_else(bad),
             MapTarget::Sysram { addr } => match self.space.sysmem().translate(addr, n) {
                 Some(r) if r.len > 0 && !r.ptr.is_null() => {
                     // Stop at the end of the registration: a copy or kernel operand
@@ -83,7 +84,7 @@ impl<D: Device> CtxTranslate<'_, D> {
                         .unwrap_or_else(|e| e.into_inner())
                         .piece_end(p)
                         .map_or(r.len, |end| end - p);
-                    Ok((p as u64, (r.len.min(in_piece) as u64).min(n)))
+                    Ok((p as u64, (r.len.min(in_piece) as u64).min(n), false))
                 }
                 _ => Err(bad()),
             },
@@ -100,8 +101,7 @@ impl<D: Device> Translate for std::cell::RefCell<CtxTranslate<'_, D>> {
         // registration, and one driver call must not span two).
         let mut vram_tail = false;
         while got < len {
-            let (p, n) = me.run(va + got, len - got, write)?;
-            let vram = me.is_vram(p);
+            let (p, n, vram) = me.run(va + got, len - got, write)?;
             match out.last_mut() {
                 Some(last) if vram && vram_tail && last.0 + last.1 == p => last.1 += n,
                 _ => out.push((p, n)),

@@ -52,11 +52,6 @@ impl DeviceVram {
         (end <= self.len).then_some(self.base + offset)
     }
 
-    /// Whether device pointer `p` lies in this block.
-    pub(crate) fn contains(&self, p: u64) -> bool {
-        p >= self.base && p - self.base < self.len
-    }
-
     fn range(&self, offset: u64, n: usize) -> Result<u64> {
         self.ptr(offset, n as u64)
             .ok_or(HalError::InvalidArgument("VRAM range out of bounds"))

@@ -91,16 +91,10 @@ impl SimChannel {
     /// told on the source).
     pub fn resume_at(&self, at: ChannelResume) {
         self.start_get.store(at.gp_get, Ordering::Release);
-        self.store(ControlPage::REF, at.reference);
-        self.store(ControlPage::NOTIFY_SEQ, at.notify_seq);
-        self.store(ControlPage::GP_GET, at.gp_get);
-        self.store(ControlPage::GP_PUT, at.gp_get);
-        if let Some((code, info)) = at.error {
-            *self.error.lock().unwrap_or_else(|e| e.into_inner()) = Some((code, info));
+        self.pages.restore(self.slot, &at);
+        if let Some(err) = at.error {
+            *self.error.lock().unwrap_or_else(|e| e.into_inner()) = Some(err);
             self.stopped.store(true, Ordering::Release);
-            self.pages
-                .store_u64(self.slot, ControlPage::ERROR_INFO, info);
-            self.store(ControlPage::ERROR, code.as_u32());
         }
     }
 
@@ -136,9 +130,7 @@ impl SimChannel {
             *e = Some((code, info));
         }
         self.stopped.store(true, Ordering::Release);
-        self.pages
-            .store_u64(self.slot, ControlPage::ERROR_INFO, info);
-        self.store(ControlPage::ERROR, code.as_u32());
+        self.pages.show_error(self.slot, code, info);
         log::debug!("channel {:?} faulted: {code} ({info:#x})", self.id);
         self.sink.event(GpuEvent::Error {
             channel: self.id,

@@ -3,9 +3,9 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use vgpu_protocol::{ControlPage, PAGE_SIZE};
+use vgpu_protocol::{ControlPage, ErrorCode, PAGE_SIZE};
 
-use crate::hal::FdRange;
+use crate::hal::{ChannelResume, FdRange};
 use crate::shared_mem::{SharedMem, SharedMemError};
 
 pub struct ControlPages {
@@ -75,6 +75,25 @@ impl ControlPages {
     pub fn bump(&self, slot: u32, field: usize) {
         if let Some(w) = self.word(slot, field) {
             w.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Shows a channel's error in its page (ERROR_INFO first: a reader that sees ERROR
+    /// finds its info).
+    pub fn show_error(&self, slot: u32, code: ErrorCode, info: u64) {
+        self.store_u64(slot, ControlPage::ERROR_INFO, info);
+        self.store(slot, ControlPage::ERROR, code.as_u32());
+    }
+
+    /// Writes the fields of a channel resumed at a saved position (live migration):
+    /// GP_GET = GP_PUT = the saved GP_GET, REF, NOTIFY_SEQ and the saved error, if any.
+    pub fn restore(&self, slot: u32, at: &ChannelResume) {
+        self.store(slot, ControlPage::REF, at.reference);
+        self.store(slot, ControlPage::NOTIFY_SEQ, at.notify_seq);
+        self.store(slot, ControlPage::GP_GET, at.gp_get);
+        self.store(slot, ControlPage::GP_PUT, at.gp_get);
+        if let Some((code, info)) = at.error {
+            self.show_error(slot, code, info);
         }
     }
 

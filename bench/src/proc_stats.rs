@@ -1,0 +1,44 @@
+//! This process's resources as Linux reports them in `/proc/self`: what the scale suite
+//! measures and the churn test compares before and after.
+
+/// Resident set size of this process, bytes.
+pub fn rss() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |pages| pages * 4096)
+}
+
+pub fn open_fds() -> u64 {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64)
+}
+
+pub fn threads() -> u64 {
+    std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count() as u64)
+}
+
+/// CPU time (ns) of this process's threads named `name` so far.
+pub fn thread_cpu_ns(name: &str) -> u64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    let tick_ns = 1e9 / 100.0; // USER_HZ
+    let mut total = 0.0;
+    for t in tasks.flatten() {
+        let p = t.path();
+        let comm = std::fs::read_to_string(p.join("comm")).unwrap_or_default();
+        if comm.trim() != name {
+            continue;
+        }
+        let stat = std::fs::read_to_string(p.join("stat")).unwrap_or_default();
+        // Fields after the parenthesised comm: state is 3rd, utime 14th, stime 15th.
+        let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let (u, s) = (
+            f.get(11).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0),
+            f.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0),
+        );
+        total += (u + s) * tick_ns;
+    }
+    total as u64
+}
