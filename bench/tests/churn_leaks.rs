@@ -22,9 +22,27 @@ fn settle(want: (u64, u64)) -> (u64, u64) {
     }
 }
 
-fn wait_disconnected(host: &Host, vm: &str) {
+/// The counts once they have held still for 200 ms (the backend's serve loop makes the
+/// next connection's listener after a teardown, and a reaper thread joins the last
+/// connection's worker: a single sample can land in between).
+fn steady() -> (u64, u64) {
     let t0 = Instant::now();
-    while host.backend.vm_stats(vm).is_some_and(|s| s.connected)
+    let mut last = (open_fds(), threads());
+    let mut still = 0;
+    while still < 10 && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+        let now = (open_fds(), threads());
+        still = if now == last { still + 1 } else { 0 };
+        last = now;
+    }
+    last
+}
+
+/// Waits until the backend has torn the VM's `n`-th connection down (not merely seen it
+/// close: `connected` drops before the teardown runs).
+fn wait_disconnected(host: &Host, vm: &str, n: u64) {
+    let t0 = Instant::now();
+    while host.backend.vm_stats(vm).is_some_and(|s| s.disconnects < n)
         && t0.elapsed() < Duration::from_secs(10)
     {
         std::thread::sleep(Duration::from_millis(5));
@@ -33,6 +51,7 @@ fn wait_disconnected(host: &Host, vm: &str) {
 
 /// One connection's life: a process runs a kernel, then the VM goes.
 fn one_connection(host: &Host, vm: &str, pid: u32) {
+    let seen = host.backend.vm_stats(vm).map_or(0, |s| s.disconnects);
     let lvm = host.connect(vm);
     {
         let dev = Device::loopback(lvm.clone(), pid).unwrap();
@@ -52,7 +71,7 @@ fn one_connection(host: &Host, vm: &str, pid: u32) {
     }
     lvm.disconnect();
     drop(lvm);
-    wait_disconnected(host, vm);
+    wait_disconnected(host, vm, seen + 1);
 }
 
 /// Both churns in one test: fd and thread counts are per process, so nothing else may
@@ -67,7 +86,7 @@ fn connect_disconnect_cycles() {
     let host = Host::new("churn-conn", 256 << 20, VmLimits::default(), &["vm"]);
     // The first connection starts what lives as long as the backend (thread pools).
     one_connection(&host, "vm", 1);
-    let before = settle((open_fds(), threads()));
+    let before = steady();
     const CYCLES: u32 = 200;
     for i in 0..CYCLES {
         one_connection(&host, "vm", 2 + i);
@@ -89,7 +108,7 @@ fn context_and_channel_churn_in_one_connection() {
         let ctx = dev.create_context().unwrap();
         let _ch = ctx.create_channel().unwrap();
     }
-    let before = settle((open_fds(), threads()));
+    let before = steady();
     const CYCLES: u32 = 2000;
     for _ in 0..CYCLES {
         let ctx = dev.create_context().unwrap();
