@@ -17,28 +17,42 @@ pub fn threads() -> u64 {
     std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count() as u64)
 }
 
-/// CPU time (ns) of this process's threads named `name` so far.
+/// CPU time (ns) of this process's threads named `name` so far: the scheduler's own
+/// runtime in `schedstat` (exact), else `stat`'s utime + stime (in 10 ms ticks).
 pub fn thread_cpu_ns(name: &str) -> u64 {
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
         return 0;
     };
-    let tick_ns = 1e9 / 100.0; // USER_HZ
-    let mut total = 0.0;
+    let mut total = 0;
     for t in tasks.flatten() {
         let p = t.path();
         let comm = std::fs::read_to_string(p.join("comm")).unwrap_or_default();
         if comm.trim() != name {
             continue;
         }
-        let stat = std::fs::read_to_string(p.join("stat")).unwrap_or_default();
-        // Fields after the parenthesised comm: state is 3rd, utime 14th, stime 15th.
-        let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        let (u, s) = (
-            f.get(11).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0),
-            f.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0),
-        );
-        total += (u + s) * tick_ns;
+        total += schedstat_ns(&p).unwrap_or_else(|| stat_ns(&p));
     }
-    total as u64
+    total
+}
+
+fn schedstat_ns(task: &std::path::Path) -> Option<u64> {
+    std::fs::read_to_string(task.join("schedstat"))
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+fn stat_ns(task: &std::path::Path) -> u64 {
+    let tick_ns = 1e9 / 100.0; // USER_HZ
+    let stat = std::fs::read_to_string(task.join("stat")).unwrap_or_default();
+    // Fields after the parenthesised comm: state is 3rd, utime 14th, stime 15th.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let (u, s) = (
+        f.get(11).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0),
+        f.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0),
+    );
+    ((u + s) * tick_ns) as u64
 }

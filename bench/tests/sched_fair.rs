@@ -260,6 +260,67 @@ fn churning_channels_do_not_escape_fair() {
     );
 }
 
+/// A guest process with 16 channels that runs each 8 ms kernel on the next one, so
+/// every channel it submits to has idled for 15 kernels.
+fn spawn_hopper(vm: Arc<LoopbackVm>, pid: u32, stop: Arc<AtomicBool>) -> JoinHandle<u64> {
+    std::thread::Builder::new()
+        .name(format!("hop-{pid}"))
+        .spawn(move || {
+            let dev = Device::loopback(vm, pid).expect("device");
+            let ctx = dev.create_context().expect("context");
+            let mut chans: Vec<_> = (0..16)
+                .map(|_| ctx.create_channel().expect("channel"))
+                .collect();
+            let mut kernels = 0u64;
+            while !stop.load(Ordering::Acquire) {
+                let n = chans.len() as u64;
+                let ch = &mut chans[(kernels % n) as usize];
+                ch.launch(&KernelArgs::Spin { ns: 8_000_000 }, [1, 1, 1])
+                    .expect("launch");
+                let f = ch.submit().expect("submit");
+                ch.wait(f).expect("wait");
+                kernels += 1;
+            }
+            kernels
+        })
+        .expect("spawn")
+}
+
+/// Issue 15: the scheduler skips channels that did nothing since its last look. A
+/// tenant over its share must not escape through them: every channel of an owner it
+/// holds back is looked at and shadowed, so hopping to an idle channel for each kernel
+/// gains nothing (the GPU's own round-robin would give the 8 ms hopper ~89 %).
+#[test]
+fn hopping_to_idle_channels_does_not_escape_fair() {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let host = start_host("hop", &["a", "b"]);
+    let be = &host.backend;
+    let stop = Arc::new(AtomicBool::new(false));
+    let hopper = spawn_hopper(host.connect("a"), 10, stop.clone());
+    let tb = spawn_throttle(host.connect("b"), 2, 1_000_000, stop.clone());
+    be.start_scheduler(SchedConfig::default())
+        .expect("policy fair");
+    let (fair, a_ns, b_ns) = share_a(be);
+    let st = be.sched_stats();
+    println!(
+        "hopper vs steady under fair: a {:.1} % ({:.0} ms), b {:.0} ms; {} shadows, \
+         {} quiet channels at the last interval",
+        fair * 100.0,
+        a_ns as f64 / 1e6,
+        b_ns as f64 / 1e6,
+        st.shadows,
+        st.quiet_channels
+    );
+    stop.store(true, Ordering::Release);
+    assert!(hopper.join().expect("hopper") > 0);
+    assert!(tb.join().expect("b") > 0);
+    assert!(
+        (fair - 0.5).abs() <= 0.12,
+        "fair: the hopping VM's share {:.1} % (want 50 ± 12)",
+        fair * 100.0
+    );
+}
+
 /// Issue 19, fault 3: an eviction waiting for an owner's channels to drain held that
 /// VM's session lock for the whole wait (up to the drain timeout), and the scheduler,
 /// blocked on it, ran no interval. Now the wait does not hold the lock.

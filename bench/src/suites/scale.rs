@@ -296,6 +296,18 @@ fn measure(
             Better::Higher,
         ),
         fig(
+            "sched_channels_observed_last_tick",
+            f64::from(s1.observed_channels),
+            "channels",
+            Better::Lower,
+        ),
+        fig(
+            "sched_channels_quiet_last_tick",
+            f64::from(s1.quiet_channels),
+            "channels",
+            Better::Higher,
+        ),
+        fig(
             "sched_busy_skips",
             (s1.busy_skips - s0.busy_skips) as f64,
             "intervals",

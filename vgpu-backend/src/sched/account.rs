@@ -47,11 +47,21 @@ impl Accounting {
         }
     }
 
-    /// Ends an interval: forgets channels not read since the previous call.
-    pub fn end_interval(&mut self) {
-        let seen = std::mem::take(&mut self.seen);
-        self.last.retain(|ch, _| seen.contains(ch));
+    /// Ends an interval. After a `full` one (every live channel was read) it forgets the
+    /// channels not read since the previous full one; otherwise the unread ones are quiet
+    /// (their counters did not move) and keep their reading.
+    pub fn end_interval(&mut self, full: bool) {
+        if full {
+            let seen = std::mem::take(&mut self.seen);
+            self.last.retain(|ch, _| seen.contains(ch));
+        }
         self.primed = true;
+    }
+
+    /// Forgets a destroyed channel.
+    pub fn forget(&mut self, ch: ChannelId) {
+        self.last.remove(&ch);
+        self.seen.remove(&ch);
     }
 }
 
@@ -106,11 +116,20 @@ impl Estimator {
         self.cost_ns.insert(ch, cost);
     }
 
-    /// Ends an interval: forgets channels not read since the previous call.
-    pub fn end_interval(&mut self) {
-        let seen = std::mem::take(&mut self.seen);
-        self.last_get.retain(|ch, _| seen.contains(ch));
-        self.cost_ns.retain(|ch, _| seen.contains(ch));
+    /// Ends an interval; like [`Accounting::end_interval`].
+    pub fn end_interval(&mut self, full: bool) {
+        if full {
+            let seen = std::mem::take(&mut self.seen);
+            self.last_get.retain(|ch, _| seen.contains(ch));
+            self.cost_ns.retain(|ch, _| seen.contains(ch));
+        }
+    }
+
+    /// Forgets a destroyed channel.
+    pub fn forget(&mut self, ch: ChannelId) {
+        self.last_get.remove(&ch);
+        self.cost_ns.remove(&ch);
+        self.seen.remove(&ch);
     }
 }
 
@@ -123,16 +142,24 @@ mod tests {
         let mut a = Accounting::new();
         // Baseline: history before the start is not charged.
         assert_eq!(a.delta(ChannelId(1), 200), 0);
-        a.end_interval();
+        a.end_interval(true);
         assert_eq!(a.delta(ChannelId(1), 500), 300);
-        a.end_interval();
+        a.end_interval(true);
         assert_eq!(a.delta(ChannelId(1), 800), 300);
         assert_eq!(a.delta(ChannelId(2), 100), 100);
-        a.end_interval();
-        // Channel 1 vanished: forgotten after this interval.
+        a.end_interval(true);
+        // Channel 1 unread in a partial interval (quiet): it keeps its reading.
         assert_eq!(a.delta(ChannelId(2), 100), 0);
-        a.end_interval();
+        a.end_interval(false);
+        assert_eq!(a.delta(ChannelId(1), 800), 0);
+        a.end_interval(true);
+        // Channel 1 vanished: forgotten after a full interval without it.
+        assert_eq!(a.delta(ChannelId(2), 100), 0);
+        a.end_interval(true);
         assert_eq!(a.delta(ChannelId(1), 900), 900);
+        // A destroyed channel is forgotten at once.
+        a.forget(ChannelId(2));
+        assert_eq!(a.delta(ChannelId(2), 150), 150);
     }
 
     #[test]
@@ -150,8 +177,10 @@ mod tests {
         e.record(ch, 1, 100_000);
         assert_eq!(e.cost(ch), Some((500_000 + 300_000) / 4));
         e.record(ch, 0, 1);
-        e.end_interval();
-        e.end_interval();
+        e.end_interval(false);
+        assert_eq!(e.cost(ch), Some((500_000 + 300_000) / 4), "quiet: kept");
+        e.end_interval(true);
+        e.end_interval(true);
         assert_eq!(e.cost(ch), None, "forgotten with the channel");
     }
 }

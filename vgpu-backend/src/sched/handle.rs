@@ -41,6 +41,13 @@ pub struct VmView {
     pub retired: Vec<RetiredChannel>,
     /// Whether the session was locked in time (else `peek` and `holders` are unknown).
     pub locked: bool,
+    /// Live channels left out because they were quiet (see [`SchedVm::observe`]).
+    pub quiet: u32,
+    /// Whether it has shadowed channels (whose progress `apply` mirrors) or failed
+    /// unshadows to retry: `apply` has work even without changes.
+    pub shadowing: bool,
+    /// Its connections so far: the owner holds start anew with each one.
+    pub connection: u64,
 }
 
 /// One change of the scheduler's hold on a channel.
@@ -73,8 +80,10 @@ pub trait SchedVm: Send + Sync {
     /// Whether a frontend is connected (only connected VMs are scheduled).
     fn connected(&self) -> bool;
     /// Its live channels and the ones destroyed since the last call, waiting at most
-    /// `wait` for the session.
-    fn observe(&self, gpu: &dyn Gpu, wait: Duration) -> VmView;
+    /// `wait` for the session. Unless `full`, channels that provably did nothing since the
+    /// previous observation (unshadowed, unheld, GP_PUT = GP_GET where it was) are left
+    /// out and only counted, so a tick costs what the active channels cost.
+    fn observe(&self, gpu: &dyn Gpu, wait: Duration, full: bool) -> VmView;
     /// Applies `holds` (waiting at most `wait` for the session): the result of each
     /// change in order, then mirrors GPU progress into shadow pages and retries failed
     /// unshadows. `None`: the session could not be locked in time, nothing changed.

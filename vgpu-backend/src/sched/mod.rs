@@ -63,6 +63,18 @@ pub const SESSION_LOCK_WAIT: Duration = Duration::from_millis(1);
 /// release is spread over intervals (see `Sched::release_changes`).
 pub const RELEASE_BUDGET_INTERVALS: u64 = 2;
 
+/// Every this many intervals the scheduler looks at every channel, quiet or not, and
+/// forgets what it knew of channels and processes it no longer sees; in between, quiet
+/// channels cost a control-page read each and nothing else.
+pub const FULL_SWEEP_INTERVALS: u64 = 100;
+
+/// A VM whose every channel was quiet at its last observation (dormant) is observed only
+/// every this many intervals, staggered across VMs: a tick then costs what the active VMs
+/// cost plus a slice of the dormant ones. Work a dormant VM starts runs unshadowed until
+/// its next look (at most this many intervals) and is charged in full then: the busy
+/// counters keep counting, so only the reaction is later, not the accounting.
+pub const DORMANT_LOOK_INTERVALS: u64 = 4;
+
 /// Operator weights of VMs: 1..=[`MAX_WEIGHT`], [`DEFAULT_WEIGHT`] unless set.
 pub const MIN_WEIGHT: u32 = 1;
 pub const MAX_WEIGHT: u32 = 10_000;
@@ -227,6 +239,10 @@ pub struct SchedStats {
     /// Times a VM was left as it was for an interval because its session stayed locked
     /// past [`SESSION_LOCK_WAIT`] (a long request, a frontend slow to ack a remap).
     pub busy_skips: u64,
+    /// Channels the last interval looked at in full, and the quiet ones it only counted
+    /// (idle since the previous look: see [`handle::SchedVm::observe`]).
+    pub observed_channels: u32,
+    pub quiet_channels: u32,
     /// `sampling`: rounds started, samples taken, samples dropped.
     pub sample_rounds: u64,
     pub samples: u64,
@@ -361,6 +377,13 @@ struct Sched {
     /// Whether the first interval (the accounting baseline) is over.
     primed: bool,
     last_tick_ns: u64,
+    /// Intervals so far (for the full sweeps).
+    ticks: u64,
+    /// The owner holds last applied to each VM, with the VM's connection count then: a
+    /// VM without changes, shadows or new owner holds is not locked again.
+    applied: BTreeMap<String, (u64, bool, BTreeSet<u32>)>,
+    /// VMs found dormant (nothing active, shadowed or destroyed) at their last look.
+    dormant: BTreeSet<String>,
 }
 
 fn thread_main(
@@ -388,6 +411,9 @@ fn thread_main(
         shared,
         primed: false,
         last_tick_ns: now_ns(),
+        ticks: 0,
+        applied: BTreeMap::new(),
+        dormant: BTreeSet::new(),
     };
     let interval = Duration::from_millis(u64::from(cfg.interval_ms));
     let mut next = Instant::now() + interval;
@@ -448,6 +474,10 @@ struct VmObs {
     vm: Arc<dyn SchedVm>,
     /// Whether its session was locked for the observation (else it is left as it was).
     locked: bool,
+    /// Whether it has shadowed channels (`apply` mirrors their progress).
+    shadowing: bool,
+    /// Its connection count (owner holds start anew with each connection).
+    connection: u64,
     /// Its channels destroyed since the previous tick.
     retired: Vec<RetiredChannel>,
     /// Their GPU time in the interval, per guest PID (filled by `account`).
@@ -497,17 +527,38 @@ impl Sched {
     /// Reads every connected VM's channels, and what the sessions record of the
     /// scheduler's holds (its channels born held included). A VM whose session stays
     /// locked past [`SESSION_LOCK_WAIT`] is left as it was.
-    fn observe(&mut self, be: &VgpuBackend) -> (Vec<VmObs>, Vec<Obs>) {
+    fn observe(&mut self, be: &VgpuBackend, full: bool) -> (Vec<VmObs>, Vec<Obs>) {
         let gpu = be.gpu().clone();
         let vms = be.sched_vms();
         let (mut vm_obs, mut obs) = (Vec::with_capacity(vms.len()), Vec::new());
-        let mut skips = 0;
-        for vm in vms {
+        let (mut skips, mut quiet) = (0, 0u32);
+        for (pos, vm) in (0u64..).zip(vms) {
             if !vm.connected() {
                 continue;
             }
-            let view = vm.observe(gpu.as_ref(), SESSION_LOCK_WAIT);
+            let look = full
+                || (self.ticks + pos).is_multiple_of(DORMANT_LOOK_INTERVALS)
+                || !self.dormant.contains(vm.name());
+            if !look {
+                // Left out of this interval: no channel of it is active, shadowed or
+                // pending, and the policies keep an absent sibling's clock as an idle
+                // one's (see `fair`).
+                continue;
+            }
+            let view = vm.observe(gpu.as_ref(), SESSION_LOCK_WAIT, full);
+            let dormant = view.locked
+                && view.channels.is_empty()
+                && view.retired.is_empty()
+                && !view.shadowing;
+            if dormant {
+                if !self.dormant.contains(vm.name()) {
+                    self.dormant.insert(vm.name().to_string());
+                }
+            } else {
+                self.dormant.remove(vm.name());
+            }
             skips += u64::from(!view.locked);
+            quiet = quiet.saturating_add(view.quiet);
             let idx = vm_obs.len();
             for c in view.channels {
                 let pending = if view.locked {
@@ -531,8 +582,10 @@ impl Sched {
             vm_obs.push(VmObs {
                 name: vm.name().to_string(),
                 weight: vm.weight(),
-                vm,
                 locked: view.locked,
+                shadowing: view.shadowing,
+                connection: view.connection,
+                vm,
                 retired: view.retired,
                 retired_busy: BTreeMap::new(),
             });
@@ -556,15 +609,23 @@ impl Sched {
         }
         self.shadowed = shadowed;
         self.pending = pending;
-        if skips > 0 {
-            self.update_stats(|st| st.busy_skips += skips);
+        if full || self.applied.len() > vm_obs.len() {
+            let names: BTreeSet<&str> = vm_obs.iter().map(|v| v.name.as_str()).collect();
+            self.applied.retain(|name, _| names.contains(name.as_str()));
+            self.dormant.retain(|name| names.contains(name.as_str()));
         }
+        let observed = u32::try_from(obs.len()).unwrap_or(u32::MAX);
+        self.update_stats(|st| {
+            st.busy_skips += skips;
+            st.observed_channels = observed;
+            st.quiet_channels = quiet;
+        });
         (vm_obs, obs)
     }
 
     /// Charges each channel its GPU time of the interval, and each process the time of
     /// its channels destroyed since the previous tick.
-    fn account(&mut self, vms: &mut [VmObs], obs: &mut [Obs]) {
+    fn account(&mut self, vms: &mut [VmObs], obs: &mut [Obs], full: bool) {
         for o in obs.iter_mut() {
             o.busy_delta_ns = if self.use_counters {
                 self.acct.delta(o.hal, o.counters.busy_ns)
@@ -587,7 +648,7 @@ impl Sched {
                     }
                 }
             }
-            self.entry_cost.end_interval();
+            self.entry_cost.end_interval(full);
         }
         for v in vms.iter_mut() {
             for r in std::mem::take(&mut v.retired) {
@@ -598,10 +659,14 @@ impl Sched {
                     0
                 };
                 *v.retired_busy.entry(r.pid).or_default() += d;
+                // HAL channel ids are never reused: nothing of it is needed again.
+                self.acct.forget(r.hal);
+                self.est.forget(r.hal);
+                self.entry_cost.forget(r.hal);
             }
         }
-        self.acct.end_interval();
-        self.est.end_interval();
+        self.acct.end_interval(full);
+        self.est.end_interval(full);
     }
 
     /// The policy's input: VMs → processes (with their weight hints) → channels.
@@ -669,6 +734,7 @@ impl Sched {
         obs: &[Obs],
         vms: &[VmObs],
         idle_ns: u64,
+        full: bool,
     ) -> Decision {
         let threshold_ns = self.cfg.threshold_us.saturating_mul(1000);
         // Channels shadowed during the interval that just ended.
@@ -677,7 +743,7 @@ impl Sched {
             Policy::None => Decision::default(),
             Policy::Fair => self
                 .fair
-                .decide_with_idle(samples, threshold_ns, idle_ns, &held),
+                .decide_with_idle(samples, threshold_ns, idle_ns, &held, full),
             Policy::Timeslice => {
                 let slice = u64::from(self.cfg.slice_ms) * 1_000_000;
                 self.timeslice.decide(samples, now_ns(), slice)
@@ -686,7 +752,7 @@ impl Sched {
                 // The fair clocks are charged even while a sample overrides them.
                 let fair = self
                     .fair
-                    .decide_with_idle(samples, threshold_ns, idle_ns, &held);
+                    .decide_with_idle(samples, threshold_ns, idle_ns, &held, full);
                 // Dead channels are never sampled (they would never finish a sample).
                 let sobs: Vec<SampleObs> = obs
                     .iter()
@@ -836,10 +902,12 @@ impl Sched {
         let now = now_ns();
         let len_ns = now.saturating_sub(self.last_tick_ns);
         self.last_tick_ns = now;
-        let (mut vms, mut obs) = self.observe(be);
+        let full = self.ticks.is_multiple_of(FULL_SWEEP_INTERVALS);
+        self.ticks += 1;
+        let (mut vms, mut obs) = self.observe(be, full);
         // What the scheduler held during the interval that just ended.
         let held_during = self.shadowed.clone();
-        self.account(&mut vms, &mut obs);
+        self.account(&mut vms, &mut obs, full);
         // GPU time nobody used in the interval (all compute engines).
         let used: u64 = obs.iter().map(|o| o.busy_delta_ns).sum::<u64>()
             + vms
@@ -850,7 +918,7 @@ impl Sched {
         let idle_ns = capacity.saturating_sub(used);
         let samples = self.samples(&vms, &obs, idle_ns, capacity);
         let charged_idle = if self.cfg.charge_idle { idle_ns } else { 0 };
-        let decision = self.decide(&samples, &obs, &vms, charged_idle);
+        let decision = self.decide(&samples, &obs, &vms, charged_idle, full);
         // Keyed by VM index: no per-channel allocation (this runs for every channel of
         // every VM each tick).
         let backlog: BTreeMap<(usize, u32), u32> = obs
@@ -858,7 +926,7 @@ impl Sched {
             .filter_map(|o| Some(((o.vm, o.ch), o.peek?.backlog())))
             .collect();
         let holds = owner_holds(&samples, &decision);
-        let (sh, un, capped, failed) = self.enforce(&vms, &obs, &decision, &holds, &backlog);
+        let (sh, un, capped, failed) = self.enforce(&vms, &obs, &decision, &holds, &backlog, full);
         let kills = self.watch(be, &vms, &obs);
         if self.primed {
             self.record(&vms, &samples, &held_during, len_ns);
@@ -949,6 +1017,7 @@ impl Sched {
         decision: &Decision,
         holds: &BTreeMap<String, (bool, BTreeSet<u32>)>,
         backlog: &BTreeMap<(usize, u32), u32>,
+        full: bool,
     ) -> (u64, u64, u64, u64) {
         let (mut sh, mut un, mut capped, mut failed) = (0u64, 0u64, 0u64, 0u64);
         for (idx, v) in vms.iter().enumerate() {
@@ -979,10 +1048,22 @@ impl Sched {
             }
             plan.changes
                 .extend(self.release_changes(&releases, backlog));
+            let owner = (v.connection, plan.vm, plan.pids.clone());
+            // Nothing to change, mirror or retry: leave the VM's session alone (most VMs
+            // at most ticks). A full sweep applies anyway.
+            if !full
+                && plan.changes.is_empty()
+                && !v.shadowing
+                && self.applied.get(&v.name) == Some(&owner)
+            {
+                continue;
+            }
             let Some(results) = v.vm.apply(&plan, SESSION_LOCK_WAIT) else {
                 failed += 1;
+                self.applied.remove(&v.name);
                 continue;
             };
+            self.applied.insert(v.name.clone(), owner);
             for ((ch, change), r) in plan.changes.iter().zip(results) {
                 let key = (v.name.clone(), *ch);
                 match (change, r) {

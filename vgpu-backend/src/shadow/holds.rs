@@ -94,6 +94,11 @@ impl OwnerHolds {
         h
     }
 
+    /// Whether the scheduler holds process `pid` back (itself or its whole VM).
+    pub fn sched_holds(&self, pid: u32) -> bool {
+        self.sched_vm || self.sched_pids.contains(&pid)
+    }
+
     /// Sets the scheduler's owner holds (what its latest decision holds back).
     pub fn set_sched(&mut self, vm: bool, pids: BTreeSet<u32>) {
         self.sched_vm = vm;

@@ -373,6 +373,8 @@ pub struct Shadows {
     stats: ShadowStats,
     /// Who holds each channel shadowed ([`holds`]); absent: nobody.
     holds: BTreeMap<u32, Holders>,
+    /// GP_GET of each channel the last time [`Shadows::quiet`] found it idle.
+    idle_get: BTreeMap<u32, u32>,
 }
 
 fn elapsed_ns(t0: Instant) -> u64 {
@@ -713,6 +715,30 @@ impl Shadows {
         true
     }
 
+    /// Whether channel `ch` provably did nothing since the previous call: it is not
+    /// shadowed, nobody holds it, its real page is mapped, GP_PUT equals GP_GET, and
+    /// GP_GET is where the previous call found it idle. GPUs advance GP_GET when an entry
+    /// completes and charge busy time only to entries between GP_GET and GP_PUT, so such a
+    /// channel used no GPU time and has nothing to schedule: the scheduler skips it
+    /// (issue 15). The first idle reading answers false, since work may have finished
+    /// since the last look (that interval's busy time must still be charged).
+    pub fn quiet(&mut self, ch: u32) -> bool {
+        let idle = match self.real.get(&ch) {
+            Some(real) if !self.shadowed.contains_key(&ch) && !self.holds.contains_key(&ch) => {
+                let get = real.load(ControlPage::GP_GET);
+                (real.load(ControlPage::GP_PUT) == get).then_some(get)
+            }
+            _ => None,
+        };
+        match idle {
+            Some(get) => self.idle_get.insert(ch, get) == Some(get),
+            None => {
+                self.idle_get.remove(&ch);
+                false
+            }
+        }
+    }
+
     /// Forgets channel `ch` (destroyed, or its slot unmapped): its shadow page goes back to
     /// the pool. Only call once no guest mapping leads to the shadow page.
     pub fn forget(&mut self, ch: u32) {
@@ -721,6 +747,7 @@ impl Shadows {
         }
         self.real.remove(&ch);
         self.holds.remove(&ch);
+        self.idle_get.remove(&ch);
     }
 
     /// Forgets every channel (session teardown, after the BAR views are gone).
@@ -732,6 +759,7 @@ impl Shadows {
         self.shadowed.clear();
         self.real.clear();
         self.holds.clear();
+        self.idle_get.clear();
     }
 }
 

@@ -24,32 +24,48 @@ impl SchedVm for VmState {
         self.connected.load(Ordering::Acquire)
     }
 
-    fn observe(&self, gpu: &dyn Gpu, wait: Duration) -> VmView {
-        let counters = self.shared.channel_counters(gpu);
+    fn observe(&self, gpu: &dyn Gpu, wait: Duration, full: bool) -> VmView {
+        let live = self.shared.live_channels();
         let retired = self.shared.take_retired();
         let mut session = self.lock_session_within(wait);
         let locked = session.is_some();
-        let channels = counters
-            .into_iter()
-            .map(|(ch, pid, hal, counters)| {
-                let (peek, holders) = match session.as_mut() {
-                    Some(s) => (s.peek_channel(ch).ok(), s.channel_holders(ch)),
-                    None => (None, Holders::NONE),
-                };
-                ChannelView {
-                    ch,
-                    pid,
-                    hal,
-                    counters,
-                    peek,
-                    holders,
+        let mut quiet = 0;
+        let mut channels = Vec::new();
+        for (ch, pid, hal) in live {
+            let (peek, holders) = match session.as_mut() {
+                Some(s) => {
+                    if s.quiet_channel(ch) && !full {
+                        quiet += 1;
+                        continue;
+                    }
+                    (s.peek_channel(ch).ok(), s.channel_holders(ch))
                 }
-            })
-            .collect();
+                None => (None, Holders::NONE),
+            };
+            // A channel whose counters cannot be read is gone meanwhile.
+            let Ok(counters) = gpu.channel_counters(hal) else {
+                continue;
+            };
+            channels.push(ChannelView {
+                ch,
+                pid,
+                hal,
+                counters,
+                peek,
+                holders,
+            });
+        }
+        // Failed unshadows to retry are shadowed channels too.
+        let shadowing = session
+            .as_ref()
+            .is_some_and(|s| s.shadow_stats().shadowed_now > 0);
         VmView {
             channels,
             retired,
             locked,
+            quiet,
+            shadowing,
+            connection: self.shared.disconnects(),
         }
     }
 

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use log::{debug, warn};
-use vgpu_host_shim::{ChannelCounters, ChannelId, ContextId, Gpu};
+use vgpu_host_shim::{ChannelId, ContextId, Gpu};
 use vgpu_protocol::device::slot_offset;
 use vgpu_protocol::request::GuestRange;
 use vgpu_protocol::PAGE_SIZE;
@@ -236,6 +236,11 @@ impl SessionShared {
     }
 
     /// Stats (without `connected`, which the caller knows).
+    /// Frontend disconnects so far (each ended a connection and its session).
+    pub fn disconnects(&self) -> u64 {
+        self.disconnects.load(Ordering::Relaxed)
+    }
+
     pub fn stats(&self) -> VmStats {
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
         VmStats {
@@ -270,14 +275,12 @@ impl SessionShared {
             .collect()
     }
 
-    /// Every counter of each live channel as the HAL reports it: (guest channel id, owning
-    /// guest PID, HAL channel id, counters). Channels whose counters cannot be read are
-    /// left out.
-    pub fn channel_counters(&self, gpu: &dyn Gpu) -> Vec<(u32, u32, ChannelId, ChannelCounters)> {
-        let book = self.busy();
-        book.live
+    /// Each live channel: (guest channel id, owning guest PID, HAL channel id).
+    pub fn live_channels(&self) -> Vec<(u32, u32, ChannelId)> {
+        self.busy()
+            .live
             .iter()
-            .filter_map(|(g, (pid, ch))| gpu.channel_counters(*ch).ok().map(|c| (*g, *pid, *ch, c)))
+            .map(|(g, (pid, ch))| (*g, *pid, *ch))
             .collect()
     }
 

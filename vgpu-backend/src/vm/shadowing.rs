@@ -89,6 +89,24 @@ impl Session {
         self.peek_channel_any(ch)
     }
 
+    /// Whether channel `ch` did nothing since the scheduler's last look (see
+    /// [`crate::shadow::Shadows::quiet`]). Never while the VM is paused, nor while the
+    /// scheduler holds its owner back: every channel of a held owner is looked at (and
+    /// shadowed), so a tenant over its share cannot run on through an idle channel.
+    pub fn quiet_channel(&mut self, ch: u32) -> bool {
+        if self.hold.paused {
+            return false;
+        }
+        let held = self.hold.sched_vm
+            || (!self.hold.sched_pids.is_empty()
+                && self
+                    .state
+                    .channels
+                    .get(&ch)
+                    .is_none_or(|c| self.hold.sched_holds(c.pid)));
+        !held && self.shadows.quiet(ch)
+    }
+
     /// [`Session::peek_channel`], paused or not.
     pub fn peek_channel_any(&mut self, ch: u32) -> Result<ChannelPeek, ShadowError> {
         let t = self.shadow_target(ch)?;
