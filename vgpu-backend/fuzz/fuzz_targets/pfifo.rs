@@ -172,11 +172,7 @@ fn rig() -> &'static Rig {
         Rig {
             gpu,
             pages: (ptr as usize, size),
-            bystander: Bystander {
-                mem,
-                vram,
-                pattern,
-            },
+            bystander: Bystander { mem, vram, pattern },
         }
     })
 }
@@ -221,7 +217,8 @@ fuzz_target!(|data: &[u8]| {
     let ctx = gpu.create_context(mem.clone()).expect("context");
     map_sys(gpu, ctx);
     let vram = gpu.alloc_vram(PIECE, PIECE).expect("VRAM").offset;
-    gpu.vram_write(vram, &vec![0u8; PIECE as usize]).expect("zero VRAM");
+    gpu.vram_write(vram, &vec![0u8; PIECE as usize])
+        .expect("zero VRAM");
     map_vram(gpu, ctx, vram);
     let ch = gpu
         .create_channel(
@@ -267,8 +264,15 @@ fuzz_target!(|data: &[u8]| {
         "a write through a read-only mapping"
     );
     let b = &rig.bystander;
-    assert!(b.mem.guards_intact() && b.mem.mem() == &b.pattern[..], "another context's memory changed");
+    assert!(
+        b.mem.guards_intact() && b.mem.mem() == &b.pattern[..],
+        "another context's memory changed"
+    );
     let mut back = vec![0u8; PIECE as usize];
-    gpu.vram_read(b.vram, &mut back).expect("bystander VRAM read");
-    assert!(back == b.pattern[..PIECE as usize], "another context's VRAM changed");
+    gpu.vram_read(b.vram, &mut back)
+        .expect("bystander VRAM read");
+    assert!(
+        back == b.pattern[..PIECE as usize],
+        "another context's VRAM changed"
+    );
 });
