@@ -12,9 +12,11 @@ cargo test --workspace --release 2>&1
 
 if [ "${SKIP_FUZZ:-0}" != "1" ]; then
     ci/install-fuzz.sh
-    # Every parser of guest input has a fuzz target: the protocol decoders and the
-    # backend's request handling (a whole session driven by arbitrary bytes); so has the
-    # control API's HTTP request parser (vgpu-backend/fuzz http_request).
+    # Every parser of guest input has a fuzz target: the protocol decoders, the backend's
+    # request handling (a whole session driven by arbitrary bytes), its virtqueue handling
+    # (virtqueue) and the sim's PFIFO over fuzzed rings and push buffers (pfifo); so have
+    # the control API's HTTP request parser (http_request) and the TOML config (config).
+    # Every target `cargo fuzz list` names runs.
     for crate in protocol vgpu-backend; do
         for target in $(cd "$crate" && cargo fuzz list); do
             echo "== fuzz $crate/$target for ${FUZZ_SECONDS}s"

@@ -311,6 +311,12 @@ impl FileConfig {
                     )))
                 }
             };
+            if socket.as_os_str().is_empty() {
+                return Err(ConfigError::Invalid(format!(
+                    "vm {:?}: empty socket path",
+                    v.name
+                )));
+            }
             let (weight, limits) =
                 self.vm_settings(&format!("vm[{}]", v.name), &v.settings(), gpu.vram_bytes)?;
             vms.push(VmConfig {
@@ -407,6 +413,12 @@ mod tests {
         assert_eq!(c.vms[2].socket, PathBuf::from("/run/vgpu/special/vm2.sock"));
         assert_eq!(c.scheduler.policy, Policy::Fair);
         assert!(c.api_socket.is_some());
+    }
+
+    #[test]
+    fn an_empty_socket_path_is_refused() {
+        let e = parse("[[vm]]\nname = \"a\"\nsocket = \"\"\n").unwrap_err();
+        assert!(e.to_string().contains("empty socket path"), "{e}");
     }
 
     #[test]

@@ -71,7 +71,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -211,24 +211,14 @@ impl VgpuBackend {
             source: std::io::Error::other(e.to_string()),
         })?;
         let events = Arc::new(EventQueue::new(EVENT_FIFO_CAPACITY).map_err(BackendError::EventFd)?);
-        let shared = Arc::new(SessionShared::new(events));
-        let vm = Arc::new(VmState {
-            name: name.to_string(),
-            socket: socket.to_path_buf(),
+        let vm = Arc::new(VmState::new(
+            name,
+            socket.to_path_buf(),
             limits,
-            gpu_vram: self.gpu.info().vram_bytes,
-            session: Mutex::new({
-                let mut s = Session::with_shared(self.gpu.clone(), limits, shared.clone());
-                s.swap.set_waker(self.vram.waker());
-                s
-            }),
-            shared,
-            connected: AtomicBool::new(false),
-            conn: Mutex::new(None),
-            shm: Mutex::new(None),
-            weight: AtomicU32::new(sched::DEFAULT_WEIGHT),
-            control: control::VmControl::new(limits.vram_bytes),
-        });
+            self.gpu.clone(),
+            events,
+        ));
+        vm.lock_session().swap.set_waker(self.vram.waker());
         let stop = self.stop.clone();
         let vm2 = vm.clone();
         let handle = std::thread::Builder::new()

@@ -154,6 +154,20 @@ impl VhuVgpu {
         })
     }
 
+    /// A device for VM `name` that no socket serves: the queue handling and the session
+    /// alone, for the virtqueue fuzz target and tests that drive `handle_event` directly.
+    /// Its GPU events go to `events`; it has no frontend to map BAR pages with.
+    pub fn detached(
+        name: &str,
+        gpu: Arc<dyn vgpu_host_shim::Gpu>,
+        limits: crate::VmLimits,
+        events: Arc<crate::EventQueue>,
+        mem: GuestMemoryAtomicMmap,
+    ) -> io::Result<Self> {
+        let vm = VmState::new(name, std::path::PathBuf::new(), limits, gpu, events);
+        Self::new(Arc::new(vm), mem)
+    }
+
     /// This connection's way to the frontend's BAR (for the operator's shadow requests).
     pub(crate) fn shm(&self) -> Arc<VhostShm> {
         self.shm.clone()

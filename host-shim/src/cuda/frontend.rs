@@ -269,7 +269,11 @@ impl<D: Device> CudaChannel<D> {
             if !counter_after(put, st.fetched) {
                 return Ok(batch.is_some());
             }
-            let get = self.load(ControlPage::GP_GET);
+            // The front end's own count of completed entries, not the page's GP_GET: the
+            // guest can write that field, and the check must not trust it.
+            let in_flight: u32 = st.inflight.iter().map(|i| i.entries).sum::<u32>()
+                + batch.as_ref().map_or(0, |b| b.entries);
+            let get = st.fetched.wrapping_sub(in_flight);
             if put.wrapping_sub(get) > self.cfg.gp_entries {
                 // More outstanding entries than the ring holds: the application overwrote
                 // work that had not run yet (as the sim reports it).

@@ -59,6 +59,31 @@ pub(crate) struct VmState {
 }
 
 impl VmState {
+    /// A VM named `name` on `socket` (not listening yet) with a fresh session on `gpu`
+    /// whose events go to `events`.
+    pub(crate) fn new(
+        name: &str,
+        socket: PathBuf,
+        limits: VmLimits,
+        gpu: Arc<dyn vgpu_host_shim::Gpu>,
+        events: Arc<crate::EventQueue>,
+    ) -> Self {
+        let shared = Arc::new(SessionShared::new(events));
+        VmState {
+            name: name.to_string(),
+            socket,
+            limits,
+            gpu_vram: gpu.info().vram_bytes,
+            session: Mutex::new(Session::with_shared(gpu, limits, shared.clone())),
+            shared,
+            connected: AtomicBool::new(false),
+            conn: Mutex::new(None),
+            shm: Mutex::new(None),
+            weight: AtomicU32::new(crate::sched::DEFAULT_WEIGHT),
+            control: control::VmControl::new(limits.vram_bytes),
+        }
+    }
+
     pub(crate) fn lock_session(&self) -> MutexGuard<'_, Session> {
         self.session.lock().unwrap_or_else(|e| e.into_inner())
     }
