@@ -8,6 +8,9 @@ use crate::rules::{Arg, Rules};
 /// `ioctl` requests any thread may make on its own fds.
 pub const FIONBIO: u64 = 0x5421;
 pub const FIOCLEX: u64 = 0x5451;
+/// Terminal queries (`isatty`, window size) a logger may make on stderr.
+pub const TCGETS: u64 = 0x5401;
+pub const TIOCGWINSZ: u64 = 0x5413;
 
 /// `PR_SET_NAME`: a thread naming itself (std does at start).
 const PR_SET_NAME: u64 = 15;
@@ -88,8 +91,12 @@ pub fn thread_basics() -> Rules {
             vec![Arg::eq32(0, SECCOMP_SET_MODE_FILTER)],
         )
         .allow_if(libc::SYS_tgkill, vec![Arg::eq32(0, pid)])
+        // musl's abort signals the thread with tkill, which names no process.
+        .allow_if(libc::SYS_tkill, vec![Arg::eq32(1, libc::SIGABRT as u64)])
         .allow_if(libc::SYS_ioctl, vec![Arg::eq32(1, FIONBIO)])
-        .allow_if(libc::SYS_ioctl, vec![Arg::eq32(1, FIOCLEX)]);
+        .allow_if(libc::SYS_ioctl, vec![Arg::eq32(1, FIOCLEX)])
+        .allow_if(libc::SYS_ioctl, vec![Arg::eq32(1, TCGETS)])
+        .allow_if(libc::SYS_ioctl, vec![Arg::eq32(1, TIOCGWINSZ)]);
     for cmd in FCNTL_CMDS {
         r = r.allow_if(libc::SYS_fcntl, vec![Arg::eq32(1, cmd as u64)]);
     }

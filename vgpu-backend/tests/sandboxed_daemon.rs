@@ -43,7 +43,12 @@ impl Daemon {
         )
         .expect("config");
         let stderr = dir.join("stderr.log");
-        let child = Command::new(env!("CARGO_BIN_EXE_vgpu-backend"))
+        // VGPU_BACKEND_BIN runs the test against another build, e.g. the static (musl)
+        // binary the nested rig uses.
+        let bin = std::env::var_os("VGPU_BACKEND_BIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_vgpu-backend")));
+        let child = Command::new(bin)
             .arg("--config")
             .arg(&cfg)
             .args(extra)

@@ -51,12 +51,20 @@ pub fn vcpu() -> Rules {
         .union(&events())
         .union(&backend_req())
         .union(&irq())
+        .union(&kick())
+}
+
+/// Kicking a vCPU out of KVM_RUN: the kick signal to one of our threads (glibc's
+/// `pthread_kill` is a `tgkill` to our own process, in the basics; musl's, in the static
+/// binary of the rig, a `tkill`, held to the kick signal).
+fn kick() -> Rules {
+    Rules::new().allow_if(libc::SYS_tkill, vec![Arg::eq32(1, libc::SIGRTMIN() as u64)])
 }
 
 /// The main thread while the VM runs: starts the vCPUs, waits, kicks them (a signal to
 /// its own threads), reports.
 pub fn vmm_main() -> Rules {
-    thread_basics().union(&vcpu())
+    thread_basics().union(&vcpu()).union(&kick())
 }
 
 /// The allow-list of `role`, with the opens every thread may attempt (they fail with

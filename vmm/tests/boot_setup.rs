@@ -291,7 +291,12 @@ fn binary_boots_under_default_seccomp() {
     let sock = std::env::temp_dir().join(format!("vgpu-vmm-seccomp-{}.sock", std::process::id()));
     backend.serve_vm("vm0", &sock).unwrap();
     let kernel = temp_file("tiny-kernel-seccomp", &fake_bzimage());
-    let out = Command::new(env!("CARGO_BIN_EXE_vgpu-vmm"))
+    // VGPU_VMM_BIN runs the test against another build, e.g. the static (musl) binary
+    // the nested rig uses.
+    let bin = std::env::var_os("VGPU_VMM_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_vgpu-vmm")));
+    let out = Command::new(bin)
         .arg("--kernel")
         .arg(&kernel)
         .args(["--mem-mib", "64", "--vcpus", "2", "--timeout", "60"])

@@ -82,6 +82,11 @@ pub fn backend_process() -> Rules {
             libc::SYS_mkdir,
             #[cfg(target_arch = "x86_64")]
             libc::SYS_chmod,
+            // Rust's std on musl (the rig's static binary) stats paths with these.
+            #[cfg(target_arch = "x86_64")]
+            libc::SYS_stat,
+            #[cfg(target_arch = "x86_64")]
+            libc::SYS_lstat,
         ])
         .allow_if(libc::SYS_socket, vec![Arg::eq32(0, libc::AF_UNIX as u64)]);
     [
