@@ -73,6 +73,15 @@ pub struct SchedSection {
     pub charge_idle: Option<bool>,
 }
 
+/// `[sandbox]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxSection {
+    /// What a syscall outside a thread's seccomp filter does: `"kill"` (default), `"log"`
+    /// or `"off"` (no filters, capabilities kept).
+    pub seccomp: Option<String>,
+}
+
 /// `[defaults]` and the per-VM part of `[[vm]]`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -130,6 +139,8 @@ pub struct FileConfig {
     #[serde(default)]
     pub scheduler: SchedSection,
     #[serde(default)]
+    pub sandbox: SandboxSection,
+    #[serde(default)]
     pub defaults: VmSection,
     #[serde(default)]
     pub vm: Vec<VmEntry>,
@@ -163,6 +174,8 @@ pub struct Config {
     /// `None`: no scheduler (the GPU's own round-robin).
     pub scheduler: SchedConfig,
     pub vms: Vec<VmConfig>,
+    /// Seccomp filters per thread role (see `sandbox`).
+    pub seccomp: vgpu_sandbox::Mode,
 }
 
 fn range(key: &str, value: u64, lo: u64, hi: u64) -> Result<u64, ConfigError> {
@@ -288,6 +301,12 @@ impl FileConfig {
             },
             charge_idle: s.charge_idle.unwrap_or(d.charge_idle),
         };
+        let seccomp = match &self.sandbox.seccomp {
+            Some(m) => m
+                .parse()
+                .map_err(|e| ConfigError::Invalid(format!("sandbox.seccomp: {e}")))?,
+            None => vgpu_sandbox::Mode::Kill,
+        };
         // `[defaults]` is checked even when no VM uses it.
         self.vm_settings("defaults", &VmSection::default(), gpu.vram_bytes)?;
         let mut vms = Vec::new();
@@ -331,6 +350,7 @@ impl FileConfig {
             api_socket: self.api.socket.clone(),
             scheduler,
             vms,
+            seccomp,
         })
     }
 
@@ -429,6 +449,9 @@ mod tests {
         assert_eq!(c.vms[0].limits.vram_bytes, c.gpu.vram_bytes);
         assert_eq!(c.scheduler, SchedConfig::default());
         assert_eq!(c.api_socket, None);
+        assert_eq!(c.seccomp, vgpu_sandbox::Mode::Kill);
+        let c = parse("[sandbox]\nseccomp = \"log\"\n").expect("sandbox");
+        assert_eq!(c.seccomp, vgpu_sandbox::Mode::Log);
     }
 
     #[test]
@@ -474,6 +497,7 @@ mod tests {
                 "unknown field",
             ),
             ("[gpu\n", "t.toml"),
+            ("[sandbox]\nseccomp = \"trap\"", "sandbox.seccomp"),
         ];
         for (text, want) in cases {
             let e = parse(text).expect_err(text).to_string();

@@ -59,6 +59,7 @@ mod device_state;
 pub mod error;
 pub mod events;
 pub mod guest_mem;
+pub mod sandbox;
 pub mod sched;
 pub mod shadow;
 pub mod shmem;
@@ -405,6 +406,8 @@ impl Drop for VgpuBackend {
 }
 
 fn serve_loop(vm: Arc<VmState>, mut listener: Listener, stop: Arc<AtomicBool>) {
+    // Before any connection: the vhost-user threads it starts inherit the filters.
+    vgpu_sandbox::enter(vgpu_sandbox::Role::VmServe);
     while !stop.load(Ordering::Acquire) {
         if let Err(e) = serve_connection(&vm, &mut listener, &stop) {
             error!("VM {}: {e}", vm.name);

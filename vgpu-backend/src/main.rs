@@ -8,12 +8,13 @@ use std::sync::Arc;
 use clap::parser::ValueSource;
 use clap::Parser;
 use clap::{ArgMatches, CommandFactory, FromArgMatches};
-use log::{error, info};
+use log::{error, info, warn};
 use vgpu_backend::api::{ApiOptions, ApiServer};
 use vgpu_backend::config::FileConfig;
-use vgpu_backend::{SchedArgs, VgpuBackend, VmLimits};
+use vgpu_backend::{sandbox, SchedArgs, VgpuBackend, VmLimits};
 use vgpu_host_shim::cuda::{CudaConfig, CudaGpu};
 use vgpu_host_shim::{Gpu, GpuChoice, SimConfig, SimGpu};
+use vgpu_sandbox::{privileges, Mode, Role};
 
 #[derive(Debug, Parser)]
 #[command(name = "vgpu-backend", version, about)]
@@ -71,6 +72,11 @@ struct Cli {
     /// (default 0: no oversubscription).
     #[arg(long)]
     vm_swap_mib: Option<u64>,
+    /// What a syscall outside a thread's seccomp filter does: `kill` the process, `log`
+    /// it and let it run, or `off` (no filters; capabilities kept) [default: the config
+    /// file's `sandbox.seccomp`, else kill].
+    #[arg(long, value_name = "kill|log|off")]
+    seccomp: Option<vgpu_sandbox::Mode>,
     #[command(flatten)]
     sched: SchedArgs,
 }
@@ -104,6 +110,9 @@ impl Cli {
         }
         if let Some(p) = &self.api_socket {
             f.api.socket = Some(p.clone());
+        }
+        if let Some(m) = self.seccomp {
+            f.sandbox.seccomp = Some(m.name().to_string());
         }
         // Scheduler flags override the file only where given (they all have defaults).
         let a = &self.sched;
@@ -185,6 +194,25 @@ fn wait_for_signal(set: &libc::sigset_t) -> i32 {
     }
 }
 
+/// Before the GPU opens and the first thread starts: drops capabilities and installs the
+/// process filter on this thread, which every later thread inherits; threads then narrow
+/// it to their role (`vgpu_backend::sandbox`).
+fn confine_process(mode: Mode, gpu: GpuChoice) -> Result<(), String> {
+    if mode == Mode::Off {
+        warn!("seccomp: off (no filters; capabilities kept)");
+        return Ok(());
+    }
+    let plan = sandbox::plan(mode, gpu).map_err(|e| format!("seccomp: {e}"))?;
+    if privileges::drop_all().map_err(|e| format!("capabilities: {e}"))? {
+        info!("capabilities dropped");
+    }
+    let plan = vgpu_sandbox::install_plan(plan).map_err(|e| format!("seccomp: {e}"))?;
+    plan.apply(Role::BackendProcess)
+        .map_err(|e| format!("seccomp: {e}"))?;
+    info!("seccomp: {mode} (filters per thread role; docs/operator-guide.md)");
+    Ok(())
+}
+
 fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
     let given = |id: &str| matches.value_source(id) == Some(ValueSource::CommandLine);
     let cfg = cli
@@ -195,6 +223,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
         return Err("no VM to serve: give --vm NAME or [[vm]] in the config file".into());
     }
     let set = block_signals().map_err(|e| format!("blocking signals: {e}"))?;
+    confine_process(cfg.seccomp, cfg.gpu.model)?;
     let gpu: Arc<dyn Gpu> = match cfg.gpu.model {
         GpuChoice::Sim => SimGpu::new(SimConfig {
             vram_bytes: cfg.gpu.vram_bytes,
@@ -245,6 +274,8 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
         }
         None => None,
     };
+    // Everything is bound and started: the main thread narrows to waiting and shutting down.
+    vgpu_sandbox::enter(Role::BackendMain);
     info!(
         "serving {} VM(s) on {} ({} MiB VRAM, {} engine(s)); policy {}",
         cfg.vms.len(),

@@ -17,6 +17,7 @@ pub mod guest_memory;
 pub mod kvm;
 pub mod loopback;
 pub mod pci;
+pub mod sandbox;
 pub mod shm_window;
 pub mod vgpu_device;
 pub mod virtio_pci;

@@ -448,6 +448,7 @@ impl BackendReqThread {
         let thread = std::thread::Builder::new()
             .name("vu-backend-req".into())
             .spawn(move || {
+                vgpu_sandbox::enter(vgpu_sandbox::Role::VmmBackendReq);
                 serve(&mut server, exit_fd);
                 stopped2.store(true, Ordering::Release);
                 // `server` (both socket ends) is dropped here: the backend sees the channel close.

@@ -270,3 +270,45 @@ fn pci_bars_in_the_mmio_gap() {
     // A region too large for the gap is refused.
     assert!(vgpu_vmm::boot::pci_bar_placement(2 << 30).is_err());
 }
+
+/// The binary under its default seccomp filters (`--seccomp kill`) boots the tiny kernel on
+/// 2 vCPUs with the vgpu device connected to a real backend: setup, the vCPU threads
+/// (KVM_RUN, serial, i8042 reset), the backend-request thread and the shutdown all stay
+/// inside their roles' filters (a syscall outside kills the VMM with SIGSYS).
+#[test]
+fn binary_boots_under_default_seccomp() {
+    if std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .is_err()
+    {
+        eprintln!("skipping: no usable /dev/kvm");
+        return;
+    }
+    let gpu = vgpu_host_shim::SimGpu::new(vgpu_host_shim::SimConfig::default()).unwrap();
+    let backend = vgpu_backend::VgpuBackend::new(gpu, vgpu_backend::VmLimits::default());
+    let sock = std::env::temp_dir().join(format!("vgpu-vmm-seccomp-{}.sock", std::process::id()));
+    backend.serve_vm("vm0", &sock).unwrap();
+    let kernel = temp_file("tiny-kernel-seccomp", &fake_bzimage());
+    // VGPU_VMM_BIN runs the test against another build, e.g. the static (musl) binary
+    // the nested rig uses.
+    let bin = std::env::var_os("VGPU_VMM_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_vgpu-vmm")));
+    let out = Command::new(bin)
+        .arg("--kernel")
+        .arg(&kernel)
+        .args(["--mem-mib", "64", "--vcpus", "2", "--timeout", "60"])
+        .arg("--vgpu-socket")
+        .arg(&sock)
+        .env("RUST_LOG", "info")
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&kernel);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}\n{err}", out.status);
+    assert!(err.contains("seccomp: kill"), "{err}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "OK\n");
+    backend.shutdown();
+}

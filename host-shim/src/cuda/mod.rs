@@ -213,7 +213,10 @@ impl<D: Device> CudaGpuOf<D> {
         let s = shared.clone();
         let thread = std::thread::Builder::new()
             .name("cuda-pfifo".into())
-            .spawn(move || frontend::run(s))
+            .spawn(move || {
+                vgpu_sandbox::enter(vgpu_sandbox::Role::GpuEngine);
+                frontend::run(s)
+            })
             .map_err(os_err)?;
         let _ = shared.frontend.set(thread.thread().clone());
         Ok(Arc::new(CudaGpuOf {

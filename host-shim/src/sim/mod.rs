@@ -171,12 +171,18 @@ impl SimGpu {
         let s = shared.clone();
         let copy = std::thread::Builder::new()
             .name("sim-copy".into())
-            .spawn(move || copy_engine::run(s, rx))
+            .spawn(move || {
+                vgpu_sandbox::enter(vgpu_sandbox::Role::GpuEngine);
+                copy_engine::run(s, rx)
+            })
             .map_err(os_err)?;
         let s = shared.clone();
         let pfifo = std::thread::Builder::new()
             .name("sim-pfifo".into())
-            .spawn(move || pfifo::Pfifo::new(s, tx).run())
+            .spawn(move || {
+                vgpu_sandbox::enter(vgpu_sandbox::Role::GpuEngine);
+                pfifo::Pfifo::new(s, tx).run()
+            })
             .map_err(os_err)?;
         let _ = shared.pfifo_thread.set(pfifo.thread().clone());
         Ok(Arc::new(SimGpu {

@@ -179,6 +179,7 @@ impl Drop for ApiServer {
 }
 
 fn sampler_loop(be: Weak<VgpuBackend>, shares: Arc<ShareBook>, stop: Arc<AtomicBool>) {
+    vgpu_sandbox::enter(vgpu_sandbox::Role::Api);
     let mut next = Instant::now();
     while !stop.load(Ordering::Acquire) {
         let Some(backend) = be.upgrade() else {
@@ -208,6 +209,8 @@ fn accept_loop(
     stop: Arc<AtomicBool>,
     opts: ApiOptions,
 ) {
+    // The connection and reject threads inherit the filters.
+    vgpu_sandbox::enter(vgpu_sandbox::Role::Api);
     let active = Arc::new(AtomicUsize::new(0));
     // Connections over the limit are answered 503 by one thread, after it read their
     // request (closing a unix socket with unread data resets it for the peer).

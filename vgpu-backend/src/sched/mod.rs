@@ -393,6 +393,7 @@ fn thread_main(
     stop: Arc<AtomicBool>,
     shared: Shared,
 ) {
+    vgpu_sandbox::enter(vgpu_sandbox::Role::Scheduler);
     let mut s = Sched {
         cfg,
         use_counters: counters && cfg.policy != Policy::Sampling,

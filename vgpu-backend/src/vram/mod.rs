@@ -203,6 +203,7 @@ impl VramManager {
 }
 
 fn thread_main(be: Weak<VgpuBackend>, stop: Arc<AtomicBool>, waker: Arc<Waker>) {
+    vgpu_sandbox::enter(vgpu_sandbox::Role::VramManager);
     loop {
         let period = match be.upgrade() {
             Some(b) => Duration::from_millis(u64::from(b.vram.config().period_ms)),

@@ -11,6 +11,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
+use vgpu_sandbox::{privileges, Mode, Role};
 use vgpu_vmm::boot::{LinuxVm, VmConfig, DEFAULT_CMDLINE, DEFAULT_CMDLINE_PCI, MAX_VCPUS};
 
 /// Boot a Linux guest under KVM (serial console on COM1).
@@ -47,6 +48,24 @@ struct Cli {
     /// Stop the VM (exit status 1) if it still runs after this many seconds.
     #[arg(long, value_name = "SECS")]
     timeout: Option<u64>,
+    /// What a syscall outside a thread's seccomp filter does: `kill` the process, `log`
+    /// it and let it run, or `off` (no filters; capabilities kept).
+    #[arg(long, value_name = "kill|log|off", default_value = "kill")]
+    seccomp: Mode,
+}
+
+/// Before setup starts any thread: drops capabilities and makes the filters of every role
+/// ready for the threads to enter (`vgpu_vmm::sandbox`).
+fn prepare_sandbox(mode: Mode) -> Result<(), String> {
+    if mode == Mode::Off {
+        log::warn!("seccomp: off (no filters; capabilities kept)");
+        return Ok(());
+    }
+    let plan = vgpu_vmm::sandbox::plan(mode).map_err(|e| format!("seccomp: {e}"))?;
+    privileges::drop_all().map_err(|e| format!("capabilities: {e}"))?;
+    vgpu_sandbox::install_plan(plan).map_err(|e| format!("seccomp: {e}"))?;
+    log::info!("seccomp: {mode} (filters per thread role)");
+    Ok(())
 }
 
 fn main() -> ExitCode {
@@ -76,6 +95,10 @@ fn main() -> ExitCode {
         vgpu_stub: cli.vgpu_stub,
         vgpu_socket: cli.vgpu_socket,
     };
+    if let Err(e) = prepare_sandbox(cli.seccomp) {
+        eprintln!("vgpu-vmm: {e}");
+        return ExitCode::FAILURE;
+    }
     let mut vm = match LinuxVm::new(&cfg) {
         Ok(vm) => vm,
         Err(e) => {
@@ -83,6 +106,8 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // Set up: the main thread narrows to running the vCPUs.
+    vgpu_sandbox::enter(Role::VmmMain);
     match vm.run(cli.timeout.map(Duration::from_secs)) {
         Ok(how) => {
             log::info!("guest ended: {how:?}");

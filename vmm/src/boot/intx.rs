@@ -70,7 +70,10 @@ impl IntxForwarder {
         let (ep, cs) = (epoll.clone(), calls.clone());
         let thread = std::thread::Builder::new()
             .name("vgpu-intx".into())
-            .spawn(move || forward(&ep, &cs, socket, &bus, slot, &irq, &config_irq))?;
+            .spawn(move || {
+                vgpu_sandbox::enter(vgpu_sandbox::Role::VmmIrq);
+                forward(&ep, &cs, socket, &bus, slot, &irq, &config_irq)
+            })?;
         Ok(IntxForwarder {
             stop,
             epoll,

@@ -486,6 +486,7 @@ impl LinuxVm {
             let spawned = std::thread::Builder::new()
                 .name(format!("vcpu{cpu}"))
                 .spawn(move || {
+                    vgpu_sandbox::enter(vgpu_sandbox::Role::Vcpu);
                     let res = vcpu_loop(
                         vcpu,
                         cpu,

@@ -1,0 +1,332 @@
+//! The `vgpu-backend` binary under its default seccomp filters (`--seccomp kill`): a VM
+//! workload over the real vhost-user socket through the loopback VMM, VRAM swapping,
+//! control-API requests (a scheduler restart among them), a disconnect and a reconnect,
+//! and a clean shutdown on SIGTERM. A syscall the filters lack kills the daemon with
+//! SIGSYS, which this test sees as a failed request or a non-zero exit.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vgpu_backend::api::client::ApiClient;
+use vgpu_backend::api::types::VmVramBody;
+use vgpu_guest::workloads::Workload;
+use vgpu_guest::{Buffer, Context, Device, KernelArgs};
+use vgpu_host_shim::kernels::reference;
+use vgpu_test_support::{connect_retry, temp_dir};
+use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
+
+const MIB: u64 = 1 << 20;
+
+/// The daemon, killed (if still running) and its directory removed on drop.
+struct Daemon {
+    child: Child,
+    dir: PathBuf,
+    stderr: PathBuf,
+}
+
+impl Daemon {
+    /// Starts the binary on a config with two VMs on a 32 MiB GPU, each with 32 MiB of
+    /// swap; `extra` flags go after `--config`.
+    fn start(tag: &str, extra: &[&str]) -> Daemon {
+        let dir = temp_dir(tag);
+        let cfg = dir.join("backend.toml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "socket_dir = \"{d}\"\n[gpu]\nvram_mib = 32\n[api]\nsocket = \"{d}/api.sock\"\n\
+                 [scheduler]\npolicy = \"fair\"\ninterval_ms = 10\n\
+                 [[vm]]\nname = \"a\"\nswap_mib = 32\n[[vm]]\nname = \"b\"\nswap_mib = 32\n",
+                d = dir.display()
+            ),
+        )
+        .expect("config");
+        let stderr = dir.join("stderr.log");
+        // VGPU_BACKEND_BIN runs the test against another build, e.g. the static (musl)
+        // binary the nested rig uses.
+        let bin = std::env::var_os("VGPU_BACKEND_BIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_vgpu-backend")));
+        let child = Command::new(bin)
+            .arg("--config")
+            .arg(&cfg)
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stderr(std::fs::File::create(&stderr).expect("stderr file"))
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("vgpu-backend");
+        Daemon { child, dir, stderr }
+    }
+
+    fn api(&self) -> ApiClient {
+        ApiClient::new(self.dir.join("api.sock"))
+    }
+
+    fn socket(&self, vm: &str) -> PathBuf {
+        self.dir.join(format!("{vm}.sock"))
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    fn connect(&self, vm: &str) -> Arc<LoopbackVm> {
+        connect_retry(
+            &self.socket(vm),
+            LoopbackConfig {
+                mem_bytes: 128 * MIB,
+            },
+            Duration::from_secs(20),
+        )
+        .unwrap_or_else(|e| panic!("connect {vm}: {e}\n{}", self.log()))
+    }
+
+    /// Still running? (A seccomp kill ends it with SIGSYS.)
+    fn assert_alive(&mut self, at: &str) {
+        if let Some(status) = self.child.try_wait().expect("try_wait") {
+            panic!("daemon died {at}: {status:?}\n{}", self.log());
+        }
+    }
+
+    /// SIGTERM, then the exit status within 10 s.
+    fn terminate(&mut self) -> std::process::ExitStatus {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let t0 = Instant::now();
+        loop {
+            if let Some(s) = self.child.try_wait().expect("try_wait") {
+                return s;
+            }
+            if t0.elapsed() > Duration::from_secs(10) {
+                let _ = self.child.kill();
+                panic!("daemon did not stop on SIGTERM\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn wait_api(d: &mut Daemon) -> ApiClient {
+    let c = d.api();
+    let t0 = Instant::now();
+    loop {
+        match c.info() {
+            Ok(_) => return c,
+            Err(e) if t0.elapsed() > Duration::from_secs(20) => {
+                panic!("daemon API: {e}\n{}", d.log())
+            }
+            Err(_) => {
+                d.assert_alive("before its API answered");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+/// VM `vm`'s VRAM figures once `pred` holds (or after 10 s).
+fn wait_vram(api: &ApiClient, vm: &str, pred: impl Fn(&VmVramBody) -> bool) -> VmVramBody {
+    let t0 = Instant::now();
+    loop {
+        let v = api.vm_stats(vm).expect("stats").vram;
+        if pred(&v) || t0.elapsed() > Duration::from_secs(10) {
+            return v;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `n` VRAM buffers of 4 MiB, buffer `i` filled with `seed + i`.
+fn fill_buffers(ctx: &Context, n: u8, seed: u8) -> Vec<Buffer> {
+    (0..n)
+        .map(|i| {
+            let b = ctx.alloc_vram(4 * MIB).expect("vram");
+            b.fill(0, 4 * MIB, seed + i).expect("fill");
+            b
+        })
+        .collect()
+}
+
+/// Checks each buffer of [`fill_buffers`] by a GPU checksum at its unchanged address and
+/// through the CPU aperture.
+fn check_buffers(ctx: &Context, bufs: &[Buffer], seed: u8) {
+    let mut ch = ctx.create_channel().expect("channel");
+    let sum = ctx.alloc_host(4096).expect("host buffer");
+    for (i, b) in bufs.iter().enumerate() {
+        let want = vec![seed + i as u8; b.len() as usize];
+        ch.launch(
+            &KernelArgs::Checksum {
+                src: b.gpu_va(),
+                len: b.len(),
+                dst: sum.gpu_va(),
+            },
+            [1, 1, 1],
+        )
+        .expect("launch");
+        let f = ch.submit().expect("submit");
+        ch.wait(f).expect("wait");
+        assert_eq!(sum.read_u64(0).expect("sum"), reference::checksum(&want));
+        let mut got = vec![0u8; want.len()];
+        b.read(0, &mut got).expect("read");
+        assert!(got == want, "buffer {i} changed");
+    }
+}
+
+fn run_workloads(ctx: &Context, names: &[&str]) {
+    for name in names {
+        let r = Workload::by_name(name, true)
+            .expect("workload")
+            .run(ctx)
+            .expect(name);
+        assert!(r.verified, "{name}");
+    }
+}
+
+/// One session of both VMs: workloads, VRAM pressure that swaps VM `a` out and back in,
+/// operator requests while the guests hold GPU state, then a disconnect.
+fn run_session(d: &mut Daemon, api: &ApiClient) {
+    let before = api.vm_stats("a").expect("stats a").vram;
+    let (a, b) = (d.connect("a"), d.connect("b"));
+    let dev_a = Device::loopback(a.clone(), 100).expect("device a");
+    let dev_b = Device::loopback(b.clone(), 200).expect("device b");
+    let (ctx_a, ctx_b) = (
+        dev_a.create_context().expect("ctx a"),
+        dev_b.create_context().expect("ctx b"),
+    );
+    run_workloads(&ctx_a, &["saxpy", "reduction", "copy_heavy"]);
+    run_workloads(&ctx_b, &["sgemm", "hotspot"]);
+    // 24 MiB for A, then 16 MiB for B on a 32 MiB GPU: the VRAM manager evicts A's
+    // chunks (over its half) to give B its share.
+    let bufs_a = fill_buffers(&ctx_a, 6, 0x10);
+    check_buffers(&ctx_a, &bufs_a, 0x10);
+    let bufs_b = fill_buffers(&ctx_b, 4, 0x40);
+    let v = wait_vram(api, "a", |v| v.evictions > before.evictions);
+    assert!(v.evictions > before.evictions, "{v:?}\n{}", d.log());
+    check_buffers(&ctx_a, &bufs_a, 0x10);
+    check_buffers(&ctx_b, &bufs_b, 0x40);
+    // Both VMs keep the GPU busy at weights 100:300 until the fair scheduler has shadowed
+    // channels (SHMEM_MAP of shadow pages from the scheduler's thread).
+    api.set_weight("b", 300).expect("weight");
+    let shadows = api.scheduler().expect("scheduler").stats.shadows;
+    let contend = |ctx: &Context| {
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(3)
+            && api.scheduler().expect("scheduler").stats.shadows == shadows
+        {
+            run_workloads(ctx, &["throttle"]);
+        }
+    };
+    std::thread::scope(|s| {
+        s.spawn(|| contend(&ctx_a));
+        s.spawn(|| contend(&ctx_b));
+    });
+    let st = api.scheduler().expect("scheduler").stats;
+    assert!(st.shadows > shadows, "{st:?}");
+    // Operator requests: pause/resume, the scheduler restarted from an API thread
+    // (twice), metrics.
+    api.pause("b").expect("pause");
+    api.resume("b").expect("resume");
+    api.set_scheduler(&serde_json::json!({"policy": "timeslice", "slice_ms": 5}))
+        .expect("scheduler");
+    api.set_scheduler(&serde_json::json!({"policy": "fair", "interval_ms": 10}))
+        .expect("scheduler");
+    assert!(api.metrics().expect("metrics").contains("vgpu_vm_weight"));
+    // B's VRAM freed: A is swapped back in.
+    drop(bufs_b);
+    let v = wait_vram(api, "a", |v| v.swapped_bytes == 0);
+    assert!(
+        v.swap_ins > before.swap_ins && v.swapped_bytes == 0,
+        "{v:?}"
+    );
+    check_buffers(&ctx_a, &bufs_a, 0x10);
+    drop((bufs_a, ctx_a, ctx_b, dev_a, dev_b));
+    a.disconnect();
+    b.disconnect();
+}
+
+/// Each thread of process `pid`: (name, the lines of its /proc status named in `keys`).
+fn thread_status(pid: u32, keys: &[&str]) -> Vec<(String, Vec<String>)> {
+    let mut out = Vec::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return out;
+    };
+    for t in tasks.flatten() {
+        let Ok(status) = std::fs::read_to_string(t.path().join("status")) else {
+            continue;
+        };
+        let name = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Name:"))
+            .unwrap_or("?")
+            .trim()
+            .to_string();
+        let lines = status
+            .lines()
+            .filter(|l| keys.iter().any(|k| l.starts_with(k)))
+            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+            .collect();
+        out.push((name, lines));
+    }
+    out
+}
+
+#[test]
+fn daemon_under_default_seccomp_serves_vms() {
+    let mut d = Daemon::start("seccomp-kill", &[]);
+    let api = wait_api(&mut d);
+    // Every thread: in seccomp filter mode with its role's filters stacked over the
+    // process filter, no new privileges, no capabilities (this matters when run as root).
+    let _a = d.connect("a");
+    let threads = thread_status(
+        d.child.id(),
+        &[
+            "Seccomp",
+            "Seccomp_filters",
+            "NoNewPrivs",
+            "CapEff",
+            "CapPrm",
+            "CapBnd",
+        ],
+    );
+    drop(_a);
+    assert!(threads.len() >= 8, "{threads:?}");
+    for (name, lines) in &threads {
+        let has = |l: &str| lines.iter().any(|x| x == l);
+        assert!(
+            has("Seccomp: 2") && has("NoNewPrivs: 1"),
+            "{name}: {lines:?}"
+        );
+        assert!(
+            has("CapEff: 0000000000000000")
+                && has("CapPrm: 0000000000000000")
+                && has("CapBnd: 0000000000000000"),
+            "{name}: {lines:?}"
+        );
+        // The process filter and the role's, each an allow-list and its refused opens.
+        let filters = lines
+            .iter()
+            .find_map(|l| l.strip_prefix("Seccomp_filters: "))
+            .and_then(|n| n.parse::<u32>().ok());
+        assert!(filters >= Some(4), "{name}: {lines:?}");
+    }
+    run_session(&mut d, &api);
+    d.assert_alive("after the first session");
+    // A reconnect after the disconnect: the VM threads start over under their filters.
+    run_session(&mut d, &api);
+    d.assert_alive("after the second session");
+    let status = d.terminate();
+    let log = d.log();
+    assert!(status.success(), "{status:?}\n{log}");
+    assert!(log.contains("seccomp: kill"), "{log}");
+}

@@ -1,0 +1,160 @@
+//! `vgpu-vmm`'s seccomp filters per thread role (`--seccomp kill|log|off`, default kill),
+//! built on `vgpu-sandbox`.
+//!
+//! | role | threads | installed by |
+//! |---|---|---|
+//! | `VmmMain` | the main thread once the VM is set up | `main`, before `LinuxVm::run` |
+//! | `Vcpu` | `vcpuN` | the vCPU thread, first thing |
+//! | `VmmBackendReq` | `vu-backend-req` (SHMEM_MAP/UNMAP into the BAR window) | that thread |
+//! | `VmmIrq` | `vgpu-intx` (INTx forwarding, backend hang-up watch) | that thread |
+//!
+//! Setup (kernel and initrd files, `/dev/kvm`, guest RAM memfds, the backend socket)
+//! happens before any filter. Threads inherit the filters of the thread that starts them:
+//! a vCPU may bring up the device again after a guest reset, starting a backend-request
+//! and an interrupt thread, so `Vcpu` allows what those need, and `VmmMain` (which starts
+//! the vCPUs) what a vCPU needs. ioctls are held to KVM's (type 0xAE) and two fd flags.
+
+use vgpu_sandbox::blocks::{events, open_refused, socket_io, thread_basics};
+use vgpu_sandbox::{Arg, Mode, Plan, Role, Rules, SandboxError};
+
+/// KVM's ioctl type (`KVMIO`), bits 8..15 of a request number.
+const KVMIO: u64 = 0xAE;
+
+/// The VMM's roles.
+pub const ROLES: [Role; 4] = [Role::VmmMain, Role::Vcpu, Role::VmmBackendReq, Role::VmmIrq];
+
+/// Any KVM ioctl: on the VM fd (memslots for the moving BAR window, ioeventfds, irqfds,
+/// GSI routes, IRQ lines) and on the vCPU fds (KVM_RUN, register reads for diagnostics).
+fn kvm_ioctls() -> Rules {
+    Rules::new().allow_if(libc::SYS_ioctl, vec![Arg::masked32(1, 0xff00, KVMIO << 8)])
+}
+
+/// The backend-request thread: receives SHMEM_MAP/UNMAP with fds, maps them into the BAR
+/// window (`MAP_FIXED`, never executable), acks.
+pub fn backend_req() -> Rules {
+    thread_basics().union(&socket_io()).union(&events())
+}
+
+/// The interrupt thread: waits on call eventfds and the socket's hang-up, writes irqfds.
+pub fn irq() -> Rules {
+    thread_basics().union(&socket_io()).union(&events())
+}
+
+/// A vCPU: KVM_RUN and device emulation — serial output, the virtio-pci transport, the
+/// vhost-user frontend's messages (with fds) at activation and reset, BAR moves (KVM
+/// memslots, ioeventfds, irqfds, MSI routes), stores waiting for write-protected window
+/// pages (futex), and the threads device bring-up starts.
+pub fn vcpu() -> Rules {
+    thread_basics()
+        .union(&kvm_ioctls())
+        .union(&socket_io())
+        .union(&events())
+        .union(&backend_req())
+        .union(&irq())
+        .union(&kick())
+}
+
+/// Kicking a vCPU out of KVM_RUN: the kick signal to one of our threads (glibc's
+/// `pthread_kill` is a `tgkill` to our own process, in the basics; musl's, in the static
+/// binary of the rig, a `tkill`, held to the kick signal).
+fn kick() -> Rules {
+    Rules::new().allow_if(libc::SYS_tkill, vec![Arg::eq32(1, libc::SIGRTMIN() as u64)])
+}
+
+/// The main thread while the VM runs: starts the vCPUs, waits, kicks them (a signal to
+/// its own threads), reports.
+pub fn vmm_main() -> Rules {
+    thread_basics().union(&vcpu()).union(&kick())
+}
+
+/// The allow-list of `role`, with the opens every thread may attempt (they fail with
+/// `EACCES`).
+pub fn rules(role: Role) -> Option<Rules> {
+    let r = match role {
+        Role::VmmMain => vmm_main(),
+        Role::Vcpu => vcpu(),
+        Role::VmmBackendReq => backend_req(),
+        Role::VmmIrq => irq(),
+        _ => return None,
+    };
+    Some(r.union(&open_refused()))
+}
+
+/// The VMM's plan: every role's filters in `mode`.
+pub fn plan(mode: Mode) -> Result<Plan, SandboxError> {
+    let mut plan = Plan::new(mode);
+    for role in ROLES {
+        if let Some(allow) = rules(role) {
+            plan.add(role, &allow, &open_refused())?;
+        }
+    }
+    Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use vgpu_sandbox::child::{run_in_child, ChildEnd};
+
+    use super::*;
+
+    #[test]
+    fn every_role_compiles_and_parents_cover_children() {
+        for mode in [Mode::Kill, Mode::Log] {
+            let p = plan(mode).expect("plan");
+            for role in ROLES {
+                assert!(!p.programs(role).is_empty(), "{role} {mode}");
+            }
+        }
+        let r = |role| rules(role).expect("a VMM role");
+        assert!(r(Role::VmmMain).covers(&r(Role::Vcpu)));
+        for child in [Role::VmmBackendReq, Role::VmmIrq] {
+            assert!(r(Role::Vcpu).covers(&r(child)), "{child}");
+        }
+        for role in ROLES {
+            for nr in [
+                libc::SYS_execve,
+                libc::SYS_ptrace,
+                libc::SYS_socket,
+                libc::SYS_bind,
+                libc::SYS_kill,
+            ] {
+                assert!(!r(role).mentions(nr), "{role}: {nr}");
+            }
+            assert!(!r(role).allows_always(libc::SYS_ioctl), "{role}");
+        }
+        // Only vCPUs (and main, which starts them) reach KVM.
+        for role in [Role::VmmBackendReq, Role::VmmIrq] {
+            assert!(!r(role).covers(&kvm_ioctls()), "{role}");
+        }
+    }
+
+    /// In a child under `role` (kill mode): an ioctl with request `req` on fd -1 (EBADF
+    /// when allowed).
+    fn ioctl_under(role: Role, req: u64) -> ChildEnd {
+        let p = plan(Mode::Kill).expect("plan");
+        run_in_child(|| {
+            if p.apply(role).is_err() {
+                return 2;
+            }
+            // SAFETY: an ioctl on an invalid fd touches no memory.
+            unsafe { libc::ioctl(-1, req as libc::c_ulong, 0) };
+            0
+        })
+        .expect("fork")
+    }
+
+    #[test]
+    fn only_kvm_ioctls_pass_on_a_vcpu() {
+        const KVM_RUN: u64 = 0xAE80;
+        const TIOCSTI: u64 = 0x5412;
+        assert_eq!(ioctl_under(Role::Vcpu, KVM_RUN), ChildEnd::Exited(0));
+        assert_eq!(
+            ioctl_under(Role::Vcpu, TIOCSTI),
+            ChildEnd::Signaled(libc::SIGSYS)
+        );
+        assert_eq!(
+            ioctl_under(Role::VmmBackendReq, KVM_RUN),
+            ChildEnd::Signaled(libc::SIGSYS)
+        );
+    }
+}
