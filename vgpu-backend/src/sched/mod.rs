@@ -903,7 +903,11 @@ impl Sched {
         let now = now_ns();
         let len_ns = now.saturating_sub(self.last_tick_ns);
         self.last_tick_ns = now;
-        let full = self.ticks.is_multiple_of(FULL_SWEEP_INTERVALS);
+        // `sampling` measures channels by letting one run alone and needs them all in
+        // view each interval (as does `timeslice`'s rotation): they look at everything.
+        let skips_quiet =
+            self.use_counters && matches!(self.cfg.policy, Policy::Fair | Policy::None);
+        let full = !skips_quiet || self.ticks.is_multiple_of(FULL_SWEEP_INTERVALS);
         self.ticks += 1;
         let (mut vms, mut obs) = self.observe(be, full);
         // What the scheduler held during the interval that just ended.
