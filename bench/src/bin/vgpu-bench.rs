@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use vgpu_bench::report::{print_json, print_table, Figure};
 use vgpu_bench::suites::api::{self, ApiOpts};
 use vgpu_bench::suites::cuda::{self, CudaOpts};
+use vgpu_bench::suites::flood::{self, FloodOpts};
 use vgpu_bench::suites::guest::{self, GuestArgs};
 use vgpu_bench::suites::scale::{self, ScaleOpts};
 use vgpu_bench::suites::sched::{self, SchedOpts};
@@ -66,6 +67,9 @@ enum Suite {
         #[arg(long)]
         max_inflight: Option<usize>,
     },
+    /// Fair service of control requests: a victim VM's request latency alone and while
+    /// another VM floods its control queue, or its event queue, side by side.
+    Flood,
     /// VRAM oversubscription: slowdown vs all-in-VRAM, swap throughput, pauses, convergence.
     Swap,
     /// One backend, many VMs: scheduler CPU per tick, shadow switches, RSS/fds/threads per
@@ -141,6 +145,14 @@ fn main() {
                 ApiOpts::full()
             };
             api::run(&opts).map_err(|e| e.to_string())
+        }
+        Suite::Flood => {
+            let opts = if cli.quick {
+                FloodOpts::quick()
+            } else {
+                FloodOpts::full()
+            };
+            flood::run(&opts).map_err(|e| e.to_string())
         }
         Suite::Swap => {
             let opts = if cli.quick {

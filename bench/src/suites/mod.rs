@@ -3,6 +3,7 @@
 
 pub mod api;
 pub mod cuda;
+pub mod flood;
 pub mod scale;
 pub mod sched;
 pub mod sim;
