@@ -8,7 +8,10 @@
 //! point vhost-user-backend provides for backend-specific fds); the worker then moves events
 //! into whatever writable buffers the driver has posted on the event queue, and retries
 //! whenever the driver posts more (a kick on the event queue). Events that find no buffer
-//! wait in the FIFO; when it is full the oldest is dropped with a warning.
+//! wait in the FIFO; when it is full the oldest is dropped and counted (a warning at each
+//! power of two). Only an event that finds the FIFO empty writes the eventfd, so a guest
+//! that never drains its event queue costs the GPU threads a lock and a counter per event,
+//! no syscall, and never stalls them or another VM.
 //!
 //! Each session generation has an epoch: sinks of channels of a torn-down session carry
 //! the old epoch and their late events are discarded instead of reaching a new guest.
@@ -87,11 +90,16 @@ impl EventQueue {
 
     /// Appends an event of `epoch`; discarded if the epoch is over.
     pub fn push(&self, epoch: u64, ev: Event) {
-        {
+        let wake = {
             let mut f = self.lock();
             if f.epoch != epoch {
                 return;
             }
+            // Only the first pending event wakes the worker: it drains the FIFO until it
+            // is empty or the driver has no buffers (then the driver's next kick resumes
+            // it). A guest that never drains its event queue thus costs the GPU thread
+            // no syscall per event (issue 16).
+            let wake = f.events.is_empty();
             if f.events.len() >= self.capacity {
                 f.events.pop_front();
                 let n = self.dropped.fetch_add(1, Ordering::Relaxed);
@@ -104,8 +112,9 @@ impl EventQueue {
                 }
             }
             f.events.push_back(ev);
-        }
-        if let Some(fd) = &self.notify {
+            wake
+        };
+        if let (true, Some(fd)) = (wake, &self.notify) {
             let _ = fd.write(1);
         }
     }
@@ -198,6 +207,27 @@ mod tests {
     use super::*;
     use vgpu_host_shim::ChannelId;
     use vgpu_protocol::ErrorCode;
+
+    #[test]
+    fn only_the_first_pending_event_wakes_the_worker() {
+        let q = Arc::new(EventQueue::new(4).unwrap());
+        let sink = ChannelSink::new(q.clone(), 1);
+        let notify = |token| {
+            sink.event(GpuEvent::Notify {
+                channel: ChannelId(1),
+                token,
+            })
+        };
+        for token in 0..10 {
+            notify(token);
+        }
+        let fd = q.notifier().unwrap();
+        assert_eq!(fd.read().unwrap(), 1, "one wake-up for a burst");
+        assert_eq!((q.pending(), q.dropped()), (4, 6));
+        while q.pop().is_some() {}
+        notify(10);
+        assert_eq!(fd.read().unwrap(), 1, "an empty FIFO wakes again");
+    }
 
     #[test]
     fn bounded_drop_oldest_and_epochs() {

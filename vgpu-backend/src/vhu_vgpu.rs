@@ -27,7 +27,7 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use log::{debug, error, warn};
@@ -110,6 +110,8 @@ pub struct VhuVgpu {
     ring_broken: AtomicBool,
     /// The connection is over: a request still reaching the worker is refused.
     retired: AtomicBool,
+    /// Event buffers the driver posted too small (warned about at powers of two).
+    bad_event_buffers: AtomicU64,
     exit: (EventConsumer, EventNotifier),
     /// Duplicates of `exit.0` the library took ownership of and never closes.
     given_exit_fds: std::sync::Mutex<Vec<std::os::fd::RawFd>>,
@@ -147,6 +149,7 @@ impl VhuVgpu {
             event_idx: AtomicBool::new(false),
             ring_broken: AtomicBool::new(false),
             retired: AtomicBool::new(false),
+            bad_event_buffers: AtomicU64::new(0),
             exit,
             given_exit_fds: std::sync::Mutex::new(Vec::new()),
             config,
@@ -388,7 +391,14 @@ impl VhuVgpu {
                 .collect();
             let n = write_buffers(&mem, &writable, &ev.encode());
             if n < EVENT_SIZE {
-                warn!("event queue: buffer too small or invalid ({n} bytes written)");
+                // Guest-controlled: one warning per power of two, not one per buffer.
+                let k = self.bad_event_buffers.fetch_add(1, Ordering::Relaxed) + 1;
+                if k.is_power_of_two() {
+                    warn!(
+                        "VM {}: event queue: buffer too small or invalid ({n} bytes written; {k} so far)",
+                        self.vm.name
+                    );
+                }
                 events.unpop(ev);
             } else {
                 events.mark_delivered();

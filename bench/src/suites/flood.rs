@@ -28,6 +28,12 @@ use crate::report::{Better, Figure};
 
 const SUITE: &str = "flood";
 const MIB: u64 = 1 << 20;
+/// The bound on a victim's request latency, whatever another VM does (docs/BENCHMARKS.md
+/// suite `flood`): what remains is CPU time on a host whose cores the flood shares, no
+/// backend lock; one scheduling period of a loaded 2-core host fits in it.
+pub const P99_BOUND_US: f64 = 2_000.0;
+/// The longest single request, same reason.
+pub const MAX_BOUND_US: f64 = 50_000.0;
 /// Where the rig maps things in a context's GPU address space.
 const VA_VRAM: u64 = 1 << 32;
 const VA_GUEST: u64 = 1 << 34;
@@ -264,9 +270,7 @@ impl Flood {
                     pid,
                     big_alloc_bytes,
                 };
-                threads.push(std::thread::spawn(move || {
-                    l.run(&vm, cfg, &stop, &counts)
-                }));
+                threads.push(std::thread::spawn(move || l.run(&vm, cfg, &stop, &counts)));
             }
         }
         Flood {
@@ -452,18 +456,18 @@ fn phase_figures(figs: &mut Vec<Figure>, phase: &str, l: &Latencies) {
         "us",
         Better::Lower,
     ));
-    figs.push(fig(
-        &format!("victim_{phase}_p99"),
-        l.pct(99.0),
-        "us",
-        Better::Lower,
-    ));
-    figs.push(fig(
-        &format!("victim_{phase}_max"),
-        l.max(),
-        "us",
-        Better::Lower,
-    ));
+    figs.push(
+        fig(
+            &format!("victim_{phase}_p99"),
+            l.pct(99.0),
+            "us",
+            Better::Lower,
+        )
+        .target(P99_BOUND_US),
+    );
+    figs.push(
+        fig(&format!("victim_{phase}_max"), l.max(), "us", Better::Lower).target(MAX_BOUND_US),
+    );
 }
 
 pub fn run(opts: &FloodOpts) -> Result<Vec<Figure>, FloodError> {
@@ -495,7 +499,11 @@ fn measure(
         let cfg = LoopbackConfig {
             mem_bytes: 96 * MIB,
         };
-        vms.push(vgpu_test_support::connect_retry(&sock, cfg, Duration::from_secs(10))?);
+        vms.push(vgpu_test_support::connect_retry(
+            &sock,
+            cfg,
+            Duration::from_secs(10),
+        )?);
     }
     let (victim_vm, flooder) = (vms[0].clone(), vms[1].clone());
     let victim = Victim::new(victim_vm)?;
@@ -527,15 +535,12 @@ fn measure(
             FloodKind::Events => "events",
         };
         phase_figures(&mut figs, phase, lat);
-        figs.push(
-            fig(
-                &format!("victim_p99_{phase}_vs_alone"),
-                lat.pct(99.0) / alone.pct(99.0).max(1e-9),
-                "x",
-                Better::Lower,
-            )
-            .target(2.0),
-        );
+        figs.push(fig(
+            &format!("victim_p99_{phase}_vs_alone"),
+            lat.pct(99.0) / alone.pct(99.0).max(1e-9),
+            "x",
+            Better::Lower,
+        ));
         figs.push(fig(
             &format!("flooder_{phase}_requests_per_s"),
             report.rate(),

@@ -137,7 +137,12 @@ pub struct SimGpu {
     shared: Arc<Shared>,
     pages: Arc<ControlPages>,
     vram_alloc: VramPool,
-    contexts: Mutex<HashMap<ContextId, Context>>,
+    /// Read on every map/unmap/invalidate of any VM, written only when a context comes or
+    /// goes: a reader-writer lock, so that one VM's page-table calls never queue behind
+    /// another's (issue 16).
+    contexts: RwLock<HashMap<ContextId, Context>>,
+    /// VRAM size (fixed): `info()` needs no allocator lock.
+    vram_bytes: u64,
     next_context: AtomicU32,
     next_channel: AtomicU32,
     threads: Mutex<Vec<JoinHandle<()>>>,
@@ -189,15 +194,20 @@ impl SimGpu {
             shared,
             pages,
             vram_alloc: VramPool::new(cfg.vram_bytes),
-            contexts: Mutex::new(HashMap::new()),
+            contexts: RwLock::new(HashMap::new()),
+            vram_bytes: cfg.vram_bytes,
             next_context: AtomicU32::new(1),
             next_channel: AtomicU32::new(1),
             threads: Mutex::new(vec![pfifo, copy]),
         }))
     }
 
-    fn lock_contexts(&self) -> std::sync::MutexGuard<'_, HashMap<ContextId, Context>> {
-        self.contexts.lock().unwrap_or_else(|e| e.into_inner())
+    fn read_contexts(&self) -> std::sync::RwLockReadGuard<'_, HashMap<ContextId, Context>> {
+        self.contexts.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write_contexts(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<ContextId, Context>> {
+        self.contexts.write().unwrap_or_else(|e| e.into_inner())
     }
 
     fn lock_vram(&self) -> std::sync::MutexGuard<'_, VramAllocator> {
@@ -205,7 +215,7 @@ impl SimGpu {
     }
 
     fn space(&self, ctx: ContextId) -> Result<Arc<AddressSpace>> {
-        self.lock_contexts()
+        self.read_contexts()
             .get(&ctx)
             .map(|c| c.space.clone())
             .ok_or(HalError::NoContext(ctx))
@@ -214,7 +224,7 @@ impl SimGpu {
     /// Engine time used by all channels a context ever had (tools and demos; the backend
     /// keeps its own books from channel counters).
     pub fn context_busy_ns(&self, ctx: ContextId) -> Result<u64> {
-        self.lock_contexts()
+        self.read_contexts()
             .get(&ctx)
             .map(|c| c.busy_ns.load(Ordering::Relaxed))
             .ok_or(HalError::NoContext(ctx))
@@ -257,7 +267,7 @@ impl SimGpu {
     pub fn stats(&self) -> SimStats {
         let vram = self.lock_vram();
         SimStats {
-            contexts: self.lock_contexts().len(),
+            contexts: self.read_contexts().len(),
             channels: self
                 .shared
                 .channels
@@ -310,7 +320,7 @@ impl Gpu for SimGpu {
         let cfg = &self.shared.cfg;
         GpuInfo {
             name: "sim".into(),
-            vram_bytes: self.lock_vram().size(),
+            vram_bytes: self.vram_bytes,
             compute_engines: cfg.compute_engines,
             max_channels: cfg.max_channels,
             max_contexts: cfg.max_contexts,
@@ -319,7 +329,7 @@ impl Gpu for SimGpu {
     }
 
     fn create_context(&self, sysmem: Arc<dyn SysMemory>) -> Result<ContextId> {
-        let mut ctxs = self.lock_contexts();
+        let mut ctxs = self.write_contexts();
         if ctxs.len() >= self.shared.cfg.max_contexts as usize {
             return Err(HalError::TooMany("contexts"));
         }
@@ -336,7 +346,7 @@ impl Gpu for SimGpu {
 
     fn destroy_context(&self, ctx: ContextId) -> Result<()> {
         let context = self
-            .lock_contexts()
+            .write_contexts()
             .remove(&ctx)
             .ok_or(HalError::NoContext(ctx))?;
         self.remove_channels(|c| c.ctx == ctx);
@@ -496,7 +506,7 @@ impl SimGpu {
             ));
         }
         let owner = self
-            .lock_contexts()
+            .read_contexts()
             .get(&ctx)
             .map(|c| channel::Owner {
                 ctx,
@@ -520,7 +530,7 @@ impl SimGpu {
         {
             // The context may have been destroyed meanwhile; check under the channel lock
             // order (contexts, then channels) so no channel outlives its context.
-            let ctxs = self.lock_contexts();
+            let ctxs = self.read_contexts();
             if !ctxs.contains_key(&ctx) {
                 return Err(HalError::NoContext(ctx));
             }
