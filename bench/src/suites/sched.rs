@@ -39,6 +39,8 @@ pub enum SchedSuiteError {
     Shadow(#[from] vgpu_backend::ShadowError),
     #[error("plots: {0}")]
     Io(#[from] std::io::Error),
+    #[error("guest runtime: {0}")]
+    Runtime(#[from] vgpu_guest::Error),
     #[error("{0}")]
     Other(String),
 }
@@ -156,6 +158,7 @@ pub fn run(opts: &SchedOpts) -> Result<Vec<Figure>> {
     overhead(opts, &mut figs)?;
     other_policies(opts, &mut figs)?;
     churn_and_many_channels(opts, &mut figs)?;
+    idle_then_burst(&mut figs)?;
     tick_while_eviction_waits(opts, &mut figs)?;
     if let Some(dir) = &opts.plots {
         std::fs::create_dir_all(dir)?;
@@ -735,6 +738,68 @@ fn other_policies(opts: &SchedOpts, figs: &mut Vec<Figure>) -> Result<()> {
         "sampling_samples",
         st.samples as f64,
         "count",
+        Better::Higher,
+    ));
+    Ok(())
+}
+
+/// A tenant that idles, then bursts (issue 15), under `fair` with default settings: VMs
+/// `a` and `b` run saturating 1 ms channels; VM `c` is connected with an idle channel for
+/// 2 s (long enough for the scheduler to call it dormant and look at it only every few
+/// intervals), then starts a saturating 2 ms throttle and wakes its idle channel with
+/// the same. All three then want the whole GPU, so each is entitled to a third. Figures
+/// over the first second of the burst: what `a` and `b` kept of their entitlement (the
+/// lower one; goal ≥ 90 %), and `c`'s share.
+fn idle_then_burst(figs: &mut Vec<Figure>) -> Result<()> {
+    let rig = SchedRig::new("burst", &["a", "b", "c"], false)?;
+    start(&rig.backend, Policy::Fair)?;
+    let steady = vec![
+        Tenant::spawn(rig.vm("a")?, TenantSpec::throttle(1, MS))?,
+        Tenant::spawn(rig.vm("b")?, TenantSpec::throttle(2, MS))?,
+    ];
+    // `c`'s idle channel: created, used once, then left (the scheduler sees it quiet).
+    let dev = vgpu_guest::Device::loopback(rig.vm("c")?, 30)?;
+    let ctx = dev.create_context()?;
+    let mut idle = ctx.create_channel()?;
+    idle.launch(&vgpu_guest::KernelArgs::Spin { ns: MS }, [1, 1, 1])?;
+    idle.finish()?;
+    std::thread::sleep(Duration::from_secs(2));
+    let quiet_before = rig.backend.sched_stats().quiet_channels;
+    let burst = Tenant::spawn(rig.vm("c")?, TenantSpec::throttle(3, 2 * MS))?;
+    for _ in 0..4 {
+        idle.launch(&vgpu_guest::KernelArgs::Spin { ns: 2 * MS }, [1, 1, 1])?;
+    }
+    idle.submit()?;
+    let who = [("a", 1), ("b", 2), ("c", 3), ("c", 30)];
+    let busy = busy_over(&rig, &who, Duration::from_secs(1));
+    idle.finish()?;
+    drop(idle);
+    drop(ctx);
+    burst.stop()?;
+    stop_all(steady)?;
+    let total: u64 = busy.iter().sum();
+    let third = 1.0 / 3.0;
+    let kept = |b: u64| share(b, total) / third * 100.0;
+    let kept_min = kept(busy[0]).min(kept(busy[1]));
+    figs.push(
+        fig(
+            "burst_steady_vms_kept_of_entitlement_min",
+            kept_min,
+            "%",
+            Better::Higher,
+        )
+        .target(90.0),
+    );
+    figs.push(fig(
+        "burst_first_second_c_share",
+        share(busy[2] + busy[3], total) * 100.0,
+        "%",
+        Better::Higher,
+    ));
+    figs.push(fig(
+        "burst_quiet_channels_before",
+        f64::from(quiet_before),
+        "channels",
         Better::Higher,
     ));
     Ok(())
