@@ -471,6 +471,25 @@ impl<D: Device> CudaGpuOf<D> {
             });
     }
 
+    /// Logs a batched host copy: its size, rate, and how much of its host memory was
+    /// registered with the driver (the rest went through the driver's staging).
+    fn log_batch(&self, what: &str, host: &[(usize, usize)], t: Instant) {
+        let ns = t.elapsed().as_nanos().max(1) as f64;
+        let bytes: usize = host.iter().map(|h| h.1).sum();
+        let reg = self
+            .shared
+            .hostreg
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let pinned: usize = host.iter().map(|&(p, n)| reg.registered_bytes(p, n)).sum();
+        log::debug!(
+            "cuda: batched VRAM {what} of {} copies, {bytes} bytes ({pinned} registered) in {:.1} us: {:.1} GB/s",
+            host.len(),
+            ns / 1e3,
+            bytes as f64 / ns
+        );
+    }
+
     /// Records a registered system-memory mapping.
     fn note_sysram(&self, ctx: ContextId, va: u64, size: u64) {
         if let Some(c) = self.lock_contexts().get_mut(&ctx) {
@@ -597,6 +616,32 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
 
     fn vram_write(&self, offset: u64, buf: &[u8]) -> Result<()> {
         self.shared.vram.write(&*self.shared.dev, offset, buf)
+    }
+
+    fn vram_read_many(&self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        let t = Instant::now();
+        self.shared.vram.read_many(&*self.shared.dev, reads)?;
+        if log::log_enabled!(log::Level::Debug) {
+            let host: Vec<(usize, usize)> = reads
+                .iter()
+                .map(|(_, b)| (b.as_ptr() as usize, b.len()))
+                .collect();
+            self.log_batch("read", &host, t);
+        }
+        Ok(())
+    }
+
+    fn vram_write_many(&self, writes: &[(u64, &[u8])]) -> Result<()> {
+        let t = Instant::now();
+        self.shared.vram.write_many(&*self.shared.dev, writes)?;
+        if log::log_enabled!(log::Level::Debug) {
+            let host: Vec<(usize, usize)> = writes
+                .iter()
+                .map(|(_, b)| (b.as_ptr() as usize, b.len()))
+                .collect();
+            self.log_batch("write", &host, t);
+        }
+        Ok(())
     }
 
     fn map(
