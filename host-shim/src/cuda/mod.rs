@@ -70,9 +70,13 @@ pub struct CudaConfig {
     pub warm_max_sleep_ns: u64,
     /// How long `invalidate_tlb`/`destroy_context` wait for a context's GPU work.
     pub drain_timeout: Duration,
-    /// Most GP entries sharing one completion mark while the GPU has a single channel
-    /// (with several, every entry gets its own mark, so busy time stays exact per entry).
+    /// Most GP entries sharing one completion mark while the GPU has a single active
+    /// channel (with several, every entry gets its own mark, so busy time stays exact per
+    /// entry).
     pub batch: u32,
+    /// A channel with nothing on the GPU and no entry issued for this long does not count
+    /// as active for batching.
+    pub batch_quiet_ns: u64,
     /// Most completion marks one channel may have on its stream at once.
     pub max_inflight: usize,
 }
@@ -90,6 +94,7 @@ impl Default for CudaConfig {
             warm_max_sleep_ns: 50_000,
             drain_timeout: Duration::from_secs(10),
             batch: 32,
+            batch_quiet_ns: 100_000_000,
             max_inflight: 64,
         }
     }
