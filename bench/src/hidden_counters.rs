@@ -60,6 +60,12 @@ impl Gpu for HiddenCounters {
     fn vram_write(&self, offset: u64, buf: &[u8]) -> Result<()> {
         self.inner.vram_write(offset, buf)
     }
+    fn vram_read_many(&self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        self.inner.vram_read_many(reads)
+    }
+    fn vram_write_many(&self, writes: &[(u64, &[u8])]) -> Result<()> {
+        self.inner.vram_write_many(writes)
+    }
     fn map(
         &self,
         ctx: ContextId,

@@ -201,6 +201,24 @@ pub trait Gpu: Send + Sync {
     /// written: a new allocation never shows what an earlier owner left there.
     fn vram_read(&self, offset: u64, buf: &mut [u8]) -> Result<()>;
     fn vram_write(&self, offset: u64, buf: &[u8]) -> Result<()>;
+    /// Several [`Gpu::vram_read`]s at once (a VRAM move's chunks): a GPU with a copy
+    /// engine queues them all and waits once, so the engine does not idle between them.
+    /// When it returns, every copy has arrived or an error is returned; after an error the
+    /// buffers' contents are unspecified. The default reads one after the other.
+    fn vram_read_many(&self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        for (offset, buf) in reads.iter_mut() {
+            self.vram_read(*offset, buf)?;
+        }
+        Ok(())
+    }
+    /// Several [`Gpu::vram_write`]s at once, as [`Gpu::vram_read_many`]; after an error the
+    /// written VRAM's contents are unspecified.
+    fn vram_write_many(&self, writes: &[(u64, &[u8])]) -> Result<()> {
+        for (offset, buf) in writes {
+            self.vram_write(*offset, buf)?;
+        }
+        Ok(())
+    }
 
     /// Maps `size` bytes at `va` to `target` with pages of `page`. `va`, `size` and the
     /// target must be aligned to the page size; the range must be unmapped.

@@ -35,6 +35,11 @@ fn fake_host_copies_and_kernels_agree_on_vram() {
 }
 
 #[test]
+fn fake_batched_host_copies_move_many_chunks_exactly() {
+    batched_host_copies_move_many_chunks_exactly(&gpu());
+}
+
+#[test]
 fn fake_hostile_pointers_fault_and_change_nothing() {
     hostile_pointers_fault_and_change_nothing(&gpu());
 }

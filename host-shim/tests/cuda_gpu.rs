@@ -52,6 +52,13 @@ fn gpu_host_copies_and_kernels_agree_on_vram() {
 }
 
 #[test]
+fn gpu_batched_host_copies_move_many_chunks_exactly() {
+    if let Some(g) = gpu() {
+        batched_host_copies_move_many_chunks_exactly(&g);
+    }
+}
+
+#[test]
 fn gpu_hostile_pointers_fault_and_change_nothing() {
     if let Some(g) = gpu() {
         hostile_pointers_fault_and_change_nothing(&g);

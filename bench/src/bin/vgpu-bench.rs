@@ -57,9 +57,12 @@ enum Suite {
         /// Run on the CPU stand-in for the CUDA device (checks the plumbing without a GPU).
         #[arg(long)]
         fake: bool,
-        /// Only the two-VM fairness runs.
+        /// Only the two-VM fairness runs (the same as `--only fairness`).
         #[arg(long)]
         fairness_only: bool,
+        /// Only these sections (comma-separated); the baseline program runs the same ones.
+        #[arg(long, value_delimiter = ',', value_name = "SECTION,...")]
+        only: Vec<cuda::Section>,
         /// GP entries per completion mark while one channel is busy [default: 32].
         #[arg(long)]
         batch: Option<u32>,
@@ -100,6 +103,7 @@ fn main() {
             vram_mib,
             fake,
             fairness_only,
+            only,
             batch,
             max_inflight,
         } => match gpu {
@@ -116,7 +120,10 @@ fn main() {
                 opts.vram_mib = vram_mib.unwrap_or(opts.vram_mib);
                 opts.baseline = baseline;
                 opts.fake = fake;
-                opts.fairness_only = fairness_only;
+                opts.only = only;
+                if fairness_only {
+                    opts.only.push(cuda::Section::Fairness);
+                }
                 opts.batch = batch.unwrap_or(opts.batch);
                 opts.max_inflight = max_inflight.unwrap_or(opts.max_inflight);
                 cuda::run(&opts).map_err(|e| e.to_string())

@@ -58,14 +58,51 @@ pub struct CudaOpts {
     pub vram_mib: u64,
     /// The native CUDA baseline program to run alongside.
     pub baseline: Option<PathBuf>,
-    /// Only the fairness runs.
-    pub fairness_only: bool,
+    /// The sections to run (all when empty); the baseline program runs the same ones.
+    pub only: Vec<Section>,
     /// The front end's batching (see `CudaConfig::batch`, `max_inflight`).
     pub batch: u32,
     pub max_inflight: usize,
 }
 
+/// A part of the suite (`vgpu-bench cuda --only SECTION,…`; the native baseline program
+/// takes the same names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Section {
+    /// The six workloads natively and in the VM, and the front end's CPU under them.
+    Workloads,
+    /// Submission latency (guest store → kernel start).
+    Latency,
+    /// Back-to-back empty kernels.
+    B2b,
+    /// The front end's CPU right after work and idle.
+    FrontendCpu,
+    /// VRAM swap on vgpu itself (eviction, pause, swap-in).
+    Swap,
+    /// Two VMs' shares under `none` and `fair`, and weights 1:2:4.
+    Fairness,
+}
+
+impl Section {
+    /// The name the baseline program takes.
+    fn arg(self) -> &'static str {
+        match self {
+            Section::Workloads => "workloads",
+            Section::Latency => "latency",
+            Section::B2b => "b2b",
+            Section::FrontendCpu => "frontend-cpu",
+            Section::Swap => "swap",
+            Section::Fairness => "fairness",
+        }
+    }
+}
+
 impl CudaOpts {
+    /// Whether section `s` runs.
+    pub fn runs(&self, s: Section) -> bool {
+        self.only.is_empty() || self.only.contains(&s)
+    }
+
     pub fn full(index: u32) -> Self {
         CudaOpts {
             index,
@@ -77,7 +114,7 @@ impl CudaOpts {
             fairness_secs: 4.0,
             vram_mib: 8192,
             baseline: None,
-            fairness_only: false,
+            only: Vec::new(),
             batch: CudaConfig::default().batch,
             max_inflight: CudaConfig::default().max_inflight,
         }
@@ -290,116 +327,41 @@ fn run_on<D: CudaDeviceTrait>(
 ) -> Result<Vec<Figure>, CudaSuiteError> {
     let mut figs = Vec::new();
     let dyn_gpu: Arc<dyn Gpu> = gpu.clone();
-    if !opts.fairness_only {
+    let vm_sections = [Section::Workloads, Section::Latency, Section::B2b];
+    if vm_sections.iter().any(|&s| opts.runs(s)) {
         let rig = Rig::new(dyn_gpu.clone(), &["bench"], 768 << 20)?;
         let native = Device::native(dyn_gpu.clone())?;
         let guest = Device::loopback(rig.vms[0].clone(), 1000)?;
         let nctx = native.create_context()?;
         let gctx = guest.create_context()?;
-        let cpu0 = gpu.frontend_cpu_ns();
-        let wall0 = Instant::now();
-        for w in workloads(opts.small) {
-            let name = w.name();
-            let (mut n, mut g) = (Vec::new(), Vec::new());
-            // Every run verifies its result bit-exactly against the CPU reference.
-            w.run(&nctx)?;
-            w.run(&gctx)?;
-            for _ in 0..opts.reps {
-                n.push(w.run(&nctx)?.elapsed.as_secs_f64());
-                g.push(w.run(&gctx)?.elapsed.as_secs_f64());
-            }
-            let (n, g) = (min(&n), min(&g));
-            log::info!("{name}: native {:.3} ms, VM {:.3} ms", n * 1e3, g * 1e3);
+        if opts.runs(Section::Workloads) {
+            figs.extend(run_workloads(&gpu, &nctx, &gctx, opts)?);
+        }
+        if opts.runs(Section::Latency) {
+            figs.extend(latency(&nctx, &gctx, opts)?);
+        }
+        if opts.runs(Section::B2b) {
+            let rn = b2b_rate(&nctx, opts.b2b_kernels)?;
+            let rg = b2b_rate(&gctx, opts.b2b_kernels)?;
             figs.push(fig(
-                &format!("{name}_vgpu_native_ms"),
-                n * 1e3,
-                "ms",
-                Better::Lower,
-            ));
-            figs.push(fig(&format!("{name}_vm_ms"), g * 1e3, "ms", Better::Lower));
-            figs.push(
-                fig(
-                    &format!("{name}_vm_vs_vgpu_native"),
-                    g / n,
-                    "ratio",
-                    Better::Lower,
-                )
-                .target(1.03),
-            );
-            figs.push(fig(
-                &format!("{name}_verified_bit_exact"),
-                1.0,
-                "bool",
+                "b2b_empty_kernels_vgpu_native",
+                rn,
+                "kernels/s",
                 Better::Higher,
             ));
+            figs.push(fig("b2b_empty_kernels_vm", rg, "kernels/s", Better::Higher));
         }
-        let busy_cpu = (gpu.frontend_cpu_ns() - cpu0) as f64 / wall0.elapsed().as_nanos() as f64;
-        figs.push(fig(
-            "frontend_cpu_under_workloads",
-            busy_cpu * 100.0,
-            "% of a core",
-            Better::Lower,
-        ));
-        let n = submit_latency(&nctx, opts.latency_samples, Publish::Store)?;
-        let g = submit_latency(&gctx, opts.latency_samples, Publish::Store)?;
-        figs.push(fig(
-            "submit_to_kernel_start_p50_vgpu_native",
-            n.0,
-            "us",
-            Better::Lower,
-        ));
-        figs.push(fig(
-            "submit_to_kernel_start_p99_vgpu_native",
-            n.1,
-            "us",
-            Better::Lower,
-        ));
-        figs.push(fig(
-            "submit_to_kernel_start_p50_vm",
-            g.0,
-            "us",
-            Better::Lower,
-        ));
-        figs.push(fig(
-            "submit_to_kernel_start_p99_vm",
-            g.1,
-            "us",
-            Better::Lower,
-        ));
-        let rn = b2b_rate(&nctx, opts.b2b_kernels)?;
-        let rg = b2b_rate(&gctx, opts.b2b_kernels)?;
-        figs.push(fig(
-            "b2b_empty_kernels_vgpu_native",
-            rn,
-            "kernels/s",
-            Better::Higher,
-        ));
-        figs.push(fig("b2b_empty_kernels_vm", rg, "kernels/s", Better::Higher));
-        // Right after work the front end polls every 50 µs for a while (guests have no
-        // doorbell); then it backs off to near zero.
-        let cpu1 = gpu.frontend_cpu_ns();
-        let t = Instant::now();
-        std::thread::sleep(Duration::from_secs(1));
-        let warm = (gpu.frontend_cpu_ns() - cpu1) as f64 / t.elapsed().as_nanos() as f64;
-        figs.push(fig(
-            "frontend_cpu_warm_after_work",
-            warm * 100.0,
-            "% of a core",
-            Better::Lower,
-        ));
-        std::thread::sleep(Duration::from_nanos(CudaConfig::default().warm_ns));
-        let cpu1 = gpu.frontend_cpu_ns();
-        let t = Instant::now();
-        std::thread::sleep(Duration::from_secs(1));
-        let idle = (gpu.frontend_cpu_ns() - cpu1) as f64 / t.elapsed().as_nanos() as f64;
-        figs.push(fig(
-            "frontend_cpu_idle",
-            idle * 100.0,
-            "% of a core",
-            Better::Lower,
-        ));
+    }
+    if opts.runs(Section::FrontendCpu) {
+        figs.extend(frontend_cpu(&gpu));
+    }
+    if opts.runs(Section::Swap) {
         figs.extend(vram_swap(dyn_gpu.clone(), opts.small)?);
     }
+    if !opts.runs(Section::Fairness) {
+        return Ok(figs);
+    }
+
     for (policy, tag) in [(Policy::None, "none"), (Policy::Fair, "fair")] {
         let (a, b) = fairness(dyn_gpu.clone(), policy, opts.fairness_secs)?;
         figs.push(fig(
@@ -435,6 +397,126 @@ fn run_on<D: CudaDeviceTrait>(
         );
     }
     Ok(figs)
+}
+
+/// The six workloads natively and in the VM, and the front end's CPU under them.
+fn run_workloads<D: CudaDeviceTrait>(
+    gpu: &CudaGpuOf<D>,
+    nctx: &vgpu_guest::Context,
+    gctx: &vgpu_guest::Context,
+    opts: &CudaOpts,
+) -> Result<Vec<Figure>, CudaSuiteError> {
+    let mut figs = Vec::new();
+    let cpu0 = gpu.frontend_cpu_ns();
+    let wall0 = Instant::now();
+    for w in workloads(opts.small) {
+        let name = w.name();
+        let (mut n, mut g) = (Vec::new(), Vec::new());
+        // Every run verifies its result bit-exactly against the CPU reference.
+        w.run(nctx)?;
+        w.run(gctx)?;
+        for _ in 0..opts.reps {
+            n.push(w.run(nctx)?.elapsed.as_secs_f64());
+            g.push(w.run(gctx)?.elapsed.as_secs_f64());
+        }
+        let (n, g) = (min(&n), min(&g));
+        log::info!("{name}: native {:.3} ms, VM {:.3} ms", n * 1e3, g * 1e3);
+        figs.push(fig(
+            &format!("{name}_vgpu_native_ms"),
+            n * 1e3,
+            "ms",
+            Better::Lower,
+        ));
+        figs.push(fig(&format!("{name}_vm_ms"), g * 1e3, "ms", Better::Lower));
+        figs.push(
+            fig(
+                &format!("{name}_vm_vs_vgpu_native"),
+                g / n,
+                "ratio",
+                Better::Lower,
+            )
+            .target(1.03),
+        );
+        figs.push(fig(
+            &format!("{name}_verified_bit_exact"),
+            1.0,
+            "bool",
+            Better::Higher,
+        ));
+    }
+    let busy_cpu = (gpu.frontend_cpu_ns() - cpu0) as f64 / wall0.elapsed().as_nanos() as f64;
+    figs.push(fig(
+        "frontend_cpu_under_workloads",
+        busy_cpu * 100.0,
+        "% of a core",
+        Better::Lower,
+    ));
+    Ok(figs)
+}
+
+/// Submission latency (guest store → GPU clock at kernel start), native and in the VM.
+fn latency(
+    nctx: &vgpu_guest::Context,
+    gctx: &vgpu_guest::Context,
+    opts: &CudaOpts,
+) -> Result<Vec<Figure>, CudaSuiteError> {
+    let mut figs = Vec::new();
+    let n = submit_latency(nctx, opts.latency_samples, Publish::Store)?;
+    let g = submit_latency(gctx, opts.latency_samples, Publish::Store)?;
+    figs.push(fig(
+        "submit_to_kernel_start_p50_vgpu_native",
+        n.0,
+        "us",
+        Better::Lower,
+    ));
+    figs.push(fig(
+        "submit_to_kernel_start_p99_vgpu_native",
+        n.1,
+        "us",
+        Better::Lower,
+    ));
+    figs.push(fig(
+        "submit_to_kernel_start_p50_vm",
+        g.0,
+        "us",
+        Better::Lower,
+    ));
+    figs.push(fig(
+        "submit_to_kernel_start_p99_vm",
+        g.1,
+        "us",
+        Better::Lower,
+    ));
+    Ok(figs)
+}
+
+/// The front end's CPU right after work and once it has backed off.
+fn frontend_cpu<D: CudaDeviceTrait>(gpu: &CudaGpuOf<D>) -> Vec<Figure> {
+    let mut figs = Vec::new();
+    // Right after work the front end polls every 50 µs for a while (guests have no
+    // doorbell); then it backs off to near zero.
+    let cpu1 = gpu.frontend_cpu_ns();
+    let t = Instant::now();
+    std::thread::sleep(Duration::from_secs(1));
+    let warm = (gpu.frontend_cpu_ns() - cpu1) as f64 / t.elapsed().as_nanos() as f64;
+    figs.push(fig(
+        "frontend_cpu_warm_after_work",
+        warm * 100.0,
+        "% of a core",
+        Better::Lower,
+    ));
+    std::thread::sleep(Duration::from_nanos(CudaConfig::default().warm_ns));
+    let cpu1 = gpu.frontend_cpu_ns();
+    let t = Instant::now();
+    std::thread::sleep(Duration::from_secs(1));
+    let idle = (gpu.frontend_cpu_ns() - cpu1) as f64 / t.elapsed().as_nanos() as f64;
+    figs.push(fig(
+        "frontend_cpu_idle",
+        idle * 100.0,
+        "% of a core",
+        Better::Lower,
+    ));
+    figs
 }
 
 /// VRAM swapping on vgpu itself: a VM's buffers are written and computed on, then
@@ -592,10 +674,14 @@ fn vram_swap(gpu: Arc<dyn Gpu>, small: bool) -> Result<Vec<Figure>, CudaSuiteErr
 }
 
 /// Runs the native CUDA baseline program and turns its `name value unit` lines into figures.
-fn baseline(path: &PathBuf, small: bool) -> Result<Vec<Figure>, CudaSuiteError> {
+fn baseline(path: &PathBuf, opts: &CudaOpts) -> Result<Vec<Figure>, CudaSuiteError> {
     let mut cmd = Command::new(path);
-    if small {
+    if opts.small {
         cmd.arg("--quick");
+    }
+    if !opts.only.is_empty() {
+        let names: Vec<&str> = opts.only.iter().map(|s| s.arg()).collect();
+        cmd.arg("--only").arg(names.join(","));
     }
     let out = cmd
         .output()
@@ -673,6 +759,17 @@ fn ratios(figs: &[Figure]) -> Vec<Figure> {
         );
     }
     if let (Some(vm), Some(nat)) = (
+        get("vram_swap_in_gb_per_s"),
+        get("cuda_native_swap_plain_htod_64mib_gb_per_s"),
+    ) {
+        out.push(fig(
+            "vram_swap_in_vs_plain_htod_copy",
+            vm / nat,
+            "ratio",
+            Better::Higher,
+        ));
+    }
+    if let (Some(vm), Some(nat)) = (
         get("b2b_empty_kernels_vm"),
         get("cuda_native_b2b_empty_kernels_per_s"),
     ) {
@@ -697,8 +794,8 @@ pub fn run(opts: &CudaOpts) -> Result<Vec<Figure>, CudaSuiteError> {
             CudaGpu::open(opts.index, cfg).map_err(|e| CudaSuiteError::Open(e.to_string()))?;
         run_on(gpu, opts)?
     };
-    if let (Some(path), false) = (&opts.baseline, opts.fairness_only) {
-        figs.extend(baseline(path, opts.small)?);
+    if let Some(path) = &opts.baseline {
+        figs.extend(baseline(path, opts)?);
         let r = ratios(&figs);
         figs.extend(r);
     }

@@ -55,6 +55,9 @@ pub struct CudaChannel<D: Device> {
     pub copies: AtomicU64,
     error: Mutex<Option<(ErrorCode, u64)>>,
     pub stopped: AtomicBool,
+    /// CLOCK_MONOTONIC ns when the front end last issued an entry of this channel (0:
+    /// never); see [`CudaChannel::recently_active`].
+    pub last_issue_ns: AtomicU64,
 }
 
 impl<D: Device> CudaChannel<D> {
@@ -91,6 +94,7 @@ impl<D: Device> CudaChannel<D> {
             copies: AtomicU64::new(0),
             error: Mutex::new(None),
             stopped: AtomicBool::new(false),
+            last_issue_ns: AtomicU64::new(0),
         }
     }
 

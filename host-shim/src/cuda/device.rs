@@ -39,6 +39,37 @@ pub trait Device: Send + Sync + 'static {
         src: *const u8,
         len: usize,
     ) -> Result<(), DeviceError>;
+    /// Several [`Device::copy_to_host`]s, `(dst, src, len)` each, queued together; returns
+    /// when all have arrived (also on an error: nothing is left in flight). The default
+    /// copies one after the other.
+    ///
+    /// # Safety
+    /// As [`Device::copy_to_host`], for every copy.
+    unsafe fn copy_to_host_many(
+        &self,
+        copies: &[(*mut u8, u64, usize)],
+    ) -> Result<(), DeviceError> {
+        for &(dst, src, len) in copies {
+            // SAFETY: the caller's contract, copy by copy.
+            unsafe { self.copy_to_host(dst, src, len) }?;
+        }
+        Ok(())
+    }
+    /// Several [`Device::copy_from_host`]s, `(dst, src, len)` each, as
+    /// [`Device::copy_to_host_many`].
+    ///
+    /// # Safety
+    /// As [`Device::copy_from_host`], for every copy.
+    unsafe fn copy_from_host_many(
+        &self,
+        copies: &[(u64, *const u8, usize)],
+    ) -> Result<(), DeviceError> {
+        for &(dst, src, len) in copies {
+            // SAFETY: the caller's contract, copy by copy.
+            unsafe { self.copy_from_host(dst, src, len) }?;
+        }
+        Ok(())
+    }
     /// Sets `len` bytes of device memory at `dst` to zero; returns when done.
     fn zero_device(&self, dst: u64, len: usize) -> Result<(), DeviceError>;
 

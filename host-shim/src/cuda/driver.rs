@@ -230,7 +230,20 @@ impl CudaDevice {
     fn on_copy_stream(
         &self,
         call: &'static str,
-        f: impl FnOnce(sys::CUstream) -> sys::CUresult,
+        mut f: impl FnMut(sys::CUstream) -> sys::CUresult,
+    ) -> Result<(), DeviceError> {
+        self.on_copy_stream_n(call, 1, |_, s| f(s))
+    }
+
+    /// Queues `f(0..n)` on the host-copy stream (stopping at the first failure) and waits
+    /// once for all of it: the copy engine goes from one copy to the next without a round
+    /// trip through the host. Everything queued has completed when this returns, error or
+    /// not, so no copy is left writing into memory its caller may reuse.
+    fn on_copy_stream_n(
+        &self,
+        call: &'static str,
+        n: usize,
+        mut f: impl FnMut(usize, sys::CUstream) -> sys::CUresult,
     ) -> Result<(), DeviceError> {
         self.current()?;
         let mut guard = self.host_copies.lock().unwrap_or_else(|e| e.into_inner());
@@ -243,11 +256,12 @@ impl CudaDevice {
                 code: "no copy stream".into(),
             });
         };
-        check(call, f(s.0))?;
+        let queued = (0..n).try_for_each(|i| check(call, f(i, s.0)));
         // SAFETY: `s` is a live stream.
-        check("cuStreamSynchronize", unsafe {
+        let synced = check("cuStreamSynchronize", unsafe {
             sys::cuStreamSynchronize(s.0)
-        })
+        });
+        queued.and(synced)
     }
 
     /// Measures %globaltimer − CLOCK_MONOTONIC from the tightest of several round trips.
@@ -513,6 +527,30 @@ impl Device for CudaDevice {
         // SAFETY: as in `copy_to_host`, the other way round.
         self.on_copy_stream("cuMemcpyHtoDAsync", |s| unsafe {
             sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, len, s)
+        })
+    }
+
+    unsafe fn copy_to_host_many(
+        &self,
+        copies: &[(*mut u8, u64, usize)],
+    ) -> Result<(), DeviceError> {
+        self.on_copy_stream_n("cuMemcpyDtoHAsync", copies.len(), |i, s| {
+            let (dst, src, len) = copies[i];
+            // SAFETY: as in `copy_to_host`, for each copy; all are complete when
+            // `on_copy_stream_n` returns.
+            unsafe { sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, len, s) }
+        })
+    }
+
+    unsafe fn copy_from_host_many(
+        &self,
+        copies: &[(u64, *const u8, usize)],
+    ) -> Result<(), DeviceError> {
+        self.on_copy_stream_n("cuMemcpyHtoDAsync", copies.len(), |i, s| {
+            let (dst, src, len) = copies[i];
+            // SAFETY: as in `copy_from_host`, for each copy; all are complete when
+            // `on_copy_stream_n` returns.
+            unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, len, s) }
         })
     }
 

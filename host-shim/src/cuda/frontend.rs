@@ -153,7 +153,12 @@ impl<D: Device> CudaChannel<D> {
         }
         let mut progress = self.retire(dev, tl);
         match self.issue_new(dev, mem, old_scratch, limits) {
-            Ok(p) => progress |= p,
+            Ok(p) => {
+                if p {
+                    self.last_issue_ns.store(now_ns(), Ordering::Relaxed);
+                }
+                progress |= p
+            }
             Err((code, info)) => {
                 self.fault(code, info);
                 progress = true;
@@ -362,6 +367,13 @@ impl<D: Device> CudaChannel<D> {
         decode_all(&words).map_err(|e| (ErrorCode::BadMethod, entry.pb_va + e.offset() as u64 * 4))
     }
 
+    /// Whether the channel has work on the GPU or had an entry issued in the last
+    /// `window_ns` (a stager or an idle application's channel that merely exists is not).
+    pub fn recently_active(&self, now: u64, window_ns: u64) -> bool {
+        now.saturating_sub(self.last_issue_ns.load(Ordering::Relaxed)) < window_ns
+            || !self.lock().inflight.is_empty()
+    }
+
     /// Whether every entry issued so far has completed on the GPU.
     pub fn drained(&self, dev: &D) -> bool {
         let st = self.lock();
@@ -390,12 +402,21 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
             seen_gen = gen;
         }
         let mut progress = false;
-        // Batch completion marks only while a single channel exists: with several, a
-        // batch's span includes other channels' kernels interleaved with it and blurs the
-        // busy time the scheduler charges (measured on the H200: the fair policy's 10 ms
-        // vs 1 ms split went from 50/50 to 85/15 with batches of 32, even when limited to
-        // sweeps with one busy channel; docs/bench-logs/cuda-fairness-batching-*.txt).
-        let batch_limit = if chans.len() > 1 {
+        // Batch completion marks only while a single channel is active (work on the GPU,
+        // or an entry issued within `batch_quiet_ns`): with several, a batch's span
+        // includes other channels' kernels interleaved with it and blurs the busy time the
+        // scheduler charges (measured on the H200: the fair policy's 10 ms vs 1 ms split
+        // went from 50/50 to 85/15 with batches of 32, even when limited to sweeps with
+        // one busy channel; docs/bench-logs/cuda-fairness-batching-*.txt). Channels that
+        // merely exist (a context's stager between copies, an idle application's) do not
+        // stop it; one that wakes up blurs at most the batches already in flight.
+        let now = now_ns();
+        let quiet = shared.cfg.batch_quiet_ns;
+        let active = chans
+            .iter()
+            .filter(|c| c.recently_active(now, quiet))
+            .count();
+        let batch_limit = if active > 1 {
             1
         } else {
             shared.cfg.batch.max(1)

@@ -102,6 +102,23 @@ impl HostRegistry {
             .filter(|&end| end > addr)
     }
 
+    /// How many bytes of `addr..addr+len` lie in registered pieces.
+    pub fn registered_bytes(&self, addr: usize, len: usize) -> usize {
+        let end = addr.saturating_add(len);
+        let first = self
+            .pieces
+            .range(..=addr)
+            .next_back()
+            .map(|(&s, _)| s)
+            .unwrap_or(addr);
+        self.pieces
+            .range(first..end)
+            .map(|(&s, p)| (s.max(addr), (s + p.len).min(end)))
+            .filter(|(a, b)| b > a)
+            .map(|(a, b)| b - a)
+            .sum()
+    }
+
     /// Registered pieces (leak checks).
     pub fn pieces(&self) -> usize {
         self.pieces.len()

@@ -70,9 +70,13 @@ pub struct CudaConfig {
     pub warm_max_sleep_ns: u64,
     /// How long `invalidate_tlb`/`destroy_context` wait for a context's GPU work.
     pub drain_timeout: Duration,
-    /// Most GP entries sharing one completion mark while the GPU has a single channel
-    /// (with several, every entry gets its own mark, so busy time stays exact per entry).
+    /// Most GP entries sharing one completion mark while the GPU has a single active
+    /// channel (with several, every entry gets its own mark, so busy time stays exact per
+    /// entry).
     pub batch: u32,
+    /// A channel with nothing on the GPU and no entry issued for this long does not count
+    /// as active for batching.
+    pub batch_quiet_ns: u64,
     /// Most completion marks one channel may have on its stream at once.
     pub max_inflight: usize,
 }
@@ -90,6 +94,7 @@ impl Default for CudaConfig {
             warm_max_sleep_ns: 50_000,
             drain_timeout: Duration::from_secs(10),
             batch: 32,
+            batch_quiet_ns: 100_000_000,
             max_inflight: 64,
         }
     }
@@ -471,6 +476,25 @@ impl<D: Device> CudaGpuOf<D> {
             });
     }
 
+    /// Logs a batched host copy: its size, rate, and how much of its host memory was
+    /// registered with the driver (the rest went through the driver's staging).
+    fn log_batch(&self, what: &str, host: &[(usize, usize)], t: Instant) {
+        let ns = t.elapsed().as_nanos().max(1) as f64;
+        let bytes: usize = host.iter().map(|h| h.1).sum();
+        let reg = self
+            .shared
+            .hostreg
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let pinned: usize = host.iter().map(|&(p, n)| reg.registered_bytes(p, n)).sum();
+        log::debug!(
+            "cuda: batched VRAM {what} of {} copies, {bytes} bytes ({pinned} registered) in {:.1} us: {:.1} GB/s",
+            host.len(),
+            ns / 1e3,
+            bytes as f64 / ns
+        );
+    }
+
     /// Records a registered system-memory mapping.
     fn note_sysram(&self, ctx: ContextId, va: u64, size: u64) {
         if let Some(c) = self.lock_contexts().get_mut(&ctx) {
@@ -597,6 +621,32 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
 
     fn vram_write(&self, offset: u64, buf: &[u8]) -> Result<()> {
         self.shared.vram.write(&*self.shared.dev, offset, buf)
+    }
+
+    fn vram_read_many(&self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        let t = Instant::now();
+        self.shared.vram.read_many(&*self.shared.dev, reads)?;
+        if log::log_enabled!(log::Level::Debug) {
+            let host: Vec<(usize, usize)> = reads
+                .iter()
+                .map(|(_, b)| (b.as_ptr() as usize, b.len()))
+                .collect();
+            self.log_batch("read", &host, t);
+        }
+        Ok(())
+    }
+
+    fn vram_write_many(&self, writes: &[(u64, &[u8])]) -> Result<()> {
+        let t = Instant::now();
+        self.shared.vram.write_many(&*self.shared.dev, writes)?;
+        if log::log_enabled!(log::Level::Debug) {
+            let host: Vec<(usize, usize)> = writes
+                .iter()
+                .map(|(_, b)| (b.as_ptr() as usize, b.len()))
+                .collect();
+            self.log_batch("write", &host, t);
+        }
+        Ok(())
     }
 
     fn map(

@@ -80,6 +80,39 @@ impl DeviceVram {
         Ok(())
     }
 
+    /// Copies VRAM at each `offset` into its buffer: all copies queued at once, one wait.
+    pub(crate) fn read_many<D: Device>(
+        &self,
+        dev: &D,
+        reads: &mut [(u64, &mut [u8])],
+    ) -> Result<()> {
+        let mut copies = Vec::with_capacity(reads.len());
+        for (offset, buf) in reads.iter_mut() {
+            let src = self.range(*offset, buf.len())?;
+            for (i, piece) in buf.chunks_mut(PIECE).enumerate() {
+                copies.push((piece.as_mut_ptr(), src + (i * PIECE) as u64, piece.len()));
+            }
+        }
+        // SAFETY: every destination is a piece of a live mutable slice the caller lent us
+        // until we return (distinct slices, so no two copies write the same bytes); every
+        // source range lies in this block (checked by `range`).
+        unsafe { dev.copy_to_host_many(&copies) }.map_err(dev_err)
+    }
+
+    /// Copies each buffer into VRAM at its `offset`: all copies queued at once, one wait.
+    pub(crate) fn write_many<D: Device>(&self, dev: &D, writes: &[(u64, &[u8])]) -> Result<()> {
+        let mut copies = Vec::with_capacity(writes.len());
+        for (offset, buf) in writes {
+            let dst = self.range(*offset, buf.len())?;
+            for (i, piece) in buf.chunks(PIECE).enumerate() {
+                copies.push((dst + (i * PIECE) as u64, piece.as_ptr(), piece.len()));
+            }
+        }
+        // SAFETY: every source is a piece of a live slice borrowed until we return; every
+        // destination range lies in this block (checked by `range`).
+        unsafe { dev.copy_from_host_many(&copies) }.map_err(dev_err)
+    }
+
     /// Zeroes `len` bytes at `offset` (fresh allocations never show a former tenant's data).
     pub(crate) fn zero<D: Device>(&self, dev: &D, offset: u64, len: u64) -> Result<()> {
         let n = usize::try_from(len).map_err(|_| HalError::InvalidArgument("VRAM range"))?;

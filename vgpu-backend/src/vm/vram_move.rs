@@ -36,12 +36,18 @@ use log::{debug, error, warn};
 use crate::shadow::Holder;
 use crate::shmem::ShmMapper;
 use crate::vm::session::{MappingTarget, Session};
-use crate::vram::backing::{Loc, ObjBacking, RunTarget};
+use crate::vram::backing::{Loc, ObjBacking};
 use crate::vram::handle::Dir;
 use crate::vram::stats::MoveReport;
 use crate::vram::store::SWAP_BASE;
 use crate::vram::MoveError;
 use crate::VmState;
+
+#[cfg(test)]
+mod batch_tests;
+mod copy;
+
+use copy::{CopyJob, StepTimes};
 
 /// A move between its preparation and its copy ([`Session::prepare_move`]).
 pub(crate) struct MovePlan {
@@ -284,8 +290,10 @@ impl Session {
         Ok(Some(plan))
     }
 
-    /// Tells the GPU, before any channel is paused, where chunks `todo` of object `mem`
-    /// will go in the swap store (a GPU may pin that memory now rather than in the pause).
+    /// Gets the swap pages of chunks `todo` of object `mem` ready before any channel is
+    /// paused: faults them in (an eviction's copy would otherwise fault inside the pause)
+    /// and tells the GPU where the chunks will go (a GPU may pin that memory now rather
+    /// than in the pause), one hint per run of adjacent chunks.
     fn hint_swap_ranges(&self, ctx: u32, mem: u32, todo: &[usize]) -> Vec<(u64, u64)> {
         let (Some(hctx), Some(b)) = (
             self.hal.contexts.get(&ctx).map(|(h, _)| *h),
@@ -296,12 +304,22 @@ impl Session {
         let Some(region) = b.swap_region else {
             return Vec::new();
         };
-        let mut hints = Vec::new();
+        let mut runs: Vec<(u64, u64)> = Vec::new();
         for &i in todo {
             let Some(c) = b.chunks.get(i) else { continue };
+            if let Some(store) = &self.swap.store {
+                store.populate(region + c.off, c.len);
+            }
             let addr = SWAP_BASE + region + c.off;
-            match self.gpu.prepare_sysram_hint(hctx, addr, c.len) {
-                Ok(()) => hints.push((addr, c.len)),
+            match runs.last_mut() {
+                Some((a, len)) if *a + *len == addr => *len += c.len,
+                _ => runs.push((addr, c.len)),
+            }
+        }
+        let mut hints = Vec::new();
+        for (addr, len) in runs {
+            match self.gpu.prepare_sysram_hint(hctx, addr, len) {
+                Ok(()) => hints.push((addr, len)),
                 // Only a hint: the remap registers what it needs anyway.
                 Err(e) => debug!("VRAM manager: swap hint for object {mem}: {e}"),
             }
@@ -420,112 +438,37 @@ impl Session {
         let tc = Instant::now();
         let mut moved: Vec<(usize, Loc)> = Vec::new();
         let mut failed = None;
-        for (k, &i) in todo.iter().enumerate() {
-            let c = b.chunks[i];
-            if !matches!(
-                (dir, c.loc),
-                (Dir::Out, Loc::Vram(_)) | (Dir::In, Loc::Swap)
-            ) {
-                continue;
-            }
-            let swap_off = region + c.off;
-            let Some(ptr) = store.ptr(swap_off, c.len) else {
-                failed = Some(MoveError::NoSwap);
-                break;
-            };
-            // From here the guest's CPU stores into this chunk wait (see the module doc).
-            // One chunk at a time, so a store waits for one chunk's copy, not the batch's.
-            if let Some(ap) = aperture {
-                if let Err(e) = self.map_chunk_view(ap, &b, i, false, shm) {
-                    // A failed map may have left a hole where the old view was.
-                    self.unprotect(ap, mem, &b, i, shm);
-                    failed = Some(MoveError::Aperture(e));
-                    break;
-                }
-            }
-            let len = c.len as usize;
-            let copied = match (dir, c.loc) {
-                (Dir::Out, Loc::Vram(o)) => {
-                    store.populate(swap_off, c.len);
-                    // SAFETY: `ptr..ptr+len` lies in the swap store's mapping (checked by
-                    // `ptr`); no GPU mapping and no guest view leads there while the chunk
-                    // is resident, and the session lock excludes other movers.
-                    let dst = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
-                    self.gpu
-                        .vram_read(o, dst)
-                        .map(|()| (Loc::Swap, RunTarget::Swap(swap_off)))
-                }
-                _ => {
-                    let o = new_vram[k].1;
-                    // SAFETY: as above; the channels that could write the swap copy are
-                    // paused and the guest's view of it is read-only, so it does not change
-                    // while we read it.
-                    let src = unsafe { std::slice::from_raw_parts(ptr, len) };
-                    self.gpu
-                        .vram_write(o, src)
-                        .map(|()| (Loc::Vram(o), RunTarget::Vram(o)))
-                }
-            };
-            let (new_loc, new_target) = match copied {
-                Ok(v) => v,
-                Err(e) => {
-                    if let Some(ap) = aperture {
-                        self.unprotect(ap, mem, &b, i, shm);
-                    }
-                    failed = Some(MoveError::Hal(e.to_string()));
-                    break;
-                }
-            };
-            let mut ok = true;
-            for &va in &vas {
-                if let Err(e) = self
-                    .gpu
-                    .remap(hctx, va + c.off, c.len, new_target.map_target())
-                {
-                    warn!("VRAM manager: remap ctx {ctx} va {:#x}: {e}", va + c.off);
-                    ok = false;
-                }
-            }
-            // The guest's view follows to the new copy, where its waiting stores go on.
-            let view = match (ok, aperture) {
-                (false, _) => Err(MoveError::Hal("remap".into())),
-                (true, Some(ap)) => self
-                    .cpu_range(new_target, c.len)
-                    .map_err(|e| e.to_string())
-                    .and_then(|(fd, off)| {
-                        shm.map(ap + c.off, fd, off, c.len, true)
-                            .map_err(|e| e.to_string())
-                    })
-                    .map_err(|e| {
-                        warn!("VRAM manager: aperture remap of object {mem}: {e}");
-                        MoveError::Aperture(e)
-                    }),
-                (true, None) => Ok(()),
-            };
-            if let Err(e) = view {
-                // Put every mapping back on the old backing, which is still intact (the
-                // channels are paused and the guest's stores were held), and the view too.
-                if let Some(old) = b.chunk_target(&c) {
-                    for &va in &vas {
-                        let _ = self.gpu.remap(hctx, va + c.off, c.len, old.map_target());
-                    }
-                }
-                if let Some(ap) = aperture {
-                    self.unprotect(ap, mem, &b, i, shm);
-                }
-                // (New VRAM of a swap-in is freed below: it is not in `done`.)
+        let job = CopyJob {
+            mem,
+            ctx,
+            hctx,
+            dir,
+            b: &b,
+            todo: &todo,
+            new_vram: &new_vram,
+            region,
+            store: &store,
+            aperture,
+            vas: &vas,
+        };
+        let ks: Vec<usize> = (0..todo.len()).collect();
+        let mut times = StepTimes::default();
+        for group in ks.chunks(job.group()) {
+            if let Err(e) = self.copy_group(&job, group, shm, &mut moved, &mut times) {
                 failed = Some(e);
                 break;
             }
-            moved.push((i, new_loc));
         }
         // New translations become visible; no engine uses the old ones after this.
+        let ti = Instant::now();
         if !vas.is_empty() {
             if let Err(e) = self.gpu.invalidate_tlb(hctx) {
                 warn!("VRAM manager: invalidate ctx {ctx}: {e}");
             }
         }
+        let invalidate_ns = ns(ti);
         // Then the old backing goes.
+        let tf = Instant::now();
         let mut done = Vec::new();
         for (i, new_loc) in moved {
             let c = b.chunks[i];
@@ -557,6 +500,17 @@ impl Session {
             }
         }
         report.copy_ns = ns(tc);
+        debug!(
+            "VRAM manager: moved {} chunks ({dir:?}, {} bytes) of object {mem}: drain {} us, protect {} us, copy {} us, retarget {} us, invalidate {} us, free {} us",
+            report.chunks,
+            report.bytes,
+            drain_ns / 1000,
+            times.protect / 1000,
+            times.copy / 1000,
+            times.retarget / 1000,
+            invalidate_ns / 1000,
+            ns(tf) / 1000,
+        );
         if held {
             self.release_context(ctx, shm);
         }
