@@ -3,15 +3,19 @@
 //! calls), the scheduler (counters), the VRAM manager (copies), the API and the main
 //! thread (teardown) all call the driver, and the driver starts threads of its own.
 //!
-//! Not verified on a GPU: this machine has none. It is the set such drivers are known to
-//! use — ioctls and mmaps on `/dev/nvidia*` (request numbers are the driver's private
-//! ABI, so not filtered), opening device nodes and `/proc` files, executable mappings of
-//! the libraries it loads and of JIT-compiled code, NUMA policy, and its own threads.
-//! Run `--gpu cuda --seccomp log` on the GPU machine and read the kernel log
-//! (`dmesg | grep 'type=1326'`) for anything missing before relying on `kill` there.
+//! It is the set such drivers are known to use — ioctls and mmaps on `/dev/nvidia*`
+//! (request numbers are the driver's private ABI, so not filtered), opening device nodes
+//! and `/proc` files, executable mappings of the libraries it loads and of JIT-compiled
+//! code, NUMA policy, and its own threads — plus what `--seccomp log` on the H100 (driver
+//! 580) showed the driver also calls at start: `prlimit64`, `dup`, `symlink`, `fcntl` and
+//! `getcwd`
+//! (2026-11-24; without them `kill` ended the daemon with SIGSYS before the GPU opened).
+//! Verified there: start, the control API, and SIGTERM in `kill` mode; guest work
+//! through the daemon on the GPU is not yet (run `--seccomp log` and read
+//! `dmesg | grep 'type=1326'` when adding a path).
 
 use vgpu_sandbox::blocks::{events, socket_io, unix_connect};
-use vgpu_sandbox::Rules;
+use vgpu_sandbox::{Arg, Rules};
 
 pub fn driver() -> Rules {
     Rules::new()
@@ -60,7 +64,17 @@ pub fn driver() -> Rules {
             libc::SYS_readlink,
             #[cfg(target_arch = "x86_64")]
             libc::SYS_access,
+            // Seen on the H100 (driver 580) in log mode (prlimit64 below).
+            libc::SYS_fcntl,
+            libc::SYS_getcwd,
+            libc::SYS_dup,
+            libc::SYS_dup3,
+            #[cfg(target_arch = "x86_64")]
+            libc::SYS_symlink,
+            libc::SYS_symlinkat,
         ])
+        // Its own limits only (pid 0).
+        .allow_if(libc::SYS_prlimit64, vec![Arg::eq32(0, 0)])
         .union(&events())
         .union(&socket_io())
         .union(&unix_connect())
