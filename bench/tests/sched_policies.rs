@@ -15,6 +15,16 @@ use vgpu_protocol::request::event;
 use vgpu_protocol::ErrorCode;
 
 const MS: u64 = 1_000_000;
+
+/// The tests of this file measure shares of GPU time over wall-clock windows; run side by
+/// side on a 2-core machine they starve each other's guest threads (`sampling` measured
+/// 16–17 % instead of 50 % in 2 of 4 runs of the whole file, on the scheduler before and
+/// after issue 15's changes alike). Each takes this lock for its whole run.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
 const WARMUP: Duration = Duration::from_millis(400);
 const WINDOW: Duration = Duration::from_millis(1500);
 
@@ -51,6 +61,7 @@ fn assert_near(what: &str, got: f64, want: f64, tol: f64) {
 
 #[test]
 fn two_levels_and_an_idle_sibling_s_share_goes_to_the_others() {
+    let _serial = serial();
     let _ = env_logger::builder().is_test(true).try_init();
     let rig = SchedRig::new("t-levels", &["a", "b"], false).expect("rig");
     let be = &rig.backend;
@@ -107,6 +118,7 @@ fn two_levels_and_an_idle_sibling_s_share_goes_to_the_others() {
 
 #[test]
 fn vm_weights_hold_and_process_hints_never_raise_a_vm_s_share() {
+    let _serial = serial();
     let rig = SchedRig::new("t-weights", &["a", "b"], false).expect("rig");
     let be = &rig.backend;
     be.set_vm_weight("a", 100).unwrap();
@@ -147,6 +159,7 @@ fn vm_weights_hold_and_process_hints_never_raise_a_vm_s_share() {
 
 #[test]
 fn timeslice_and_sampling_share_the_gpu() {
+    let _serial = serial();
     let (short, long) = (200_000, 2 * MS);
     {
         let rig = SchedRig::new("t-slice", &["a", "b"], false).expect("rig");
@@ -202,6 +215,7 @@ fn timeslice_and_sampling_share_the_gpu() {
 
 #[test]
 fn watchdog_kills_a_runaway_kernel_and_spares_everyone_else() {
+    let _serial = serial();
     let _ = env_logger::builder().is_test(true).try_init();
     let rig = SchedRig::new("t-watchdog", &["a", "b"], false).expect("rig");
     let be = &rig.backend;
