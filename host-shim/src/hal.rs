@@ -45,6 +45,30 @@ pub struct ChannelConfig {
     pub gp_entries: u32,
 }
 
+impl ChannelConfig {
+    /// The ring every GPU accepts: a valid size, entry-aligned, inside the address space.
+    pub fn check(&self) -> Result<()> {
+        use vgpu_protocol::gp::{GPU_VA_LIMIT, GP_ENTRY_SIZE};
+        if !vgpu_protocol::channel::valid_gp_entries(self.gp_entries) {
+            return Err(HalError::InvalidArgument(
+                "GP ring size must be a power of two in 2..=65536",
+            ));
+        }
+        let ring_bytes = self.gp_entries as u64 * GP_ENTRY_SIZE as u64;
+        if !self.gp_ring_va.is_multiple_of(GP_ENTRY_SIZE as u64)
+            || self
+                .gp_ring_va
+                .checked_add(ring_bytes)
+                .is_none_or(|e| e > GPU_VA_LIMIT)
+        {
+            return Err(HalError::InvalidArgument(
+                "GP ring misaligned or outside the address space",
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Where a re-created channel resumes (live migration): its ring position and the fields
 /// the GPU writes into its control page, as the source GPU left them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

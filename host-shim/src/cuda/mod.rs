@@ -33,8 +33,6 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
-use vgpu_protocol::channel::valid_gp_entries;
-use vgpu_protocol::gp::{GPU_VA_LIMIT, GP_ENTRY_SIZE};
 use vgpu_protocol::ErrorCode;
 
 use self::channel::CudaChannel;
@@ -358,22 +356,7 @@ impl<D: Device> CudaGpuOf<D> {
         sink: Arc<dyn EventSink>,
         at: Option<ChannelResume>,
     ) -> Result<ChannelId> {
-        if !valid_gp_entries(cfg.gp_entries) {
-            return Err(HalError::InvalidArgument(
-                "GP ring size must be a power of two in 2..=65536",
-            ));
-        }
-        let ring_bytes = cfg.gp_entries as u64 * GP_ENTRY_SIZE as u64;
-        if !cfg.gp_ring_va.is_multiple_of(GP_ENTRY_SIZE as u64)
-            || cfg
-                .gp_ring_va
-                .checked_add(ring_bytes)
-                .is_none_or(|e| e > GPU_VA_LIMIT)
-        {
-            return Err(HalError::InvalidArgument(
-                "GP ring misaligned or outside the address space",
-            ));
-        }
+        cfg.check()?;
         let space = self.space(ctx)?;
         let stream = self.shared.dev.create_stream().map_err(os_err)?;
         let slot = self.pages.take().ok_or(HalError::TooMany("channels"))?;

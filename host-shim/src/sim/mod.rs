@@ -14,8 +14,6 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::thread::{JoinHandle, Thread};
 
-use vgpu_protocol::channel::valid_gp_entries;
-use vgpu_protocol::gp::{GPU_VA_LIMIT, GP_ENTRY_SIZE};
 use vgpu_protocol::ErrorCode;
 
 use self::channel::SimChannel;
@@ -489,22 +487,7 @@ impl SimGpu {
         sink: Arc<dyn EventSink>,
         at: Option<ChannelResume>,
     ) -> Result<ChannelId> {
-        if !valid_gp_entries(cfg.gp_entries) {
-            return Err(HalError::InvalidArgument(
-                "GP ring size must be a power of two in 2..=65536",
-            ));
-        }
-        let ring_bytes = cfg.gp_entries as u64 * GP_ENTRY_SIZE as u64;
-        if !cfg.gp_ring_va.is_multiple_of(GP_ENTRY_SIZE as u64)
-            || cfg
-                .gp_ring_va
-                .checked_add(ring_bytes)
-                .is_none_or(|e| e > GPU_VA_LIMIT)
-        {
-            return Err(HalError::InvalidArgument(
-                "GP ring misaligned or outside the address space",
-            ));
-        }
+        cfg.check()?;
         let owner = self
             .read_contexts()
             .get(&ctx)
