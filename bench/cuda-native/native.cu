@@ -79,6 +79,8 @@ static double best(int reps, double (*f)(Mem&, bool), Mem& m, bool quick) {
 }
 
 static cudaStream_t S;
+// --large: the issue's realistic sizes (saxpy 2^28, sgemm 4096^3, stencil 8192^2).
+static bool g_large = false;
 
 static double w_throttle(Mem&, bool quick) {
     int n = quick ? 32 : 200;
@@ -91,7 +93,7 @@ static double w_throttle(Mem&, bool quick) {
 }
 
 static double w_saxpy(Mem& m, bool quick) {
-    u64 n = quick ? 4099 : (1ull << 24);
+    u64 n = quick ? 4099 : g_large ? (1ull << 28) : (1ull << 24);
     int it = quick ? 8 : 50;
     float *x = (float*)m.alloc(n * 4), *y = (float*)m.alloc(n * 4);
     u64 t0 = now_ns();
@@ -103,7 +105,8 @@ static double w_saxpy(Mem& m, bool quick) {
 }
 
 static double w_sgemm(Mem& m, bool quick) {
-    unsigned M = quick ? 33 : 1024, N = quick ? 17 : 1024, K = quick ? 29 : 1024;
+    unsigned big = g_large ? 4096 : 1024;
+    unsigned M = quick ? 33 : big, N = quick ? 17 : big, K = quick ? 29 : big;
     int it = quick ? 3 : 2;
     float *a = (float*)m.alloc((size_t)M * K * 4), *b = (float*)m.alloc((size_t)K * N * 4),
           *c = (float*)m.alloc((size_t)M * N * 4);
@@ -117,7 +120,8 @@ static double w_sgemm(Mem& m, bool quick) {
 }
 
 static double w_hotspot(Mem& m, bool quick) {
-    unsigned W = quick ? 37 : 4096, H = quick ? 23 : 4096;
+    unsigned side = g_large ? 8192 : 4096;
+    unsigned W = quick ? 37 : side, H = quick ? 23 : side;
     int it = quick ? 9 : 20;
     float* buf[2] = {(float*)m.alloc((size_t)W * H * 4), (float*)m.alloc((size_t)W * H * 4)};
     dim3 grid((W + 31) / 32, (H + 7) / 8), blk(32, 8);
@@ -439,6 +443,7 @@ int main(int argc, char** argv) {
     bool quick = false;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick")) quick = true;
+        else if (!strcmp(argv[i], "--large")) g_large = true;
         else if (!strcmp(argv[i], "--only") && i + 1 < argc) g_only = argv[++i];
     }
     // Before this process touches CUDA: children initialise their own.
@@ -453,7 +458,8 @@ int main(int argc, char** argv) {
     };
     for (auto& w : ws) {
         if (!runs("workloads")) break;
-        for (int pinned = 0; pinned < 2; pinned++) {
+        // At the large sizes only device memory (pinned host memory is the old layout).
+        for (int pinned = 0; pinned < (g_large ? 1 : 2); pinned++) {
             Mem m{pinned == 1};
             printf("%s_%s_ms %.3f ms\n", w.name, pinned ? "pinned" : "device", best(reps, w.f, m, quick));
             fflush(stdout);

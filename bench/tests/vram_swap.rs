@@ -12,7 +12,7 @@ use vgpu_guest::{Buffer, Channel, Context, Device, KernelArgs};
 use vgpu_host_shim::kernels::reference;
 use vgpu_host_shim::Gpu;
 use vgpu_protocol::ErrorCode;
-use vgpu_test_support::Host;
+use vgpu_test_support::{gpu_from_env, Host};
 use vgpu_vmm::loopback::LoopbackVm;
 
 const MIB: u64 = 1 << 20;
@@ -259,11 +259,18 @@ fn guest_process(vm: Arc<LoopbackVm>, pid: u32, budget: u64, stop: Arc<AtomicBoo
 /// the manager rebalances, a chaos thread forces evictions of random VMs and the fair
 /// scheduler shadows over-users meanwhile.
 /// Bounded in time (`VGPU_SWAP_SECS`, default 20 s; stops early once
-/// `VGPU_SWAP_EVICTIONS` chunk evictions happened, default 10,000).
+/// `VGPU_SWAP_EVICTIONS` chunk evictions happened, default 10,000). On the GPU that
+/// `VGPU_TEST_GPU` names (default the sim).
 #[test]
 fn three_vms_at_quarter_vram_lose_nothing() {
     let vram = 48 * MIB;
-    let host = start_host("stress", vram, limits(32 * MIB, 64 * MIB), &["a", "b", "c"]);
+    // `VGPU_TEST_GPU=cuda` runs the same stress on a real GPU (docs/testing.md).
+    let host = Host::on_gpu(
+        "swap-stress",
+        gpu_from_env(vram),
+        limits(32 * MIB, 64 * MIB),
+        &["a", "b", "c"],
+    );
     host.backend
         .set_vram_config(VramConfig {
             period_ms: 5,

@@ -1,7 +1,8 @@
 //! `vgpu-test-support`: the fixtures the integration tests (and the benchmark rigs) share,
 //! so that each test says only what differs.
 //!
-//! - [`Host`]: a `vgpu-backend` on a `sim` GPU serving VMs on vhost-user sockets in a
+//! - [`Host`]: a `vgpu-backend` on a `sim` GPU (or any GPU behind the HAL, e.g. the
+//!   `cuda` one a test picks with [`gpu_from_env`]) serving VMs on vhost-user sockets in a
 //!   private directory, shut down and cleaned up on drop;
 //! - [`connect_retry`]: a loopback VM connecting to a socket the backend may not have
 //!   bound yet.
@@ -14,7 +15,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vgpu_backend::{VgpuBackend, VmLimits};
-use vgpu_host_shim::{SimConfig, SimGpu};
+use vgpu_host_shim::cuda::{CudaConfig, CudaGpu};
+use vgpu_host_shim::{Gpu, GpuChoice, SimConfig, SimGpu};
 use vgpu_vmm::loopback::{LoopbackConfig, LoopbackError, LoopbackVm};
 
 /// How long [`Host::connect`] keeps trying.
@@ -52,9 +54,36 @@ pub fn temp_dir(prefix: &str) -> PathBuf {
     dir
 }
 
-/// A backend on a sim GPU serving VMs on `<dir>/<vm>.sock`.
-pub struct Host {
-    pub gpu: Arc<SimGpu>,
+/// The GPU a test runs on: `VGPU_TEST_GPU=sim|cuda[:INDEX]` (default `sim`), with
+/// `vram_bytes` of VRAM. Tests that can run on a real GPU use this so the same test runs
+/// on the device machine; a `cuda` choice that cannot open its GPU panics (the caller
+/// asked for it explicitly).
+pub fn gpu_from_env(vram_bytes: u64) -> Arc<dyn Gpu> {
+    let choice: GpuChoice = std::env::var("VGPU_TEST_GPU")
+        .ok()
+        .map(|s| s.parse().unwrap_or_else(|e| panic!("VGPU_TEST_GPU: {e}")))
+        .unwrap_or_default();
+    match choice {
+        GpuChoice::Sim => SimGpu::new(SimConfig {
+            vram_bytes,
+            ..Default::default()
+        })
+        .expect("sim GPU"),
+        GpuChoice::Cuda { index } => CudaGpu::open(
+            index,
+            CudaConfig {
+                vram_bytes,
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("VGPU_TEST_GPU=cuda:{index}: {e}")),
+    }
+}
+
+/// A backend on a GPU (the sim unless the test says otherwise) serving VMs on
+/// `<dir>/<vm>.sock`.
+pub struct Host<G: Gpu + ?Sized = SimGpu> {
+    pub gpu: Arc<G>,
     pub backend: Arc<VgpuBackend>,
     pub dir: PathBuf,
     vm_mem: u64,
@@ -74,7 +103,20 @@ impl Host {
 
     /// As [`Host::new`], on a GPU the caller configured.
     pub fn with_gpu(tag: &str, gpu: Arc<SimGpu>, limits: VmLimits, vms: &[&str]) -> Host {
-        let backend = VgpuBackend::new(gpu.clone(), limits);
+        Host::build(tag, gpu.clone(), gpu, limits, vms)
+    }
+}
+
+impl Host<dyn Gpu> {
+    /// As [`Host::new`], on any GPU behind the HAL (see [`gpu_from_env`]).
+    pub fn on_gpu(tag: &str, gpu: Arc<dyn Gpu>, limits: VmLimits, vms: &[&str]) -> Self {
+        Host::build(tag, gpu.clone(), gpu, limits, vms)
+    }
+}
+
+impl<G: Gpu + ?Sized> Host<G> {
+    fn build(tag: &str, gpu: Arc<G>, hal: Arc<dyn Gpu>, limits: VmLimits, vms: &[&str]) -> Self {
+        let backend = VgpuBackend::new(hal, limits);
         let host = Host {
             gpu,
             backend,
@@ -88,7 +130,7 @@ impl Host {
     }
 
     /// Guest RAM of the loopback VMs [`Host::connect`] makes.
-    pub fn with_vm_mem(mut self, bytes: u64) -> Host {
+    pub fn with_vm_mem(mut self, bytes: u64) -> Self {
         self.vm_mem = bytes;
         self
     }
@@ -115,7 +157,7 @@ impl Host {
     }
 }
 
-impl Drop for Host {
+impl<G: Gpu + ?Sized> Drop for Host<G> {
     fn drop(&mut self) {
         self.backend.shutdown();
         let _ = std::fs::remove_dir_all(&self.dir);

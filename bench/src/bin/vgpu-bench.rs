@@ -57,6 +57,10 @@ enum Suite {
         /// Run on the CPU stand-in for the CUDA device (checks the plumbing without a GPU).
         #[arg(long)]
         fake: bool,
+        /// The realistic sizes: saxpy 2^28, sgemm 4096^3, stencil 8192^2 (CPU references on
+        /// every core; the baseline program gets `--large` too).
+        #[arg(long)]
+        large: bool,
         /// Only the two-VM fairness runs (the same as `--only fairness`).
         #[arg(long)]
         fairness_only: bool,
@@ -74,7 +78,12 @@ enum Suite {
     /// another VM floods its control queue, or its event queue, side by side.
     Flood,
     /// VRAM oversubscription: slowdown vs all-in-VRAM, swap throughput, pauses, convergence.
-    Swap,
+    Swap {
+        /// The GPU: `sim` (default) or `cuda[:INDEX]` (oversubscription and convergence on
+        /// a real GPU).
+        #[arg(long, default_value = "sim")]
+        gpu: vgpu_host_shim::GpuChoice,
+    },
     /// One backend, many VMs: scheduler CPU per tick, shadow switches, RSS/fds/threads per
     /// VM and channel, control-request latency (64 VMs × 4 processes × 4 channels).
     Scale {
@@ -102,6 +111,7 @@ fn main() {
             reps,
             vram_mib,
             fake,
+            large,
             fairness_only,
             only,
             batch,
@@ -120,6 +130,7 @@ fn main() {
                 opts.vram_mib = vram_mib.unwrap_or(opts.vram_mib);
                 opts.baseline = baseline;
                 opts.fake = fake;
+                opts.large = large;
                 opts.only = only;
                 if fairness_only {
                     opts.only.push(cuda::Section::Fairness);
@@ -161,12 +172,13 @@ fn main() {
             };
             flood::run(&opts).map_err(|e| e.to_string())
         }
-        Suite::Swap => {
-            let opts = if cli.quick {
+        Suite::Swap { gpu } => {
+            let mut opts = if cli.quick {
                 SwapOpts::quick()
             } else {
                 SwapOpts::full()
             };
+            opts.gpu = gpu;
             swap::run(&opts).map_err(|e| e.to_string())
         }
         Suite::Scale { vms } => {

@@ -51,6 +51,8 @@ pub struct CudaOpts {
     /// Run on the CPU fake device instead (plumbing checks without a GPU).
     pub fake: bool,
     pub small: bool,
+    /// The realistic sizes (saxpy 2²⁸, sgemm 4096³, stencil 8192²; `--large`).
+    pub large: bool,
     pub reps: u32,
     pub latency_samples: u32,
     pub b2b_kernels: u32,
@@ -108,6 +110,7 @@ impl CudaOpts {
             index,
             fake: false,
             small: false,
+            large: false,
             reps: 3,
             latency_samples: 2000,
             b2b_kernels: 20_000,
@@ -134,10 +137,10 @@ impl CudaOpts {
 }
 
 /// The workloads at the sizes this suite measures (also the baseline program's sizes:
-/// keep `bench/cuda-native/native.cu` in step). A VM's CPU window onto VRAM
-/// (`vgpu_protocol::device::APERTURE_SIZE`, 256 MiB) bounds the VRAM a workload may fill
-/// from the CPU at once.
-pub fn workloads(small: bool) -> Vec<Workload> {
+/// keep `bench/cuda-native/native.cu` in step). `large`: the realistic sizes for
+/// the three that have one (saxpy 2²⁸, sgemm 4096³, stencil 8192²; their CPU references
+/// run on every core of the host).
+pub fn workloads(small: bool, large: bool) -> Vec<Workload> {
     if small {
         return Workload::NAMES
             .iter()
@@ -152,20 +155,20 @@ pub fn workloads(small: bool) -> Vec<Workload> {
             stop: None,
         }),
         Workload::Saxpy(SaxpyConfig {
-            n: 1 << 24,
+            n: if large { 1 << 28 } else { 1 << 24 },
             iterations: 50,
             ..SaxpyConfig::default()
         }),
         Workload::Sgemm(SgemmConfig {
-            m: 1024,
-            n: 1024,
-            k: 1024,
+            m: if large { 4096 } else { 1024 },
+            n: if large { 4096 } else { 1024 },
+            k: if large { 4096 } else { 1024 },
             iterations: 2,
             ..SgemmConfig::default()
         }),
         Workload::Hotspot(HotspotConfig {
-            width: 4096,
-            height: 4096,
+            width: if large { 8192 } else { 4096 },
+            height: if large { 8192 } else { 4096 },
             iterations: 20,
             ..HotspotConfig::default()
         }),
@@ -409,7 +412,7 @@ fn run_workloads<D: CudaDeviceTrait>(
     let mut figs = Vec::new();
     let cpu0 = gpu.frontend_cpu_ns();
     let wall0 = Instant::now();
-    for w in workloads(opts.small) {
+    for w in workloads(opts.small, opts.large) {
         let name = w.name();
         let (mut n, mut g) = (Vec::new(), Vec::new());
         // Every run verifies its result bit-exactly against the CPU reference.
@@ -678,6 +681,9 @@ fn baseline(path: &PathBuf, opts: &CudaOpts) -> Result<Vec<Figure>, CudaSuiteErr
     let mut cmd = Command::new(path);
     if opts.small {
         cmd.arg("--quick");
+    }
+    if opts.large {
+        cmd.arg("--large");
     }
     if !opts.only.is_empty() {
         let names: Vec<&str> = opts.only.iter().map(|s| s.arg()).collect();

@@ -16,7 +16,11 @@
 //! The sim GPU charges system-memory accesses like VRAM accesses (no PCIe model), so the
 //! slowdowns measure the mechanism's cost (pauses, copies, the manager's CPU), not the
 //! bandwidth a real GPU loses on swapped data; the hot-set figures say how much of the hot
-//! set was in swap while timed, so a reader can apply a PCIe factor.
+//! set was in swap while timed, so a reader can apply a PCIe factor. With `--gpu cuda` the
+//! oversubscription and convergence parts run on a real GPU (swapped chunks then live in
+//! host memory the GPU reads over PCIe); the pause and store-wait part is the sim's (a GPU
+//! without a CPU view of VRAM has no aperture stores to wait; `vgpu-bench cuda --only
+//! swap` measures its evictions and pauses).
 //!
 //! Slowdowns compare medians of alternating runs. The headline figure uses the CPU time
 //! of the sim's engine threads (what the GPU model spent executing the hot loop), which a
@@ -32,7 +36,8 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 use vgpu_backend::{VgpuBackend, VmLimits, VramConfig};
 use vgpu_guest::{Buffer, Channel, Context, Device, KernelArgs};
-use vgpu_host_shim::{Gpu, HalError, SimConfig, SimGpu};
+use vgpu_host_shim::cuda::{CudaConfig, CudaGpu};
+use vgpu_host_shim::{Gpu, GpuChoice, HalError, SimConfig, SimGpu};
 use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
 
 use crate::report::{Better, Figure};
@@ -52,6 +57,8 @@ pub enum SwapSuiteError {
     Backend(String),
     #[error("loopback VM: {0}")]
     Loopback(String),
+    #[error("cuda GPU: {0}")]
+    Cuda(String),
 }
 
 type Result<T> = std::result::Result<T, SwapSuiteError>;
@@ -69,6 +76,8 @@ pub struct SwapOpts {
     pub store_reps: u32,
     /// Bytes each VM of the convergence run allocates (in 4 MiB steps).
     pub converge_bytes: u64,
+    /// The GPU the rigs run on.
+    pub gpu: GpuChoice,
 }
 
 impl SwapOpts {
@@ -80,6 +89,7 @@ impl SwapOpts {
             pause_reps: 21,
             store_reps: 11,
             converge_bytes: 128 * MIB,
+            gpu: GpuChoice::Sim,
         }
     }
 
@@ -91,24 +101,48 @@ impl SwapOpts {
             pause_reps: 3,
             store_reps: 2,
             converge_bytes: 64 * MIB,
+            gpu: GpuChoice::Sim,
         }
     }
 }
 
-/// A backend on a sim GPU with `vram` bytes serving `vms` loopback VMs.
+/// A backend on a GPU with `vram` bytes serving `vms` loopback VMs.
 struct Rig {
-    gpu: Arc<SimGpu>,
+    gpu: Arc<dyn Gpu>,
+    /// The same GPU when it is the sim (its engine threads' CPU time is the steadiest
+    /// measure of the GPU work there).
+    sim: Option<Arc<SimGpu>>,
     backend: Arc<VgpuBackend>,
     vms: Vec<Arc<LoopbackVm>>,
     dir: PathBuf,
 }
 
 impl Rig {
-    fn new(tag: &str, vram: u64, limits: VmLimits, vms: &[&str]) -> Result<Self> {
-        let gpu = SimGpu::new(SimConfig {
-            vram_bytes: vram,
-            ..SimConfig::default()
-        })?;
+    fn new(
+        choice: GpuChoice,
+        tag: &str,
+        vram: u64,
+        limits: VmLimits,
+        vms: &[&str],
+    ) -> Result<Self> {
+        let (gpu, sim): (Arc<dyn Gpu>, _) = match choice {
+            GpuChoice::Sim => {
+                let sim = SimGpu::new(SimConfig {
+                    vram_bytes: vram,
+                    ..SimConfig::default()
+                })?;
+                (sim.clone(), Some(sim))
+            }
+            GpuChoice::Cuda { index } => {
+                let cfg = CudaConfig {
+                    vram_bytes: vram,
+                    ..CudaConfig::default()
+                };
+                let gpu =
+                    CudaGpu::open(index, cfg).map_err(|e| SwapSuiteError::Cuda(e.to_string()))?;
+                (gpu, None)
+            }
+        };
         let backend = VgpuBackend::new(gpu.clone(), limits);
         let dir =
             std::env::temp_dir().join(format!("vgpu-bench-swap-{tag}-{}", std::process::id()));
@@ -130,10 +164,16 @@ impl Rig {
         }
         Ok(Rig {
             gpu,
+            sim,
             backend,
             vms: out,
             dir,
         })
+    }
+
+    /// CPU time of the sim's engine threads (0 on another GPU).
+    fn engine_cpu_ns(&self) -> u64 {
+        self.sim.as_ref().map_or(0, |s| s.engine_cpu_ns())
     }
 
     fn config(&self, cfg: VramConfig) -> Result<()> {
@@ -264,12 +304,12 @@ fn oversub_run(rig: &Rig, hot: u64, cold: u64, iters: u32, settle: Duration) -> 
             .map_or(0, |r| r.vm.evictions + r.vm.swap_ins)
     };
     let m0 = moves(rig);
-    let (b0, c0) = (busy(rig), rig.gpu.engine_cpu_ns());
+    let (b0, c0) = (busy(rig), rig.engine_cpu_ns());
     let wall = hot_loop(&mut ch, &hot_bufs, iters)?;
     let moved = moves(rig) - m0;
     let n = f64::from(iters.max(1));
     let per_iter = (busy(rig) - b0) as f64 / 1e9 / n;
-    let cpu_per_iter = rig.gpu.engine_cpu_ns().saturating_sub(c0) as f64 / 1e9 / n;
+    let cpu_per_iter = rig.engine_cpu_ns().saturating_sub(c0) as f64 / 1e9 / n;
     let hot_swapped = rig
         .backend
         .vram_stats("a")
@@ -335,8 +375,9 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
     let settle = Duration::from_millis(if opts.runs > 1 { 1500 } else { 600 });
 
     // 1. Oversubscription with a cold working set, and with the hot set evicted.
-    let big = Rig::new("big", 8 * v, limits(8 * v), &["a"])?;
-    let small = Rig::new("small", v, limits(v), &["a"])?;
+    let on_sim = opts.gpu == GpuChoice::Sim;
+    let big = Rig::new(opts.gpu, "big", 8 * v, limits(8 * v), &["a"])?;
+    let small = Rig::new(opts.gpu, "small", v, limits(v), &["a"])?;
     // Warm-up of both rigs (first touches of the memfds), not measured.
     oversub_run(&big, hot, 4 * v - hot, 1, Duration::ZERO)?;
     oversub_run(&small, hot, 4 * v - hot, 1, Duration::ZERO)?;
@@ -360,7 +401,9 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
         }
         let [busy, cpu, wall] = slowdowns(&base, &over);
         let name = format!("cold_set_{f}x_slowdown");
-        let mut fig = Figure::new(SUITE, &name, cpu, "%", Better::Lower);
+        // The headline: the sim's engine CPU time; on a real GPU, its own busy time.
+        let head = if on_sim { cpu } else { busy };
+        let mut fig = Figure::new(SUITE, &name, head, "%", Better::Lower);
         if f == 2.0 {
             fig = fig.target(5.0);
         }
@@ -413,7 +456,8 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
         small.config(VramConfig::default())?;
         let [busy, cpu, wall] = slowdowns(&base, &over);
         let name = format!("hot_set_evicted_{f}x_slowdown");
-        figs.push(Figure::new(SUITE, &name, cpu, "%", Better::Lower));
+        let head = if on_sim { cpu } else { busy };
+        figs.push(Figure::new(SUITE, &name, head, "%", Better::Lower));
         figs.push(Figure::new(
             SUITE,
             &format!("{name}_busy"),
@@ -440,9 +484,24 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
     }
     drop(big);
     drop(small);
+    if on_sim {
+        figs.extend(pauses_and_store_waits(opts)?);
+    }
+    figs.extend(convergence(opts)?);
+    Ok(figs)
+}
 
-    // 2. Swap throughput and pause per 64 MiB eviction.
-    let rig = Rig::new("pause", 128 * MIB.max(v), limits(128 * MIB.max(v)), &["a"])?;
+/// Swap throughput, pause per 64 MiB eviction and guest CPU store waits (sim only).
+fn pauses_and_store_waits(opts: &SwapOpts) -> Result<Vec<Figure>> {
+    let mut figs = Vec::new();
+    let v = opts.vram;
+    let rig = Rig::new(
+        opts.gpu,
+        "pause",
+        128 * MIB.max(v),
+        limits(128 * MIB.max(v)),
+        &["a"],
+    )?;
     let pause_cfg = VramConfig {
         enabled: false,
         batch_bytes: 64 * MIB,
@@ -637,10 +696,14 @@ pub fn run(opts: &SwapOpts) -> Result<Vec<Figure>> {
         Better::Lower,
     ));
     drop(rig);
+    Ok(figs)
+}
 
-    // 3. Two allocating VMs converge to equal shares.
+/// Two allocating VMs converge to equal shares.
+fn convergence(opts: &SwapOpts) -> Result<Vec<Figure>> {
+    let mut figs = Vec::new();
     let cv = opts.converge_bytes;
-    let rig = Rig::new("converge", cv, limits(cv), &["a", "b"])?;
+    let rig = Rig::new(opts.gpu, "converge", cv, limits(cv), &["a", "b"])?;
     let step = 4 * MIB;
     let hold = |vm: Arc<LoopbackVm>| -> Result<(Device, Context, Vec<Buffer>)> {
         let dev = Device::loopback(vm, 100)?;

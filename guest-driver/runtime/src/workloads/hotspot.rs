@@ -92,7 +92,7 @@ pub fn run(ctx: &Context, cfg: &HotspotConfig) -> Result<WorkloadReport> {
     let mut cur = init;
     let mut next = vec![0f32; cur.len()];
     for _ in 0..cfg.iterations {
-        reference::stencil2d(w, h, cfg.c_center, cfg.c_neighbor, &cur, &mut next);
+        reference::parallel::stencil2d(w, h, cfg.c_center, cfg.c_neighbor, &cur, &mut next);
         std::mem::swap(&mut cur, &mut next);
     }
     let out = &bufs[(cfg.iterations % 2) as usize];

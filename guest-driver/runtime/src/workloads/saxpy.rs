@@ -70,7 +70,7 @@ pub fn run(ctx: &Context, cfg: &SaxpyConfig) -> Result<WorkloadReport> {
     let elapsed = start.elapsed();
 
     for _ in 0..cfg.iterations {
-        reference::saxpy(cfg.a, &x, &mut y);
+        reference::parallel::saxpy(cfg.a, &x, &mut y);
     }
     compare_f32("saxpy", &yb.read_f32_vec(0, y.len())?, &y)?;
     Ok(WorkloadReport {

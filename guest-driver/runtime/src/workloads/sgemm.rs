@@ -93,7 +93,7 @@ pub fn run(ctx: &Context, cfg: &SgemmConfig) -> Result<WorkloadReport> {
 
     let (mu, nu, ku) = (m as usize, n as usize, k as usize);
     for _ in 0..cfg.iterations {
-        reference::sgemm(mu, nu, ku, cfg.alpha, &a, &b, cfg.beta, &mut c);
+        reference::parallel::sgemm(mu, nu, ku, cfg.alpha, &a, &b, cfg.beta, &mut c);
     }
     compare_f32("sgemm", &cb.read_f32_vec(0, c.len())?, &c)?;
     Ok(WorkloadReport {

@@ -77,3 +77,5 @@ pub fn stencil2d(
         }
     }
 }
+
+pub mod parallel;
