@@ -50,12 +50,28 @@ fn fake_semaphores_order_channels() {
 }
 
 #[test]
+fn fake_fence_signals_before_its_batch_ends() {
+    fence_signals_before_its_batch_ends(&gpu());
+}
+
+#[test]
 fn fake_counters_and_teardown_unregister_memory() {
     let g = gpu();
     counters_and_teardown(&g);
-    // The context's system memory is gone (VRAM is device memory, never registered).
+    // The context's system memory is gone (VRAM is device memory, never registered);
+    // only the control pages stay registered, for the GPU's REF writes.
     assert_eq!(g.registered_pieces(), 0);
-    assert!(g.device().registered.lock().unwrap().is_empty());
+    assert_eq!(*g.device().registered.lock().unwrap(), control_pages(&g));
+}
+
+/// What stays registered for a GPU's whole life: its control pages.
+fn control_pages(g: &FakeCudaGpu) -> Vec<(usize, usize)> {
+    let pages = g.control_pages_registration();
+    assert!(
+        pages.is_some(),
+        "the fake device registers the control pages"
+    );
+    pages.into_iter().collect()
 }
 
 #[test]
@@ -97,9 +113,10 @@ fn fake_unmapped_system_memory_is_unregistered_at_invalidate() {
         .unwrap();
     g.invalidate_tlb(p.ctx).unwrap();
     assert_eq!(g.registered_pieces(), before - 1);
-    assert!(
-        g.device().registered.lock().unwrap().is_empty(),
-        "nothing is left registered"
+    assert_eq!(
+        *g.device().registered.lock().unwrap(),
+        control_pages(&g),
+        "nothing but the control pages is left registered"
     );
 }
 

@@ -73,6 +73,13 @@ fn gpu_semaphores_order_channels() {
 }
 
 #[test]
+fn gpu_fence_signals_before_its_batch_ends() {
+    if let Some(g) = gpu() {
+        fence_signals_before_its_batch_ends(&g);
+    }
+}
+
+#[test]
 fn gpu_counters_and_teardown() {
     if let Some(g) = gpu() {
         counters_and_teardown(&g);

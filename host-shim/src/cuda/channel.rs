@@ -58,6 +58,14 @@ pub struct CudaChannel<D: Device> {
     /// CLOCK_MONOTONIC ns when the front end last issued an entry of this channel (0:
     /// never); see [`CudaChannel::recently_active`].
     pub last_issue_ns: AtomicU64,
+    /// Where the GPU writes this channel's REF (its control page in registered host
+    /// memory); `None` when the control pages are not registered (the front end then
+    /// stores REF when an entry's completion mark is reached).
+    pub ref_ptr: Option<u64>,
+    /// False once the channel was removed with GPU work that may still write its control
+    /// page (a drain that timed out): its slot is then never handed out again, so a late
+    /// REF write cannot land in another channel's page.
+    slot_reusable: AtomicBool,
 }
 
 impl<D: Device> CudaChannel<D> {
@@ -73,6 +81,7 @@ impl<D: Device> CudaChannel<D> {
         stream: D::Stream,
     ) -> Self {
         pages.init(slot, cfg.gp_entries);
+        let ref_ptr = pages.gpu_field_addr(slot, ControlPage::REF);
         CudaChannel {
             id,
             ctx,
@@ -95,7 +104,14 @@ impl<D: Device> CudaChannel<D> {
             error: Mutex::new(None),
             stopped: AtomicBool::new(false),
             last_issue_ns: AtomicU64::new(0),
+            ref_ptr,
+            slot_reusable: AtomicBool::new(true),
         }
+    }
+
+    /// The channel's GPU work may outlive it: never reuse its control-page slot.
+    pub fn retire_slot(&self) {
+        self.slot_reusable.store(false, Ordering::Release);
     }
 
     /// Continues where a migrated channel stopped: the front end fetches entry
@@ -176,6 +192,14 @@ impl<D: Device> CudaChannel<D> {
 
 impl<D: Device> Drop for CudaChannel<D> {
     fn drop(&mut self) {
-        self.pages.give_back(self.slot);
+        if self.slot_reusable.load(Ordering::Acquire) {
+            self.pages.give_back(self.slot);
+        } else {
+            log::warn!(
+                "cuda channel {:?}: control-page slot {} retired (GPU work may still write it)",
+                self.id,
+                self.slot
+            );
+        }
     }
 }

@@ -49,6 +49,8 @@ pub(crate) struct CtxTranslate<'a, D: Device> {
     pub(crate) mem: GpuMemory<'a>,
     pub(crate) dev: &'a D,
     pub(crate) scratch: &'a mut Option<(u64, u64)>,
+    /// The channel's REF as the device sees it (see `Translate::ref_ptr`).
+    pub(crate) ref_ptr: Option<u64>,
 }
 
 fn mem_fault(va: u64, write: bool, kind: FaultKind) -> MemFault {
@@ -110,6 +112,10 @@ impl<D: Device> Translate for std::cell::RefCell<CtxTranslate<'_, D>> {
             got += n;
         }
         Ok(out)
+    }
+
+    fn ref_ptr(&self) -> Option<u64> {
+        self.borrow().ref_ptr
     }
 
     fn scratch(&self, len: u64) -> Option<u64> {
@@ -292,6 +298,7 @@ impl<D: Device> CudaChannel<D> {
                     mem,
                     dev,
                     scratch: &mut st.scratch,
+                    ref_ptr: self.ref_ptr,
                 });
                 let mut view = GpuView::new(&self.space, None);
                 let mut read = |va, buf: &mut [u8]| view.read(va, buf);
@@ -338,7 +345,7 @@ impl<D: Device> CudaChannel<D> {
             st.fetched = st.fetched.wrapping_add(1);
             if let Some(b) = batch.as_mut() {
                 b.entries += 1;
-                b.runs |= !plan.ops.is_empty();
+                b.runs |= plan.ops.len() > plan.ref_writes;
                 b.host.extend(plan.host);
                 b.waits |= plan.waits;
                 b.copies += plan.copies;

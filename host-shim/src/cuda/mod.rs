@@ -201,6 +201,16 @@ impl<D: Device> CudaGpuOf<D> {
             t0.elapsed()
         );
         let pages = Arc::new(ControlPages::new(cfg.max_channels).map_err(os_err)?);
+        // The GPU writes each channel's REF itself, in stream order: a fence then signals
+        // when its entry is done, not when the last entry sharing its completion mark is.
+        if let Some((ptr, len)) = pages.host_range() {
+            match dev.register_host(ptr, len) {
+                Ok(()) => pages.set_device_mapped(true),
+                Err(e) => log::warn!(
+                    "cuda: control pages not registered ({e}); REF stored by the front end"
+                ),
+            }
+        }
         let shared = Arc::new(Shared {
             cfg: cfg.clone(),
             dev,
@@ -245,6 +255,15 @@ impl<D: Device> CudaGpuOf<D> {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .pieces()
+    }
+
+    /// The control pages' host range (address, bytes) while registered with the device
+    /// for the GPU's own REF writes (registered for the GPU's whole life).
+    pub fn control_pages_registration(&self) -> Option<(usize, usize)> {
+        self.pages
+            .host_range()
+            .filter(|_| self.pages.device_mapped())
+            .map(|(p, len)| (p as usize, len))
     }
 
     /// CPU time of the front-end thread so far, in ns.
@@ -343,6 +362,10 @@ impl<D: Device> CudaGpuOf<D> {
                 if let Some((p, _)) = c.lock().scratch.take() {
                     self.shared.dev.free_device(p);
                 }
+            }
+        } else {
+            for c in removed {
+                c.retire_slot();
             }
         }
         drained
@@ -514,6 +537,13 @@ impl<D: Device> Drop for CudaGpuOf<D> {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .release(&*self.shared.dev, |_| true);
+        if let Some((ptr, _)) = self.pages.host_range() {
+            if self.pages.device_mapped() {
+                if let Err(e) = self.shared.dev.unregister_host(ptr) {
+                    log::warn!("cuda: unregistering the control pages: {e}");
+                }
+            }
+        }
         self.shared.vram.free(&*self.shared.dev);
     }
 }

@@ -50,6 +50,9 @@ pub struct Plan {
     /// The entry waits on a semaphore: the front end issues nothing after it until it
     /// completes, so a stuck wait never has guest work queued behind it.
     pub waits: bool,
+    /// How many of `ops` are the channel's own REF writes (not guest work: they do not
+    /// make the entry count as running on the GPU).
+    pub ref_writes: usize,
 }
 
 /// Resolves a context's GPU virtual ranges to device pointers.
@@ -63,6 +66,11 @@ pub trait Translate {
     /// cannot be had. Every call may return the same buffer: one entry's users must ask
     /// once for all they need.
     fn scratch(&self, len: u64) -> Option<u64>;
+    /// Where the GPU itself may write the channel's REF (its control page, registered
+    /// with the device), or `None` for the front end to store it at completion.
+    fn ref_ptr(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// Reads a launch's argument block from guest memory.
@@ -495,7 +503,16 @@ pub fn plan_entry(
     for &m in methods {
         match m {
             Method::Nop => {}
-            Method::SetRef { value } => plan.host.push(HostAction::SetRef(value)),
+            // On the GPU, REF moves as soon as the stream gets there, whatever entries
+            // share the completion mark (a guest waiting on an entry's fence must not wait
+            // for the whole batch).
+            Method::SetRef { value } => match t.ref_ptr() {
+                Some(ptr) => {
+                    plan.ops.push(Op::WriteValue { ptr, value });
+                    plan.ref_writes += 1;
+                }
+                None => plan.host.push(HostAction::SetRef(value)),
+            },
             Method::Notify { token } => plan.host.push(HostAction::Notify(token)),
             Method::SemRelease {
                 va,

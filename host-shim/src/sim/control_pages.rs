@@ -1,6 +1,6 @@
 //! The memfd that holds every channel's control page, one 4 KiB slot per channel.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use vgpu_protocol::{ControlPage, ErrorCode, PAGE_SIZE};
@@ -11,6 +11,8 @@ use crate::shared_mem::{SharedMem, SharedMemError};
 pub struct ControlPages {
     mem: SharedMem,
     free: Mutex<Vec<u32>>,
+    /// A device writes these pages at their host addresses (registered host memory).
+    device_mapped: AtomicBool,
 }
 
 impl ControlPages {
@@ -18,11 +20,39 @@ impl ControlPages {
         let mem = SharedMem::new("vgpu-control-pages", slots as u64 * PAGE_SIZE)?;
         // Hand out low slots first.
         let free = Mutex::new((0..slots).rev().collect());
-        Ok(ControlPages { mem, free })
+        Ok(ControlPages {
+            mem,
+            free,
+            device_mapped: AtomicBool::new(false),
+        })
     }
 
     fn lock_free(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {
         self.free.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Every slot's host memory, to register with a device.
+    pub fn host_range(&self) -> Option<(*mut u8, usize)> {
+        let len = self.mem.len();
+        self.mem.range_ptr(0, len).map(|p| (p, len as usize))
+    }
+
+    /// Records whether a device can write the pages at their host addresses.
+    pub fn set_device_mapped(&self, on: bool) {
+        self.device_mapped.store(on, Ordering::Release);
+    }
+
+    pub fn device_mapped(&self) -> bool {
+        self.device_mapped.load(Ordering::Acquire)
+    }
+
+    /// The address at which a device writes `field` of `slot`, if the pages are
+    /// registered with one.
+    pub fn gpu_field_addr(&self, slot: u32, field: usize) -> Option<u64> {
+        if !self.device_mapped() {
+            return None;
+        }
+        self.word(slot, field).map(|w| w.as_ptr() as u64)
     }
 
     /// Takes a zeroed slot.

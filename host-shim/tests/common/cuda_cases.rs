@@ -369,3 +369,29 @@ pub fn resumed_channel_continues_at_its_saved_position<G: Gpu + ?Sized>(gpu: &Ar
     assert_eq!(page.load(ControlPage::ERROR), ErrorCode::MmuFault.as_u32());
     assert_eq!(events.0.lock().unwrap().len(), before);
 }
+
+/// A fence signals when its own entry is done, not when the last entry sharing its
+/// completion mark is: two entries published together (one batch on the front end), a
+/// short spin with REF 1 and a long one with REF 2; REF shows 1 while the long spin still
+/// runs (GP_GET, which moves by the batch, has not moved yet).
+pub fn fence_signals_before_its_batch_ends<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+    let p = Proc::new(gpu, SYS_BASE);
+    let mut ch = p.channel(0);
+    let short = ch.launch(&KernelArgs::Spin { ns: 1_000_000 });
+    ch.stage(&[short, Method::SetRef { value: 1 }]);
+    let long = ch.launch(&KernelArgs::Spin { ns: 1_500_000_000 });
+    ch.stage(&[long, Method::SetRef { value: 2 }]);
+    ch.ctrl.store(vgpu_protocol::ControlPage::GP_PUT, ch.put);
+    let t0 = std::time::Instant::now();
+    let seen = loop {
+        let r = ch.ctrl.load(vgpu_protocol::ControlPage::REF);
+        if r != 0 || t0.elapsed() > T {
+            break r;
+        }
+        std::thread::sleep(Duration::from_micros(100));
+    };
+    let get = ch.ctrl.load(vgpu_protocol::ControlPage::GP_GET);
+    assert_eq!(seen, 1, "REF 1 before the long spin ends (GP_GET {get})");
+    ch.wait_idle(T).unwrap();
+    assert_eq!(ch.ctrl.load(vgpu_protocol::ControlPage::REF), 2);
+}
