@@ -39,6 +39,25 @@ impl Device {
         Self::new(Arc::new(crate::loopback::LoopbackTransport::new(vm, pid)))
     }
 
+    /// Connects a loopback VM of `mem_bytes` of guest RAM (a VMM in this process) to a
+    /// running backend's vhost-user socket and opens the device as guest process `pid`
+    /// (host-side checks of a running backend).
+    #[cfg(feature = "loopback")]
+    pub fn connect_loopback(
+        socket: impl AsRef<std::path::Path>,
+        mem_bytes: u64,
+        pid: u32,
+    ) -> Result<Self> {
+        let cfg = vgpu_vmm::loopback::LoopbackConfig { mem_bytes };
+        let vm = vgpu_vmm::loopback::LoopbackVm::connect(socket.as_ref(), cfg).map_err(|e| {
+            crate::error::Error::Os {
+                what: "connecting the loopback VM",
+                source: std::io::Error::other(e.to_string()),
+            }
+        })?;
+        Self::loopback(vm, pid)
+    }
+
     /// Opens the guest driver's device node (in a VM: [`crate::devvgpu::DEFAULT_PATH`]).
     pub fn devvgpu(path: impl AsRef<std::path::Path>) -> Result<Self> {
         Self::new(Arc::new(crate::devvgpu::DevVgpuTransport::open(path)?))

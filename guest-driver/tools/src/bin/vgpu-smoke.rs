@@ -20,6 +20,11 @@ struct Cli {
     /// Use an in-process sim GPU instead of the device.
     #[arg(long)]
     native: bool,
+    /// Instead of the device node: a loopback VM (a VMM in this process) connected to a
+    /// running `vgpu-backend`'s vhost-user socket (a build with feature `loopback`), e.g.
+    /// to check a backend on a real GPU under its seccomp filters.
+    #[arg(long, value_name = "SOCKET", conflicts_with_all = ["native", "hostile", "stats"])]
+    loopback: Option<std::path::PathBuf>,
     /// Seed of the random inputs.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -47,11 +52,25 @@ struct Cli {
 }
 
 fn open(cli: &Cli) -> Result<Device, String> {
+    if let Some(socket) = &cli.loopback {
+        return open_loopback(socket);
+    }
     if cli.native {
         vgpu_guest_tools::native::device(None).map_err(|e| e.to_string())
     } else {
         Device::devvgpu(&cli.device).map_err(|e| format!("{}: {e}", cli.device))
     }
+}
+
+#[cfg(feature = "loopback")]
+fn open_loopback(socket: &std::path::Path) -> Result<Device, String> {
+    Device::connect_loopback(socket, 512 << 20, std::process::id())
+        .map_err(|e| format!("{}: {e}", socket.display()))
+}
+
+#[cfg(not(feature = "loopback"))]
+fn open_loopback(_socket: &std::path::Path) -> Result<Device, String> {
+    Err("--loopback needs a build with feature `loopback`".into())
 }
 
 /// Prints one line per check and the result line; the exit status.
