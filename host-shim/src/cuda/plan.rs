@@ -190,6 +190,10 @@ impl<'a> Operands<'a> {
             return Ok(*p);
         }
         let ptr = self.take(len);
+        log::debug!(
+            "bouncing operand {va:#x}+{len:#x} ({} pieces) through scratch",
+            runs.len()
+        );
         self.bounces.push(Bounce {
             va,
             len,
