@@ -49,6 +49,7 @@ pub fn vgpu_requirements() -> DeviceRequirements {
         optional_protocol_features: VhostUserProtocolFeatures::empty(),
         shm_regions: vec![(SHM_REGION_ID, SHM_SIZE)],
         config_size: DeviceConfig::SIZE as u32,
+        request_timeout: None,
     }
 }
 
