@@ -18,7 +18,8 @@ check smoke_before $(ok $r)
 # A process with channels and GPU work in flight while the backend dies.
 vgpu-throttle --kernel-us 2000 --duration 3000 > /tmp/old.out 2>&1 & old=$!
 sleep 2
-echo "L2-RECONNECT-READY"
+# Straight to the console: l2-vgpu.sh shows this script's output only when it ends.
+echo "L2-RECONNECT-READY" > /dev/console
 # It must end by itself with an error (an ioctl's -ENODEV or SIGBUS on its zapped
 # channel page), never hang.
 i=0

@@ -5,7 +5,7 @@
 //! over; processes from before get `DeviceLost` (never a hang), new ones run workloads
 //! whose results are checked against CPU references.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -27,7 +27,7 @@ struct Backend {
 }
 
 impl Backend {
-    fn start(dir: &PathBuf) -> Backend {
+    fn start(dir: &Path) -> Backend {
         let cfg = dir.join("backend.toml");
         std::fs::write(
             &cfg,
@@ -52,7 +52,7 @@ impl Backend {
             .expect("vgpu-backend");
         Backend {
             child,
-            dir: dir.clone(),
+            dir: dir.to_path_buf(),
         }
     }
 

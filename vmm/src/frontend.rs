@@ -512,6 +512,8 @@ impl VhostUserDevice {
         if let Some(mut t) = self.backend_req.take() {
             t.stop();
         }
+        // Nothing is sent any more: the watchdog's thread can go.
+        self.watchdog = None;
     }
 
     pub fn is_connected(&self) -> bool {
