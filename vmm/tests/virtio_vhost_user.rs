@@ -534,3 +534,44 @@ fn a_restarted_backend_is_reconnected_and_the_driver_starts_over() {
     drop(fwd);
     second.shutdown();
 }
+
+#[test]
+fn a_backend_that_never_answers_times_out() {
+    use std::io::Read;
+    use vgpu_vmm::frontend::FrontendError;
+    use vgpu_vmm::vgpu_device::VgpuDeviceError;
+
+    let path = socket("silent");
+    let _ = std::fs::remove_file(&path);
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    // Accepts and reads, never answers (a stopped backend's socket answers no better);
+    // ends when the frontend shuts the connection down.
+    let silent = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink);
+    });
+    let g = Guest::new();
+    let window =
+        Arc::new(ShmWindow::with_fill(SHM_REGION_ID, SHM_SIZE, HoleFill::Scratch).unwrap());
+    let faults = FaultPolicy {
+        reconnect: None,
+        request_timeout: Some(Duration::from_millis(300)),
+    };
+    let err = VhostUserVgpu::connect(&path, &g.ram, window, faults).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            VgpuDeviceError::Frontend {
+                source: FrontendError::Timeout {
+                    step: "GET_FEATURES",
+                    ..
+                },
+                ..
+            }
+        ),
+        "{err}"
+    );
+    silent.join().unwrap();
+    let _ = std::fs::remove_file(&path);
+}
