@@ -20,6 +20,9 @@ vgpu-throttle --kernel-us 2000 --duration 3000 > /tmp/old.out 2>&1 & old=$!
 sleep 2
 # Straight to the console: l2-vgpu.sh shows this script's output only when it ends.
 echo "L2-RECONNECT-READY" > /dev/console
+# A process that sends requests while the backend is away (killed, or stopped with
+# `--hang-backend`: then its request times out and the driver resets the device).
+vgpu-smoke > /tmp/outage.out 2>&1 & outage=$!
 # It must end by itself with an error (an ioctl's -ENODEV or SIGBUS on its zapped
 # channel page), never hang.
 i=0
@@ -32,6 +35,18 @@ else
     busybox tail -n 2 /tmp/old.out
     echo "old process rc=$r"
     check old_process_ended_with_an_error $([ "$r" != 0 ] && echo 1 || echo 0)
+fi
+# The outage process must end by itself too (any result: it may have run before the
+# backend went away).
+i=0
+while kill -0 $outage 2>/dev/null && [ $i -lt $PATIENCE ]; do sleep 1; i=$((i + 1)); done
+if kill -0 $outage 2>/dev/null; then
+    kill -9 $outage; wait $outage 2>/dev/null
+    check requests_during_outage_end 0
+else
+    wait $outage; r=$?
+    busybox tail -n 1 /tmp/outage.out
+    check "requests_during_outage_end(rc=$r)" 1
 fi
 # New processes work once the device is back (the first tries may find no backend yet).
 i=0 r=1

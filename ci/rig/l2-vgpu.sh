@@ -13,11 +13,13 @@
 #     ci/rig/l2-guest-checks.sh in every L2 (unless --l2-cmd names another script).
 #   - --restart-backend: once every L2 printed "L2-RECONNECT-READY", vgpu-backend is
 #     SIGKILLed and a new one started on the same sockets (vgpu-vmm reconnects); with
-#     --guest the L2 script is then ci/rig/l2-reconnect-checks.sh.
+#     --guest the L2 script is then ci/rig/l2-reconnect-checks.sh. --hang-backend S does
+#     the same but SIGSTOPs the backend for S seconds first (a hung backend: requests
+#     time out, vgpu-vmm closes the connection), and checks every VMM logged a timeout.
 # Each L2 prints "L2-VGPU-RESULT ...", each VM's line "L2-VGPU-CHECK vm=K ..." appears on
 # L1's console, and the backend must exit cleanly on SIGTERM afterwards.
 #
-# Usage: ci/rig/l2-vgpu.sh [--vms N] [--guest] [--restart-backend] [--driver vgpu.ko] [--exit-cost BIN] [--l2-cmd FILE]
+# Usage: ci/rig/l2-vgpu.sh [--vms N] [--guest] [--restart-backend] [--hang-backend S] [--driver vgpu.ko] [--exit-cost BIN] [--l2-cmd FILE]
 #                          [--add SRC:DST]... [--vcpus N] [--no-build] [--timeout S]
 #                          [-- run-l1.sh args]
 #   --add puts extra files into every L2's initramfs (e.g. guest tools).
@@ -40,6 +42,7 @@ EXITCOST=""
 L2CMD=""
 BUILD=1
 RESTART=0
+HANG=0
 TIMEOUT=420
 ADDS=()
 EXTRA=()
@@ -51,6 +54,7 @@ while [ $# -gt 0 ]; do
         --driver) DRIVER="$2"; shift 2 ;;
         --guest) GUEST=1; shift ;;
         --restart-backend) RESTART=1; shift ;;
+        --hang-backend) RESTART=1; HANG="$2"; shift 2 ;;
         --exit-cost) EXITCOST="$2"; shift 2 ;;
         --l2-cmd) L2CMD="$2"; shift 2 ;;
         --add) ADDS+=(--add "$2"); shift 2 ;;
@@ -195,6 +199,11 @@ if [ "$RESTART" = 1 ]; then
             [ "\$n" = $VMS ] && break
             sleep 0.2
         done
+        if [ "$HANG" != 0 ]; then
+            kill -STOP \$bp
+            echo "L2-VGPU-BACKEND-STOPPED pid=\$bp for ${HANG}s"
+            sleep $HANG
+        fi
         kill -KILL \$bp
         echo "L2-VGPU-BACKEND-KILLED pid=\$bp"
         sleep 2
@@ -230,6 +239,11 @@ for p in \$pids; do
     echo "==== vgpu-vmm vm\$k"; tail -n 15 /tmp/vmm-\$k.log
     echo "L2-VGPU-CHECK vm=\$k vmm_rc=\$rc l2_uptime_at_init=\${up:-none} done_after=\$(awk -v a=\$t0 -v b=\$t1 'BEGIN{printf "%.1f", b-a}')s \${res:-no result}"
     [ "\$rc" = 0 ] && [ "\$res" = "L2-VGPU-RESULT $EXPECT" ] || ok=0
+    if [ "$HANG" != 0 ]; then
+        grep -q 'did not answer in time' /tmp/vmm-\$k.log && to=1 || to=0
+        echo "L2-VGPU-HANG vm=\$k vmm_saw_timeout=\$to"
+        [ "\$to" = 1 ] || ok=0
+    fi
     k=\$((k + 1))
 done
 if [ -n "\$mon" ]; then wait \$mon; mrc=\$?; echo "L2-VGPU-MONITOR rc=\$mrc"; [ "\$mrc" = 0 ] || ok=0; fi
