@@ -8,7 +8,14 @@
 # "L2-USER-OK" when all passed.
 export PATH=/bin
 fail=0
-check() { if [ "$2" = 1 ]; then echo "L2-GUEST-CHECK ok $1"; else echo "L2-GUEST-CHECK FAIL $1"; fail=1; fi; }
+# Each result also goes straight to the console (l2-vgpu.sh shows this script's output
+# only when it ends: a guest stuck here would show nothing), with the kernel log's tail
+# after a failure.
+check() {
+    if [ "$2" = 1 ]; then echo "L2-GUEST-CHECK ok $1"; else echo "L2-GUEST-CHECK FAIL $1"; fail=1; fi
+    echo "L2-PROGRESS $1=$2" > /dev/console
+    [ "$2" = 1 ] || dmesg | busybox tail -n 30 > /dev/console
+}
 ok() { [ "$1" = 0 ] && echo 1 || echo 0; }
 # Liveness bound for each wait below (TCG is slow; never a performance target).
 PATIENCE=400

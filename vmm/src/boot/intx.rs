@@ -151,25 +151,33 @@ fn sleep_unless_stopped(epoll: &Epoll, calls: &[Arc<EventFd>], d: Duration) -> b
     }
 }
 
-/// The backend is lost: drop the connection and ask the driver for a reset.
-fn backend_lost(bus: &Mutex<PciBus>, slot: u8, config_irq: &EventFd) {
-    with_vgpu(bus, slot, |d| {
-        d.backend_mut().drop_connection();
-        d.device_failed();
-    });
+/// Raises the configuration interrupt.
+fn raise_config(config_irq: &EventFd) {
     if let Err(e) = config_irq.write(1) {
         warn!("vgpu-intx: raising the configuration interrupt: {e}");
     }
 }
 
-/// Retries the backend under `policy`; the new connection's socket on success.
+/// The backend is lost: drop the connection and ask the driver for a reset.
+fn backend_lost(bus: &Mutex<PciBus>, slot: u8, config_irq: &EventFd) {
+    let failed = with_vgpu(bus, slot, |d| {
+        d.backend_mut().drop_connection();
+        d.device_failed()
+    });
+    if failed == Some(true) {
+        raise_config(config_irq);
+    }
+}
+
+/// Retries the backend under `policy`; the new connection's socket on success, and
+/// whether the driver must be asked for a reset.
 fn reconnect(
     epoll: &Epoll,
     calls: &[Arc<EventFd>],
     bus: &Mutex<PciBus>,
     slot: u8,
     policy: &ReconnectPolicy,
-) -> Result<RawFd, ReconnectError> {
+) -> Result<(RawFd, bool), ReconnectError> {
     let Some((path, faults, handler, config)) = with_vgpu(bus, slot, |d| {
         let b = d.backend();
         (
@@ -190,18 +198,16 @@ fn reconnect(
         || VhostUserVgpu::connect_again(&path, faults, &handler, Some(&config)),
     )?;
     let socket = dev.socket_fd();
-    with_vgpu(bus, slot, |d| adopt(d, dev)).ok_or(ReconnectError::Stopped)?;
-    Ok(socket)
+    let ask = with_vgpu(bus, slot, |d| adopt(d, dev)).ok_or(ReconnectError::Stopped)?;
+    Ok((socket, ask))
 }
 
 /// Installs the new connection; a driver that touched the device meanwhile (its status is
 /// not 0: it may have reset and activated while no backend was there) is asked for a
-/// reset again.
-fn adopt(d: &mut VirtioPciDevice<VhostUserVgpu>, dev: crate::frontend::VhostUserDevice) {
+/// reset again (true).
+fn adopt(d: &mut VirtioPciDevice<VhostUserVgpu>, dev: crate::frontend::VhostUserDevice) -> bool {
     d.backend_mut().adopt(dev);
-    if d.status() != 0 {
-        d.device_failed();
-    }
+    d.device_failed()
 }
 
 fn forward(
@@ -237,7 +243,7 @@ fn forward(
                         continue;
                     };
                     match reconnect(epoll, calls, bus, slot, &policy) {
-                        Ok(new) => {
+                        Ok((new, ask)) => {
                             socket = new;
                             if let Err(e) = epoll.ctl(
                                 ControlOperation::Add,
@@ -249,9 +255,11 @@ fn forward(
                             ) {
                                 error!("vgpu-intx: watching the new connection: {e}");
                             }
-                            info!("vgpu: backend back; asking the driver for a reset");
-                            if let Err(e) = config_irq.write(1) {
-                                warn!("vgpu-intx: raising the configuration interrupt: {e}");
+                            if ask {
+                                info!("vgpu: backend back; asking the driver for a reset");
+                                raise_config(config_irq);
+                            } else {
+                                info!("vgpu: backend back; the device is in reset");
                             }
                         }
                         Err(ReconnectError::Stopped) => return,
