@@ -49,5 +49,15 @@ if [ "${SKIP_RIG:-0}" != "1" ]; then
     # killed process leaves nothing, quick bench), plus exit costs seen from L2.
     echo "== nested rig: two L2 VMs with the guest driver on one vgpu-backend"
     ci/rig/l2-vgpu.sh --guest --vms 2 --timeout 900
+    # Reconnect: vgpu-backend SIGKILLed and restarted under two L2 guests that hold the
+    # device; vgpu-vmm reconnects, vgpu.ko resets the device, old processes end with an
+    # error, vgpu-smoke passes again, no oops or warning in either guest's dmesg.
+    echo "== nested rig: a backend killed and restarted under two L2 VMs"
+    ci/rig/l2-vgpu.sh --guest --vms 2 --restart-backend --timeout 900
+    # The same with a hung backend: SIGSTOPped for 60 s (requests time out, the guests
+    # reset their devices, vgpu-vmm's reset request times out and it closes the
+    # connection), then killed and restarted.
+    echo "== nested rig: a backend hung, then restarted, under two L2 VMs"
+    ci/rig/l2-vgpu.sh --guest --vms 2 --hang-backend 60 --timeout 900
 fi
 echo "== all tests passed"

@@ -20,8 +20,8 @@
 #            [--vmm-args 'ARGS'] [--insmod-args 'PARAMS']
 #            [--l2-cmd 'SH CODE' | --l2-script FILE] [--l1-pre 'SH CODE'] [-- run-l1.sh args]
 #   --vmm-args   device options of vgpu-vmm (default per --backend)
-#   --insmod-args  vgpu.ko parameters (default: request_timeout_ms=2000 for the stub,
-#                none for the real backend)
+#   --insmod-args  vgpu.ko parameters (default: request_timeout_ms=2000 reset_on_timeout=0 for the stub:
+#                it never answers, so no reset would help; none for the real backend)
 #   --l2-cmd/--l2-script  what runs in L2 after the modules are loaded (busybox sh);
 #                its exit status is the result (e.g. --l2-cmd vgpu-smoke)
 #   --l1-pre     shell code run in L1 before vgpu-vmm starts (e.g. start a backend)
@@ -60,7 +60,7 @@ while [ $# -gt 0 ]; do
 done
 [ -z "$L2_CMD" ] || [ -z "$L2_SCRIPT" ] || die "--l2-cmd and --l2-script are exclusive"
 case "$BACKEND" in
-    stub) VMM_ARGS="${VMM_ARGS:---vgpu-stub}"; INSMOD_ARGS="${INSMOD_ARGS:-request_timeout_ms=2000}" ;;
+    stub) VMM_ARGS="${VMM_ARGS:---vgpu-stub}"; INSMOD_ARGS="${INSMOD_ARGS:-request_timeout_ms=2000 reset_on_timeout=0}" ;;
     real) VMM_ARGS="${VMM_ARGS:---vgpu-socket /tmp/vgpu/vm1.sock}"
           L1_PRE="mkdir -p /tmp/vgpu
 RUST_LOG=warn vgpu-backend --socket-dir /tmp/vgpu --vm vm1 --vram-mib 256 --sim-idle-sleep-us $IDLE_US > /tmp/backend.log 2>&1 &

@@ -11,10 +11,15 @@
 #   - --guest: all of the guest stack — builds vgpu.ko, the static guest tools
 #     (vgpu-smoke, vgpu-throttle, vgpu-guest-bench) and exit-cost, and runs
 #     ci/rig/l2-guest-checks.sh in every L2 (unless --l2-cmd names another script).
+#   - --restart-backend: once every L2 printed "L2-RECONNECT-READY", vgpu-backend is
+#     SIGKILLed and a new one started on the same sockets (vgpu-vmm reconnects); with
+#     --guest the L2 script is then ci/rig/l2-reconnect-checks.sh. --hang-backend S does
+#     the same but SIGSTOPs the backend for S seconds first (a hung backend: requests
+#     time out, vgpu-vmm closes the connection), and checks every VMM logged a timeout.
 # Each L2 prints "L2-VGPU-RESULT ...", each VM's line "L2-VGPU-CHECK vm=K ..." appears on
 # L1's console, and the backend must exit cleanly on SIGTERM afterwards.
 #
-# Usage: ci/rig/l2-vgpu.sh [--vms N] [--guest] [--driver vgpu.ko] [--exit-cost BIN] [--l2-cmd FILE]
+# Usage: ci/rig/l2-vgpu.sh [--vms N] [--guest] [--restart-backend] [--hang-backend S] [--driver vgpu.ko] [--exit-cost BIN] [--l2-cmd FILE]
 #                          [--add SRC:DST]... [--vcpus N] [--no-build] [--timeout S]
 #                          [-- run-l1.sh args]
 #   --add puts extra files into every L2's initramfs (e.g. guest tools).
@@ -36,6 +41,8 @@ DRIVER=""
 EXITCOST=""
 L2CMD=""
 BUILD=1
+RESTART=0
+HANG=0
 TIMEOUT=420
 ADDS=()
 EXTRA=()
@@ -46,6 +53,8 @@ while [ $# -gt 0 ]; do
         --vcpus) VCPUS="$2"; shift 2 ;;
         --driver) DRIVER="$2"; shift 2 ;;
         --guest) GUEST=1; shift ;;
+        --restart-backend) RESTART=1; shift ;;
+        --hang-backend) RESTART=1; HANG="$2"; shift 2 ;;
         --exit-cost) EXITCOST="$2"; shift 2 ;;
         --l2-cmd) L2CMD="$2"; shift 2 ;;
         --add) ADDS+=(--add "$2"); shift 2 ;;
@@ -94,7 +103,11 @@ trap 'rm -rf "$WORK"' EXIT
 if [ "$GUEST" = 1 ]; then
     DRIVER="${DRIVER:-$ROOT/guest-driver/kernel/vgpu.ko}"
     EXITCOST="${EXITCOST:-$TARGET_DIR/exit-cost}"
-    L2CMD="${L2CMD:-$RIG/l2-guest-checks.sh}"
+    if [ "$RESTART" = 1 ]; then
+        L2CMD="${L2CMD:-$RIG/l2-reconnect-checks.sh}"
+    else
+        L2CMD="${L2CMD:-$RIG/l2-guest-checks.sh}"
+    fi
     # Static tools, stripped: the L2 initramfs rides inside L1's.
     for t in $TOOLS; do
         [ -x "$MUSL/$t" ] || die "no static $t in $MUSL (drop --no-build)"
@@ -168,10 +181,40 @@ cat > "$WORK/cmd.sh" <<CMD
 mkdir -p /tmp/vgpu
 vms=""
 for k in \$(seq 0 $((VMS - 1))); do vms="\$vms --vm vm\$k"; done
-RUST_LOG=info vgpu-backend --socket-dir /tmp/vgpu --api-socket /tmp/vgpu/api.sock \\
-    --vram-mib 256 --vm-swap-mib 256 --sim-idle-sleep-us 5000 $BACKEND_ARGS \$vms > /tmp/backend.log 2>&1 &
+start_backend() {
+    RUST_LOG=info vgpu-backend --socket-dir /tmp/vgpu --api-socket /tmp/vgpu/api.sock \\
+        --vram-mib 256 --vm-swap-mib 256 --sim-idle-sleep-us 5000 $BACKEND_ARGS \$vms >> /tmp/backend.log 2>&1 &
+}
+start_backend
 bp=\$!
 for i in \$(seq 1 100); do [ -S /tmp/vgpu/vm$((VMS - 1)).sock ] && break; sleep 0.1; done
+rs=""
+if [ "$RESTART" = 1 ]; then
+    # Kill the backend once every L2 is ready, then start a new one; this subshell owns
+    # the new backend and leaves its exit status in /tmp/backend2.rc.
+    (
+        for i in \$(seq 1 $((TIMEOUT * 5))); do
+            n=0
+            for k in \$(seq 0 $((VMS - 1))); do grep -a -q L2-RECONNECT-READY /tmp/l2-\$k.log && n=\$((n + 1)); done
+            [ "\$n" = $VMS ] && break
+            sleep 0.2
+        done
+        if [ "$HANG" != 0 ]; then
+            kill -STOP \$bp
+            echo "L2-VGPU-BACKEND-STOPPED pid=\$bp for ${HANG}s"
+            sleep $HANG
+        fi
+        kill -KILL \$bp
+        echo "L2-VGPU-BACKEND-KILLED pid=\$bp"
+        sleep 2
+        start_backend
+        echo \$! > /tmp/backend2.pid
+        echo "L2-VGPU-BACKEND-RESTARTED pid=\$!"
+        wait \$!
+        echo \$? > /tmp/backend2.rc
+    ) &
+    rs=\$!
+fi
 read -r t0 _ < /proc/uptime
 pids=""
 for k in \$(seq 0 $((VMS - 1))); do
@@ -196,10 +239,22 @@ for p in \$pids; do
     echo "==== vgpu-vmm vm\$k"; tail -n 15 /tmp/vmm-\$k.log
     echo "L2-VGPU-CHECK vm=\$k vmm_rc=\$rc l2_uptime_at_init=\${up:-none} done_after=\$(awk -v a=\$t0 -v b=\$t1 'BEGIN{printf "%.1f", b-a}')s \${res:-no result}"
     [ "\$rc" = 0 ] && [ "\$res" = "L2-VGPU-RESULT $EXPECT" ] || ok=0
+    if [ "$HANG" != 0 ]; then
+        grep -q 'did not answer in time' /tmp/vmm-\$k.log && to=1 || to=0
+        echo "L2-VGPU-HANG vm=\$k vmm_saw_timeout=\$to"
+        [ "\$to" = 1 ] || ok=0
+    fi
     k=\$((k + 1))
 done
 if [ -n "\$mon" ]; then wait \$mon; mrc=\$?; echo "L2-VGPU-MONITOR rc=\$mrc"; [ "\$mrc" = 0 ] || ok=0; fi
-kill -TERM \$bp; wait \$bp; brc=\$?
+if [ -n "\$rs" ]; then
+    wait \$bp
+    if [ -f /tmp/backend2.pid ]; then kill -TERM \$(cat /tmp/backend2.pid); fi
+    wait \$rs
+    brc=\$(cat /tmp/backend2.rc 2>/dev/null || echo none)
+else
+    kill -TERM \$bp; wait \$bp; brc=\$?
+fi
 echo "==== vgpu-backend"; tail -n 25 /tmp/backend.log
 echo "L2-VGPU-BACKEND rc=\$brc"
 [ "\$brc" = 0 ] || ok=0

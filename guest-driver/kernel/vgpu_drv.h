@@ -69,6 +69,8 @@ struct vgpu_dev {
 	struct list_head orphans;
 
 	bool dead;     /* removed: every request fails with -ENODEV */
+	/* A reset of the device (remove + probe) is queued: ask only once. */
+	atomic_t reset_queued;
 	bool shm_gone; /* shm_va unmapped (under chans' xa_lock) */
 
 	atomic64_t requests;

@@ -3,9 +3,14 @@
  * vgpu.ko: the virtio side. Probe finds the control and event virtqueues and the
  * shared-memory region, registers /dev/vgpu; control requests are synchronous
  * request/reply chains on queue 0 with a timeout; events from queue 1 are routed to
- * channels by id and wake waiters. See docs/guest-driver.md.
+ * channels by id and wake waiters. A device that asks for a reset (DEVICE_NEEDS_RESET
+ * with a configuration interrupt: its backend died, hung or restarted) is rebound: the
+ * old instance is removed as on unplug (open files fail with -ENODEV, their mappings
+ * are zapped, waiters wake) and a fresh one is probed, so new opens of /dev/vgpu reach
+ * the new backend. See docs/guest-driver.md.
  */
 
+#include <linux/device.h>
 #include <linux/idr.h>
 #include <linux/io.h>
 #include <linux/ioport.h>
@@ -16,6 +21,7 @@
 #include <linux/slab.h>
 #include <linux/virtio.h>
 #include <linux/virtio_config.h>
+#include <linux/workqueue.h>
 
 #include "vgpu_drv.h"
 #include "vgpu_protocol.h"
@@ -23,6 +29,13 @@
 static unsigned int request_timeout_ms = 10000;
 module_param(request_timeout_ms, uint, 0644);
 MODULE_PARM_DESC(request_timeout_ms, "how long a control request may take (ms) before -ETIMEDOUT");
+
+static bool reset_on_timeout = true;
+module_param(reset_on_timeout, bool, 0644);
+MODULE_PARM_DESC(reset_on_timeout, "reset the device when a request times out (a hung backend)");
+
+/* Runs device resets: their own queue, so that module exit can drain it. */
+static struct workqueue_struct *vgpu_wq;
 
 unsigned int vgpu_wait_poll_ms = 2;
 module_param_named(wait_poll_ms, vgpu_wait_poll_ms, uint, 0644);
@@ -34,7 +47,6 @@ static void vgpu_dev_free(struct kref *kref)
 {
 	struct vgpu_dev *dev = container_of(kref, struct vgpu_dev, kref);
 
-	ida_free(&vgpu_ida, dev->index);
 	kfree(dev->event_bufs);
 	kfree(dev);
 }
@@ -80,6 +92,56 @@ static int vgpu_errno(u32 status)
 	default:
 		return -EIO;
 	}
+}
+
+/* ---- device reset (recovery) ------------------------------------------------------- */
+
+struct vgpu_reset_work {
+	struct work_struct work;
+	struct virtio_device *vdev; /* a device reference is held */
+};
+
+static void vgpu_reset_fn(struct work_struct *work)
+{
+	struct vgpu_reset_work *rw = container_of(work, struct vgpu_reset_work, work);
+	struct device *d = &rw->vdev->dev;
+
+	/* remove (open files see the old instance dead) then probe a fresh one */
+	if (device_reprobe(d))
+		dev_err(d, "restarting the device failed\n");
+	put_device(d);
+	kfree(rw);
+}
+
+/*
+ * Queues a reset of the device (any context). `why` is logged. A device being removed or
+ * one with a reset already queued is left alone.
+ */
+static void vgpu_queue_reset(struct vgpu_dev *dev, const char *why)
+{
+	struct vgpu_reset_work *rw;
+
+	if (READ_ONCE(dev->dead) || atomic_xchg(&dev->reset_queued, 1))
+		return;
+	rw = kzalloc(sizeof(*rw), GFP_ATOMIC);
+	if (!rw) {
+		atomic_set(&dev->reset_queued, 0);
+		return;
+	}
+	dev_warn(&dev->vdev->dev, "%s: resetting the device\n", why);
+	INIT_WORK(&rw->work, vgpu_reset_fn);
+	rw->vdev = dev->vdev;
+	get_device(&dev->vdev->dev);
+	queue_work(vgpu_wq, &rw->work);
+}
+
+/* Configuration interrupt: the device may ask for a reset (virtio 1.x §2.1.2). */
+static void vgpu_config_changed(struct virtio_device *vdev)
+{
+	struct vgpu_dev *dev = vdev->priv;
+
+	if (dev && vdev->config->get_status(vdev) & VIRTIO_CONFIG_S_NEEDS_RESET)
+		vgpu_queue_reset(dev, "the device needs a reset (backend lost)");
 }
 
 /* ---- control queue ------------------------------------------------------------------ */
@@ -178,6 +240,8 @@ int vgpu_request(struct vgpu_dev *dev, u32 op, u32 pid, u32 ctx, const void *bod
 		atomic64_inc(&dev->timeouts);
 		pr_warn_ratelimited("%s: request op %u timed out after %u ms\n", dev->name, op,
 				    request_timeout_ms);
+		if (reset_on_timeout)
+			vgpu_queue_reset(dev, "a request timed out");
 		return -ETIMEDOUT;
 	}
 	spin_unlock_irqrestore(&dev->ctrl_lock, flags);
@@ -433,6 +497,7 @@ err_unmap:
 	memunmap(dev->shm_va);
 err_free:
 	vdev->priv = NULL;
+	ida_free(&vgpu_ida, dev->index);
 	vgpu_dev_put(dev);
 	return err;
 }
@@ -500,6 +565,8 @@ static void vgpu_remove(struct virtio_device *vdev)
 		 atomic64_read(&dev->requests), atomic64_read(&dev->timeouts),
 		 atomic64_read(&dev->events), atomic64_read(&dev->events_unrouted));
 	vdev->priv = NULL;
+	/* The name is free now that the misc device is gone: a re-probe gets /dev/vgpu again. */
+	ida_free(&vgpu_ida, dev->index);
 	vgpu_dev_put(dev);
 }
 
@@ -519,9 +586,31 @@ static struct virtio_driver vgpu_driver = {
 	.feature_table_size = ARRAY_SIZE(vgpu_features),
 	.probe = vgpu_probe,
 	.remove = vgpu_remove,
+	.config_changed = vgpu_config_changed,
 };
 
-module_virtio_driver(vgpu_driver);
+static int __init vgpu_init(void)
+{
+	int err;
+
+	vgpu_wq = alloc_workqueue("vgpu", 0, 0);
+	if (!vgpu_wq)
+		return -ENOMEM;
+	err = register_virtio_driver(&vgpu_driver);
+	if (err)
+		destroy_workqueue(vgpu_wq);
+	return err;
+}
+
+static void __exit vgpu_exit(void)
+{
+	/* No config interrupt reaches the driver after this; then finish queued resets. */
+	unregister_virtio_driver(&vgpu_driver);
+	destroy_workqueue(vgpu_wq);
+}
+
+module_init(vgpu_init);
+module_exit(vgpu_exit);
 
 MODULE_DESCRIPTION("vgpu paravirtual GPU guest driver (resource allocation over virtio)");
 MODULE_LICENSE("Dual BSD/GPL");

@@ -12,6 +12,7 @@
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use log::{debug, info};
 use std::io::{Read, Write};
@@ -28,6 +29,7 @@ use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::request_timeout::RequestWatchdog;
 use crate::shm_window::{BackendReqThread, ShmWindowError};
 
 #[derive(Debug, Error)]
@@ -53,14 +55,32 @@ pub enum FrontendError {
     Disconnected,
     #[error("bad queue setup: {0}")]
     BadQueue(&'static str),
+    #[error("vhost-user {step}: the backend did not answer within {timeout:?}")]
+    Timeout {
+        step: &'static str,
+        timeout: Duration,
+    },
+    #[error("starting the request watchdog: {0}")]
+    Watchdog(std::io::Error),
     #[error("device-state transfer: {0}")]
     StateIo(std::io::Error),
     #[error("the backend refused the device state (CHECK_DEVICE_STATE): {0}")]
     StateRefused(vhost::Error),
 }
 
-fn proto(step: &'static str) -> impl FnOnce(vhost::Error) -> FrontendError {
-    move |source| FrontendError::Protocol { step, source }
+/// The error of a failed `step`: a timeout if the watchdog ended it, else the protocol
+/// error.
+fn timed_err<'a>(
+    wd: Option<&'a RequestWatchdog>,
+    step: &'static str,
+) -> impl FnOnce(vhost::Error) -> FrontendError + 'a {
+    move |source| match wd.filter(|w| w.fired()) {
+        Some(w) => FrontendError::Timeout {
+            step,
+            timeout: w.timeout(),
+        },
+        None => FrontendError::Protocol { step, source },
+    }
 }
 
 /// What the frontend needs from the device.
@@ -79,6 +99,9 @@ pub struct DeviceRequirements {
     pub shm_regions: Vec<(u8, u64)>,
     /// Bytes of config space to read at connect.
     pub config_size: u32,
+    /// How long a request that waits for the backend's reply may take (`None`: forever).
+    /// After a timeout the connection is shut down and every later request fails.
+    pub request_timeout: Option<Duration>,
 }
 
 /// One virtqueue as the driver set it up: ring addresses in *this process* (user
@@ -106,6 +129,8 @@ pub struct VhostUserDevice {
     config: Vec<u8>,
     backend_req: Option<BackendReqThread>,
     socket_fd: RawFd,
+    /// Ends requests that outlive `DeviceRequirements::request_timeout`.
+    watchdog: Option<RequestWatchdog>,
 }
 
 impl VhostUserDevice {
@@ -126,9 +151,18 @@ impl VhostUserDevice {
             }
         })?;
         let socket_fd = fe.as_raw_fd();
+        let watchdog = req
+            .request_timeout
+            .map(|t| RequestWatchdog::start(socket_fd, t))
+            .transpose()
+            .map_err(FrontendError::Watchdog)?;
+        // Every negotiation step below that waits for a reply runs under the deadline.
+        let wd = watchdog.as_ref();
+        let armed = wd.map(|w| w.arm());
+        let timed = |step: &'static str| timed_err(wd, step);
 
-        fe.set_owner().map_err(proto("SET_OWNER"))?;
-        let offered = fe.get_features().map_err(proto("GET_FEATURES"))?;
+        fe.set_owner().map_err(timed("SET_OWNER"))?;
+        let offered = fe.get_features().map_err(timed("GET_FEATURES"))?;
         let must = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() | 1u64 << VIRTIO_F_VERSION_1;
         if offered & must != must {
             return Err(FrontendError::MissingFeatures(must & !offered));
@@ -136,7 +170,7 @@ impl VhostUserDevice {
 
         let offered_proto = fe
             .get_protocol_features()
-            .map_err(proto("GET_PROTOCOL_FEATURES"))?;
+            .map_err(timed("GET_PROTOCOL_FEATURES"))?;
         if !offered_proto.contains(req.protocol_features) {
             return Err(FrontendError::MissingProtocolFeatures(
                 req.protocol_features - offered_proto,
@@ -144,10 +178,10 @@ impl VhostUserDevice {
         }
         let acked_proto = req.protocol_features | (req.optional_protocol_features & offered_proto);
         fe.set_protocol_features(acked_proto)
-            .map_err(proto("SET_PROTOCOL_FEATURES"))?;
+            .map_err(timed("SET_PROTOCOL_FEATURES"))?;
 
         let queue_num = if acked_proto.contains(VhostUserProtocolFeatures::MQ) {
-            fe.get_queue_num().map_err(proto("GET_QUEUE_NUM"))?
+            fe.get_queue_num().map_err(timed("GET_QUEUE_NUM"))?
         } else {
             1
         };
@@ -163,13 +197,13 @@ impl VhostUserDevice {
             let reply_ack = acked_proto.contains(VhostUserProtocolFeatures::REPLY_ACK);
             let (thread, fd) = BackendReqThread::start(backend_req_handler, reply_ack)?;
             fe.set_backend_request_fd(&fd)
-                .map_err(proto("SET_BACKEND_REQ_FD"))?;
+                .map_err(timed("SET_BACKEND_REQ_FD"))?;
             backend_req = Some(thread);
         }
 
         let mut shm_sizes = Vec::new();
         if acked_proto.contains(VhostUserProtocolFeatures::SHMEM) {
-            let c = fe.get_shmem_config().map_err(proto("GET_SHMEM_CONFIG"))?;
+            let c = fe.get_shmem_config().map_err(timed("GET_SHMEM_CONFIG"))?;
             let n = (c.nregions as usize).min(c.memory_sizes.len());
             shm_sizes = c.memory_sizes.to_vec();
             // Regions are indexed by id; keep the sizes up to the last non-zero one.
@@ -188,10 +222,11 @@ impl VhostUserDevice {
             let buf = vec![0u8; req.config_size as usize];
             let (_, payload) = fe
                 .get_config(0, req.config_size, VhostUserConfigFlags::empty(), &buf)
-                .map_err(proto("GET_CONFIG"))?;
+                .map_err(timed("GET_CONFIG"))?;
             config = payload;
         }
 
+        drop(armed);
         info!(
             "vhost-user {}: features {offered:#x}, protocol {acked_proto:?}, {queue_num} queues, shm {shm_sizes:x?}",
             path.display()
@@ -206,11 +241,29 @@ impl VhostUserDevice {
             config,
             backend_req,
             socket_fd,
+            watchdog,
         })
     }
 
-    fn fe(&mut self) -> Result<&mut Frontend, FrontendError> {
-        self.frontend.as_mut().ok_or(FrontendError::Disconnected)
+    /// The connection and its request deadline, armed until the guard drops.
+    fn fe(
+        &mut self,
+    ) -> Result<
+        (
+            &mut Frontend,
+            Option<&RequestWatchdog>,
+            Option<crate::request_timeout::Armed<'_>>,
+        ),
+        FrontendError,
+    > {
+        let fe = self.frontend.as_mut().ok_or(FrontendError::Disconnected)?;
+        let wd = self.watchdog.as_ref();
+        Ok((fe, wd, wd.map(|w| w.arm())))
+    }
+
+    /// Whether a request outlived its deadline (the connection is then shut down).
+    pub fn timed_out(&self) -> bool {
+        self.watchdog.as_ref().is_some_and(|w| w.fired())
     }
 
     /// Virtio features the backend offers.
@@ -243,10 +296,10 @@ impl VhostUserDevice {
     /// Reads `len` bytes of config space at `offset` (GET_CONFIG).
     pub fn read_config(&mut self, offset: u32, len: u32) -> Result<Vec<u8>, FrontendError> {
         let buf = vec![0u8; len as usize];
-        let (_, payload) = self
-            .fe()?
+        let (fe, wd, _armed) = self.fe()?;
+        let (_, payload) = fe
             .get_config(offset, len, VhostUserConfigFlags::empty(), &buf)
-            .map_err(proto("GET_CONFIG"))?;
+            .map_err(timed_err(wd, "GET_CONFIG"))?;
         Ok(payload)
     }
 
@@ -277,14 +330,16 @@ impl VhostUserDevice {
             .protocol_features
             .contains(VhostUserProtocolFeatures::REPLY_ACK);
         let queue_num = self.queue_num;
-        let fe = self.fe()?;
-        fe.set_features(acked).map_err(proto("SET_FEATURES"))?;
+        let (fe, wd, armed) = self.fe()?;
+        fe.set_features(acked)
+            .map_err(timed_err(wd, "SET_FEATURES"))?;
         // The backend answers REPLY_ACK only once PROTOCOL_FEATURES is acked, so ask for
         // acks from here on: every later setup step then reports the backend's verdict.
         if reply_ack {
             fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
         }
-        fe.set_mem_table(mem).map_err(proto("SET_MEM_TABLE"))?;
+        fe.set_mem_table(mem)
+            .map_err(timed_err(wd, "SET_MEM_TABLE"))?;
         for (i, q) in queues.iter().enumerate() {
             let base = bases.get(i).copied().unwrap_or(0);
             if q.index as u64 >= queue_num {
@@ -294,7 +349,7 @@ impl VhostUserDevice {
                 return Err(FrontendError::BadQueue("queue size not a power of two"));
             }
             fe.set_vring_num(q.index, q.size)
-                .map_err(proto("SET_VRING_NUM"))?;
+                .map_err(timed_err(wd, "SET_VRING_NUM"))?;
             let cfg = VringConfigData {
                 queue_max_size: q.size,
                 queue_size: q.size,
@@ -305,17 +360,18 @@ impl VhostUserDevice {
                 log_addr: None,
             };
             fe.set_vring_addr(q.index, &cfg)
-                .map_err(proto("SET_VRING_ADDR"))?;
+                .map_err(timed_err(wd, "SET_VRING_ADDR"))?;
             fe.set_vring_base(q.index, base)
-                .map_err(proto("SET_VRING_BASE"))?;
+                .map_err(timed_err(wd, "SET_VRING_BASE"))?;
             fe.set_vring_call(q.index, q.call)
-                .map_err(proto("SET_VRING_CALL"))?;
+                .map_err(timed_err(wd, "SET_VRING_CALL"))?;
             fe.set_vring_kick(q.index, q.kick)
-                .map_err(proto("SET_VRING_KICK"))?;
+                .map_err(timed_err(wd, "SET_VRING_KICK"))?;
             fe.set_vring_enable(q.index, true)
-                .map_err(proto("SET_VRING_ENABLE"))?;
+                .map_err(timed_err(wd, "SET_VRING_ENABLE"))?;
             debug!("vring {} enabled ({} entries)", q.index, q.size);
         }
+        drop(armed);
         self.acked_features = acked;
         Ok(())
     }
@@ -328,13 +384,15 @@ impl VhostUserDevice {
         let reset_device = self
             .protocol_features
             .contains(VhostUserProtocolFeatures::RESET_DEVICE);
-        let fe = self.fe()?;
+        let (fe, wd, armed) = self.fe()?;
         for &q in queues {
-            fe.get_vring_base(q).map_err(proto("GET_VRING_BASE"))?;
+            fe.get_vring_base(q)
+                .map_err(timed_err(wd, "GET_VRING_BASE"))?;
         }
         if reset_device {
-            fe.reset_device().map_err(proto("RESET_DEVICE"))?;
+            fe.reset_device().map_err(timed_err(wd, "RESET_DEVICE"))?;
         }
+        drop(armed);
         self.acked_features = 0;
         Ok(())
     }
@@ -342,10 +400,12 @@ impl VhostUserDevice {
     /// Stops `queues` (GET_VRING_BASE: the backend no longer touches them when it
     /// answers) and returns each one's next available index.
     pub fn stop_queues(&mut self, queues: &[usize]) -> Result<Vec<u16>, FrontendError> {
-        let fe = self.fe()?;
+        let (fe, wd, _armed) = self.fe()?;
         let mut bases = Vec::with_capacity(queues.len());
         for &q in queues {
-            let b = fe.get_vring_base(q).map_err(proto("GET_VRING_BASE"))?;
+            let b = fe
+                .get_vring_base(q)
+                .map_err(timed_err(wd, "GET_VRING_BASE"))?;
             bases.push(u16::try_from(b).unwrap_or(0));
         }
         Ok(bases)
@@ -357,16 +417,16 @@ impl VhostUserDevice {
         queues: &[QueueSetup<'_>],
         bases: &[u16],
     ) -> Result<(), FrontendError> {
-        let fe = self.fe()?;
+        let (fe, wd, _armed) = self.fe()?;
         for (q, &base) in queues.iter().zip(bases) {
             fe.set_vring_base(q.index, base)
-                .map_err(proto("SET_VRING_BASE"))?;
+                .map_err(timed_err(wd, "SET_VRING_BASE"))?;
             fe.set_vring_call(q.index, q.call)
-                .map_err(proto("SET_VRING_CALL"))?;
+                .map_err(timed_err(wd, "SET_VRING_CALL"))?;
             fe.set_vring_kick(q.index, q.kick)
-                .map_err(proto("SET_VRING_KICK"))?;
+                .map_err(timed_err(wd, "SET_VRING_KICK"))?;
             fe.set_vring_enable(q.index, true)
-                .map_err(proto("SET_VRING_ENABLE"))?;
+                .map_err(timed_err(wd, "SET_VRING_ENABLE"))?;
         }
         Ok(())
     }
@@ -375,14 +435,14 @@ impl VhostUserDevice {
     /// then CHECK_DEVICE_STATE).
     pub fn save_state(&mut self) -> Result<Vec<u8>, FrontendError> {
         let (mut rd, wr) = std::io::pipe().map_err(FrontendError::StateIo)?;
-        let fe = self.fe()?;
+        let (fe, wd, _armed) = self.fe()?;
         let back = fe
             .set_device_state_fd(
                 VhostTransferStateDirection::SAVE,
                 VhostTransferStatePhase::STOPPED,
                 wr.into(),
             )
-            .map_err(proto("SET_DEVICE_STATE_FD"))?;
+            .map_err(timed_err(wd, "SET_DEVICE_STATE_FD"))?;
         let mut bytes = Vec::new();
         match back {
             // The backend chose its own channel.
@@ -391,7 +451,13 @@ impl VhostUserDevice {
         }
         .map_err(FrontendError::StateIo)?;
         fe.check_device_state()
-            .map_err(FrontendError::StateRefused)?;
+            .map_err(|e| match wd.filter(|w| w.fired()) {
+                Some(w) => FrontendError::Timeout {
+                    step: "CHECK_DEVICE_STATE",
+                    timeout: w.timeout(),
+                },
+                None => FrontendError::StateRefused(e),
+            })?;
         Ok(bytes)
     }
 
@@ -399,14 +465,14 @@ impl VhostUserDevice {
     /// EOF, then CHECK_DEVICE_STATE, which fails if the backend refused it).
     pub fn load_state(&mut self, bytes: &[u8]) -> Result<(), FrontendError> {
         let (rd, mut wr) = std::io::pipe().map_err(FrontendError::StateIo)?;
-        let fe = self.fe()?;
+        let (fe, wd, _armed) = self.fe()?;
         let back = fe
             .set_device_state_fd(
                 VhostTransferStateDirection::LOAD,
                 VhostTransferStatePhase::STOPPED,
                 rd.into(),
             )
-            .map_err(proto("SET_DEVICE_STATE_FD"))?;
+            .map_err(timed_err(wd, "SET_DEVICE_STATE_FD"))?;
         let written = match back {
             Some(mut f) => f.write_all(bytes),
             None => wr.write_all(bytes),
@@ -417,7 +483,14 @@ impl VhostUserDevice {
         if let Err(e) = written {
             debug!("device-state write: {e}");
         }
-        fe.check_device_state().map_err(FrontendError::StateRefused)
+        fe.check_device_state()
+            .map_err(|e| match wd.filter(|w| w.fired()) {
+                Some(w) => FrontendError::Timeout {
+                    step: "CHECK_DEVICE_STATE",
+                    timeout: w.timeout(),
+                },
+                None => FrontendError::StateRefused(e),
+            })
     }
 
     /// Whether the backend-request channel has stopped (closed or broken).
@@ -439,6 +512,8 @@ impl VhostUserDevice {
         if let Some(mut t) = self.backend_req.take() {
             t.stop();
         }
+        // Nothing is sent any more: the watchdog's thread can go.
+        self.watchdog = None;
     }
 
     pub fn is_connected(&self) -> bool {

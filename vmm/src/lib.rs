@@ -8,6 +8,8 @@
 //! - [`pci`]: a PCI bus (config mechanism #1, host bridge, BARs, capabilities).
 //! - [`virtio_pci`]: a modern virtio-pci function with a shared-memory BAR over a
 //!   [`virtio_pci::VirtioBackend`].
+//! - [`reconnect`]: the fault policy (request timeout, reconnect with backoff) and its
+//!   retry loop; [`request_timeout`]: the watchdog that ends an unanswered request.
 //! - [`loopback`]: [`LoopbackVm`], a "VM" without KVM whose guest processes are threads of
 //!   the calling program, for tests and benchmarks.
 
@@ -17,6 +19,8 @@ pub mod guest_memory;
 pub mod kvm;
 pub mod loopback;
 pub mod pci;
+pub mod reconnect;
+pub mod request_timeout;
 pub mod sandbox;
 pub mod shm_window;
 pub mod vgpu_device;

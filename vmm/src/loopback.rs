@@ -5,8 +5,8 @@
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
-use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -22,11 +22,14 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::frontend::{FrontendError, QueueSetup, VhostUserDevice};
 use crate::guest_memory::{GuestMemoryError, GuestRam, PageAllocator, PAGE_SIZE};
-use crate::shm_window::{ShmHandler, ShmWindow, ShmWindowError};
+use crate::reconnect::FaultPolicy;
+use crate::shm_window::{HoleFill, ShmHandler, ShmWindow, ShmWindowError};
 
+mod link;
 mod migrate;
 use crate::vgpu_device::vgpu_requirements;
 use crate::virtq::{Buffer, SplitQueue, VirtqError};
+use link::Link;
 pub use migrate::{MigrationReport, StreamFilter};
 
 #[derive(Debug, Error)]
@@ -51,6 +54,10 @@ pub enum LoopbackError {
     BadDeviceConfig,
     #[error("disconnected from the backend")]
     Disconnected,
+    #[error("the backend did not answer a request within {0:?}")]
+    Timeout(Duration),
+    #[error("the device was reset (its backend restarted): this process's GPU resources are gone")]
+    DeviceReset,
 }
 
 /// Loopback VM parameters.
@@ -124,6 +131,9 @@ struct CtrlState {
     dead: bool,
     /// The device is being moved to another backend: new requests wait.
     frozen: bool,
+    /// Device generation: bumped when the rings start over on a reconnected backend, so
+    /// a request of an older generation never takes a newer one's reply.
+    epoch: u64,
 }
 
 /// The control queue: requests from many threads, at most one per slot in flight.
@@ -133,15 +143,29 @@ struct Ctrl {
     slots: Vec<Slot>,
     kick: EventFd,
     call: EventFd,
+    /// How long a request may wait for its reply before the backend counts as hung.
+    timeout: Option<Duration>,
+    link: Arc<Link>,
+    /// The generation while the device works, `DOWN` while it does not: read without the
+    /// lock by guest threads polling their channels.
+    live_epoch: AtomicU64,
 }
 
+/// `Ctrl::live_epoch` of a device that does not work.
+const DOWN: u64 = u64::MAX;
+
 impl Ctrl {
-    fn request(&self, req: &[u8]) -> Result<Vec<u8>, LoopbackError> {
+    /// Sends `req` and waits for the reply. With `epoch`, fails with `DeviceReset` if the
+    /// device has started over since that generation.
+    fn request(&self, epoch: Option<u64>, req: &[u8]) -> Result<Vec<u8>, LoopbackError> {
         if req.is_empty() || req.len() > MAX_REQUEST_SIZE {
             return Err(LoopbackError::RequestSize(req.len()));
         }
         let mut st = lock(&self.st);
         let slot = loop {
+            if epoch.is_some_and(|e| e != st.epoch) {
+                return Err(LoopbackError::DeviceReset);
+            }
             if st.dead {
                 return Err(LoopbackError::Disconnected);
             }
@@ -182,18 +206,37 @@ impl Ctrl {
         };
         st.head_slot[head as usize] = Some(slot);
         st.done[slot] = None;
+        let my_epoch = st.epoch;
         drop(st);
         kick(&self.kick);
 
+        let deadline = self.timeout.map(|t| Instant::now() + t);
         let mut st = lock(&self.st);
         let len = loop {
+            if st.epoch != my_epoch {
+                return Err(LoopbackError::DeviceReset);
+            }
             if let Some(len) = st.done[slot].take() {
                 break len;
             }
             if st.dead {
                 return Err(LoopbackError::Disconnected);
             }
-            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+            st = match deadline {
+                None => self.cv.wait(st).unwrap_or_else(|e| e.into_inner()),
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        drop(st);
+                        self.link.report_lost("a control request timed out");
+                        return Err(LoopbackError::Timeout(self.timeout.unwrap_or_default()));
+                    }
+                    self.cv
+                        .wait_timeout(st, d - now)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+            };
         };
         let n = (len as usize).min(MAX_REPLY_SIZE);
         let mut reply = vec![0u8; n];
@@ -234,7 +277,32 @@ impl Ctrl {
 
     fn kill(&self) {
         lock(&self.st).dead = true;
+        self.live_epoch.store(DOWN, Ordering::Release);
         self.cv.notify_all();
+    }
+
+    /// Fresh rings for the device's next backend (it begins at index 0); the queue stays
+    /// dead until [`Self::revive`].
+    fn reset_rings(&self) {
+        let mut st = lock(&self.st);
+        st.q.reset();
+        st.free_slots = (0..self.slots.len()).rev().collect();
+        st.head_slot.fill(None);
+        st.done.fill(None);
+    }
+
+    /// Starts a new generation: requests of the old one fail with `DeviceReset`.
+    fn revive(&self) {
+        let mut st = lock(&self.st);
+        st.epoch += 1;
+        st.dead = false;
+        self.live_epoch.store(st.epoch, Ordering::Release);
+        drop(st);
+        self.cv.notify_all();
+    }
+
+    fn epoch(&self) -> u64 {
+        lock(&self.st).epoch
     }
 
     /// Stops new requests and waits until none is in flight (the harvest runs on the
@@ -380,6 +448,21 @@ impl Events {
         lock(&self.st).dead = true;
         self.cv.notify_all();
     }
+
+    /// Fresh ring with every buffer posted again, for a reconnected backend.
+    fn revive(&self) -> Result<(), VirtqError> {
+        let mut st = lock(&self.st);
+        st.q.reset();
+        st.head_buf.fill(None);
+        st.pending.clear();
+        for i in 0..self.bufs.len() {
+            self.post(&mut st, i)?;
+        }
+        st.dead = false;
+        drop(st);
+        kick(&self.kick);
+        Ok(())
+    }
 }
 
 /// The "interrupt" thread: waits on the call eventfds and harvests used rings; also
@@ -463,6 +546,7 @@ fn irq_loop(ctrl: &Ctrl, events: &Events, shm: &ShmWindow, exit_fd: RawFd, mut s
             events.kill();
             // The backend has freed what it mapped into the BAR.
             shm.clear();
+            ctrl.link.report_lost("the backend hung up");
         }
         if fds[1].revents != 0 {
             drain(&ctrl.call);
@@ -481,8 +565,9 @@ const DRIVER_FEATURES: u64 = 1 << VIRTIO_F_VERSION_1;
 
 /// What the loopback VM needs of the backend: the vgpu requirements, plus device-state
 /// transfer where offered (for [`LoopbackVm::migrate_to`]).
-fn loopback_requirements() -> crate::frontend::DeviceRequirements {
+fn loopback_requirements(request_timeout: Option<Duration>) -> crate::frontend::DeviceRequirements {
     let mut r = vgpu_requirements();
+    r.request_timeout = request_timeout;
     r.optional_protocol_features |= vhost::vhost_user::VhostUserProtocolFeatures::DEVICE_STATE;
     r
 }
@@ -517,6 +602,12 @@ fn with_queues<T>(ctrl: &Ctrl, events: &Events, f: impl FnOnce(&[QueueSetup<'_>]
 /// A loopback VM connected to a vgpu backend.
 pub struct LoopbackVm {
     dev: Mutex<VhostUserDevice>,
+    /// Where the backend listens (reconnects go there; a migration moves it).
+    socket: Mutex<PathBuf>,
+    faults: FaultPolicy,
+    /// Loss reports and the thread that reacts to them (`link.rs`).
+    link: Arc<Link>,
+    supervisor: Mutex<Option<JoinHandle<()>>>,
     /// Serves the backend's SHMEM requests into `shm` (kept for a migration's next
     /// backend).
     handler: Arc<ShmHandler>,
@@ -537,7 +628,19 @@ const _: () = {
 
 impl LoopbackVm {
     /// Connects to the backend socket, negotiates, shares guest RAM and starts the queues.
+    /// A lost backend leaves the device dead (see [`Self::connect_with`]).
     pub fn connect(socket: &Path, cfg: LoopbackConfig) -> Result<Arc<LoopbackVm>, LoopbackError> {
+        Self::connect_with(socket, cfg, FaultPolicy::default())
+    }
+
+    /// [`Self::connect`] with a policy for a backend that dies or hangs: requests time
+    /// out, and the VM reconnects and starts the device over, as a guest driver does on
+    /// `DEVICE_NEEDS_RESET` (requests of the old generation fail with `DeviceReset`).
+    pub fn connect_with(
+        socket: &Path,
+        cfg: LoopbackConfig,
+        faults: FaultPolicy,
+    ) -> Result<Arc<LoopbackVm>, LoopbackError> {
         if cfg.mem_bytes < 4 << 20 || !cfg.mem_bytes.is_multiple_of(PAGE_SIZE) {
             return Err(LoopbackError::Config(
                 "mem_bytes must be a page multiple of at least 4 MiB",
@@ -547,9 +650,21 @@ impl LoopbackVm {
         // Keep GPA page 0 out of circulation so that 0 never is a valid buffer address.
         let mut alloc = PageAllocator::new(PAGE_SIZE, cfg.mem_bytes - PAGE_SIZE);
 
-        let shm = Arc::new(ShmWindow::new(SHM_REGION_ID, SHM_SIZE)?);
+        // A guest thread of the old generation may still read its channel page after the
+        // backend is gone: with reconnect it reads scratch zeros rather than faulting.
+        let fill = if faults.reconnect.is_some() {
+            HoleFill::Scratch
+        } else {
+            HoleFill::NoAccess
+        };
+        let shm = Arc::new(ShmWindow::with_fill(SHM_REGION_ID, SHM_SIZE, fill)?);
         let handler = Arc::new(ShmHandler::new(vec![shm.clone()]));
-        let mut dev = VhostUserDevice::connect(socket, &loopback_requirements(), handler.clone())?;
+        let mut dev = VhostUserDevice::connect(
+            socket,
+            &loopback_requirements(faults.request_timeout),
+            handler.clone(),
+        )?;
+        let link = Arc::new(Link::default());
         if DeviceConfig::decode(dev.config()).is_none() {
             return Err(LoopbackError::BadDeviceConfig);
         }
@@ -578,11 +693,15 @@ impl LoopbackVm {
                 done: vec![None; nslots],
                 dead: false,
                 frozen: false,
+                epoch: 0,
             }),
             cv: Condvar::new(),
             slots,
             kick: new_eventfd()?,
             call: new_eventfd()?,
+            timeout: faults.request_timeout,
+            link: link.clone(),
+            live_epoch: AtomicU64::new(0),
         });
 
         // Event queue: one writable buffer per descriptor, all posted up front.
@@ -624,8 +743,12 @@ impl LoopbackVm {
             cfg.mem_bytes >> 20,
             dev.acked_features()
         );
-        Ok(Arc::new(LoopbackVm {
+        let vm = Arc::new(LoopbackVm {
             dev: Mutex::new(dev),
+            socket: Mutex::new(socket.to_path_buf()),
+            faults,
+            link,
+            supervisor: Mutex::new(None),
             handler,
             ctrl,
             events,
@@ -634,14 +757,34 @@ impl LoopbackVm {
             alloc: Mutex::new(alloc),
             connected: AtomicBool::new(true),
             ram,
-        }))
+        });
+        link::start_supervisor(&vm)?;
+        Ok(vm)
     }
 
     /// Sends one control request (bytes from `vgpu_protocol::request::Request::encode`)
     /// and returns the reply bytes. Thread-safe; up to QUEUE_SIZE/2 requests are in flight
     /// at once, further callers wait for a free slot.
     pub fn request(&self, req: &[u8]) -> Result<Vec<u8>, LoopbackError> {
-        self.ctrl.request(req)
+        self.ctrl.request(None, req)
+    }
+
+    /// [`Self::request`] on behalf of a guest process that started in device generation
+    /// `epoch` ([`Self::epoch`]): fails with `DeviceReset` once the device started over,
+    /// as `/dev/vgpu` fails the files opened before a reset.
+    pub fn request_in(&self, epoch: u64, req: &[u8]) -> Result<Vec<u8>, LoopbackError> {
+        self.ctrl.request(Some(epoch), req)
+    }
+
+    /// The device's generation: 0 at connect, one more after each reconnect.
+    pub fn epoch(&self) -> u64 {
+        self.ctrl.epoch()
+    }
+
+    /// Whether the device works in generation `epoch` (false while the backend is lost
+    /// and after the device started over): cheap enough to poll.
+    pub fn live_in(&self, epoch: u64) -> bool {
+        self.ctrl.live_epoch.load(Ordering::Acquire) == epoch
     }
 
     /// Reads the device config space (GET_CONFIG).
@@ -711,6 +854,8 @@ impl LoopbackVm {
         if !self.connected.swap(false, Ordering::AcqRel) {
             return;
         }
+        self.link.stop();
+        link::join_supervisor(self);
         self.ctrl.kill();
         self.events.kill();
         lock(&self.irq).stop();

@@ -6,7 +6,7 @@
 //! | `VmmMain` | the main thread once the VM is set up | `main`, before `LinuxVm::run` |
 //! | `Vcpu` | `vcpuN` | the vCPU thread, first thing |
 //! | `VmmBackendReq` | `vu-backend-req` (SHMEM_MAP/UNMAP into the BAR window) | that thread |
-//! | `VmmIrq` | `vgpu-intx` (INTx forwarding, backend hang-up watch) | that thread |
+//! | `VmmIrq` | `vgpu-intx` (INTx forwarding, backend hang-up watch, reconnect), `vu-req-timeout` (request deadlines) | that thread |
 //!
 //! Setup (kernel and initrd files, `/dev/kvm`, guest RAM memfds, the backend socket)
 //! happens before any filter. Threads inherit the filters of the thread that starts them:
@@ -14,7 +14,7 @@
 //! and an interrupt thread, so `Vcpu` allows what those need, and `VmmMain` (which starts
 //! the vCPUs) what a vCPU needs. ioctls are held to KVM's (type 0xAE) and two fd flags.
 
-use vgpu_sandbox::blocks::{events, open_refused, socket_io, thread_basics};
+use vgpu_sandbox::blocks::{events, open_refused, socket_io, thread_basics, unix_connect};
 use vgpu_sandbox::{Arg, Mode, Plan, Role, Rules, SandboxError};
 
 /// KVM's ioctl type (`KVMIO`), bits 8..15 of a request number.
@@ -35,9 +35,22 @@ pub fn backend_req() -> Rules {
     thread_basics().union(&socket_io()).union(&events())
 }
 
-/// The interrupt thread: waits on call eventfds and the socket's hang-up, writes irqfds.
+/// The interrupt thread: waits on call eventfds and the socket's hang-up, writes irqfds;
+/// after a hang-up it reconnects to the backend: a unix socket by path, the
+/// backend-request channel (a unix socket pair) and the threads a connection starts.
 pub fn irq() -> Rules {
-    thread_basics().union(&socket_io()).union(&events())
+    thread_basics()
+        .union(&socket_io())
+        .union(&events())
+        .union(&reconnect())
+}
+
+/// A new vhost-user connection: `socket`/`socketpair` only for `AF_UNIX`, `connect`.
+fn reconnect() -> Rules {
+    unix_connect().allow_if(
+        libc::SYS_socketpair,
+        vec![vgpu_sandbox::Arg::eq32(0, libc::AF_UNIX as u64)],
+    )
 }
 
 /// A vCPU: KVM_RUN and device emulation — serial output, the virtio-pci transport, the
@@ -114,12 +127,15 @@ mod tests {
             for nr in [
                 libc::SYS_execve,
                 libc::SYS_ptrace,
-                libc::SYS_socket,
                 libc::SYS_bind,
+                libc::SYS_listen,
                 libc::SYS_kill,
             ] {
                 assert!(!r(role).mentions(nr), "{role}: {nr}");
             }
+            // Sockets only of the unix family (reconnecting to the backend).
+            assert!(!r(role).allows_always(libc::SYS_socket), "{role}");
+            assert!(!r(role).allows_always(libc::SYS_socketpair), "{role}");
             assert!(!r(role).allows_always(libc::SYS_ioctl), "{role}");
         }
         // Only vCPUs (and main, which starts them) reach KVM.

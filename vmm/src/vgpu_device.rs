@@ -13,11 +13,18 @@
 //! - A driver reset stops the rings and sends RESET_DEVICE: the backend frees everything
 //!   the guest created, and the driver may start over on the same connection.
 //!
-//! The device configuration is read from the backend once, at connect (it is constant).
+//! - When the backend goes away (or stops answering a request in time), the watcher
+//!   thread ([`crate::boot::intx`]) drops the connection ([`VhostUserVgpu::drop_connection`]:
+//!   the old backend's pages leave the BAR window), marks the device `DEVICE_NEEDS_RESET`
+//!   with a configuration interrupt, and under a [`FaultPolicy`] reconnects
+//!   ([`VhostUserVgpu::connect_again`] + [`VhostUserVgpu::adopt`]); the guest driver's
+//!   reset then brings the device up on the new backend.
+//!
+//! The device configuration is read from the backend at each connect (it is constant).
 
 use std::io;
 use std::os::fd::RawFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use log::{info, warn};
@@ -31,6 +38,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::frontend::{DeviceRequirements, FrontendError, QueueSetup, VhostUserDevice};
 use crate::guest_memory::GuestRam;
+use crate::reconnect::FaultPolicy;
 use crate::shm_window::{ShmHandler, ShmWindow};
 use crate::virtio_pci::{ActivateError, VirtioBackend, VirtqConfig};
 
@@ -49,6 +57,7 @@ pub fn vgpu_requirements() -> DeviceRequirements {
         optional_protocol_features: VhostUserProtocolFeatures::empty(),
         shm_regions: vec![(SHM_REGION_ID, SHM_SIZE)],
         config_size: DeviceConfig::SIZE as u32,
+        request_timeout: None,
     }
 }
 
@@ -62,6 +71,8 @@ pub enum VgpuDeviceError {
     WindowSize { have: u64, want: u64 },
     #[error("creating an eventfd failed: {0}")]
     EventFd(io::Error),
+    #[error("vgpu backend at {0}: a different device configuration than before")]
+    ConfigChanged(String),
 }
 
 /// A guest-physical range of RAM and where this process maps it.
@@ -75,6 +86,10 @@ struct RamSpan {
 /// The vgpu device over a vhost-user connection (see the module documentation).
 pub struct VhostUserVgpu {
     dev: VhostUserDevice,
+    socket: PathBuf,
+    faults: FaultPolicy,
+    /// Serves the backend's SHMEM requests into `window`, for every connection.
+    handler: Arc<ShmHandler>,
     window: Arc<ShmWindow>,
     mem_table: Vec<VhostUserMemoryRegionInfo>,
     ram: Vec<RamSpan>,
@@ -109,6 +124,7 @@ impl VhostUserVgpu {
         socket: &Path,
         ram: &GuestRam,
         window: Arc<ShmWindow>,
+        faults: FaultPolicy,
     ) -> Result<Self, VgpuDeviceError> {
         if window.len() != SHM_SIZE {
             return Err(VgpuDeviceError::WindowSize {
@@ -116,20 +132,11 @@ impl VhostUserVgpu {
                 want: SHM_SIZE,
             });
         }
-        let path = socket.display().to_string();
         let handler = Arc::new(ShmHandler::new(vec![window.clone()]));
-        // A guest driver resets the device on unload and reboot: the backend must then free
-        // what the guest created without a disconnect.
-        let mut reqs = vgpu_requirements();
-        reqs.protocol_features |= VhostUserProtocolFeatures::RESET_DEVICE;
-        let dev = VhostUserDevice::connect(socket, &reqs, handler).map_err(|source| {
-            VgpuDeviceError::Frontend {
-                path: path.clone(),
-                source,
-            }
-        })?;
+        let dev = Self::connect_again(socket, faults, &handler, None)?;
         let config = dev.config().to_vec();
-        let decoded = DeviceConfig::decode(&config).ok_or(VgpuDeviceError::BadConfig(path))?;
+        let decoded = DeviceConfig::decode(&config)
+            .ok_or_else(|| VgpuDeviceError::BadConfig(socket.display().to_string()))?;
         info!(
             "vgpu: connected to {}: protocol {}, {} channel slots, {} MiB VRAM",
             socket.display(),
@@ -148,6 +155,9 @@ impl VhostUserVgpu {
             .collect();
         Ok(VhostUserVgpu {
             dev,
+            socket: socket.to_path_buf(),
+            faults,
+            handler,
             window,
             mem_table: ram.vhost_regions(),
             ram: ram_spans,
@@ -161,6 +171,78 @@ impl VhostUserVgpu {
             active_queues: Vec::new(),
             activations: 0,
         })
+    }
+
+    /// A new connection to the backend at `socket` (what [`Self::connect`] and a
+    /// reconnect do; slow, so called without the device's lock). With `same_config`, the
+    /// backend must present that configuration space (the guest has seen it).
+    pub fn connect_again(
+        socket: &Path,
+        faults: FaultPolicy,
+        handler: &Arc<ShmHandler>,
+        same_config: Option<&[u8]>,
+    ) -> Result<VhostUserDevice, VgpuDeviceError> {
+        let path = socket.display().to_string();
+        // A guest driver resets the device on unload and reboot: the backend must then free
+        // what the guest created without a disconnect.
+        let mut reqs = vgpu_requirements();
+        reqs.protocol_features |= VhostUserProtocolFeatures::RESET_DEVICE;
+        reqs.request_timeout = faults.request_timeout;
+        let mut dev =
+            VhostUserDevice::connect(socket, &reqs, handler.clone()).map_err(|source| {
+                VgpuDeviceError::Frontend {
+                    path: path.clone(),
+                    source,
+                }
+            })?;
+        if DeviceConfig::decode(dev.config()).is_none() {
+            dev.disconnect();
+            return Err(VgpuDeviceError::BadConfig(path));
+        }
+        if same_config.is_some_and(|c| c != dev.config()) {
+            dev.disconnect();
+            return Err(VgpuDeviceError::ConfigChanged(path));
+        }
+        Ok(dev)
+    }
+
+    /// Where the backend listens.
+    pub fn socket_path(&self) -> &Path {
+        &self.socket
+    }
+    /// What to do when the backend is lost.
+    pub fn fault_policy(&self) -> FaultPolicy {
+        self.faults
+    }
+    /// The SHMEM request handler, to give a new connection.
+    pub fn handler(&self) -> &Arc<ShmHandler> {
+        &self.handler
+    }
+    /// The configuration space the guest sees.
+    pub fn config_bytes(&self) -> &[u8] {
+        &self.config
+    }
+    /// Whether a backend is connected.
+    pub fn is_connected(&self) -> bool {
+        self.dev.is_connected()
+    }
+
+    /// The backend is gone or hung: closes the connection (no late SHMEM_MAP can land
+    /// after this) and takes every page it mapped out of the BAR window, so that the guest
+    /// never touches a stale page (holes read as scratch zeros).
+    pub fn drop_connection(&mut self) {
+        self.dev.disconnect();
+        self.active_queues.clear();
+        self.window.clear();
+    }
+
+    /// Takes over a connection made by [`Self::connect_again`]: the device is live again
+    /// once the driver resets it and sets `DRIVER_OK`.
+    pub fn adopt(&mut self, dev: VhostUserDevice) {
+        self.dev.disconnect();
+        self.dev = dev;
+        self.active_queues.clear();
+        info!("vgpu: reconnected to {}", self.socket.display());
     }
 
     /// The kick eventfd of queue `q` (to register as an ioeventfd on its doorbell).
@@ -293,6 +375,8 @@ impl VirtioBackend for VhostUserVgpu {
         let queues = std::mem::take(&mut self.active_queues);
         match self.dev.reset(&queues) {
             Ok(()) => info!("vgpu: device reset"),
+            // A backend that did not answer in time is closed by the request watchdog:
+            // the watcher thread sees the hang-up and reconnects.
             Err(e) => warn!("vgpu: device reset: {e}"),
         }
         // Whatever the backend did not unmap (it should have unmapped everything) goes.

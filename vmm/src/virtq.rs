@@ -190,6 +190,25 @@ impl SplitQueue {
         Ok(head)
     }
 
+    /// Back to the state of a new queue (rings zeroed, every descriptor free), for a
+    /// device that starts over: a reconnected backend begins at index 0.
+    pub fn reset(&mut self) {
+        let n = usize::from(self.size);
+        // SAFETY: `desc` and `avail` are contiguous (desc table then avail ring, as
+        // allocated in `new`), `used` is its own ring of 6 + 8n bytes; all guest RAM
+        // owned by this queue, and the device no longer uses them.
+        unsafe {
+            std::ptr::write_bytes(self.desc, 0, DESC_SIZE as usize * n + 6 + 2 * n);
+            std::ptr::write_bytes(self.used, 0, 6 + 8 * n);
+        }
+        self.free = (0..self.size).rev().collect();
+        self.next.fill(0);
+        self.chain_len.fill(0);
+        self.in_flight.fill(false);
+        self.avail_idx = 0;
+        self.last_used = 0;
+    }
+
     /// Whether the device has published used entries we have not harvested.
     pub fn has_used(&self) -> bool {
         self.used_idx_ref().load(Ordering::Acquire) != self.last_used
@@ -272,5 +291,11 @@ mod tests {
             write: true,
         }; 9];
         assert_eq!(q.add(&nine), Err(VirtqError::Full(9, 8)));
+        q.add(&nine[..3]).unwrap();
+        q.reset();
+        assert_eq!(q.free_descriptors(), 8);
+        assert!(!q.has_used());
+        // SAFETY: test; the avail index lies in the ring just reset.
+        assert_eq!(unsafe { ((avail + 2) as *const u16).read() }, 0);
     }
 }

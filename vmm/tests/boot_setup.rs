@@ -196,6 +196,7 @@ fn tiny_kernel_runs_and_resets() {
         serial: None,
         vgpu_stub: false,
         vgpu_socket: None,
+        vgpu_faults: Default::default(),
     };
     let out = SharedBuf::default();
     let mut vm = LinuxVm::with_serial(&cfg, SerialOut::from_writer(Box::new(out.clone()))).unwrap();

@@ -7,7 +7,7 @@
 
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use vgpu_backend::{VgpuBackend, VmLimits};
@@ -18,7 +18,10 @@ use vgpu_protocol::request::{
 };
 use vgpu_protocol::ControlPage;
 use vgpu_protocol::{PAGE_SIZE, PROTOCOL_VERSION};
+use vgpu_vmm::boot::intx::IntxForwarder;
 use vgpu_vmm::guest_memory::{GuestRam, PageAllocator};
+use vgpu_vmm::pci::PciBus;
+use vgpu_vmm::reconnect::{FaultPolicy, ReconnectPolicy};
 use vgpu_vmm::shm_window::{HoleFill, ShmWindow};
 use vgpu_vmm::vgpu_device::VhostUserVgpu;
 use vgpu_vmm::virtio_pci::{
@@ -27,6 +30,7 @@ use vgpu_vmm::virtio_pci::{
     STATUS_FEATURES_OK,
 };
 use vgpu_vmm::virtq::{Buffer, SplitQueue};
+use vmm_sys_util::eventfd::EventFd;
 
 type Dev = VirtioPciDevice<VhostUserVgpu>;
 
@@ -120,7 +124,8 @@ fn device(name: &str) -> (Arc<VgpuBackend>, Guest, Dev, Arc<ShmWindow>) {
     let guest = Guest::new();
     let window =
         Arc::new(ShmWindow::with_fill(SHM_REGION_ID, SHM_SIZE, HoleFill::Scratch).unwrap());
-    let vu = VhostUserVgpu::connect(&path, &guest.ram, window.clone()).unwrap();
+    let vu =
+        VhostUserVgpu::connect(&path, &guest.ram, window.clone(), FaultPolicy::default()).unwrap();
     let dev = VirtioPciDevice::new(vu, BarPlacement::default()).unwrap();
     (backend, guest, dev, window)
 }
@@ -325,7 +330,13 @@ fn refused_socket_is_a_clear_error() {
     let g = Guest::new();
     let window =
         Arc::new(ShmWindow::with_fill(SHM_REGION_ID, SHM_SIZE, HoleFill::Scratch).unwrap());
-    let err = VhostUserVgpu::connect(&socket("nobody-listens"), &g.ram, window).unwrap_err();
+    let err = VhostUserVgpu::connect(
+        &socket("nobody-listens"),
+        &g.ram,
+        window,
+        FaultPolicy::default(),
+    )
+    .unwrap_err();
     let msg = err.to_string();
     assert!(msg.contains("nobody-listens"), "{msg}");
 }
@@ -402,4 +413,165 @@ fn msix_table_vectors_and_updates() {
     w8(&mut dev, DEVICE_STATUS, 0);
     let st = dev.take_msix_update().expect("an update");
     assert_eq!(st.queue_vectors, vec![VIRTIO_MSI_NO_VECTOR; NUM_QUEUES]);
+}
+
+/// Runs `f` on the vgpu function in `slot` of `bus`.
+fn with_dev<R>(bus: &Mutex<PciBus>, slot: u8, f: impl FnOnce(&mut Dev) -> R) -> R {
+    let mut bus = bus.lock().unwrap();
+    f(bus
+        .device_mut(slot)
+        .unwrap()
+        .as_any_mut()
+        .downcast_mut::<Dev>()
+        .unwrap())
+}
+
+/// Waits (up to 10 s) for a configuration interrupt.
+fn wait_config_irq(fd: &EventFd) {
+    let mut pfd = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: polling one valid fd for up to 10 s.
+    let n = unsafe { libc::poll(&mut pfd, 1, 10_000) };
+    assert_eq!(n, 1, "no configuration interrupt");
+    let _ = fd.read();
+}
+
+#[test]
+fn a_restarted_backend_is_reconnected_and_the_driver_starts_over() {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let name = "vm-reconnect";
+    let path = socket(name);
+    let first = VgpuBackend::new(
+        SimGpu::new(SimConfig::default()).unwrap(),
+        VmLimits::default(),
+    );
+    first.serve_vm(name, &path).unwrap();
+    let mut g = Guest::new();
+    let window =
+        Arc::new(ShmWindow::with_fill(SHM_REGION_ID, SHM_SIZE, HoleFill::Scratch).unwrap());
+    let faults = FaultPolicy {
+        reconnect: Some(ReconnectPolicy {
+            initial_backoff: Duration::from_millis(10),
+            max_backoff: Duration::from_millis(200),
+            max_attempts: None,
+        }),
+        request_timeout: Some(Duration::from_secs(10)),
+    };
+    let vu = VhostUserVgpu::connect(&path, &g.ram, window.clone(), faults).unwrap();
+    let mut bus = PciBus::new();
+    let slot = bus
+        .add_device(Box::new(
+            VirtioPciDevice::new(vu, BarPlacement::default()).unwrap(),
+        ))
+        .unwrap();
+    let bus = Arc::new(Mutex::new(bus));
+    let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+    let config_irq = Arc::new(EventFd::new(libc::EFD_NONBLOCK).unwrap());
+    // The watcher thread of the VMM; the queues' calls stay with this test.
+    let fwd = IntxForwarder::start(bus.clone(), slot, irq, config_irq.clone()).unwrap();
+    for q in 0..NUM_QUEUES {
+        fwd.forward_queue(q, false).unwrap();
+    }
+
+    let slot_page = with_dev(&bus, slot, |dev| {
+        assert_eq!(bring_up(dev, &g, true) & STATUS_DEVICE_NEEDS_RESET, 0);
+        let Ok(ReplyBody::Context { ctx }) = request(dev, &mut g, Op::CreateContext) else {
+            panic!("CREATE_CONTEXT failed");
+        };
+        let req = Request {
+            pid: PID,
+            ctx,
+            op: Op::CreateChannel {
+                gp_ring_va: 0x10000,
+                gp_entries: 16,
+            },
+        };
+        let Ok(ReplyBody::Channel { slot, .. }) = request_raw(dev, &mut g, &req) else {
+            panic!("CREATE_CHANNEL failed");
+        };
+        window
+            .base()
+            .wrapping_add((u64::from(slot) * PAGE_SIZE) as usize)
+    });
+    // SAFETY: the slot is mapped (the reply came after the map was acked); the window
+    // lives as long as this test.
+    let version = || unsafe {
+        slot_page
+            .add(ControlPage::VERSION)
+            .cast::<u32>()
+            .read_volatile()
+    };
+    assert_eq!(version(), PROTOCOL_VERSION);
+
+    // The backend goes away: the device asks for a reset and the old page is gone.
+    first.shutdown();
+    wait_config_irq(&config_irq);
+    let status = with_dev(&bus, slot, |dev| dev.status());
+    assert_ne!(status & STATUS_DEVICE_NEEDS_RESET, 0, "status {status:#x}");
+    assert_eq!(version(), 0, "a stale control page stayed in the BAR");
+
+    // A new backend on the same socket: the VMM reconnects and asks for a reset again.
+    let second = VgpuBackend::new(
+        SimGpu::new(SimConfig::default()).unwrap(),
+        VmLimits::default(),
+    );
+    second.serve_vm(name, &path).unwrap();
+    wait_config_irq(&config_irq);
+    assert!(with_dev(&bus, slot, |dev| dev.backend().is_connected()));
+    // The driver resets and starts over on fresh rings, against the new backend.
+    g.ctrl = SplitQueue::new(64, &g.ram, &mut g.alloc).unwrap();
+    g.events = SplitQueue::new(64, &g.ram, &mut g.alloc).unwrap();
+    with_dev(&bus, slot, |dev| {
+        assert_eq!(bring_up(dev, &g, true) & STATUS_DEVICE_NEEDS_RESET, 0);
+        let Ok(ReplyBody::Context { .. }) = request(dev, &mut g, Op::CreateContext) else {
+            panic!("CREATE_CONTEXT on the new backend failed");
+        };
+    });
+    assert_eq!(second.vm_stats(name).unwrap().contexts, 1);
+    drop(fwd);
+    second.shutdown();
+}
+
+#[test]
+fn a_backend_that_never_answers_times_out() {
+    use std::io::Read;
+    use vgpu_vmm::frontend::FrontendError;
+    use vgpu_vmm::vgpu_device::VgpuDeviceError;
+
+    let path = socket("silent");
+    let _ = std::fs::remove_file(&path);
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    // Accepts and reads, never answers (a stopped backend's socket answers no better);
+    // ends when the frontend shuts the connection down.
+    let silent = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink);
+    });
+    let g = Guest::new();
+    let window =
+        Arc::new(ShmWindow::with_fill(SHM_REGION_ID, SHM_SIZE, HoleFill::Scratch).unwrap());
+    let faults = FaultPolicy {
+        reconnect: None,
+        request_timeout: Some(Duration::from_millis(300)),
+    };
+    let err = VhostUserVgpu::connect(&path, &g.ram, window, faults).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            VgpuDeviceError::Frontend {
+                source: FrontendError::Timeout {
+                    step: "GET_FEATURES",
+                    ..
+                },
+                ..
+            }
+        ),
+        "{err}"
+    );
+    silent.join().unwrap();
+    let _ = std::fs::remove_file(&path);
 }

@@ -105,6 +105,7 @@ fn round_setup(v: u64) -> Option<u64> {
 /// Waits until GP_GET reaches `seq` (wrapping), failing if the channel stops first.
 fn wait_gp_get(control: &ControlView, seq: u32, deadline: Option<Instant>) -> Result<()> {
     poll_until(deadline, || {
+        control.check_device()?;
         if (control.gp_get().wrapping_sub(seq) as i32) >= 0 {
             return Ok(Some(()));
         }
@@ -172,7 +173,8 @@ impl Channel {
             }
             e
         };
-        let control = ControlView::new(desc.control).map_err(destroy)?;
+        let control =
+            ControlView::new(desc.control, inner.transport.lost_probe()).map_err(destroy)?;
         let version = control.version();
         if version >> 16 != vgpu_protocol::PROTOCOL_VERSION >> 16 {
             log::warn!("channel speaks protocol {version:#x}");
@@ -318,6 +320,8 @@ impl Channel {
                 .transport
                 .remote_submit(self.ctx.handle, self.handle, seq)?;
         } else {
+            // Never store into a page that belongs to another generation of the device.
+            self.control.check_device()?;
             self.control.set_gp_put(seq);
             self.ctx.transport.doorbell(self.handle);
         }
@@ -395,6 +399,7 @@ impl Channel {
         if fence.channel != self.uid {
             return Err(Error::WrongChannel);
         }
+        self.control.check_device()?;
         if (self.control.reference().wrapping_sub(fence.value) as i32) >= 0 {
             return Ok(true);
         }

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use vgpu_protocol::{ControlPage, ErrorCode};
 
 use crate::error::{Error, Result};
-use crate::transport::CpuPtr;
+use crate::transport::{CpuPtr, LostProbe};
 
 /// A view of a control page. The GPU (or the backend's shadow logic) writes it
 /// concurrently, so every field is accessed atomically.
@@ -13,9 +13,10 @@ use crate::transport::CpuPtr;
 /// GP_GET, REF and NOTIFY_SEQ are read as lower bounds: while the host swaps a channel's page for a
 /// shadow (scheduling), a read can briefly return an older value (protocol.md, "Shadow
 /// channels"), so the view keeps the largest value it has seen.
-#[derive(Debug)]
 pub(crate) struct ControlView {
     page: CpuPtr,
+    /// Whether the device was reset under us (then the page is not ours any more).
+    lost: Option<LostProbe>,
     seen_get: AtomicU32,
     seen_ref: AtomicU32,
     seen_notify: AtomicU32,
@@ -36,8 +37,18 @@ fn monotonic(seen: &AtomicU32, page: u32) -> u32 {
     }
 }
 
+impl std::fmt::Debug for ControlView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlView")
+            .field("page", &self.page)
+            .field("seen_get", &self.seen_get)
+            .field("seen_ref", &self.seen_ref)
+            .finish()
+    }
+}
+
 impl ControlView {
-    pub(crate) fn new(page: CpuPtr) -> Result<Self> {
+    pub(crate) fn new(page: CpuPtr, lost: Option<LostProbe>) -> Result<Self> {
         if page.len() < ControlPage::USED_BYTES || page.as_ptr() as usize & 7 != 0 {
             return Err(Error::InvalidArgument(
                 "control page mapping too small or misaligned",
@@ -45,6 +56,7 @@ impl ControlView {
         }
         Ok(ControlView {
             page,
+            lost,
             seen_get: AtomicU32::new(0),
             seen_ref: AtomicU32::new(0),
             seen_notify: AtomicU32::new(0),
@@ -108,8 +120,18 @@ impl ControlView {
         Some((code, info))
     }
 
-    /// `Err(ChannelFault)` if the channel has stopped.
+    /// `Err(DeviceLost)` if the device was reset under this process.
+    pub(crate) fn check_device(&self) -> Result<()> {
+        match &self.lost {
+            Some(lost) if lost() => Err(Error::DeviceLost),
+            _ => Ok(()),
+        }
+    }
+
+    /// `Err(DeviceLost)` if the device was reset, `Err(ChannelFault)` if the channel has
+    /// stopped.
     pub(crate) fn check(&self) -> Result<()> {
+        self.check_device()?;
         match self.error() {
             Some((code, info)) => Err(Error::ChannelFault { code, info }),
             None => Ok(()),

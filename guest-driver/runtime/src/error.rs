@@ -42,6 +42,10 @@ pub enum Error {
     /// The channel stopped on an error (read from the control page's ERROR field).
     #[error("channel fault: {code} (info {info:#x})")]
     ChannelFault { code: ErrorCode, info: u64 },
+    /// The device was reset under this process (its backend died, hung or restarted):
+    /// every resource the process had is gone; a new device handle works again.
+    #[error("the device was reset; this process's GPU resources are gone")]
+    DeviceLost,
     /// A wait ran past its deadline.
     #[error("timed out waiting for the GPU")]
     Timeout,
@@ -75,6 +79,7 @@ impl Error {
             Error::OutOfVa(_) => ErrorCode::NoMemory,
             Error::SubmissionTooLarge(_) => ErrorCode::LimitExceeded,
             Error::Timeout => ErrorCode::Busy,
+            Error::DeviceLost => ErrorCode::ChannelDestroyed,
         }
     }
 

@@ -18,7 +18,7 @@ use vgpu_vmm::{GuestAlloc, LoopbackVm};
 
 use crate::error::{Error, Result};
 use crate::transport::{
-    ChanHandle, ChannelDesc, CpuPtr, CtxHandle, DeviceInfo, MemHandle, Transport,
+    ChanHandle, ChannelDesc, CpuPtr, CtxHandle, DeviceInfo, LostProbe, MemHandle, Transport,
 };
 
 enum Backing {
@@ -42,6 +42,9 @@ struct State {
 pub struct LoopbackTransport {
     vm: Arc<LoopbackVm>,
     pid: u32,
+    /// The device generation this process started in: after a reset under it (the
+    /// backend restarted) its requests fail with `DeviceLost`, as `/dev/vgpu` files do.
+    epoch: u64,
     state: Mutex<State>,
 }
 
@@ -50,6 +53,14 @@ fn page_code(page: PageSize) -> u32 {
         PageSize::Small4K => PAGE_4K,
         PageSize::Big64K => PAGE_64K,
         PageSize::Huge2M => PAGE_2M,
+    }
+}
+
+fn vm_err(e: vgpu_vmm::LoopbackError) -> Error {
+    use vgpu_vmm::LoopbackError as E;
+    match e {
+        E::DeviceReset | E::Disconnected | E::Timeout(_) => Error::DeviceLost,
+        e => transport_err(e),
     }
 }
 
@@ -63,6 +74,7 @@ fn transport_err(e: impl std::fmt::Display) -> Error {
 impl LoopbackTransport {
     pub fn new(vm: Arc<LoopbackVm>, pid: u32) -> Self {
         LoopbackTransport {
+            epoch: vm.epoch(),
             vm,
             pid,
             state: Mutex::new(State::default()),
@@ -80,7 +92,10 @@ impl LoopbackTransport {
             ctx,
             op,
         };
-        let reply = self.vm.request(&req.encode()).map_err(transport_err)?;
+        let reply = self
+            .vm
+            .request_in(self.epoch, &req.encode())
+            .map_err(vm_err)?;
         match decode_reply(req.opcode(), &reply).map_err(transport_err)? {
             Ok(body) => Ok(body),
             Err(code) => Err(Error::Device(code)),
@@ -326,6 +341,11 @@ impl Transport for LoopbackTransport {
         let channel = u32::try_from(ch.0).map_err(|_| Error::UnknownHandle("channel"))?;
         self.call(Self::ctx_id(ctx)?, Op::DestroyChannel { channel })
             .map(|_| ())
+    }
+
+    fn lost_probe(&self) -> Option<LostProbe> {
+        let (vm, epoch) = (self.vm.clone(), self.epoch);
+        Some(Arc::new(move || !vm.live_in(epoch)))
     }
 
     fn doorbell(&self, _ch: ChanHandle) {

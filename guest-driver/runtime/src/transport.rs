@@ -70,6 +70,9 @@ impl CpuPtr {
     }
 }
 
+/// Answers whether the device was lost under a process (see [`Transport::lost_probe`]).
+pub type LostProbe = std::sync::Arc<dyn Fn() -> bool + Send + Sync>;
+
 /// A newly created channel: its handle and its mapped control page.
 #[derive(Debug, Clone, Copy)]
 pub struct ChannelDesc {
@@ -147,6 +150,13 @@ pub trait Transport: Send + Sync {
     ) -> Result<ChannelDesc>;
     /// Destroys a channel; its control page must no longer be touched afterwards.
     fn destroy_channel(&self, ctx: CtxHandle, ch: ChanHandle) -> Result<()>;
+    /// A cheap check that the device this process started on is gone (reset under it):
+    /// channels consult it before touching their control page, whose mapping may then
+    /// show another generation's page. `None`: the transport never loses its device, or
+    /// its kernel driver takes the mapping away itself.
+    fn lost_probe(&self) -> Option<LostProbe> {
+        None
+    }
     /// Hints the GPU to look at the channel now. Optional for correctness: the GPU polls.
     fn doorbell(&self, ch: ChanHandle);
 

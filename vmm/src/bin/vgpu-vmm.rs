@@ -13,6 +13,7 @@ use std::time::Duration;
 use clap::Parser;
 use vgpu_sandbox::{privileges, Mode, Role};
 use vgpu_vmm::boot::{LinuxVm, VmConfig, DEFAULT_CMDLINE, DEFAULT_CMDLINE_PCI, MAX_VCPUS};
+use vgpu_vmm::reconnect::{FaultPolicy, ReconnectPolicy};
 
 /// Boot a Linux guest under KVM (serial console on COM1).
 #[derive(Debug, Parser)]
@@ -45,6 +46,22 @@ struct Cli {
     /// vhost-user socket (the backend must be running: the VMM connects before booting).
     #[arg(long, value_name = "PATH")]
     vgpu_socket: Option<PathBuf>,
+    /// When the vgpu backend dies or is closed for not answering, keep the device broken
+    /// (`DEVICE_NEEDS_RESET`) instead of reconnecting.
+    #[arg(long)]
+    vgpu_no_reconnect: bool,
+    /// Give up reconnecting to the vgpu backend after this many failed attempts
+    /// [default: retry forever].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    vgpu_retry_limit: Option<u32>,
+    /// Longest wait between reconnect attempts (the first waits 100 ms, each next one
+    /// twice as long).
+    #[arg(long, value_name = "MS", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(100..))]
+    vgpu_retry_max_backoff_ms: u64,
+    /// How long a vhost-user request that waits for the backend's reply may take before
+    /// the backend counts as hung and the connection is closed (0: wait forever).
+    #[arg(long, value_name = "MS", default_value_t = 10000)]
+    vgpu_request_timeout_ms: u64,
     /// Stop the VM (exit status 1) if it still runs after this many seconds.
     #[arg(long, value_name = "SECS")]
     timeout: Option<u64>,
@@ -94,6 +111,15 @@ fn main() -> ExitCode {
         serial: cli.serial,
         vgpu_stub: cli.vgpu_stub,
         vgpu_socket: cli.vgpu_socket,
+        vgpu_faults: FaultPolicy {
+            reconnect: (!cli.vgpu_no_reconnect).then(|| ReconnectPolicy {
+                max_backoff: Duration::from_millis(cli.vgpu_retry_max_backoff_ms),
+                max_attempts: cli.vgpu_retry_limit,
+                ..ReconnectPolicy::default()
+            }),
+            request_timeout: (cli.vgpu_request_timeout_ms > 0)
+                .then(|| Duration::from_millis(cli.vgpu_request_timeout_ms)),
+        },
     };
     if let Err(e) = prepare_sandbox(cli.seccomp) {
         eprintln!("vgpu-vmm: {e}");

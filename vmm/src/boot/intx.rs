@@ -7,10 +7,15 @@
 //! interrupt line through an irqfd (programmed edge-triggered by the MP table, so a pulse
 //! that arrives while the guest still handles the previous one is not lost).
 //!
-//! The same thread watches the vhost-user socket: when the backend goes away the device
-//! is marked `DEVICE_NEEDS_RESET` with a configuration interrupt (through `config_irq`,
-//! which the VMM routes to INTx or to the configuration's MSI-X vector), and an error is
-//! logged. A queue whose calls go straight to an MSI-X irqfd is taken out of the thread's
+//! The same thread watches the vhost-user socket: when the backend goes away (or the
+//! request watchdog closed it because it stopped answering) the connection is dropped —
+//! the old backend's pages leave the BAR window —, the device is marked
+//! `DEVICE_NEEDS_RESET` with a configuration interrupt (through `config_irq`, which the VMM
+//! routes to INTx or to the configuration's MSI-X vector), and an error is logged. Under
+//! the device's reconnect policy the thread then retries the socket with backoff; once a
+//! backend answers, the device asks the driver for a reset again (the driver may have
+//! reset it while no backend was there), and the driver's reset and `DRIVER_OK` bring it
+//! up on the new backend. A queue whose calls go straight to an MSI-X irqfd is taken out of the thread's
 //! wait set ([`IntxForwarder::forward_queue`]).
 
 use std::io;
@@ -18,12 +23,17 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use log::{debug, error, warn};
+use std::time::Duration;
+
+use log::{debug, error, info, warn};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::with_vgpu;
 use crate::pci::PciBus;
+use crate::reconnect::{retry, ReconnectError, ReconnectPolicy};
+use crate::vgpu_device::VhostUserVgpu;
+use crate::virtio_pci::VirtioPciDevice;
 
 /// epoll tags: queue calls are `0..n`.
 const TAG_STOP: u64 = u64::MAX;
@@ -109,10 +119,101 @@ impl IntxForwarder {
     }
 }
 
+/// Sleeps `d` in `epoll`, dropping queue signals (no backend serves the queues);
+/// false if asked to stop.
+fn sleep_unless_stopped(epoll: &Epoll, calls: &[Arc<EventFd>], d: Duration) -> bool {
+    let deadline = std::time::Instant::now() + d;
+    let mut events = vec![EpollEvent::default(); calls.len() + 2];
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return true;
+        }
+        let ms = i32::try_from(left.as_millis().max(1)).unwrap_or(i32::MAX);
+        let n = match epoll.wait(ms, &mut events) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                error!("vgpu-intx: epoll: {e}");
+                return false;
+            }
+        };
+        for ev in &events[..n] {
+            match ev.data() {
+                TAG_STOP => return false,
+                q => {
+                    if let Some(c) = calls.get(q as usize) {
+                        let _ = c.read();
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Raises the configuration interrupt.
+fn raise_config(config_irq: &EventFd) {
+    if let Err(e) = config_irq.write(1) {
+        warn!("vgpu-intx: raising the configuration interrupt: {e}");
+    }
+}
+
+/// The backend is lost: drop the connection and ask the driver for a reset.
+fn backend_lost(bus: &Mutex<PciBus>, slot: u8, config_irq: &EventFd) {
+    let failed = with_vgpu(bus, slot, |d| {
+        d.backend_mut().drop_connection();
+        d.device_failed()
+    });
+    if failed == Some(true) {
+        raise_config(config_irq);
+    }
+}
+
+/// Retries the backend under `policy`; the new connection's socket on success, and
+/// whether the driver must be asked for a reset.
+fn reconnect(
+    epoll: &Epoll,
+    calls: &[Arc<EventFd>],
+    bus: &Mutex<PciBus>,
+    slot: u8,
+    policy: &ReconnectPolicy,
+) -> Result<(RawFd, bool), ReconnectError> {
+    let Some((path, faults, handler, config)) = with_vgpu(bus, slot, |d| {
+        let b = d.backend();
+        (
+            b.socket_path().to_path_buf(),
+            b.fault_policy(),
+            b.handler().clone(),
+            b.config_bytes().to_vec(),
+        )
+    }) else {
+        return Err(ReconnectError::Stopped);
+    };
+    let what = format!("vgpu backend at {}", path.display());
+    // Connecting and negotiating happen without the bus lock: vCPUs keep running.
+    let dev = retry(
+        policy,
+        &what,
+        |d| sleep_unless_stopped(epoll, calls, d),
+        || VhostUserVgpu::connect_again(&path, faults, &handler, Some(&config)),
+    )?;
+    let socket = dev.socket_fd();
+    let ask = with_vgpu(bus, slot, |d| adopt(d, dev)).ok_or(ReconnectError::Stopped)?;
+    Ok((socket, ask))
+}
+
+/// Installs the new connection; a driver that touched the device meanwhile (its status is
+/// not 0: it may have reset and activated while no backend was there) is asked for a
+/// reset again (true).
+fn adopt(d: &mut VirtioPciDevice<VhostUserVgpu>, dev: crate::frontend::VhostUserDevice) -> bool {
+    d.backend_mut().adopt(dev);
+    d.device_failed()
+}
+
 fn forward(
     epoll: &Epoll,
     calls: &[Arc<EventFd>],
-    socket: RawFd,
+    mut socket: RawFd,
     bus: &Mutex<PciBus>,
     slot: u8,
     irq: &EventFd,
@@ -133,11 +234,36 @@ fn forward(
             match ev.data() {
                 TAG_STOP => return,
                 TAG_SOCKET => {
-                    error!("vgpu: the backend closed the vhost-user connection; the device needs a reset");
+                    error!("vgpu: the vhost-user connection to the backend ended; the device needs a reset");
                     let _ = epoll.ctl(ControlOperation::Delete, socket, EpollEvent::default());
-                    with_vgpu(bus, slot, |d| d.device_failed());
-                    if let Err(e) = config_irq.write(1) {
-                        warn!("vgpu-intx: raising the configuration interrupt: {e}");
+                    backend_lost(bus, slot, config_irq);
+                    let policy = with_vgpu(bus, slot, |d| d.backend().fault_policy().reconnect);
+                    let Some(Some(policy)) = policy else {
+                        error!("vgpu: no reconnect policy; the device stays broken");
+                        continue;
+                    };
+                    match reconnect(epoll, calls, bus, slot, &policy) {
+                        Ok((new, ask)) => {
+                            socket = new;
+                            if let Err(e) = epoll.ctl(
+                                ControlOperation::Add,
+                                socket,
+                                EpollEvent::new(
+                                    EventSet::READ_HANG_UP | EventSet::HANG_UP,
+                                    TAG_SOCKET,
+                                ),
+                            ) {
+                                error!("vgpu-intx: watching the new connection: {e}");
+                            }
+                            if ask {
+                                info!("vgpu: backend back; asking the driver for a reset");
+                                raise_config(config_irq);
+                            } else {
+                                info!("vgpu: backend back; the device is in reset");
+                            }
+                        }
+                        Err(ReconnectError::Stopped) => return,
+                        Err(e) => error!("vgpu: {e}; the device stays broken"),
                     }
                 }
                 q => {

@@ -182,6 +182,8 @@ pub struct VmConfig {
     /// Put the vgpu virtio-pci function on a PCI bus, backed by the `vgpu-backend`
     /// listening on this vhost-user socket.
     pub vgpu_socket: Option<PathBuf>,
+    /// What the vgpu device does when its backend dies or stops answering.
+    pub vgpu_faults: crate::reconnect::FaultPolicy,
 }
 
 /// IOAPIC pin (= GSI) of PCI slot `n`'s INTA#: `PCI_INTX_GSI_BASE + n % 8`, above the ISA
@@ -326,7 +328,7 @@ impl LinuxVm {
                 shm_len,
                 HoleFill::Scratch,
             )?);
-            let backend = VhostUserVgpu::connect(socket, &ram, window.clone())?;
+            let backend = VhostUserVgpu::connect(socket, &ram, window.clone(), cfg.vgpu_faults)?;
             let kicks = (0..vgpu_protocol::device::NUM_QUEUES)
                 .filter_map(|q| backend.kick(q).cloned())
                 .collect::<Vec<_>>();

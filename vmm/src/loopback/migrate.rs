@@ -140,6 +140,8 @@ impl LoopbackVm {
                 // The source frees the VM's objects; the BAR shows the destination's pages.
                 let mut source = std::mem::replace(&mut *dev, dest);
                 source.disconnect();
+                // A reconnect after this goes to the backend that serves the VM now.
+                *lock(&self.socket) = socket.to_path_buf();
                 self.restart_irq(&dev)?;
                 Ok(report)
             }
@@ -163,8 +165,11 @@ impl LoopbackVm {
         let mut state = source.save_state()?;
         let report = MigrationReport::of(&state, 0);
         filter(&mut state);
-        let mut dest =
-            VhostUserDevice::connect(socket, &loopback_requirements(), self.handler.clone())?;
+        let mut dest = VhostUserDevice::connect(
+            socket,
+            &loopback_requirements(self.faults.request_timeout),
+            self.handler.clone(),
+        )?;
         let loaded = (|| {
             with_queues(&self.ctrl, &self.events, |q| {
                 dest.activate_at(DRIVER_FEATURES, &self.ram.vhost_regions(), q, bases)

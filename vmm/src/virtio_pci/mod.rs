@@ -427,11 +427,18 @@ impl<B: VirtioBackend> VirtioPciDevice<B> {
         self.isr |= ISR_QUEUE;
     }
     /// The device broke (e.g. its backend went away): sets `DEVICE_NEEDS_RESET` and
-    /// signals a configuration change, as virtio 1.x §2.1.2 asks. The driver recovers by
-    /// resetting the device.
-    pub fn device_failed(&mut self) {
+    /// signals a configuration change, as virtio 1.x §2.1.2 asks; true if it did (the
+    /// caller raises the interrupt). The driver recovers by resetting the device. A device
+    /// in reset (status 0) is left alone: a driver that just reset it polls the status
+    /// until it reads 0 (Linux's `vp_reset`), and its next `DRIVER_OK` meets the broken
+    /// backend anyway.
+    pub fn device_failed(&mut self) -> bool {
+        if self.status == 0 {
+            return false;
+        }
         self.status |= STATUS_DEVICE_NEEDS_RESET;
         self.config_changed();
+        true
     }
     /// The MSI-X state, if it changed since the last call (the VMM re-routes).
     pub fn take_msix_update(&mut self) -> Option<MsixState> {

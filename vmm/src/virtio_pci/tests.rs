@@ -383,3 +383,23 @@ fn bad_device_types() {
     // No device config capability when the config is empty; no shm BAR.
     assert_eq!(d.config().bar(SHM_BAR_INDEX), None);
 }
+
+#[test]
+fn a_failed_device_asks_for_a_reset_unless_it_is_in_reset() {
+    let mut d = VirtioPciDevice::new(StubBackend::new(0), BarPlacement::default()).unwrap();
+    // In reset (status 0): a driver that just wrote 0 polls until it reads 0 again.
+    assert!(!d.device_failed());
+    assert_eq!(d.status(), 0);
+    d.bar_write(0, CC_DEVICE_STATUS, &[STATUS_ACKNOWLEDGE]);
+    assert!(d.device_failed());
+    assert_ne!(d.status() & STATUS_DEVICE_NEEDS_RESET, 0);
+    // The configuration interrupt's cause is in the ISR (read to clear).
+    let mut isr = [0u8];
+    d.bar_read(0, ISR_OFFSET, &mut isr);
+    assert_ne!(isr[0] & ISR_CONFIG, 0);
+    // Only a reset clears it.
+    d.bar_write(0, CC_DEVICE_STATUS, &[STATUS_ACKNOWLEDGE | STATUS_DRIVER]);
+    assert_ne!(d.status() & STATUS_DEVICE_NEEDS_RESET, 0);
+    d.bar_write(0, CC_DEVICE_STATUS, &[0]);
+    assert_eq!(d.status(), 0);
+}

@@ -77,6 +77,8 @@ fn ioctl_error(what: &'static str, e: std::io::Error) -> Error {
         Some(libc::EBUSY) => Some(ErrorCode::Busy),
         Some(libc::EOPNOTSUPP) => Some(ErrorCode::Unsupported),
         Some(libc::ETIMEDOUT) => return Error::Timeout,
+        // The driver reset the device under this file (its backend was lost).
+        Some(libc::ENODEV) => return Error::DeviceLost,
         _ => None,
     };
     match code {

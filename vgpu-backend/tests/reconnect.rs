@@ -1,0 +1,232 @@
+//! Reconnect over the real path: the `vgpu-backend` binary as a separate process, a
+//! loopback VM with a fault policy, guest "processes" on the runtime's loopback
+//! transport. A backend that is SIGKILLed, or SIGSTOPped until a request times out, is
+//! replaced by a new process on the same socket: the VM reconnects and starts its device
+//! over; processes from before get `DeviceLost` (never a hang), new ones run workloads
+//! whose results are checked against CPU references.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vgpu_guest::workloads::Workload;
+use vgpu_guest::{Device, Error, KernelArgs};
+use vgpu_test_support::temp_dir;
+use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
+use vgpu_vmm::reconnect::{FaultPolicy, ReconnectPolicy};
+
+/// Liveness bound for anything this test waits for (never a performance target).
+const PATIENCE: Duration = Duration::from_secs(60);
+
+/// A backend process serving VM `a` from `dir`; killed on drop.
+struct Backend {
+    child: Child,
+    dir: PathBuf,
+}
+
+impl Backend {
+    fn start(dir: &Path) -> Backend {
+        let cfg = dir.join("backend.toml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "socket_dir = \"{}\"\n[gpu]\nvram_mib = 64\n[[vm]]\nname = \"a\"\n",
+                dir.display()
+            ),
+        )
+        .expect("config");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("backend.log"))
+            .expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_vgpu-backend"))
+            .arg("--config")
+            .arg(&cfg)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("vgpu-backend");
+        Backend {
+            child,
+            dir: dir.to_path_buf(),
+        }
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.join("a.sock")
+    }
+
+    fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        let rc = unsafe { libc::kill(self.child.id() as i32, sig) };
+        assert_eq!(rc, 0, "kill({sig})");
+    }
+
+    /// SIGSTOP, returning once every thread has stopped (the signal is asynchronous: a
+    /// thread could otherwise still answer a request).
+    fn stop(&self) {
+        self.signal(libc::SIGSTOP);
+        let tasks = PathBuf::from(format!("/proc/{}/task", self.child.id()));
+        let t0 = Instant::now();
+        loop {
+            let all_stopped = std::fs::read_dir(&tasks)
+                .expect("task list")
+                .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("stat")).ok())
+                .all(|stat| {
+                    // "pid (comm) S ...": the state follows the last ')'.
+                    stat.rsplit_once(')')
+                        .is_some_and(|(_, rest)| rest.trim_start().starts_with('T'))
+                });
+            if all_stopped {
+                return;
+            }
+            assert!(t0.elapsed() < PATIENCE, "backend does not stop");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// SIGKILL and reap.
+    fn kill(mut self) {
+        self.signal(libc::SIGKILL);
+        self.child.wait().expect("wait");
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn faults(request_timeout: Duration) -> FaultPolicy {
+    FaultPolicy {
+        reconnect: Some(ReconnectPolicy {
+            initial_backoff: Duration::from_millis(20),
+            max_backoff: Duration::from_millis(500),
+            max_attempts: None,
+        }),
+        request_timeout: Some(request_timeout),
+    }
+}
+
+/// Connects once the backend listens.
+fn connect(b: &Backend, policy: FaultPolicy) -> Arc<LoopbackVm> {
+    let t0 = Instant::now();
+    loop {
+        let cfg = LoopbackConfig {
+            mem_bytes: 128 << 20,
+        };
+        match LoopbackVm::connect_with(&b.socket(), cfg, policy) {
+            Ok(vm) => return vm,
+            Err(e) if t0.elapsed() > PATIENCE => panic!("connect: {e}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+/// Waits until the VM's device is in generation `epoch` and works.
+fn wait_generation(vm: &LoopbackVm, epoch: u64) {
+    let t0 = Instant::now();
+    while !vm.live_in(epoch) {
+        assert!(
+            t0.elapsed() < PATIENCE,
+            "no reconnect: generation {}",
+            vm.epoch()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn run_workloads(dev: &Device) {
+    let ctx = dev.create_context().expect("context");
+    for name in ["saxpy", "sgemm", "reduction", "copy_heavy"] {
+        let r = Workload::by_name(name, true)
+            .expect("workload")
+            .run(&ctx)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(r.verified, "{name}: result differs from the CPU reference");
+    }
+}
+
+fn assert_lost<T: std::fmt::Debug>(r: Result<T, Error>, what: &str) {
+    assert!(matches!(r, Err(Error::DeviceLost)), "{what}: {r:?}");
+}
+
+#[test]
+fn a_killed_backend_is_replaced_and_the_vm_starts_over() {
+    let dir = temp_dir("reconnect-kill");
+    let first = Backend::start(&dir);
+    let vm = connect(&first, faults(Duration::from_secs(30)));
+    assert_eq!(vm.epoch(), 0);
+
+    let old = Device::loopback(vm.clone(), 100).expect("device");
+    run_workloads(&old);
+    let ctx = old.create_context().expect("context");
+    // A process waiting on a GPU fence when the backend dies (a minute of work).
+    let (done_tx, done_rx) = mpsc::channel();
+    let waiter = {
+        let mut ch = ctx.create_channel().expect("channel");
+        ch.launch(&KernelArgs::Spin { ns: 60_000_000_000 }, [1, 1, 1])
+            .expect("launch");
+        let fence = ch.submit().expect("submit");
+        std::thread::spawn(move || {
+            let r = ch.wait(fence);
+            let _ = done_tx.send(format!("{r:?}"));
+            r
+        })
+    };
+
+    first.kill();
+    let got = done_rx
+        .recv_timeout(PATIENCE)
+        .expect("the waiting process hangs after the backend died");
+    assert!(got.contains("DeviceLost"), "{got}");
+    assert_lost(waiter.join().expect("waiter"), "fence wait");
+
+    let _second = Backend::start(&dir);
+    wait_generation(&vm, 1);
+    // The old process's resources are gone with the old backend: a clear error.
+    assert_lost(ctx.alloc_vram(1 << 20), "old process: alloc");
+    assert_lost(ctx.create_channel(), "old process: channel");
+    assert_lost(old.create_context(), "old process: context");
+    // A process that starts now works against the new backend.
+    let new = Device::loopback(vm.clone(), 200).expect("device");
+    run_workloads(&new);
+    drop((ctx, old, new));
+    vm.disconnect();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_hung_backend_times_out_and_the_vm_moves_to_a_restarted_one() {
+    let dir = temp_dir("reconnect-hang");
+    let first = Backend::start(&dir);
+    let vm = connect(&first, faults(Duration::from_secs(2)));
+    let old = Device::loopback(vm.clone(), 100).expect("device");
+    run_workloads(&old);
+    let ctx = old.create_context().expect("context");
+
+    first.stop();
+    // The request is never answered: it times out and the device is lost.
+    let t0 = Instant::now();
+    assert_lost(old.create_context(), "request to a stopped backend");
+    assert!(t0.elapsed() < PATIENCE);
+    // The stopped backend's socket still accepts connections but answers nothing, so
+    // reconnect attempts time out too until a new backend takes the socket over.
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(!vm.live_in(0) && !vm.live_in(1), "no backend answers yet");
+    first.kill();
+    let _second = Backend::start(&dir);
+    wait_generation(&vm, 1);
+    assert_lost(ctx.create_channel(), "old process after the reconnect");
+    let new = Device::loopback(vm.clone(), 200).expect("device");
+    run_workloads(&new);
+    drop((ctx, old, new));
+    vm.disconnect();
+    let _ = std::fs::remove_dir_all(&dir);
+}
