@@ -25,7 +25,9 @@
 //!   after a load on the destination, or after a save on the source when the migration
 //!   failed), the pause is dropped and the channels unshadow through the normal path.
 
+pub(crate) mod chunks;
 pub mod load;
+pub(crate) mod progress;
 pub mod save;
 mod vm_state;
 
@@ -66,4 +68,6 @@ pub enum MigrationError {
     NoTransfer,
     #[error("the transfer thread panicked")]
     Panicked,
+    #[error("pre-copy stream: {0}")]
+    Unexpected(&'static str),
 }
