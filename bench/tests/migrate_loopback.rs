@@ -77,18 +77,29 @@ impl Guests {
                 ctx.create_channel().map_err(|e| e.to_string())?,
             ];
             let _ = ready_tx.send(());
+            // Each channel keeps a second batch queued behind the one it waits for, so
+            // whenever the source pauses (the pre-copy runs first, at any point of a
+            // batch) the drain runs the fetched batch and the guest queues the next one
+            // behind the shadow GP_PUT meanwhile.
+            let mut pending = [None, None];
             while !stop2.load(Ordering::Acquire) {
-                for ch in &mut chans {
+                for (ch, prev) in chans.iter_mut().zip(pending.iter_mut()) {
                     let mut last = None;
                     for _ in 0..12 {
                         ch.launch(&KernelArgs::Spin { ns: 1_000_000 }, [1, 1, 1])
                             .map_err(|e| e.to_string())?;
                         last = Some(ch.submit().map_err(|e| e.to_string())?);
                     }
-                    if let Some(f) = last {
+                    if let Some(f) = std::mem::replace(prev, last) {
                         ch.wait_timeout(f, Duration::from_secs(60))
                             .map_err(|e| format!("queue: {e}"))?;
                     }
+                }
+            }
+            for (ch, prev) in chans.iter().zip(pending) {
+                if let Some(f) = prev {
+                    ch.wait_timeout(f, Duration::from_secs(60))
+                        .map_err(|e| format!("queue: {e}"))?;
                 }
             }
             Ok(())
@@ -104,7 +115,7 @@ impl Guests {
     }
 
     /// Waits until `n` more workload runs completed than `since`.
-    fn wait_runs(&self, since: u64, n: u64) {
+    fn wait_runs(&mut self, since: u64, n: u64) {
         let t0 = Instant::now();
         while self.runs.load(Ordering::Acquire) < since + n {
             if t0.elapsed() > Duration::from_secs(120) {
@@ -122,9 +133,9 @@ impl Guests {
                     self.runs.load(Ordering::Acquire)
                 );
             }
-            if let Some(t) = self.threads.iter().find(|t| t.is_finished()) {
-                let _ = t;
-                panic!("a guest process ended early (an error: see finish)");
+            if let Some(i) = self.threads.iter().position(|t| t.is_finished()) {
+                let r = self.threads.swap_remove(i).join();
+                panic!("a guest process ended early: {r:?}");
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -181,7 +192,7 @@ fn assert_gpu_clean(host: &Host, what: &str) {
 fn a_running_vm_migrates_between_backends_and_every_workload_completes_bit_exactly() {
     let (a, b) = (host("a"), host("b"));
     let vm = a.connect(VM);
-    let guests = Guests::start(&vm);
+    let mut guests = Guests::start(&vm);
     guests.wait_runs(0, 4);
 
     let rep = vm.migrate_to(&b.socket(VM)).expect("migration");
@@ -226,7 +237,7 @@ fn a_running_vm_migrates_between_backends_and_every_workload_completes_bit_exact
 fn a_cut_or_corrupt_state_is_refused_and_the_vm_keeps_running_on_the_source() {
     let (a, b) = (host("src"), host("dst"));
     let vm = a.connect(VM);
-    let guests = Guests::start(&vm);
+    let mut guests = Guests::start(&vm);
     guests.wait_runs(0, 3);
 
     let cut = vm.migrate_to_filtered(&b.socket(VM), &mut |s: &mut Vec<u8>| {
@@ -273,7 +284,7 @@ fn a_destination_that_cannot_hold_the_vm_refuses_it_and_the_source_keeps_it() {
     };
     let b = host_with("small", small);
     let vm = a.connect(VM);
-    let guests = Guests::start(&vm);
+    let mut guests = Guests::start(&vm);
     guests.wait_runs(0, 3);
     let r = vm.migrate_to(&b.socket(VM));
     assert!(r.is_err(), "a destination with one channel took {r:?}");
@@ -310,7 +321,7 @@ fn a_vm_with_vram_swapped_out_migrates_bit_exactly() {
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
         .collect();
     ballast.write(0, &pattern).expect("write ballast");
-    let guests = Guests::start(&vm);
+    let mut guests = Guests::start(&vm);
     guests.wait_runs(0, 4);
     let rep = vm.migrate_to(&b.socket(VM)).expect("migration");
     eprintln!("migration with swap: {rep:?}");

@@ -114,7 +114,11 @@ impl Session {
             .collect();
         let mut mems = Vec::with_capacity(self.state.mems.len());
         for (id, m) in &self.state.mems {
-            let b = self.hal.vram.get(id).ok_or_else(|| read_err(*id, "no backing"))?;
+            let b = self
+                .hal
+                .vram
+                .get(id)
+                .ok_or_else(|| read_err(*id, "no backing"))?;
             mems.push(MemRecord {
                 id: *id,
                 pid: m.pid,
@@ -151,7 +155,11 @@ impl Session {
         let mut book = self.precopy.out.take().ok_or(MigrationError::NotPaused)?;
         let mut out = Vec::new();
         for (id, m) in &self.state.mems {
-            let b = self.hal.vram.get(id).ok_or_else(|| read_err(*id, "no backing"))?;
+            let b = self
+                .hal
+                .vram
+                .get(id)
+                .ok_or_else(|| read_err(*id, "no backing"))?;
             let hctx = self.hal.contexts.get(&m.ctx).map(|(h, _)| *h);
             let windowed = m.aperture.is_some();
             for (i, c) in b.chunks.iter().enumerate() {
@@ -183,7 +191,10 @@ impl Session {
         let mut sent = Vec::with_capacity(keys.len());
         for &((id, i), _) in keys {
             let b = self.hal.vram.get(&id).ok_or_else(|| read_err(id, "gone"))?;
-            let c = *b.chunks.get(i).ok_or_else(|| read_err(id, "no such chunk"))?;
+            let c = *b
+                .chunks
+                .get(i)
+                .ok_or_else(|| read_err(id, "no such chunk"))?;
             let mut data = vec![0u8; c.len as usize];
             self.read_chunk(id, b, &c, &mut data)?;
             out.push(ChunkRecord {
@@ -268,7 +279,9 @@ impl Session {
             .precopy
             .incoming
             .take()
-            .ok_or(MigrationError::Unexpected("a chunk frame before the objects"))?;
+            .ok_or(MigrationError::Unexpected(
+                "a chunk frame before the objects",
+            ))?;
         let r = self.apply_chunks(&mut book, f);
         self.precopy.incoming = Some(book);
         r
@@ -286,7 +299,12 @@ impl Session {
                 .get_mut(c.index as usize)
                 .ok_or(ErrorCode::InvalidArgument)
                 .map_err(restore_err(c.mem))?;
-            let b = self.hal.vram.get(&c.mem).ok_or(ErrorCode::Internal).map_err(restore_err(c.mem))?;
+            let b = self
+                .hal
+                .vram
+                .get(&c.mem)
+                .ok_or(ErrorCode::Internal)
+                .map_err(restore_err(c.mem))?;
             let chunk = b.chunks[c.index as usize];
             if chunk.len != c.data.len() as u64 {
                 return Err(e(ErrorCode::InvalidArgument));
@@ -313,7 +331,10 @@ impl Session {
                 return Err(mismatch);
             }
             if m.data.is_empty() {
-                let complete = book.delivered.get(&m.id).is_some_and(|d| d.iter().all(|&x| x));
+                let complete = book
+                    .delivered
+                    .get(&m.id)
+                    .is_some_and(|d| d.iter().all(|&x| x));
                 if !complete && m.size > 0 {
                     return Err(MigrationError::Unexpected(
                         "a VRAM chunk never arrived in the pre-copy",

@@ -93,6 +93,14 @@ impl Session {
                 self.write_object(m.id, &m.data).map_err(e)?;
             }
         } else {
+            // Without a pre-copy every object carries its contents.
+            if let Some(m) = st.mems.iter().find(|m| m.data.is_empty() && m.size > 0) {
+                return Err(MigrationError::Restore {
+                    what: "VRAM object without contents (no pre-copy)",
+                    id: u64::from(m.id),
+                    code: ErrorCode::InvalidArgument,
+                });
+            }
             self.restore_objects(&st.contexts, &st.mems, mem)?;
         }
         self.restore_rest(st, shm)
@@ -127,7 +135,11 @@ impl Session {
     }
 
     /// Mappings, aperture windows, channels, ids and events (the objects exist).
-    fn restore_rest(&mut self, st: &DeviceState, shm: &dyn ShmMapper) -> Result<(), MigrationError> {
+    fn restore_rest(
+        &mut self,
+        st: &DeviceState,
+        shm: &dyn ShmMapper,
+    ) -> Result<(), MigrationError> {
         for m in &st.mappings {
             let e = restore_err("mapping at VA", m.va);
             let r = match &m.target {
@@ -318,7 +330,12 @@ impl Session {
     }
 
     /// Writes one chunk's contents (`src.len() == c.len`) where it lives.
-    pub(crate) fn write_chunk(&self, b: &ObjBacking, c: &Chunk, src: &[u8]) -> Result<(), ErrorCode> {
+    pub(crate) fn write_chunk(
+        &self,
+        b: &ObjBacking,
+        c: &Chunk,
+        src: &[u8],
+    ) -> Result<(), ErrorCode> {
         if src.len() as u64 != c.len {
             return Err(ErrorCode::InvalidArgument);
         }
