@@ -20,8 +20,9 @@ use crate::vm::VmState;
 /// How long a save waits for the engines to finish what they fetched.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Chunks per chunk frame (32 MiB): frames stay small enough to stream.
-const CHUNKS_PER_FRAME: usize = 16;
+/// Chunks per chunk frame (one, 2 MiB): the frontend and the destination each hold at
+/// most a frame or so when the source pauses, so the pause does not wait for a backlog.
+const CHUNKS_PER_FRAME: usize = 1;
 
 /// Where a load's frames come from: the next whole frame, or `None` at the end.
 pub(crate) type FrameSource<'a> = &'a mut dyn FnMut() -> Result<Option<Vec<u8>>, MigrationError>;
