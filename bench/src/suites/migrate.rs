@@ -65,7 +65,7 @@ impl MigrateOpts {
         MigrateOpts {
             sizes_mib: vec![64, 256, 1024],
             rate_size_mib: 256,
-            rates_mib_s: vec![32, 128, 512],
+            rates_mib_s: vec![8, 32, 128, 512],
         }
     }
 
@@ -166,12 +166,18 @@ impl Guest {
             ch.wait(f).map_err(|e| e.to_string())?;
             let _ = ready_tx.send(());
             let chunks = size.div_ceil(CHUNK).max(1);
-            let per_tick = (rate as f64 * TICK.as_secs_f64() / CHUNK as f64).ceil() as u64;
-            let (mut next, mut n, mut writes) = (0u64, 0u32, 0u64);
+            // Chunks owed so far: a fraction carries over to the next tick, so low rates
+            // are not rounded up to a chunk per tick.
+            let per_tick = rate as f64 * TICK.as_secs_f64() / CHUNK as f64;
+            let mut owed = 0.0f64;
+            let (mut next, mut n, mut writes, mut tick) = (0u64, 0u32, 0u64, 0u32);
             let t0 = Instant::now();
             while !stop2.load(Ordering::Acquire) {
-                if rate > 0 {
-                    for _ in 0..per_tick.min(chunks) {
+                owed += per_tick;
+                let due_chunks = (owed.floor() as u64).min(chunks);
+                owed -= due_chunks as f64;
+                if due_chunks > 0 {
+                    for _ in 0..due_chunks {
                         // 4 KiB into each chunk: the chunk is dirty as a whole.
                         ch.launch(
                             &KernelArgs::Memset {
@@ -191,7 +197,8 @@ impl Guest {
                         .map_err(|e| e.to_string())?;
                 }
                 // Paced by wall time, so a slow round does not make it catch up in bursts.
-                let due = t0 + TICK * (n.max(1));
+                tick += 1;
+                let due = t0 + TICK * tick;
                 let now = Instant::now();
                 std::thread::sleep(
                     due.saturating_duration_since(now)

@@ -5,11 +5,13 @@
 //!
 //! 1. freeze the control queue (new requests wait, none is in flight);
 //! 2. stop both rings on the source (GET_VRING_BASE);
-//! 3. **save** on the source: the backend pauses and drains the VM (guests now store into
-//!    its shadow pages) and writes the full state;
-//! 4. connect to the destination, share RAM, set up the rings at the source's positions,
-//!    **load**: the destination re-creates everything and maps its pages (shadow pages for
-//!    the channels) over the same BAR offsets — from here on guest stores reach it;
+//! 3. connect to the destination, share RAM, set up the rings at the source's positions;
+//! 4. **save** on the source piped frame by frame into a **load** on the destination: the
+//!    source's pre-copy rounds run while the guest's channels run, then the backend
+//!    pauses and drains the VM (guests now store into its shadow pages) and sends the
+//!    last round and the state; the destination re-creates everything and maps its pages
+//!    (shadow pages for the channels) over the same BAR offsets — from here on guest
+//!    stores reach it;
 //! 5. **tail**: a second save on the source carries the GP_PUTs guests stored there
 //!    between 3 and 4, and the destination raises its shadow pages to them;
 //! 6. drop the source connection (it frees the VM's objects), kick the control queue
