@@ -356,3 +356,153 @@ fn chunk_target(b: &ObjBacking, c: &Chunk) -> Option<MapTarget> {
         }),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use vgpu_host_shim::{SimConfig, SimGpu};
+    use vgpu_protocol::request::{Op, ReplyBody, Request};
+    use vm_memory::GuestAddress;
+
+    use super::*;
+    use crate::error::ShmError;
+    use crate::shmem::ShmMapper;
+    use crate::vm::session::VmLimits;
+    use crate::vram::handle::Dir;
+
+    const MIB: u64 = 1 << 20;
+
+    /// A frontend that maps whatever it is asked to.
+    struct Accept;
+
+    impl ShmMapper for Accept {
+        fn map(
+            &self,
+            _: u64,
+            _: std::os::fd::RawFd,
+            _: u64,
+            _: u64,
+            _: bool,
+        ) -> Result<(), ShmError> {
+            Ok(())
+        }
+        fn unmap(&self, _: u64, _: u64) -> Result<(), ShmError> {
+            Ok(())
+        }
+    }
+
+    /// A session with two 4 MiB objects (two chunks each), the second with an aperture.
+    fn session() -> (Session, u32, u32, Arc<SimGpu>) {
+        let gpu = SimGpu::new(SimConfig {
+            vram_bytes: 32 * MIB,
+            ..SimConfig::default()
+        })
+        .unwrap();
+        let limits = VmLimits {
+            swap_bytes: 32 * MIB,
+            ..VmLimits::default()
+        };
+        let mut s = Session::new(gpu.clone(), limits);
+        let mem = GuestMemory::from_ranges(&[(GuestAddress(0x10000), 0x10000)]).unwrap();
+        let req = |s: &mut Session, ctx: u32, op: Op| {
+            s.execute(&Request { pid: 7, ctx, op }, &mem, &Accept)
+                .unwrap()
+        };
+        let ReplyBody::Context { ctx } = req(&mut s, 0, Op::CreateContext) else {
+            panic!("context");
+        };
+        let alloc = Op::AllocVram {
+            size: 4 * MIB,
+            align: 2 * MIB,
+        };
+        let ReplyBody::Mem { mem: plain, .. } = req(&mut s, ctx, alloc.clone()) else {
+            panic!("alloc");
+        };
+        let ReplyBody::Mem { mem: windowed, .. } = req(&mut s, ctx, alloc) else {
+            panic!("alloc");
+        };
+        req(&mut s, ctx, Op::MapAperture { mem: windowed });
+        (s, plain, windowed, gpu)
+    }
+
+    fn keys(d: &[(ChunkKey, u64)]) -> Vec<ChunkKey> {
+        d.iter().map(|(k, _)| *k).collect()
+    }
+
+    #[test]
+    fn a_round_sends_what_is_new_moved_or_windowed_and_nothing_else() {
+        let (mut s, plain, windowed, _gpu) = session();
+        let (_, tracking) = s.precopy_begin().unwrap();
+        assert!(tracking, "the sim tracks writes");
+        // Round 1: every chunk, except the windowed object's (left for the last round).
+        let d = s.precopy_dirty(false).unwrap();
+        assert_eq!(keys(&d), [(plain, 0), (plain, 1)]);
+        s.precopy_read(&d).unwrap();
+        // Nothing written, nothing moved: nothing to send.
+        assert!(s.precopy_dirty(false).unwrap().is_empty());
+        // A chunk evicted to swap (and one brought back in) is sent again.
+        s.move_chunks(plain, &[1], Dir::Out, &Accept, Duration::from_millis(100))
+            .unwrap();
+        let d = s.precopy_dirty(false).unwrap();
+        assert_eq!(keys(&d), [(plain, 1)]);
+        s.precopy_read(&d).unwrap();
+        assert!(s.precopy_dirty(false).unwrap().is_empty());
+        // Found dirty but not sent: carried into the last round, with the window.
+        s.move_chunks(plain, &[1], Dir::In, &Accept, Duration::from_millis(100))
+            .unwrap();
+        let d = s.precopy_dirty(false).unwrap();
+        assert_eq!(keys(&d), [(plain, 1)]);
+        s.precopy.out.as_mut().unwrap().defer(&d);
+        let last = s.precopy_dirty(true).unwrap();
+        assert_eq!(
+            keys(&last),
+            [(plain, 1), (windowed, 0), (windowed, 1)],
+            "the deferred chunk and every windowed chunk"
+        );
+        s.precopy_end();
+        assert!(s.precopy.out.is_none());
+    }
+
+    #[test]
+    fn a_full_state_must_match_the_announced_objects_and_every_chunk() {
+        let (mut src, plain, _, _g) = session();
+        let (objects, _) = src.precopy_begin().unwrap();
+        let gpu = SimGpu::new(SimConfig {
+            vram_bytes: 32 * MIB,
+            ..SimConfig::default()
+        })
+        .unwrap();
+        let mut dst = Session::new(gpu.clone(), src.limits());
+        let mem = GuestMemory::from_ranges(&[(GuestAddress(0x10000), 0x10000)]).unwrap();
+        dst.precopy_load_objects(&objects, &mem, &Accept).unwrap();
+        let chunk = |index, len: u64| ChunkRecord {
+            mem: plain,
+            index,
+            data: vec![7; len as usize],
+        };
+        let frame = |chunks| ChunkFrame {
+            round: 1,
+            last: false,
+            chunks,
+        };
+        // Wrong length, unknown index, unknown object: refused.
+        assert!(dst.precopy_apply(&frame(vec![chunk(0, MIB)])).is_err());
+        assert!(dst.precopy_apply(&frame(vec![chunk(9, 2 * MIB)])).is_err());
+        let mut stray = chunk(0, 2 * MIB);
+        stray.mem = 999;
+        assert!(dst.precopy_apply(&frame(vec![stray])).is_err());
+        dst.precopy_apply(&frame(vec![chunk(0, 2 * MIB)])).unwrap();
+        // The full state: one chunk never arrived.
+        let st = DeviceState {
+            contexts: objects.contexts.clone(),
+            mems: objects.mems.clone(),
+            ..DeviceState::default()
+        };
+        assert!(matches!(
+            dst.precopy_check_full(&st),
+            Err(MigrationError::Unexpected(_))
+        ));
+    }
+}
