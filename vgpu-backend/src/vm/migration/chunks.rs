@@ -305,7 +305,11 @@ impl Session {
                 .get(&c.mem)
                 .ok_or(ErrorCode::Internal)
                 .map_err(restore_err(c.mem))?;
-            let chunk = b.chunks[c.index as usize];
+            let chunk = *b
+                .chunks
+                .get(c.index as usize)
+                .ok_or(ErrorCode::InvalidArgument)
+                .map_err(restore_err(c.mem))?;
             if chunk.len != c.data.len() as u64 {
                 return Err(e(ErrorCode::InvalidArgument));
             }
