@@ -22,6 +22,33 @@ fn bench_sim_quick_json() {
 }
 
 #[test]
+fn bench_migrate_quick_json() {
+    let text = common::run_bench(&["--json", "--quick", "migrate"]);
+    let (_, names) = common::figures(&text, "migrate");
+    for n in [
+        "idle_16mib_channel_pause",
+        "idle_16mib_control_freeze",
+        "idle_16mib_precopy_rounds",
+        "idle_16mib_stop_and_copy_channel_pause",
+        "16mib_write_64mib_s_paused_bytes",
+        "16mib_write_64mib_s_round_1_bytes",
+    ] {
+        assert!(names.iter().any(|x| x == n), "{n} missing: {names:?}");
+    }
+    // The first round copies the whole buffer while the channels run.
+    let figs: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let round1 = figs
+        .iter()
+        .find(|f| f["name"] == "16mib_write_64mib_s_round_1_bytes")
+        .and_then(|f| f["value"].as_f64())
+        .unwrap_or(0.0);
+    assert!(round1 >= 16.0, "round 1 carried {round1} MiB");
+}
+
+#[test]
 fn bench_api_quick_json() {
     let text = common::run_bench(&["--json", "--quick", "api"]);
     let figs: Vec<serde_json::Value> = text

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use vgpu_backend::{VgpuBackend, VmLimits};
+use vgpu_backend::{MigrationPhase, PrecopyConfig, VgpuBackend, VmLimits};
 use vgpu_guest::workloads::Workload;
 use vgpu_guest::{Device, KernelArgs};
 use vgpu_test_support::Host;
@@ -77,18 +77,29 @@ impl Guests {
                 ctx.create_channel().map_err(|e| e.to_string())?,
             ];
             let _ = ready_tx.send(());
+            // Each channel keeps a second batch queued behind the one it waits for, so
+            // whenever the source pauses (the pre-copy runs first, at any point of a
+            // batch) the drain runs the fetched batch and the guest queues the next one
+            // behind the shadow GP_PUT meanwhile.
+            let mut pending = [None, None];
             while !stop2.load(Ordering::Acquire) {
-                for ch in &mut chans {
+                for (ch, prev) in chans.iter_mut().zip(pending.iter_mut()) {
                     let mut last = None;
                     for _ in 0..12 {
                         ch.launch(&KernelArgs::Spin { ns: 1_000_000 }, [1, 1, 1])
                             .map_err(|e| e.to_string())?;
                         last = Some(ch.submit().map_err(|e| e.to_string())?);
                     }
-                    if let Some(f) = last {
+                    if let Some(f) = std::mem::replace(prev, last) {
                         ch.wait_timeout(f, Duration::from_secs(60))
                             .map_err(|e| format!("queue: {e}"))?;
                     }
+                }
+            }
+            for (ch, prev) in chans.iter().zip(pending) {
+                if let Some(f) = prev {
+                    ch.wait_timeout(f, Duration::from_secs(60))
+                        .map_err(|e| format!("queue: {e}"))?;
                 }
             }
             Ok(())
@@ -104,7 +115,7 @@ impl Guests {
     }
 
     /// Waits until `n` more workload runs completed than `since`.
-    fn wait_runs(&self, since: u64, n: u64) {
+    fn wait_runs(&mut self, since: u64, n: u64) {
         let t0 = Instant::now();
         while self.runs.load(Ordering::Acquire) < since + n {
             if t0.elapsed() > Duration::from_secs(120) {
@@ -122,9 +133,9 @@ impl Guests {
                     self.runs.load(Ordering::Acquire)
                 );
             }
-            if let Some(t) = self.threads.iter().find(|t| t.is_finished()) {
-                let _ = t;
-                panic!("a guest process ended early (an error: see finish)");
+            if let Some(i) = self.threads.iter().position(|t| t.is_finished()) {
+                let r = self.threads.swap_remove(i).join();
+                panic!("a guest process ended early: {r:?}");
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -181,7 +192,7 @@ fn assert_gpu_clean(host: &Host, what: &str) {
 fn a_running_vm_migrates_between_backends_and_every_workload_completes_bit_exactly() {
     let (a, b) = (host("a"), host("b"));
     let vm = a.connect(VM);
-    let guests = Guests::start(&vm);
+    let mut guests = Guests::start(&vm);
     guests.wait_runs(0, 4);
 
     let rep = vm.migrate_to(&b.socket(VM)).expect("migration");
@@ -226,7 +237,7 @@ fn a_running_vm_migrates_between_backends_and_every_workload_completes_bit_exact
 fn a_cut_or_corrupt_state_is_refused_and_the_vm_keeps_running_on_the_source() {
     let (a, b) = (host("src"), host("dst"));
     let vm = a.connect(VM);
-    let guests = Guests::start(&vm);
+    let mut guests = Guests::start(&vm);
     guests.wait_runs(0, 3);
 
     let cut = vm.migrate_to_filtered(&b.socket(VM), &mut |s: &mut Vec<u8>| {
@@ -273,7 +284,7 @@ fn a_destination_that_cannot_hold_the_vm_refuses_it_and_the_source_keeps_it() {
     };
     let b = host_with("small", small);
     let vm = a.connect(VM);
-    let guests = Guests::start(&vm);
+    let mut guests = Guests::start(&vm);
     guests.wait_runs(0, 3);
     let r = vm.migrate_to(&b.socket(VM));
     assert!(r.is_err(), "a destination with one channel took {r:?}");
@@ -310,7 +321,7 @@ fn a_vm_with_vram_swapped_out_migrates_bit_exactly() {
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
         .collect();
     ballast.write(0, &pattern).expect("write ballast");
-    let guests = Guests::start(&vm);
+    let mut guests = Guests::start(&vm);
     guests.wait_runs(0, 4);
     let rep = vm.migrate_to(&b.socket(VM)).expect("migration");
     eprintln!("migration with swap: {rep:?}");
@@ -337,4 +348,205 @@ fn a_vm_with_vram_swapped_out_migrates_bit_exactly() {
     );
     drop((ballast, ctx, dev));
     assert_gpu_clean(&b, "destination after the migration back");
+}
+
+const MIB: u64 = 1 << 20;
+const CHUNK: u64 = 2 * MIB;
+
+/// A guest process whose GPU keeps writing a 32 MiB VRAM buffer (no CPU view, so only the
+/// GPU's write tracking can tell what changed): round `n` stores the value `n` into the
+/// first 4 KiB of every chunk, one chunk per launch. Returns the last round it completed.
+struct Writer {
+    stop: Arc<AtomicBool>,
+    rounds: Arc<AtomicU64>,
+    thread: JoinHandle<Result<(), String>>,
+    ready: std::sync::mpsc::Receiver<()>,
+}
+
+impl Writer {
+    fn start(vm: &Arc<LoopbackVm>, size: u64) -> Writer {
+        let stop = Arc::new(AtomicBool::new(false));
+        let rounds = Arc::new(AtomicU64::new(0));
+        let (tx, ready) = std::sync::mpsc::channel();
+        let (vm, stop2, rounds2) = (vm.clone(), stop.clone(), rounds.clone());
+        let thread = std::thread::spawn(move || -> Result<(), String> {
+            let e = |x: vgpu_guest::Error| x.to_string();
+            let dev = Device::loopback(vm, 500).map_err(e)?;
+            let ctx = dev.create_context().map_err(e)?;
+            let buf = ctx.alloc_vram(size).map_err(e)?;
+            let mut ch = ctx.create_channel().map_err(e)?;
+            ch.launch(
+                &KernelArgs::Memset {
+                    dst: buf.gpu_va(),
+                    len: size,
+                    pattern: 0xfeed_f00d,
+                },
+                [1, 1, 1],
+            )
+            .map_err(e)?;
+            let f = ch.submit().map_err(e)?;
+            ch.wait(f).map_err(e)?;
+            let _ = tx.send(());
+            let mut n = 0u32;
+            while !stop2.load(Ordering::Acquire) {
+                n += 1;
+                for k in 0..size / CHUNK {
+                    ch.launch(
+                        &KernelArgs::Memset {
+                            dst: buf.gpu_va() + k * CHUNK,
+                            len: 4096,
+                            pattern: n,
+                        },
+                        [1, 1, 1],
+                    )
+                    .map_err(e)?;
+                }
+                let f = ch.submit().map_err(e)?;
+                ch.wait_timeout(f, Duration::from_secs(60)).map_err(e)?;
+                rounds2.store(u64::from(n), Ordering::Release);
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            // After the migration: read the buffer back through a second buffer with a
+            // CPU view (the written one must stay without, see above) and check it.
+            let back = ctx.alloc_vram(size).map_err(e)?;
+            ch.launch(
+                &KernelArgs::Memcpy {
+                    dst: back.gpu_va(),
+                    src: buf.gpu_va(),
+                    len: size,
+                },
+                [1, 1, 1],
+            )
+            .map_err(e)?;
+            let f = ch.submit().map_err(e)?;
+            ch.wait(f).map_err(e)?;
+            let mut got = vec![0u8; size as usize];
+            back.read(0, &mut got).map_err(e)?;
+            for (k, chunk) in got.chunks(CHUNK as usize).enumerate() {
+                let word = |at: usize| {
+                    u32::from_le_bytes([chunk[at], chunk[at + 1], chunk[at + 2], chunk[at + 3]])
+                };
+                if word(0) != n || word(4092) != n {
+                    return Err(format!("chunk {k}: last write {n}, found {}", word(0)));
+                }
+                if word(4096) != 0xfeed_f00d || word(chunk.len() - 4) != 0xfeed_f00d {
+                    return Err(format!("chunk {k}: the fill changed"));
+                }
+            }
+            Ok(())
+        });
+        Writer {
+            stop,
+            rounds,
+            thread,
+            ready,
+        }
+    }
+
+    fn wait_ready(&self) {
+        self.ready
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the writer started");
+    }
+
+    fn finish(self) {
+        self.stop.store(true, Ordering::Release);
+        self.thread
+            .join()
+            .expect("writer thread")
+            .expect("every write arrived");
+    }
+}
+
+/// A GPU writer runs through the pre-copy: chunks written after they were copied are sent
+/// again (the rounds after the first carry them), and after the move every chunk holds
+/// the last value written — on the destination.
+#[test]
+fn writes_made_during_the_precopy_arrive_at_the_destination() {
+    let (a, b) = (host("pre-src"), host("pre-dst"));
+    // Rounds until nothing is dirty, at most 4: the writer never stops, so all 4 run.
+    a.backend.set_precopy(
+        VM,
+        PrecopyConfig {
+            max_rounds: 4,
+            stop_below_bytes: 0,
+        },
+    );
+    let vm = a.connect(VM);
+    let w = Writer::start(&vm, 32 * MIB);
+    w.wait_ready();
+    while w.rounds.load(Ordering::Acquire) < 3 {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let rep = vm.migrate_to(&b.socket(VM)).expect("migration");
+    eprintln!("pre-copy with a writer: {rep:?}");
+    let pre: Vec<_> = rep.rounds.iter().filter(|r| !r.last).collect();
+    assert!(pre.len() >= 2, "a single pre-copy round: {rep:?}");
+    assert!(
+        pre[1..].iter().any(|r| r.bytes >= CHUNK),
+        "no chunk was sent again although the writer kept writing: {rep:?}"
+    );
+    let src = a.backend.vm_migration(VM).expect("vm");
+    assert_eq!(src.phase, MigrationPhase::Sent);
+    assert!(src.write_tracking);
+    // The destination resumes on the kick that follows the transfer.
+    let t0 = Instant::now();
+    let dst = loop {
+        let p = b.backend.vm_migration(VM).expect("vm");
+        if p.phase == MigrationPhase::Resumed || t0.elapsed() > Duration::from_secs(10) {
+            break p;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert_eq!(dst.phase, MigrationPhase::Resumed);
+    assert_eq!(dst.rounds.len(), rep.rounds.len());
+    let before = w.rounds.load(Ordering::Acquire);
+    while w.rounds.load(Ordering::Acquire) < before + 3 {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    w.finish();
+    assert_gpu_clean(&a, "source after the migration");
+}
+
+/// A chunk frame of a later round corrupted on its way: the destination refuses the
+/// stream after it had created the objects and applied earlier rounds, frees all of it,
+/// and the VM (its writer still running) continues on the source; then it migrates.
+#[test]
+fn a_corrupt_precopy_round_is_refused_cleanly() {
+    let (a, b) = (host("cut-src"), host("cut-dst"));
+    a.backend.set_precopy(
+        VM,
+        PrecopyConfig {
+            max_rounds: 3,
+            stop_below_bytes: 0,
+        },
+    );
+    let vm = a.connect(VM);
+    let w = Writer::start(&vm, 16 * MIB);
+    w.wait_ready();
+    let mut frames = 0;
+    let r = vm.migrate_to_filtered(&b.socket(VM), &mut |f: &mut Vec<u8>| {
+        frames += 1;
+        // Frame 1 is the objects, 2..=9 the first round's chunks: corrupt one of round 2.
+        if frames == 11 && f.len() > 64 {
+            let i = f.len() - 16;
+            f[i] ^= 1;
+        }
+    });
+    assert!(r.is_err(), "a corrupt round was accepted");
+    assert!(frames >= 11, "the stream had only {frames} frames");
+    let s = wait_vm(&b, |s| !s.connected);
+    assert_eq!((s.connected, s.contexts, s.channels), (false, 0, 0));
+    assert_gpu_clean(&b, "destination after refusing a round");
+    let failed = b.backend.vm_migration(VM).expect("vm");
+    assert_eq!(failed.phase, MigrationPhase::Failed, "{failed:?}");
+    assert_eq!(a.backend.vm_paused(VM), Some(false));
+    let before = w.rounds.load(Ordering::Acquire);
+    while w.rounds.load(Ordering::Acquire) < before + 3 {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    vm.migrate_to(&b.socket(VM))
+        .expect("migration after the refusal");
+    w.finish();
+    assert_gpu_clean(&a, "source after the migration");
 }

@@ -31,9 +31,14 @@ impl<'a> GpuView<'a> {
         GpuView { space, vram }
     }
 
-    /// Host pointer and length of the contiguous run at `va` (at most `len` bytes). Only
-    /// valid while the caller holds the address space's access guard.
-    fn host_run(&self, va: u64, len: usize, write: bool) -> Result<(*mut u8, usize), MemFault> {
+    /// Host pointer and length of the contiguous run at `va` (at most `len` bytes), and
+    /// its target. Only valid while the caller holds the address space's access guard.
+    fn host_run(
+        &self,
+        va: u64,
+        len: usize,
+        write: bool,
+    ) -> Result<(*mut u8, usize, MapTarget), MemFault> {
         let fault = |kind| MemFault { va, write, kind };
         let t = self.space.translate(va, write).map_err(|e| match e {
             TranslateError::NotMapped => fault(FaultKind::NotMapped),
@@ -44,10 +49,12 @@ impl<'a> GpuView<'a> {
             MapTarget::Vram { offset } => self
                 .vram
                 .and_then(|v| v.range_ptr(offset, n))
-                .map(|p| (p, n as usize))
+                .map(|p| (p, n as usize, t.target))
                 .ok_or(fault(FaultKind::BadTarget)),
             MapTarget::Sysram { addr } => match self.space.sysmem().translate(addr, n) {
-                Some(r) if r.len > 0 && !r.ptr.is_null() => Ok((r.ptr, r.len.min(n as usize))),
+                Some(r) if r.len > 0 && !r.ptr.is_null() => {
+                    Ok((r.ptr, r.len.min(n as usize), t.target))
+                }
                 _ => Err(fault(FaultKind::BadTarget)),
             },
         }
@@ -72,12 +79,14 @@ impl<'a> GpuView<'a> {
             };
             let want = ((len - done) as usize).min(COPY_PIECE);
             let _access = self.space.access_guard();
-            let (sp, sn) = self.host_run(s, want, false).map_err(CopyError::Fault)?;
-            let (dp, dn) = self.host_run(d, sn, true).map_err(CopyError::Fault)?;
+            let (sp, sn, _) = self.host_run(s, want, false).map_err(CopyError::Fault)?;
+            let (dp, dn, target) = self.host_run(d, sn, true).map_err(CopyError::Fault)?;
             let n = sn.min(dn);
             // SAFETY: `host_run` returned pointers to at least `sn`/`dn` valid bytes of
             // VRAM or registered system memory; `ptr::copy` tolerates overlap.
             unsafe { std::ptr::copy(sp, dp, n) };
+            // Noted after it landed (see `WriteLog`).
+            self.space.writes().note(target, n as u64);
             done += n as u64;
         }
         Ok(())
@@ -94,7 +103,7 @@ impl KernelMemory for GpuView<'_> {
                 kind: FaultKind::NotMapped,
             })?;
             let _access = self.space.access_guard();
-            let (p, n) = self.host_run(at, buf.len() - done, false)?;
+            let (p, n, _) = self.host_run(at, buf.len() - done, false)?;
             // SAFETY: `p` points at `n` readable bytes (see `host_run`); `buf[done..done+n]`
             // is in bounds because `n <= buf.len() - done`, and GPU memory never aliases it.
             unsafe { std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr().add(done), n) };
@@ -112,9 +121,11 @@ impl KernelMemory for GpuView<'_> {
                 kind: FaultKind::NotMapped,
             })?;
             let _access = self.space.access_guard();
-            let (p, n) = self.host_run(at, buf.len() - done, true)?;
+            let (p, n, target) = self.host_run(at, buf.len() - done, true)?;
             // SAFETY: as in `read`, with the direction reversed.
             unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(done), p, n) };
+            // Noted after it landed (see `WriteLog`).
+            self.space.writes().note(target, n as u64);
             done += n;
         }
         Ok(())

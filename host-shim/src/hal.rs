@@ -274,6 +274,21 @@ pub trait Gpu: Send + Sync {
     /// returns, no engine still uses memory reached through a dropped translation, so the
     /// owner may free memory it unmapped (or removed from the context's `SysMemory`).
     fn invalidate_tlb(&self, ctx: ContextId) -> Result<()>;
+    /// Starts (`on`, clearing the record) or stops recording which memory the engines
+    /// write through `ctx`'s address space (live migration's pre-copy). Returns whether
+    /// this GPU records writes; one that does not (the default) reports every range as
+    /// written in [`Gpu::take_written`], so its owner copies everything while paused.
+    fn track_writes(&self, ctx: ContextId, on: bool) -> Result<bool> {
+        let _ = (ctx, on);
+        Ok(false)
+    }
+    /// Whether the engines wrote anything in `len` bytes at `target` through `ctx` since
+    /// tracking started or the last take covering it; clears that part of the record.
+    /// Take before copying a range: a write that lands later is noted for the next take.
+    fn take_written(&self, ctx: ContextId, target: MapTarget, len: u64) -> Result<bool> {
+        let _ = (ctx, target, len);
+        Ok(true)
+    }
     /// Per-page access counts for the pages covering `va..va+size` (one entry per mapped
     /// page, in address order: page VA and count); `reset` zeroes them after reading.
     fn access_counts(

@@ -13,6 +13,7 @@ pub mod sim;
 /// The VRAM allocator: the protocol's range allocator, shared with the runtime's GPU
 /// virtual address allocator.
 mod vram_pool;
+pub mod write_log;
 pub mod vram {
     pub use vgpu_protocol::range::{RangeAllocator, VramAllocator, VRAM_GRANULE};
 }

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 use vgpu_protocol::gp::GPU_VA_LIMIT;
 
 use crate::hal::{HalError, MapFlags, MapTarget, PageSize, Result, SysMemory};
+use crate::write_log::WriteLog;
 
 /// VA span of one page directory entry.
 const PDE_SPAN: u64 = 2 << 20;
@@ -101,6 +102,8 @@ pub struct AddressSpace {
     access: RwLock<()>,
     /// Set when the context is destroyed: every later access faults.
     dead: AtomicBool,
+    /// Writes through this space, while migration asks ([`crate::Gpu::track_writes`]).
+    writes: WriteLog,
 }
 
 fn offset_target(t: MapTarget, by: u64) -> MapTarget {
@@ -146,6 +149,7 @@ impl AddressSpace {
             sysmem,
             access: RwLock::new(()),
             dead: AtomicBool::new(false),
+            writes: WriteLog::default(),
         }
     }
 
@@ -327,6 +331,11 @@ impl AddressSpace {
         let _quiesced = self.access.write().unwrap_or_else(|e| e.into_inner());
         self.dead.store(true, Ordering::Release);
         self.lock_tlb().clear();
+    }
+
+    /// The record of writes through this space (see [`WriteLog`]).
+    pub fn writes(&self) -> &WriteLog {
+        &self.writes
     }
 
     /// Held by an engine for the duration of one access through a translation.

@@ -3,10 +3,11 @@
 //! request must not block), `CHECK_DEVICE_STATE` waits for it and reports the outcome.
 //! What is saved and how it is restored is [`crate::vm::migration`]'s business.
 //!
-//! - **Save**: pause and drain the VM, serialize, write the stream into the fd, close it
-//!   (the frontend reads to EOF).
-//! - **Load**: read the fd to EOF (at most the header's declared length; an absurd length
-//!   is refused before it is read), decode, restore. The frontend must have sent the
+//! - **Save**: the pre-copy rounds while the VM's channels run, then pause and drain, the
+//!   last round and the state, frame by frame into the fd; close it (the frontend reads
+//!   to EOF).
+//! - **Load**: read frame by frame (each at most its header's declared length; an absurd
+//!   length is refused before it is read), decode, apply, until the final frame and EOF. The frontend must have sent the
 //!   memory table (`SET_MEM_TABLE`) and the backend-request fd before: guest mappings
 //!   are checked against guest RAM and the BAR is mapped through SHMEM_MAP.
 
@@ -76,50 +77,64 @@ impl StateTransfer {
     }
 }
 
-fn save(vm: &VmState, shm: &VhostShm, mut file: File) -> Result<(), MigrationError> {
-    let bytes = vm.migration_save(shm)?;
-    file.write_all(&bytes)?;
-    file.flush()?;
-    info!(
-        "VM {}: wrote {} bytes of device state",
-        vm.name,
-        bytes.len()
-    );
+fn save(vm: &VmState, shm: &VhostShm, file: File) -> Result<(), MigrationError> {
+    let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+    vm.migration_save(shm, &mut out)?;
+    out.flush()?;
+    info!("VM {}: device state written", vm.name);
     Ok(())
+}
+
+/// Reads whole frames (each a header and its declared body) from a transfer's fd.
+struct FrameReader {
+    file: File,
+    /// The longest frame this VM could be sent (see `load`).
+    most: u64,
+}
+
+impl FrameReader {
+    /// The next frame, or `None` at the end of the stream (EOF between frames).
+    fn next(&mut self) -> Result<Option<Vec<u8>>, MigrationError> {
+        let mut bytes = vec![0u8; HEADER_SIZE];
+        let mut got = 0;
+        while got < HEADER_SIZE {
+            let n = self.file.read(&mut bytes[got..])?;
+            if n == 0 {
+                break;
+            }
+            got += n;
+        }
+        if got == 0 {
+            return Ok(None);
+        }
+        bytes.truncate(got);
+        // A short or bad header is reported by the decoder.
+        let Ok(total) = stream_len(&bytes) else {
+            return Ok(Some(bytes));
+        };
+        // What this VM may hold, plus room for its books: a longer frame cannot be one
+        // this host would accept, so it is refused before it is read.
+        if total > self.most {
+            return Err(MigrationError::Format(StateError::TooLarge(total)));
+        }
+        let want = total.saturating_sub(got as u64);
+        (&mut self.file).take(want).read_to_end(&mut bytes)?;
+        Ok(Some(bytes))
+    }
 }
 
 fn load(
     vm: &VmState,
     shm: &VhostShm,
     mem: &GuestMemoryAtomic<GuestMemory>,
-    mut file: File,
+    file: File,
 ) -> Result<(), MigrationError> {
-    let mut bytes = vec![0u8; HEADER_SIZE];
-    let mut got = 0;
-    while got < HEADER_SIZE {
-        let n = file.read(&mut bytes[got..])?;
-        if n == 0 {
-            break;
-        }
-        got += n;
-    }
-    bytes.truncate(got);
-    // A short or bad header is reported by the decoder below.
-    if let Ok(total) = stream_len(&bytes) {
-        // What this VM may hold, plus room for its books: a longer stream cannot be one
-        // this host would accept, so it is refused before it is read.
-        let most = vm
-            .limits
-            .vram_bytes
-            .saturating_add(vm.limits.swap_bytes)
-            .saturating_add(METADATA_ALLOWANCE);
-        if total > most {
-            return Err(MigrationError::Format(StateError::TooLarge(total)));
-        }
-        // Read what the header declares, plus one byte to notice trailing garbage.
-        let want = total.saturating_add(1).saturating_sub(got as u64);
-        (&mut file).take(want).read_to_end(&mut bytes)?;
-    }
+    let most = vm
+        .limits
+        .vram_bytes
+        .saturating_add(vm.limits.swap_bytes)
+        .saturating_add(METADATA_ALLOWANCE);
+    let mut reader = FrameReader { file, most };
     let m = mem.memory();
-    vm.migration_load(&bytes, &m, shm)
+    vm.migration_load(&mut || reader.next(), &m, shm)
 }

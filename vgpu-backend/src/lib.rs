@@ -93,6 +93,7 @@ pub use sched::{Policy, SchedConfig, SchedError, SchedStats};
 pub use shadow::{ChannelPeek, Holder, Holders, ShadowError, ShadowStats, ShadowSwitch};
 pub use shmem::{NullShm, ShmMapper, VhostShm};
 pub use vgpu_host_shim::Gpu;
+pub use vm::migration::progress::{MigrationPhase, MigrationProgress, PrecopyConfig, RoundStat};
 pub use vm::session::{Session, SessionShared, SessionState, VmLimits, VmStats};
 pub use vram::{
     MoveReport, ProcVramStats, VmVramStats, VramConfig, VramError, VramOverview, VramReport,
@@ -247,6 +248,22 @@ impl VgpuBackend {
         let mut s = vm.shared.stats();
         s.connected = vm.connected.load(Ordering::Acquire);
         Some(s)
+    }
+
+    /// The VM's last migration as this backend saw it (source or destination).
+    pub fn vm_migration(&self, name: &str) -> Option<MigrationProgress> {
+        self.vm(name).map(|vm| vm.progress.get())
+    }
+
+    /// Sets the pre-copy tuning of a VM's next migration saves; false if no such VM.
+    pub fn set_precopy(&self, name: &str, cfg: PrecopyConfig) -> bool {
+        match self.vm(name) {
+            Some(vm) => {
+                *vm.precopy_cfg.lock().unwrap_or_else(|e| e.into_inner()) = cfg;
+                true
+            }
+            None => false,
+        }
     }
 
     /// The limits a VM runs with.

@@ -431,6 +431,50 @@ impl VhostUserDevice {
         Ok(())
     }
 
+    /// Starts a streamed save (SET_DEVICE_STATE_FD, direction SAVE): the backend writes
+    /// the state into the returned reader until EOF; then [`Self::check_state`].
+    pub fn begin_save(&mut self) -> Result<std::fs::File, FrontendError> {
+        let (rd, wr) = std::io::pipe().map_err(FrontendError::StateIo)?;
+        let (fe, wd, _armed) = self.fe()?;
+        let back = fe
+            .set_device_state_fd(
+                VhostTransferStateDirection::SAVE,
+                VhostTransferStatePhase::STOPPED,
+                wr.into(),
+            )
+            .map_err(timed_err(wd, "SET_DEVICE_STATE_FD"))?;
+        // The backend may choose its own channel.
+        Ok(back.unwrap_or_else(|| std::fs::File::from(std::os::fd::OwnedFd::from(rd))))
+    }
+
+    /// Starts a streamed load (SET_DEVICE_STATE_FD, direction LOAD): write the state into
+    /// the returned writer and drop it; then [`Self::check_state`].
+    pub fn begin_load(&mut self) -> Result<std::fs::File, FrontendError> {
+        let (rd, wr) = std::io::pipe().map_err(FrontendError::StateIo)?;
+        let (fe, wd, _armed) = self.fe()?;
+        let back = fe
+            .set_device_state_fd(
+                VhostTransferStateDirection::LOAD,
+                VhostTransferStatePhase::STOPPED,
+                rd.into(),
+            )
+            .map_err(timed_err(wd, "SET_DEVICE_STATE_FD"))?;
+        Ok(back.unwrap_or_else(|| std::fs::File::from(std::os::fd::OwnedFd::from(wr))))
+    }
+
+    /// The outcome of the transfer begun last (CHECK_DEVICE_STATE).
+    pub fn check_state(&mut self) -> Result<(), FrontendError> {
+        let (fe, wd, _armed) = self.fe()?;
+        fe.check_device_state()
+            .map_err(|e| match wd.filter(|w| w.fired()) {
+                Some(w) => FrontendError::Timeout {
+                    step: "CHECK_DEVICE_STATE",
+                    timeout: w.timeout(),
+                },
+                None => FrontendError::StateRefused(e),
+            })
+    }
+
     /// Saves the stopped device's state (SET_DEVICE_STATE_FD with a pipe, read to EOF,
     /// then CHECK_DEVICE_STATE).
     pub fn save_state(&mut self) -> Result<Vec<u8>, FrontendError> {

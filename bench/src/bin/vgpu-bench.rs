@@ -8,6 +8,7 @@ use vgpu_bench::suites::api::{self, ApiOpts};
 use vgpu_bench::suites::cuda::{self, CudaOpts};
 use vgpu_bench::suites::flood::{self, FloodOpts};
 use vgpu_bench::suites::guest::{self, GuestArgs};
+use vgpu_bench::suites::migrate::{self, MigrateOpts};
 use vgpu_bench::suites::scale::{self, ScaleOpts};
 use vgpu_bench::suites::sched::{self, SchedOpts};
 use vgpu_bench::suites::sim::{self, SimOpts};
@@ -84,6 +85,9 @@ enum Suite {
         #[arg(long, default_value = "sim")]
         gpu: vgpu_host_shim::GpuChoice,
     },
+    /// Live migration of a loopback VM between two backends: channel pause, control-queue
+    /// freeze, total time and pre-copy rounds by VRAM in use and by guest write rate.
+    Migrate,
     /// One backend, many VMs: scheduler CPU per tick, shadow switches, RSS/fds/threads per
     /// VM and channel, control-request latency (64 VMs × 4 processes × 4 channels).
     Scale {
@@ -180,6 +184,14 @@ fn main() {
             };
             opts.gpu = gpu;
             swap::run(&opts).map_err(|e| e.to_string())
+        }
+        Suite::Migrate => {
+            let opts = if cli.quick {
+                MigrateOpts::quick()
+            } else {
+                MigrateOpts::full()
+            };
+            migrate::run(&opts).map_err(|e| e.to_string())
         }
         Suite::Scale { vms } => {
             let mut opts = if cli.quick {

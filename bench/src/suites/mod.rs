@@ -4,6 +4,7 @@
 pub mod api;
 pub mod cuda;
 pub mod flood;
+pub mod migrate;
 pub mod scale;
 pub mod sched;
 pub mod sim;

@@ -429,6 +429,17 @@ impl Gpu for SimGpu {
         self.space(ctx)?.access_counts(va, size, reset)
     }
 
+    /// Every engine write goes through a [`crate::gpu_view::GpuView`] of the channel's
+    /// address space, which notes it in the space's [`crate::write_log::WriteLog`].
+    fn track_writes(&self, ctx: ContextId, on: bool) -> Result<bool> {
+        self.space(ctx)?.writes().set(on);
+        Ok(true)
+    }
+
+    fn take_written(&self, ctx: ContextId, target: MapTarget, len: u64) -> Result<bool> {
+        Ok(self.space(ctx)?.writes().take(target, len))
+    }
+
     fn create_channel(
         &self,
         ctx: ContextId,

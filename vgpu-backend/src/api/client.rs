@@ -197,6 +197,10 @@ impl ApiClient {
         self.call("GET", &format!("/api/v1/vms/{name}"), None)
     }
 
+    pub fn vm_migration(&self, name: &str) -> Result<MigrationBody, ClientError> {
+        self.call("GET", &format!("/api/v1/vms/{name}/migration"), None)
+    }
+
     pub fn vm_stats(&self, name: &str) -> Result<VmStatsBody, ClientError> {
         self.call("GET", &format!("/api/v1/vms/{name}/stats"), None)
     }

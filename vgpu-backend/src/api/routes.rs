@@ -22,6 +22,7 @@ pub const ROUTES: &[(&str, &[&str])] = &[
     ("/api/v1/vms", &["GET"]),
     ("/api/v1/vms/{name}", &["GET"]),
     ("/api/v1/vms/{name}/stats", &["GET"]),
+    ("/api/v1/vms/{name}/migration", &["GET"]),
     ("/api/v1/vms/{name}/weight", &["PUT"]),
     ("/api/v1/vms/{name}/vram-quota", &["PUT"]),
     ("/api/v1/vms/{name}/pause", &["PUT"]),
@@ -173,6 +174,12 @@ impl ApiState {
             ("/api/v1/vms", _) => ok(&self.vm_list(&be)),
             ("/api/v1/vms/{name}", _) => ok(&vm_detail(&be, vm()?)?),
             ("/api/v1/vms/{name}/stats", _) => ok(&self.vm_stats(&be, vm()?)?),
+            ("/api/v1/vms/{name}/migration", _) => {
+                let p = be
+                    .vm_migration(vm()?)
+                    .ok_or_else(|| fail(404, "vm_not_found", format!("no VM named {name:?}")))?;
+                ok(&MigrationBody::from(&p))
+            }
             ("/api/v1/vms/{name}/weight", _) => set_weight(&be, vm()?, req),
             ("/api/v1/vms/{name}/vram-quota", _) => set_quota(&be, vm()?, req),
             ("/api/v1/vms/{name}/pause", _) => pause(&be, vm()?, req, Pause::Hold),

@@ -143,6 +143,62 @@ pub struct ChannelBody {
     pub error: Option<String>,
 }
 
+/// One pre-copy round of a migration (`GET /api/v1/vms/{name}/migration`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigrationRoundBody {
+    pub round: u32,
+    /// Sent (or received) after the source paused the channels.
+    pub last: bool,
+    pub chunks: u64,
+    pub bytes: u64,
+    /// How long the source took to send it (0 on the destination).
+    pub duration_us: u64,
+}
+
+/// `GET /api/v1/vms/{name}/migration`: the VM's last migration as this backend saw it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigrationBody {
+    /// `none`, `precopy`, `paused`, `sent`, `incoming`, `loaded`, `resumed`, `failed`.
+    pub phase: String,
+    pub rounds: Vec<MigrationRoundBody>,
+    /// Device-state bytes written (source) or read (destination).
+    pub bytes: u64,
+    /// Bytes the guest's GPU work dirtied per second in the last pre-copy round.
+    pub dirty_rate_bytes_per_s: u64,
+    /// The channel pause the last pre-copy round predicts.
+    pub expected_downtime_us: u64,
+    /// Whether the GPU tracks writes (without: stop-and-copy).
+    pub write_tracking: bool,
+    pub drain_us: u64,
+    /// Why the last transfer failed (`null` if it did not).
+    pub error: Option<String>,
+}
+
+impl From<&crate::MigrationProgress> for MigrationBody {
+    fn from(p: &crate::MigrationProgress) -> Self {
+        MigrationBody {
+            phase: p.phase.as_str().to_string(),
+            rounds: p
+                .rounds
+                .iter()
+                .map(|r| MigrationRoundBody {
+                    round: r.round,
+                    last: r.last,
+                    chunks: r.chunks,
+                    bytes: r.bytes,
+                    duration_us: r.duration.as_micros() as u64,
+                })
+                .collect(),
+            bytes: p.bytes,
+            dirty_rate_bytes_per_s: p.dirty_rate,
+            expected_downtime_us: p.expected_downtime.as_micros() as u64,
+            write_tracking: p.write_tracking,
+            drain_us: p.drain.as_micros() as u64,
+            error: p.error.clone(),
+        }
+    }
+}
+
 /// `GET /api/v1/vms/{name}/stats`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct VmStatsBody {

@@ -53,6 +53,9 @@ enum VmCmd {
     SetVramQuota { name: String, bytes: String },
     /// GPU shares over 1/10/60 s, per process, VRAM and channels.
     Stats { name: String },
+    /// The VM's last live migration here: phase, pre-copy rounds, bytes, dirty rate,
+    /// expected downtime.
+    Migration { name: String },
     /// VRAM swapping: resident and swapped bytes, evictions, swap-ins, bytes moved and
     /// pauses, for the VM and per process (`--json`: the `vram` part of the VM's stats).
     Vram { name: String },
@@ -390,6 +393,34 @@ fn run(cli: Cli) -> Result<(), ClientError> {
                 human_bytes(r.bytes),
                 r.bytes
             );
+        }
+        Cmd::Vm(VmCmd::Migration { name }) => {
+            let m = c.vm_migration(&name)?;
+            if json {
+                return print_json(&m);
+            }
+            println!(
+                "{name}: migration {}, {} sent/received, dirty rate {}/s, expected downtime {:.1} ms, drain {:.1} ms, write tracking {}",
+                m.phase,
+                human_bytes(m.bytes),
+                human_bytes(m.dirty_rate_bytes_per_s),
+                m.expected_downtime_us as f64 / 1e3,
+                m.drain_us as f64 / 1e3,
+                if m.write_tracking { "on" } else { "off (stop-and-copy)" }
+            );
+            for r in &m.rounds {
+                println!(
+                    "  round {:>2}{}: {} chunks, {} in {:.1} ms",
+                    r.round,
+                    if r.last { " (paused)" } else { "" },
+                    r.chunks,
+                    human_bytes(r.bytes),
+                    r.duration_us as f64 / 1e3
+                );
+            }
+            if let Some(e) = &m.error {
+                println!("  failed: {e}");
+            }
         }
         Cmd::Vm(VmCmd::Stats { name }) => {
             let s = c.vm_stats(&name)?;

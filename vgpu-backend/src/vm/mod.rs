@@ -56,6 +56,9 @@ pub(crate) struct VmState {
     pub(crate) weight: AtomicU32,
     /// Operator pause and VRAM quota ([`control`]).
     pub(crate) control: control::VmControl,
+    /// The last migration's progress, and the pre-copy's tuning.
+    pub(crate) progress: migration::progress::ProgressCell,
+    pub(crate) precopy_cfg: Mutex<migration::progress::PrecopyConfig>,
 }
 
 impl VmState {
@@ -81,6 +84,8 @@ impl VmState {
             shm: Mutex::new(None),
             weight: AtomicU32::new(crate::sched::DEFAULT_WEIGHT),
             control: control::VmControl::new(limits.vram_bytes),
+            progress: Default::default(),
+            precopy_cfg: Default::default(),
         }
     }
 

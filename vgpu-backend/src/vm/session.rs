@@ -343,6 +343,8 @@ pub struct Session {
     pub(crate) hold: crate::shadow::OwnerHolds,
     /// Swap store and VRAM-manager counters.
     pub(crate) swap: crate::vram::VmSwap,
+    /// A live migration's VRAM pre-copy books (either side).
+    pub(crate) precopy: crate::vm::migration::chunks::PrecopyBooks,
 }
 
 impl Session {
@@ -357,6 +359,7 @@ impl Session {
             shadows: crate::shadow::Shadows::new(),
             hold: crate::shadow::OwnerHolds::default(),
             swap: crate::vram::VmSwap::default(),
+            precopy: Default::default(),
         }
     }
 
@@ -405,6 +408,7 @@ impl Session {
     /// are freed regardless — use [`NullShm`] when the frontend is gone). Pending events
     /// are discarded and late events of the old channels are ignored.
     pub fn teardown(&mut self, shm: &dyn ShmMapper) {
+        self.precopy = Default::default();
         if !self.is_empty() {
             debug!(
                 "tearing down session: {} contexts, {} channels, {} VRAM objects",

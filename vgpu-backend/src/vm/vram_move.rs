@@ -484,6 +484,10 @@ impl Session {
                 Loc::Swap => {}
             }
             b.chunks[i].loc = new_loc;
+            // A pre-copy sends a moved chunk again.
+            if let Some(book) = self.precopy.out.as_mut() {
+                book.note_moved((mem, i));
+            }
             if dir == Dir::In {
                 // Just brought in: not the next victim. An evicted chunk keeps its age, so
                 // it does not look hotter than the resident ones.

@@ -5,11 +5,13 @@
 //!
 //! 1. freeze the control queue (new requests wait, none is in flight);
 //! 2. stop both rings on the source (GET_VRING_BASE);
-//! 3. **save** on the source: the backend pauses and drains the VM (guests now store into
-//!    its shadow pages) and writes the full state;
-//! 4. connect to the destination, share RAM, set up the rings at the source's positions,
-//!    **load**: the destination re-creates everything and maps its pages (shadow pages for
-//!    the channels) over the same BAR offsets — from here on guest stores reach it;
+//! 3. connect to the destination, share RAM, set up the rings at the source's positions;
+//! 4. **save** on the source piped frame by frame into a **load** on the destination: the
+//!    source's pre-copy rounds run while the guest's channels run, then the backend
+//!    pauses and drains the VM (guests now store into its shadow pages) and sends the
+//!    last round and the state; the destination re-creates everything and maps its pages
+//!    (shadow pages for the channels) over the same BAR offsets — from here on guest
+//!    stores reach it;
 //! 5. **tail**: a second save on the source carries the GP_PUTs guests stored there
 //!    between 3 and 4, and the destination raises its shadow pages to them;
 //! 6. drop the source connection (it frees the VM's objects), kick the control queue
@@ -19,12 +21,17 @@
 //! rings are restarted: the kick in 6 then resumes the VM on the source, which maps its
 //! pages over the BAR again.
 
+use std::fs::File;
+use std::io::{Read, Write};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use log::{info, warn};
+use log::{debug, info, warn};
 use vgpu_protocol::device::{CONTROL_QUEUE, EVENT_QUEUE};
-use vgpu_protocol::migration::DeviceState;
+use vgpu_protocol::migration::precopy::{ChunkFrame, PauseRecord};
+use vgpu_protocol::migration::{
+    stream_kind, stream_len, DeviceState, HEADER_SIZE, KIND_CHUNKS, KIND_FULL, KIND_PAUSED,
+};
 
 use super::{
     kick, lock, loopback_requirements, with_queues, IrqThread, LoopbackError, LoopbackVm,
@@ -32,10 +39,20 @@ use super::{
 };
 use crate::frontend::VhostUserDevice;
 
-/// What a migration moved and how long the guest's GPU work stood still.
+/// One pre-copy round as it went through the frontend.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RoundReport {
+    pub round: u32,
+    /// Sent after the source paused the channels.
+    pub last: bool,
+    /// Frame bytes (chunk contents plus framing).
+    pub bytes: u64,
+}
+
+/// What a migration moved and how long the guest's GPU work stood still.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MigrationReport {
-    /// Bytes of the full device state.
+    /// Bytes of the saved stream (every frame).
     pub state_bytes: usize,
     /// Bytes of the tail.
     pub tail_bytes: usize,
@@ -49,49 +66,128 @@ pub struct MigrationReport {
     /// GP entries the guest had submitted that had not run when the source paused
     /// (they ran on the destination).
     pub queued_entries: u64,
-    /// From the freeze of the control queue to the kick on the destination.
+    /// Pre-copy rounds, the last one (after the pause) included.
+    pub rounds: Vec<RoundReport>,
+    /// The source's drain at the pause.
+    pub drain: Duration,
+    /// From the freeze of the control queue to the kick on the destination: how long
+    /// the guest's control requests (allocations, new channels) waited.
     pub downtime: Duration,
+    /// From the source pausing the channels to the kick that resumes them on the
+    /// destination: how long the guest's submitted GPU work stood still.
+    pub channel_pause: Duration,
+    /// When the source paused (its wall clock, ns since the epoch; same host).
+    pub paused_unix_ns: u64,
 }
 
 impl MigrationReport {
-    fn of(state: &[u8], tail_bytes: usize) -> Self {
-        let mut r = MigrationReport {
-            state_bytes: state.len(),
-            tail_bytes,
-            ..Default::default()
-        };
-        if let Ok(st) = DeviceState::decode(state) {
-            r.contexts = st.contexts.len();
-            r.mems = st.mems.len();
-            r.vram_bytes = st.mems.iter().map(|m| m.size).sum();
-            r.swapped_bytes = st
-                .mems
-                .iter()
-                .map(|m| {
-                    let chunk = 2u64 << 20;
-                    let mut bytes = 0;
-                    for (i, resident) in m.resident.iter().enumerate() {
-                        if !resident {
-                            let off = i as u64 * chunk;
-                            bytes += m.size.saturating_sub(off).min(chunk);
-                        }
-                    }
-                    bytes
-                })
-                .sum();
-            r.channels = st.channels.len();
-            r.queued_entries = st
-                .channels
-                .iter()
-                .map(|c| u64::from(c.gp_put.wrapping_sub(c.gp_get)))
-                .sum();
+    /// Notes one frame of the saved stream.
+    fn note(&mut self, frame: &[u8]) {
+        self.state_bytes += frame.len();
+        match stream_kind(frame) {
+            Ok(KIND_CHUNKS) => {
+                let Some((round, last)) = ChunkFrame::peek(frame) else {
+                    return;
+                };
+                match self.rounds.last_mut() {
+                    Some(r) if r.round == round => r.bytes += frame.len() as u64,
+                    _ => self.rounds.push(RoundReport {
+                        round,
+                        last,
+                        bytes: frame.len() as u64,
+                    }),
+                }
+            }
+            Ok(KIND_PAUSED) => {
+                if let Ok(p) = PauseRecord::decode(frame) {
+                    self.paused_unix_ns = p.paused_unix_ns;
+                    self.drain = Duration::from_nanos(p.drain_ns);
+                }
+            }
+            Ok(KIND_FULL) => {
+                if let Ok(st) = DeviceState::decode(frame) {
+                    self.of_state(&st);
+                }
+            }
+            _ => {}
         }
-        r
+    }
+
+    fn of_state(&mut self, st: &DeviceState) {
+        self.contexts = st.contexts.len();
+        self.mems = st.mems.len();
+        self.vram_bytes = st.mems.iter().map(|m| m.size).sum();
+        self.swapped_bytes = st
+            .mems
+            .iter()
+            .map(|m| {
+                let chunk = 2u64 << 20;
+                let mut bytes = 0;
+                for (i, resident) in m.resident.iter().enumerate() {
+                    if !resident {
+                        let off = i as u64 * chunk;
+                        bytes += m.size.saturating_sub(off).min(chunk);
+                    }
+                }
+                bytes
+            })
+            .sum();
+        self.channels = st.channels.len();
+        self.queued_entries = st
+            .channels
+            .iter()
+            .map(|c| u64::from(c.gp_put.wrapping_sub(c.gp_get)))
+            .sum();
+    }
+
+    /// Bytes sent before the pause (the pre-copy rounds).
+    pub fn precopy_bytes(&self) -> u64 {
+        self.rounds
+            .iter()
+            .filter(|r| !r.last)
+            .map(|r| r.bytes)
+            .sum()
+    }
+
+    /// Bytes of the last round (sent while paused).
+    pub fn last_round_bytes(&self) -> u64 {
+        self.rounds.iter().filter(|r| r.last).map(|r| r.bytes).sum()
     }
 }
 
+/// Wall-clock now, ns since the Unix epoch.
+fn unix_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// The next frame of a saved stream (a header and its declared body), `None` at EOF.
+fn read_frame(rd: &mut File) -> std::io::Result<Option<Vec<u8>>> {
+    let mut frame = vec![0u8; HEADER_SIZE];
+    let mut got = 0;
+    while got < HEADER_SIZE {
+        let n = rd.read(&mut frame[got..])?;
+        if n == 0 {
+            break;
+        }
+        got += n;
+    }
+    if got == 0 {
+        return Ok(None);
+    }
+    frame.truncate(got);
+    // A bad header goes on as it is: the destination refuses it.
+    if let Ok(total) = stream_len(&frame) {
+        let want = total.saturating_sub(got as u64);
+        rd.take(want).read_to_end(&mut frame)?;
+    }
+    Ok(Some(frame))
+}
+
 /// A test's hook on the byte streams between the backends (fault injection): called
-/// with each stream (the full state, then the tail) before the destination gets it.
+/// with each frame of the saved stream (objects, chunk rounds, the pause mark, the full
+/// state), then with the tail, before the destination gets it.
 pub type StreamFilter<'a> = &'a mut dyn FnMut(&mut Vec<u8>);
 
 impl LoopbackVm {
@@ -117,6 +213,10 @@ impl LoopbackVm {
         self.ctrl.thaw();
         r.map(|mut rep| {
             rep.downtime = t0.elapsed();
+            if rep.paused_unix_ns > 0 {
+                rep.channel_pause =
+                    Duration::from_nanos(unix_ns().saturating_sub(rep.paused_unix_ns));
+            }
             info!("loopback VM migrated: {rep:?}");
             rep
         })
@@ -162,9 +262,6 @@ impl LoopbackVm {
         bases: &[u16],
         filter: StreamFilter<'_>,
     ) -> Result<(VhostUserDevice, MigrationReport), LoopbackError> {
-        let mut state = source.save_state()?;
-        let report = MigrationReport::of(&state, 0);
-        filter(&mut state);
         let mut dest = VhostUserDevice::connect(
             socket,
             &loopback_requirements(self.faults.request_timeout),
@@ -174,20 +271,15 @@ impl LoopbackVm {
             with_queues(&self.ctrl, &self.events, |q| {
                 dest.activate_at(DRIVER_FEATURES, &self.ram.vhost_regions(), q, bases)
             })?;
-            dest.load_state(&state)?;
+            let mut report = stream_state(source, &mut dest, filter)?;
             let mut tail = source.save_state()?;
             filter(&mut tail);
             dest.load_state(&tail)?;
-            Ok::<usize, LoopbackError>(tail.len())
+            report.tail_bytes = tail.len();
+            Ok::<MigrationReport, LoopbackError>(report)
         })();
         match loaded {
-            Ok(tail_bytes) => Ok((
-                dest,
-                MigrationReport {
-                    tail_bytes,
-                    ..report
-                },
-            )),
+            Ok(report) => Ok((dest, report)),
             Err(e) => {
                 // The destination shares the rings' kick eventfds: it must stop watching
                 // them before the source's rings restart, or it could take the kick that
@@ -212,4 +304,47 @@ impl LoopbackVm {
         *lock(&self.irq) = irq;
         Ok(())
     }
+}
+
+/// Pipes the source's save into the destination's load frame by frame, while the
+/// source's pre-copy runs beside the guest; both sides' verdicts are checked.
+fn stream_state(
+    source: &mut VhostUserDevice,
+    dest: &mut VhostUserDevice,
+    filter: StreamFilter<'_>,
+) -> Result<MigrationReport, LoopbackError> {
+    let mut report = MigrationReport::default();
+    let mut rd = source.begin_save()?;
+    let mut wr = match dest.begin_load() {
+        Ok(w) => w,
+        Err(e) => {
+            // The source's save ends on the broken pipe; its verdict does not matter.
+            drop(rd);
+            let _ = source.check_state();
+            return Err(e.into());
+        }
+    };
+    let pumped = loop {
+        let mut frame = match read_frame(&mut rd) {
+            Ok(Some(f)) => f,
+            Ok(None) => break Ok(()),
+            Err(e) => break Err(e),
+        };
+        report.note(&frame);
+        filter(&mut frame);
+        if let Err(e) = wr.write_all(&frame) {
+            // The destination stopped reading (it refused the stream): its verdict
+            // comes from CHECK_DEVICE_STATE; stop the source too.
+            debug!("device-state write to the destination: {e}");
+            break Ok(());
+        }
+    };
+    drop(wr);
+    drop(rd);
+    let src = source.check_state();
+    let dst = dest.check_state();
+    dst?;
+    src?;
+    pumped.map_err(crate::frontend::FrontendError::StateIo)?;
+    Ok(report)
 }

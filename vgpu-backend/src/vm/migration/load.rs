@@ -13,7 +13,9 @@ use vgpu_host_shim::ChannelResume;
 use vgpu_protocol::channel::valid_gp_entries;
 use vgpu_protocol::device::CHANNEL_SLOTS;
 use vgpu_protocol::gp::{GPU_VA_LIMIT, GP_ENTRY_SIZE};
-use vgpu_protocol::migration::{DeviceState, MappingTargetRecord, TailState};
+use vgpu_protocol::migration::{
+    ContextRecord, DeviceState, MappingTargetRecord, MemRecord, TailState,
+};
 use vgpu_protocol::request::{GuestRange, ReplyBody};
 use vgpu_protocol::{ErrorCode, PAGE_SIZE};
 
@@ -22,7 +24,7 @@ use crate::guest_mem::GuestMemory;
 use crate::shmem::{aperture_window_free, ShmMapper};
 use crate::vm::requests::Reply;
 use crate::vm::session::Session;
-use crate::vram::backing::Loc;
+use crate::vram::backing::{Chunk, Loc, ObjBacking};
 
 fn restore_err(what: &'static str, id: u64) -> impl FnOnce(ErrorCode) -> MigrationError {
     move |code| MigrationError::Restore { what, id, code }
@@ -65,7 +67,8 @@ impl Session {
         mem: &GuestMemory,
         shm: &dyn ShmMapper,
     ) -> Result<(), MigrationError> {
-        if !self.is_empty() {
+        let precopied = self.precopy.incoming.is_some();
+        if !precopied && !self.is_empty() {
             return Err(MigrationError::NotEmpty);
         }
         self.hold.paused = true;
@@ -83,13 +86,40 @@ impl Session {
         mem: &GuestMemory,
         shm: &dyn ShmMapper,
     ) -> Result<(), MigrationError> {
-        for c in &st.contexts {
+        if self.precopy_check_full(st)? {
+            // The objects exist (pre-copy); contents the state still carries go in.
+            for m in st.mems.iter().filter(|m| !m.data.is_empty()) {
+                let e = restore_err("VRAM object", u64::from(m.id));
+                self.write_object(m.id, &m.data).map_err(e)?;
+            }
+        } else {
+            // Without a pre-copy every object carries its contents.
+            if let Some(m) = st.mems.iter().find(|m| m.data.is_empty() && m.size > 0) {
+                return Err(MigrationError::Restore {
+                    what: "VRAM object without contents (no pre-copy)",
+                    id: u64::from(m.id),
+                    code: ErrorCode::InvalidArgument,
+                });
+            }
+            self.restore_objects(&st.contexts, &st.mems, mem)?;
+        }
+        self.restore_rest(st, shm)
+    }
+
+    /// Contexts and VRAM objects (with their contents, where the records carry them).
+    pub(crate) fn restore_objects(
+        &mut self,
+        contexts: &[ContextRecord],
+        mems: &[MemRecord],
+        mem: &GuestMemory,
+    ) -> Result<(), MigrationError> {
+        for c in contexts {
             let e = restore_err("context", u64::from(c.id));
             with_id(&mut self.state.last_context, c.id).map_err(e)?;
             let e = restore_err("context", u64::from(c.id));
             expect_id(self.create_context(c.pid, mem), c.id).map_err(e)?;
         }
-        for m in &st.mems {
+        for m in mems {
             let e = || restore_err("VRAM object", u64::from(m.id));
             with_id(&mut self.state.last_mem, m.id).map_err(e())?;
             match expect_id(self.alloc_vram(m.pid, m.ctx, m.size, m.align), m.id) {
@@ -97,8 +127,19 @@ impl Session {
                 Ok(_) => return Err(e()(ErrorCode::InvalidArgument)),
                 Err(code) => return Err(e()(code)),
             }
-            self.write_object(m.id, &m.data).map_err(e())?;
+            if !m.data.is_empty() {
+                self.write_object(m.id, &m.data).map_err(e())?;
+            }
         }
+        Ok(())
+    }
+
+    /// Mappings, aperture windows, channels, ids and events (the objects exist).
+    fn restore_rest(
+        &mut self,
+        st: &DeviceState,
+        shm: &dyn ShmMapper,
+    ) -> Result<(), MigrationError> {
         for m in &st.mappings {
             let e = restore_err("mapping at VA", m.va);
             let r = match &m.target {
@@ -276,30 +317,44 @@ impl Session {
 
     /// Writes an object's contents where its chunks live (VRAM or swap).
     fn write_object(&mut self, id: u32, data: &[u8]) -> Result<(), ErrorCode> {
-        let b = self.hal.vram.get(&id).ok_or(ErrorCode::Internal)?.clone();
+        let b = self.hal.vram.get(&id).ok_or(ErrorCode::Internal)?;
         if b.size() != data.len() as u64 {
             return Err(ErrorCode::InvalidArgument);
         }
         for c in &b.chunks {
             let (off, n) = (c.off as usize, c.len as usize);
             let src = data.get(off..off + n).ok_or(ErrorCode::InvalidArgument)?;
-            match c.loc {
-                Loc::Vram(o) => self.gpu.vram_write(o, src).map_err(|e| e.code())?,
-                Loc::Swap => {
-                    let region = b.swap_region.ok_or(ErrorCode::Internal)?;
-                    let dst = self
-                        .swap
-                        .store
-                        .as_ref()
-                        .and_then(|s| s.ptr(region + c.off, c.len))
-                        .ok_or(ErrorCode::Internal)?;
-                    // SAFETY: `dst` points at `n` bytes of this object's swap region
-                    // (checked by `ptr`), which no engine reaches yet: nothing maps the
-                    // object until the mappings below are restored.
-                    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, n) };
-                }
-            }
+            self.write_chunk(b, c, src)?;
         }
         Ok(())
+    }
+
+    /// Writes one chunk's contents (`src.len() == c.len`) where it lives.
+    pub(crate) fn write_chunk(
+        &self,
+        b: &ObjBacking,
+        c: &Chunk,
+        src: &[u8],
+    ) -> Result<(), ErrorCode> {
+        if src.len() as u64 != c.len {
+            return Err(ErrorCode::InvalidArgument);
+        }
+        match c.loc {
+            Loc::Vram(o) => self.gpu.vram_write(o, src).map_err(|e| e.code()),
+            Loc::Swap => {
+                let region = b.swap_region.ok_or(ErrorCode::Internal)?;
+                let dst = self
+                    .swap
+                    .store
+                    .as_ref()
+                    .and_then(|s| s.ptr(region + c.off, c.len))
+                    .ok_or(ErrorCode::Internal)?;
+                // SAFETY: `dst` points at `c.len` bytes of this object's swap region
+                // (checked by `ptr`), which no engine reaches yet: nothing maps the
+                // object until the mappings are restored.
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+                Ok(())
+            }
+        }
     }
 }

@@ -5,6 +5,9 @@
 //!   born held, the scheduler treating the VM as idle — plus a drain (bounded) until the
 //!   engines finished what they had fetched. While it lasts the operator cannot resume
 //!   the VM ([`crate::control::ControlError::Migrating`]).
+//! - **Pre-copy** ([`chunks`], [`vm_state`]): before the pause, rounds of VRAM chunks
+//!   written since they were sent (the GPU's write record, moves, aperture windows in the
+//!   last round), so that the pause copies only what changed ([`progress`]: the view).
 //! - **Save** ([`save`]): the paused session as a
 //!   [`DeviceState`](vgpu_protocol::migration::DeviceState): contexts, VRAM objects with
 //!   their contents (resident or swapped), GPU mappings, aperture windows, channels with
@@ -25,7 +28,9 @@
 //!   after a load on the destination, or after a save on the source when the migration
 //!   failed), the pause is dropped and the channels unshadow through the normal path.
 
+pub(crate) mod chunks;
 pub mod load;
+pub(crate) mod progress;
 pub mod save;
 mod vm_state;
 
@@ -66,4 +71,6 @@ pub enum MigrationError {
     NoTransfer,
     #[error("the transfer thread panicked")]
     Panicked,
+    #[error("pre-copy stream: {0}")]
+    Unexpected(&'static str),
 }

@@ -16,10 +16,24 @@ impl Session {
     /// VRAM and the control pages are stable); `vm` carries what lives outside the
     /// session (weight, quota), the last ids are filled in here. Pending events are
     /// copied and stay queued (the source keeps them if the migration fails).
+    #[cfg(test)]
     pub(crate) fn save_device_state(
         &mut self,
         vm: VmRecord,
     ) -> Result<DeviceState, MigrationError> {
+        self.save_state(vm, true)
+    }
+
+    /// [`Self::save_device_state`] without the objects' contents (a pre-copy sent them in
+    /// chunk frames, see [`super::chunks`]).
+    pub(crate) fn save_device_state_precopied(
+        &mut self,
+        vm: VmRecord,
+    ) -> Result<DeviceState, MigrationError> {
+        self.save_state(vm, false)
+    }
+
+    fn save_state(&mut self, vm: VmRecord, contents: bool) -> Result<DeviceState, MigrationError> {
         if !self.hold.paused {
             return Err(MigrationError::NotPaused);
         }
@@ -57,7 +71,11 @@ impl Session {
                     .iter()
                     .map(|c| matches!(c.loc, Loc::Vram(_)))
                     .collect(),
-                data: self.object_bytes(*id, b)?,
+                data: if contents {
+                    self.object_bytes(*id, b)?
+                } else {
+                    Vec::new()
+                },
             });
         }
         let mappings = self

@@ -27,8 +27,11 @@ use crate::request::{Event, EVENT_SIZE};
 
 /// Magic at the start of every device-state stream.
 pub const STATE_MAGIC: [u8; 8] = *b"VGPUSTAT";
-/// The format version this crate writes and reads.
-pub const STATE_VERSION: u32 = 1;
+/// The format version this crate writes: 2 added pre-copy ([`precopy`]: kinds 3 to 5,
+/// VRAM contents delivered in chunk frames before the full state).
+pub const STATE_VERSION: u32 = 2;
+/// The oldest version this crate reads (1: a single full state with inline contents).
+pub const STATE_VERSION_MIN: u32 = 1;
 /// Header size in bytes.
 pub const HEADER_SIZE: usize = 32;
 /// The largest body a reader accepts (64 GiB): a bound on what a corrupt length can ask
@@ -38,6 +41,14 @@ pub const MAX_BODY: u64 = 64 << 30;
 /// Kinds of stream.
 pub const KIND_FULL: u32 = 1;
 pub const KIND_TAIL: u32 = 2;
+/// Version 2, pre-copy ([`precopy`]): the VM's contexts and VRAM objects, first.
+pub const KIND_OBJECTS: u32 = 3;
+/// Version 2, pre-copy: a piece of one round of VRAM chunks.
+pub const KIND_CHUNKS: u32 = 4;
+/// Version 2, pre-copy: the source paused the VM's channels (a marker).
+pub const KIND_PAUSED: u32 = 5;
+
+pub mod precopy;
 
 /// Section tags.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +68,12 @@ pub enum Section {
     Events = 6,
     /// Tail: the final guest GP_PUT of each channel.
     Puts = 16,
+    /// Chunks (v2): the round this piece belongs to.
+    Round = 17,
+    /// Chunks (v2): VRAM chunks of objects.
+    Chunks = 18,
+    /// Paused (v2): when the source paused the channels.
+    Pause = 19,
 }
 
 /// Errors of decoding a device-state stream.
@@ -66,7 +83,7 @@ pub enum StateError {
     Truncated { at: usize, needed: u64 },
     #[error("not a vgpu device-state stream (bad magic)")]
     BadMagic,
-    #[error("unsupported device-state version {0} (this backend reads {STATE_VERSION})")]
+    #[error("unsupported device-state version {0} (this backend reads {STATE_VERSION_MIN} to {STATE_VERSION})")]
     Version(u32),
     #[error("unknown stream kind {0}")]
     Kind(u32),
@@ -82,6 +99,8 @@ pub enum StateError {
     UnexpectedSection { expected: u32, got: u32 },
     #[error("section {section}: {what}")]
     Invalid { section: u32, what: &'static str },
+    #[error("pre-copy: {0}")]
+    Precopy(&'static str),
 }
 
 /// The VM section.
@@ -112,7 +131,8 @@ pub struct MemRecord {
     pub align: u64,
     pub aperture: Option<u64>,
     pub resident: Vec<bool>,
-    /// Exactly `size` bytes.
+    /// Exactly `size` bytes, or (version 2) empty: the contents travel in chunk frames
+    /// ([`precopy`]).
     pub data: Vec<u8>,
 }
 
@@ -182,8 +202,11 @@ pub struct TailState {
 
 // ---- CRC-32 (IEEE 802.3, reflected, as zlib) -------------------------------------------
 
-const fn crc_table() -> [u32; 256] {
-    let mut t = [0u32; 256];
+/// Slicing-by-8 tables: `T[0]` is the classic byte table, `T[k][b]` the CRC of byte `b`
+/// followed by `k` zero bytes (eight bytes per step instead of one: the streams carry
+/// gigabytes of VRAM).
+const fn crc_tables() -> [[u32; 256]; 8] {
+    let mut t = [[0u32; 256]; 8];
     let mut i = 0;
     while i < 256 {
         let mut c = i as u32;
@@ -196,19 +219,42 @@ const fn crc_table() -> [u32; 256] {
             };
             k += 1;
         }
-        t[i] = c;
+        t[0][i] = c;
+        i += 1;
+    }
+    let mut i = 0;
+    while i < 256 {
+        let mut k = 1;
+        while k < 8 {
+            let prev = t[k - 1][i];
+            t[k][i] = (prev >> 8) ^ t[0][(prev & 0xff) as usize];
+            k += 1;
+        }
         i += 1;
     }
     t
 }
 
-static CRC_TABLE: [u32; 256] = crc_table();
+static CRC_TABLES: [[u32; 256]; 8] = crc_tables();
 
 /// CRC-32 of `data` (the checksum of zlib and Ethernet).
 pub fn crc32(data: &[u8]) -> u32 {
+    let t = &CRC_TABLES;
     let mut c = !0u32;
-    for &b in data {
-        c = CRC_TABLE[((c ^ b as u32) & 0xff) as usize] ^ (c >> 8);
+    let mut blocks = data.chunks_exact(8);
+    for b in &mut blocks {
+        let lo = c ^ u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        c = t[7][(lo & 0xff) as usize]
+            ^ t[6][((lo >> 8) & 0xff) as usize]
+            ^ t[5][((lo >> 16) & 0xff) as usize]
+            ^ t[4][(lo >> 24) as usize]
+            ^ t[3][b[4] as usize]
+            ^ t[2][b[5] as usize]
+            ^ t[1][b[6] as usize]
+            ^ t[0][b[7] as usize];
+    }
+    for &b in blocks.remainder() {
+        c = t[0][((c ^ b as u32) & 0xff) as usize] ^ (c >> 8);
     }
     !c
 }
@@ -267,29 +313,8 @@ impl DeviceState {
         w.u32(self.vm.last_channel);
         w.end();
 
-        w.begin(Section::Contexts);
-        w.u32(self.contexts.len() as u32);
-        for c in &self.contexts {
-            w.u32(c.id);
-            w.u32(c.pid);
-        }
-        w.end();
-
-        w.begin(Section::Mems);
-        w.u32(self.mems.len() as u32);
-        for m in &self.mems {
-            w.u32(m.id);
-            w.u32(m.pid);
-            w.u32(m.ctx);
-            w.u64(m.size);
-            w.u64(m.align);
-            w.u64(m.aperture.unwrap_or(u64::MAX));
-            w.u32(m.resident.len() as u32);
-            w.buf.extend(m.resident.iter().map(|&r| u8::from(r)));
-            w.u64(m.data.len() as u64);
-            w.buf.extend_from_slice(&m.data);
-        }
-        w.end();
+        encode_contexts(&mut w, &self.contexts);
+        encode_mems(&mut w, &self.mems);
 
         w.begin(Section::Mappings);
         w.u32(self.mappings.len() as u32);
@@ -347,7 +372,7 @@ impl DeviceState {
 
     /// Decodes a full-state stream (header included, nothing after the body).
     pub fn decode(stream: &[u8]) -> Result<Self, StateError> {
-        let body = check_header(stream, KIND_FULL)?;
+        let (version, body) = check_header(stream, KIND_FULL)?;
         let mut r = Reader { buf: body, pos: 0 };
 
         let mut s = r.section(Section::Vm)?;
@@ -360,49 +385,8 @@ impl DeviceState {
         };
         s.done(Section::Vm)?;
 
-        let mut s = r.section(Section::Contexts)?;
-        let n = s.count(8)?;
-        let mut contexts = Vec::with_capacity(n);
-        for _ in 0..n {
-            contexts.push(ContextRecord {
-                id: s.u32()?,
-                pid: s.u32()?,
-            });
-        }
-        s.done(Section::Contexts)?;
-
-        let mut s = r.section(Section::Mems)?;
-        let n = s.count(48)?;
-        let mut mems = Vec::with_capacity(n);
-        for _ in 0..n {
-            let id = s.u32()?;
-            let pid = s.u32()?;
-            let ctx = s.u32()?;
-            let size = s.u64()?;
-            let align = s.u64()?;
-            let aperture = Some(s.u64()?).filter(|&a| a != u64::MAX);
-            let nres = s.count(1)?;
-            let resident = s.bytes(nres as u64)?.iter().map(|&b| b != 0).collect();
-            let len = s.u64()?;
-            if len != size {
-                return Err(invalid(
-                    Section::Mems,
-                    "contents differ from the object size",
-                ));
-            }
-            let data = s.bytes(len)?.to_vec();
-            mems.push(MemRecord {
-                id,
-                pid,
-                ctx,
-                size,
-                align,
-                aperture,
-                resident,
-                data,
-            });
-        }
-        s.done(Section::Mems)?;
+        let contexts = decode_contexts(&mut r)?;
+        let mems = decode_mems(&mut r, version)?;
 
         let mut s = r.section(Section::Mappings)?;
         let n = s.count(40)?;
@@ -490,6 +474,88 @@ impl DeviceState {
     }
 }
 
+/// The contexts section.
+fn decode_contexts(r: &mut Reader<'_>) -> Result<Vec<ContextRecord>, StateError> {
+    let mut s = r.section(Section::Contexts)?;
+    let n = s.count(8)?;
+    let mut contexts = Vec::with_capacity(n);
+    for _ in 0..n {
+        contexts.push(ContextRecord {
+            id: s.u32()?,
+            pid: s.u32()?,
+        });
+    }
+    s.done(Section::Contexts)?;
+    Ok(contexts)
+}
+
+/// The VRAM objects section; from version 2 an object's contents may be left out
+/// (length 0: they travel in chunk frames).
+fn decode_mems(r: &mut Reader<'_>, version: u32) -> Result<Vec<MemRecord>, StateError> {
+    let mut s = r.section(Section::Mems)?;
+    let n = s.count(48)?;
+    let mut mems = Vec::with_capacity(n);
+    for _ in 0..n {
+        let id = s.u32()?;
+        let pid = s.u32()?;
+        let ctx = s.u32()?;
+        let size = s.u64()?;
+        let align = s.u64()?;
+        let aperture = Some(s.u64()?).filter(|&a| a != u64::MAX);
+        let nres = s.count(1)?;
+        let resident = s.bytes(nres as u64)?.iter().map(|&b| b != 0).collect();
+        let len = s.u64()?;
+        let inline_ok = len == size || (version >= 2 && len == 0);
+        if !inline_ok {
+            return Err(invalid(
+                Section::Mems,
+                "contents differ from the object size",
+            ));
+        }
+        let data = s.bytes(len)?.to_vec();
+        mems.push(MemRecord {
+            id,
+            pid,
+            ctx,
+            size,
+            align,
+            aperture,
+            resident,
+            data,
+        });
+    }
+    s.done(Section::Mems)?;
+    Ok(mems)
+}
+
+fn encode_contexts(w: &mut Writer, contexts: &[ContextRecord]) {
+    w.begin(Section::Contexts);
+    w.u32(contexts.len() as u32);
+    for c in contexts {
+        w.u32(c.id);
+        w.u32(c.pid);
+    }
+    w.end();
+}
+
+fn encode_mems(w: &mut Writer, mems: &[MemRecord]) {
+    w.begin(Section::Mems);
+    w.u32(mems.len() as u32);
+    for m in mems {
+        w.u32(m.id);
+        w.u32(m.pid);
+        w.u32(m.ctx);
+        w.u64(m.size);
+        w.u64(m.align);
+        w.u64(m.aperture.unwrap_or(u64::MAX));
+        w.u32(m.resident.len() as u32);
+        w.buf.extend(m.resident.iter().map(|&r| u8::from(r)));
+        w.u64(m.data.len() as u64);
+        w.buf.extend_from_slice(&m.data);
+    }
+    w.end();
+}
+
 impl TailState {
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::new();
@@ -504,7 +570,7 @@ impl TailState {
     }
 
     pub fn decode(stream: &[u8]) -> Result<Self, StateError> {
-        let body = check_header(stream, KIND_TAIL)?;
+        let (_, body) = check_header(stream, KIND_TAIL)?;
         let mut r = Reader { buf: body, pos: 0 };
         let mut s = r.section(Section::Puts)?;
         let n = s.count(8)?;
@@ -518,11 +584,14 @@ impl TailState {
     }
 }
 
-/// Either kind of stream.
+/// Any kind of stream (one frame of a pre-copy stream).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Stream {
     Full(DeviceState),
     Tail(TailState),
+    Objects(precopy::ObjectsState),
+    Chunks(precopy::ChunkFrame),
+    Paused(precopy::PauseRecord),
 }
 
 impl Stream {
@@ -530,9 +599,28 @@ impl Stream {
         match peek_kind(stream)? {
             KIND_FULL => DeviceState::decode(stream).map(Stream::Full),
             KIND_TAIL => TailState::decode(stream).map(Stream::Tail),
+            KIND_OBJECTS => precopy::ObjectsState::decode(stream).map(Stream::Objects),
+            KIND_CHUNKS => precopy::ChunkFrame::decode(stream).map(Stream::Chunks),
+            KIND_PAUSED => precopy::PauseRecord::decode(stream).map(Stream::Paused),
             k => Err(StateError::Kind(k)),
         }
     }
+
+    /// The stream's bytes (header included).
+    pub fn encode(&self) -> Vec<u8> {
+        match self {
+            Stream::Full(s) => s.encode(),
+            Stream::Tail(s) => s.encode(),
+            Stream::Objects(s) => s.encode(),
+            Stream::Chunks(s) => s.encode(),
+            Stream::Paused(s) => s.encode(),
+        }
+    }
+}
+
+/// The kind of a stream whose header is valid (without checking the body).
+pub fn stream_kind(header: &[u8]) -> Result<u32, StateError> {
+    peek_kind(header)
 }
 
 // ---- reading ----------------------------------------------------------------------------
@@ -575,11 +663,15 @@ fn header_fields(stream: &[u8]) -> Result<(u32, u32, u64, u32), StateError> {
         return Err(StateError::BadMagic);
     }
     let version = le32(&stream[8..]);
-    if version != STATE_VERSION {
+    if !(STATE_VERSION_MIN..=STATE_VERSION).contains(&version) {
         return Err(StateError::Version(version));
     }
     let kind = le32(&stream[12..]);
-    if kind != KIND_FULL && kind != KIND_TAIL {
+    let known = match version {
+        1 => kind == KIND_FULL || kind == KIND_TAIL,
+        _ => (KIND_FULL..=KIND_PAUSED).contains(&kind),
+    };
+    if !known {
         return Err(StateError::Kind(kind));
     }
     let body_len = le64(&stream[16..]);
@@ -599,8 +691,9 @@ fn peek_kind(stream: &[u8]) -> Result<u32, StateError> {
     header_fields(stream).map(|h| h.1)
 }
 
-fn check_header(stream: &[u8], want: u32) -> Result<&[u8], StateError> {
-    let (_, kind, body_len, crc) = header_fields(stream)?;
+/// The version and the checked body of a stream of kind `want`.
+fn check_header(stream: &[u8], want: u32) -> Result<(u32, &[u8]), StateError> {
+    let (version, kind, body_len, crc) = header_fields(stream)?;
     if kind != want {
         return Err(StateError::WrongKind {
             expected: want,
@@ -625,7 +718,7 @@ fn check_header(stream: &[u8], want: u32) -> Result<&[u8], StateError> {
             actual,
         });
     }
-    Ok(rest)
+    Ok((version, rest))
 }
 
 struct Reader<'a> {
@@ -767,6 +860,22 @@ mod tests {
     fn crc_matches_the_standard_check_value() {
         assert_eq!(crc32(b"123456789"), 0xcbf4_3926);
         assert_eq!(crc32(b""), 0);
+        // Every length around the 8-byte steps agrees with the bytewise definition.
+        let data: Vec<u8> = (0..100u32).map(|i| (i * 37 + 11) as u8).collect();
+        for n in 0..data.len() {
+            let mut c = !0u32;
+            for &b in &data[..n] {
+                c ^= u32::from(b);
+                for _ in 0..8 {
+                    c = if c & 1 != 0 {
+                        0xedb8_8320 ^ (c >> 1)
+                    } else {
+                        c >> 1
+                    };
+                }
+            }
+            assert_eq!(crc32(&data[..n]), !c, "length {n}");
+        }
     }
 
     #[test]
@@ -824,8 +933,8 @@ mod tests {
         b[0] = b'X';
         assert_eq!(DeviceState::decode(&b), Err(StateError::BadMagic));
         let mut b = bytes.clone();
-        b[8] = 2;
-        assert_eq!(DeviceState::decode(&b), Err(StateError::Version(2)));
+        b[8] = 3;
+        assert_eq!(DeviceState::decode(&b), Err(StateError::Version(3)));
         let mut b = bytes.clone();
         b[12] = 9;
         assert_eq!(Stream::decode(&b), Err(StateError::Kind(9)));
