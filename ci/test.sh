@@ -8,6 +8,10 @@ cd "$(dirname "$0")/.."
 FUZZ_SECONDS="${FUZZ_SECONDS:-30}"
 
 echo "== cargo test (workspace)"
+# Includes the loopback fault soak (bench/tests/fault_soak.rs, docs/testing.md): faults
+# injected for VGPU_SOAK_SECS (180 s here, about 3 minutes of wall time) from the seed
+# VGPU_SOAK_SEED (a fixed default; the test prints it for a replay).
+export VGPU_SOAK_SECS="${VGPU_SOAK_SECS:-180}"
 cargo test --workspace --release 2>&1
 
 if [ "${SKIP_FUZZ:-0}" != "1" ]; then

@@ -838,6 +838,13 @@ impl LoopbackVm {
         self.shm.maps()
     }
 
+    /// Fault injection: while `on`, the frontend answers every SHMEM_MAP of the backend
+    /// with an error and maps nothing (a VMM out of address space, say). The backend must
+    /// turn that into a clean error for the guest request that needed the map.
+    pub fn refuse_maps(&self, on: bool) {
+        self.handler.set_refuse_maps(on);
+    }
+
     /// Number of SHMEM_UNMAP requests served.
     pub fn shmem_unmaps(&self) -> u64 {
         self.shm.unmaps()

@@ -378,11 +378,22 @@ fn subtract_range(ranges: &mut Vec<(u64, u64)>, off: u64, len: u64) {
 #[derive(Debug)]
 pub struct ShmHandler {
     windows: Vec<Arc<ShmWindow>>,
+    /// Fault injection: answer every SHMEM_MAP with an error (a VMM that cannot map).
+    refuse_maps: AtomicBool,
 }
 
 impl ShmHandler {
     pub fn new(windows: Vec<Arc<ShmWindow>>) -> Self {
-        ShmHandler { windows }
+        ShmHandler {
+            windows,
+            refuse_maps: AtomicBool::new(false),
+        }
+    }
+
+    /// While `on`, every SHMEM_MAP is refused (`ENOMEM`, nothing mapped); UNMAPs are
+    /// still served. For fault tests of the backend's handling of a refused map.
+    pub fn set_refuse_maps(&self, on: bool) {
+        self.refuse_maps.store(on, Ordering::Release);
     }
 
     fn window(&self, shmid: u8) -> io::Result<&ShmWindow> {
@@ -400,6 +411,10 @@ impl VhostUserFrontendReqHandler for ShmHandler {
             (req.shmid, req.shm_offset, req.len, req.fd_offset, req.flags);
         let writable =
             VhostUserMMapFlags::from_bits_truncate(flags).contains(VhostUserMMapFlags::WRITABLE);
+        if self.refuse_maps.load(Ordering::Acquire) {
+            warn!("refusing SHMEM_MAP shm {shmid} [{shm_offset:#x}+{len:#x}] (fault injection)");
+            return Err(io::Error::from_raw_os_error(libc::ENOMEM));
+        }
         let r = self
             .window(shmid)
             .and_then(|w| w.map(shmid, shm_offset, len, fd.as_raw_fd(), fd_offset, writable));
