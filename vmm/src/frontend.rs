@@ -83,6 +83,20 @@ fn timed_err<'a>(
     }
 }
 
+/// CHECK_DEVICE_STATE's failure: a timeout if the watchdog fired, else the backend's
+/// refusal of the state.
+fn state_check_err(
+    wd: Option<&RequestWatchdog>,
+) -> impl FnOnce(vhost::Error) -> FrontendError + '_ {
+    move |e| match wd.filter(|w| w.fired()) {
+        Some(w) => FrontendError::Timeout {
+            step: "CHECK_DEVICE_STATE",
+            timeout: w.timeout(),
+        },
+        None => FrontendError::StateRefused(e),
+    }
+}
+
 /// What the frontend needs from the device.
 #[derive(Debug, Clone)]
 pub struct DeviceRequirements {
@@ -465,14 +479,7 @@ impl VhostUserDevice {
     /// The outcome of the transfer begun last (CHECK_DEVICE_STATE).
     pub fn check_state(&mut self) -> Result<(), FrontendError> {
         let (fe, wd, _armed) = self.fe()?;
-        fe.check_device_state()
-            .map_err(|e| match wd.filter(|w| w.fired()) {
-                Some(w) => FrontendError::Timeout {
-                    step: "CHECK_DEVICE_STATE",
-                    timeout: w.timeout(),
-                },
-                None => FrontendError::StateRefused(e),
-            })
+        fe.check_device_state().map_err(state_check_err(wd))
     }
 
     /// Saves the stopped device's state (SET_DEVICE_STATE_FD with a pipe, read to EOF,
@@ -494,14 +501,7 @@ impl VhostUserDevice {
             None => rd.read_to_end(&mut bytes),
         }
         .map_err(FrontendError::StateIo)?;
-        fe.check_device_state()
-            .map_err(|e| match wd.filter(|w| w.fired()) {
-                Some(w) => FrontendError::Timeout {
-                    step: "CHECK_DEVICE_STATE",
-                    timeout: w.timeout(),
-                },
-                None => FrontendError::StateRefused(e),
-            })?;
+        fe.check_device_state().map_err(state_check_err(wd))?;
         Ok(bytes)
     }
 
@@ -527,14 +527,7 @@ impl VhostUserDevice {
         if let Err(e) = written {
             debug!("device-state write: {e}");
         }
-        fe.check_device_state()
-            .map_err(|e| match wd.filter(|w| w.fired()) {
-                Some(w) => FrontendError::Timeout {
-                    step: "CHECK_DEVICE_STATE",
-                    timeout: w.timeout(),
-                },
-                None => FrontendError::StateRefused(e),
-            })
+        fe.check_device_state().map_err(state_check_err(wd))
     }
 
     /// Whether the backend-request channel has stopped (closed or broken).
