@@ -11,6 +11,10 @@
 #   - --guest: all of the guest stack — builds vgpu.ko, the static guest tools
 #     (vgpu-smoke, vgpu-throttle, vgpu-guest-bench) and exit-cost, and runs
 #     ci/rig/l2-guest-checks.sh in every L2 (unless --l2-cmd names another script).
+#   - --migrate: a second vgpu-backend runs beside the first; once every L2 printed
+#     "L2-MIGRATE-READY" its VM is live-migrated (vgpu-migrate) from its vgpu-vmm to a
+#     `vgpu-vmm --incoming` on the second backend, and the L2 result is read from the
+#     destination's serial log; with --guest the L2 script is ci/rig/l2-migrate-checks.sh.
 #   - --restart-backend: once every L2 printed "L2-RECONNECT-READY", vgpu-backend is
 #     SIGKILLed and a new one started on the same sockets (vgpu-vmm reconnects); with
 #     --guest the L2 script is then ci/rig/l2-reconnect-checks.sh. --hang-backend S does
@@ -43,6 +47,7 @@ L2CMD=""
 BUILD=1
 RESTART=0
 HANG=0
+MIGRATE=0
 TIMEOUT=420
 ADDS=()
 EXTRA=()
@@ -54,6 +59,7 @@ while [ $# -gt 0 ]; do
         --driver) DRIVER="$2"; shift 2 ;;
         --guest) GUEST=1; shift ;;
         --restart-backend) RESTART=1; shift ;;
+        --migrate) MIGRATE=1; shift ;;
         --hang-backend) RESTART=1; HANG="$2"; shift 2 ;;
         --exit-cost) EXITCOST="$2"; shift 2 ;;
         --l2-cmd) L2CMD="$2"; shift 2 ;;
@@ -80,7 +86,8 @@ if [ "$BUILD" = 1 ]; then
     rustup target list --installed | grep -q x86_64-unknown-linux-musl \
         || rustup target add x86_64-unknown-linux-musl >&2
     (cd "$ROOT" && cargo build --release --target x86_64-unknown-linux-musl \
-        -p vgpu-vmm -p vgpu-backend --bin vgpu-vmm --bin vgpu-backend --bin vgpuctl >&2)
+        -p vgpu-vmm -p vgpu-backend --bin vgpu-vmm --bin vgpu-migrate --bin vgpu-backend \
+        --bin vgpuctl >&2)
     if [ "$GUEST" = 1 ]; then
         # The guest tools build on the guest runtime alone (no backend, VMM or sim).
         bins=(); for t in $TOOLS; do bins+=(--bin "$t"); done
@@ -103,7 +110,9 @@ trap 'rm -rf "$WORK"' EXIT
 if [ "$GUEST" = 1 ]; then
     DRIVER="${DRIVER:-$ROOT/guest-driver/kernel/vgpu.ko}"
     EXITCOST="${EXITCOST:-$TARGET_DIR/exit-cost}"
-    if [ "$RESTART" = 1 ]; then
+    if [ "$MIGRATE" = 1 ]; then
+        L2CMD="${L2CMD:-$RIG/l2-migrate-checks.sh}"
+    elif [ "$RESTART" = 1 ]; then
         L2CMD="${L2CMD:-$RIG/l2-reconnect-checks.sh}"
     else
         L2CMD="${L2CMD:-$RIG/l2-guest-checks.sh}"
@@ -188,7 +197,37 @@ start_backend() {
 start_backend
 bp=\$!
 for i in \$(seq 1 100); do [ -S /tmp/vgpu/vm$((VMS - 1)).sock ] && break; sleep 0.1; done
-rs=""
+rs="" mig="" bp2=""
+if [ "$MIGRATE" = 1 ]; then
+    # The destination's backend, and per VM: once the L2 is ready, a vgpu-vmm waiting on
+    # an incoming address, and vgpu-migrate asking the source VMM to send the VM there.
+    mkdir -p /tmp/vgpuB
+    RUST_LOG=info vgpu-backend --socket-dir /tmp/vgpuB --api-socket /tmp/vgpuB/api.sock \
+        --vram-mib 256 --vm-swap-mib 256 --sim-idle-sleep-us 5000 $BACKEND_ARGS \$vms > /tmp/backendB.log 2>&1 &
+    bp2=\$!
+    for i in \$(seq 1 100); do [ -S /tmp/vgpuB/vm$((VMS - 1)).sock ] && break; sleep 0.1; done
+    (
+        for k in \$(seq 0 $((VMS - 1))); do
+            for i in \$(seq 1 $((TIMEOUT * 5))); do
+                grep -a -q L2-MIGRATE-READY /tmp/l2-\$k.log 2>/dev/null && break
+                sleep 0.2
+            done
+            : > /tmp/l2-\$k.dst.log
+            RUST_LOG=info vgpu-vmm --incoming unix:/tmp/mig-\$k.sock --vgpu-socket /tmp/vgpuB/vm\$k.sock \
+                --timeout $((TIMEOUT - 60)) --serial /tmp/l2-\$k.dst.log > /tmp/vmm-\$k.dst.log 2>&1 &
+            echo \$! > /tmp/dst-\$k.pid
+            for i in \$(seq 1 100); do [ -S /tmp/mig-\$k.sock ] && break; sleep 0.1; done
+            vgpu-migrate --api /tmp/vmm-\$k.api --to unix:/tmp/mig-\$k.sock > /tmp/migrate-\$k.out 2>&1
+            echo \$? > /tmp/migrate-\$k.rc
+            sed "s/^/L2-MIGRATE vm=\$k /" /tmp/migrate-\$k.out
+        done
+        # The destination VMMs are this subshell's children.
+        for k in \$(seq 0 $((VMS - 1))); do
+            wait \$(cat /tmp/dst-\$k.pid 2>/dev/null || echo 0); echo \$? > /tmp/dst-\$k.rc
+        done
+    ) &
+    mig=\$!
+fi
 if [ "$RESTART" = 1 ]; then
     # Kill the backend once every L2 is ready, then start a new one; this subshell owns
     # the new backend and leaves its exit status in /tmp/backend2.rc.
@@ -221,7 +260,8 @@ for k in \$(seq 0 $((VMS - 1))); do
     : > /tmp/l2-\$k.log
     RUST_LOG=info vgpu-vmm --vgpu-socket /tmp/vgpu/vm\$k.sock --kernel /l2/vmlinuz \\
         --initrd /l2/l2.cpio.gz --mem-mib 256 --vcpus $VCPUS --timeout $((TIMEOUT - 60)) \\
-        --cmdline "$L2_ARGS vgpu.vm=\$k" --serial /tmp/l2-\$k.log > /tmp/vmm-\$k.log 2>&1 &
+        --cmdline "$L2_ARGS vgpu.vm=\$k" --serial /tmp/l2-\$k.log --api-socket /tmp/vmm-\$k.api \
+        > /tmp/vmm-\$k.log 2>&1 &
     pids="\$pids \$!"
 done
 mon=""
@@ -232,10 +272,25 @@ fi
 ok=1 k=0
 for p in \$pids; do
     wait \$p; rc=\$?
+    log=/tmp/l2-\$k.log
+    if [ "$MIGRATE" = 1 ]; then
+        # The source VMM ended (0: the VM moved); the guest goes on in the destination.
+        [ -z "\$mig" ] || wait \$mig; mig=""
+        mrc=\$(cat /tmp/migrate-\$k.rc 2>/dev/null || echo none)
+        grep -q 'guest ended (MigratedOut)' /tmp/vmm-\$k.log && moved=1 || moved=0
+        drc=\$(cat /tmp/dst-\$k.rc 2>/dev/null || echo none)
+        echo "==== L2 vm\$k serial before the move"; tr -d '\r' < /tmp/l2-\$k.log | grep -a -v '^\$' | tail -n 20
+        echo "==== vgpu-vmm vm\$k destination"; tail -n 15 /tmp/vmm-\$k.dst.log
+        after=\$(grep -a -c 'L2-LOOP [0-9]* ok' /tmp/l2-\$k.dst.log)
+        echo "L2-MIGRATE-CHECK vm=\$k migrate_rc=\$mrc source_left=\$moved destination_rc=\$drc loops_after_move=\$after"
+        [ "\$mrc" = 0 ] && [ "\$moved" = 1 ] && [ "\$drc" = 0 ] && [ "\$after" -gt 0 ] || ok=0
+        rc=\$drc
+        log=/tmp/l2-\$k.dst.log
+    fi
     read -r t1 _ < /proc/uptime
-    res=\$(grep -a -o 'L2-VGPU-RESULT.*' /tmp/l2-\$k.log | tr -d '\r')
+    res=\$(grep -a -o 'L2-VGPU-RESULT.*' \$log | tr -d '\r')
     up=\$(grep -a -o 'L2-UP uptime=[0-9.]*' /tmp/l2-\$k.log | cut -d= -f2)
-    echo "==== L2 vm\$k serial"; tr -d '\r' < /tmp/l2-\$k.log | grep -a -v '^\$'
+    echo "==== L2 vm\$k serial"; tr -d '\r' < \$log | grep -a -v '^\$'
     echo "==== vgpu-vmm vm\$k"; tail -n 15 /tmp/vmm-\$k.log
     echo "L2-VGPU-CHECK vm=\$k vmm_rc=\$rc l2_uptime_at_init=\${up:-none} done_after=\$(awk -v a=\$t0 -v b=\$t1 'BEGIN{printf "%.1f", b-a}')s \${res:-no result}"
     [ "\$rc" = 0 ] && [ "\$res" = "L2-VGPU-RESULT $EXPECT" ] || ok=0
@@ -255,6 +310,12 @@ if [ -n "\$rs" ]; then
 else
     kill -TERM \$bp; wait \$bp; brc=\$?
 fi
+if [ -n "\$bp2" ]; then
+    kill -TERM \$bp2; wait \$bp2; b2=\$?
+    echo "==== vgpu-backend (destination)"; tail -n 25 /tmp/backendB.log
+    echo "L2-VGPU-BACKEND destination rc=\$b2"
+    [ "\$b2" = 0 ] || ok=0
+fi
 echo "==== vgpu-backend"; tail -n 25 /tmp/backend.log
 echo "L2-VGPU-BACKEND rc=\$brc"
 [ "\$brc" = 0 ] || ok=0
@@ -266,5 +327,6 @@ l1_adds=()
 [ ! -x "$MUSL/vgpuctl" ] || l1_adds+=(--add "$MUSL/vgpuctl:/bin/vgpuctl")
 "$RIG/run-l1.sh" --timeout "$TIMEOUT" --script "$WORK/cmd.sh" ${l1_adds[@]+"${l1_adds[@]}"} \
     --add "$MUSL/vgpu-vmm:/bin/vgpu-vmm" --add "$MUSL/vgpu-backend:/bin/vgpu-backend" \
+    --add "$MUSL/vgpu-migrate:/bin/vgpu-migrate" \
     --add "$KERNEL:/l2/vmlinuz" --add "$WORK/l2.cpio.gz:/l2/l2.cpio.gz" \
     ${EXTRA[@]+"${EXTRA[@]}"}

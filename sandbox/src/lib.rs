@@ -132,6 +132,9 @@ pub enum Role {
     VmmBackendReq,
     /// `vgpu-vmm`'s interrupt thread (INTx fallback, backend hang-up watch).
     VmmIrq,
+    /// `vgpu-vmm`'s live migration: the control socket's thread on a source (it sends
+    /// the VM), the main thread of a destination while it receives one.
+    VmmMigration,
 }
 
 impl fmt::Display for Role {

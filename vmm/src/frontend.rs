@@ -17,6 +17,7 @@ use std::time::Duration;
 use log::{debug, info};
 use std::io::{Read, Write};
 use thiserror::Error;
+use vgpu_protocol::migration::{stream_len, HEADER_SIZE};
 
 use vhost::vhost_user::message::{
     VhostTransferStateDirection, VhostTransferStatePhase, VhostUserConfigFlags, VhostUserHeaderFlag,
@@ -562,4 +563,28 @@ impl Drop for VhostUserDevice {
     fn drop(&mut self) {
         self.disconnect();
     }
+}
+
+/// The next frame of a device-state stream being saved (a header and its declared
+/// body), `None` at EOF.
+pub fn read_state_frame(rd: &mut std::fs::File) -> std::io::Result<Option<Vec<u8>>> {
+    let mut frame = vec![0u8; HEADER_SIZE];
+    let mut got = 0;
+    while got < HEADER_SIZE {
+        let n = rd.read(&mut frame[got..])?;
+        if n == 0 {
+            break;
+        }
+        got += n;
+    }
+    if got == 0 {
+        return Ok(None);
+    }
+    frame.truncate(got);
+    // A bad header goes on as it is: the destination refuses it.
+    if let Ok(total) = stream_len(&frame) {
+        let want = total.saturating_sub(got as u64);
+        rd.take(want).read_to_end(&mut frame)?;
+    }
+    Ok(Some(frame))
 }

@@ -10,6 +10,8 @@
 //!   [`virtio_pci::VirtioBackend`].
 //! - [`reconnect`]: the fault policy (request timeout, reconnect with backoff) and its
 //!   retry loop; [`request_timeout`]: the watchdog that ends an unanswered request.
+//! - [`migration`]: live migration of a KVM VM between two `vgpu-vmm`s (the stream,
+//!   vCPU, chip and device state; the steps are in `boot::send` and `boot::receive`).
 //! - [`loopback`]: [`LoopbackVm`], a "VM" without KVM whose guest processes are threads of
 //!   the calling program, for tests and benchmarks.
 
@@ -18,6 +20,7 @@ pub mod frontend;
 pub mod guest_memory;
 pub mod kvm;
 pub mod loopback;
+pub mod migration;
 pub mod pci;
 pub mod reconnect;
 pub mod request_timeout;

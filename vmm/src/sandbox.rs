@@ -14,14 +14,22 @@
 //! and an interrupt thread, so `Vcpu` allows what those need, and `VmmMain` (which starts
 //! the vCPUs) what a vCPU needs. ioctls are held to KVM's (type 0xAE) and two fd flags.
 
-use vgpu_sandbox::blocks::{events, open_refused, socket_io, thread_basics, unix_connect};
+use vgpu_sandbox::blocks::{
+    events, open_refused, socket_accept, socket_io, thread_basics, unix_connect,
+};
 use vgpu_sandbox::{Arg, Mode, Plan, Role, Rules, SandboxError};
 
 /// KVM's ioctl type (`KVMIO`), bits 8..15 of a request number.
 const KVMIO: u64 = 0xAE;
 
 /// The VMM's roles.
-pub const ROLES: [Role; 4] = [Role::VmmMain, Role::Vcpu, Role::VmmBackendReq, Role::VmmIrq];
+pub const ROLES: [Role; 5] = [
+    Role::VmmMain,
+    Role::Vcpu,
+    Role::VmmBackendReq,
+    Role::VmmIrq,
+    Role::VmmMigration,
+];
 
 /// Any KVM ioctl: on the VM fd (memslots for the moving BAR window, ioeventfds, irqfds,
 /// GSI routes, IRQ lines) and on the vCPU fds (KVM_RUN, register reads for diagnostics).
@@ -82,12 +90,26 @@ pub fn vmm_main() -> Rules {
 
 /// The allow-list of `role`, with the opens every thread may attempt (they fail with
 /// `EACCES`).
+/// Live migration: what a vCPU thread does (KVM ioctls, the vhost-user connection), plus
+/// accepting on the control socket or the incoming address (both bound before the
+/// sandbox), connecting to a destination by unix socket or TCP, and the pipes of the
+/// device-state transfer.
+pub fn migration() -> Rules {
+    vcpu()
+        .union(&socket_accept())
+        .union(&kick())
+        .allow_if(libc::SYS_socket, vec![Arg::eq32(0, libc::AF_INET as u64)])
+        .allow_if(libc::SYS_socket, vec![Arg::eq32(0, libc::AF_INET6 as u64)])
+        .allow(&[libc::SYS_pipe2, libc::SYS_connect])
+}
+
 pub fn rules(role: Role) -> Option<Rules> {
     let r = match role {
         Role::VmmMain => vmm_main(),
         Role::Vcpu => vcpu(),
         Role::VmmBackendReq => backend_req(),
         Role::VmmIrq => irq(),
+        Role::VmmMigration => migration(),
         _ => return None,
     };
     Some(r.union(&open_refused()))

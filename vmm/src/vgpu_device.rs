@@ -54,7 +54,8 @@ pub fn vgpu_requirements() -> DeviceRequirements {
             | VhostUserProtocolFeatures::BACKEND_REQ
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::SHMEM,
-        optional_protocol_features: VhostUserProtocolFeatures::empty(),
+        // Live migration moves the device's state through the backend.
+        optional_protocol_features: VhostUserProtocolFeatures::DEVICE_STATE,
         shm_regions: vec![(SHM_REGION_ID, SHM_SIZE)],
         config_size: DeviceConfig::SIZE as u32,
         request_timeout: None,
@@ -270,13 +271,93 @@ impl VhostUserVgpu {
         self.dev.acked_features()
     }
 
-    /// This process's address of `len` bytes of guest RAM at `gpa`.
-    fn host_addr(&self, gpa: u64, len: u64) -> Option<u64> {
-        let end = gpa.checked_add(len)?;
-        self.ram
-            .iter()
-            .find(|s| gpa >= s.gpa && end <= s.gpa + s.len)
-            .map(|s| s.host + (gpa - s.gpa))
+    /// The vhost-user setup of every ready queue of `queues`.
+    fn setups<'a>(
+        ram: &[RamSpan],
+        calls: &'a [Arc<EventFd>],
+        kicks: &'a [Arc<EventFd>],
+        queues: &[VirtqConfig],
+    ) -> Result<Vec<QueueSetup<'a>>, ActivateError> {
+        let host_addr = |gpa: u64, len: u64| {
+            let end = gpa.checked_add(len)?;
+            ram.iter()
+                .find(|s| gpa >= s.gpa && end <= s.gpa + s.len)
+                .map(|s| s.host + (gpa - s.gpa))
+        };
+        let mut setups = Vec::new();
+        for q in queues.iter().filter(|q| q.ready) {
+            let i = usize::from(q.index);
+            let (dlen, alen, ulen) = Self::ring_sizes(q.size);
+            let (Some(desc), Some(avail), Some(used)) = (
+                host_addr(q.desc, dlen),
+                host_addr(q.avail, alen),
+                host_addr(q.used, ulen),
+            ) else {
+                warn!("vgpu: queue {i}: ring outside guest RAM: {q:x?}");
+                return Err(ActivateError::BadQueue(q.index));
+            };
+            let (Some(call), Some(kick)) = (calls.get(i), kicks.get(i)) else {
+                return Err(ActivateError::BadQueue(q.index));
+            };
+            setups.push(QueueSetup {
+                index: i,
+                size: q.size,
+                desc_addr: desc,
+                avail_addr: avail,
+                used_addr: used,
+                call,
+                kick,
+            });
+        }
+        Ok(setups)
+    }
+
+    /// Starts the device with each ready queue continuing at `bases[k]` (the k-th ready
+    /// queue; 0 where missing): a fresh activation, or the continuation of rings another
+    /// backend served (live migration).
+    pub fn activate_at(
+        &mut self,
+        features: u64,
+        queues: &[VirtqConfig],
+        bases: &[u16],
+    ) -> Result<(), ActivateError> {
+        let setups = Self::setups(&self.ram, &self.calls, &self.kicks, queues)?;
+        let indices: Vec<usize> = setups.iter().map(|s| s.index).collect();
+        self.dev
+            .activate_at(features, &self.mem_table, &setups, bases)
+            .map_err(|e| ActivateError::Backend(e.to_string()))?;
+        self.active_queues = indices;
+        self.activations += 1;
+        info!(
+            "vgpu: device active, features {:#x}, queues {:?}",
+            self.dev.acked_features(),
+            self.active_queues
+        );
+        Ok(())
+    }
+
+    /// Live migration: stops the active rings (the backend no longer touches them once
+    /// this returns) and returns each one's next available index, in queue order.
+    pub fn stop_rings(&mut self) -> Result<Vec<u16>, FrontendError> {
+        let q = self.active_queues.clone();
+        self.dev.stop_queues(&q)
+    }
+
+    /// Undoes [`Self::stop_rings`] (a migration that failed): the rings run again at
+    /// `bases`.
+    pub fn restart_rings(
+        &mut self,
+        queues: &[VirtqConfig],
+        bases: &[u16],
+    ) -> Result<(), FrontendError> {
+        let setups = Self::setups(&self.ram, &self.calls, &self.kicks, queues)
+            .map_err(|_| FrontendError::BadQueue("ring outside guest RAM"))?;
+        self.dev.restart_queues(&setups, bases)
+    }
+
+    /// The connection, for the device-state transfer.
+    pub fn connection(&mut self) -> &mut VhostUserDevice {
+        &mut self.dev
     }
 
     /// Byte sizes of a split ring's parts for `size` entries (virtio 1.x §2.7).
@@ -323,42 +404,7 @@ impl VirtioBackend for VhostUserVgpu {
     }
 
     fn activate(&mut self, features: u64, queues: &[VirtqConfig]) -> Result<(), ActivateError> {
-        let mut setups = Vec::new();
-        for q in queues.iter().filter(|q| q.ready) {
-            let i = usize::from(q.index);
-            let (dlen, alen, ulen) = Self::ring_sizes(q.size);
-            let (Some(desc), Some(avail), Some(used)) = (
-                self.host_addr(q.desc, dlen),
-                self.host_addr(q.avail, alen),
-                self.host_addr(q.used, ulen),
-            ) else {
-                warn!("vgpu: queue {i}: ring outside guest RAM: {q:x?}");
-                return Err(ActivateError::BadQueue(q.index));
-            };
-            let (Some(call), Some(kick)) = (self.calls.get(i), self.kicks.get(i)) else {
-                return Err(ActivateError::BadQueue(q.index));
-            };
-            setups.push(QueueSetup {
-                index: i,
-                size: q.size,
-                desc_addr: desc,
-                avail_addr: avail,
-                used_addr: used,
-                call,
-                kick,
-            });
-        }
-        self.dev
-            .activate(features, &self.mem_table, &setups)
-            .map_err(|e| ActivateError::Backend(e.to_string()))?;
-        self.active_queues = setups.iter().map(|s| s.index).collect();
-        self.activations += 1;
-        info!(
-            "vgpu: device active, features {:#x}, queues {:?}",
-            self.dev.acked_features(),
-            self.active_queues
-        );
-        Ok(())
+        self.activate_at(features, queues, &[])
     }
 
     fn queue_notify(&mut self, index: u16) {

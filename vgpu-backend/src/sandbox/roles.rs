@@ -112,7 +112,9 @@ pub fn sim_rules(role: Role) -> Option<Rules> {
         Role::Scheduler => scheduler(),
         Role::VramManager => vram_manager(),
         Role::GpuEngine => gpu_engine(),
-        Role::VmmMain | Role::Vcpu | Role::VmmBackendReq | Role::VmmIrq => return None,
+        Role::VmmMain | Role::Vcpu | Role::VmmBackendReq | Role::VmmIrq | Role::VmmMigration => {
+            return None
+        }
     };
     Some(r.union(&open_refused()))
 }

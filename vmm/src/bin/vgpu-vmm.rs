@@ -3,16 +3,27 @@
 //! `vgpu-backend` listening on that vhost-user socket (`--vgpu-stub`: a stand-in device
 //! without a backend, for bring-up).
 //!
+//! Live migration: `--api-socket PATH` opens a control socket on which `vgpu-migrate`
+//! sends the running VM to a `vgpu-vmm --incoming ADDR` (`unix:PATH` or
+//! `tcp:HOST:PORT`), which builds the same machine, takes the VM over and runs it.
+//!
 //! Exit status: 0 when the guest resets or powers off (i8042 reset, triple fault, KVM
-//! shutdown event), 1 on a setup error or a vCPU failure, 2 on bad command-line usage.
+//! shutdown event) or was migrated away, 1 on a setup error, a vCPU failure or a failed
+//! incoming migration, 2 on bad command-line usage.
 
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
 use vgpu_sandbox::{privileges, Mode, Role};
-use vgpu_vmm::boot::{LinuxVm, VmConfig, DEFAULT_CMDLINE, DEFAULT_CMDLINE_PCI, MAX_VCPUS};
+use vgpu_vmm::boot::{
+    LinuxVm, MigrationSource, VmConfig, DEFAULT_CMDLINE, DEFAULT_CMDLINE_PCI, MAX_VCPUS,
+};
+use vgpu_vmm::migration::wire::Listener;
+use vgpu_vmm::migration::Address;
 use vgpu_vmm::reconnect::{FaultPolicy, ReconnectPolicy};
 
 /// Boot a Linux guest under KVM (serial console on COM1).
@@ -20,8 +31,8 @@ use vgpu_vmm::reconnect::{FaultPolicy, ReconnectPolicy};
 #[command(name = "vgpu-vmm", version, about)]
 struct Cli {
     /// Guest kernel: an x86_64 bzImage (e.g. /boot/vmlinuz-*).
-    #[arg(long, value_name = "PATH")]
-    kernel: PathBuf,
+    #[arg(long, value_name = "PATH", required_unless_present = "incoming")]
+    kernel: Option<PathBuf>,
     /// Initramfs (cpio, optionally compressed) to pass to the kernel.
     #[arg(long, value_name = "PATH")]
     initrd: Option<PathBuf>,
@@ -62,6 +73,15 @@ struct Cli {
     /// the backend counts as hung and the connection is closed (0: wait forever).
     #[arg(long, value_name = "MS", default_value_t = 10000)]
     vgpu_request_timeout_ms: u64,
+    /// Receive a VM migrated from another vgpu-vmm on this address (`unix:PATH` or
+    /// `tcp:HOST:PORT`) instead of booting one: the machine's size comes from the source;
+    /// give the same vgpu options (`--vgpu-socket` to this host's backend).
+    #[arg(long, value_name = "ADDR", conflicts_with_all = ["kernel", "initrd", "vgpu_stub"])]
+    incoming: Option<Address>,
+    /// A control socket for live migration: `vgpu-migrate --api PATH --to ADDR` sends the
+    /// running VM to a `vgpu-vmm --incoming ADDR`.
+    #[arg(long, value_name = "PATH")]
+    api_socket: Option<PathBuf>,
     /// Stop the VM (exit status 1) if it still runs after this many seconds.
     #[arg(long, value_name = "SECS")]
     timeout: Option<u64>,
@@ -103,7 +123,7 @@ fn main() -> ExitCode {
         eprintln!("vgpu-vmm: warning: a vgpu device with pci=off: the guest will not see it");
     }
     let cfg = VmConfig {
-        kernel: cli.kernel,
+        kernel: cli.kernel.unwrap_or_default(),
         initrd: cli.initrd,
         cmdline,
         mem_mib: cli.mem_mib,
@@ -121,17 +141,68 @@ fn main() -> ExitCode {
                 .then(|| Duration::from_millis(cli.vgpu_request_timeout_ms)),
         },
     };
+    // Sockets are bound before the sandbox closes bind/listen.
+    let incoming = match cli.incoming.as_ref().map(Listener::bind).transpose() {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("vgpu-vmm: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let api = match cli.api_socket.as_ref().map(bind_api).transpose() {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("vgpu-vmm: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     if let Err(e) = prepare_sandbox(cli.seccomp) {
         eprintln!("vgpu-vmm: {e}");
         return ExitCode::FAILURE;
     }
-    let mut vm = match LinuxVm::new(&cfg) {
+    let vm = match &incoming {
+        Some(listener) => {
+            eprintln!(
+                "vgpu-vmm: waiting for a migration on {}",
+                cli.incoming
+                    .as_ref()
+                    .map(ToString::to_string)
+                    .unwrap_or_default()
+            );
+            LinuxVm::receive(&cfg, listener).map(|(vm, rep)| {
+                eprintln!(
+                    "vgpu-vmm: migration received: {} bytes of RAM in {} rounds, {} bytes of device state, {:.1} ms",
+                    rep.ram_bytes,
+                    rep.rounds,
+                    rep.device_bytes,
+                    rep.total.as_secs_f64() * 1e3
+                );
+                vm
+            })
+        }
+        None => LinuxVm::new(&cfg),
+    };
+    let mut vm = match vm {
         Ok(vm) => vm,
         Err(e) => {
             eprintln!("vgpu-vmm: {e}");
             return ExitCode::FAILURE;
         }
     };
+    drop(incoming);
+    if let Some(api) = api {
+        let source = vm.migration_source();
+        let spawned = std::thread::Builder::new()
+            .name("vmm-api".into())
+            .spawn(move || {
+                vgpu_sandbox::enter(Role::VmmMigration);
+                serve_api(&api, &source);
+            });
+        if let Err(e) = spawned {
+            eprintln!("vgpu-vmm: starting the control socket's thread: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
     // Set up: the main thread narrows to running the vCPUs.
     vgpu_sandbox::enter(Role::VmmMain);
     match vm.run(cli.timeout.map(Duration::from_secs)) {
@@ -143,6 +214,73 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("vgpu-vmm: {e}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// The control socket (see `serve_api`).
+fn bind_api(path: &PathBuf) -> Result<(UnixListener, PathBuf), String> {
+    if std::fs::symlink_metadata(path)
+        .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
+    {
+        let _ = std::fs::remove_file(path);
+    }
+    UnixListener::bind(path)
+        .map(|l| (l, path.clone()))
+        .map_err(|e| format!("cannot bind the control socket {}: {e}", path.display()))
+}
+
+/// Serves the control socket: each connection sends one line, `migrate ADDR`, and
+/// reads progress lines (`progress ...`) and a verdict (`ok ...` or `error ...`).
+fn serve_api((listener, _path): &(UnixListener, PathBuf), source: &MigrationSource) {
+    for conn in listener.incoming() {
+        let Ok(conn) = conn else { continue };
+        let Ok(mut out) = conn.try_clone() else {
+            continue;
+        };
+        let mut line = String::new();
+        if BufReader::new(std::io::Read::take(&conn, 4096))
+            .read_line(&mut line)
+            .is_err()
+        {
+            continue;
+        }
+        let mut say = |s: String| {
+            let _ = writeln!(out, "{s}");
+        };
+        let line = line.trim();
+        let Some(addr) = line.strip_prefix("migrate ") else {
+            say(format!("error unknown command {line:?} (migrate ADDR)"));
+            continue;
+        };
+        let addr = match addr.trim().parse::<Address>() {
+            Ok(a) => a,
+            Err(e) => {
+                say(format!("error {e}"));
+                continue;
+            }
+        };
+        log::info!("control socket: migrate to {addr}");
+        let r = source.send(&addr, &mut |p| {
+            eprintln!("vgpu-vmm: migration: {p}");
+            say(format!("progress {p}"));
+        });
+        match r {
+            Ok(rep) => {
+                let rounds: Vec<String> = rep.ram_rounds.iter().map(u64::to_string).collect();
+                say(format!(
+                    "ok downtime_ms={:.1} total_ms={:.1} ram_rounds={} device_bytes={} tail_bytes={} gpu_pages={}",
+                    rep.downtime.as_secs_f64() * 1e3,
+                    rep.total.as_secs_f64() * 1e3,
+                    rounds.join(","),
+                    rep.device_bytes,
+                    rep.tail_bytes,
+                    rep.gpu_pages
+                ));
+                // The vCPU threads are leaving: the process ends with them.
+                return;
+            }
+            Err(e) => say(format!("error {e}")),
         }
     }
 }

@@ -14,8 +14,13 @@
 pub mod bars;
 pub mod intx;
 pub mod irq_routing;
+mod park;
+mod receive;
+mod send;
 pub mod serial;
 pub mod x86_64;
+
+pub use send::MigrationSource;
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -165,6 +170,8 @@ pub enum BootError {
     ShmWindow(#[from] ShmWindowError),
     #[error("vgpu interrupt forwarding: {0}")]
     Intx(io::Error),
+    #[error("live migration: {0}")]
+    Migration(#[source] crate::migration::MigrationError),
 }
 
 /// What the user asks for.
@@ -225,6 +232,8 @@ pub enum GuestExit {
     PowerOff,
     /// A vCPU exited on `hlt` (only without an in-kernel LAPIC; reported for completeness).
     Halted,
+    /// The VM was migrated to another `vgpu-vmm`, which runs it now.
+    MigratedOut,
 }
 
 /// A booted-to-be Linux VM.
@@ -233,6 +242,12 @@ pub struct LinuxVm {
     // (whose memslots the PCI wiring holds) go before the RAM they map.
     hooks: Option<Arc<VgpuHooks>>,
     vcpus: Vec<Vcpu>,
+    /// Stops the vCPU threads for a save (live migration).
+    park: Arc<park::VcpuPark>,
+    /// The vgpu function's PCI slot, when it has one.
+    vgpu_slot: Option<u8>,
+    vcpu_count: u8,
+    mem_mib: u64,
     /// Its memslots hold `ram` (and the shared-memory window) alive until it goes.
     vm: Arc<Vm>,
     devices: Arc<LegacyDevices>,
@@ -275,6 +290,13 @@ impl LinuxVm {
 
     /// As [`LinuxVm::new`], with the serial output given.
     pub fn with_serial(cfg: &VmConfig, out: SerialOut) -> Result<Self, BootError> {
+        Self::build(cfg, out, true)
+    }
+
+    /// Creates the VM; with `boot`, loads the guest image and sets the vCPUs up to boot
+    /// it, else leaves RAM empty and the vCPUs at reset (an incoming migration fills
+    /// both).
+    fn build(cfg: &VmConfig, out: SerialOut, boot: bool) -> Result<Self, BootError> {
         if cfg.vcpus == 0 || cfg.vcpus > MAX_VCPUS {
             return Err(BootError::Vcpus(cfg.vcpus));
         }
@@ -282,17 +304,19 @@ impl LinuxVm {
             return Err(BootError::MemSize(cfg.mem_mib));
         }
         // Check the files before anything heavy, so misconfigurations fail fast.
-        check_file(&cfg.kernel, |path, source| BootError::KernelOpen {
-            path,
-            source,
-        })?;
-        if let Some(initrd) = &cfg.initrd {
-            check_file(initrd, |path, source| BootError::InitrdOpen {
+        if boot {
+            check_file(&cfg.kernel, |path, source| BootError::KernelOpen {
                 path,
                 source,
             })?;
+            if let Some(initrd) = &cfg.initrd {
+                check_file(initrd, |path, source| BootError::InitrdOpen {
+                    path,
+                    source,
+                })?;
+            }
+            x86_64::make_cmdline(&cfg.cmdline)?;
         }
-        x86_64::make_cmdline(&cfg.cmdline)?;
 
         if cfg.vgpu_stub && cfg.vgpu_socket.is_some() {
             return Err(BootError::VgpuTwice);
@@ -340,9 +364,11 @@ impl LinuxVm {
         let mut pci = None;
         let mut hooks = None;
         let mut pci_intx = Vec::new();
+        let mut vgpu_slot = None;
         if let Some(dev) = dev {
             let mut bus = PciBus::new();
             let slot = bus.add_device(dev)?;
+            vgpu_slot = vhost.is_some().then_some(slot);
             let gsi = PCI_INTX_GSI_BASE + slot % 8;
             if let Some(d) = bus.device_mut(slot) {
                 d.config_mut().set_interrupt(1, gsi);
@@ -380,6 +406,40 @@ impl LinuxVm {
                 hooks = Some(Arc::new(VgpuHooks { bars, irqs }));
             }
             pci = Some(bus);
+        }
+
+        if !boot {
+            let base_cpuid = vm.supported_cpuid()?;
+            let mut vcpus = Vec::with_capacity(usize::from(cfg.vcpus));
+            for cpu in 0..cfg.vcpus {
+                let vcpu = vm
+                    .create_vcpu(u64::from(cpu))
+                    .map_err(|source| BootError::Vcpu { cpu, source })?;
+                let mut cpuid = base_cpuid.clone();
+                x86_64::patch_cpuid(&mut cpuid, cpu, cfg.vcpus);
+                vcpu.vcpu_fd()
+                    .set_cpuid2(&cpuid)
+                    .map_err(|source| BootError::VcpuSetup {
+                        cpu,
+                        what: "KVM_SET_CPUID2",
+                        source,
+                    })?;
+                vcpus.push(vcpu);
+            }
+            return Ok(LinuxVm {
+                hooks,
+                vcpus,
+                park: Arc::new(park::VcpuPark::new(vm.clone())),
+                vgpu_slot,
+                vcpu_count: cfg.vcpus,
+                mem_mib: cfg.mem_mib,
+                vm,
+                devices,
+                pci,
+                layout: BootLayout::default(),
+                mem,
+                ram,
+            });
         }
 
         // Guest image.
@@ -420,6 +480,10 @@ impl LinuxVm {
         Ok(LinuxVm {
             hooks,
             vcpus,
+            park: Arc::new(park::VcpuPark::new(vm.clone())),
+            vgpu_slot,
+            vcpu_count: cfg.vcpus,
+            mem_mib: cfg.mem_mib,
             vm,
             devices,
             pci,
@@ -477,9 +541,12 @@ impl LinuxVm {
         let (tx, rx) = mpsc::channel::<(u8, Result<GuestExit, BootError>)>();
         let mut threads: Vec<VcpuThread> = Vec::new();
         let started = Instant::now();
+        self.park
+            .set_vcpus(self.vcpus.iter().map(Vcpu::kicker).collect());
         for (i, vcpu) in self.vcpus.drain(..).enumerate() {
             let cpu = i as u8;
             let kicker = vcpu.kicker();
+            let park = self.park.clone();
             let vcpu_stop = stop.clone();
             let tx = tx.clone();
             let devices = self.devices.clone();
@@ -496,6 +563,7 @@ impl LinuxVm {
                         pci.as_deref(),
                         hooks.as_deref(),
                         &vcpu_stop,
+                        &park,
                     );
                     let _ = tx.send((cpu, res));
                 });
@@ -648,6 +716,7 @@ fn vcpu_loop(
     pci: Option<&Mutex<PciBus>>,
     hooks: Option<&VgpuHooks>,
     stop: &AtomicBool,
+    park: &park::VcpuPark,
 ) -> Result<GuestExit, BootError> {
     let mut store_wait = StoreFaultWait::default();
     loop {
@@ -656,6 +725,9 @@ fn vcpu_loop(
                 cpu,
                 exit: "stopped".into(),
             });
+        }
+        if park.requested() && park.park(cpu, &mut vcpu) == park::Parked::Leave {
+            return Ok(GuestExit::MigratedOut);
         }
         let r = vcpu.run_raw();
         // A store into a window page the backend holds read-only while it moves it: wait

@@ -16,6 +16,9 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::BootError;
 
+/// vm-superio's receive FIFO.
+const SERIAL_FIFO: usize = 64;
+
 /// COM1.
 pub const SERIAL_PORT_BASE: u16 = 0x3f8;
 pub const SERIAL_PORT_LEN: u16 = 8;
@@ -243,6 +246,34 @@ impl LegacyDevices {
             0x80 => {}
             _ => log::trace!("unhandled PIO write {data:x?} at {port:#x}"),
         }
+    }
+
+    /// The serial port's registers and receive buffer (live migration).
+    pub fn serial_state(&self) -> vm_superio::serial::SerialState {
+        self.serial
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .state()
+    }
+
+    /// Takes over a serial port state from [`Self::serial_state`], keeping this port's
+    /// interrupt line and output.
+    pub fn restore_serial(&self, st: &vm_superio::serial::SerialState) -> Result<(), BootError> {
+        // vm-superio refuses a receive buffer over its FIFO; check first, so that a refusal
+        // leaves the port (and its output) as it was.
+        if st.in_buffer.len() > SERIAL_FIFO {
+            return Err(BootError::SerialIn("saved receive buffer too long".into()));
+        }
+        let mut s = self.serial.lock().unwrap_or_else(|e| e.into_inner());
+        let irq = s
+            .interrupt_evt()
+            .0
+            .try_clone()
+            .map_err(BootError::EventFd)?;
+        let out = std::mem::replace(s.writer_mut(), SerialOut::from_writer(Box::new(io::sink())));
+        *s = Serial::from_state(st, EventFdTrigger(irq), vm_superio::serial::NoEvents, out)
+            .map_err(|e| BootError::SerialIn(format!("restoring the serial port: {e:?}")))?;
+        Ok(())
     }
 
     /// Queues input bytes for the guest (the serial console's receive side).

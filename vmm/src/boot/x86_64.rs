@@ -100,7 +100,7 @@ pub fn e820_map(mem_bytes: u64) -> Vec<(u64, u64, u32)> {
 // Kernel, initrd, command line, zero page.
 
 /// Where things were put in guest memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BootLayout {
     /// Guest-physical address the protected-mode kernel was loaded at.
     pub kernel_load: u64,

@@ -58,6 +58,11 @@ pub enum KvmError {
         slot: SlotId,
         source: kvm_ioctls::Error,
     },
+    #[error("KVM_GET_DIRTY_LOG of slot {slot} failed: {source}")]
+    DirtyLog {
+        slot: SlotId,
+        source: kvm_ioctls::Error,
+    },
     #[error("KVM_IOEVENTFD on {addr:?} failed: {source}")]
     IoEvent {
         addr: IoEventAddress,

@@ -196,6 +196,23 @@ impl Vcpu {
         self.fd.get_regs().map_err(KvmError::Regs)
     }
 
+    /// Completes what the last exit left pending (the data of an `in` or MMIO read goes
+    /// into the guest's registers only at the next `KVM_RUN`) without running guest code:
+    /// `KVM_RUN` with `immediate_exit` set. After it the vCPU's state is consistent to
+    /// save (live migration).
+    pub fn settle(&mut self) -> Result<(), KvmError> {
+        KickState::set_immediate_exit(&self.kick.lock(), 1);
+        let r = self.fd.run();
+        KickState::set_immediate_exit(&self.kick.lock(), 0);
+        match r {
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => Ok(()),
+            Err(e) => Err(KvmError::Run(e)),
+            Ok(exit) => Err(KvmError::UnhandledExit(format!(
+                "{exit:?} while settling for a save"
+            ))),
+        }
+    }
+
     /// Runs the vCPU until the next exit userspace must handle.
     pub fn run(&mut self) -> Result<VmExit<'_>, KvmError> {
         match self.run_raw() {

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvm_bindings::{
     kvm_pit_config, kvm_userspace_memory_region, CpuId, KvmIrqRouting, KVM_MAX_CPUID_ENTRIES,
-    KVM_MEM_READONLY, KVM_PIT_SPEAKER_DUMMY,
+    KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY, KVM_PIT_SPEAKER_DUMMY,
 };
 use kvm_ioctls::{Cap, IoEventAddress, Kvm, VmFd};
 use log::debug;
@@ -263,6 +263,44 @@ impl Vm {
         slots.remove(&slot);
         debug!("memslot {slot} removed");
         Ok(info)
+    }
+
+    /// Turns KVM's dirty-page logging of memslot `slot` on or off (live migration: what
+    /// the vCPUs wrote since the last [`Self::take_dirty`]). Turning it on starts with a
+    /// clean log.
+    pub fn set_dirty_logging(&self, slot: SlotId, on: bool) -> Result<(), KvmError> {
+        let slots = self.lock_slots();
+        let info = slots.get(&slot).ok_or(KvmError::NoSuchSlot(slot))?.info;
+        let mut flags = if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 };
+        if info.readonly {
+            flags |= KVM_MEM_READONLY;
+        }
+        let region = kvm_userspace_memory_region {
+            slot,
+            flags,
+            guest_phys_addr: info.gpa,
+            memory_size: info.len,
+            userspace_addr: info.host,
+        };
+        // SAFETY: the same slot over the same live host range (its backing is held in the
+        // table); only the flags change.
+        unsafe { self.fd.set_user_memory_region(region) }
+            .map_err(|source| KvmError::SetMemslot { slot, source })
+    }
+
+    /// The pages of memslot `slot` written since the last call (or since logging was
+    /// turned on), as a bitmap of 64 pages per word; reading it clears it.
+    pub fn take_dirty(&self, slot: SlotId) -> Result<Vec<u64>, KvmError> {
+        let len = self
+            .lock_slots()
+            .get(&slot)
+            .ok_or(KvmError::NoSuchSlot(slot))?
+            .info
+            .len;
+        let size = usize::try_from(len).map_err(|_| KvmError::NoSuchSlot(slot))?;
+        self.fd
+            .get_dirty_log(slot, size)
+            .map_err(|source| KvmError::DirtyLog { slot, source })
     }
 
     /// The memslots, by slot number.

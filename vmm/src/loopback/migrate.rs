@@ -21,23 +21,20 @@
 //! rings are restarted: the kick in 6 then resumes the VM on the source, which maps its
 //! pages over the BAR again.
 
-use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use log::{debug, info, warn};
 use vgpu_protocol::device::{CONTROL_QUEUE, EVENT_QUEUE};
 use vgpu_protocol::migration::precopy::{ChunkFrame, PauseRecord};
-use vgpu_protocol::migration::{
-    stream_kind, stream_len, DeviceState, HEADER_SIZE, KIND_CHUNKS, KIND_FULL, KIND_PAUSED,
-};
+use vgpu_protocol::migration::{stream_kind, DeviceState, KIND_CHUNKS, KIND_FULL, KIND_PAUSED};
 
 use super::{
     kick, lock, loopback_requirements, with_queues, IrqThread, LoopbackError, LoopbackVm,
     DRIVER_FEATURES,
 };
-use crate::frontend::VhostUserDevice;
+use crate::frontend::{read_state_frame, VhostUserDevice};
 
 /// One pre-copy round as it went through the frontend.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -160,29 +157,6 @@ fn unix_ns() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64)
-}
-
-/// The next frame of a saved stream (a header and its declared body), `None` at EOF.
-fn read_frame(rd: &mut File) -> std::io::Result<Option<Vec<u8>>> {
-    let mut frame = vec![0u8; HEADER_SIZE];
-    let mut got = 0;
-    while got < HEADER_SIZE {
-        let n = rd.read(&mut frame[got..])?;
-        if n == 0 {
-            break;
-        }
-        got += n;
-    }
-    if got == 0 {
-        return Ok(None);
-    }
-    frame.truncate(got);
-    // A bad header goes on as it is: the destination refuses it.
-    if let Ok(total) = stream_len(&frame) {
-        let want = total.saturating_sub(got as u64);
-        rd.take(want).read_to_end(&mut frame)?;
-    }
-    Ok(Some(frame))
 }
 
 /// A test's hook on the byte streams between the backends (fault injection): called
@@ -325,7 +299,7 @@ fn stream_state(
         }
     };
     let pumped = loop {
-        let mut frame = match read_frame(&mut rd) {
+        let mut frame = match read_state_frame(&mut rd) {
             Ok(Some(f)) => f,
             Ok(None) => break Ok(()),
             Err(e) => break Err(e),

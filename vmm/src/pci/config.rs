@@ -59,6 +59,8 @@ pub enum PciConfigError {
     NoCapSpace(usize),
     #[error("capability body must hold at least the 2 header bytes")]
     BadCap,
+    #[error("saved configuration space does not fit this function: {0}")]
+    Restore(&'static str),
 }
 
 /// What a BAR decodes.
@@ -167,6 +169,28 @@ impl PciConfig {
         // Interrupt line is scratch for the OS.
         c.wmask[PCI_INTERRUPT_LINE / 4] = 0x0000_00ff;
         c
+    }
+
+    /// The configuration registers as the guest sees them (for live migration).
+    pub fn regs(&self) -> &[u32] {
+        &self.regs
+    }
+
+    /// Takes over registers from [`Self::regs`] of the same function. Where the layout
+    /// differs (ids, BAR sizes, capabilities: another build), nothing changes.
+    pub fn restore_regs(&mut self, regs: &[u32]) -> Result<(), PciConfigError> {
+        if regs.len() != NUM_REGS {
+            return Err(PciConfigError::Restore("register count"));
+        }
+        // Read-only words (no bit writable) must match: they are the layout.
+        for (i, (&old, &new)) in self.regs.iter().zip(regs).enumerate() {
+            let bar = (PCI_BAR0 / 4..PCI_BAR0 / 4 + NUM_BARS).contains(&i);
+            if self.wmask[i] == 0 && !bar && old != new {
+                return Err(PciConfigError::Restore("read-only register differs"));
+            }
+        }
+        self.regs.copy_from_slice(regs);
+        Ok(())
     }
 
     /// Declares BAR `index` of `size` bytes at `addr` (0 = unassigned). A 64-bit BAR uses

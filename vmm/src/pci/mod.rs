@@ -235,6 +235,12 @@ impl PciBus {
         self.slots.get_mut(usize::from(dev))?.as_mut()
     }
 
+    /// Re-reads where `slot`'s BARs decode, queueing [`BarEvent`]s for what changed: after
+    /// its configuration space was restored (live migration) rather than written.
+    pub fn refresh_slot(&mut self, slot: u8) {
+        self.refresh_windows(usize::from(slot));
+    }
+
     fn refresh_windows(&mut self, slot: usize) {
         let Some(Some(dev)) = self.slots.get(slot) else {
             return;

@@ -30,6 +30,7 @@
 //! `pci_common_config.rs`.
 
 pub mod msix;
+pub mod state;
 pub mod stub;
 
 use thiserror::Error;
@@ -190,6 +191,8 @@ pub enum VirtioPciError {
     ShmSize(u64),
     #[error("{0} queues do not fit the notification area")]
     Queues(usize),
+    #[error("saved transport state does not fit this function: {0}")]
+    Restore(&'static str),
 }
 
 /// Where the transport's BARs go (guest-physical; 0 = let the guest assign).

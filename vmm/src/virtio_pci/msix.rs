@@ -54,6 +54,16 @@ impl MsixState {
     }
 }
 
+/// MSI-X as the guest programmed it (see [`Msix::saved`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SavedMsix {
+    /// Address low, address high, data, vector control of each entry.
+    pub entries: Vec<[u32; 4]>,
+    pub control: u16,
+    pub config_vector: u16,
+    pub queue_vectors: Vec<u16>,
+}
+
 /// The device side of MSI-X.
 #[derive(Debug, Clone)]
 pub struct Msix {
@@ -162,6 +172,30 @@ impl Msix {
                 self.dirty = true;
             }
         }
+    }
+
+    /// What the guest programmed (table and message control), for live migration.
+    pub fn saved(&self) -> SavedMsix {
+        SavedMsix {
+            entries: self.entries.clone(),
+            control: self.control,
+            config_vector: self.config_vector,
+            queue_vectors: self.queue_vectors.clone(),
+        }
+    }
+
+    /// Takes over a state from [`Self::saved`] of the same function (same vector and
+    /// queue counts, checked by the caller); the VMM re-routes at the next update.
+    pub fn restore(&mut self, s: &SavedMsix) {
+        self.entries = s.entries.clone();
+        self.control = s.control & (MSIX_ENABLE | MSIX_FUNCTION_MASK);
+        self.config_vector = self.checked_vector(s.config_vector);
+        self.queue_vectors = s
+            .queue_vectors
+            .iter()
+            .map(|&v| self.checked_vector(v))
+            .collect();
+        self.dirty = true;
     }
 
     /// The state, if it changed since the last call.
