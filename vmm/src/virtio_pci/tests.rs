@@ -403,3 +403,79 @@ fn a_failed_device_asks_for_a_reset_unless_it_is_in_reset() {
     d.bar_write(0, CC_DEVICE_STATUS, &[0]);
     assert_eq!(d.status(), 0);
 }
+
+/// Live migration: a transport the guest set up moves to a fresh function; the fresh one
+/// then answers the guest as the old one did (status, queues, MSI-X, BARs) without the
+/// backend being activated again, and a different function refuses the state.
+#[test]
+fn transport_state_moves_to_a_fresh_function() {
+    let mut g = Guest::new();
+    g.cfg_write32(0x04, 0x6);
+    g.w8(CC + CC_DEVICE_STATUS, STATUS_ACKNOWLEDGE | STATUS_DRIVER);
+    g.w32(CC + CC_DRIVER_FEATURE_SELECT, 1);
+    g.w32(CC + CC_DRIVER_FEATURE, 1);
+    let s = STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK;
+    g.w8(CC + CC_DEVICE_STATUS, s);
+    g.w16(CC + CC_QUEUE_SELECT, 1);
+    g.w16(CC + CC_QUEUE_SIZE, 64);
+    g.w64(CC + CC_QUEUE_DESC, 0x30_0000);
+    g.w64(CC + CC_QUEUE_DRIVER, 0x30_1000);
+    g.w64(CC + CC_QUEUE_DEVICE, 0x30_2000);
+    g.w16(CC + CC_QUEUE_MSIX_VECTOR, 1);
+    g.w16(CC + CC_QUEUE_ENABLE, 1);
+    g.w8(CC + CC_DEVICE_STATUS, s | STATUS_DRIVER_OK);
+    let saved = g.dev().transport_state();
+    assert!(saved.active);
+
+    let mut h = Guest::new();
+    let slot = h.slot;
+    let dev = h
+        .bus
+        .device_mut(slot)
+        .unwrap()
+        .as_any_mut()
+        .downcast_mut::<VirtioPciDevice<StubBackend>>()
+        .unwrap();
+    dev.restore_transport(&saved).unwrap();
+    assert!(
+        dev.backend().activated.is_none(),
+        "restore does not activate"
+    );
+    assert_eq!(dev.transport_state(), saved);
+    assert_eq!(
+        dev.take_msix_update().is_some(),
+        saved.msix.is_some(),
+        "MSI-X routes are re-read"
+    );
+    h.bus.refresh_slot(slot);
+    assert!(!h.bus.take_bar_events().is_empty(), "the BARs decode again");
+    assert_eq!(h.r8(CC + CC_DEVICE_STATUS), s | STATUS_DRIVER_OK);
+    h.w16(CC + CC_QUEUE_SELECT, 1);
+    assert_eq!(h.r16(CC + CC_QUEUE_SIZE), 64);
+    assert_eq!(
+        h.r16(CC + CC_QUEUE_MSIX_VECTOR),
+        g.r16(CC + CC_QUEUE_MSIX_VECTOR)
+    );
+    assert_eq!(h.cfg32(0x04) & 0x6, 0x6);
+
+    // Another layout: one queue less, or a changed read-only id.
+    let mut bad = saved.clone();
+    bad.queues.pop();
+    let mut k = Guest::new();
+    let slot = k.slot;
+    let dev = k
+        .bus
+        .device_mut(slot)
+        .unwrap()
+        .as_any_mut()
+        .downcast_mut::<VirtioPciDevice<StubBackend>>()
+        .unwrap();
+    assert!(dev.restore_transport(&bad).is_err());
+    let mut bad = saved.clone();
+    bad.config_regs[0] ^= 1;
+    assert!(dev.restore_transport(&bad).is_err());
+    assert!(
+        !dev.transport_state().active,
+        "a refused state changes nothing"
+    );
+}
