@@ -1,10 +1,14 @@
 //! The source side of a live migration ([`MigrationSource::send`]).
 //!
 //! Order, and why:
-//! 1. **Stop the vgpu rings** (GET_VRING_BASE). From here the backend writes nothing into
-//!    guest RAM through the rings; the guest's new control requests wait in the ring.
-//! 2. **RAM pre-copy** with KVM's dirty log: all of RAM once, then what the vCPUs wrote,
-//!    round after round, while the guest runs.
+//! 1. **RAM pre-copy** with KVM's dirty log: all of RAM once, then what the vCPUs wrote,
+//!    round after round, while the guest runs (its vgpu requests are served meanwhile: a
+//!    long pre-copy must not outlast the guest driver's request timeout).
+//! 2. **Stop the vgpu rings** (GET_VRING_BASE): from here the backend writes nothing into
+//!    guest RAM through them; the guest's new control requests wait in the ring. One more
+//!    RAM round sends what the vCPUs wrote and every page the backend may have written
+//!    through the rings since round 0 — KVM's dirty log does not see its writes: the used
+//!    rings, and each buffer a descriptor in the table marks device-writable.
 //! 3. **The vgpu device's state**, relayed frame by frame from the source's backend to the
 //!    destination's, while the guest runs: the backend's VRAM pre-copy rounds, then it
 //!    pauses the VM's channels (the guest now stores into shadow pages) and sends the rest.
@@ -20,6 +24,7 @@
 //! the vCPUs run on, the rings restart where they stopped and a kick of the control
 //! queue lets the backend unpause the channels.
 
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -27,7 +32,7 @@ use std::time::{Duration, Instant};
 use log::{info, warn};
 use vgpu_protocol::device::CONTROL_QUEUE;
 use vgpu_protocol::migration::{stream_kind, DeviceState, MappingTargetRecord, KIND_FULL};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
 use super::park::VcpuPark;
 use super::serial::LegacyDevices;
@@ -40,6 +45,7 @@ use crate::migration::records::{Hello, MachineRecord, RingsRecord};
 use crate::migration::wire::{self, Address, Conn, Msg, RAM_CHUNK};
 use crate::migration::MigrationError;
 use crate::pci::PciBus;
+use crate::virtio_pci::VirtqConfig;
 
 /// Pre-copy rounds stop when a round left less than this to send...
 const DIRTY_TARGET: u64 = 8 << 20;
@@ -77,10 +83,13 @@ pub struct MigrationSource {
     pub(super) busy: Arc<AtomicBool>,
 }
 
-/// What step 1 stopped, to restart on failure.
+/// What step 2 stopped, to restart on failure.
 struct Stopped {
     bases: Vec<u16>,
     rings: RingsRecord,
+    /// The device's activation count then: a guest that reset the device meanwhile runs
+    /// new rings, which a restart must not touch.
+    activations: u64,
 }
 
 impl MigrationSource {
@@ -108,10 +117,10 @@ impl MigrationSource {
         let mut conn = wire::connect(addr)?;
         wire::write_preamble(&mut conn).map_err(|e| MigrationError::Io("sending", e))?;
         wire::send(&mut conn, &Msg::Hello(self.hello.encode()))?;
-        let stopped = self.stop_rings()?;
         let slots = self.ram_slots()?;
         let mut paused = false;
-        let r = self.run_steps(&mut conn, &slots, stopped.as_ref(), &mut paused, progress);
+        let mut stopped = None;
+        let r = self.run_steps(&mut conn, &slots, &mut stopped, &mut paused, progress);
         for &s in &slots {
             if let Err(e) = self.vm.set_dirty_logging(s, false) {
                 warn!("migration: turning dirty logging off: {e}");
@@ -141,7 +150,7 @@ impl MigrationSource {
         &self,
         conn: &mut Box<dyn Conn>,
         slots: &[SlotId],
-        stopped: Option<&Stopped>,
+        stopped: &mut Option<Stopped>,
         paused: &mut bool,
         progress: &mut dyn FnMut(String),
     ) -> Result<SendReport, MigrationError> {
@@ -171,9 +180,24 @@ impl MigrationSource {
                 break;
             }
         }
+        // 2. Stop the rings; what the backend wrote through them since round 0.
+        *stopped = self.stop_rings()?;
+        if let Some(st) = stopped.as_ref() {
+            let t = Instant::now();
+            let mut pages = self.dirty_pages(slots)?;
+            ring_written_pages(&self.mem, &st.rings.transport.queues, &mut pages);
+            let bytes = self.send_pages(conn, &pages)?;
+            wire::send(conn, &Msg::RoundEnd { round })?;
+            rep.ram_rounds.push(bytes);
+            progress(format!(
+                "rings stopped; ram round {round}: {bytes} bytes in {:.0} ms",
+                t.elapsed().as_secs_f64() * 1e3
+            ));
+            round += 1;
+        }
         // 3. The vgpu device's state.
         let mut gpu_ranges = Vec::new();
-        if let Some(st) = stopped {
+        if let Some(st) = stopped.as_ref() {
             wire::send(conn, &Msg::Rings(st.rings.encode()))?;
             wire::verdict(conn, "rings")?;
             let (bytes, ranges) = self.relay_device_state(conn)?;
@@ -186,11 +210,11 @@ impl MigrationSource {
         let vcpus = self.park.pause(PAUSE_TIMEOUT)?;
         *paused = true;
         // 5. The last RAM round.
-        let mut bytes = self.send_dirty(conn, slots)?;
+        let mut pages = self.dirty_pages(slots)?;
         for &(gpa, len) in &gpu_ranges {
-            bytes += self.send_range(conn, gpa, len)?;
-            rep.gpu_pages += len.div_ceil(PAGE_SIZE);
+            rep.gpu_pages += add_pages(&self.mem, gpa, len, &mut pages);
         }
+        let bytes = self.send_pages(conn, &pages)?;
         wire::send(conn, &Msg::RoundEnd { round })?;
         rep.ram_rounds.push(bytes);
         // 6. The tail.
@@ -244,6 +268,7 @@ impl MigrationSource {
             }
             let bases = d.backend_mut().stop_rings()?;
             Ok(Some(Stopped {
+                activations: d.backend().activations(),
                 rings: RingsRecord {
                     bases: bases.clone(),
                     transport: d.transport_state(),
@@ -255,6 +280,10 @@ impl MigrationSource {
 
     fn restart_rings(&self, st: &Stopped) {
         let r = self.with_device(|d| {
+            if !d.is_active() || d.backend().activations() != st.activations {
+                info!("migration: the guest reset the vgpu device meanwhile; its new rings run");
+                return Ok(());
+            }
             let queues = d.queues().to_vec();
             let b = d.backend_mut();
             let r = b.restart_rings(&queues, &st.bases);
@@ -335,37 +364,58 @@ impl MigrationSource {
         Ok(sent)
     }
 
-    /// Sends the pages the vCPUs wrote since the last look, as runs of pages.
+    /// The pages the vCPUs wrote since the last look (reading the log clears it).
+    fn dirty_pages(&self, slots: &[SlotId]) -> Result<BTreeSet<u64>, MigrationError> {
+        let mut pages = BTreeSet::new();
+        for (r, &slot) in self.ram.regions().iter().zip(slots) {
+            let bitmap = self.vm.take_dirty(slot).map_err(MigrationError::KvmLayer)?;
+            for (w, &word) in bitmap.iter().enumerate() {
+                let mut bits = word;
+                while bits != 0 {
+                    let b = u64::from(bits.trailing_zeros());
+                    bits &= bits - 1;
+                    let page = w as u64 * 64 + b;
+                    if page < r.len() / PAGE_SIZE {
+                        pages.insert(r.gpa() + page * PAGE_SIZE);
+                    }
+                }
+            }
+        }
+        Ok(pages)
+    }
+
+    /// Sends `pages` (guest-physical, page aligned) as runs of neighbouring pages.
+    fn send_pages(
+        &self,
+        conn: &mut Box<dyn Conn>,
+        pages: &BTreeSet<u64>,
+    ) -> Result<u64, MigrationError> {
+        let mut sent = 0;
+        let mut run: Option<(u64, u64)> = None;
+        for &p in pages {
+            run = match run {
+                Some((start, len)) if start + len == p => Some((start, len + PAGE_SIZE)),
+                Some((start, len)) => {
+                    sent += self.send_range(conn, start, len)?;
+                    Some((p, PAGE_SIZE))
+                }
+                None => Some((p, PAGE_SIZE)),
+            };
+        }
+        if let Some((start, len)) = run {
+            sent += self.send_range(conn, start, len)?;
+        }
+        Ok(sent)
+    }
+
+    /// Sends the pages the vCPUs wrote since the last look.
     fn send_dirty(
         &self,
         conn: &mut Box<dyn Conn>,
         slots: &[SlotId],
     ) -> Result<u64, MigrationError> {
-        let mut sent = 0;
-        for (r, &slot) in self.ram.regions().iter().zip(slots) {
-            let bitmap = self.vm.take_dirty(slot).map_err(MigrationError::KvmLayer)?;
-            let mut run: Option<(u64, u64)> = None;
-            let pages = r.len() / PAGE_SIZE;
-            for page in 0..pages {
-                let dirty = bitmap
-                    .get((page / 64) as usize)
-                    .is_some_and(|w| w & (1 << (page % 64)) != 0);
-                match (dirty, run) {
-                    (true, Some((start, n))) => run = Some((start, n + 1)),
-                    (true, None) => run = Some((page, 1)),
-                    (false, Some((start, n))) => {
-                        sent +=
-                            self.send_range(conn, r.gpa() + start * PAGE_SIZE, n * PAGE_SIZE)?;
-                        run = None;
-                    }
-                    (false, None) => {}
-                }
-            }
-            if let Some((start, n)) = run {
-                sent += self.send_range(conn, r.gpa() + start * PAGE_SIZE, n * PAGE_SIZE)?;
-            }
-        }
-        Ok(sent)
+        let pages = self.dirty_pages(slots)?;
+        self.send_pages(conn, &pages)
     }
 
     /// Step 3: pipes the backend's save to the destination frame by frame; returns the
@@ -404,6 +454,53 @@ impl MigrationSource {
         wire::send(conn, &Msg::DeviceEnd)?;
         wire::verdict(conn, "device state")?;
         Ok((bytes, ranges))
+    }
+}
+
+/// Adds the pages of `[gpa, gpa+len)` that lie in guest RAM to `pages`; returns how many
+/// pages the range covers.
+fn add_pages(mem: &GuestMemoryMmap, gpa: u64, len: u64, pages: &mut BTreeSet<u64>) -> u64 {
+    let Some(end) = gpa.checked_add(len) else {
+        return 0;
+    };
+    let mut p = gpa & !(PAGE_SIZE - 1);
+    let mut n = 0;
+    while p < end {
+        if mem.check_range(GuestAddress(p), PAGE_SIZE as usize) {
+            pages.insert(p);
+            n += 1;
+        }
+        p += PAGE_SIZE;
+    }
+    n
+}
+
+/// Split-ring descriptor flags (virtio 1.x §2.7.5).
+const VRING_DESC_F_WRITE: u16 = 2;
+
+/// The pages the backend may have written through the rings of `queues`: each used ring,
+/// and each buffer a descriptor in the table marks device-writable (read from guest RAM
+/// now; the rings are stopped). A buffer whose descriptor the guest reused before this
+/// look was consumed by the guest already.
+fn ring_written_pages(mem: &GuestMemoryMmap, queues: &[VirtqConfig], pages: &mut BTreeSet<u64>) {
+    for q in queues.iter().filter(|q| q.ready) {
+        let n = u64::from(q.size);
+        add_pages(mem, q.used, 6 + 8 * n, pages);
+        for i in 0..n {
+            let mut d = [0u8; 16];
+            if mem
+                .read_slice(&mut d, GuestAddress(q.desc + 16 * i))
+                .is_err()
+            {
+                break;
+            }
+            let addr = u64::from_le_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]]);
+            let len = u32::from_le_bytes([d[8], d[9], d[10], d[11]]);
+            let flags = u16::from_le_bytes([d[12], d[13]]);
+            if flags & VRING_DESC_F_WRITE != 0 {
+                add_pages(mem, addr, u64::from(len), pages);
+            }
+        }
     }
 }
 
