@@ -6,7 +6,7 @@
 # straight to the console, so the lines after the move appear in the destination VMM's
 # serial log. Prints "L2-USER-OK" when every run passed.
 export PATH=/bin
-MIGRATE_SECS=${MIGRATE_SECS:-120}
+MIGRATE_SECS=${MIGRATE_SECS:-90}
 fail=0
 if vgpu-smoke > /tmp/smoke0.out 2>&1; then
     echo "L2-GUEST-CHECK ok smoke_before"

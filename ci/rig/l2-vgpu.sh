@@ -202,7 +202,7 @@ if [ "$MIGRATE" = 1 ]; then
     # The destination's backend, and per VM: once the L2 is ready, a vgpu-vmm waiting on
     # an incoming address, and vgpu-migrate asking the source VMM to send the VM there.
     mkdir -p /tmp/vgpuB
-    RUST_LOG=info vgpu-backend --socket-dir /tmp/vgpuB --api-socket /tmp/vgpuB/api.sock \
+    RUST_LOG=info,vgpu_backend::vhu_vgpu=debug vgpu-backend --socket-dir /tmp/vgpuB --api-socket /tmp/vgpuB/api.sock \
         --vram-mib 256 --vm-swap-mib 256 --sim-idle-sleep-us 5000 $BACKEND_ARGS \$vms > /tmp/backendB.log 2>&1 &
     bp2=\$!
     for i in \$(seq 1 100); do [ -S /tmp/vgpuB/vm$((VMS - 1)).sock ] && break; sleep 0.1; done
@@ -220,6 +220,10 @@ if [ "$MIGRATE" = 1 ]; then
             vgpu-migrate --api /tmp/vmm-\$k.api --to unix:/tmp/mig-\$k.sock > /tmp/migrate-\$k.out 2>&1
             echo \$? > /tmp/migrate-\$k.rc
             sed "s/^/L2-MIGRATE vm=\$k /" /tmp/migrate-\$k.out
+            # The guest's progress after the move, live on L1's console.
+            tail -f /tmp/l2-\$k.dst.log 2>/dev/null | while IFS= read -r l; do
+                case "\$l" in *L2-LOOP*|*L2-GUEST-CHECK*|*L2-MIGRATE-LOOPS*) echo "L2-AFTER vm=\$k \$l" ;; esac
+            done &
         done
         # The destination VMMs are this subshell's children.
         for k in \$(seq 0 $((VMS - 1))); do
@@ -280,7 +284,7 @@ for p in \$pids; do
         grep -q 'guest ended (MigratedOut)' /tmp/vmm-\$k.log && moved=1 || moved=0
         drc=\$(cat /tmp/dst-\$k.rc 2>/dev/null || echo none)
         echo "==== L2 vm\$k serial before the move"; tr -d '\r' < /tmp/l2-\$k.log | grep -a -v '^\$' | tail -n 20
-        echo "==== vgpu-vmm vm\$k destination"; tail -n 15 /tmp/vmm-\$k.dst.log
+        echo "==== vgpu-vmm vm\$k destination"; head -n 40 /tmp/vmm-\$k.dst.log
         after=\$(grep -a -c 'L2-LOOP [0-9]* ok' /tmp/l2-\$k.dst.log)
         echo "L2-MIGRATE-CHECK vm=\$k migrate_rc=\$mrc source_left=\$moved destination_rc=\$drc loops_after_move=\$after"
         [ "\$mrc" = 0 ] && [ "\$moved" = 1 ] && [ "\$drc" = 0 ] && [ "\$after" -gt 0 ] || ok=0
@@ -312,7 +316,7 @@ else
 fi
 if [ -n "\$bp2" ]; then
     kill -TERM \$bp2; wait \$bp2; b2=\$?
-    echo "==== vgpu-backend (destination)"; tail -n 25 /tmp/backendB.log
+    echo "==== vgpu-backend (destination)"; grep -v 'DEBUG.*request' /tmp/backendB.log | head -n 80
     echo "L2-VGPU-BACKEND destination rc=\$b2"
     [ "\$b2" = 0 ] || ok=0
 fi

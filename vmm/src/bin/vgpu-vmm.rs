@@ -277,7 +277,9 @@ fn serve_api((listener, _path): &(UnixListener, PathBuf), source: &MigrationSour
                     rep.tail_bytes,
                     rep.gpu_pages
                 ));
-                // The vCPU threads are leaving: the process ends with them.
+                drop(out);
+                // The vCPU threads leave: the process ends with them.
+                source.hand_over();
                 return;
             }
             Err(e) => say(format!("error {e}")),

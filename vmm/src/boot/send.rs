@@ -94,7 +94,8 @@ struct Stopped {
 
 impl MigrationSource {
     /// Sends the VM to the `vgpu-vmm --incoming` at `addr`; `progress` gets a line per
-    /// step. On success the VM's vCPU threads here have been told to leave.
+    /// step. On success the destination runs the VM and the vCPUs here stay parked until
+    /// [`Self::hand_over`] (so the caller can report before the process ends).
     pub fn send(
         &self,
         addr: &Address,
@@ -106,6 +107,12 @@ impl MigrationSource {
         let r = self.send_unguarded(addr, progress);
         self.busy.store(false, Ordering::SeqCst);
         r
+    }
+
+    /// After a successful [`Self::send`]: the parked vCPU threads leave, and with them
+    /// [`super::LinuxVm::run`] returns [`super::GuestExit::MigratedOut`].
+    pub fn hand_over(&self) {
+        self.park.leave();
     }
 
     fn send_unguarded(
@@ -128,7 +135,6 @@ impl MigrationSource {
         }
         match r {
             Ok(mut rep) => {
-                self.park.leave();
                 rep.total = t0.elapsed();
                 info!("migration to {addr} done: {rep:?}");
                 Ok(rep)
