@@ -6,6 +6,7 @@
 //! through a hidden "pause" switch, so there is none here.
 
 use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use thiserror::Error;
@@ -19,6 +20,32 @@ pub struct ContextId(pub u32);
 /// A command-submission channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ChannelId(pub u32);
+
+/// A count of GPU activity shared by a group of channels (a VM's, say): a GPU that
+/// supports it ([`Gpu::count_activity`]) raises it whenever one of the group's channels
+/// fetches a GP entry, completes one or stops on an error. A channel can use GPU time only
+/// for an entry it fetched, so an observer that finds the count unchanged since its last
+/// look knows that no channel of the group did anything meanwhile, without reading their
+/// control pages or counters (the scheduler's dormant VMs, issue 15). Its front end
+/// already polls every channel, so keeping it costs the GPU one atomic add per entry.
+#[derive(Debug, Default)]
+pub struct ActivityCounter(AtomicU64);
+
+impl ActivityCounter {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Notes activity (the GPU's side).
+    pub fn bump(&self) {
+        self.0.fetch_add(1, Ordering::Release);
+    }
+
+    /// The count now; compare it with an earlier reading.
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
+    }
+}
 
 /// A VRAM allocation: `size` bytes at `offset` in VRAM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -329,6 +356,13 @@ pub trait Gpu: Send + Sync {
     /// Optional doorbell: tells the GPU to look at the channel now instead of at its next poll.
     fn doorbell(&self, ch: ChannelId);
     fn channel_counters(&self, ch: ChannelId) -> Result<ChannelCounters>;
+    /// Counts channel `ch`'s activity into `counter` from now on (see
+    /// [`ActivityCounter`]). Returns whether this GPU does; one that does not (the
+    /// default) leaves its observers to read every channel.
+    fn count_activity(&self, ch: ChannelId, counter: Arc<ActivityCounter>) -> Result<bool> {
+        let _ = (ch, counter);
+        Ok(false)
+    }
     /// The channel's error, if it has stopped on one.
     fn channel_error(&self, ch: ChannelId) -> Result<Option<(ErrorCode, u64)>>;
     /// Stops a channel with an error (the watchdog's tool): a running kernel is abandoned,
