@@ -79,6 +79,11 @@ pub trait SchedVm: Send + Sync {
     fn weight(&self) -> u32;
     /// Whether a frontend is connected (only connected VMs are scheduled).
     fn connected(&self) -> bool;
+    /// The VM's activity count: it moves whenever one of its channels fetches or
+    /// completes work or stops, or a channel comes or goes (see
+    /// [`vgpu_host_shim::ActivityCounter`]). `None` when the GPU does not count every
+    /// channel's work: then only reading the channels tells.
+    fn activity(&self) -> Option<u64>;
     /// Its live channels and the ones destroyed since the last call, waiting at most
     /// `wait` for the session. Unless `full`, channels that provably did nothing since the
     /// previous observation (unshadowed, unheld, GP_PUT = GP_GET where it was) are left

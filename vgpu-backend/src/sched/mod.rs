@@ -68,11 +68,15 @@ pub const RELEASE_BUDGET_INTERVALS: u64 = 2;
 /// channels cost a control-page read each and nothing else.
 pub const FULL_SWEEP_INTERVALS: u64 = 100;
 
-/// A VM whose every channel was quiet at its last observation (dormant) is observed only
-/// every this many intervals, staggered across VMs: a tick then costs what the active VMs
-/// cost plus a slice of the dormant ones. Work a dormant VM starts runs unshadowed until
-/// its next look (at most this many intervals) and is charged in full then: the busy
-/// counters keep counting, so only the reaction is later, not the accounting.
+/// A VM whose every channel was quiet at its last observation (dormant) is looked at
+/// again when its activity count ([`handle::SchedVm::activity`], kept by the GPU's front
+/// end) has moved since that look: a channel can use GPU time only for an entry the GPU
+/// fetched, and each fetch moves the count, so an unmoved count proves the VM still idle
+/// without locking its session or reading a page. On a GPU that keeps no such count a
+/// dormant VM is observed only every this many intervals, staggered across VMs: work it
+/// starts runs unshadowed until its next look (at most this many intervals) and is charged
+/// in full then: the busy counters keep counting, so only the reaction is later, not the
+/// accounting.
 pub const DORMANT_LOOK_INTERVALS: u64 = 4;
 
 /// Operator weights of VMs: 1..=[`MAX_WEIGHT`], [`DEFAULT_WEIGHT`] unless set.
@@ -382,8 +386,9 @@ struct Sched {
     /// The owner holds last applied to each VM, with the VM's connection count then: a
     /// VM without changes, shadows or new owner holds is not locked again.
     applied: BTreeMap<String, (u64, bool, BTreeSet<u32>)>,
-    /// VMs found dormant (nothing active, shadowed or destroyed) at their last look.
-    dormant: BTreeSet<String>,
+    /// VMs found dormant (nothing active, shadowed or destroyed) at their last look, with
+    /// their activity count read just before it.
+    dormant: BTreeMap<String, Option<u64>>,
 }
 
 fn thread_main(
@@ -414,7 +419,7 @@ fn thread_main(
         last_tick_ns: now_ns(),
         ticks: 0,
         applied: BTreeMap::new(),
-        dormant: BTreeSet::new(),
+        dormant: BTreeMap::new(),
     };
     let interval = Duration::from_millis(u64::from(cfg.interval_ms));
     let mut next = Instant::now() + interval;
@@ -532,14 +537,20 @@ impl Sched {
         let gpu = be.gpu().clone();
         let vms = be.sched_vms();
         let (mut vm_obs, mut obs) = (Vec::with_capacity(vms.len()), Vec::new());
-        let (mut skips, mut quiet) = (0, 0u32);
-        for (pos, vm) in (0u64..).zip(vms) {
+        let (mut skips, mut quiet, mut connected) = (0, 0u32, 0usize);
+        for (pos, vm) in (0u64..).zip(vms.iter()) {
             if !vm.connected() {
                 continue;
             }
+            connected += 1;
+            // Read before the look: whatever moves after it moves the count past it.
+            let activity = vm.activity();
             let look = full
-                || (self.ticks + pos).is_multiple_of(DORMANT_LOOK_INTERVALS)
-                || !self.dormant.contains(vm.name());
+                || match self.dormant.get(vm.name()) {
+                    None => true,
+                    Some(Some(seen)) => activity != Some(*seen),
+                    Some(None) => (self.ticks + pos).is_multiple_of(DORMANT_LOOK_INTERVALS),
+                };
             if !look {
                 // Left out of this interval: no channel of it is active, shadowed or
                 // pending, and the policies keep an absent sibling's clock as an idle
@@ -552,8 +563,11 @@ impl Sched {
                 && view.retired.is_empty()
                 && !view.shadowing;
             if dormant {
-                if !self.dormant.contains(vm.name()) {
-                    self.dormant.insert(vm.name().to_string());
+                match self.dormant.get_mut(vm.name()) {
+                    Some(seen) => *seen = activity,
+                    None => {
+                        self.dormant.insert(vm.name().to_string(), activity);
+                    }
                 }
             } else {
                 self.dormant.remove(vm.name());
@@ -586,7 +600,7 @@ impl Sched {
                 locked: view.locked,
                 shadowing: view.shadowing,
                 connection: view.connection,
-                vm,
+                vm: vm.clone(),
                 retired: view.retired,
                 retired_busy: BTreeMap::new(),
             });
@@ -610,10 +624,16 @@ impl Sched {
         }
         self.shadowed = shadowed;
         self.pending = pending;
-        if full || self.applied.len() > vm_obs.len() {
-            let names: BTreeSet<&str> = vm_obs.iter().map(|v| v.name.as_str()).collect();
+        // Forget VMs gone or disconnected: at a full sweep, or when more are remembered
+        // than are connected (VMs left out of the interval are still remembered).
+        if full || self.applied.len() > connected || self.dormant.len() > connected {
+            let names: BTreeSet<&str> = vms
+                .iter()
+                .filter(|v| v.connected())
+                .map(|v| v.name())
+                .collect();
             self.applied.retain(|name, _| names.contains(name.as_str()));
-            self.dormant.retain(|name| names.contains(name.as_str()));
+            self.dormant.retain(|name, _| names.contains(name.as_str()));
         }
         let observed = u32::try_from(obs.len()).unwrap_or(u32::MAX);
         self.update_stats(|st| {

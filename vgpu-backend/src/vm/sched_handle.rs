@@ -24,6 +24,10 @@ impl SchedVm for VmState {
         self.connected.load(Ordering::Acquire)
     }
 
+    fn activity(&self) -> Option<u64> {
+        self.shared.activity()
+    }
+
     fn observe(&self, gpu: &dyn Gpu, wait: Duration, full: bool) -> VmView {
         let live = self.shared.live_channels();
         let retired = self.shared.take_retired();

@@ -17,11 +17,11 @@
 //! channels (a reconnecting frontend resets the device, so the driver probes again).
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use log::{debug, warn};
-use vgpu_host_shim::{ChannelId, ContextId, Gpu};
+use vgpu_host_shim::{ActivityCounter, ChannelId, ContextId, Gpu};
 use vgpu_protocol::device::slot_offset;
 use vgpu_protocol::request::GuestRange;
 use vgpu_protocol::PAGE_SIZE;
@@ -177,6 +177,9 @@ pub(crate) struct BusyBook {
     /// Channels destroyed since the scheduler last looked, with their final busy time:
     /// it charges what they used since its previous reading (see [`RetiredChannel`]).
     recent: std::collections::VecDeque<RetiredChannel>,
+    /// The VM's activity count ([`SessionShared::activity`]): raised when a channel comes
+    /// or goes.
+    activity: Arc<ActivityCounter>,
 }
 
 /// Destroyed channels kept for the scheduler between two of its readings; beyond that
@@ -197,13 +200,25 @@ pub struct SessionShared {
     vram_bytes: AtomicU64,
     mapped_guest_bytes: AtomicU64,
     aperture_bytes: AtomicU64,
+    /// The VM's activity: the GPU raises it when any of the VM's channels fetches or
+    /// completes work or stops ([`Gpu::count_activity`]), the session when a channel comes
+    /// or goes. Unchanged since the scheduler's last look: nothing of the VM moved.
+    activity: Arc<ActivityCounter>,
+    /// Some channel's activity is not counted by the GPU (it lacks the feature).
+    uncounted: AtomicBool,
 }
 
 impl SessionShared {
     pub fn new(events: Arc<EventQueue>) -> Self {
+        let activity = Arc::new(ActivityCounter::new());
         SessionShared {
             events,
-            busy: Mutex::new(BusyBook::default()),
+            busy: Mutex::new(BusyBook {
+                activity: activity.clone(),
+                ..BusyBook::default()
+            }),
+            activity,
+            uncounted: AtomicBool::new(false),
             requests: AtomicU64::new(0),
             errors: AtomicU64::new(0),
             disconnects: AtomicU64::new(0),
@@ -284,6 +299,23 @@ impl SessionShared {
             .collect()
     }
 
+    /// Has the GPU count channel `hch`'s activity into the VM's; if it cannot, the VM's
+    /// count is no longer complete ([`SessionShared::activity`] answers `None`).
+    pub(crate) fn count_activity(&self, gpu: &dyn Gpu, hch: ChannelId) {
+        if !gpu
+            .count_activity(hch, self.activity.clone())
+            .unwrap_or(false)
+        {
+            self.uncounted.store(true, Ordering::Release);
+        }
+    }
+
+    /// The VM's activity count, while the GPU counts every channel's work into it.
+    pub fn activity(&self) -> Option<u64> {
+        let a = self.activity.get();
+        (!self.uncounted.load(Ordering::Acquire)).then_some(a)
+    }
+
     /// Channels destroyed since the previous call, with their final busy time.
     pub fn take_retired(&self) -> Vec<RetiredChannel> {
         self.busy().recent.drain(..).collect()
@@ -305,11 +337,13 @@ impl SessionShared {
 impl BusyBook {
     pub(crate) fn add_live(&mut self, guest_ch: u32, pid: u32, ch: ChannelId) {
         self.live.insert(guest_ch, (pid, ch));
+        self.activity.bump();
     }
 
     /// Moves a channel's busy time to the retired books; call before destroying it.
     pub(crate) fn retire(&mut self, gpu: &dyn Gpu, guest_ch: u32) {
         if let Some((pid, ch)) = self.live.remove(&guest_ch) {
+            self.activity.bump();
             let busy = gpu.channel_counters(ch).map(|c| c.busy_ns).unwrap_or(0);
             *self.retired.entry(pid).or_default() += busy;
             if self.recent.len() >= RECENT_RETIRED {
@@ -325,6 +359,7 @@ impl BusyBook {
 
     pub(crate) fn forget(&mut self, guest_ch: u32) {
         self.live.remove(&guest_ch);
+        self.activity.bump();
     }
 }
 

@@ -112,6 +112,7 @@ impl Session {
             },
         );
         self.hal.channels.insert(id, hch);
+        self.shared.count_activity(self.gpu.as_ref(), hch);
         self.shared.busy().add_live(id, pid, hch);
         // Born into its owners' holds: shadowed before the guest learns of the slot, so
         // a new channel cannot run ahead of a hold on its VM, process or context.
