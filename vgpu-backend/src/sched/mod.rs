@@ -386,9 +386,11 @@ struct Sched {
     /// The owner holds last applied to each VM, with the VM's connection count then: a
     /// VM without changes, shadows or new owner holds is not locked again.
     applied: BTreeMap<String, (u64, bool, BTreeSet<u32>)>,
-    /// VMs found dormant (nothing active, shadowed or destroyed) at their last look, with
-    /// their activity count read just before it.
-    dormant: BTreeMap<String, Option<u64>>,
+    /// The served VMs (refreshed when the backend's set changes), with what the
+    /// scheduler remembers of each between ticks.
+    vms: Vec<VmSlot>,
+    /// The backend's VM-set generation `vms` was taken at.
+    vms_gen: Option<u64>,
 }
 
 fn thread_main(
@@ -419,7 +421,8 @@ fn thread_main(
         last_tick_ns: now_ns(),
         ticks: 0,
         applied: BTreeMap::new(),
-        dormant: BTreeMap::new(),
+        vms: Vec::new(),
+        vms_gen: None,
     };
     let interval = Duration::from_millis(u64::from(cfg.interval_ms));
     let mut next = Instant::now() + interval;
@@ -451,6 +454,19 @@ fn thread_main(
         s.release_all(&be);
     }
     debug!("scheduler thread stopped");
+}
+
+/// A served VM in the scheduler's list: kept across ticks, so that a tick costs a VM that
+/// did nothing one read of its activity count (no list, lock or name lookup).
+struct VmSlot {
+    vm: Arc<dyn SchedVm>,
+    activity: Arc<vgpu_host_shim::ActivityCounter>,
+    /// Found dormant (disconnected, or nothing active, shadowed or destroyed) at its last
+    /// look: the activity count read just before it.
+    dormant: Option<u64>,
+    /// Whether the GPU counted all its channels' work at the last look (else a dormant
+    /// VM is looked at every [`DORMANT_LOOK_INTERVALS`]).
+    counted: bool,
 }
 
 /// One live channel as seen at a tick.
@@ -535,21 +551,17 @@ impl Sched {
     /// locked past [`SESSION_LOCK_WAIT`] is left as it was.
     fn observe(&mut self, be: &VgpuBackend, full: bool) -> (Vec<VmObs>, Vec<Obs>) {
         let gpu = be.gpu().clone();
-        let vms = be.sched_vms();
-        let (mut vm_obs, mut obs) = (Vec::with_capacity(vms.len()), Vec::new());
-        let (mut skips, mut quiet, mut connected) = (0, 0u32, 0usize);
-        for (pos, vm) in (0u64..).zip(vms.iter()) {
-            if !vm.connected() {
-                continue;
-            }
-            connected += 1;
+        self.refresh_vms(be);
+        let (mut vm_obs, mut obs) = (Vec::new(), Vec::new());
+        let (mut skips, mut quiet) = (0, 0u32);
+        for (pos, slot) in (0u64..).zip(self.vms.iter_mut()) {
             // Read before the look: whatever moves after it moves the count past it.
-            let activity = vm.activity();
+            let activity = slot.activity.get();
             let look = full
-                || match self.dormant.get(vm.name()) {
+                || match slot.dormant {
                     None => true,
-                    Some(Some(seen)) => activity != Some(*seen),
-                    Some(None) => (self.ticks + pos).is_multiple_of(DORMANT_LOOK_INTERVALS),
+                    Some(seen) if slot.counted => activity != seen,
+                    Some(_) => (self.ticks + pos).is_multiple_of(DORMANT_LOOK_INTERVALS),
                 };
             if !look {
                 // Left out of this interval: no channel of it is active, shadowed or
@@ -557,21 +569,19 @@ impl Sched {
                 // one's (see `fair`).
                 continue;
             }
+            let vm = &slot.vm;
+            if !vm.connected() {
+                // It comes back with new channels, which move its count.
+                slot.dormant = Some(activity);
+                continue;
+            }
             let view = vm.observe(gpu.as_ref(), SESSION_LOCK_WAIT, full);
             let dormant = view.locked
                 && view.channels.is_empty()
                 && view.retired.is_empty()
                 && !view.shadowing;
-            if dormant {
-                match self.dormant.get_mut(vm.name()) {
-                    Some(seen) => *seen = activity,
-                    None => {
-                        self.dormant.insert(vm.name().to_string(), activity);
-                    }
-                }
-            } else {
-                self.dormant.remove(vm.name());
-            }
+            slot.dormant = dormant.then_some(activity);
+            slot.counted = view.counted;
             skips += u64::from(!view.locked);
             quiet = quiet.saturating_add(view.quiet);
             let idx = vm_obs.len();
@@ -624,16 +634,11 @@ impl Sched {
         }
         self.shadowed = shadowed;
         self.pending = pending;
-        // Forget VMs gone or disconnected: at a full sweep, or when more are remembered
-        // than are connected (VMs left out of the interval are still remembered).
-        if full || self.applied.len() > connected || self.dormant.len() > connected {
-            let names: BTreeSet<&str> = vms
-                .iter()
-                .filter(|v| v.connected())
-                .map(|v| v.name())
-                .collect();
+        // Forget VMs gone or disconnected (at a full sweep every connected VM is in
+        // `vm_obs`).
+        if full {
+            let names: BTreeSet<&str> = vm_obs.iter().map(|v| v.name.as_str()).collect();
             self.applied.retain(|name, _| names.contains(name.as_str()));
-            self.dormant.retain(|name, _| names.contains(name.as_str()));
         }
         let observed = u32::try_from(obs.len()).unwrap_or(u32::MAX);
         self.update_stats(|st| {
@@ -642,6 +647,32 @@ impl Sched {
             st.quiet_channels = quiet;
         });
         (vm_obs, obs)
+    }
+
+    /// Takes the backend's VM list anew when it changed, keeping what it knew of each VM.
+    fn refresh_vms(&mut self, be: &VgpuBackend) {
+        let gen = be.sched_vms_gen();
+        if self.vms_gen == Some(gen) {
+            return;
+        }
+        let mut old: BTreeMap<String, VmSlot> = std::mem::take(&mut self.vms)
+            .into_iter()
+            .map(|s| (s.vm.name().to_string(), s))
+            .collect();
+        self.vms = be
+            .sched_vms()
+            .into_iter()
+            .map(|vm| match old.remove(vm.name()) {
+                Some(slot) if std::ptr::addr_eq(Arc::as_ptr(&slot.vm), Arc::as_ptr(&vm)) => slot,
+                _ => VmSlot {
+                    activity: vm.activity(),
+                    vm,
+                    dormant: None,
+                    counted: false,
+                },
+            })
+            .collect();
+        self.vms_gen = Some(gen);
     }
 
     /// Charges each channel its GPU time of the interval, and each process the time of

@@ -2,10 +2,11 @@
 //! nothing else of the session.
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use log::warn;
-use vgpu_host_shim::Gpu;
+use vgpu_host_shim::{ActivityCounter, Gpu};
 
 use crate::sched::handle::{ChannelView, HoldChange, SchedVm, VmHolds, VmView};
 use crate::shadow::{Holder, Holders, ShadowError};
@@ -24,7 +25,7 @@ impl SchedVm for VmState {
         self.connected.load(Ordering::Acquire)
     }
 
-    fn activity(&self) -> Option<u64> {
+    fn activity(&self) -> Arc<ActivityCounter> {
         self.shared.activity()
     }
 
@@ -70,6 +71,7 @@ impl SchedVm for VmState {
             quiet,
             shadowing,
             connection: self.shared.disconnects(),
+            counted: self.shared.activity_counted(),
         }
     }
 

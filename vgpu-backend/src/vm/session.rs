@@ -300,7 +300,7 @@ impl SessionShared {
     }
 
     /// Has the GPU count channel `hch`'s activity into the VM's; if it cannot, the VM's
-    /// count is no longer complete ([`SessionShared::activity`] answers `None`).
+    /// count is no longer complete ([`SessionShared::activity_counted`]).
     pub(crate) fn count_activity(&self, gpu: &dyn Gpu, hch: ChannelId) {
         if !gpu
             .count_activity(hch, self.activity.clone())
@@ -310,10 +310,14 @@ impl SessionShared {
         }
     }
 
-    /// The VM's activity count, while the GPU counts every channel's work into it.
-    pub fn activity(&self) -> Option<u64> {
-        let a = self.activity.get();
-        (!self.uncounted.load(Ordering::Acquire)).then_some(a)
+    /// The VM's activity count (complete while [`SessionShared::activity_counted`]).
+    pub fn activity(&self) -> Arc<ActivityCounter> {
+        self.activity.clone()
+    }
+
+    /// Whether the GPU counted the work of every channel the VM had.
+    pub fn activity_counted(&self) -> bool {
+        !self.uncounted.load(Ordering::Acquire)
     }
 
     /// Channels destroyed since the previous call, with their final busy time.
