@@ -246,21 +246,28 @@ impl FairState {
         held: &BTreeSet<(String, u32)>,
         full: bool,
     ) -> Decision {
-        let is_held =
-            |v: &str, c: &ChannelSample| c.pending && held.contains(&(v.to_string(), c.ch));
-        let runs =
-            |v: &str, c: &ChannelSample| c.active() && !held.contains(&(v.to_string(), c.ch));
-        let vm_entries: Vec<Entry<String>> = vms
+        // Each VM's held channels (most VMs have none: no key is built per channel).
+        let held_in: Vec<BTreeSet<u32>> = vms
             .iter()
             .map(|v| {
+                let span = (v.name.clone(), 0)..=(v.name.clone(), u32::MAX);
+                held.range(span).map(|(_, ch)| *ch).collect()
+            })
+            .collect();
+        let is_held = |h: &BTreeSet<u32>, c: &ChannelSample| c.pending && h.contains(&c.ch);
+        let runs = |h: &BTreeSet<u32>, c: &ChannelSample| c.active() && !h.contains(&c.ch);
+        let vm_entries: Vec<Entry<String>> = vms
+            .iter()
+            .zip(&held_in)
+            .map(|(v, h)| {
                 let chans = || v.procs.iter().flat_map(|p| &p.channels);
                 Entry {
                     key: v.name.clone(),
                     weight: v.weight,
                     busy_delta_ns: v.procs.iter().map(ProcSample::busy_ns).sum(),
                     active: v.procs.iter().any(ProcSample::active),
-                    held: chans().any(|c| is_held(&v.name, c)),
-                    runnable: chans().any(|c| runs(&v.name, c)),
+                    held: chans().any(|c| is_held(h, c)),
+                    runnable: chans().any(|c| runs(h, c)),
                 }
             })
             .collect();
@@ -279,7 +286,7 @@ impl FairState {
             over_vms: over_vms.clone(),
             ..Decision::default()
         };
-        for v in vms {
+        for (v, h) in vms.iter().zip(&held_in) {
             let entries: Vec<Entry<u32>> = v
                 .procs
                 .iter()
@@ -288,8 +295,8 @@ impl FairState {
                     weight: p.weight,
                     busy_delta_ns: p.busy_ns(),
                     active: p.active(),
-                    held: p.channels.iter().any(|c| is_held(&v.name, c)),
-                    runnable: p.channels.iter().any(|c| runs(&v.name, c)),
+                    held: p.channels.iter().any(|c| is_held(h, c)),
+                    runnable: p.channels.iter().any(|c| runs(h, c)),
                 })
                 .collect();
             let vm_idle = if entries.iter().any(|e| e.runnable) && runnable_w > 0 {

@@ -30,13 +30,16 @@ impl SchedVm for VmState {
     }
 
     fn observe(&self, gpu: &dyn Gpu, wait: Duration, full: bool) -> VmView {
-        let live = self.shared.live_channels();
-        let retired = self.shared.take_retired();
+        // Channels come and go under the session lock: with it held, the book's live
+        // channels and destroyed ones are one consistent view (taken in the lock order
+        // session, then book, without copying the list).
         let mut session = self.lock_session_within(wait);
         let locked = session.is_some();
+        let mut book = self.shared.busy();
+        let retired = book.take_recent();
         let mut quiet = 0;
         let mut channels = Vec::new();
-        for (ch, pid, hal) in live {
+        for (ch, pid, hal) in book.live() {
             let (peek, holders) = match session.as_mut() {
                 Some(s) => {
                     if s.quiet_channel(ch) && !full {
@@ -60,6 +63,7 @@ impl SchedVm for VmState {
                 holders,
             });
         }
+        drop(book);
         // Failed unshadows to retry are shadowed channels too.
         let shadowing = session
             .as_ref()

@@ -290,15 +290,6 @@ impl SessionShared {
             .collect()
     }
 
-    /// Each live channel: (guest channel id, owning guest PID, HAL channel id).
-    pub fn live_channels(&self) -> Vec<(u32, u32, ChannelId)> {
-        self.busy()
-            .live
-            .iter()
-            .map(|(g, (pid, ch))| (*g, *pid, *ch))
-            .collect()
-    }
-
     /// Has the GPU count channel `hch`'s activity into the VM's; if it cannot, the VM's
     /// count is no longer complete ([`SessionShared::activity_counted`]).
     pub(crate) fn count_activity(&self, gpu: &dyn Gpu, hch: ChannelId) {
@@ -320,11 +311,6 @@ impl SessionShared {
         !self.uncounted.load(Ordering::Acquire)
     }
 
-    /// Channels destroyed since the previous call, with their final busy time.
-    pub fn take_retired(&self) -> Vec<RetiredChannel> {
-        self.busy().recent.drain(..).collect()
-    }
-
     /// GPU busy time per guest PID: live channels' HAL counters plus destroyed channels.
     pub fn process_busy_ns(&self, gpu: &dyn Gpu) -> Vec<(u32, u64)> {
         let book = self.busy();
@@ -339,6 +325,16 @@ impl SessionShared {
 }
 
 impl BusyBook {
+    /// Each live channel: (guest channel id, owning guest PID, HAL channel id).
+    pub(crate) fn live(&self) -> impl Iterator<Item = (u32, u32, ChannelId)> + '_ {
+        self.live.iter().map(|(g, (pid, ch))| (*g, *pid, *ch))
+    }
+
+    /// Channels destroyed since the previous call, with their final busy time.
+    pub(crate) fn take_recent(&mut self) -> Vec<RetiredChannel> {
+        self.recent.drain(..).collect()
+    }
+
     pub(crate) fn add_live(&mut self, guest_ch: u32, pid: u32, ch: ChannelId) {
         self.live.insert(guest_ch, (pid, ch));
         self.activity.bump();
