@@ -109,6 +109,12 @@ impl Session {
 
     /// [`Session::peek_channel`], paused or not.
     pub fn peek_channel_any(&mut self, ch: u32) -> Result<ChannelPeek, ShadowError> {
+        // Looked at before: its page is mapped here (no HAL lookup).
+        if self.state.channels.get(&ch).is_some_and(|c| c.slot_mapped) {
+            if let Some(p) = self.shadows.peek_mapped(ch) {
+                return Ok(p);
+            }
+        }
         let t = self.shadow_target(ch)?;
         Ok(self.shadows.peek(ch, t.page)?)
     }
