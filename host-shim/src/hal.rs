@@ -21,29 +21,44 @@ pub struct ContextId(pub u32);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ChannelId(pub u32);
 
-/// A count of GPU activity shared by a group of channels (a VM's, say): a GPU that
-/// supports it ([`Gpu::count_activity`]) raises it whenever one of the group's channels
-/// fetches a GP entry, completes one or stops on an error. A channel can use GPU time only
-/// for an entry it fetched, so an observer that finds the count unchanged since its last
-/// look knows that no channel of the group did anything meanwhile, without reading their
-/// control pages or counters (the scheduler's dormant VMs, issue 15). Its front end
-/// already polls every channel, so keeping it costs the GPU one atomic add per entry.
+/// A count of GPU activity of a channel or a group of channels (a VM's, say): a GPU that
+/// supports it ([`Gpu::count_activity`]) raises it whenever the channel fetches a GP
+/// entry, completes one or stops on an error. A channel can use GPU time only for an entry
+/// it fetched, so an observer that finds the count unchanged since its last look knows
+/// that the channel did nothing meanwhile, without reading its control page or counters
+/// (the scheduler's quiet channels and dormant VMs, issue 15). A counter may have a
+/// parent, raised with it: a channel's count rolls up to its VM's. The front end already
+/// polls every channel, so keeping it costs the GPU an atomic add or two per entry.
 #[derive(Debug, Default)]
-pub struct ActivityCounter(AtomicU64);
+pub struct ActivityCounter {
+    count: AtomicU64,
+    parent: Option<Arc<ActivityCounter>>,
+}
 
 impl ActivityCounter {
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// A counter whose every rise also raises `parent`.
+    pub fn with_parent(parent: Arc<ActivityCounter>) -> Self {
+        ActivityCounter {
+            count: AtomicU64::new(0),
+            parent: Some(parent),
+        }
+    }
+
     /// Notes activity (the GPU's side).
     pub fn bump(&self) {
-        self.0.fetch_add(1, Ordering::Release);
+        self.count.fetch_add(1, Ordering::Release);
+        if let Some(p) = &self.parent {
+            p.bump();
+        }
     }
 
     /// The count now; compare it with an earlier reading.
     pub fn get(&self) -> u64 {
-        self.0.load(Ordering::Acquire)
+        self.count.load(Ordering::Acquire)
     }
 }
 

@@ -437,4 +437,13 @@ fn activity_counter_counts_the_group_work() {
     assert!(after >= 2, "a fetch and a completion: {after}");
     std::thread::sleep(Duration::from_millis(20));
     assert_eq!(group.get(), after, "idle channels leave it alone");
+    // A channel's own count rolls up to its parent's.
+    let c = p.channel(2);
+    let own = std::sync::Arc::new(ActivityCounter::with_parent(group.clone()));
+    assert!(gpu.count_activity(c.id, own.clone()).unwrap());
+    let mut c = c;
+    let m = c.launch(&spin(100_000));
+    c.submit(&[m]);
+    c.wait_idle(T).unwrap();
+    assert!(own.get() >= 2 && group.get() >= after + 2);
 }

@@ -743,6 +743,19 @@ impl Shadows {
         }
     }
 
+    /// Whether channel `ch` is still as the last [`Shadows::quiet`] found it idle: not
+    /// shadowed, not held, its real page mapped, and that call's idle reading kept — for
+    /// a caller that knows from the GPU's activity count ([`vgpu_host_shim::ActivityCounter`])
+    /// that the channel fetched and completed nothing since. Reads no page: a GP_PUT the
+    /// guest wrote since, not yet fetched, is seen once the GPU fetches it (the count
+    /// moves), before it can run.
+    pub fn still_quiet(&self, ch: u32) -> bool {
+        self.real.contains_key(&ch)
+            && !self.shadowed.contains_key(&ch)
+            && !self.holds.contains_key(&ch)
+            && self.idle_get.contains_key(&ch)
+    }
+
     /// Forgets channel `ch` (destroyed, or its slot unmapped): its shadow page goes back to
     /// the pool. Only call once no guest mapping leads to the shadow page.
     pub fn forget(&mut self, ch: u32) {

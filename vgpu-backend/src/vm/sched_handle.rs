@@ -39,10 +39,19 @@ impl SchedVm for VmState {
         let retired = book.take_recent();
         let mut quiet = 0;
         let mut channels = Vec::new();
-        for (ch, pid, hal) in book.live() {
+        for (ch, live) in book.live_mut() {
+            let (pid, hal) = (live.pid, live.hal);
             let (peek, holders) = match session.as_mut() {
                 Some(s) => {
-                    if s.quiet_channel(ch) && !full {
+                    // Read before the look: whatever moves after it moves the count.
+                    let count = live.activity.get();
+                    if !full && live.quiet_at == Some(count) && s.quiet_unmoved(ch) {
+                        quiet += 1;
+                        continue;
+                    }
+                    let was_quiet = s.quiet_channel(ch);
+                    live.quiet_at = was_quiet.then_some(count);
+                    if was_quiet && !full {
                         quiet += 1;
                         continue;
                     }

@@ -172,7 +172,7 @@ pub struct HalHandles {
 /// destroyed channels had accumulated.
 #[derive(Debug, Default)]
 pub(crate) struct BusyBook {
-    live: BTreeMap<u32, (u32, ChannelId)>,
+    live: BTreeMap<u32, LiveChannel>,
     retired: BTreeMap<u32, u64>,
     /// Channels destroyed since the scheduler last looked, with their final busy time:
     /// it charges what they used since its previous reading (see [`RetiredChannel`]).
@@ -180,6 +180,18 @@ pub(crate) struct BusyBook {
     /// The VM's activity count ([`SessionShared::activity`]): raised when a channel comes
     /// or goes.
     activity: Arc<ActivityCounter>,
+}
+
+/// A live channel in the book.
+#[derive(Debug)]
+pub(crate) struct LiveChannel {
+    pub pid: u32,
+    pub hal: ChannelId,
+    /// Its activity count (see [`SessionShared::count_activity`]).
+    pub activity: Arc<ActivityCounter>,
+    /// The count when the scheduler last found it quiet (`None`: not quiet then): while
+    /// the count stays there, the channel did nothing since.
+    pub quiet_at: Option<u64>,
 }
 
 /// Destroyed channels kept for the scheduler between two of its readings; beyond that
@@ -282,23 +294,23 @@ impl SessionShared {
         let book = self.busy();
         book.live
             .iter()
-            .filter_map(|(g, (pid, ch))| {
-                gpu.channel_counters(*ch)
+            .filter_map(|(g, c)| {
+                gpu.channel_counters(c.hal)
                     .ok()
-                    .map(|c| (*g, *pid, *ch, c.busy_ns))
+                    .map(|n| (*g, c.pid, c.hal, n.busy_ns))
             })
             .collect()
     }
 
-    /// Has the GPU count channel `hch`'s activity into the VM's; if it cannot, the VM's
-    /// count is no longer complete ([`SessionShared::activity_counted`]).
-    pub(crate) fn count_activity(&self, gpu: &dyn Gpu, hch: ChannelId) {
-        if !gpu
-            .count_activity(hch, self.activity.clone())
-            .unwrap_or(false)
-        {
+    /// Has the GPU count channel `hch`'s activity into a count of its own that rolls up
+    /// into the VM's; if it cannot, the VM's count is no longer complete
+    /// ([`SessionShared::activity_counted`]). Returns the channel's count.
+    pub(crate) fn count_activity(&self, gpu: &dyn Gpu, hch: ChannelId) -> Arc<ActivityCounter> {
+        let own = Arc::new(ActivityCounter::with_parent(self.activity.clone()));
+        if !gpu.count_activity(hch, own.clone()).unwrap_or(false) {
             self.uncounted.store(true, Ordering::Release);
         }
+        own
     }
 
     /// The VM's activity count (complete while [`SessionShared::activity_counted`]).
@@ -315,9 +327,9 @@ impl SessionShared {
     pub fn process_busy_ns(&self, gpu: &dyn Gpu) -> Vec<(u32, u64)> {
         let book = self.busy();
         let mut out = book.retired.clone();
-        for (pid, ch) in book.live.values() {
-            if let Ok(c) = gpu.channel_counters(*ch) {
-                *out.entry(*pid).or_default() += c.busy_ns;
+        for c in book.live.values() {
+            if let Ok(n) = gpu.channel_counters(c.hal) {
+                *out.entry(c.pid).or_default() += n.busy_ns;
             }
         }
         out.into_iter().collect()
@@ -325,9 +337,9 @@ impl SessionShared {
 }
 
 impl BusyBook {
-    /// Each live channel: (guest channel id, owning guest PID, HAL channel id).
-    pub(crate) fn live(&self) -> impl Iterator<Item = (u32, u32, ChannelId)> + '_ {
-        self.live.iter().map(|(g, (pid, ch))| (*g, *pid, *ch))
+    /// Each live channel, by guest channel id.
+    pub(crate) fn live_mut(&mut self) -> impl Iterator<Item = (u32, &mut LiveChannel)> + '_ {
+        self.live.iter_mut().map(|(g, c)| (*g, c))
     }
 
     /// Channels destroyed since the previous call, with their final busy time.
@@ -335,14 +347,28 @@ impl BusyBook {
         self.recent.drain(..).collect()
     }
 
-    pub(crate) fn add_live(&mut self, guest_ch: u32, pid: u32, ch: ChannelId) {
-        self.live.insert(guest_ch, (pid, ch));
+    pub(crate) fn add_live(
+        &mut self,
+        guest_ch: u32,
+        pid: u32,
+        hal: ChannelId,
+        activity: Arc<ActivityCounter>,
+    ) {
+        self.live.insert(
+            guest_ch,
+            LiveChannel {
+                pid,
+                hal,
+                activity,
+                quiet_at: None,
+            },
+        );
         self.activity.bump();
     }
 
     /// Moves a channel's busy time to the retired books; call before destroying it.
     pub(crate) fn retire(&mut self, gpu: &dyn Gpu, guest_ch: u32) {
-        if let Some((pid, ch)) = self.live.remove(&guest_ch) {
+        if let Some(LiveChannel { pid, hal: ch, .. }) = self.live.remove(&guest_ch) {
             self.activity.bump();
             let busy = gpu.channel_counters(ch).map(|c| c.busy_ns).unwrap_or(0);
             *self.retired.entry(pid).or_default() += busy;

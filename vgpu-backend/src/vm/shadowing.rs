@@ -94,6 +94,18 @@ impl Session {
     /// scheduler holds its owner back: every channel of a held owner is looked at (and
     /// shadowed), so a tenant over its share cannot run on through an idle channel.
     pub fn quiet_channel(&mut self, ch: u32) -> bool {
+        self.may_skip(ch) && self.shadows.quiet(ch)
+    }
+
+    /// Whether channel `ch`, found quiet by the last [`Session::quiet_channel`], still
+    /// counts as quiet when its GPU activity count has not moved since (see
+    /// [`crate::shadow::Shadows::still_quiet`]): no page is read.
+    pub fn quiet_unmoved(&self, ch: u32) -> bool {
+        self.may_skip(ch) && self.shadows.still_quiet(ch)
+    }
+
+    /// Neither paused nor held back by the scheduler as a whole VM or process.
+    fn may_skip(&self, ch: u32) -> bool {
         if self.hold.paused {
             return false;
         }
@@ -104,7 +116,7 @@ impl Session {
                     .channels
                     .get(&ch)
                     .is_none_or(|c| self.hold.sched_holds(c.pid)));
-        !held && self.shadows.quiet(ch)
+        !held
     }
 
     /// [`Session::peek_channel`], paused or not.
