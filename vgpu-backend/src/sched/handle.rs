@@ -84,7 +84,7 @@ pub trait SchedVm: Send + Sync {
     /// Whether a frontend is connected (only connected VMs are scheduled).
     fn connected(&self) -> bool;
     /// The VM's activity count: it moves whenever one of its channels fetches or
-    /// completes work or stops, or a channel comes or goes (see
+    /// completes work or stops, or a channel comes or goes or a hold on one changes (see
     /// [`vgpu_host_shim::ActivityCounter`]), as long as the GPU counts every channel's
     /// work ([`VmView::counted`]; otherwise only reading the channels tells). The same
     /// counter for the VM's lifetime.

@@ -313,6 +313,11 @@ impl SessionShared {
         own
     }
 
+    /// Raises the VM's activity count for a change the GPU does not see (a hold).
+    pub(crate) fn note_change(&self) {
+        self.activity.bump();
+    }
+
     /// The VM's activity count (complete while [`SessionShared::activity_counted`]).
     pub fn activity(&self) -> Arc<ActivityCounter> {
         self.activity.clone()

@@ -47,6 +47,9 @@ impl Session {
         shm: &dyn ShmMapper,
     ) -> Result<ShadowSwitch, ShadowError> {
         let t = self.shadow_target(ch)?;
+        // The scheduler looks at a VM whose count moved: a dormant VM's new hold (and any
+        // failed unshadow to retry) is seen at the next tick.
+        self.shared.note_change();
         self.shadows.set_hold(t, who, on, shm)
     }
 
