@@ -6,6 +6,7 @@
 //! through a hidden "pause" switch, so there is none here.
 
 use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use thiserror::Error;
@@ -19,6 +20,47 @@ pub struct ContextId(pub u32);
 /// A command-submission channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ChannelId(pub u32);
+
+/// A count of GPU activity of a channel or a group of channels (a VM's, say): a GPU that
+/// supports it ([`Gpu::count_activity`]) raises it whenever the channel fetches a GP
+/// entry, completes one or stops on an error. A channel can use GPU time only for an entry
+/// it fetched, so an observer that finds the count unchanged since its last look knows
+/// that the channel did nothing meanwhile, without reading its control page or counters
+/// (the scheduler's quiet channels and dormant VMs, issue 15). A counter may have a
+/// parent, raised with it: a channel's count rolls up to its VM's. The front end already
+/// polls every channel, so keeping it costs the GPU an atomic add or two per entry.
+#[derive(Debug, Default)]
+pub struct ActivityCounter {
+    count: AtomicU64,
+    parent: Option<Arc<ActivityCounter>>,
+}
+
+impl ActivityCounter {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A counter whose every rise also raises `parent`.
+    pub fn with_parent(parent: Arc<ActivityCounter>) -> Self {
+        ActivityCounter {
+            count: AtomicU64::new(0),
+            parent: Some(parent),
+        }
+    }
+
+    /// Notes activity (the GPU's side).
+    pub fn bump(&self) {
+        self.count.fetch_add(1, Ordering::Release);
+        if let Some(p) = &self.parent {
+            p.bump();
+        }
+    }
+
+    /// The count now; compare it with an earlier reading.
+    pub fn get(&self) -> u64 {
+        self.count.load(Ordering::Acquire)
+    }
+}
 
 /// A VRAM allocation: `size` bytes at `offset` in VRAM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -329,6 +371,13 @@ pub trait Gpu: Send + Sync {
     /// Optional doorbell: tells the GPU to look at the channel now instead of at its next poll.
     fn doorbell(&self, ch: ChannelId);
     fn channel_counters(&self, ch: ChannelId) -> Result<ChannelCounters>;
+    /// Counts channel `ch`'s activity into `counter` from now on (see
+    /// [`ActivityCounter`]). Returns whether this GPU does; one that does not (the
+    /// default) leaves its observers to read every channel.
+    fn count_activity(&self, ch: ChannelId, counter: Arc<ActivityCounter>) -> Result<bool> {
+        let _ = (ch, counter);
+        Ok(false)
+    }
     /// The channel's error, if it has stopped on one.
     fn channel_error(&self, ch: ChannelId) -> Result<Option<(ErrorCode, u64)>>;
     /// Stops a channel with an error (the watchdog's tool): a running kernel is abandoned,

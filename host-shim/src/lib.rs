@@ -20,7 +20,8 @@ pub mod vram {
 
 pub use choice::GpuChoice;
 pub use hal::{
-    ChannelConfig, ChannelCounters, ChannelId, ChannelResume, ContextId, EventSink, FdRange, Gpu,
-    GpuEvent, GpuInfo, HalError, HostRange, MapFlags, MapTarget, PageSize, SysMemory, VramAlloc,
+    ActivityCounter, ChannelConfig, ChannelCounters, ChannelId, ChannelResume, ContextId,
+    EventSink, FdRange, Gpu, GpuEvent, GpuInfo, HalError, HostRange, MapFlags, MapTarget, PageSize,
+    SysMemory, VramAlloc,
 };
 pub use sim::{SimConfig, SimGpu, SimStats};

@@ -72,7 +72,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -108,6 +108,8 @@ pub struct VgpuBackend {
     gpu: Arc<dyn Gpu>,
     defaults: VmLimits,
     vms: Mutex<BTreeMap<String, Arc<VmState>>>,
+    /// Moves whenever `vms` changes (the scheduler keeps its own list until it does).
+    vms_gen: AtomicU64,
     threads: Mutex<Vec<JoinHandle<()>>>,
     stop: Arc<AtomicBool>,
     sched: sched::SchedSlot,
@@ -130,6 +132,7 @@ impl VgpuBackend {
             gpu,
             defaults,
             vms: Mutex::new(BTreeMap::new()),
+            vms_gen: AtomicU64::new(0),
             threads: Mutex::new(Vec::new()),
             stop: Arc::new(AtomicBool::new(false)),
             sched: sched::SchedSlot::default(),
@@ -151,6 +154,11 @@ impl VgpuBackend {
             .values()
             .map(|vm| vm.clone() as Arc<dyn sched::handle::SchedVm>)
             .collect()
+    }
+
+    /// A number that moves whenever the set of served VMs changes.
+    pub(crate) fn sched_vms_gen(&self) -> u64 {
+        self.vms_gen.load(Ordering::Acquire)
     }
 
     /// The served VMs as the VRAM manager sees them.
@@ -228,6 +236,7 @@ impl VgpuBackend {
             .spawn(move || serve_loop(vm2, listener, stop))
             .map_err(BackendError::Thread)?;
         vms.insert(name.to_string(), vm);
+        self.vms_gen.fetch_add(1, Ordering::Release);
         self.vram.start(self);
         self.threads
             .lock()

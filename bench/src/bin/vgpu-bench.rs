@@ -101,6 +101,10 @@ enum Suite {
         /// Write SVG plots into this directory.
         #[arg(long, value_name = "DIR")]
         plots: Option<PathBuf>,
+        /// Only these scenarios (comma-separated): fleig, throttles, weights, two_levels,
+        /// overhead, policies, hostile, burst, mixed, evict_wait.
+        #[arg(long, value_delimiter = ',', value_name = "SCENARIO,...")]
+        only: Vec<String>,
     },
 }
 
@@ -202,13 +206,14 @@ fn main() {
             opts.vms = vms.unwrap_or(opts.vms);
             scale::run(&opts).map_err(|e| e.to_string())
         }
-        Suite::Sched { plots } => {
+        Suite::Sched { plots, only } => {
             let mut opts = if cli.quick {
                 SchedOpts::quick()
             } else {
                 SchedOpts::full()
             };
             opts.plots = plots;
+            opts.only = only;
             sched::run(&opts).map_err(|e| e.to_string())
         }
     };

@@ -2,13 +2,14 @@
 //! execution state for it (fetch position, pending work) lives in the PFIFO thread.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use vgpu_protocol::{ControlPage, ErrorCode};
 
 use super::control_pages::ControlPages;
 use crate::hal::{
-    ChannelConfig, ChannelCounters, ChannelId, ChannelResume, ContextId, EventSink, GpuEvent,
+    ActivityCounter, ChannelConfig, ChannelCounters, ChannelId, ChannelResume, ContextId,
+    EventSink, GpuEvent,
 };
 use crate::mmu::AddressSpace;
 
@@ -39,6 +40,8 @@ pub struct SimChannel {
     /// GP entries completed before this channel existed (a channel resumed after live
     /// migration): where the PFIFO starts fetching.
     start_get: AtomicU32,
+    /// Where its activity is counted ([`crate::hal::Gpu::count_activity`]).
+    activity: OnceLock<Arc<ActivityCounter>>,
 }
 
 /// What a channel shares with its context.
@@ -82,6 +85,7 @@ impl SimChannel {
             error: Mutex::new(None),
             stopped: AtomicBool::new(false),
             start_get: AtomicU32::new(0),
+            activity: OnceLock::new(),
         }
     }
 
@@ -95,6 +99,21 @@ impl SimChannel {
         if let Some(err) = at.error {
             *self.error.lock().unwrap_or_else(|e| e.into_inner()) = Some(err);
             self.stopped.store(true, Ordering::Release);
+        }
+    }
+
+    /// Counts the channel's activity into `counter` from now on; false if it already
+    /// counts into another one.
+    pub fn count_activity(&self, counter: Arc<ActivityCounter>) -> bool {
+        let same = Arc::as_ptr(&counter);
+        self.activity.get_or_init(|| counter);
+        self.activity.get().is_some_and(|c| Arc::as_ptr(c) == same)
+    }
+
+    /// The PFIFO fetched or completed an entry, or the channel stopped on an error.
+    pub fn note_activity(&self) {
+        if let Some(c) = self.activity.get() {
+            c.bump();
         }
     }
 
@@ -131,6 +150,7 @@ impl SimChannel {
         }
         self.stopped.store(true, Ordering::Release);
         self.pages.show_error(self.slot, code, info);
+        self.note_activity();
         log::debug!("channel {:?} faulted: {code} ({info:#x})", self.id);
         self.sink.event(GpuEvent::Error {
             channel: self.id,

@@ -478,6 +478,10 @@ impl Gpu for SimGpu {
         Ok(self.channel(ch)?.counters())
     }
 
+    fn count_activity(&self, ch: ChannelId, counter: Arc<ActivityCounter>) -> Result<bool> {
+        Ok(self.channel(ch)?.count_activity(counter))
+    }
+
     fn channel_error(&self, ch: ChannelId) -> Result<Option<(ErrorCode, u64)>> {
         Ok(self.channel(ch)?.error())
     }

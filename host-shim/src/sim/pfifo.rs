@@ -319,7 +319,9 @@ fn next_entry(e: &mut ChanExec, shared: &Shared) -> Result<Option<WorkItem>, (Er
         // that had not run yet.
         return Err((ErrorCode::BadGpEntry, put as u64));
     }
-    exec::fetch(&e.ch, &shared.vram, e.get).map(Some)
+    let item = exec::fetch(&e.ch, &shared.vram, e.get)?;
+    e.ch.note_activity();
+    Ok(Some(item))
 }
 
 /// Runs the channel's current entry from where it stopped. Returns the engine slot's
@@ -359,6 +361,7 @@ fn finish(e: &mut ChanExec, step: Step, start: u64, charge: bool) -> Slot {
             e.get = e.get.wrapping_add(1);
             e.ch.store(ControlPage::GP_GET, e.get);
             add(&e.ch.gp_completed, 1);
+            e.ch.note_activity();
             e.item = None;
         }
         Step::Stalled => {

@@ -134,34 +134,41 @@ impl<K: Ord + Clone> Level<K> {
     ) -> BTreeSet<K> {
         self.steps += 1;
         let (steps, last_vmin) = (self.steps, self.vmin);
-        for e in entries {
-            if let Some(c) = self.clocks.get_mut(&e.key) {
-                // Back from a quiet spell: it was idle meanwhile (no banking).
-                if c.seen + 1 < steps {
-                    c.vtime = c.vtime.max(last_vmin);
-                }
-                c.seen = steps;
-            }
-        }
+        // One lookup per sibling: the clocks are worked on in `vt` and written back once
+        // (the keys may be names, and a lookup costs a string compare per node visited).
+        let mut vt: Vec<Option<u128>> = entries
+            .iter()
+            .map(|e| {
+                self.clocks.get_mut(&e.key).map(|c| {
+                    // Back from a quiet spell: it was idle meanwhile (no banking).
+                    if c.seen + 1 < steps {
+                        c.vtime = c.vtime.max(last_vmin);
+                    }
+                    c.seen = steps;
+                    c.vtime
+                })
+            })
+            .collect();
         // Newcomers start at the least virtual time of the known active siblings.
         let floor = entries
             .iter()
-            .filter(|e| e.active)
-            .filter_map(|e| self.clocks.get(&e.key))
-            .map(|c| c.vtime)
+            .zip(&vt)
+            .filter(|(e, _)| e.active)
+            .filter_map(|(_, v)| *v)
             .min()
             .unwrap_or(0);
         if full {
             let keep: BTreeSet<&K> = entries.iter().map(|e| &e.key).collect();
             self.clocks.retain(|k, _| keep.contains(k));
         }
-        for e in entries {
-            let c = self.clocks.entry(e.key.clone()).or_insert(Clock {
-                vtime: floor,
-                seen: steps,
-            });
-            c.vtime += u128::from(e.busy_delta_ns) * SCALE / u128::from(e.weight.max(1));
-        }
+        let mut vt: Vec<u128> = entries
+            .iter()
+            .zip(vt.iter_mut())
+            .map(|(e, v)| {
+                v.unwrap_or(floor)
+                    + u128::from(e.busy_delta_ns) * SCALE / u128::from(e.weight.max(1))
+            })
+            .collect();
         let runnable_w: u128 = entries
             .iter()
             .filter(|e| e.runnable)
@@ -169,36 +176,46 @@ impl<K: Ord + Clone> Level<K> {
             .sum();
         if idle_ns > 0 && runnable_w > 0 && entries.iter().any(|e| e.held) {
             let dv = u128::from(idle_ns) * SCALE / runnable_w;
-            for e in entries.iter().filter(|e| e.runnable) {
-                if let Some(c) = self.clocks.get_mut(&e.key) {
-                    c.vtime += dv;
+            for (e, v) in entries.iter().zip(vt.iter_mut()) {
+                if e.runnable {
+                    *v += dv;
                 }
             }
         }
-        let Some(vmin) = entries
+        let vmin = entries
             .iter()
-            .filter(|e| e.active)
-            .filter_map(|e| self.clocks.get(&e.key))
-            .map(|c| c.vtime)
-            .min()
-        else {
-            return BTreeSet::new();
-        };
-        self.vmin = vmin;
+            .zip(&vt)
+            .filter(|(e, _)| e.active)
+            .map(|(_, v)| *v)
+            .min();
         let mut over = BTreeSet::new();
-        for e in entries {
-            let Some(c) = self.clocks.get_mut(&e.key) else {
-                continue;
-            };
-            if !e.active {
-                // No banking of idle credit.
-                c.vtime = c.vtime.max(vmin);
-                continue;
+        if let Some(vmin) = vmin {
+            self.vmin = vmin;
+            for (e, v) in entries.iter().zip(vt.iter_mut()) {
+                if !e.active {
+                    // No banking of idle credit.
+                    *v = (*v).max(vmin);
+                    continue;
+                }
+                // The lead in GPU time at the sibling's own weight.
+                let lead_ns = (*v - vmin) * u128::from(e.weight.max(1)) / SCALE;
+                if lead_ns > u128::from(threshold_ns) {
+                    over.insert(e.key.clone());
+                }
             }
-            // The lead in GPU time at the sibling's own weight.
-            let lead_ns = (c.vtime - vmin) * u128::from(e.weight.max(1)) / SCALE;
-            if lead_ns > u128::from(threshold_ns) {
-                over.insert(e.key.clone());
+        }
+        for (e, v) in entries.iter().zip(vt) {
+            match self.clocks.get_mut(&e.key) {
+                Some(c) => c.vtime = v,
+                None => {
+                    self.clocks.insert(
+                        e.key.clone(),
+                        Clock {
+                            vtime: v,
+                            seen: steps,
+                        },
+                    );
+                }
             }
         }
         over
@@ -246,21 +263,28 @@ impl FairState {
         held: &BTreeSet<(String, u32)>,
         full: bool,
     ) -> Decision {
-        let is_held =
-            |v: &str, c: &ChannelSample| c.pending && held.contains(&(v.to_string(), c.ch));
-        let runs =
-            |v: &str, c: &ChannelSample| c.active() && !held.contains(&(v.to_string(), c.ch));
-        let vm_entries: Vec<Entry<String>> = vms
+        // Each VM's held channels (most VMs have none: no key is built per channel).
+        let held_in: Vec<BTreeSet<u32>> = vms
             .iter()
             .map(|v| {
+                let span = (v.name.clone(), 0)..=(v.name.clone(), u32::MAX);
+                held.range(span).map(|(_, ch)| *ch).collect()
+            })
+            .collect();
+        let is_held = |h: &BTreeSet<u32>, c: &ChannelSample| c.pending && h.contains(&c.ch);
+        let runs = |h: &BTreeSet<u32>, c: &ChannelSample| c.active() && !h.contains(&c.ch);
+        let vm_entries: Vec<Entry<String>> = vms
+            .iter()
+            .zip(&held_in)
+            .map(|(v, h)| {
                 let chans = || v.procs.iter().flat_map(|p| &p.channels);
                 Entry {
                     key: v.name.clone(),
                     weight: v.weight,
                     busy_delta_ns: v.procs.iter().map(ProcSample::busy_ns).sum(),
                     active: v.procs.iter().any(ProcSample::active),
-                    held: chans().any(|c| is_held(&v.name, c)),
-                    runnable: chans().any(|c| runs(&v.name, c)),
+                    held: chans().any(|c| is_held(h, c)),
+                    runnable: chans().any(|c| runs(h, c)),
                 }
             })
             .collect();
@@ -279,7 +303,7 @@ impl FairState {
             over_vms: over_vms.clone(),
             ..Decision::default()
         };
-        for v in vms {
+        for (v, h) in vms.iter().zip(&held_in) {
             let entries: Vec<Entry<u32>> = v
                 .procs
                 .iter()
@@ -288,8 +312,8 @@ impl FairState {
                     weight: p.weight,
                     busy_delta_ns: p.busy_ns(),
                     active: p.active(),
-                    held: p.channels.iter().any(|c| is_held(&v.name, c)),
-                    runnable: p.channels.iter().any(|c| runs(&v.name, c)),
+                    held: p.channels.iter().any(|c| is_held(h, c)),
+                    runnable: p.channels.iter().any(|c| runs(h, c)),
                 })
                 .collect();
             let vm_idle = if entries.iter().any(|e| e.runnable) && runnable_w > 0 {
@@ -298,12 +322,11 @@ impl FairState {
                 0
             };
             // The process clocks run even while the VM is held back.
-            let over_procs = self.procs.entry(v.name.clone()).or_default().step(
-                &entries,
-                threshold_ns,
-                vm_idle,
-                full,
-            );
+            let level = match self.procs.get_mut(&v.name) {
+                Some(l) => l,
+                None => self.procs.entry(v.name.clone()).or_default(),
+            };
+            let over_procs = level.step(&entries, threshold_ns, vm_idle, full);
             let vm_over = over_vms.contains(&v.name);
             for p in &v.procs {
                 let proc_over = !vm_over && over_procs.contains(&p.pid);

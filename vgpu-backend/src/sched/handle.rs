@@ -3,9 +3,10 @@
 //! ([`crate::vm`]) implements it; the scheduler never sees a session.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::Duration;
 
-use vgpu_host_shim::{ChannelCounters, ChannelId, Gpu};
+use vgpu_host_shim::{ActivityCounter, ChannelCounters, ChannelId, Gpu};
 
 use crate::shadow::{ChannelPeek, Holders, ShadowError};
 
@@ -48,6 +49,9 @@ pub struct VmView {
     pub shadowing: bool,
     /// Its connections so far: the owner holds start anew with each one.
     pub connection: u64,
+    /// Whether the GPU counts the work of every channel it had into
+    /// [`SchedVm::activity`].
+    pub counted: bool,
 }
 
 /// One change of the scheduler's hold on a channel.
@@ -79,6 +83,12 @@ pub trait SchedVm: Send + Sync {
     fn weight(&self) -> u32;
     /// Whether a frontend is connected (only connected VMs are scheduled).
     fn connected(&self) -> bool;
+    /// The VM's activity count: it moves whenever one of its channels fetches or
+    /// completes work or stops, or a channel comes or goes or a hold on one changes (see
+    /// [`vgpu_host_shim::ActivityCounter`]), as long as the GPU counts every channel's
+    /// work ([`VmView::counted`]; otherwise only reading the channels tells). The same
+    /// counter for the VM's lifetime.
+    fn activity(&self) -> Arc<ActivityCounter>;
     /// Its live channels and the ones destroyed since the last call, waiting at most
     /// `wait` for the session. Unless `full`, channels that provably did nothing since the
     /// previous observation (unshadowed, unheld, GP_PUT = GP_GET where it was) are left

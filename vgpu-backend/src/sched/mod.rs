@@ -63,16 +63,25 @@ pub const SESSION_LOCK_WAIT: Duration = Duration::from_millis(1);
 /// release is spread over intervals (see `Sched::release_changes`).
 pub const RELEASE_BUDGET_INTERVALS: u64 = 2;
 
-/// Every this many intervals the scheduler looks at every channel, quiet or not, and
-/// forgets what it knew of channels and processes it no longer sees; in between, quiet
-/// channels cost a control-page read each and nothing else.
-pub const FULL_SWEEP_INTERVALS: u64 = 100;
+/// Every this many intervals (10 s at the default interval) the scheduler looks at every
+/// channel, quiet or not, and forgets what it knew of channels and processes it no longer
+/// sees; in between, quiet channels cost a control-page read each and dormant VMs one
+/// read of their activity count. Nothing waits for a sweep to be seen (destroyed channels
+/// are reported, dormant VMs' activity moves their count): it only collects what was
+/// left behind, so it can be rare. A sweep at 1,024 channels costs ~4–6 ms on the
+/// 2-core development host (issue 15): every 100 intervals that was 0.4–0.6 % of a core
+/// on its own.
+pub const FULL_SWEEP_INTERVALS: u64 = 1000;
 
-/// A VM whose every channel was quiet at its last observation (dormant) is observed only
-/// every this many intervals, staggered across VMs: a tick then costs what the active VMs
-/// cost plus a slice of the dormant ones. Work a dormant VM starts runs unshadowed until
-/// its next look (at most this many intervals) and is charged in full then: the busy
-/// counters keep counting, so only the reaction is later, not the accounting.
+/// A VM whose every channel was quiet at its last observation (dormant) is looked at
+/// again when its activity count ([`handle::SchedVm::activity`], kept by the GPU's front
+/// end) has moved since that look: a channel can use GPU time only for an entry the GPU
+/// fetched, and each fetch moves the count, so an unmoved count proves the VM still idle
+/// without locking its session or reading a page. On a GPU that keeps no such count a
+/// dormant VM is observed only every this many intervals, staggered across VMs: work it
+/// starts runs unshadowed until its next look (at most this many intervals) and is charged
+/// in full then: the busy counters keep counting, so only the reaction is later, not the
+/// accounting.
 pub const DORMANT_LOOK_INTERVALS: u64 = 4;
 
 /// Operator weights of VMs: 1..=[`MAX_WEIGHT`], [`DEFAULT_WEIGHT`] unless set.
@@ -382,8 +391,11 @@ struct Sched {
     /// The owner holds last applied to each VM, with the VM's connection count then: a
     /// VM without changes, shadows or new owner holds is not locked again.
     applied: BTreeMap<String, (u64, bool, BTreeSet<u32>)>,
-    /// VMs found dormant (nothing active, shadowed or destroyed) at their last look.
-    dormant: BTreeSet<String>,
+    /// The served VMs (refreshed when the backend's set changes), with what the
+    /// scheduler remembers of each between ticks.
+    vms: Vec<VmSlot>,
+    /// The backend's VM-set generation `vms` was taken at.
+    vms_gen: Option<u64>,
 }
 
 fn thread_main(
@@ -414,7 +426,8 @@ fn thread_main(
         last_tick_ns: now_ns(),
         ticks: 0,
         applied: BTreeMap::new(),
-        dormant: BTreeSet::new(),
+        vms: Vec::new(),
+        vms_gen: None,
     };
     let interval = Duration::from_millis(u64::from(cfg.interval_ms));
     let mut next = Instant::now() + interval;
@@ -446,6 +459,19 @@ fn thread_main(
         s.release_all(&be);
     }
     debug!("scheduler thread stopped");
+}
+
+/// A served VM in the scheduler's list: kept across ticks, so that a tick costs a VM that
+/// did nothing one read of its activity count (no list, lock or name lookup).
+struct VmSlot {
+    vm: Arc<dyn SchedVm>,
+    activity: Arc<vgpu_host_shim::ActivityCounter>,
+    /// Found dormant (disconnected, or nothing active, shadowed or destroyed) at its last
+    /// look: the activity count read just before it.
+    dormant: Option<u64>,
+    /// Whether the GPU counted all its channels' work at the last look (else a dormant
+    /// VM is looked at every [`DORMANT_LOOK_INTERVALS`]).
+    counted: bool,
 }
 
 /// One live channel as seen at a tick.
@@ -492,7 +518,8 @@ struct VmObs {
 fn owner_holds(samples: &[VmSample], d: &Decision) -> BTreeMap<String, (bool, BTreeSet<u32>)> {
     let mut out = BTreeMap::new();
     for v in samples {
-        let held = |c: &ChannelSample| d.shadow.contains(&(v.name.clone(), c.ch));
+        let held =
+            |c: &ChannelSample| !d.shadow.is_empty() && d.shadow.contains(&(v.name.clone(), c.ch));
         let all_held = |chans: &mut dyn Iterator<Item = &ChannelSample>| {
             let mut any = false;
             for c in chans {
@@ -530,20 +557,28 @@ impl Sched {
     /// locked past [`SESSION_LOCK_WAIT`] is left as it was.
     fn observe(&mut self, be: &VgpuBackend, full: bool) -> (Vec<VmObs>, Vec<Obs>) {
         let gpu = be.gpu().clone();
-        let vms = be.sched_vms();
-        let (mut vm_obs, mut obs) = (Vec::with_capacity(vms.len()), Vec::new());
+        self.refresh_vms(be);
+        let (mut vm_obs, mut obs) = (Vec::new(), Vec::new());
         let (mut skips, mut quiet) = (0, 0u32);
-        for (pos, vm) in (0u64..).zip(vms) {
-            if !vm.connected() {
-                continue;
-            }
+        for (pos, slot) in (0u64..).zip(self.vms.iter_mut()) {
+            // Read before the look: whatever moves after it moves the count past it.
+            let activity = slot.activity.get();
             let look = full
-                || (self.ticks + pos).is_multiple_of(DORMANT_LOOK_INTERVALS)
-                || !self.dormant.contains(vm.name());
+                || match slot.dormant {
+                    None => true,
+                    Some(seen) if slot.counted => activity != seen,
+                    Some(_) => (self.ticks + pos).is_multiple_of(DORMANT_LOOK_INTERVALS),
+                };
             if !look {
                 // Left out of this interval: no channel of it is active, shadowed or
                 // pending, and the policies keep an absent sibling's clock as an idle
                 // one's (see `fair`).
+                continue;
+            }
+            let vm = &slot.vm;
+            if !vm.connected() {
+                // It comes back with new channels, which move its count.
+                slot.dormant = Some(activity);
                 continue;
             }
             let view = vm.observe(gpu.as_ref(), SESSION_LOCK_WAIT, full);
@@ -551,13 +586,8 @@ impl Sched {
                 && view.channels.is_empty()
                 && view.retired.is_empty()
                 && !view.shadowing;
-            if dormant {
-                if !self.dormant.contains(vm.name()) {
-                    self.dormant.insert(vm.name().to_string());
-                }
-            } else {
-                self.dormant.remove(vm.name());
-            }
+            slot.dormant = dormant.then_some(activity);
+            slot.counted = view.counted;
             skips += u64::from(!view.locked);
             quiet = quiet.saturating_add(view.quiet);
             let idx = vm_obs.len();
@@ -586,7 +616,7 @@ impl Sched {
                 locked: view.locked,
                 shadowing: view.shadowing,
                 connection: view.connection,
-                vm,
+                vm: vm.clone(),
                 retired: view.retired,
                 retired_busy: BTreeMap::new(),
             });
@@ -610,10 +640,11 @@ impl Sched {
         }
         self.shadowed = shadowed;
         self.pending = pending;
-        if full || self.applied.len() > vm_obs.len() {
+        // Forget VMs gone or disconnected (at a full sweep every connected VM is in
+        // `vm_obs`).
+        if full {
             let names: BTreeSet<&str> = vm_obs.iter().map(|v| v.name.as_str()).collect();
             self.applied.retain(|name, _| names.contains(name.as_str()));
-            self.dormant.retain(|name| names.contains(name.as_str()));
         }
         let observed = u32::try_from(obs.len()).unwrap_or(u32::MAX);
         self.update_stats(|st| {
@@ -622,6 +653,32 @@ impl Sched {
             st.quiet_channels = quiet;
         });
         (vm_obs, obs)
+    }
+
+    /// Takes the backend's VM list anew when it changed, keeping what it knew of each VM.
+    fn refresh_vms(&mut self, be: &VgpuBackend) {
+        let gen = be.sched_vms_gen();
+        if self.vms_gen == Some(gen) {
+            return;
+        }
+        let mut old: BTreeMap<String, VmSlot> = std::mem::take(&mut self.vms)
+            .into_iter()
+            .map(|s| (s.vm.name().to_string(), s))
+            .collect();
+        self.vms = be
+            .sched_vms()
+            .into_iter()
+            .map(|vm| match old.remove(vm.name()) {
+                Some(slot) if std::ptr::addr_eq(Arc::as_ptr(&slot.vm), Arc::as_ptr(&vm)) => slot,
+                _ => VmSlot {
+                    activity: vm.activity(),
+                    vm,
+                    dormant: None,
+                    counted: false,
+                },
+            })
+            .collect();
+        self.vms_gen = Some(gen);
     }
 
     /// Charges each channel its GPU time of the interval, and each process the time of
@@ -679,7 +736,7 @@ impl Sched {
     /// a held-back sibling is the one that would release it, forever.
     fn samples(&self, vms: &[VmObs], obs: &[Obs], idle_ns: u64, len_ns: u64) -> Vec<VmSample> {
         let gpu_idled = idle_ns.saturating_mul(10) > len_ns;
-        let hints = lock(&self.shared.hints).clone();
+        let hints = lock(&self.shared.hints);
         let mut out: Vec<VmSample> = vms
             .iter()
             .map(|v| VmSample {
@@ -690,9 +747,10 @@ impl Sched {
             .collect();
         let mut procs: BTreeMap<(usize, u32), (Vec<ChannelSample>, u64)> = BTreeMap::new();
         for o in obs {
-            let held = vms
-                .get(o.vm)
-                .is_some_and(|v| self.shadowed.contains(&(v.name.clone(), o.ch)));
+            let held = !self.shadowed.is_empty()
+                && vms
+                    .get(o.vm)
+                    .is_some_and(|v| self.shadowed.contains(&(v.name.clone(), o.ch)));
             let blocked = o.busy_delta_ns == 0 && !held && gpu_idled;
             procs
                 .entry((o.vm, o.pid))
@@ -824,8 +882,9 @@ impl Sched {
         held: &BTreeSet<(String, u32)>,
         len_ns: u64,
     ) {
-        let held_back =
-            |vm: &str, c: &ChannelSample| c.pending && held.contains(&(vm.to_string(), c.ch));
+        let held_back = |vm: &str, c: &ChannelSample| {
+            c.pending && !held.is_empty() && held.contains(&(vm.to_string(), c.ch))
+        };
         let seq = self.shared.seq.fetch_add(1, Ordering::Relaxed);
         let rec = IntervalRecord {
             seq,

@@ -653,10 +653,14 @@ impl Shadows {
     /// shadowed, the guest's GP_PUT in the shadow page. Maps the real page on first use.
     pub fn peek(&mut self, ch: u32, real_page: FdRange) -> io::Result<ChannelPeek> {
         self.real_map(ch, real_page)?;
-        let real = self
-            .real
-            .get(&ch)
-            .ok_or_else(|| io::Error::other("real page mapping missing"))?;
+        self.peek_mapped(ch)
+            .ok_or_else(|| io::Error::other("real page mapping missing"))
+    }
+
+    /// [`Shadows::peek`] of a channel whose real page is mapped here already (a channel
+    /// looked at before; forgotten when destroyed or its slot unmapped); `None` otherwise.
+    pub fn peek_mapped(&self, ch: u32) -> Option<ChannelPeek> {
+        let real = self.real.get(&ch)?;
         let (gp_get, real_put) = (
             real.load(ControlPage::GP_GET),
             real.load(ControlPage::GP_PUT),
@@ -666,7 +670,7 @@ impl Shadows {
             .get(&ch)
             .and_then(|s| self.pool.pages.get(s.page))
             .map(|p| p.load(ControlPage::GP_PUT));
-        Ok(ChannelPeek {
+        Some(ChannelPeek {
             gp_get,
             real_put,
             shadow_put,
@@ -737,6 +741,19 @@ impl Shadows {
                 false
             }
         }
+    }
+
+    /// Whether channel `ch` is still as the last [`Shadows::quiet`] found it idle: not
+    /// shadowed, not held, its real page mapped, and that call's idle reading kept — for
+    /// a caller that knows from the GPU's activity count ([`vgpu_host_shim::ActivityCounter`])
+    /// that the channel fetched and completed nothing since. Reads no page: a GP_PUT the
+    /// guest wrote since, not yet fetched, is seen once the GPU fetches it (the count
+    /// moves), before it can run.
+    pub fn still_quiet(&self, ch: u32) -> bool {
+        self.real.contains_key(&ch)
+            && !self.shadowed.contains_key(&ch)
+            && !self.holds.contains_key(&ch)
+            && self.idle_get.contains_key(&ch)
     }
 
     /// Forgets channel `ch` (destroyed, or its slot unmapped): its shadow page goes back to

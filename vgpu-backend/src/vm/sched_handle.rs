@@ -2,10 +2,11 @@
 //! nothing else of the session.
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use log::warn;
-use vgpu_host_shim::Gpu;
+use vgpu_host_shim::{ActivityCounter, Gpu};
 
 use crate::sched::handle::{ChannelView, HoldChange, SchedVm, VmHolds, VmView};
 use crate::shadow::{Holder, Holders, ShadowError};
@@ -24,17 +25,33 @@ impl SchedVm for VmState {
         self.connected.load(Ordering::Acquire)
     }
 
+    fn activity(&self) -> Arc<ActivityCounter> {
+        self.shared.activity()
+    }
+
     fn observe(&self, gpu: &dyn Gpu, wait: Duration, full: bool) -> VmView {
-        let live = self.shared.live_channels();
-        let retired = self.shared.take_retired();
+        // Channels come and go under the session lock: with it held, the book's live
+        // channels and destroyed ones are one consistent view (taken in the lock order
+        // session, then book, without copying the list).
         let mut session = self.lock_session_within(wait);
         let locked = session.is_some();
+        let mut book = self.shared.busy();
+        let retired = book.take_recent();
         let mut quiet = 0;
         let mut channels = Vec::new();
-        for (ch, pid, hal) in live {
+        for (ch, live) in book.live_mut() {
+            let (pid, hal) = (live.pid, live.hal);
             let (peek, holders) = match session.as_mut() {
                 Some(s) => {
-                    if s.quiet_channel(ch) && !full {
+                    // Read before the look: whatever moves after it moves the count.
+                    let count = live.activity.get();
+                    if !full && live.quiet_at == Some(count) && s.quiet_unmoved(ch) {
+                        quiet += 1;
+                        continue;
+                    }
+                    let was_quiet = s.quiet_channel(ch);
+                    live.quiet_at = was_quiet.then_some(count);
+                    if was_quiet && !full {
                         quiet += 1;
                         continue;
                     }
@@ -55,6 +72,7 @@ impl SchedVm for VmState {
                 holders,
             });
         }
+        drop(book);
         // Failed unshadows to retry are shadowed channels too.
         let shadowing = session
             .as_ref()
@@ -66,6 +84,7 @@ impl SchedVm for VmState {
             quiet,
             shadowing,
             connection: self.shared.disconnects(),
+            counted: self.shared.activity_counted(),
         }
     }
 

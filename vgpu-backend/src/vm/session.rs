@@ -17,11 +17,11 @@
 //! channels (a reconnecting frontend resets the device, so the driver probes again).
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use log::{debug, warn};
-use vgpu_host_shim::{ChannelId, ContextId, Gpu};
+use vgpu_host_shim::{ActivityCounter, ChannelId, ContextId, Gpu};
 use vgpu_protocol::device::slot_offset;
 use vgpu_protocol::request::GuestRange;
 use vgpu_protocol::PAGE_SIZE;
@@ -172,11 +172,26 @@ pub struct HalHandles {
 /// destroyed channels had accumulated.
 #[derive(Debug, Default)]
 pub(crate) struct BusyBook {
-    live: BTreeMap<u32, (u32, ChannelId)>,
+    live: BTreeMap<u32, LiveChannel>,
     retired: BTreeMap<u32, u64>,
     /// Channels destroyed since the scheduler last looked, with their final busy time:
     /// it charges what they used since its previous reading (see [`RetiredChannel`]).
     recent: std::collections::VecDeque<RetiredChannel>,
+    /// The VM's activity count ([`SessionShared::activity`]): raised when a channel comes
+    /// or goes.
+    activity: Arc<ActivityCounter>,
+}
+
+/// A live channel in the book.
+#[derive(Debug)]
+pub(crate) struct LiveChannel {
+    pub pid: u32,
+    pub hal: ChannelId,
+    /// Its activity count (see [`SessionShared::count_activity`]).
+    pub activity: Arc<ActivityCounter>,
+    /// The count when the scheduler last found it quiet (`None`: not quiet then): while
+    /// the count stays there, the channel did nothing since.
+    pub quiet_at: Option<u64>,
 }
 
 /// Destroyed channels kept for the scheduler between two of its readings; beyond that
@@ -197,13 +212,25 @@ pub struct SessionShared {
     vram_bytes: AtomicU64,
     mapped_guest_bytes: AtomicU64,
     aperture_bytes: AtomicU64,
+    /// The VM's activity: the GPU raises it when any of the VM's channels fetches or
+    /// completes work or stops ([`Gpu::count_activity`]), the session when a channel comes
+    /// or goes. Unchanged since the scheduler's last look: nothing of the VM moved.
+    activity: Arc<ActivityCounter>,
+    /// Some channel's activity is not counted by the GPU (it lacks the feature).
+    uncounted: AtomicBool,
 }
 
 impl SessionShared {
     pub fn new(events: Arc<EventQueue>) -> Self {
+        let activity = Arc::new(ActivityCounter::new());
         SessionShared {
             events,
-            busy: Mutex::new(BusyBook::default()),
+            busy: Mutex::new(BusyBook {
+                activity: activity.clone(),
+                ..BusyBook::default()
+            }),
+            activity,
+            uncounted: AtomicBool::new(false),
             requests: AtomicU64::new(0),
             errors: AtomicU64::new(0),
             disconnects: AtomicU64::new(0),
@@ -267,35 +294,47 @@ impl SessionShared {
         let book = self.busy();
         book.live
             .iter()
-            .filter_map(|(g, (pid, ch))| {
-                gpu.channel_counters(*ch)
+            .filter_map(|(g, c)| {
+                gpu.channel_counters(c.hal)
                     .ok()
-                    .map(|c| (*g, *pid, *ch, c.busy_ns))
+                    .map(|n| (*g, c.pid, c.hal, n.busy_ns))
             })
             .collect()
     }
 
-    /// Each live channel: (guest channel id, owning guest PID, HAL channel id).
-    pub fn live_channels(&self) -> Vec<(u32, u32, ChannelId)> {
-        self.busy()
-            .live
-            .iter()
-            .map(|(g, (pid, ch))| (*g, *pid, *ch))
-            .collect()
+    /// Has the GPU count channel `hch`'s activity into a count of its own that rolls up
+    /// into the VM's; if it cannot, the VM's count is no longer complete
+    /// ([`SessionShared::activity_counted`]). Returns the channel's count.
+    pub(crate) fn count_activity(&self, gpu: &dyn Gpu, hch: ChannelId) -> Arc<ActivityCounter> {
+        let own = Arc::new(ActivityCounter::with_parent(self.activity.clone()));
+        if !gpu.count_activity(hch, own.clone()).unwrap_or(false) {
+            self.uncounted.store(true, Ordering::Release);
+        }
+        own
     }
 
-    /// Channels destroyed since the previous call, with their final busy time.
-    pub fn take_retired(&self) -> Vec<RetiredChannel> {
-        self.busy().recent.drain(..).collect()
+    /// Raises the VM's activity count for a change the GPU does not see (a hold).
+    pub(crate) fn note_change(&self) {
+        self.activity.bump();
+    }
+
+    /// The VM's activity count (complete while [`SessionShared::activity_counted`]).
+    pub fn activity(&self) -> Arc<ActivityCounter> {
+        self.activity.clone()
+    }
+
+    /// Whether the GPU counted the work of every channel the VM had.
+    pub fn activity_counted(&self) -> bool {
+        !self.uncounted.load(Ordering::Acquire)
     }
 
     /// GPU busy time per guest PID: live channels' HAL counters plus destroyed channels.
     pub fn process_busy_ns(&self, gpu: &dyn Gpu) -> Vec<(u32, u64)> {
         let book = self.busy();
         let mut out = book.retired.clone();
-        for (pid, ch) in book.live.values() {
-            if let Ok(c) = gpu.channel_counters(*ch) {
-                *out.entry(*pid).or_default() += c.busy_ns;
+        for c in book.live.values() {
+            if let Ok(n) = gpu.channel_counters(c.hal) {
+                *out.entry(c.pid).or_default() += n.busy_ns;
             }
         }
         out.into_iter().collect()
@@ -303,13 +342,39 @@ impl SessionShared {
 }
 
 impl BusyBook {
-    pub(crate) fn add_live(&mut self, guest_ch: u32, pid: u32, ch: ChannelId) {
-        self.live.insert(guest_ch, (pid, ch));
+    /// Each live channel, by guest channel id.
+    pub(crate) fn live_mut(&mut self) -> impl Iterator<Item = (u32, &mut LiveChannel)> + '_ {
+        self.live.iter_mut().map(|(g, c)| (*g, c))
+    }
+
+    /// Channels destroyed since the previous call, with their final busy time.
+    pub(crate) fn take_recent(&mut self) -> Vec<RetiredChannel> {
+        self.recent.drain(..).collect()
+    }
+
+    pub(crate) fn add_live(
+        &mut self,
+        guest_ch: u32,
+        pid: u32,
+        hal: ChannelId,
+        activity: Arc<ActivityCounter>,
+    ) {
+        self.live.insert(
+            guest_ch,
+            LiveChannel {
+                pid,
+                hal,
+                activity,
+                quiet_at: None,
+            },
+        );
+        self.activity.bump();
     }
 
     /// Moves a channel's busy time to the retired books; call before destroying it.
     pub(crate) fn retire(&mut self, gpu: &dyn Gpu, guest_ch: u32) {
-        if let Some((pid, ch)) = self.live.remove(&guest_ch) {
+        if let Some(LiveChannel { pid, hal: ch, .. }) = self.live.remove(&guest_ch) {
+            self.activity.bump();
             let busy = gpu.channel_counters(ch).map(|c| c.busy_ns).unwrap_or(0);
             *self.retired.entry(pid).or_default() += busy;
             if self.recent.len() >= RECENT_RETIRED {
@@ -325,6 +390,7 @@ impl BusyBook {
 
     pub(crate) fn forget(&mut self, guest_ch: u32) {
         self.live.remove(&guest_ch);
+        self.activity.bump();
     }
 }
 

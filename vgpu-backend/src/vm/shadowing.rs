@@ -47,6 +47,9 @@ impl Session {
         shm: &dyn ShmMapper,
     ) -> Result<ShadowSwitch, ShadowError> {
         let t = self.shadow_target(ch)?;
+        // The scheduler looks at a VM whose count moved: a dormant VM's new hold (and any
+        // failed unshadow to retry) is seen at the next tick.
+        self.shared.note_change();
         self.shadows.set_hold(t, who, on, shm)
     }
 
@@ -94,6 +97,18 @@ impl Session {
     /// scheduler holds its owner back: every channel of a held owner is looked at (and
     /// shadowed), so a tenant over its share cannot run on through an idle channel.
     pub fn quiet_channel(&mut self, ch: u32) -> bool {
+        self.may_skip(ch) && self.shadows.quiet(ch)
+    }
+
+    /// Whether channel `ch`, found quiet by the last [`Session::quiet_channel`], still
+    /// counts as quiet when its GPU activity count has not moved since (see
+    /// [`crate::shadow::Shadows::still_quiet`]): no page is read.
+    pub fn quiet_unmoved(&self, ch: u32) -> bool {
+        self.may_skip(ch) && self.shadows.still_quiet(ch)
+    }
+
+    /// Neither paused nor held back by the scheduler as a whole VM or process.
+    fn may_skip(&self, ch: u32) -> bool {
         if self.hold.paused {
             return false;
         }
@@ -104,11 +119,17 @@ impl Session {
                     .channels
                     .get(&ch)
                     .is_none_or(|c| self.hold.sched_holds(c.pid)));
-        !held && self.shadows.quiet(ch)
+        !held
     }
 
     /// [`Session::peek_channel`], paused or not.
     pub fn peek_channel_any(&mut self, ch: u32) -> Result<ChannelPeek, ShadowError> {
+        // Looked at before: its page is mapped here (no HAL lookup).
+        if self.state.channels.get(&ch).is_some_and(|c| c.slot_mapped) {
+            if let Some(p) = self.shadows.peek_mapped(ch) {
+                return Ok(p);
+            }
+        }
         let t = self.shadow_target(ch)?;
         Ok(self.shadows.peek(ch, t.page)?)
     }

@@ -112,7 +112,8 @@ impl Session {
             },
         );
         self.hal.channels.insert(id, hch);
-        self.shared.busy().add_live(id, pid, hch);
+        let activity = self.shared.count_activity(self.gpu.as_ref(), hch);
+        self.shared.busy().add_live(id, pid, hch, activity);
         // Born into its owners' holds: shadowed before the guest learns of the slot, so
         // a new channel cannot run ahead of a hold on its VM, process or context.
         let born = self.hold.at_birth(pid, ctx);
