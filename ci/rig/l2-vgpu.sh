@@ -220,10 +220,18 @@ if [ "$MIGRATE" = 1 ]; then
             vgpu-migrate --api /tmp/vmm-\$k.api --to unix:/tmp/mig-\$k.sock > /tmp/migrate-\$k.out 2>&1
             echo \$? > /tmp/migrate-\$k.rc
             sed "s/^/L2-MIGRATE vm=\$k /" /tmp/migrate-\$k.out
-            # The guest's progress after the move, live on L1's console.
-            tail -f /tmp/l2-\$k.dst.log 2>/dev/null | while IFS= read -r l; do
-                case "\$l" in *L2-LOOP*|*L2-GUEST-CHECK*|*L2-MIGRATE-LOOPS*) echo "L2-AFTER vm=\$k \$l" ;; esac
-            done &
+            # The guest's progress after the move, on L1's console while the VM runs.
+            (
+                dpid=\$(cat /tmp/dst-\$k.pid); seen=0
+                while kill -0 \$dpid 2>/dev/null; do
+                    sleep 5
+                    n=\$(grep -a -c 'L2-LOOP' /tmp/l2-\$k.dst.log)
+                    if [ "\$n" != "\$seen" ]; then
+                        grep -a 'L2-LOOP' /tmp/l2-\$k.dst.log | tail -n \$((n - seen)) | sed "s/^/L2-AFTER vm=\$k /"
+                        seen=\$n
+                    fi
+                done
+            ) &
         done
         # The destination VMMs are this subshell's children.
         for k in \$(seq 0 $((VMS - 1))); do
