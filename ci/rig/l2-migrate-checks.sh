@@ -6,7 +6,7 @@
 # straight to the console, so the lines after the move appear in the destination VMM's
 # serial log. Prints "L2-USER-OK" when every run passed.
 export PATH=/bin
-MIGRATE_SECS=${MIGRATE_SECS:-90}
+MIGRATE_SECS=${MIGRATE_SECS:-75}
 fail=0
 if vgpu-smoke > /tmp/smoke0.out 2>&1; then
     echo "L2-GUEST-CHECK ok smoke_before"
@@ -33,8 +33,13 @@ busybox tail -n 2 /tmp/throttle.out
 if [ "$r" = 0 ]; then echo "L2-GUEST-CHECK ok throttle_across_the_move"; else echo "L2-GUEST-CHECK FAIL throttle_across_the_move rc=$r"; fail=1; fi
 echo "L2-MIGRATE-LOOPS ok=$n fail=$bad"
 [ "$bad" = 0 ] && [ "$n" -gt 0 ] || fail=1
-if dmesg | busybox grep -q -E 'Oops|BUG:|WARNING:|Call Trace'; then
-    echo "L2-GUEST-CHECK FAIL kernel_log_clean"; dmesg | busybox tail -n 30; fail=1
+# Splats from the driver's load on (as l2-reconnect-checks.sh: the boot's "Speculative
+# Return Stack Overflow: WARNING" notice is no splat), and no device reset: the device
+# goes on across the move.
+dmesg | busybox sed -n '/vgpu: loading out-of-tree module/,$p' \
+    | busybox grep -E 'Oops|BUG:|WARNING: CPU|Call Trace|general protection|resetting the device|timed out' > /tmp/bad
+if [ -s /tmp/bad ]; then
+    echo "L2-GUEST-CHECK FAIL kernel_log_clean"; busybox head -n 20 /tmp/bad; fail=1
 else
     echo "L2-GUEST-CHECK ok kernel_log_clean"
 fi
