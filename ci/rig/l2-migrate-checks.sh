@@ -14,7 +14,7 @@ else
     echo "L2-GUEST-CHECK FAIL smoke_before"; busybox tail -n 5 /tmp/smoke0.out; fail=1
 fi
 # A process whose channel lives across the move: kernels of 2 ms for the whole window.
-vgpu-throttle --kernel-us 2000 --duration $((MIGRATE_SECS * 1000)) > /tmp/throttle.out 2>&1 & thr=$!
+vgpu-throttle --kernel-us 2000 --duration "$MIGRATE_SECS" > /tmp/throttle.out 2>&1 & thr=$!
 echo "L2-MIGRATE-READY" > /dev/console
 read -r now _ < /proc/uptime; end=$(( ${now%.*} + MIGRATE_SECS ))
 n=0 bad=0
@@ -28,6 +28,14 @@ while :; do
         busybox tail -n 5 /tmp/smoke.out > /dev/console
     fi
 done
+# Bounded: a throttle whose channel stopped on the move would wait forever.
+i=0
+while kill -0 $thr 2>/dev/null && [ $i -lt 120 ]; do sleep 1; i=$((i + 1)); done
+if kill -0 $thr 2>/dev/null; then
+    echo "L2-GUEST-CHECK throttle still running ${i}s after its end: killed" > /dev/console
+    busybox tail -n 5 /tmp/throttle.out > /dev/console
+    kill -9 $thr
+fi
 wait $thr; r=$?
 busybox tail -n 2 /tmp/throttle.out
 if [ "$r" = 0 ]; then echo "L2-GUEST-CHECK ok throttle_across_the_move"; else echo "L2-GUEST-CHECK FAIL throttle_across_the_move rc=$r"; fail=1; fi

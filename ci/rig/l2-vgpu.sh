@@ -222,9 +222,13 @@ if [ "$MIGRATE" = 1 ]; then
             sed "s/^/L2-MIGRATE vm=\$k /" /tmp/migrate-\$k.out
             # The guest's progress after the move, on L1's console while the VM runs.
             (
-                dpid=\$(cat /tmp/dst-\$k.pid); seen=0
+                dpid=\$(cat /tmp/dst-\$k.pid); seen=0 i=0
                 while kill -0 \$dpid 2>/dev/null; do
-                    sleep 5
+                    sleep 5; i=\$((i + 1))
+                    if [ \$((i % 6)) = 1 ] && [ -x /bin/vgpuctl ]; then
+                        vgpuctl --socket /tmp/vgpuB/api.sock --json vm stats vm\$k 2>&1 \
+                            | tr -d ' \n' | grep -o '"channels":\[[^]]*\]' | sed "s/^/L2-AFTER vm=\$k backend: /"
+                    fi
                     n=\$(grep -a -c 'L2-LOOP' /tmp/l2-\$k.dst.log)
                     if [ "\$n" != "\$seen" ]; then
                         grep -a 'L2-LOOP' /tmp/l2-\$k.dst.log | tail -n \$((n - seen)) | sed "s/^/L2-AFTER vm=\$k /"
