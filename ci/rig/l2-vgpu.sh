@@ -202,7 +202,7 @@ if [ "$MIGRATE" = 1 ]; then
     # The destination's backend, and per VM: once the L2 is ready, a vgpu-vmm waiting on
     # an incoming address, and vgpu-migrate asking the source VMM to send the VM there.
     mkdir -p /tmp/vgpuB
-    RUST_LOG=info,vgpu_backend::vhu_vgpu=debug vgpu-backend --socket-dir /tmp/vgpuB --api-socket /tmp/vgpuB/api.sock \
+    RUST_LOG=info vgpu-backend --socket-dir /tmp/vgpuB --api-socket /tmp/vgpuB/api.sock \
         --vram-mib 256 --vm-swap-mib 256 --sim-idle-sleep-us 5000 $BACKEND_ARGS \$vms > /tmp/backendB.log 2>&1 &
     bp2=\$!
     for i in \$(seq 1 100); do [ -S /tmp/vgpuB/vm$((VMS - 1)).sock ] && break; sleep 0.1; done
@@ -328,7 +328,7 @@ else
 fi
 if [ -n "\$bp2" ]; then
     kill -TERM \$bp2; wait \$bp2; b2=\$?
-    echo "==== vgpu-backend (destination)"; grep -v 'DEBUG.*request' /tmp/backendB.log | head -n 80
+    echo "==== vgpu-backend (destination)"; tail -n 25 /tmp/backendB.log
     echo "L2-VGPU-BACKEND destination rc=\$b2"
     [ "\$b2" = 0 ] || ok=0
 fi
