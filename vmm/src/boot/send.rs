@@ -13,8 +13,9 @@
 //!    destination's, while the guest runs: the backend's VRAM pre-copy rounds, then it
 //!    pauses the VM's channels (the guest now stores into shadow pages) and sends the rest.
 //! 4. **Pause the vCPUs**; each saves its own state.
-//! 5. **The last RAM round**: what the vCPUs wrote since the previous round, plus every
-//!    guest page the GPU could write (the GPU mappings of guest RAM listed in the device
+//! 5. **The last RAM round**: what the vCPUs wrote since the previous round, the ring
+//!    pages of step 2 again (a request the backend had taken off the ring when it was
+//!    stopped completes after the stop), plus every guest page the GPU could write (the GPU mappings of guest RAM listed in the device
 //!    state: KVM's dirty log does not see the GPU's writes).
 //! 6. **The tail**: the GP_PUTs the guest stored since the backend paused.
 //! 7. **Chips, vCPUs, transport, serial port**, then the commit; once the destination
@@ -217,6 +218,11 @@ impl MigrationSource {
         *paused = true;
         // 5. The last RAM round.
         let mut pages = self.dirty_pages(slots)?;
+        if let Some(st) = stopped.as_ref() {
+            // Again: a request the backend had taken off the ring when GET_VRING_BASE
+            // came completes after it (its used entry and reply land late).
+            ring_written_pages(&self.mem, &st.rings.transport.queues, &mut pages);
+        }
         for &(gpa, len) in &gpu_ranges {
             rep.gpu_pages += add_pages(&self.mem, gpa, len, &mut pages);
         }
