@@ -61,7 +61,7 @@ pub const SESSION_LOCK_WAIT: Duration = Duration::from_millis(1);
 
 /// A VM's held backlog, in intervals of GPU time, that is released at once; beyond it the
 /// release is spread over intervals (see `Sched::release_changes`).
-pub const RELEASE_BUDGET_INTERVALS: u64 = 2;
+pub const RELEASE_BUDGET_INTERVALS: u64 = 1;
 
 /// Every this many intervals (10 s at the default interval) the scheduler looks at every
 /// channel, quiet or not, and forgets what it knew of channels and processes it no longer
