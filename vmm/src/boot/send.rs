@@ -9,10 +9,12 @@
 //!    RAM round sends what the vCPUs wrote and every page the backend may have written
 //!    through the rings since round 0 — KVM's dirty log does not see its writes: the used
 //!    rings, and each buffer a descriptor in the table marks device-writable.
-//! 3. **The vgpu device's state**, relayed frame by frame from the source's backend to the
-//!    destination's, while the guest runs: the backend's VRAM pre-copy rounds, then it
-//!    pauses the VM's channels (the guest now stores into shadow pages) and sends the rest.
-//! 4. **Pause the vCPUs**; each saves its own state.
+//! 3. **Pause the vCPUs**; each saves its own state. The guest's CPU must be stopped
+//!    before the device's state is taken: its stores through aperture windows (VRAM) and
+//!    into channel pages after the backend's last round would otherwise be lost.
+//! 4. **The vgpu device's state**, relayed frame by frame from the source's backend to
+//!    the destination's: the backend's VRAM pre-copy rounds (the GPU may still run work
+//!    submitted before the pause), then it pauses the VM's channels and sends the rest.
 //! 5. **The last RAM round**: what the vCPUs wrote since the previous round, the ring
 //!    pages of step 2 again (a request the backend had taken off the ring when it was
 //!    stopped completes after the stop), plus every guest page the GPU could write (the GPU mappings of guest RAM listed in the device
@@ -162,7 +164,7 @@ impl MigrationSource {
         progress: &mut dyn FnMut(String),
     ) -> Result<SendReport, MigrationError> {
         let mut rep = SendReport::default();
-        // 2. RAM pre-copy.
+        // 1. RAM pre-copy.
         for &s in slots {
             self.vm
                 .set_dirty_logging(s, true)
@@ -202,7 +204,14 @@ impl MigrationSource {
             ));
             round += 1;
         }
-        // 3. The vgpu device's state.
+        // 3. Pause. Before the device's state, not after it: guest CPU stores through an
+        // aperture window (VRAM) or into a channel page after the backend's last round
+        // would not reach the destination (seen in the rig as a channel's MMU fault
+        // there); with the vCPUs stopped the device's state is final when it is sent.
+        let paused_at = Instant::now();
+        let vcpus = self.park.pause(PAUSE_TIMEOUT)?;
+        *paused = true;
+        // 4. The vgpu device's state.
         let mut gpu_ranges = Vec::new();
         if let Some(st) = stopped.as_ref() {
             wire::send(conn, &Msg::Rings(st.rings.encode()))?;
@@ -212,10 +221,6 @@ impl MigrationSource {
             gpu_ranges = ranges;
             progress(format!("device state: {bytes} bytes"));
         }
-        // 4. Pause.
-        let paused_at = Instant::now();
-        let vcpus = self.park.pause(PAUSE_TIMEOUT)?;
-        *paused = true;
         // 5. The last RAM round.
         let mut pages = self.dirty_pages(slots)?;
         if let Some(st) = stopped.as_ref() {
@@ -548,5 +553,51 @@ impl super::LinuxVm {
             park: self.park.clone(),
             busy: Arc::new(AtomicBool::new(false)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn desc(mem: &GuestMemoryMmap, table: u64, i: u64, addr: u64, len: u32, flags: u16) {
+        let mut d = [0u8; 16];
+        d[..8].copy_from_slice(&addr.to_le_bytes());
+        d[8..12].copy_from_slice(&len.to_le_bytes());
+        d[12..14].copy_from_slice(&flags.to_le_bytes());
+        mem.write_slice(&d, GuestAddress(table + 16 * i)).unwrap();
+    }
+
+    /// The pages a stopped ring's device may have written: its used ring and every
+    /// device-writable buffer in the descriptor table (page by page, across page
+    /// boundaries), never a read-only buffer, nothing outside guest RAM.
+    #[test]
+    fn ring_written_pages_are_the_used_ring_and_writable_buffers() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let q = VirtqConfig {
+            index: 0,
+            size: 4,
+            ready: true,
+            desc: 0x1000,
+            avail: 0x2000,
+            used: 0x3000,
+        };
+        desc(&mem, q.desc, 0, 0x10000, 0x2000, VRING_DESC_F_WRITE);
+        desc(&mem, q.desc, 1, 0x20000, 16, 0);
+        desc(&mem, q.desc, 2, 0xffff_f000, 0x1000, VRING_DESC_F_WRITE);
+        desc(&mem, q.desc, 3, 0x30ff0, 0x20, VRING_DESC_F_WRITE);
+        let not_ready = VirtqConfig {
+            index: 1,
+            ready: false,
+            desc: 0x5000,
+            used: 0x6000,
+            ..q
+        };
+        let mut pages = BTreeSet::new();
+        ring_written_pages(&mem, &[q, not_ready], &mut pages);
+        let want: BTreeSet<u64> = [0x3000, 0x10000, 0x11000, 0x30000, 0x31000].into();
+        assert_eq!(pages, want);
+        // A range that wraps the address space adds nothing.
+        assert_eq!(add_pages(&mem, u64::MAX - 10, 100, &mut pages), 0);
     }
 }
