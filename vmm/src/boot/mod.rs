@@ -408,60 +408,32 @@ impl LinuxVm {
             pci = Some(bus);
         }
 
-        if !boot {
-            let base_cpuid = vm.supported_cpuid()?;
-            let mut vcpus = Vec::with_capacity(usize::from(cfg.vcpus));
-            for cpu in 0..cfg.vcpus {
-                let vcpu = vm
-                    .create_vcpu(u64::from(cpu))
-                    .map_err(|source| BootError::Vcpu { cpu, source })?;
-                let mut cpuid = base_cpuid.clone();
-                x86_64::patch_cpuid(&mut cpuid, cpu, cfg.vcpus);
-                vcpu.vcpu_fd()
-                    .set_cpuid2(&cpuid)
-                    .map_err(|source| BootError::VcpuSetup {
-                        cpu,
-                        what: "KVM_SET_CPUID2",
-                        source,
-                    })?;
-                vcpus.push(vcpu);
-            }
-            return Ok(LinuxVm {
-                hooks,
-                vcpus,
-                park: Arc::new(park::VcpuPark::new(vm.clone())),
-                vgpu_slot,
-                vcpu_count: cfg.vcpus,
-                mem_mib: cfg.mem_mib,
-                vm,
-                devices,
-                pci,
-                layout: BootLayout::default(),
-                mem,
-                ram,
-            });
-        }
+        // Guest image (an incoming migration brings RAM and registers instead).
+        let layout = if boot {
+            let layout = x86_64::load_all(
+                &mem,
+                &cfg.kernel,
+                cfg.initrd.as_deref(),
+                &cfg.cmdline,
+                mem_bytes,
+                cfg.vcpus,
+                &pci_intx,
+            )?;
+            log::info!(
+                "kernel at {:#x}..{:#x}, entry {:#x}, initrd {:x?}, cmdline {} bytes, {} MiB, {} vCPU(s)",
+                layout.kernel_load,
+                layout.kernel_end,
+                layout.entry,
+                layout.initrd,
+                layout.cmdline_len,
+                cfg.mem_mib,
+                cfg.vcpus
+            );
 
-        // Guest image.
-        let layout = x86_64::load_all(
-            &mem,
-            &cfg.kernel,
-            cfg.initrd.as_deref(),
-            &cfg.cmdline,
-            mem_bytes,
-            cfg.vcpus,
-            &pci_intx,
-        )?;
-        log::info!(
-            "kernel at {:#x}..{:#x}, entry {:#x}, initrd {:x?}, cmdline {} bytes, {} MiB, {} vCPU(s)",
-            layout.kernel_load,
-            layout.kernel_end,
-            layout.entry,
-            layout.initrd,
-            layout.cmdline_len,
-            cfg.mem_mib,
-            cfg.vcpus
-        );
+            layout
+        } else {
+            BootLayout::default()
+        };
 
         // vCPUs.
         let base_cpuid = vm.supported_cpuid()?;
@@ -473,7 +445,18 @@ impl LinuxVm {
                 .map_err(|source| BootError::Vcpu { cpu, source })?;
             let mut cpuid = base_cpuid.clone();
             x86_64::patch_cpuid(&mut cpuid, cpu, cfg.vcpus);
-            setup_vcpu(vcpu.vcpu_fd(), cpu, &cpuid, &layout)?;
+            if boot {
+                setup_vcpu(vcpu.vcpu_fd(), cpu, &cpuid, &layout)?;
+            } else {
+                // The rest of the vCPU's state comes with the migration.
+                vcpu.vcpu_fd()
+                    .set_cpuid2(&cpuid)
+                    .map_err(|source| BootError::VcpuSetup {
+                        cpu,
+                        what: "KVM_SET_CPUID2",
+                        source,
+                    })?;
+            }
             vcpus.push(vcpu);
         }
 

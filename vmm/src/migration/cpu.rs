@@ -52,15 +52,7 @@ pub fn readable_msrs(kvm: &Kvm, fd: &VcpuFd) -> Result<Vec<u32>, MigrationError>
     let mut left: Vec<u32> = all.as_slice().to_vec();
     let mut ok = Vec::with_capacity(left.len());
     while !left.is_empty() {
-        let entries: Vec<kvm_msr_entry> = left
-            .iter()
-            .map(|&index| kvm_msr_entry {
-                index,
-                ..Default::default()
-            })
-            .collect();
-        let mut msrs = Msrs::from_entries(&entries)
-            .map_err(|e| MigrationError::Invalid("MSR list", fam_msg(e)))?;
+        let mut msrs = msrs_of(left.iter().map(|&i| (i, 0)))?;
         let n = fd.get_msrs(&mut msrs).map_err(kvm_err("KVM_GET_MSRS"))?;
         ok.extend_from_slice(&left[..n]);
         // Skip the one refused and go on after it.
@@ -69,8 +61,17 @@ pub fn readable_msrs(kvm: &Kvm, fd: &VcpuFd) -> Result<Vec<u32>, MigrationError>
     Ok(ok)
 }
 
-fn fam_msg(_: vmm_sys_util::fam::Error) -> &'static str {
-    "too many entries"
+/// KVM's MSR list for `(index, value)` pairs.
+fn msrs_of(pairs: impl Iterator<Item = (u32, u64)>) -> Result<Msrs, MigrationError> {
+    let entries: Vec<kvm_msr_entry> = pairs
+        .map(|(index, data)| kvm_msr_entry {
+            index,
+            data,
+            ..Default::default()
+        })
+        .collect();
+    Msrs::from_entries(&entries)
+        .map_err(|_| MigrationError::Invalid("MSR list", "too many entries"))
 }
 
 /// Whether KVM's XSAVE area fits `kvm_xsave` (no AMX-sized state): the only size we move.
@@ -94,20 +95,12 @@ impl VcpuState {
         let xcrs = fd.get_xcrs().map_err(kvm_err("KVM_GET_XCRS"))?;
         let debugregs = fd.get_debug_regs().map_err(kvm_err("KVM_GET_DEBUGREGS"))?;
         let lapic = fd.get_lapic().map_err(kvm_err("KVM_GET_LAPIC"))?;
-        let entries: Vec<kvm_msr_entry> = msr_list
-            .iter()
-            .map(|&index| kvm_msr_entry {
-                index,
-                ..Default::default()
-            })
-            .collect();
-        let mut m = Msrs::from_entries(&entries)
-            .map_err(|e| MigrationError::Invalid("MSR list", fam_msg(e)))?;
+        let mut m = msrs_of(msr_list.iter().map(|&i| (i, 0)))?;
         let n = fd.get_msrs(&mut m).map_err(kvm_err("KVM_GET_MSRS"))?;
-        if n != entries.len() {
+        if n != msr_list.len() {
             return Err(MigrationError::Msrs {
                 got: n,
-                want: entries.len(),
+                want: msr_list.len(),
             });
         }
         let msrs = m.as_slice().iter().map(|e| (e.index, e.data)).collect();
@@ -140,21 +133,11 @@ impl VcpuState {
             .map_err(kvm_err("KVM_SET_DEBUGREGS"))?;
         fd.set_lapic(&self.lapic)
             .map_err(kvm_err("KVM_SET_LAPIC"))?;
-        let entries: Vec<kvm_msr_entry> = self
-            .msrs
-            .iter()
-            .map(|&(index, data)| kvm_msr_entry {
-                index,
-                data,
-                ..Default::default()
-            })
-            .collect();
-        let m = Msrs::from_entries(&entries)
-            .map_err(|e| MigrationError::Invalid("MSR list", fam_msg(e)))?;
+        let m = msrs_of(self.msrs.iter().copied())?;
         let n = fd.set_msrs(&m).map_err(kvm_err("KVM_SET_MSRS"))?;
-        if n != entries.len() {
+        if n != self.msrs.len() {
             return Err(MigrationError::MsrRefused(
-                entries.get(n).map_or(0, |e| e.index),
+                self.msrs.get(n).map_or(0, |e| e.0),
             ));
         }
         fd.set_vcpu_events(&self.events)

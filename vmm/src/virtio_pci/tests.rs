@@ -81,6 +81,13 @@ impl Guest {
             .unwrap()
     }
 
+    fn dev_mut(&mut self) -> &mut VirtioPciDevice<StubBackend> {
+        self.bus
+            .device_mut(self.slot)
+            .and_then(|d| d.as_any_mut().downcast_mut())
+            .unwrap()
+    }
+
     /// Walks the capability list: `(cfg_type, bar, id, offset, length, cap offset)`.
     fn virtio_caps(&mut self) -> Vec<(u8, u8, u8, u64, u64, usize)> {
         assert_ne!(self.cfg32(0x04) >> 16 & 0x10, 0, "capability list bit");
@@ -429,13 +436,7 @@ fn transport_state_moves_to_a_fresh_function() {
 
     let mut h = Guest::new();
     let slot = h.slot;
-    let dev = h
-        .bus
-        .device_mut(slot)
-        .unwrap()
-        .as_any_mut()
-        .downcast_mut::<VirtioPciDevice<StubBackend>>()
-        .unwrap();
+    let dev = h.dev_mut();
     dev.restore_transport(&saved).unwrap();
     assert!(
         dev.backend().activated.is_none(),
@@ -462,14 +463,7 @@ fn transport_state_moves_to_a_fresh_function() {
     let mut bad = saved.clone();
     bad.queues.pop();
     let mut k = Guest::new();
-    let slot = k.slot;
-    let dev = k
-        .bus
-        .device_mut(slot)
-        .unwrap()
-        .as_any_mut()
-        .downcast_mut::<VirtioPciDevice<StubBackend>>()
-        .unwrap();
+    let dev = k.dev_mut();
     assert!(dev.restore_transport(&bad).is_err());
     let mut bad = saved.clone();
     bad.config_regs[0] ^= 1;
