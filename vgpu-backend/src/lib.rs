@@ -3,7 +3,8 @@
 //!
 //! Layout, in the style of rust-vmm's vhost-device crates:
 //! - [`vhu_vgpu`]: `VhostUserBackend` — features, config space, shared-memory region,
-//!   control and event virtqueues;
+//!   control and event virtqueues; [`inflight`] makes a ring's stop wait for the requests
+//!   the worker already took;
 //! - [`vm`]: **the one owner of per-VM state** — `VmState` and its `Session` (what each
 //!   guest process owns), control requests by subject, the session's channels through the
 //!   shadow mechanism, its VRAM objects and moves, teardown; nothing else has an `impl`
@@ -59,6 +60,7 @@ mod device_state;
 pub mod error;
 pub mod events;
 pub mod guest_mem;
+mod inflight;
 pub mod sandbox;
 pub mod sched;
 pub mod shadow;

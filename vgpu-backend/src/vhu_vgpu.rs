@@ -56,6 +56,7 @@ use vmm_sys_util::event::{
 
 use crate::device_state::StateTransfer;
 use crate::guest_mem::GuestMemory;
+use crate::inflight::{InFlight, Ticket, STOP_TIMEOUT};
 use crate::shmem::VhostShm;
 use crate::VmState;
 
@@ -118,6 +119,8 @@ pub struct VhuVgpu {
     config: [u8; DeviceConfig::SIZE],
     /// Device-state transfer (live migration).
     transfer: StateTransfer,
+    /// Chains taken off a ring and not answered yet (a ring's stop waits for them).
+    inflight: Arc<InFlight>,
 }
 
 impl Drop for VhuVgpu {
@@ -154,6 +157,7 @@ impl VhuVgpu {
             given_exit_fds: std::sync::Mutex::new(Vec::new()),
             config,
             transfer: StateTransfer::default(),
+            inflight: InFlight::new(NUM_QUEUES),
         })
     }
 
@@ -199,19 +203,25 @@ impl VhuVgpu {
         self.vm.end_connection();
     }
 
-    /// The next available chain, or the ring's error (an invalid avail index, say), which
+    /// The next available chain of queue `queue`, counted in flight until its ticket
+    /// drops; or the ring's error (an invalid avail index, say), which
     /// `pop_descriptor_chain` would turn into "nothing there" while the avail index keeps
     /// saying there is.
     fn pop_chain<M>(
+        &self,
+        queue: u16,
         vring: &Vring,
         mem: M,
-    ) -> Result<Option<DescriptorChain<M>>, virtio_queue::Error>
+    ) -> Result<Option<(DescriptorChain<M>, Ticket)>, virtio_queue::Error>
     where
         M: Clone + std::ops::Deref<Target = GuestMemory>,
     {
         let mut state = vring.get_mut();
         let mut iter = state.get_queue_mut().iter(mem)?;
-        Ok(iter.next())
+        // Counted under the ring's lock: see `inflight`.
+        Ok(iter
+            .next()
+            .map(|chain| (chain, self.inflight.enter(usize::from(queue)))))
     }
 
     fn memory(&self) -> GuestMemoryAtomicMmap {
@@ -276,9 +286,14 @@ impl VhuVgpu {
         let atomic = self.memory();
         let mem = atomic.memory();
         let mut used = false;
+        // Held until the used entries are signalled: a ring's stop waits for them.
+        let mut tickets = Vec::new();
         while self.serving() {
-            let chain = match Self::pop_chain(vring, mem.clone()) {
-                Ok(Some(chain)) => chain,
+            let chain = match self.pop_chain(CONTROL_QUEUE, vring, mem.clone()) {
+                Ok(Some((chain, ticket))) => {
+                    tickets.push(ticket);
+                    chain
+                }
                 Ok(None) => break,
                 // The frontend stopped the ring (GET_VRING_BASE) while a kick was on its
                 // way: nothing to serve, nothing broken.
@@ -299,6 +314,7 @@ impl VhuVgpu {
         if used {
             Self::signal(vring);
         }
+        drop(tickets);
     }
 
     /// Reads the request of one chain, handles it, writes the reply; returns the number of
@@ -367,9 +383,13 @@ impl VhuVgpu {
         let mem = atomic.memory();
         let events = &self.vm.shared.events;
         let mut used = false;
+        let mut tickets = Vec::new();
         while let Some(ev) = events.pop() {
-            let chain = match Self::pop_chain(vring, mem.clone()) {
-                Ok(Some(chain)) => chain,
+            let chain = match self.pop_chain(EVENT_QUEUE, vring, mem.clone()) {
+                Ok(Some((chain, ticket))) => {
+                    tickets.push(ticket);
+                    chain
+                }
                 Ok(None) => {
                     events.unpop(ev);
                     break;
@@ -413,6 +433,7 @@ impl VhuVgpu {
         if used {
             Self::signal(vring);
         }
+        drop(tickets);
     }
 }
 
@@ -521,6 +542,15 @@ impl VhostUserBackend for VhuVgpu {
             file,
         )?;
         Ok(None)
+    }
+
+    fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
+        // The ring is already marked not ready: wait for the answers to what was taken.
+        let queue = usize::try_from(queue_index).unwrap_or(usize::MAX);
+        self.inflight.wait_idle(queue, STOP_TIMEOUT).map_err(|e| {
+            warn!("VM {}: stopping a ring: {e}", self.vm.name);
+            io::Error::other(e)
+        })
     }
 
     fn check_device_state(&self) -> io::Result<()> {

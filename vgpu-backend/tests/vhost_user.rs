@@ -613,3 +613,65 @@ fn a_broken_avail_index_ends_the_connection_and_the_socket_serves_again() {
     drop(vm);
     backend.shutdown();
 }
+
+/// `GET_VRING_BASE` stops a ring only once every request the backend took off it is
+/// answered: right after the stop, the used index equals the base it returned. A
+/// frontend migrating the VM relies on it; before the backend waited (`stop_vring`), a
+/// stop falling between the worker's pop and its reply returned a base past a request
+/// whose reply and effect came later.
+#[test]
+fn stopping_the_control_ring_waits_for_the_requests_already_taken() {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let sim = SimGpu::new(SimConfig {
+        vram_bytes: 64 << 20,
+        ..SimConfig::default()
+    })
+    .unwrap();
+    let gpu: Arc<dyn Gpu> = sim.clone();
+    let backend = VgpuBackend::new(gpu, VmLimits::default());
+    let sock = socket_path("stop-waits");
+    backend.serve_vm("vms", &sock).unwrap();
+    let mut vm = Vm::connect(&sock, false);
+    let ctx = match vm.request(3, 0, Op::CreateContext).unwrap() {
+        ReplyBody::Context { ctx } => ctx,
+        other => panic!("{other:?}"),
+    };
+    let q = CONTROL_QUEUE as usize;
+    let (mut answered_at_stop, mut early) = (0u32, 0u32);
+    for round in 0..3000u32 {
+        // Taking a request and answering it overlaps the stop that follows the kick.
+        let op = if round % 2 == 0 {
+            Op::GetInfo
+        } else {
+            Op::GetStats
+        };
+        let bytes = Request { pid: 3, ctx, op }.encode();
+        vm.mem.write_slice(&bytes, GuestAddress(REQ_BUF)).unwrap();
+        vm.ctrl.post(
+            &vm.mem,
+            &[(REQ_BUF, bytes.len() as u32, false), (REPLY_BUF, 256, true)],
+        );
+        let base = vm.fe.get_vring_base(q).unwrap() as u16;
+        let used: u16 = vm.mem.read_obj(GuestAddress(vm.ctrl.used + 2)).unwrap();
+        assert_eq!(
+            used, base,
+            "round {round}: the stop returned base {base} with used index {used}: a taken request was not answered yet"
+        );
+        if base == vm.ctrl.next_avail {
+            answered_at_stop += 1;
+        } else {
+            early += 1;
+        }
+        // Start the ring again where it stopped; the request not taken yet is served now.
+        vm.fe.set_vring_base(q, base).unwrap();
+        vm.fe.set_vring_call(q, &vm.ctrl.call).unwrap();
+        vm.fe.set_vring_kick(q, &vm.ctrl.kick).unwrap();
+        vm.fe.set_vring_enable(q, true).unwrap();
+        vm.ctrl.kick.write(1).unwrap();
+        let (_, len) = vm.ctrl.wait_used(&vm.mem);
+        assert!(len > 0, "round {round}: an empty reply");
+    }
+    eprintln!("stops after the request was taken: {answered_at_stop}, before: {early}");
+    drop(vm);
+    backend.shutdown();
+}
