@@ -49,6 +49,10 @@ RESTART=0
 HANG=0
 MIGRATE=0
 TIMEOUT=420
+# Log filter of the backends and VMMs in L1 (RUST_LOG syntax), and how many of the
+# backends' last log lines the summary shows.
+RIG_LOG="${RIG_LOG:-info}"
+RIG_LOG_LINES="${RIG_LOG_LINES:-25}"
 ADDS=()
 EXTRA=()
 die() { echo "l2-vgpu: $*" >&2; exit 1; }
@@ -191,7 +195,7 @@ mkdir -p /tmp/vgpu
 vms=""
 for k in \$(seq 0 $((VMS - 1))); do vms="\$vms --vm vm\$k"; done
 start_backend() {
-    RUST_LOG=info vgpu-backend --socket-dir /tmp/vgpu --api-socket /tmp/vgpu/api.sock \\
+    RUST_LOG=$RIG_LOG vgpu-backend --socket-dir /tmp/vgpu --api-socket /tmp/vgpu/api.sock \\
         --vram-mib 256 --vm-swap-mib 256 --sim-idle-sleep-us 5000 $BACKEND_ARGS \$vms >> /tmp/backend.log 2>&1 &
 }
 start_backend
@@ -202,7 +206,7 @@ if [ "$MIGRATE" = 1 ]; then
     # The destination's backend, and per VM: once the L2 is ready, a vgpu-vmm waiting on
     # an incoming address, and vgpu-migrate asking the source VMM to send the VM there.
     mkdir -p /tmp/vgpuB
-    RUST_LOG=info vgpu-backend --socket-dir /tmp/vgpuB --api-socket /tmp/vgpuB/api.sock \
+    RUST_LOG=$RIG_LOG vgpu-backend --socket-dir /tmp/vgpuB --api-socket /tmp/vgpuB/api.sock \
         --vram-mib 256 --vm-swap-mib 256 --sim-idle-sleep-us 5000 $BACKEND_ARGS \$vms > /tmp/backendB.log 2>&1 &
     bp2=\$!
     for i in \$(seq 1 100); do [ -S /tmp/vgpuB/vm$((VMS - 1)).sock ] && break; sleep 0.1; done
@@ -213,7 +217,7 @@ if [ "$MIGRATE" = 1 ]; then
                 sleep 0.2
             done
             : > /tmp/l2-\$k.dst.log
-            RUST_LOG=info vgpu-vmm --incoming unix:/tmp/mig-\$k.sock --vgpu-socket /tmp/vgpuB/vm\$k.sock \
+            RUST_LOG=$RIG_LOG vgpu-vmm --incoming unix:/tmp/mig-\$k.sock --vgpu-socket /tmp/vgpuB/vm\$k.sock \
                 --timeout $((TIMEOUT - 60)) --serial /tmp/l2-\$k.dst.log > /tmp/vmm-\$k.dst.log 2>&1 &
             echo \$! > /tmp/dst-\$k.pid
             for i in \$(seq 1 100); do [ -S /tmp/mig-\$k.sock ] && break; sleep 0.1; done
@@ -274,7 +278,7 @@ read -r t0 _ < /proc/uptime
 pids=""
 for k in \$(seq 0 $((VMS - 1))); do
     : > /tmp/l2-\$k.log
-    RUST_LOG=info vgpu-vmm --vgpu-socket /tmp/vgpu/vm\$k.sock --kernel /l2/vmlinuz \\
+    RUST_LOG=$RIG_LOG vgpu-vmm --vgpu-socket /tmp/vgpu/vm\$k.sock --kernel /l2/vmlinuz \\
         --initrd /l2/l2.cpio.gz --mem-mib 256 --vcpus $VCPUS --timeout $((TIMEOUT - 60)) \\
         --cmdline "$L2_ARGS vgpu.vm=\$k" --serial /tmp/l2-\$k.log --api-socket /tmp/vmm-\$k.api \
         > /tmp/vmm-\$k.log 2>&1 &
@@ -328,11 +332,11 @@ else
 fi
 if [ -n "\$bp2" ]; then
     kill -TERM \$bp2; wait \$bp2; b2=\$?
-    echo "==== vgpu-backend (destination)"; tail -n 25 /tmp/backendB.log
+    echo "==== vgpu-backend (destination)"; tail -n $RIG_LOG_LINES /tmp/backendB.log
     echo "L2-VGPU-BACKEND destination rc=\$b2"
     [ "\$b2" = 0 ] || ok=0
 fi
-echo "==== vgpu-backend"; tail -n 25 /tmp/backend.log
+echo "==== vgpu-backend"; tail -n $RIG_LOG_LINES /tmp/backend.log
 echo "L2-VGPU-BACKEND rc=\$brc"
 [ "\$brc" = 0 ] || ok=0
 [ "\$ok" = 1 ]

@@ -305,6 +305,10 @@ impl VhuVgpu {
             };
             let head = chain.head_index();
             let len = self.serve_chain(chain, &mem);
+            log::trace!(
+                "VM {}: control chain {head} answered ({len} bytes)",
+                self.vm.name
+            );
             if let Err(e) = vring.add_used(head, len) {
                 warn!("control queue: add_used: {e}");
                 break;
@@ -547,6 +551,7 @@ impl VhostUserBackend for VhuVgpu {
     fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
         // The ring is already marked not ready: wait for the answers to what was taken.
         let queue = usize::try_from(queue_index).unwrap_or(usize::MAX);
+        debug!("VM {}: stopping queue {queue}", self.vm.name);
         self.inflight.wait_idle(queue, STOP_TIMEOUT).map_err(|e| {
             warn!("VM {}: stopping a ring: {e}", self.vm.name);
             io::Error::other(e)

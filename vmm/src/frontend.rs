@@ -339,12 +339,24 @@ impl VhostUserDevice {
         queues: &[QueueSetup<'_>],
         bases: &[u16],
     ) -> Result<(), FrontendError> {
+        self.prepare(driver_features, mem)?;
+        self.start_rings(queues, bases)
+    }
+
+    /// The first half of an activation: features and the memory table, no rings. A
+    /// migration's destination stops here until the guest's RAM is final (the device
+    /// state can be loaded meanwhile), so that the backend cannot serve a ring and write
+    /// into RAM that a later RAM round overwrites.
+    pub fn prepare(
+        &mut self,
+        driver_features: u64,
+        mem: &[VhostUserMemoryRegionInfo],
+    ) -> Result<(), FrontendError> {
         let acked = (driver_features | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits())
             & self.offered_features;
         let reply_ack = self
             .protocol_features
             .contains(VhostUserProtocolFeatures::REPLY_ACK);
-        let queue_num = self.queue_num;
         let (fe, wd, armed) = self.fe()?;
         fe.set_features(acked)
             .map_err(timed_err(wd, "SET_FEATURES"))?;
@@ -355,6 +367,21 @@ impl VhostUserDevice {
         }
         fe.set_mem_table(mem)
             .map_err(timed_err(wd, "SET_MEM_TABLE"))?;
+        drop(armed);
+        self.acked_features = acked;
+        Ok(())
+    }
+
+    /// The second half of an activation: sets up and enables `queues`, each continuing
+    /// at `bases[i]` (0 where missing). The backend reads each used index from guest RAM
+    /// here (`SET_VRING_ADDR`).
+    pub fn start_rings(
+        &mut self,
+        queues: &[QueueSetup<'_>],
+        bases: &[u16],
+    ) -> Result<(), FrontendError> {
+        let queue_num = self.queue_num;
+        let (fe, wd, armed) = self.fe()?;
         for (i, q) in queues.iter().enumerate() {
             let base = bases.get(i).copied().unwrap_or(0);
             if q.index as u64 >= queue_num {
@@ -387,7 +414,6 @@ impl VhostUserDevice {
             debug!("vring {} enabled ({} entries)", q.index, q.size);
         }
         drop(armed);
-        self.acked_features = acked;
         Ok(())
     }
 

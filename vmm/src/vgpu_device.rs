@@ -100,6 +100,8 @@ pub struct VhostUserVgpu {
     /// Queues handed to the backend by the last activation.
     active_queues: Vec<usize>,
     activations: u64,
+    /// A migration's destination: the rings to start at the commit, and where.
+    pending_rings: Option<(Vec<VirtqConfig>, Vec<u16>)>,
 }
 
 impl std::fmt::Debug for VhostUserVgpu {
@@ -171,6 +173,7 @@ impl VhostUserVgpu {
                 .collect::<Result<_, _>>()?,
             active_queues: Vec::new(),
             activations: 0,
+            pending_rings: None,
         })
     }
 
@@ -243,6 +246,7 @@ impl VhostUserVgpu {
         self.dev.disconnect();
         self.dev = dev;
         self.active_queues.clear();
+        self.pending_rings = None;
         info!("vgpu: reconnected to {}", self.socket.display());
     }
 
@@ -321,10 +325,43 @@ impl VhostUserVgpu {
         queues: &[VirtqConfig],
         bases: &[u16],
     ) -> Result<(), ActivateError> {
-        let setups = Self::setups(&self.ram, &self.calls, &self.kicks, queues)?;
+        self.prepare_at(features, queues, bases)?;
+        self.start_prepared()
+    }
+
+    /// The first half of [`Self::activate_at`]: features and memory table only; the
+    /// rings wait for [`Self::start_prepared`]. A migration's destination loads the
+    /// device's state in between, while RAM rounds still arrive: a ring served then
+    /// would write used entries a later round overwrites.
+    pub fn prepare_at(
+        &mut self,
+        features: u64,
+        queues: &[VirtqConfig],
+        bases: &[u16],
+    ) -> Result<(), ActivateError> {
+        // Checked now, so that the start cannot fail on the rings' placement.
+        Self::setups(&self.ram, &self.calls, &self.kicks, queues)?;
+        self.dev
+            .prepare(features, &self.mem_table)
+            .map_err(|e| ActivateError::Backend(e.to_string()))?;
+        self.pending_rings = Some((queues.to_vec(), bases.to_vec()));
+        Ok(())
+    }
+
+    /// Whether [`Self::prepare_at`] left rings to start.
+    pub fn has_prepared(&self) -> bool {
+        self.pending_rings.is_some()
+    }
+
+    /// Starts the rings [`Self::prepare_at`] described.
+    pub fn start_prepared(&mut self) -> Result<(), ActivateError> {
+        let Some((queues, bases)) = self.pending_rings.take() else {
+            return Err(ActivateError::Backend("no prepared activation".into()));
+        };
+        let setups = Self::setups(&self.ram, &self.calls, &self.kicks, &queues)?;
         let indices: Vec<usize> = setups.iter().map(|s| s.index).collect();
         self.dev
-            .activate_at(features, &self.mem_table, &setups, bases)
+            .start_rings(&setups, &bases)
             .map_err(|e| ActivateError::Backend(e.to_string()))?;
         self.active_queues = indices;
         self.activations += 1;
@@ -418,6 +455,7 @@ impl VirtioBackend for VhostUserVgpu {
     }
 
     fn reset(&mut self) {
+        self.pending_rings = None;
         let queues = std::mem::take(&mut self.active_queues);
         match self.dev.reset(&queues) {
             Ok(()) => info!("vgpu: device reset"),

@@ -3,15 +3,18 @@
 //! source's ring positions in its own backend and loads the device's state there, then
 //! restores the chips, vCPUs and devices at the commit. See `send.rs` for the order.
 //!
-//! The destination's backend starts serving the rings only when the VM runs here: it
-//! is kicked after the commit, and until then no kick reaches it (the vCPUs here have
-//! not run), so it never writes into guest RAM that a later RAM round overwrites.
+//! The destination's backend gets the rings only at the commit, once the last RAM round
+//! is in: before that it has the features and memory table (enough to load the device's
+//! state) but no ring to serve, so it cannot write a used entry into guest RAM that a
+//! later RAM round overwrites, whatever kicks or events come meanwhile. (It once had them
+//! at the rings record, and a request it answered then, before its state was even
+//! loaded, was lost: the last round put back the source's used ring.)
 
 use std::io::Write;
 use std::time::{Duration, Instant};
 
 use log::{info, warn};
-use vgpu_protocol::device::CONTROL_QUEUE;
+use vgpu_protocol::device::{CONTROL_QUEUE, EVENT_QUEUE};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 use super::serial::SerialOut;
@@ -160,7 +163,7 @@ fn receive_into(
                     Msg::Commit => {}
                     _ => return Err(MigrationError::OutOfOrder("a message", "the commit")),
                 }
-                let r = restore_machine(vm, &m);
+                let r = restore_machine(vm, &m).and_then(|()| start_rings(vm));
                 reply(conn, &r)?;
                 r?;
                 resume_device(vm);
@@ -224,13 +227,31 @@ fn restore_transport(vm: &LinuxVm, t: &TransportState) -> Result<(), MigrationEr
     Ok(())
 }
 
-/// Continues the device at the source's ring positions (the backend is not kicked yet).
+/// Prepares the device to continue at the source's ring positions; the rings start at
+/// the commit ([`start_rings`]).
 fn continue_rings(vm: &LinuxVm, r: &RingsRecord) -> Result<(), MigrationError> {
     restore_transport(vm, &r.transport)?;
     let t = &r.transport;
     vgpu(vm, |d| {
         d.backend_mut()
-            .activate_at(t.driver_features, &t.queues, &r.bases)
+            .prepare_at(t.driver_features, &t.queues, &r.bases)
+    })?
+    .map_err(|e| MigrationError::Device(e.to_string()))
+}
+
+/// Hands the backend the rings (guest RAM is final now); a VM without a running vgpu
+/// device has nothing prepared.
+fn start_rings(vm: &LinuxVm) -> Result<(), MigrationError> {
+    if vm.vgpu_slot.is_none() {
+        return Ok(());
+    }
+    vgpu(vm, |d| {
+        let b = d.backend_mut();
+        if b.has_prepared() {
+            b.start_prepared()
+        } else {
+            Ok(())
+        }
     })?
     .map_err(|e| MigrationError::Device(e.to_string()))
 }
@@ -257,14 +278,17 @@ fn restore_machine(vm: &LinuxVm, m: &MachineRecord) -> Result<(), MigrationError
 }
 
 /// The device runs here now: a kick makes the backend look at the control queue (it
-/// unpauses the VM's channels and serves what the guest queued meanwhile), and a call
-/// on each queue makes the driver look at its used rings (harmless if nothing is new).
+/// unpauses the VM's channels and serves what the guest queued meanwhile) and at the
+/// event queue (events restored with the state), and a call on each queue makes the
+/// driver look at its used rings (harmless if nothing is new).
 fn resume_device(vm: &LinuxVm) {
     let r = vgpu(vm, |d| {
         let b = d.backend_mut();
-        if let Some(k) = b.kick(CONTROL_QUEUE as usize) {
-            if let Err(e) = k.write(1) {
-                warn!("migration: kicking the control queue: {e}");
+        for q in [CONTROL_QUEUE, EVENT_QUEUE] {
+            if let Some(k) = b.kick(q as usize) {
+                if let Err(e) = k.write(1) {
+                    warn!("migration: kicking queue {q}: {e}");
+                }
             }
         }
         for c in b.calls() {

@@ -182,8 +182,10 @@ impl LoopbackVm {
         let t0 = Instant::now();
         self.ctrl.freeze()?;
         let r = self.migrate_frozen(socket, filter);
-        // The rings run again: on the destination, or on the source after a rollback.
+        // The rings run again: on the destination, or on the source after a rollback
+        // (the event queue's kick delivers the events restored with the state).
         kick(&self.ctrl.kick);
+        kick(&self.events.kick);
         self.ctrl.thaw();
         r.map(|mut rep| {
             rep.downtime = t0.elapsed();
@@ -241,15 +243,18 @@ impl LoopbackVm {
             &loopback_requirements(self.faults.request_timeout),
             self.handler.clone(),
         )?;
+        let mut started = false;
         let loaded = (|| {
-            with_queues(&self.ctrl, &self.events, |q| {
-                dest.activate_at(DRIVER_FEATURES, &self.ram.vhost_regions(), q, bases)
-            })?;
+            // The rings start only once the state is in (as on a KVM destination,
+            // `boot::receive`): nothing is served from a half-loaded device.
+            dest.prepare(DRIVER_FEATURES, &self.ram.vhost_regions())?;
             let mut report = stream_state(source, &mut dest, filter)?;
             let mut tail = source.save_state()?;
             filter(&mut tail);
             dest.load_state(&tail)?;
             report.tail_bytes = tail.len();
+            started = true;
+            with_queues(&self.ctrl, &self.events, |q| dest.start_rings(q, bases))?;
             Ok::<MigrationReport, LoopbackError>(report)
         })();
         match loaded {
@@ -259,8 +264,10 @@ impl LoopbackVm {
                 // them before the source's rings restart, or it could take the kick that
                 // resumes the source (or serve the source's requests).
                 let queues = [CONTROL_QUEUE as usize, EVENT_QUEUE as usize];
-                if let Err(e2) = dest.stop_queues(&queues) {
-                    warn!("stopping the refused destination's rings: {e2}");
+                if started {
+                    if let Err(e2) = dest.stop_queues(&queues) {
+                        warn!("stopping the refused destination's rings: {e2}");
+                    }
                 }
                 dest.disconnect();
                 Err(e)

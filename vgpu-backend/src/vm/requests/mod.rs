@@ -18,7 +18,7 @@ mod memory;
 
 use std::sync::Arc;
 
-use log::{debug, warn};
+use log::{debug, trace, warn};
 use vgpu_host_shim::{ChannelConfig, ChannelResume, ContextId, MapFlags, MapTarget, PageSize};
 use vgpu_protocol::channel::valid_gp_entries;
 use vgpu_protocol::device::{slot_offset, CHANNEL_SLOTS};
@@ -87,6 +87,13 @@ impl Session {
         let result = match Request::decode(req) {
             Ok(r) => {
                 let res = self.execute(&r, mem, shm);
+                trace!(
+                    "request op {} pid {} ctx {}: {}",
+                    r.opcode(),
+                    r.pid,
+                    r.ctx,
+                    if res.is_ok() { "ok" } else { "failed" }
+                );
                 if let Err(code) = res {
                     debug!(
                         "request op {} pid {} ctx {} failed: {code}",
