@@ -15,6 +15,7 @@
 #     "L2-MIGRATE-READY" its VM is live-migrated (vgpu-migrate) from its vgpu-vmm to a
 #     `vgpu-vmm --incoming` on the second backend, and the L2 result is read from the
 #     destination's serial log; with --guest the L2 script is ci/rig/l2-migrate-checks.sh.
+#     --migrate-via tcp sends it over TCP (127.0.0.1 in L1) instead of a unix socket.
 #   - --restart-backend: once every L2 printed "L2-RECONNECT-READY", vgpu-backend is
 #     SIGKILLed and a new one started on the same sockets (vgpu-vmm reconnects); with
 #     --guest the L2 script is then ci/rig/l2-reconnect-checks.sh. --hang-backend S does
@@ -48,6 +49,7 @@ BUILD=1
 RESTART=0
 HANG=0
 MIGRATE=0
+MIGRATE_VIA=unix
 TIMEOUT=420
 # Log filter of the backends and VMMs in L1 (RUST_LOG syntax), and how many of the
 # backends' last log lines the summary shows.
@@ -64,6 +66,7 @@ while [ $# -gt 0 ]; do
         --guest) GUEST=1; shift ;;
         --restart-backend) RESTART=1; shift ;;
         --migrate) MIGRATE=1; shift ;;
+        --migrate-via) MIGRATE=1; MIGRATE_VIA="$2"; shift 2 ;;
         --hang-backend) RESTART=1; HANG="$2"; shift 2 ;;
         --exit-cost) EXITCOST="$2"; shift 2 ;;
         --l2-cmd) L2CMD="$2"; shift 2 ;;
@@ -217,11 +220,21 @@ if [ "$MIGRATE" = 1 ]; then
                 sleep 0.2
             done
             : > /tmp/l2-\$k.dst.log
-            RUST_LOG=$RIG_LOG vgpu-vmm --incoming unix:/tmp/mig-\$k.sock --vgpu-socket /tmp/vgpuB/vm\$k.sock \
+            if [ "$MIGRATE_VIA" = tcp ]; then
+                # Between hosts: TCP (here over L1's loopback interface).
+                ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up
+                to=tcp:127.0.0.1:\$((4700 + k))
+            else
+                to=unix:/tmp/mig-\$k.sock
+            fi
+            RUST_LOG=$RIG_LOG vgpu-vmm --incoming \$to --vgpu-socket /tmp/vgpuB/vm\$k.sock \
                 --timeout $((TIMEOUT - 60)) --serial /tmp/l2-\$k.dst.log > /tmp/vmm-\$k.dst.log 2>&1 &
             echo \$! > /tmp/dst-\$k.pid
-            for i in \$(seq 1 100); do [ -S /tmp/mig-\$k.sock ] && break; sleep 0.1; done
-            vgpu-migrate --api /tmp/vmm-\$k.api --to unix:/tmp/mig-\$k.sock > /tmp/migrate-\$k.out 2>&1
+            for i in \$(seq 1 100); do
+                grep -a -q "waiting for a migration" /tmp/vmm-\$k.dst.log 2>/dev/null && break
+                sleep 0.1
+            done
+            vgpu-migrate --api /tmp/vmm-\$k.api --to \$to > /tmp/migrate-\$k.out 2>&1
             echo \$? > /tmp/migrate-\$k.rc
             sed "s/^/L2-MIGRATE vm=\$k /" /tmp/migrate-\$k.out
             # The guest's progress after the move, on L1's console while the VM runs.

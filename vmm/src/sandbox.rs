@@ -101,6 +101,15 @@ pub fn migration() -> Rules {
         .allow_if(libc::SYS_socket, vec![Arg::eq32(0, libc::AF_INET as u64)])
         .allow_if(libc::SYS_socket, vec![Arg::eq32(0, libc::AF_INET6 as u64)])
         .allow(&[libc::SYS_pipe2, libc::SYS_connect])
+        // `TcpStream::set_nodelay` on the stream to the destination (the socket-level
+        // options of `socket_io` do not cover IPPROTO_TCP).
+        .allow_if(
+            libc::SYS_setsockopt,
+            vec![
+                Arg::eq32(1, libc::IPPROTO_TCP as u64),
+                Arg::eq32(2, libc::TCP_NODELAY as u64),
+            ],
+        )
 }
 
 pub fn rules(role: Role) -> Option<Rules> {
@@ -179,6 +188,37 @@ mod tests {
             0
         })
         .expect("fork")
+    }
+
+    /// What the control socket's thread does to send a VM to another host, under its
+    /// filter: a TCP connection with TCP_NODELAY, a message. (Found missing by the rig's
+    /// first migration over TCP: the source died of SIGSYS in `set_nodelay`.)
+    #[test]
+    fn the_migration_thread_may_connect_over_tcp() {
+        use std::io::{Read, Write};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("listen");
+        let addr = l.local_addr().expect("addr");
+        let peer = std::thread::spawn(move || {
+            let (mut c, _) = l.accept().expect("accept");
+            let mut b = [0u8; 4];
+            c.read_exact(&mut b).map(|()| b)
+        });
+        let p = plan(Mode::Kill).expect("plan");
+        let end = run_in_child(|| {
+            if p.apply(Role::VmmMigration).is_err() {
+                return 2;
+            }
+            let Ok(mut s) = std::net::TcpStream::connect(addr) else {
+                return 3;
+            };
+            if s.set_nodelay(true).is_err() || s.write_all(b"vgpu").is_err() {
+                return 4;
+            }
+            0
+        })
+        .expect("fork");
+        assert_eq!(end, ChildEnd::Exited(0));
+        assert_eq!(&peer.join().expect("peer").expect("read"), b"vgpu");
     }
 
     #[test]

@@ -338,6 +338,54 @@ mod tests {
         assert!(matches!(recv(&mut r), Err(MigrationError::Io(..))));
     }
 
+    /// The stream over both transports an operator can name: a unix socket (same host)
+    /// and TCP (between hosts), through `Listener::bind`, `accept` and `connect`.
+    #[test]
+    fn the_stream_crosses_a_unix_socket_and_tcp() {
+        let path = std::env::temp_dir().join(format!("vgpu-wire-test-{}.sock", std::process::id()));
+        let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = tcp.local_addr().unwrap().port();
+        drop(tcp);
+        for addr in [
+            format!("unix:{}", path.display()),
+            format!("tcp:127.0.0.1:{port}"),
+        ] {
+            let addr: Address = addr.parse().unwrap();
+            let listener = Listener::bind(&addr).unwrap();
+            let to = addr.clone();
+            let sender = std::thread::spawn(move || {
+                let mut c = connect(&to).unwrap();
+                write_preamble(&mut c).unwrap();
+                send(
+                    &mut c,
+                    &Msg::Ram {
+                        gpa: 0x4000,
+                        data: vec![0xa5; 1 << 20],
+                    },
+                )
+                .unwrap();
+                send(&mut c, &Msg::Commit).unwrap();
+                verdict(&mut c, "commit")
+            });
+            let mut c = listener.accept().unwrap();
+            read_preamble(&mut c).unwrap();
+            match recv(&mut c).unwrap() {
+                Msg::Ram { gpa, data } => {
+                    assert_eq!(gpa, 0x4000, "{addr}");
+                    assert!(
+                        data.len() == 1 << 20 && data.iter().all(|&b| b == 0xa5),
+                        "{addr}"
+                    );
+                }
+                other => panic!("{addr}: {other:?}"),
+            }
+            assert_eq!(recv(&mut c).unwrap(), Msg::Commit, "{addr}");
+            send(&mut c, &Msg::Ack).unwrap();
+            sender.join().unwrap().unwrap();
+        }
+        assert!(!path.exists(), "the unix listener removes its socket");
+    }
+
     #[test]
     fn hostile_headers_are_refused_without_allocating() {
         // A RAM message claiming 1 TiB.
