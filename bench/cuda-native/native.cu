@@ -51,20 +51,60 @@ static int spin_blocks() {
 
 static unsigned blocks(u64 n) { return (unsigned)std::min<u64>(std::max<u64>((n + 255) / 256, 1), 8192); }
 
+// Experiment flags (device run 7, issue 13): `--fill random` fills every buffer with the
+// workloads' xorshift data in [-1, 1) instead of zeros (vgpu's workloads upload random
+// inputs); `--one-block` carves every device buffer out of one cudaMalloc block at 2 MiB
+// aligned offsets, as vgpu's VRAM is one block; `--idle-ms N` idles N ms before each timed
+// loop (vgpu's workloads run their CPU reference between timed loops, so the GPU idles).
+static bool g_random = false, g_one_block = false;
+static unsigned g_idle_ms = 0;
+static char* g_block = nullptr;
+static size_t g_block_len = 0, g_block_top = 0;
+static int g_block_live = 0;
+static u64 g_rng = 2;
+
+static void fill_random(void* p, size_t n) {
+    std::vector<float> h(n / 4);
+    for (auto& v : h) {
+        u64 x = g_rng;
+        x ^= x >> 12; x ^= x << 25; x ^= x >> 27;
+        g_rng = x;
+        v = (float)((x * 0x2545f4914f6cdd1dull) >> 40) / (float)(1u << 24) * 2.0f - 1.0f;
+    }
+    CK(cudaMemcpy(p, h.data(), h.size() * 4, cudaMemcpyDefault));
+    if (n % 4) CK(cudaMemset((char*)p + h.size() * 4, 0, n % 4));
+}
+
+static void settle() {
+    if (g_idle_ms) usleep(g_idle_ms * 1000u);
+}
+
 struct Mem {
     bool pinned;
     void* alloc(size_t n) {
         void* p;
         if (pinned) {
             CK(cudaHostAlloc(&p, n, cudaHostAllocMapped | cudaHostAllocPortable));
+        } else if (g_one_block) {
+            size_t len = (n + (2u << 20) - 1) & ~(size_t)((2u << 20) - 1);
+            if (g_block_top + len > g_block_len) {
+                fprintf(stderr, "one block: %zu bytes do not fit\n", n);
+                exit(1);
+            }
+            p = g_block + g_block_top;
+            g_block_top += len;
+            g_block_live++;
         } else {
             CK(cudaMalloc(&p, n));
         }
-        CK(cudaMemset(p, 0, n));
+        if (g_random) fill_random(p, n);
+        else CK(cudaMemset(p, 0, n));
         return p;
     }
     void free(void* p) {
-        if (pinned) cudaFreeHost(p); else cudaFree(p);
+        if (pinned) cudaFreeHost(p);
+        else if (g_one_block) { if (--g_block_live == 0) g_block_top = 0; }
+        else cudaFree(p);
     }
 };
 
@@ -96,6 +136,7 @@ static double w_saxpy(Mem& m, bool quick) {
     u64 n = quick ? 4099 : g_large ? (1ull << 28) : (1ull << 24);
     int it = quick ? 8 : 50;
     float *x = (float*)m.alloc(n * 4), *y = (float*)m.alloc(n * 4);
+    settle();
     u64 t0 = now_ns();
     for (int i = 0; i < it; i++) vgpu_saxpy<<<blocks(n), 256, 0, S>>>(x, y, n, 0.5f);
     CK(cudaStreamSynchronize(S));
@@ -111,6 +152,7 @@ static double w_sgemm(Mem& m, bool quick) {
     float *a = (float*)m.alloc((size_t)M * K * 4), *b = (float*)m.alloc((size_t)K * N * 4),
           *c = (float*)m.alloc((size_t)M * N * 4);
     dim3 grid((N + 63) / 64, (M + 63) / 64);
+    settle();
     u64 t0 = now_ns();
     for (int i = 0; i < it; i++) vgpu_sgemm<<<grid, 256, 0, S>>>(a, b, c, M, N, K, 1.0f, 0.5f);
     CK(cudaStreamSynchronize(S));
@@ -125,6 +167,7 @@ static double w_hotspot(Mem& m, bool quick) {
     int it = quick ? 9 : 20;
     float* buf[2] = {(float*)m.alloc((size_t)W * H * 4), (float*)m.alloc((size_t)W * H * 4)};
     dim3 grid((W + 31) / 32, (H + 7) / 8), blk(32, 8);
+    settle();
     u64 t0 = now_ns();
     for (int i = 0; i < it; i++)
         vgpu_stencil2d<<<grid, blk, 0, S>>>(buf[i % 2], buf[(i + 1) % 2], W, H, 0.6f, 0.1f);
@@ -139,6 +182,7 @@ static double w_reduction(Mem& m, bool quick) {
     int it = quick ? 6 : 4;
     float* src = (float*)m.alloc(n * 4);
     char* res = (char*)m.alloc(16 * it);
+    settle();
     u64 t0 = now_ns();
     for (int i = 0; i < it; i++) {
         u64 skip = i % 4;
@@ -160,6 +204,7 @@ static double w_copy_heavy(Mem& m, bool quick) {
     Mem host{true};
     char *src = (char*)host.alloc(len), *dst = (char*)host.alloc(len), *res = (char*)host.alloc(8 * it);
     char *va = (char*)m.alloc(len), *vb = (char*)m.alloc(len);
+    settle();
     u64 t0 = now_ns();
     for (int i = 0; i < it; i++) {
         for (size_t o = 0; o < len; o += chunk)
@@ -426,6 +471,19 @@ static void vram_swap() {
 
 // `--only a,b`: run only the named sections (the names `vgpu-bench cuda --only` takes).
 static const char* g_only = nullptr;
+static const char* g_workloads = nullptr;
+static bool listed(const char* list, const char* section) {
+    if (!list) return true;
+    size_t n = strlen(section);
+    for (const char* p = list; *p;) {
+        const char* e = strchr(p, ',');
+        size_t len = e ? (size_t)(e - p) : strlen(p);
+        if (len == n && !strncmp(p, section, n)) return true;
+        if (!e) break;
+        p = e + 1;
+    }
+    return false;
+}
 static bool runs(const char* section) {
     if (!g_only) return true;
     size_t n = strlen(section);
@@ -445,12 +503,20 @@ int main(int argc, char** argv) {
         if (!strcmp(argv[i], "--quick")) quick = true;
         else if (!strcmp(argv[i], "--large")) g_large = true;
         else if (!strcmp(argv[i], "--only") && i + 1 < argc) g_only = argv[++i];
+        else if (!strcmp(argv[i], "--workloads") && i + 1 < argc) g_workloads = argv[++i];
+        else if (!strcmp(argv[i], "--fill") && i + 1 < argc) g_random = !strcmp(argv[++i], "random");
+        else if (!strcmp(argv[i], "--one-block")) g_one_block = true;
+        else if (!strcmp(argv[i], "--idle-ms") && i + 1 < argc) g_idle_ms = atoi(argv[++i]);
     }
     // Before this process touches CUDA: children initialise their own.
     if (runs("fairness")) fairness(quick ? 0.5 : 4.0);
     CK(cudaSetDevice(0));
     CK(cudaStreamCreateWithFlags(&S, cudaStreamNonBlocking));
     calibrate();
+    if (g_one_block) {
+        g_block_len = (size_t)8 << 30;  // vgpu-bench cuda --vram-mib 8192
+        CK(cudaMalloc((void**)&g_block, g_block_len));
+    }
     int reps = quick ? 1 : 3;
     struct { const char* name; double (*f)(Mem&, bool); } ws[] = {
         {"throttle", w_throttle}, {"saxpy", w_saxpy}, {"sgemm", w_sgemm},
@@ -458,6 +524,7 @@ int main(int argc, char** argv) {
     };
     for (auto& w : ws) {
         if (!runs("workloads")) break;
+        if (!listed(g_workloads, w.name)) continue;
         // At the large sizes only device memory (pinned host memory is the old layout).
         for (int pinned = 0; pinned < (g_large ? 1 : 2); pinned++) {
             Mem m{pinned == 1};

@@ -68,6 +68,10 @@ enum Suite {
         /// Only these sections (comma-separated); the baseline program runs the same ones.
         #[arg(long, value_delimiter = ',', value_name = "SECTION,...")]
         only: Vec<cuda::Section>,
+        /// Only these workloads (comma-separated: throttle, saxpy, sgemm, hotspot,
+        /// reduction, copy_heavy); the baseline program runs the same ones.
+        #[arg(long, value_delimiter = ',', value_name = "NAME,...")]
+        workloads: Vec<String>,
         /// GP entries per completion mark while one channel is busy [default: 32].
         #[arg(long)]
         batch: Option<u32>,
@@ -122,6 +126,7 @@ fn main() {
             large,
             fairness_only,
             only,
+            workloads,
             batch,
             max_inflight,
         } => match gpu {
@@ -140,6 +145,7 @@ fn main() {
                 opts.fake = fake;
                 opts.large = large;
                 opts.only = only;
+                opts.workloads = workloads;
                 if fairness_only {
                     opts.only.push(cuda::Section::Fairness);
                 }

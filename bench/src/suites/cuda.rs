@@ -62,6 +62,9 @@ pub struct CudaOpts {
     pub baseline: Option<PathBuf>,
     /// The sections to run (all when empty); the baseline program runs the same ones.
     pub only: Vec<Section>,
+    /// The workloads to run (all when empty; `--workloads sgemm,hotspot`); the baseline
+    /// program runs the same ones.
+    pub workloads: Vec<String>,
     /// The front end's batching (see `CudaConfig::batch`, `max_inflight`).
     pub batch: u32,
     pub max_inflight: usize,
@@ -118,6 +121,7 @@ impl CudaOpts {
             vram_mib: 8192,
             baseline: None,
             only: Vec::new(),
+            workloads: Vec::new(),
             batch: CudaConfig::default().batch,
             max_inflight: CudaConfig::default().max_inflight,
         }
@@ -414,6 +418,9 @@ fn run_workloads<D: CudaDeviceTrait>(
     let wall0 = Instant::now();
     for w in workloads(opts.small, opts.large) {
         let name = w.name();
+        if !opts.workloads.is_empty() && !opts.workloads.iter().any(|n| n == name) {
+            continue;
+        }
         let (mut n, mut g) = (Vec::new(), Vec::new());
         // Every run verifies its result bit-exactly against the CPU reference.
         w.run(nctx)?;
@@ -688,6 +695,9 @@ fn baseline(path: &PathBuf, opts: &CudaOpts) -> Result<Vec<Figure>, CudaSuiteErr
     if !opts.only.is_empty() {
         let names: Vec<&str> = opts.only.iter().map(|s| s.arg()).collect();
         cmd.arg("--only").arg(names.join(","));
+    }
+    if !opts.workloads.is_empty() {
+        cmd.arg("--workloads").arg(opts.workloads.join(","));
     }
     let out = cmd
         .output()

@@ -181,12 +181,7 @@ impl CudaDevice {
             let threads =
                 attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR)?;
             let spin_blocks = (sms.max(1) * (threads / 1024).max(1)) as u32;
-            let ptx = compile(major, minor)?;
-            let mut module = std::ptr::null_mut();
-            check(
-                "cuModuleLoadData",
-                sys::cuModuleLoadData(&mut module, ptx.as_ptr() as *const c_void),
-            )?;
+            let module = load_kernels(major, minor)?;
             let mut funcs = [std::ptr::null_mut(); 9];
             for (f, name) in funcs.iter_mut().zip(KERNEL_NAMES) {
                 check(
@@ -432,19 +427,118 @@ impl CudaDevice {
     }
 }
 
-/// Compiles `kernels.cu` to PTX for the device's architecture.
-fn compile(major: i32, minor: i32) -> Result<Vec<u8>, DeviceError> {
-    let src = CString::new(KERNELS_CU).map_err(|e| DeviceError::Compile(e.to_string()))?;
+/// What NVRTC's output is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Image {
+    /// Machine code for one GPU (`sm_XY`): loaded as is.
+    Cubin,
+    /// PTX (`compute_XY`): the driver JIT-compiles it at load.
+    Ptx,
+}
+
+/// The `--gpu-architecture` values to try, in order: machine code for the device's own
+/// architecture, then PTX for it (an NVRTC too old for the GPU's `sm_XY` still JIT-compiles
+/// through the driver). `VGPU_NVRTC_ARCH` (e.g. `compute_75`, `sm_90`) names one target
+/// instead, for experiments; `sm_…` is machine code, anything else PTX.
+fn targets(major: i32, minor: i32, over: Option<&str>) -> Vec<(String, Image)> {
+    if let Some(arch) = over.map(str::trim).filter(|a| !a.is_empty()) {
+        let kind = if arch.starts_with("sm_") {
+            Image::Cubin
+        } else {
+            Image::Ptx
+        };
+        return vec![(arch.to_string(), kind)];
+    }
+    vec![
+        (format!("sm_{major}{minor}"), Image::Cubin),
+        (format!("compute_{major}{minor}"), Image::Ptx),
+    ]
+}
+
+/// Compiles `kernels.cu` for the device's architecture and loads it into the current
+/// context: a CUBIN where NVRTC can make one the driver takes, else PTX.
+fn load_kernels(major: i32, minor: i32) -> Result<sys::CUmodule, DeviceError> {
+    let (mut vmaj, mut vmin) = (0, 0);
+    // SAFETY: valid out-pointers; NVRTC was found loadable by the caller.
+    let r = unsafe { nvrtc_sys::nvrtcVersion(&mut vmaj, &mut vmin) };
+    if r == nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
+        log::info!("cuda: NVRTC {vmaj}.{vmin}");
+    }
+    // `VGPU_KERNELS_IMAGE` loads a ready image instead (a CUBIN, PTX or fatbin of the same
+    // kernels, e.g. nvcc's build of kernels.cu): to compare compilers on one GPU.
+    if let Some(path) = std::env::var_os("VGPU_KERNELS_IMAGE") {
+        let mut image =
+            std::fs::read(&path).map_err(|e| DeviceError::Compile(format!("{path:?}: {e}")))?;
+        image.push(0);
+        let mut module = std::ptr::null_mut();
+        // SAFETY: `image` is the file's bytes NUL-terminated (harmless after a binary
+        // image, required after PTX), alive for the call; valid out-pointer.
+        check("cuModuleLoadData", unsafe {
+            sys::cuModuleLoadData(&mut module, image.as_ptr() as *const c_void)
+        })?;
+        log::warn!("cuda: kernels loaded from {path:?}, not compiled");
+        return Ok(module);
+    }
+    let over = std::env::var("VGPU_NVRTC_ARCH").ok();
+    let mut last = DeviceError::Compile("no target".into());
+    for (arch, kind) in targets(major, minor, over.as_deref()) {
+        let loaded = compile_for(&arch, kind).and_then(|image| {
+            if let Some(path) = std::env::var_os("VGPU_NVRTC_DUMP") {
+                // For inspection (cuobjdump, nvdisasm): the image as loaded.
+                if let Err(e) = std::fs::write(&path, &image) {
+                    log::warn!("cuda: writing the kernel image to {path:?}: {e}");
+                }
+            }
+            let mut module = std::ptr::null_mut();
+            // SAFETY: `image` is a complete CUBIN or NUL-terminated PTX, alive for the call;
+            // valid out-pointer; the caller made the context current.
+            check("cuModuleLoadData", unsafe {
+                sys::cuModuleLoadData(&mut module, image.as_ptr() as *const c_void)
+            })?;
+            Ok((module, image.len()))
+        });
+        match loaded {
+            Ok((module, len)) => {
+                log::info!("cuda: kernels compiled for {arch} ({kind:?}, {len} bytes)");
+                return Ok(module);
+            }
+            Err(e) => {
+                log::warn!("cuda: kernels for {arch}: {e}");
+                last = e;
+            }
+        }
+    }
+    Err(last)
+}
+
+fn compile_for(arch: &str, kind: Image) -> Result<Vec<u8>, DeviceError> {
+    // `VGPU_KERNELS_CU` names another source to compile (kernel experiments on a machine
+    // without a Rust toolchain); it must define the same kernels with the same signatures.
+    let text = match std::env::var_os("VGPU_KERNELS_CU") {
+        Some(path) => {
+            log::warn!("cuda: kernels from {path:?} instead of the built-in source");
+            std::fs::read_to_string(&path)
+                .map_err(|e| DeviceError::Compile(format!("{path:?}: {e}")))?
+        }
+        None => KERNELS_CU.to_string(),
+    };
+    let src = CString::new(text).map_err(|e| DeviceError::Compile(e.to_string()))?;
     let prog = nvrtc::create_program(&src, Some(c"vgpu_kernels.cu"))
         .map_err(|e| DeviceError::Compile(format!("{e:?}")))?;
-    let arch = format!("--gpu-architecture=compute_{major}{minor}");
+    let arch = format!("--gpu-architecture={arch}");
+    // --fmad=false: the results must match the CPU references bit for bit.
     let opts = [arch.as_str(), "--fmad=false", "--std=c++17"];
     // SAFETY: `prog` was just created and is destroyed exactly once below.
     let res = unsafe { nvrtc::compile_program(prog, &opts) };
     // SAFETY: as above.
     let out = unsafe {
         match res {
-            Ok(()) => nvrtc::get_ptx(prog).map_err(|e| DeviceError::Compile(format!("{e:?}"))),
+            Ok(()) => match kind {
+                Image::Ptx => nvrtc::get_ptx(prog)
+                    .map(|p| p.iter().map(|&c| c as u8).collect::<Vec<u8>>())
+                    .map_err(|e| DeviceError::Compile(format!("{e:?}"))),
+                Image::Cubin => get_cubin(prog),
+            },
             Err(e) => {
                 let log = nvrtc::get_program_log(prog)
                     .map(|l| {
@@ -458,12 +552,39 @@ fn compile(major: i32, minor: i32) -> Result<Vec<u8>, DeviceError> {
     };
     // SAFETY: `prog` is live and not used afterwards.
     let _ = unsafe { nvrtc::destroy_program(prog) };
-    let ptx = out?;
-    let mut bytes: Vec<u8> = ptx.iter().map(|&c| c as u8).collect();
-    if bytes.last() != Some(&0) {
+    let mut bytes = out?;
+    if kind == Image::Ptx && bytes.last() != Some(&0) {
         bytes.push(0);
     }
+    if bytes.is_empty() {
+        return Err(DeviceError::Compile(format!("{arch}: empty image")));
+    }
     Ok(bytes)
+}
+
+/// The CUBIN of a compiled program (empty when it was compiled to PTX only).
+///
+/// # Safety
+/// `prog` is a live, successfully compiled program.
+unsafe fn get_cubin(prog: nvrtc_sys::nvrtcProgram) -> Result<Vec<u8>, DeviceError> {
+    let err =
+        |call: &str, r: nvrtc_sys::nvrtcResult| DeviceError::Compile(format!("{call}: {r:?}"));
+    let mut size = 0usize;
+    // SAFETY: `prog` is live (the caller's promise); valid out-pointer.
+    let r = unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size) };
+    if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(err("nvrtcGetCUBINSize", r));
+    }
+    let mut buf = vec![0u8; size];
+    if size == 0 {
+        return Ok(buf);
+    }
+    // SAFETY: `buf` holds the `size` bytes NVRTC said the CUBIN takes.
+    let r = unsafe { nvrtc_sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char) };
+    if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(err("nvrtcGetCUBIN", r));
+    }
+    Ok(buf)
 }
 
 impl Device for CudaDevice {
@@ -577,7 +698,10 @@ impl Device for CudaDevice {
     fn issue(&self, s: &CudaStream, op: &Op) -> Result<(), DeviceError> {
         self.current()?;
         match *op {
-            Op::Launch(ref args) => self.launch_args(s, args),
+            Op::Launch(ref args) => {
+                log::trace!("cuda: launch {args:?}");
+                self.launch_args(s, args)
+            }
             // SAFETY: both ranges were checked by the planner (registered host memory or
             // device memory, `len` bytes each).
             Op::Copy { dst, src, len } => check("cuMemcpyAsync", unsafe {
@@ -665,5 +789,34 @@ impl Device for CudaDevice {
         // SAFETY: both events are live and recorded with timing enabled.
         let r = unsafe { sys::cuEventElapsedTime_v2(&mut ms, from.ev, to.ev) };
         (r == sys::CUresult::CUDA_SUCCESS).then(|| (f64::from(ms.max(0.0)) * 1e6) as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn machine_code_first_then_ptx() {
+        assert_eq!(
+            targets(9, 0, None),
+            vec![
+                ("sm_90".to_string(), Image::Cubin),
+                ("compute_90".to_string(), Image::Ptx)
+            ]
+        );
+        assert_eq!(targets(8, 6, Some(" ")), targets(8, 6, None));
+    }
+
+    #[test]
+    fn an_override_names_one_target() {
+        assert_eq!(
+            targets(9, 0, Some("compute_75")),
+            vec![("compute_75".to_string(), Image::Ptx)]
+        );
+        assert_eq!(
+            targets(9, 0, Some("sm_90a")),
+            vec![("sm_90a".to_string(), Image::Cubin)]
+        );
     }
 }

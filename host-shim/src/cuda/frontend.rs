@@ -201,6 +201,11 @@ impl<D: Device> CudaChannel<D> {
                     if done.runs {
                         let ns = tl.charge(start.min(end), end);
                         self.busy_ns.fetch_add(ns, Ordering::Relaxed);
+                        log::trace!(
+                            "cuda channel {:?}: entry ran {} ns, charged {ns} ns",
+                            self.id,
+                            end.saturating_sub(start)
+                        );
                     }
                     st.last_end = end;
                 }
