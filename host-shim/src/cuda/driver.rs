@@ -466,7 +466,7 @@ fn load_kernels(major: i32, minor: i32) -> Result<sys::CUmodule, DeviceError> {
     }
     // `VGPU_KERNELS_IMAGE` loads a ready image instead (a CUBIN, PTX or fatbin of the same
     // kernels, e.g. nvcc's build of kernels.cu): to compare compilers on one GPU.
-    if let Some(path) = std::env::var_os("VGPU_KERNELS_IMAGE") {
+    if let Some(path) = experiment_path("VGPU_KERNELS_IMAGE") {
         let mut image =
             std::fs::read(&path).map_err(|e| DeviceError::Compile(format!("{path:?}: {e}")))?;
         image.push(0);
@@ -511,10 +511,24 @@ fn load_kernels(major: i32, minor: i32) -> Result<sys::CUmodule, DeviceError> {
     Err(last)
 }
 
+/// The path an experiment variable names, in builds with the `kernel-experiments`
+/// feature only: a shipped backend runs nothing but the built-in kernels, whose
+/// footprints the isolation checks assume.
+fn experiment_path(var: &str) -> Option<std::ffi::OsString> {
+    if cfg!(feature = "kernel-experiments") {
+        std::env::var_os(var)
+    } else {
+        if std::env::var_os(var).is_some() {
+            log::warn!("cuda: {var} ignored (a build without the kernel-experiments feature)");
+        }
+        None
+    }
+}
+
 fn compile_for(arch: &str, kind: Image) -> Result<Vec<u8>, DeviceError> {
     // `VGPU_KERNELS_CU` names another source to compile (kernel experiments on a machine
     // without a Rust toolchain); it must define the same kernels with the same signatures.
-    let text = match std::env::var_os("VGPU_KERNELS_CU") {
+    let text = match experiment_path("VGPU_KERNELS_CU") {
         Some(path) => {
             log::warn!("cuda: kernels from {path:?} instead of the built-in source");
             std::fs::read_to_string(&path)
