@@ -817,6 +817,12 @@ impl LoopbackVm {
         Ok(GuestAlloc { gpa, ptr, len })
     }
 
+    /// Guest RAM not allocated (to rings or to processes' buffers): back to where it was
+    /// once every process that allocated is gone.
+    pub fn guest_free_bytes(&self) -> u64 {
+        lock(&self.alloc).free_bytes()
+    }
+
     /// Frees an allocation made by `alloc_guest`.
     pub fn free_guest(&self, gpa: u64) -> Result<(), LoopbackError> {
         lock(&self.alloc).free(gpa)?;

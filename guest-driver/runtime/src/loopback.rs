@@ -137,6 +137,22 @@ impl LoopbackTransport {
     }
 }
 
+impl Drop for LoopbackTransport {
+    /// The process ends: its guest RAM goes back to the VM, as a process's memory goes
+    /// back to the guest kernel, whether or not it freed its buffers (a process killed,
+    /// or one whose device was reset under it).
+    fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        for (_, m) in std::mem::take(&mut st.mems) {
+            if let Backing::Host { alloc } = m.backing {
+                if let Err(e) = self.vm.free_guest(alloc.gpa) {
+                    log::warn!("freeing guest memory of an ended process: {e}");
+                }
+            }
+        }
+    }
+}
+
 impl Transport for LoopbackTransport {
     fn info(&self) -> Result<DeviceInfo> {
         match self.call(0, Op::GetInfo)? {
@@ -161,8 +177,10 @@ impl Transport for LoopbackTransport {
     }
 
     fn destroy_context(&self, ctx: CtxHandle) -> Result<()> {
-        // The backend frees the context's channels, mappings and VRAM; guest RAM is ours.
-        self.call(Self::ctx_id(ctx)?, Op::DestroyContext)?;
+        // The backend frees the context's channels, mappings and VRAM; guest RAM is ours,
+        // and is freed whatever the device answered: after a device reset (`DeviceLost`)
+        // nothing of the context is left there, and its RAM must not leak with it.
+        let destroyed = self.call(Self::ctx_id(ctx)?, Op::DestroyContext);
         let mut st = self.state();
         let handles: Vec<MemHandle> = st
             .mems
@@ -181,7 +199,7 @@ impl Transport for LoopbackTransport {
                 }
             }
         }
-        Ok(())
+        destroyed.map(|_| ())
     }
 
     fn alloc_vram(&self, ctx: CtxHandle, size: u64, align: u64) -> Result<MemHandle> {
