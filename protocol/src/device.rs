@@ -12,6 +12,16 @@ pub const NUM_QUEUES: usize = 2;
 /// Queue size the device offers.
 pub const QUEUE_SIZE: u16 = 256;
 
+/// Device feature bit 0, `VIRTIO_VGPU_F_FORWARDED`: the device accepts channels without the
+/// shared-memory region. A driver that acks it (it does so only when it found no region)
+/// gets channels with no slot ([`NO_SLOT`]), submits with `SUBMIT` and reads completions
+/// with `CHANNEL_STATUS` (protocol.md §9, "Forwarded submission").
+pub const VIRTIO_VGPU_F_FORWARDED: u32 = 0;
+
+/// The slot `CREATE_CHANNEL` returns for a channel that has no page in the region
+/// (forwarded submission).
+pub const NO_SLOT: u32 = u32::MAX;
+
 /// Shared-memory region id of the BAR window (GET_SHMEM_CONFIG / virtio shm cap).
 pub const SHM_REGION_ID: u8 = 0;
 /// Number of channel control-page slots at the start of the region.

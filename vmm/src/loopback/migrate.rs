@@ -30,10 +30,7 @@ use vgpu_protocol::device::{CONTROL_QUEUE, EVENT_QUEUE};
 use vgpu_protocol::migration::precopy::{ChunkFrame, PauseRecord};
 use vgpu_protocol::migration::{stream_kind, DeviceState, KIND_CHUNKS, KIND_FULL, KIND_PAUSED};
 
-use super::{
-    kick, lock, loopback_requirements, with_queues, IrqThread, LoopbackError, LoopbackVm,
-    DRIVER_FEATURES,
-};
+use super::{kick, lock, loopback_requirements, with_queues, IrqThread, LoopbackError, LoopbackVm};
 use crate::frontend::{read_state_frame, VhostUserDevice};
 
 /// One pre-copy round as it went through the frontend.
@@ -238,12 +235,17 @@ impl LoopbackVm {
     ) -> Result<(VhostUserDevice, MigrationReport), LoopbackError> {
         let mut dest = VhostUserDevice::connect(
             socket,
-            &loopback_requirements(self.faults.request_timeout),
+            &loopback_requirements(self.faults.request_timeout, self.forwarded),
             self.handler.clone(),
         )?;
         let loaded = (|| {
             with_queues(&self.ctrl, &self.events, |q| {
-                dest.activate_at(DRIVER_FEATURES, &self.ram.vhost_regions(), q, bases)
+                dest.activate_at(
+                    super::driver_features(self.forwarded),
+                    &self.ram.vhost_regions(),
+                    q,
+                    bases,
+                )
             })?;
             let mut report = stream_state(source, &mut dest, filter)?;
             let mut tail = source.save_state()?;
