@@ -9,8 +9,12 @@ pub const VIRTIO_ID_VGPU: u32 = 60;
 pub const CONTROL_QUEUE: u16 = 0;
 pub const EVENT_QUEUE: u16 = 1;
 pub const NUM_QUEUES: usize = 2;
-/// Queue size the device offers.
+/// Queue size the device offers (and our frontends use).
 pub const QUEUE_SIZE: u16 = 256;
+/// Largest queue a frontend may set up: vhost-user has no message that tells the frontend
+/// the device's limit, and QEMU's generic vhost-user device sets its rings up with 1024
+/// entries (virtio's `VIRTQUEUE_MAX_SIZE`, what its guests saw) whatever its `vq_size`.
+pub const MAX_QUEUE_SIZE: u16 = 1024;
 
 /// Device feature bit 0, `VIRTIO_VGPU_F_FORWARDED`: the device accepts channels without the
 /// shared-memory region. A driver that acks it (it does so only when it found no region)

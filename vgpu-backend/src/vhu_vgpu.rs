@@ -33,7 +33,7 @@ use std::sync::{Arc, RwLock};
 use log::{debug, error, warn};
 use vgpu_protocol::device::{
     DeviceConfig, APERTURE_OFFSET, APERTURE_SIZE, CHANNEL_SLOTS, CONTROL_QUEUE, EVENT_QUEUE,
-    NUM_QUEUES, QUEUE_SIZE, SHM_REGION_ID, SHM_SIZE, VIRTIO_VGPU_F_FORWARDED,
+    MAX_QUEUE_SIZE, NUM_QUEUES, SHM_REGION_ID, SHM_SIZE, VIRTIO_VGPU_F_FORWARDED,
 };
 use vgpu_protocol::request::{EVENT_SIZE, MAX_REQUEST_SIZE};
 use vgpu_protocol::{ErrorCode, PROTOCOL_VERSION};
@@ -442,7 +442,7 @@ impl VhostUserBackend for VhuVgpu {
     }
 
     fn max_queue_size(&self) -> usize {
-        QUEUE_SIZE as usize
+        MAX_QUEUE_SIZE as usize
     }
 
     fn features(&self) -> u64 {
