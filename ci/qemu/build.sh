@@ -102,13 +102,14 @@ VERSION="$(cat "$SRCDIR/VERSION")"
 # 0001 names virtio device ID 60 (QEMU asserts on IDs it has no name for); 0003 keeps
 # meson from unpacking edk2 images the "+ds" source does not have. QEMU before 10.1 has
 # only a non-creatable vhost-user-device-pci (0002 makes it creatable); later ones have
-# vhost-user-test-device-pci.
+# vhost-user-test-device-pci. 0004 (written against 10.0) makes the generic device wait
+# for its chardev at realize and set the vhost device up again after a reconnect.
 if grep -q '"vhost-user-test-device-pci"\|vhost-user-test-device-pci' "$SRCDIR"/hw/virtio/*.c; then
     DEVICE=vhost-user-test-device-pci
     PATCHES=(0001 0003)
 else
     DEVICE=vhost-user-device-pci
-    PATCHES=(0001 0002 0003)
+    PATCHES=(0001 0002 0003 0004)
 fi
 PATCH_FILES=()
 for p in "${PATCHES[@]}"; do PATCH_FILES+=("$(ls "$HERE/patches/$p"-*.patch)"); done
@@ -139,14 +140,19 @@ else
     export PATH="$VENV/bin:$PATH"
 
     # --- 5. configure + build -------------------------------------------------------
-    rm -rf "$BUILD"; mkdir -p "$BUILD"
-    log "configure $VERSION (log: $CACHE/build.log)"
-    (cd "$BUILD" && "$SRCDIR/configure" --python="$VENV/bin/python3" \
-        --target-list=x86_64-softmmu --without-default-features \
-        --enable-kvm --enable-vhost-user --enable-tcg --disable-docs \
-        --enable-fdt=system --disable-install-blobs --disable-download \
-        --disable-werror) >"$CACHE/build.log" 2>&1 \
-        || { tail -n 30 "$CACHE/build.log" >&2; die "configure failed"; }
+    # Configured once per source tree; a changed patch only rebuilds what it touches.
+    if [ "$FORCE" = 1 ] || [ ! -f "$BUILD/build.ninja" ] \
+        || [ "$(cat "$CACHE/configured" 2>/dev/null)" != "$SRCDIR" ]; then
+        rm -rf "$BUILD"; mkdir -p "$BUILD"
+        log "configure $VERSION (log: $CACHE/build.log)"
+        (cd "$BUILD" && "$SRCDIR/configure" --python="$VENV/bin/python3" \
+            --target-list=x86_64-softmmu --without-default-features \
+            --enable-kvm --enable-vhost-user --enable-tcg --disable-docs \
+            --enable-fdt=system --disable-install-blobs --disable-download \
+            --disable-werror) >"$CACHE/build.log" 2>&1 \
+            || { tail -n 30 "$CACHE/build.log" >&2; die "configure failed"; }
+        echo "$SRCDIR" >"$CACHE/configured"
+    fi
     log "ninja ($(nproc) jobs)"
     (cd "$BUILD" && ninja qemu-system-x86_64) >>"$CACHE/build.log" 2>&1 \
         || { tail -n 30 "$CACHE/build.log" >&2; die "build failed"; }
