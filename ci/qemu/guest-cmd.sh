@@ -4,6 +4,8 @@
 #   checks       the rig's guest checks (ci/rig/l2-guest-checks.sh): smoke, two
 #                processes, hostile, a killed process, the quick bench, a clean backend
 #   smoke        vgpu-smoke once (after a backend restart: a new process works again)
+#   reload       rmmod vgpu, insmod it again (a driver reset: RESET_DEVICE, vrings
+#                stopped and started again), then vgpu-smoke
 #   throttle S   vgpu-throttle with 1 ms kernels for S seconds (the fairness run)
 #   halt         power off
 # Every command ends with "QG-END <cmd> rc=<status>".
@@ -26,6 +28,12 @@ while read -r cmd arg; do
                 cat /tmp/checks.log
                 busybox grep -q '^L2-USER-OK' /tmp/checks.log || r=1 ;;
         smoke) vgpu-smoke > /tmp/smoke.log 2>&1; r=$?; busybox tail -n 2 /tmp/smoke.log ;;
+        reload) r=1
+                if busybox rmmod vgpu && busybox insmod /mods/vgpu.ko; then
+                    [ -c /dev/vgpu ] || busybox mdev -s
+                    echo "QG-RELOADED submission=$(cat /sys/class/misc/vgpu/submission)"
+                    vgpu-smoke > /tmp/smoke.log 2>&1; r=$?; busybox tail -n 1 /tmp/smoke.log
+                fi ;;
         throttle) vgpu-throttle --kernel-us 1000 --depth 32 --duration "${arg:-20}"; r=$? ;;
         halt) echo "QG-END halt rc=0"; busybox poweroff -f ;;
         "") continue ;;

@@ -14,9 +14,12 @@ printing "QG-STEP <name> ok|FAIL ...":
              host's loopback VM with 5 ms kernels (8 in flight; the GPU's own arbitration
              would favour those); each VM's GPU share in the API's 10 s window stays
              within 3 pp of its entitlement (the scheduler's weighted max-min, 1:1 here)
+  reload     rmmod + insmod vgpu.ko (device reset, vrings stopped and started); smoke
   reboot     QMP system_reset; the guest boots again and passes vgpu-smoke
-  restart    the backend is killed and started again; QEMU reconnects (reconnect-ms) and a
-             new guest process passes vgpu-smoke
+  restart    while a guest process keeps the GPU busy, the backend is killed and started
+             again; QEMU reconnects (reconnect-ms), the busy process ends with an error
+             (its GPU state is gone) instead of hanging, and a new process passes
+             vgpu-smoke
 
 Exit status 0 iff every step passed. Everything the guest prints goes to the log file.
 """
@@ -250,6 +253,13 @@ def main():
              f"samples={len(samples)} worst_deviation_pp={worst} qemu_mean_share={mean_share}"
              f" guest=[{guest_line}] host=[{host_out.strip().splitlines()[-1] if host_out.strip() else ''}]")
 
+        # ---- reload -------------------------------------------------------------
+        t = time.monotonic()
+        rc, out = guest.run("reload", 600)
+        reloaded = next((l for l in out if l.startswith("QG-RELOADED")), "")
+        step("reload", rc == 0 and "submission=forwarded" in reloaded,
+             f"secs={time.monotonic() - t:.0f} rc={rc} guest=[{reloaded}]")
+
         # ---- reboot -------------------------------------------------------------
         r = qmp(os.path.join(work, "qmp.sock"), "system_reset")
         t = time.monotonic()
@@ -259,10 +269,17 @@ def main():
              f"qmp={'ok' if 'return' in r else r} reboot_s={time.monotonic() - t:.1f} smoke_rc={rc}")
 
         # ---- restart ------------------------------------------------------------
+        guest.send("throttle 120")
+        time.sleep(5)
         backend.kill()
         time.sleep(2)
         backend.start()
         t = time.monotonic()
+        # The busy process must end (with an error: its GPU objects died with the
+        # backend) long before its 120 s are up.
+        end_line, _ = guest.expect("QG-END throttle rc=", 100)
+        busy_end_s = time.monotonic() - t
+        busy_rc = int(end_line.rsplit("=", 1)[1]) if end_line else None
         connected = wait_until(
             lambda: vgpuctl(args, api, "vm", "show", "qemu").get("connected"), 60)
         # The driver notices the lost backend (its requests time out or the device asks
@@ -278,13 +295,15 @@ def main():
             mode = vgpuctl(args, api, "vm", "show", "qemu").get("submission")
         except Exception as e:
             log(f"vgpuctl: {e}")
-        step("restart", connected and rc == 0 and mode == "forwarded",
-             f"reconnected={connected} secs={time.monotonic() - t:.0f} smoke_rc={rc} api={mode}")
+        step("restart", connected and busy_rc not in (None, 0) and rc == 0
+             and mode == "forwarded",
+             f"reconnected={connected} busy_process_rc={busy_rc} ended_after_s={busy_end_s:.0f}"
+             f" secs={time.monotonic() - t:.0f} smoke_rc={rc} api={mode}")
         guest.run("halt", 30)
     finally:
         guest.stop()
         backend.kill()
-    ok = all(results.get(s) for s in ("boot", "checks", "fair", "reboot", "restart"))
+    ok = all(results.get(s) for s in ("boot", "checks", "fair", "reload", "reboot", "restart"))
     print(f"QG-RESULT {'ok' if ok else 'FAIL'} " +
           " ".join(f"{k}={'ok' if v else 'FAIL'}" for k, v in results.items()) +
           f" total_s={time.monotonic() - t0:.0f}", flush=True)
