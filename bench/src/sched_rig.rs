@@ -74,9 +74,7 @@ impl SchedRig {
             rig.backend
                 .serve_vm(vm, &sock)
                 .map_err(|e| RigError::Backend(e.to_string()))?;
-            let cfg = LoopbackConfig {
-                mem_bytes: 32 << 20,
-            };
+            let cfg = LoopbackConfig::with_mem(32 << 20);
             let lvm = connect_retry(&sock, cfg, CONNECT_TIMEOUT)
                 .map_err(|e| RigError::Loopback(vm.to_string(), e.to_string()))?;
             rig.vms.insert(vm.to_string(), lvm);

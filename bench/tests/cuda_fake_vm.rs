@@ -41,9 +41,7 @@ impl Rig {
                 backend.serve_vm(n, &sock).expect("serve");
                 connect_retry(
                     &sock,
-                    LoopbackConfig {
-                        mem_bytes: 256 * MIB,
-                    },
+                    LoopbackConfig::with_mem(256 * MIB),
                     Duration::from_secs(10),
                 )
                 .expect("connect")

@@ -230,9 +230,7 @@ fn reconnecting() -> FaultPolicy {
 fn connect(socket: &Path, policy: FaultPolicy) -> Arc<LoopbackVm> {
     let t0 = Instant::now();
     loop {
-        let cfg = LoopbackConfig {
-            mem_bytes: 128 * MIB,
-        };
+        let cfg = LoopbackConfig::with_mem(128 * MIB);
         match LoopbackVm::connect_with(socket, cfg, policy) {
             Ok(vm) => return vm,
             Err(e) if t0.elapsed() > PATIENCE => panic!("connect {}: {e}", socket.display()),

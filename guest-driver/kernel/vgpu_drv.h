@@ -7,6 +7,7 @@
 #define VGPU_DRV_H
 
 #include <linux/completion.h>
+#include <linux/idr.h>
 #include <linux/kref.h>
 #include <linux/list.h>
 #include <linux/miscdevice.h>
@@ -43,6 +44,13 @@ struct vgpu_dev {
 	/* The shared-memory region (BAR window) and the driver's own mapping of it. */
 	struct virtio_shm_region shm;
 	void *shm_va;
+	/*
+	 * No region (VGPU_F_FORWARDED acked): channels have no slot; each gets a page of the
+	 * driver's at an mmap offset from `fwd_pages`, filled from CHANNEL_STATUS replies,
+	 * and submissions go out as SUBMIT requests.
+	 */
+	bool forwarded;
+	struct ida fwd_pages;
 
 	struct virtqueue *ctrl_vq;
 	struct virtqueue *event_vq;
@@ -100,6 +108,8 @@ struct vgpu_chan {
 	u32 id;
 	u32 slot;
 	u64 offset;
+	/* Forwarded device: the page the process maps (freed with the channel). */
+	struct page *status;
 	/* Event state: under dev->chans' xa_lock. */
 	bool dead;
 	u32 notify_events;

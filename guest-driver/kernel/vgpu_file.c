@@ -241,7 +241,48 @@ static void chan_forget(struct vgpu_dev *dev, struct vgpu_chan *ch)
 {
 	xa_erase_irq(&dev->chans, ch->id);
 	list_del(&ch->node);
+	/* Its mapping is zapped: the offset may name another channel's page now. */
+	if (ch->status)
+		ida_free(&dev->fwd_pages, ch->offset >> PAGE_SHIFT);
 	vgpu_chan_put(ch);
+}
+
+/*
+ * CHANNEL_STATUS for `ch` (of process `pid`, context `ctx`); on a forwarded device the
+ * fields also go into the channel's page, ordered as the GPU writes its own page
+ * (ERROR_INFO before ERROR). The caller keeps `ch` alive (vf->lock or a reference).
+ */
+static int chan_status(struct vgpu_dev *dev, u32 pid, u32 ctx, struct vgpu_chan *ch,
+		       struct vgpu_ioc_channel_status *out)
+{
+	struct vgpu_wire_channel_status r;
+	__le32 body[2];
+	int err;
+
+	body[0] = cpu_to_le32(ch->id);
+	body[1] = 0;
+	err = vgpu_request(dev, VGPU_OP_CHANNEL_STATUS, pid, ctx, body, sizeof(body), &r,
+			   sizeof(r));
+	if (err)
+		return err;
+	out->gp_put = le32_to_cpu(r.gp_put);
+	out->gp_get = le32_to_cpu(r.gp_get);
+	out->ref = le32_to_cpu(r.ref);
+	out->notify_seq = le32_to_cpu(r.notify_seq);
+	out->error = le32_to_cpu(r.error);
+	out->reserved = 0;
+	out->error_info = le64_to_cpu(r.error_info);
+	if (ch->status) {
+		u8 *page = page_address(ch->status);
+
+		WRITE_ONCE(*(u64 *)(page + VGPU_CTRL_ERROR_INFO), r.error_info);
+		smp_wmb();
+		WRITE_ONCE(*(u32 *)(page + VGPU_CTRL_GP_GET), r.gp_get);
+		WRITE_ONCE(*(u32 *)(page + VGPU_CTRL_REF), r.ref);
+		WRITE_ONCE(*(u32 *)(page + VGPU_CTRL_NOTIFY_SEQ), r.notify_seq);
+		WRITE_ONCE(*(u32 *)(page + VGPU_CTRL_ERROR), r.error);
+	}
+	return 0;
 }
 
 static void chan_set_dead(struct vgpu_dev *dev, struct vgpu_chan *ch, bool dead)
@@ -343,7 +384,8 @@ static long ioc_get_info(struct vgpu_file *vf, void __user *arg)
 	info.vram_bytes = le64_to_cpup((__le64 *)(r + 8));
 	info.channel_slots = le32_to_cpup((__le32 *)(r + 16));
 	info.max_contexts = le32_to_cpup((__le32 *)(r + 20));
-	info.shm_size = dev->shm.len;
+	info.flags = dev->forwarded ? VGPU_INFO_FORWARDED : 0;
+	info.shm_size = dev->forwarded ? 0 : dev->shm.len;
 	info.aperture_offset = dev->aperture_offset;
 	info.aperture_size = dev->aperture_size;
 	return copy_to_user(arg, &info, sizeof(info)) ? -EFAULT : 0;
@@ -730,6 +772,24 @@ static long ioc_create_channel(struct vgpu_file *vf, void __user *arg)
 	if (!ch)
 		return -ENOMEM;
 	kref_init(&ch->kref);
+	if (dev->forwarded) {
+		u8 *page;
+		int idx;
+
+		ch->status = alloc_page(GFP_KERNEL | __GFP_ZERO);
+		idx = ch->status ? ida_alloc_max(&dev->fwd_pages, dev->channel_slots - 1,
+						 GFP_KERNEL) : -ENOMEM;
+		if (idx < 0) {
+			if (ch->status)
+				__free_page(ch->status);
+			kfree(ch);
+			return idx == -ENOSPC ? -ENOSPC : -ENOMEM;
+		}
+		ch->offset = (u64)idx * PAGE_SIZE;
+		page = page_address(ch->status);
+		WRITE_ONCE(*(u32 *)(page + VGPU_CTRL_VERSION), cpu_to_le32(dev->protocol_version));
+		WRITE_ONCE(*(u32 *)(page + VGPU_CTRL_GP_ENTRIES), cpu_to_le32(a.gp_entries));
+	}
 	*(__le64 *)(body + 0) = cpu_to_le64(a.gp_ring_va);
 	*(__le32 *)(body + 8) = cpu_to_le32(a.gp_entries);
 	*(__le32 *)(body + 12) = 0;
@@ -742,8 +802,10 @@ static long ioc_create_channel(struct vgpu_file *vf, void __user *arg)
 	if (!err) {
 		ch->id = le32_to_cpu(r[0]);
 		ch->slot = le32_to_cpu(r[1]);
-		ch->offset = (u64)ch->slot * PAGE_SIZE;
-		if (ch->slot >= dev->channel_slots)
+		if (!dev->forwarded)
+			ch->offset = (u64)ch->slot * PAGE_SIZE;
+		/* A forwarded channel has no slot; a direct one must have a real one. */
+		if (dev->forwarded ? ch->slot != VGPU_NO_SLOT : ch->slot >= dev->channel_slots)
 			err = -EIO;
 		else
 			err = xa_insert_irq(&dev->chans, ch->id, ch, GFP_KERNEL);
@@ -764,9 +826,37 @@ static long ioc_create_channel(struct vgpu_file *vf, void __user *arg)
 	}
 	mutex_unlock(&vf->lock);
 	if (err) {
+		if (ch->status) {
+			ida_free(&dev->fwd_pages, ch->offset >> PAGE_SHIFT);
+			__free_page(ch->status);
+		}
 		kfree(ch);
 		return err;
 	}
+	return copy_to_user(arg, &a, sizeof(a)) ? -EFAULT : 0;
+}
+
+static long ioc_channel_status(struct vgpu_file *vf, void __user *arg)
+{
+	struct vgpu_ioc_channel_status a;
+	struct vgpu_chan *ch = NULL;
+	struct vgpu_ctx *c;
+	int err = 0;
+
+	if (copy_from_user(&a, arg, sizeof(a)))
+		return -EFAULT;
+	mutex_lock(&vf->lock);
+	c = own_ctx(vf, a.ctx, &err);
+	if (c) {
+		ch = find_chan(c, a.channel);
+		if (!ch)
+			err = -ENOENT;
+		else
+			err = chan_status(vf->dev, c->pid, c->id, ch, &a);
+	}
+	mutex_unlock(&vf->lock);
+	if (err)
+		return err;
 	return copy_to_user(arg, &a, sizeof(a)) ? -EFAULT : 0;
 }
 
@@ -847,7 +937,8 @@ static int wait_check(struct vgpu_dev *dev, struct vgpu_chan *ch, struct vgpu_io
 	if (ch->dead || dev->shm_gone) {
 		ret = -ENODEV;
 	} else {
-		u8 *page = (u8 *)dev->shm_va + ch->offset;
+		u8 *page = ch->status ? (u8 *)page_address(ch->status) :
+					(u8 *)dev->shm_va + ch->offset;
 		u32 ref = READ_ONCE(*(u32 *)(page + VGPU_CTRL_REF));
 		u32 seq = READ_ONCE(*(u32 *)(page + VGPU_CTRL_NOTIFY_SEQ));
 		u32 error = READ_ONCE(*(u32 *)(page + VGPU_CTRL_ERROR));
@@ -883,6 +974,7 @@ static long ioc_wait(struct vgpu_file *vf, void __user *arg)
 	struct vgpu_chan *ch = NULL;
 	struct vgpu_ctx *c;
 	unsigned long deadline, step;
+	u32 pid = 0, ctx_id = 0;
 	int err = 0, r;
 
 	if (copy_from_user(&a, arg, sizeof(a)))
@@ -897,6 +989,8 @@ static long ioc_wait(struct vgpu_file *vf, void __user *arg)
 			kref_get(&ch->kref);
 		else
 			err = -ENOENT;
+		pid = c->pid;
+		ctx_id = c->id;
 	}
 	mutex_unlock(&vf->lock);
 	if (!ch)
@@ -908,6 +1002,16 @@ static long ioc_wait(struct vgpu_file *vf, void __user *arg)
 		int gen = atomic_read(&dev->event_gen);
 		long left;
 
+		if (ch->status && !READ_ONCE(ch->dead)) {
+			/* Forwarded: the page is ours, fill it from the device first. */
+			struct vgpu_ioc_channel_status st;
+
+			r = chan_status(dev, pid, ctx_id, ch, &st);
+			if (r == -ENOENT || r == -ENODEV) {
+				r = -ENODEV;
+				break;
+			}
+		}
 		r = wait_check(dev, ch, &a);
 		if (r)
 			break;
@@ -967,6 +1071,8 @@ static long vgpu_ioctl(struct file *filp, unsigned int cmd, unsigned long arg)
 		return ioc_submit(vf, p);
 	case VGPU_IOC_WAIT:
 		return ioc_wait(vf, p);
+	case VGPU_IOC_CHANNEL_STATUS:
+		return ioc_channel_status(vf, p);
 	default:
 		return -ENOTTY;
 	}
@@ -977,6 +1083,22 @@ static long vgpu_ioctl(struct file *filp, unsigned int cmd, unsigned long arg)
 static const struct vm_operations_struct vgpu_vm_ops = {
 	/* No .fault: a zapped window (object destroyed) gives SIGBUS. */
 };
+
+/* The forwarded channel of this process whose page is at mmap offset `off`. */
+static struct vgpu_chan *fwd_chan_at(struct vgpu_file *vf, u64 off)
+{
+	struct vgpu_chan *ch;
+	struct vgpu_ctx *c;
+
+	list_for_each_entry(c, &vf->ctxs, node) {
+		if (c->pid != vgpu_tgid())
+			continue;
+		list_for_each_entry(ch, &c->chans, node)
+			if (ch->status && off == ch->offset)
+				return ch;
+	}
+	return NULL;
+}
 
 /* Does [off, off+len) lie in a channel page or aperture window of this process? */
 static bool owns_range(struct vgpu_file *vf, u64 off, u64 len)
@@ -1012,12 +1134,27 @@ static int vgpu_mmap(struct file *filp, struct vm_area_struct *vma)
 	if (vma->vm_pgoff > (U64_MAX >> PAGE_SHIFT))
 		return -EINVAL;
 	off = (u64)vma->vm_pgoff << PAGE_SHIFT;
-	if (check_add_overflow(off, len, &end) || end > dev->shm.len)
+	if (check_add_overflow(off, len, &end) ||
+	    end > (dev->forwarded ? (u64)dev->channel_slots * PAGE_SIZE : dev->shm.len))
 		return -EINVAL;
 
 	mutex_lock(&vf->lock);
 	if (dev->dead) {
 		err = -ENODEV;
+	} else if (dev->forwarded) {
+		/* No region: only a forwarded channel's page of the driver's, whole. */
+		struct vgpu_chan *ch = len == PAGE_SIZE ? fwd_chan_at(vf, off) : NULL;
+
+		if (!ch) {
+			err = -EACCES;
+		} else {
+			vma->vm_flags |= VM_IO | VM_PFNMAP | VM_DONTCOPY | VM_DONTEXPAND |
+					 VM_DONTDUMP;
+			vma->vm_ops = &vgpu_vm_ops;
+			vma->vm_private_data = vf;
+			err = remap_pfn_range(vma, vma->vm_start, page_to_pfn(ch->status),
+					      PAGE_SIZE, vma->vm_page_prot);
+		}
 	} else if (!owns_range(vf, off, len)) {
 		err = -EACCES;
 	} else {

@@ -25,7 +25,7 @@
 #include <linux/ioctl.h>
 #include <linux/types.h>
 
-#define VGPU_IOCTL_ABI_VERSION 1
+#define VGPU_IOCTL_ABI_VERSION 2
 #define VGPU_IOCTL_MAGIC 0xC6
 
 /* GET_INFO: what the device offers. */
@@ -36,11 +36,19 @@ struct vgpu_ioc_info {
 	__u32 compute_engines; /* out */
 	__u32 channel_slots;   /* out: control-page slots of the BAR */
 	__u32 max_contexts;    /* out: the VM's context limit */
-	__u32 reserved;        /* out: 0 */
-	__u64 shm_size;        /* out: size of the shared-memory region */
+	__u32 flags;           /* out: VGPU_INFO_* */
+	__u64 shm_size;        /* out: size of the shared-memory region (0: forwarded) */
 	__u64 aperture_offset; /* out: region offset of the VRAM aperture */
 	__u64 aperture_size;   /* out */
 };
+
+/*
+ * The device has no shared-memory region: channels are forwarded. A channel's mmap
+ * offset then names a page of the driver's that CHANNEL_STATUS (and WAIT) fill in; GP_PUT
+ * stored there reaches no GPU, so submissions go through SUBMIT. There is no aperture:
+ * MAP_APERTURE fails with EOPNOTSUPP.
+ */
+#define VGPU_INFO_FORWARDED 1
 
 /* GET_STATS: usage of the whole VM, as the backend counts it. */
 struct vgpu_ioc_stats {
@@ -163,6 +171,22 @@ struct vgpu_ioc_wait {
 	__u64 error_info;   /* out */
 };
 
+/*
+ * CHANNEL_STATUS: the channel's control-page fields as the device reads them (one
+ * request). On a forwarded device it also copies them into the channel's mmap page.
+ */
+struct vgpu_ioc_channel_status {
+	__u32 ctx;
+	__u32 channel;
+	__u32 gp_put;     /* out */
+	__u32 gp_get;     /* out */
+	__u32 ref;        /* out */
+	__u32 notify_seq; /* out */
+	__u32 error;      /* out */
+	__u32 reserved;   /* out: 0 */
+	__u64 error_info; /* out */
+};
+
 #define VGPU_IOC_GET_INFO _IOR(VGPU_IOCTL_MAGIC, 0x00, struct vgpu_ioc_info)
 #define VGPU_IOC_GET_STATS _IOR(VGPU_IOCTL_MAGIC, 0x01, struct vgpu_ioc_stats)
 #define VGPU_IOC_CREATE_CONTEXT _IOR(VGPU_IOCTL_MAGIC, 0x02, struct vgpu_ioc_context)
@@ -178,5 +202,6 @@ struct vgpu_ioc_wait {
 #define VGPU_IOC_DESTROY_CHANNEL _IOW(VGPU_IOCTL_MAGIC, 0x0c, struct vgpu_ioc_channel)
 #define VGPU_IOC_SUBMIT _IOW(VGPU_IOCTL_MAGIC, 0x0d, struct vgpu_ioc_submit)
 #define VGPU_IOC_WAIT _IOWR(VGPU_IOCTL_MAGIC, 0x0e, struct vgpu_ioc_wait)
+#define VGPU_IOC_CHANNEL_STATUS _IOWR(VGPU_IOCTL_MAGIC, 0x0f, struct vgpu_ioc_channel_status)
 
 #endif /* VGPU_IOCTL_H */

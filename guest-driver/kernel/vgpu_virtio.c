@@ -48,6 +48,7 @@ static void vgpu_dev_free(struct kref *kref)
 	struct vgpu_dev *dev = container_of(kref, struct vgpu_dev, kref);
 
 	kfree(dev->event_bufs);
+	ida_destroy(&dev->fwd_pages);
 	kfree(dev);
 }
 
@@ -63,7 +64,12 @@ void vgpu_dev_put(struct vgpu_dev *dev)
 
 static void vgpu_chan_free(struct kref *kref)
 {
-	kfree(container_of(kref, struct vgpu_chan, kref));
+	struct vgpu_chan *chan = container_of(kref, struct vgpu_chan, kref);
+
+	/* Every mapping of it was zapped before the channel was forgotten. */
+	if (chan->status)
+		__free_page(chan->status);
+	kfree(chan);
 }
 
 void vgpu_chan_put(struct vgpu_chan *chan)
@@ -368,8 +374,11 @@ static int vgpu_setup_shm(struct vgpu_dev *dev)
 {
 	struct virtio_device *vdev = dev->vdev;
 
+	if (dev->forwarded)
+		return 0; /* no region: forwarded submission */
 	if (!virtio_get_shm_region(vdev, &dev->shm, VGPU_SHM_REGION_ID)) {
-		dev_err(&vdev->dev, "no shared-memory region %d\n", VGPU_SHM_REGION_ID);
+		dev_err(&vdev->dev, "no shared-memory region %d and no forwarded submission\n",
+			VGPU_SHM_REGION_ID);
 		return -ENODEV;
 	}
 	if (dev->shm.len < dev->aperture_offset + dev->aperture_size ||
@@ -424,6 +433,22 @@ static int vgpu_fill_events(struct vgpu_dev *dev)
 	return i > 1 || !err ? 0 : err;
 }
 
+/* sysfs: /sys/class/misc/vgpu/submission says how this device takes work. */
+static ssize_t submission_show(struct device *d, struct device_attribute *attr, char *buf)
+{
+	struct miscdevice *misc = dev_get_drvdata(d);
+	struct vgpu_dev *dev = container_of(misc, struct vgpu_dev, misc);
+
+	return sysfs_emit(buf, "%s\n", dev->forwarded ? "forwarded" : "direct");
+}
+static DEVICE_ATTR_RO(submission);
+
+static struct attribute *vgpu_attrs[] = {
+	&dev_attr_submission.attr,
+	NULL,
+};
+ATTRIBUTE_GROUPS(vgpu);
+
 static int vgpu_probe(struct virtio_device *vdev)
 {
 	struct vgpu_dev *dev;
@@ -448,6 +473,9 @@ static int vgpu_probe(struct virtio_device *vdev)
 	spin_lock_init(&dev->ctrl_lock);
 	spin_lock_init(&dev->event_lock);
 	xa_init_flags(&dev->chans, XA_FLAGS_LOCK_IRQ);
+	ida_init(&dev->fwd_pages);
+	/* validate() left the feature acked only when there is no region. */
+	dev->forwarded = virtio_has_feature(vdev, VGPU_F_FORWARDED);
 	init_waitqueue_head(&dev->event_wq);
 	mutex_init(&dev->files_lock);
 	INIT_LIST_HEAD(&dev->files);
@@ -476,6 +504,7 @@ static int vgpu_probe(struct virtio_device *vdev)
 	dev->misc.fops = &vgpu_fops;
 	dev->misc.mode = 0666;
 	dev->misc.parent = &vdev->dev;
+	dev->misc.groups = vgpu_groups;
 	err = misc_register(&dev->misc);
 	if (err) {
 		dev_err(&vdev->dev, "cannot register /dev/%s: %d\n", dev->name, err);
@@ -483,10 +512,16 @@ static int vgpu_probe(struct virtio_device *vdev)
 	}
 	dev->misc_registered = true;
 
-	dev_info(&vdev->dev,
-		 "/dev/%s: protocol %#x, %u slots, region %#llx+%#llx, aperture %#llx+%#llx, VRAM %llu MiB\n",
-		 dev->name, dev->protocol_version, dev->channel_slots, dev->shm.addr,
-		 dev->shm.len, dev->aperture_offset, dev->aperture_size, dev->vram_bytes >> 20);
+	if (dev->forwarded)
+		dev_info(&vdev->dev,
+			 "/dev/%s: protocol %#x, no shared-memory region: forwarded submission, VRAM %llu MiB\n",
+			 dev->name, dev->protocol_version, dev->vram_bytes >> 20);
+	else
+		dev_info(&vdev->dev,
+			 "/dev/%s: protocol %#x, %u slots, region %#llx+%#llx, aperture %#llx+%#llx, VRAM %llu MiB\n",
+			 dev->name, dev->protocol_version, dev->channel_slots, dev->shm.addr,
+			 dev->shm.len, dev->aperture_offset, dev->aperture_size,
+			 dev->vram_bytes >> 20);
 	return 0;
 
 err_reset:
@@ -494,7 +529,8 @@ err_reset:
 err_vqs:
 	vdev->config->del_vqs(vdev);
 err_unmap:
-	memunmap(dev->shm_va);
+	if (dev->shm_va)
+		memunmap(dev->shm_va);
 err_free:
 	vdev->priv = NULL;
 	ida_free(&vgpu_ida, dev->index);
@@ -550,7 +586,8 @@ static void vgpu_remove(struct virtio_device *vdev)
 	dev->shm_gone = true;
 	xa_unlock_irqrestore(&dev->chans, flags);
 	wake_up_all(&dev->event_wq);
-	memunmap(dev->shm_va);
+	if (dev->shm_va)
+		memunmap(dev->shm_va);
 
 	/* Pages the device never confirmed unmapped can go now that it is reset. */
 	mutex_lock(&dev->files_lock);
@@ -576,7 +613,21 @@ static const struct virtio_device_id vgpu_id_table[] = {
 };
 MODULE_DEVICE_TABLE(virtio, vgpu_id_table);
 
-static unsigned int vgpu_features[] = {};
+static unsigned int vgpu_features[] = { VGPU_F_FORWARDED };
+
+/*
+ * Before FEATURES_OK: forwarded submission only where the device shows no shared-memory
+ * region (a frontend without vhost-user SHMEM); with a region the driver submits directly.
+ */
+static int vgpu_validate(struct virtio_device *vdev)
+{
+	struct virtio_shm_region shm;
+
+	if (virtio_get_shm_region(vdev, &shm, VGPU_SHM_REGION_ID))
+		__virtio_clear_bit(vdev, VGPU_F_FORWARDED);
+	return 0;
+}
+
 
 static struct virtio_driver vgpu_driver = {
 	.driver.name = KBUILD_MODNAME,
@@ -584,6 +635,7 @@ static struct virtio_driver vgpu_driver = {
 	.id_table = vgpu_id_table,
 	.feature_table = vgpu_features,
 	.feature_table_size = ARRAY_SIZE(vgpu_features),
+	.validate = vgpu_validate,
 	.probe = vgpu_probe,
 	.remove = vgpu_remove,
 	.config_changed = vgpu_config_changed,

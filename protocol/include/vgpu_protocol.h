@@ -255,6 +255,10 @@ _Static_assert(sizeof(struct vgpu_timestamp_args) == 8, "timestamp args");
 #define VGPU_APERTURE_OFFSET 0x400000
 #define VGPU_APERTURE_SIZE 0x10000000
 #define VGPU_SHM_SIZE 0x10400000
+/* Device feature bit: channels without the shared-memory region (forwarded submission). */
+#define VGPU_F_FORWARDED 0
+/* CREATE_CHANNEL's slot for a channel with no page in the region. */
+#define VGPU_NO_SLOT 0xffffffffu
 
 /* Config space (32 bytes). */
 struct vgpu_virtio_config {
@@ -280,6 +284,7 @@ struct vgpu_virtio_config {
 #define VGPU_OP_DESTROY_CHANNEL 12
 #define VGPU_OP_GET_STATS 13
 #define VGPU_OP_SUBMIT 14
+#define VGPU_OP_CHANNEL_STATUS 15
 
 #define VGPU_REQ_HEADER_SIZE 16
 #define VGPU_REPLY_HEADER_SIZE 8
@@ -304,6 +309,17 @@ struct vgpu_reply_header {
 struct vgpu_sg_range {
 	vgpu_le64 gpa;
 	vgpu_le64 len;
+};
+
+/* CHANNEL_STATUS reply body (forwarded submission). */
+struct vgpu_wire_channel_status {
+	vgpu_le32 gp_put;
+	vgpu_le32 gp_get;
+	vgpu_le32 ref;
+	vgpu_le32 notify_seq;
+	vgpu_le32 error;
+	vgpu_le32 reserved;
+	vgpu_le64 error_info;
 };
 
 /* ---- Events (event queue, 24 bytes each). ------------------------------------------ */

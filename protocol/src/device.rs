@@ -9,8 +9,22 @@ pub const VIRTIO_ID_VGPU: u32 = 60;
 pub const CONTROL_QUEUE: u16 = 0;
 pub const EVENT_QUEUE: u16 = 1;
 pub const NUM_QUEUES: usize = 2;
-/// Queue size the device offers.
+/// Queue size the device offers (and our frontends use).
 pub const QUEUE_SIZE: u16 = 256;
+/// Largest queue a frontend may set up: vhost-user has no message that tells the frontend
+/// the device's limit, and QEMU's generic vhost-user device sets its rings up with 1024
+/// entries (virtio's `VIRTQUEUE_MAX_SIZE`, what its guests saw) whatever its `vq_size`.
+pub const MAX_QUEUE_SIZE: u16 = 1024;
+
+/// Device feature bit 0, `VIRTIO_VGPU_F_FORWARDED`: the device accepts channels without the
+/// shared-memory region. A driver that acks it (it does so only when it found no region)
+/// gets channels with no slot ([`NO_SLOT`]), submits with `SUBMIT` and reads completions
+/// with `CHANNEL_STATUS` (protocol.md §9, "Forwarded submission").
+pub const VIRTIO_VGPU_F_FORWARDED: u32 = 0;
+
+/// The slot `CREATE_CHANNEL` returns for a channel that has no page in the region
+/// (forwarded submission).
+pub const NO_SLOT: u32 = u32::MAX;
 
 /// Shared-memory region id of the BAR window (GET_SHMEM_CONFIG / virtio shm cap).
 pub const SHM_REGION_ID: u8 = 0;

@@ -29,6 +29,8 @@ pub mod op {
     pub const GET_STATS: u32 = 13;
     /// API-remoting baseline: the host stores GP_PUT for the guest.
     pub const SUBMIT: u32 = 14;
+    /// Forwarded mode: the channel's GPU-written control-page fields, read by the host.
+    pub const CHANNEL_STATUS: u32 = 15;
 }
 
 pub const HEADER_SIZE: usize = 16;
@@ -103,6 +105,11 @@ pub enum Op {
     Submit {
         channel: u32,
         gp_put: u32,
+    },
+    /// Forwarded mode (no shared-memory region): the channel's `GP_GET`, `REF`,
+    /// `NOTIFY_SEQ`, `ERROR` and `ERROR_INFO`, read from its control page by the device.
+    ChannelStatus {
+        channel: u32,
     },
 }
 
@@ -204,6 +211,7 @@ impl Request {
             Op::DestroyChannel { .. } => op::DESTROY_CHANNEL,
             Op::GetStats => op::GET_STATS,
             Op::Submit { .. } => op::SUBMIT,
+            Op::ChannelStatus { .. } => op::CHANNEL_STATUS,
         }
     }
 
@@ -262,7 +270,7 @@ impl Request {
                 p32(&mut o, *gp_entries);
                 p32(&mut o, 0);
             }
-            Op::DestroyChannel { channel } => {
+            Op::DestroyChannel { channel } | Op::ChannelStatus { channel } => {
                 p32(&mut o, *channel);
                 p32(&mut o, 0);
             }
@@ -349,10 +357,14 @@ impl Request {
                     gp_entries,
                 }
             }
-            op::DESTROY_CHANNEL => {
+            op::DESTROY_CHANNEL | op::CHANNEL_STATUS => {
                 let channel = r.u32()?;
                 r.zero32()?;
-                Op::DestroyChannel { channel }
+                if opcode == op::DESTROY_CHANNEL {
+                    Op::DestroyChannel { channel }
+                } else {
+                    Op::ChannelStatus { channel }
+                }
             }
             op::SUBMIT => Op::Submit {
                 channel: r.u32()?,
@@ -377,6 +389,19 @@ pub enum ReplyBody {
     Aperture { offset: u64 },
     Channel { channel: u32, slot: u32 },
     Stats(StatsReply),
+    ChannelStatus(ChannelStatusReply),
+}
+
+/// CHANNEL_STATUS result: the GPU-written fields of the channel's control page
+/// (protocol.md §2), and the `GP_PUT` the GPU sees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ChannelStatusReply {
+    pub gp_put: u32,
+    pub gp_get: u32,
+    pub reference: u32,
+    pub notify_seq: u32,
+    pub error: u32,
+    pub error_info: u64,
 }
 
 /// GET_INFO result.
@@ -443,6 +468,15 @@ pub fn encode_reply(result: Result<ReplyBody, ErrorCode>) -> Vec<u8> {
                     put64(&mut body, s.aperture_bytes);
                     put64(&mut body, s.vram_limit);
                 }
+                ReplyBody::ChannelStatus(c) => {
+                    put32(&mut body, c.gp_put);
+                    put32(&mut body, c.gp_get);
+                    put32(&mut body, c.reference);
+                    put32(&mut body, c.notify_seq);
+                    put32(&mut body, c.error);
+                    put32(&mut body, 0);
+                    put64(&mut body, c.error_info);
+                }
             }
             ErrorCode::Ok
         }
@@ -501,6 +535,22 @@ pub fn decode_reply(opcode: u32, b: &[u8]) -> Result<Result<ReplyBody, ErrorCode
             aperture_bytes: r.u64()?,
             vram_limit: r.u64()?,
         }),
+        op::CHANNEL_STATUS => {
+            let gp_put = r.u32()?;
+            let gp_get = r.u32()?;
+            let reference = r.u32()?;
+            let notify_seq = r.u32()?;
+            let error = r.u32()?;
+            r.u32()?;
+            ReplyBody::ChannelStatus(ChannelStatusReply {
+                gp_put,
+                gp_get,
+                reference,
+                notify_seq,
+                error,
+                error_info: r.u64()?,
+            })
+        }
         _ => ReplyBody::Empty,
     };
     Ok(Ok(body))
@@ -594,6 +644,7 @@ mod tests {
             any::<u32>().prop_map(|channel| Op::DestroyChannel { channel }),
             (any::<u32>(), any::<u32>())
                 .prop_map(|(channel, gp_put)| Op::Submit { channel, gp_put }),
+            any::<u32>().prop_map(|channel| Op::ChannelStatus { channel }),
         ]
     }
 

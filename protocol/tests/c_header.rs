@@ -15,7 +15,7 @@ use std::process::Command;
 use vgpu_protocol::channel::{MAX_GP_ENTRIES, MIN_GP_ENTRIES};
 use vgpu_protocol::device::{
     DeviceConfig, APERTURE_OFFSET, APERTURE_SIZE, CHANNEL_SLOTS, CONTROL_QUEUE, EVENT_QUEUE,
-    NUM_QUEUES, SHM_REGION_ID, SHM_SIZE, VIRTIO_ID_VGPU,
+    NO_SLOT, NUM_QUEUES, SHM_REGION_ID, SHM_SIZE, VIRTIO_ID_VGPU, VIRTIO_VGPU_F_FORWARDED,
 };
 use vgpu_protocol::gp::{GPU_VA_LIMIT, GP_ENTRY_SIZE, MAX_PB_WORDS};
 use vgpu_protocol::kernel::{fnv1a64, FNV_OFFSET, MAX_DIM, MAX_KERNEL_BYTES, MAX_SPIN_NS};
@@ -243,6 +243,8 @@ fn expected_defines() -> Vec<(String, u64)> {
     add("VGPU_APERTURE_OFFSET", APERTURE_OFFSET);
     add("VGPU_APERTURE_SIZE", APERTURE_SIZE);
     add("VGPU_SHM_SIZE", SHM_SIZE);
+    add("VGPU_F_FORWARDED", VIRTIO_VGPU_F_FORWARDED.into());
+    add("VGPU_NO_SLOT", NO_SLOT.into());
     for (name, opcode) in [
         ("GET_INFO", req::op::GET_INFO),
         ("CREATE_CONTEXT", req::op::CREATE_CONTEXT),
@@ -258,6 +260,7 @@ fn expected_defines() -> Vec<(String, u64)> {
         ("DESTROY_CHANNEL", req::op::DESTROY_CHANNEL),
         ("GET_STATS", req::op::GET_STATS),
         ("SUBMIT", req::op::SUBMIT),
+        ("CHANNEL_STATUS", req::op::CHANNEL_STATUS),
     ] {
         add(&format!("VGPU_OP_{name}"), opcode as u64);
     }
@@ -272,6 +275,12 @@ fn expected_defines() -> Vec<(String, u64)> {
     add("VGPU_EVENT_CHANNEL_ERROR", event::CHANNEL_ERROR as u64);
     add("VGPU_EVENT_SIZE", EVENT_SIZE as u64);
     t
+}
+
+/// The CHANNEL_STATUS reply body's size, from the Rust encoder.
+fn channel_status_size() -> usize {
+    let reply = req::encode_reply(Ok(req::ReplyBody::ChannelStatus(Default::default())));
+    reply.len() - REPLY_HEADER_SIZE
 }
 
 #[test]
@@ -570,6 +579,7 @@ fn layout_asserts() -> String {
         ("vgpu_reply_header", REPLY_HEADER_SIZE),
         ("vgpu_sg_range", 16),
         ("vgpu_wire_event", EVENT_SIZE),
+        ("vgpu_wire_channel_status", channel_status_size()),
     ] {
         c += &format!("_Static_assert(sizeof(struct {name}) == {size}, \"sizeof {name}\");\n");
     }

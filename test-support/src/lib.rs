@@ -149,11 +149,17 @@ impl<G: Gpu + ?Sized> Host<G> {
 
     /// A loopback VM connected as `vm`'s VMM.
     pub fn connect(&self, vm: &str) -> Arc<LoopbackVm> {
-        let cfg = LoopbackConfig {
-            mem_bytes: self.vm_mem,
-        };
+        let cfg = LoopbackConfig::with_mem(self.vm_mem);
         connect_retry(&self.socket(vm), cfg, CONNECT_TIMEOUT)
             .unwrap_or_else(|e| panic!("connect {vm}: {e}"))
+    }
+
+    /// A loopback VM connected as `vm`'s VMM through a frontend without a shared-memory
+    /// region (forwarded submission, as under QEMU 10).
+    pub fn connect_forwarded(&self, vm: &str) -> Arc<LoopbackVm> {
+        let cfg = LoopbackConfig::with_mem(self.vm_mem).forwarded();
+        connect_retry(&self.socket(vm), cfg, CONNECT_TIMEOUT)
+            .unwrap_or_else(|e| panic!("connect {vm} (forwarded): {e}"))
     }
 }
 

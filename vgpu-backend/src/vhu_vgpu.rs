@@ -33,7 +33,7 @@ use std::sync::{Arc, RwLock};
 use log::{debug, error, warn};
 use vgpu_protocol::device::{
     DeviceConfig, APERTURE_OFFSET, APERTURE_SIZE, CHANNEL_SLOTS, CONTROL_QUEUE, EVENT_QUEUE,
-    NUM_QUEUES, QUEUE_SIZE, SHM_REGION_ID, SHM_SIZE,
+    MAX_QUEUE_SIZE, NUM_QUEUES, SHM_REGION_ID, SHM_SIZE, VIRTIO_VGPU_F_FORWARDED,
 };
 use vgpu_protocol::request::{EVENT_SIZE, MAX_REQUEST_SIZE};
 use vgpu_protocol::{ErrorCode, PROTOCOL_VERSION};
@@ -74,6 +74,7 @@ pub fn device_features() -> u64 {
         | (1 << VIRTIO_F_NOTIFY_ON_EMPTY)
         | (1 << VIRTIO_RING_F_INDIRECT_DESC)
         | (1 << VIRTIO_RING_F_EVENT_IDX)
+        | (1 << VIRTIO_VGPU_F_FORWARDED)
         | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
 }
 
@@ -466,11 +467,23 @@ impl VhostUserBackend for VhuVgpu {
     }
 
     fn max_queue_size(&self) -> usize {
-        QUEUE_SIZE as usize
+        MAX_QUEUE_SIZE as usize
     }
 
     fn features(&self) -> u64 {
         device_features()
+    }
+
+    fn acked_features(&self, features: u64) {
+        let forwarded = features & (1 << VIRTIO_VGPU_F_FORWARDED) != 0;
+        if forwarded != self.vm.shared.forwarded() {
+            log::info!(
+                "VM {}: {} submission",
+                self.vm.name,
+                if forwarded { "forwarded" } else { "direct" }
+            );
+        }
+        self.vm.shared.set_forwarded(forwarded);
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {

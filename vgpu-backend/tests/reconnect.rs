@@ -118,9 +118,7 @@ fn faults(request_timeout: Duration) -> FaultPolicy {
 fn connect(b: &Backend, policy: FaultPolicy) -> Arc<LoopbackVm> {
     let t0 = Instant::now();
     loop {
-        let cfg = LoopbackConfig {
-            mem_bytes: 128 << 20,
-        };
+        let cfg = LoopbackConfig::with_mem(128 << 20);
         match LoopbackVm::connect_with(&b.socket(), cfg, policy) {
             Ok(vm) => return vm,
             Err(e) if t0.elapsed() > PATIENCE => panic!("connect: {e}"),

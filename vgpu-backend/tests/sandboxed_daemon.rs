@@ -79,9 +79,7 @@ impl Daemon {
     fn connect(&self, vm: &str) -> Arc<LoopbackVm> {
         connect_retry(
             &self.socket(vm),
-            LoopbackConfig {
-                mem_bytes: 128 * MIB,
-            },
+            LoopbackConfig::with_mem(128 * MIB),
             Duration::from_secs(20),
         )
         .unwrap_or_else(|e| panic!("connect {vm}: {e}\n{}", self.log()))

@@ -103,8 +103,8 @@ fn state_check_err(
 pub struct DeviceRequirements {
     /// Virtqueues the device must have.
     pub num_queues: usize,
-    /// Virtio feature bits the driver wants besides VERSION_1 / PROTOCOL_FEATURES (acked
-    /// where offered).
+    /// Virtio feature bits the device must offer besides VERSION_1 / PROTOCOL_FEATURES
+    /// (the driver acks what it uses when it activates the device).
     pub virtio_features: u64,
     /// Protocol features that must be offered; these are acked.
     pub protocol_features: VhostUserProtocolFeatures,
@@ -178,7 +178,9 @@ impl VhostUserDevice {
 
         fe.set_owner().map_err(timed("SET_OWNER"))?;
         let offered = fe.get_features().map_err(timed("GET_FEATURES"))?;
-        let must = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() | 1u64 << VIRTIO_F_VERSION_1;
+        let must = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+            | 1u64 << VIRTIO_F_VERSION_1
+            | req.virtio_features;
         if offered & must != must {
             return Err(FrontendError::MissingFeatures(must & !offered));
         }

@@ -65,12 +65,35 @@ pub enum LoopbackError {
 pub struct LoopbackConfig {
     /// Guest RAM size (page multiple, at least 4 MiB).
     pub mem_bytes: u64,
+    /// Play a frontend without vhost-user SHMEM (QEMU 10, Cloud Hypervisor): no
+    /// shared-memory region, and a driver that acks `VIRTIO_VGPU_F_FORWARDED` and submits
+    /// with `SUBMIT` requests (protocol.md §9, "Forwarded submission").
+    pub forwarded: bool,
 }
 
 impl Default for LoopbackConfig {
     fn default() -> Self {
         LoopbackConfig {
             mem_bytes: 256 << 20,
+            forwarded: false,
+        }
+    }
+}
+
+impl LoopbackConfig {
+    /// A direct-mode VM with `mem_bytes` of guest RAM.
+    pub fn with_mem(mem_bytes: u64) -> Self {
+        LoopbackConfig {
+            mem_bytes,
+            forwarded: false,
+        }
+    }
+
+    /// The same VM without a shared-memory region (forwarded submission).
+    pub fn forwarded(self) -> Self {
+        LoopbackConfig {
+            forwarded: true,
+            ..self
         }
     }
 }
@@ -560,15 +583,33 @@ fn irq_loop(ctrl: &Ctrl, events: &Events, shm: &ShmWindow, exit_fd: RawFd, mut s
     }
 }
 
-/// Virtio features the loopback driver acks.
-const DRIVER_FEATURES: u64 = 1 << VIRTIO_F_VERSION_1;
+/// Virtio features the loopback driver acks: forwarded submission when it has no
+/// shared-memory region.
+fn driver_features(forwarded: bool) -> u64 {
+    let fwd = if forwarded {
+        1 << vgpu_protocol::device::VIRTIO_VGPU_F_FORWARDED
+    } else {
+        0
+    };
+    1 << VIRTIO_F_VERSION_1 | fwd
+}
 
 /// What the loopback VM needs of the backend: the vgpu requirements, plus device-state
 /// transfer where offered (for [`LoopbackVm::migrate_to`]).
-fn loopback_requirements(request_timeout: Option<Duration>) -> crate::frontend::DeviceRequirements {
+fn loopback_requirements(
+    request_timeout: Option<Duration>,
+    forwarded: bool,
+) -> crate::frontend::DeviceRequirements {
     let mut r = vgpu_requirements();
     r.request_timeout = request_timeout;
     r.optional_protocol_features |= vhost::vhost_user::VhostUserProtocolFeatures::DEVICE_STATE;
+    if forwarded {
+        // As QEMU 10 does: a backend-request channel, but no SHMEM and no region; the
+        // driver then acks the forwarded-submission feature.
+        r.protocol_features -= vhost::vhost_user::VhostUserProtocolFeatures::SHMEM;
+        r.shm_regions.clear();
+        r.virtio_features |= 1 << vgpu_protocol::device::VIRTIO_VGPU_F_FORWARDED;
+    }
     r
 }
 
@@ -605,6 +646,8 @@ pub struct LoopbackVm {
     /// Where the backend listens (reconnects go there; a migration moves it).
     socket: Mutex<PathBuf>,
     faults: FaultPolicy,
+    /// No shared-memory region: channels are forwarded ([`LoopbackConfig::forwarded`]).
+    forwarded: bool,
     /// Loss reports and the thread that reacts to them (`link.rs`).
     link: Arc<Link>,
     supervisor: Mutex<Option<JoinHandle<()>>>,
@@ -661,7 +704,7 @@ impl LoopbackVm {
         let handler = Arc::new(ShmHandler::new(vec![shm.clone()]));
         let mut dev = VhostUserDevice::connect(
             socket,
-            &loopback_requirements(faults.request_timeout),
+            &loopback_requirements(faults.request_timeout, cfg.forwarded),
             handler.clone(),
         )?;
         let link = Arc::new(Link::default());
@@ -733,7 +776,7 @@ impl LoopbackVm {
         }
 
         with_queues(&ctrl, &events, |queues| {
-            dev.activate(DRIVER_FEATURES, &ram.vhost_regions(), queues)
+            dev.activate(driver_features(cfg.forwarded), &ram.vhost_regions(), queues)
         })?;
         kick(&events.kick);
 
@@ -747,6 +790,7 @@ impl LoopbackVm {
             dev: Mutex::new(dev),
             socket: Mutex::new(socket.to_path_buf()),
             faults,
+            forwarded: cfg.forwarded,
             link,
             supervisor: Mutex::new(None),
             handler,
@@ -777,6 +821,11 @@ impl LoopbackVm {
     }
 
     /// The device's generation: 0 at connect, one more after each reconnect.
+    /// Whether the VM has no shared-memory region and submits forwarded.
+    pub fn forwarded(&self) -> bool {
+        self.forwarded
+    }
+
     pub fn epoch(&self) -> u64 {
         self.ctrl.epoch()
     }

@@ -300,13 +300,7 @@ impl ShutdownHandle {
 
 fn connect(server: &Server) -> Arc<LoopbackVm> {
     let _ = env_logger::builder().is_test(true).try_init();
-    LoopbackVm::connect(
-        &server.path,
-        LoopbackConfig {
-            mem_bytes: 64 << 20,
-        },
-    )
-    .unwrap()
+    LoopbackVm::connect(&server.path, LoopbackConfig::with_mem(64 << 20)).unwrap()
 }
 
 fn cmd(vm: &LoopbackVm, pid: u32, size: u64, align: u64) -> bool {

@@ -31,13 +31,7 @@ fn get_info_and_aperture_through_real_backend() {
     let path = socket("vm0");
     backend.serve_vm("vm0", &path).unwrap();
 
-    let vm = LoopbackVm::connect(
-        &path,
-        LoopbackConfig {
-            mem_bytes: 64 << 20,
-        },
-    )
-    .unwrap();
+    let vm = LoopbackVm::connect(&path, LoopbackConfig::with_mem(64 << 20)).unwrap();
     let cfg = vm.config().unwrap();
     assert_eq!(cfg.version, PROTOCOL_VERSION);
     assert_eq!(cfg.aperture_offset, APERTURE_OFFSET);

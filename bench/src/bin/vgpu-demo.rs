@@ -179,9 +179,7 @@ fn run(cli: &Cli) -> Result<(), Box<dyn std::error::Error>> {
         backend.serve_vm(name, &sock)?;
         vms.push(LoopbackVm::connect(
             &sock,
-            LoopbackConfig {
-                mem_bytes: 256 << 20,
-            },
+            LoopbackConfig::with_mem(256 << 20),
         )?);
     }
     if !vm_names.contains(&weight_vm.as_str()) {

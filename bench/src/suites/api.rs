@@ -114,13 +114,8 @@ impl LiveRig {
             rig.backend
                 .serve_vm(name, &sock)
                 .map_err(|e| ApiSuiteError::Backend(e.to_string()))?;
-            let vm = LoopbackVm::connect(
-                &sock,
-                LoopbackConfig {
-                    mem_bytes: 64 << 20,
-                },
-            )
-            .map_err(|e| ApiSuiteError::Loopback(e.to_string()))?;
+            let vm = LoopbackVm::connect(&sock, LoopbackConfig::with_mem(64 << 20))
+                .map_err(|e| ApiSuiteError::Loopback(e.to_string()))?;
             rig.vms.push((name.to_string(), vm));
         }
         rig.backend

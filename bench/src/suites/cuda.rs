@@ -224,7 +224,7 @@ impl Rig {
             backend
                 .serve_vm(name, &sock)
                 .map_err(|e| CudaSuiteError::Backend(e.to_string()))?;
-            let vm = LoopbackVm::connect(&sock, LoopbackConfig { mem_bytes: vm_mem })
+            let vm = LoopbackVm::connect(&sock, LoopbackConfig::with_mem(vm_mem))
                 .map_err(|e| CudaSuiteError::Loopback(e.to_string()))?;
             vms.push(vm);
         }

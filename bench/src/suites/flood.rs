@@ -496,9 +496,7 @@ fn measure(
         backend
             .serve_vm(name, &sock)
             .map_err(|e| FloodError::Backend(e.to_string()))?;
-        let cfg = LoopbackConfig {
-            mem_bytes: 96 * MIB,
-        };
+        let cfg = LoopbackConfig::with_mem(96 * MIB);
         vms.push(vgpu_test_support::connect_retry(
             &sock,
             cfg,

@@ -235,13 +235,8 @@ struct Run {
 fn migrate_once(tag: &str, size: u64, rate: u64, cfg: PrecopyConfig) -> Result<Run> {
     let pair = Pair::new(tag, size + 32 * MIB)?;
     pair.precopy(cfg);
-    let vm = LoopbackVm::connect(
-        &pair.sockets[0],
-        LoopbackConfig {
-            mem_bytes: 64 << 20,
-        },
-    )
-    .map_err(|e| MigrateSuiteError::Loopback(e.to_string()))?;
+    let vm = LoopbackVm::connect(&pair.sockets[0], LoopbackConfig::with_mem(64 << 20))
+        .map_err(|e| MigrateSuiteError::Loopback(e.to_string()))?;
     let guest = Guest::start(&vm, size, rate)?;
     // Let the writer reach its rate.
     std::thread::sleep(Duration::from_millis(200));

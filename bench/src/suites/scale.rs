@@ -171,9 +171,7 @@ fn measure(
             .map_err(|e| ScaleError::Backend(e.to_string()))?;
         let vm = vgpu_test_support::connect_retry(
             &sock,
-            LoopbackConfig {
-                mem_bytes: 48 << 20,
-            },
+            LoopbackConfig::with_mem(48 << 20),
             Duration::from_secs(10),
         )
         .map_err(|e| ScaleError::Loopback(e.to_string()))?;

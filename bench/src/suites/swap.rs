@@ -153,13 +153,8 @@ impl Rig {
             backend
                 .serve_vm(name, &sock)
                 .map_err(|e| SwapSuiteError::Backend(e.to_string()))?;
-            let vm = LoopbackVm::connect(
-                &sock,
-                LoopbackConfig {
-                    mem_bytes: 64 << 20,
-                },
-            )
-            .map_err(|e| SwapSuiteError::Loopback(e.to_string()))?;
+            let vm = LoopbackVm::connect(&sock, LoopbackConfig::with_mem(64 << 20))
+                .map_err(|e| SwapSuiteError::Loopback(e.to_string()))?;
             out.push(vm);
         }
         Ok(Rig {

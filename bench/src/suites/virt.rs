@@ -2,7 +2,9 @@
 //! requests over a real vhost-user socket to `vgpu-backend`, control pages and apertures
 //! mapped into the loopback VM's BAR window, submissions by plain stores — measured side
 //! by side in one run. Also the API-remoting baseline: every launch sent to the host as a
-//! control-queue request.
+//! control-queue request; and forwarded submission (protocol.md §9.1): a second VM on the
+//! same backend whose frontend offers no shared-memory region, so its runtime submits and
+//! reads completions with requests, against the direct VM on the same workloads.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -15,7 +17,7 @@ use vgpu_host_shim::{HalError, SimConfig, SimGpu};
 use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
 
 use crate::report::{Better, Figure};
-use crate::suites::measure::{min, submit_latency, Publish};
+use crate::suites::measure::{min, submit_latency, submit_throughput, Publish};
 
 const SUITE: &str = "virt";
 
@@ -38,6 +40,8 @@ pub struct VirtOpts {
     /// Small workload sizes.
     pub small: bool,
     pub latency_samples: u32,
+    /// Submissions in each throughput stream.
+    pub throughput_submits: u32,
 }
 
 impl VirtOpts {
@@ -46,6 +50,7 @@ impl VirtOpts {
             reps: 9,
             small: false,
             latency_samples: 3000,
+            throughput_submits: 20_000,
         }
     }
 
@@ -54,6 +59,7 @@ impl VirtOpts {
             reps: 1,
             small: true,
             latency_samples: 200,
+            throughput_submits: 1000,
         }
     }
 }
@@ -63,6 +69,8 @@ pub struct Rig {
     pub gpu: Arc<SimGpu>,
     pub backend: Arc<VgpuBackend>,
     pub vm: Arc<LoopbackVm>,
+    /// Loopback VMs added with [`Rig::add_vm`].
+    more: Vec<Arc<LoopbackVm>>,
     dir: PathBuf,
 }
 
@@ -76,19 +84,39 @@ impl Rig {
         backend
             .serve_vm("bench", &sock)
             .map_err(|e| VirtSuiteError::Backend(e.to_string()))?;
-        let vm = LoopbackVm::connect(&sock, LoopbackConfig { mem_bytes: vm_mem })
+        let vm = LoopbackVm::connect(&sock, LoopbackConfig::with_mem(vm_mem))
             .map_err(|e| VirtSuiteError::Loopback(e.to_string()))?;
         Ok(Rig {
             gpu,
             backend,
             vm,
+            more: Vec::new(),
             dir,
         })
+    }
+
+    /// Serves and connects one more VM, `name`, on the same backend.
+    pub fn add_vm(
+        &mut self,
+        name: &str,
+        cfg: LoopbackConfig,
+    ) -> Result<Arc<LoopbackVm>, VirtSuiteError> {
+        let sock = self.dir.join(format!("{name}.sock"));
+        self.backend
+            .serve_vm(name, &sock)
+            .map_err(|e| VirtSuiteError::Backend(e.to_string()))?;
+        let vm =
+            LoopbackVm::connect(&sock, cfg).map_err(|e| VirtSuiteError::Loopback(e.to_string()))?;
+        self.more.push(vm.clone());
+        Ok(vm)
     }
 }
 
 impl Drop for Rig {
     fn drop(&mut self) {
+        for vm in &self.more {
+            vm.disconnect();
+        }
         self.vm.disconnect();
         self.backend.shutdown();
         let _ = std::fs::remove_dir_all(&self.dir);
@@ -100,27 +128,44 @@ fn fig(name: &str, value: f64, unit: &str, better: Better) -> Figure {
 }
 
 pub fn run(opts: &VirtOpts) -> Result<Vec<Figure>, VirtSuiteError> {
-    let rig = Rig::new(768 << 20)?;
+    let mut rig = Rig::new(768 << 20)?;
+    let fvm = rig.add_vm("bench-fwd", LoopbackConfig::with_mem(768 << 20).forwarded())?;
     let native = Device::native(rig.gpu.clone())?;
     let guest = Device::loopback(rig.vm.clone(), 1000)?;
+    let fwd = Device::loopback(fvm, 1000)?;
     let nctx = native.create_context()?;
     let gctx = guest.create_context()?;
+    let fctx = fwd.create_context()?;
     let mut figs = Vec::new();
     for name in Workload::NAMES {
         let Some(w) = Workload::by_name(name, opts.small) else {
             continue;
         };
-        let (mut n, mut g) = (Vec::new(), Vec::new());
-        // Warm-up on both sides, then alternate so drift hits both equally.
+        let (mut n, mut g, mut f) = (Vec::new(), Vec::new(), Vec::new());
+        // Warm-up on every side, then alternate so drift hits all equally.
         w.run(&nctx)?;
         w.run(&gctx)?;
+        w.run(&fctx)?;
         for _ in 0..opts.reps {
             n.push(w.run(&nctx)?.elapsed.as_secs_f64());
             g.push(w.run(&gctx)?.elapsed.as_secs_f64());
+            f.push(w.run(&fctx)?.elapsed.as_secs_f64());
         }
         // Best of N on each side: interference on a small shared host only ever adds
         // time, so the minimum is the least noisy estimate of what each path costs.
-        let (n, g) = (min(&n), min(&g));
+        let (n, g, f) = (min(&n), min(&g), min(&f));
+        figs.push(fig(
+            &format!("{name}_forwarded"),
+            f * 1e3,
+            "ms",
+            Better::Lower,
+        ));
+        figs.push(fig(
+            &format!("{name}_forwarded_vs_direct"),
+            f / g,
+            "ratio",
+            Better::Lower,
+        ));
         figs.push(fig(&format!("{name}_native"), n * 1e3, "ms", Better::Lower));
         figs.push(fig(
             &format!("{name}_loopback"),
@@ -174,5 +219,35 @@ pub fn run(opts: &VirtOpts) -> Result<Vec<Figure>, VirtSuiteError> {
         )
         .target(10.0),
     );
+    // Forwarded submission: the same measurements on the VM without a region.
+    let fl = submit_latency(&fctx, opts.latency_samples, Publish::Store)?;
+    figs.push(fig(
+        "submit_latency_p50_forwarded",
+        fl.0,
+        "us",
+        Better::Lower,
+    ));
+    figs.push(fig(
+        "submit_latency_p99_forwarded",
+        fl.1,
+        "us",
+        Better::Lower,
+    ));
+    figs.push(fig(
+        "forwarded_vs_direct_submit_p50",
+        fl.0 / g.0.max(1e-3),
+        "ratio",
+        Better::Lower,
+    ));
+    let dt = submit_throughput(&gctx, opts.throughput_submits)?;
+    let ft = submit_throughput(&fctx, opts.throughput_submits)?;
+    figs.push(fig("submit_rate_direct", dt, "1/s", Better::Higher));
+    figs.push(fig("submit_rate_forwarded", ft, "1/s", Better::Higher));
+    figs.push(fig(
+        "forwarded_vs_direct_submit_rate",
+        ft / dt.max(1e-9),
+        "ratio",
+        Better::Higher,
+    ));
     Ok(figs)
 }

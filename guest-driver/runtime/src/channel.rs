@@ -81,7 +81,11 @@ pub struct Channel {
     pb: RingArena,
     args: RingArena,
     submitted: u64,
-    /// Publish GP_PUT through the transport (API-remoting baseline) instead of a store.
+    /// Forwarded channel: no control page of the GPU's in reach, GP_PUT goes out as a
+    /// request and GP_GET/REF come back as one (see [`ControlView::refresh`]).
+    forwarded: bool,
+    /// Publish GP_PUT through the transport (API-remoting baseline, and always on a
+    /// forwarded channel) instead of a store.
     api_remoting: bool,
     /// Record the host clock just before each publish (for latency measurements).
     stamp_publish: bool,
@@ -106,6 +110,7 @@ fn round_setup(v: u64) -> Option<u64> {
 fn wait_gp_get(control: &ControlView, seq: u32, deadline: Option<Instant>) -> Result<()> {
     poll_until(deadline, || {
         control.check_device()?;
+        control.refresh()?;
         if (control.gp_get().wrapping_sub(seq) as i32) >= 0 {
             return Ok(Some(()));
         }
@@ -173,8 +178,13 @@ impl Channel {
             }
             e
         };
-        let control =
-            ControlView::new(desc.control, inner.transport.lost_probe()).map_err(destroy)?;
+        let refresh: Option<crate::control::Refresh> = desc.forwarded.then(|| {
+            let (t, ctx, ch) = (inner.transport.clone(), inner.handle, desc.handle);
+            let r: crate::control::Refresh = Arc::new(move || t.refresh_control(ctx, ch));
+            r
+        });
+        let control = ControlView::new(desc.control, inner.transport.lost_probe(), refresh)
+            .map_err(destroy)?;
         let version = control.version();
         if version >> 16 != vgpu_protocol::PROTOCOL_VERSION >> 16 {
             log::warn!("channel speaks protocol {version:#x}");
@@ -204,7 +214,8 @@ impl Channel {
             pb: RingArena::new(opts.pushbuf_bytes),
             args: RingArena::new(opts.arg_bytes),
             submitted: 0,
-            api_remoting: false,
+            forwarded: desc.forwarded,
+            api_remoting: desc.forwarded,
             stamp_publish: false,
             last_publish_ns: 0,
         })
@@ -374,8 +385,15 @@ impl Channel {
 
     /// API-remoting mode, the baseline the direct path is measured against: GP_PUT is
     /// sent to the host in a request (which stores it) instead of stored by the guest.
+    /// A forwarded channel has no other way and stays remoted.
     pub fn set_api_remoting(&mut self, on: bool) {
-        self.api_remoting = on;
+        self.api_remoting = on || self.forwarded;
+    }
+
+    /// Whether the channel is forwarded: submissions and completions each cost a
+    /// request (the device has no shared-memory region).
+    pub fn is_forwarded(&self) -> bool {
+        self.forwarded
     }
 
     /// Records the clock (`CLOCK_MONOTONIC`, the host GPU clock when on a host) right before every GP_PUT
@@ -400,6 +418,7 @@ impl Channel {
             return Err(Error::WrongChannel);
         }
         self.control.check_device()?;
+        self.control.refresh()?;
         if (self.control.reference().wrapping_sub(fence.value) as i32) >= 0 {
             return Ok(true);
         }
@@ -458,8 +477,19 @@ impl Channel {
         wait_gp_get(&self.control, seq, deadline)
     }
 
+    /// On a forwarded channel, fetches the control page's fields first (a request; a
+    /// failure leaves the last values, and the next wait reports it).
+    fn fresh(&self) {
+        if self.forwarded {
+            if let Err(e) = self.control.refresh() {
+                log::debug!("channel {}: refreshing its status: {e}", self.handle.0);
+            }
+        }
+    }
+
     /// The channel's error and its detail (faulting address or method offset), if any.
     pub fn error(&self) -> Option<(ErrorCode, u64)> {
+        self.fresh();
         self.control.error()
     }
 
@@ -470,16 +500,19 @@ impl Channel {
 
     /// GP_GET: entries the GPU has completed.
     pub fn gp_get(&self) -> u32 {
+        self.fresh();
         self.control.gp_get()
     }
 
     /// The REF field: the last fence value the GPU signalled.
     pub fn reference(&self) -> u32 {
+        self.fresh();
         self.control.reference()
     }
 
     /// Count of notify methods executed.
     pub fn notify_seq(&self) -> u32 {
+        self.fresh();
         self.control.notify_seq()
     }
 

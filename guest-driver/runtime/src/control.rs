@@ -7,6 +7,9 @@ use vgpu_protocol::{ControlPage, ErrorCode};
 use crate::error::{Error, Result};
 use crate::transport::{CpuPtr, LostProbe};
 
+/// Brings a forwarded channel's copy of its control page up to date (a request).
+pub(crate) type Refresh = std::sync::Arc<dyn Fn() -> Result<()> + Send + Sync>;
+
 /// A view of a control page. The GPU (or the backend's shadow logic) writes it
 /// concurrently, so every field is accessed atomically.
 ///
@@ -17,6 +20,8 @@ pub(crate) struct ControlView {
     page: CpuPtr,
     /// Whether the device was reset under us (then the page is not ours any more).
     lost: Option<LostProbe>,
+    /// Forwarded channels: refreshes the page (which is a copy) from the device.
+    refresh: Option<Refresh>,
     seen_get: AtomicU32,
     seen_ref: AtomicU32,
     seen_notify: AtomicU32,
@@ -48,7 +53,11 @@ impl std::fmt::Debug for ControlView {
 }
 
 impl ControlView {
-    pub(crate) fn new(page: CpuPtr, lost: Option<LostProbe>) -> Result<Self> {
+    pub(crate) fn new(
+        page: CpuPtr,
+        lost: Option<LostProbe>,
+        refresh: Option<Refresh>,
+    ) -> Result<Self> {
         if page.len() < ControlPage::USED_BYTES || page.as_ptr() as usize & 7 != 0 {
             return Err(Error::InvalidArgument(
                 "control page mapping too small or misaligned",
@@ -57,6 +66,7 @@ impl ControlView {
         Ok(ControlView {
             page,
             lost,
+            refresh,
             seen_get: AtomicU32::new(0),
             seen_ref: AtomicU32::new(0),
             seen_notify: AtomicU32::new(0),
@@ -118,6 +128,18 @@ impl ControlView {
             ErrorCode::Internal
         });
         Some((code, info))
+    }
+
+    /// Forwarded channels: fetches the GPU-written fields from the device. Waiters call it
+    /// before each look at GP_GET, REF or ERROR; on a direct channel it does nothing.
+    pub(crate) fn refresh(&self) -> Result<()> {
+        match &self.refresh {
+            Some(r) => {
+                self.check_device()?;
+                r()
+            }
+            None => Ok(()),
+        }
     }
 
     /// `Err(DeviceLost)` if the device was reset under this process.

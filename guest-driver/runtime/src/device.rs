@@ -48,7 +48,22 @@ impl Device {
         mem_bytes: u64,
         pid: u32,
     ) -> Result<Self> {
-        let cfg = vgpu_vmm::loopback::LoopbackConfig { mem_bytes };
+        Self::connect_loopback_with(socket, mem_bytes, false, pid)
+    }
+
+    /// [`Self::connect_loopback`], with `forwarded`: a frontend without a shared-memory
+    /// region (forwarded submission, protocol.md §9.1).
+    #[cfg(feature = "loopback")]
+    pub fn connect_loopback_with(
+        socket: impl AsRef<std::path::Path>,
+        mem_bytes: u64,
+        forwarded: bool,
+        pid: u32,
+    ) -> Result<Self> {
+        let mut cfg = vgpu_vmm::loopback::LoopbackConfig::with_mem(mem_bytes);
+        if forwarded {
+            cfg = cfg.forwarded();
+        }
         let vm = vgpu_vmm::loopback::LoopbackVm::connect(socket.as_ref(), cfg).map_err(|e| {
             crate::error::Error::Os {
                 what: "connecting the loopback VM",

@@ -3,16 +3,24 @@
 //! driver would send them; channel control pages and VRAM apertures are pages the backend
 //! mapped into the device's shared-memory window (the BAR). Host buffers are guest RAM
 //! handed to the backend as guest-physical scatter-gather lists.
+//!
+//! A VM without the shared-memory region (forwarded submission, `LoopbackConfig::forwarded`)
+//! gets channels without a page of the GPU's: the transport hands out a page of its own,
+//! submits with `SUBMIT` and fills that page from `CHANNEL_STATUS` replies; VRAM has no
+//! aperture (`MAP_APERTURE` is `Unsupported`, so buffers are staged through guest RAM).
 
 use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
-use vgpu_protocol::device::slot_offset;
+use std::sync::atomic::Ordering;
+
+use vgpu_protocol::device::{slot_offset, NO_SLOT};
 use vgpu_protocol::mem::{MapFlags, PageSize};
 use vgpu_protocol::request::{
     decode_reply, GuestRange, Op, ReplyBody, Request, MAP_READ_ONLY, PAGE_2M, PAGE_4K, PAGE_64K,
 };
+use vgpu_protocol::ControlPage;
 use vgpu_protocol::ErrorCode;
 use vgpu_vmm::{GuestAlloc, LoopbackVm};
 
@@ -32,9 +40,34 @@ struct Mem {
     backing: Backing,
 }
 
+/// A forwarded channel's copy of its control page (4 KiB, 8-aligned, zeroed).
+struct StatusPage(Box<[std::sync::atomic::AtomicU64; 512]>);
+
+impl StatusPage {
+    fn new() -> Self {
+        StatusPage(Box::new(std::array::from_fn(|_| {
+            std::sync::atomic::AtomicU64::new(0)
+        })))
+    }
+
+    fn ptr(&self) -> *mut u8 {
+        self.0.as_ptr() as *mut u8
+    }
+
+    fn word(&self, field: usize) -> &std::sync::atomic::AtomicU32 {
+        debug_assert!(field.is_multiple_of(4) && field < vgpu_protocol::ControlPage::USED_BYTES);
+        // SAFETY: `field` is a 4-aligned control-page offset inside the 4 KiB page the
+        // box owns (8-aligned); an AtomicU32 view of part of an AtomicU64's memory is
+        // plain shared memory accessed atomically, as the GPU's page is.
+        unsafe { &*(self.ptr().add(field) as *const std::sync::atomic::AtomicU32) }
+    }
+}
+
 #[derive(Default)]
 struct State {
     mems: HashMap<MemHandle, Mem>,
+    /// Forwarded channels' pages, by channel (kept until the channel is destroyed).
+    status: HashMap<ChanHandle, Arc<StatusPage>>,
     next: u64,
 }
 
@@ -348,17 +381,66 @@ impl Transport for LoopbackTransport {
             ReplyBody::Channel { channel, slot } => (channel, slot),
             _ => return Err(Error::Device(ErrorCode::Internal)),
         };
+        let handle = ChanHandle(channel as u64);
+        if self.vm.forwarded() {
+            if slot != NO_SLOT {
+                log::warn!("forwarded channel {channel} came with slot {slot}");
+            }
+            let page = Arc::new(StatusPage::new());
+            let version = self.vm.config().map_err(vm_err)?.version;
+            page.word(ControlPage::VERSION)
+                .store(version, Ordering::Relaxed);
+            page.word(ControlPage::GP_ENTRIES)
+                .store(gp_entries, Ordering::Relaxed);
+            let p = NonNull::new(page.ptr()).ok_or(Error::Device(ErrorCode::Internal))?;
+            self.state().status.insert(handle, page);
+            // SAFETY: the page lives in `status` (an Arc the map keeps) until
+            // `destroy_channel` for this channel, after the channel's last use of it.
+            let control = unsafe { CpuPtr::new(p, vgpu_protocol::PAGE_SIZE as usize) };
+            return Ok(ChannelDesc {
+                handle,
+                control,
+                forwarded: true,
+            });
+        }
         let offset = slot_offset(slot).ok_or(Error::Device(ErrorCode::Internal))?;
         Ok(ChannelDesc {
-            handle: ChanHandle(channel as u64),
+            handle,
             control: self.shm_ptr(offset, vgpu_protocol::PAGE_SIZE)?,
+            forwarded: false,
         })
     }
 
     fn destroy_channel(&self, ctx: CtxHandle, ch: ChanHandle) -> Result<()> {
         let channel = u32::try_from(ch.0).map_err(|_| Error::UnknownHandle("channel"))?;
-        self.call(Self::ctx_id(ctx)?, Op::DestroyChannel { channel })
-            .map(|_| ())
+        let r = self
+            .call(Self::ctx_id(ctx)?, Op::DestroyChannel { channel })
+            .map(|_| ());
+        self.state().status.remove(&ch);
+        r
+    }
+
+    fn refresh_control(&self, ctx: CtxHandle, ch: ChanHandle) -> Result<()> {
+        let Some(page) = self.state().status.get(&ch).cloned() else {
+            return Ok(()); // a direct channel: its page is the GPU's
+        };
+        let channel = u32::try_from(ch.0).map_err(|_| Error::UnknownHandle("channel"))?;
+        let s = match self.call(Self::ctx_id(ctx)?, Op::ChannelStatus { channel })? {
+            ReplyBody::ChannelStatus(s) => s,
+            _ => return Err(Error::Device(ErrorCode::Internal)),
+        };
+        // As the GPU orders its writes: ERROR_INFO before ERROR, everything released.
+        let info = &page.0[ControlPage::ERROR_INFO / 8];
+        info.store(s.error_info, Ordering::Release);
+        for (field, v) in [
+            (ControlPage::GP_GET, s.gp_get),
+            (ControlPage::REF, s.reference),
+            (ControlPage::NOTIFY_SEQ, s.notify_seq),
+            (ControlPage::ERROR, s.error),
+        ] {
+            page.word(field).store(v, Ordering::Release);
+        }
+        Ok(())
     }
 
     fn lost_probe(&self) -> Option<LostProbe> {

@@ -361,7 +361,11 @@ impl Transport for NativeTransport {
         let handle = ChanHandle(ch.0 as u64);
         let control = cpu_ptr(&page);
         st.channels.insert(handle, Chan { ctx, _page: page });
-        Ok(ChannelDesc { handle, control })
+        Ok(ChannelDesc {
+            handle,
+            control,
+            forwarded: false,
+        })
     }
 
     fn destroy_channel(&self, ctx: CtxHandle, ch: ChanHandle) -> Result<()> {

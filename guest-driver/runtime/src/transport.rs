@@ -77,8 +77,14 @@ pub type LostProbe = std::sync::Arc<dyn Fn() -> bool + Send + Sync>;
 #[derive(Debug, Clone, Copy)]
 pub struct ChannelDesc {
     pub handle: ChanHandle,
-    /// The channel's 4 KiB control page (see `vgpu_protocol::ControlPage`).
+    /// The channel's 4 KiB control page (see `vgpu_protocol::ControlPage`). For a
+    /// forwarded channel, a copy the transport owns and refreshes in
+    /// [`Transport::refresh_control`]; stores to it reach no GPU.
     pub control: CpuPtr,
+    /// Forwarded submission (the device has no shared-memory region): GP_PUT goes out
+    /// with [`Transport::remote_submit`], and `control` is brought up to date with
+    /// [`Transport::refresh_control`] (protocol.md §9, "Forwarded submission").
+    pub forwarded: bool,
 }
 
 /// Facts about the device a transport reaches.
@@ -166,6 +172,13 @@ pub trait Transport: Send + Sync {
         Err(crate::error::Error::Device(
             vgpu_protocol::ErrorCode::Unsupported,
         ))
+    }
+
+    /// Forwarded channels: copies the GPU-written fields of the channel's control page
+    /// (GP_GET, REF, NOTIFY_SEQ, ERROR, ERROR_INFO) into the page handed out in its
+    /// [`ChannelDesc`] (one request). Direct channels need nothing: the page is the GPU's.
+    fn refresh_control(&self, _ctx: CtxHandle, _ch: ChanHandle) -> Result<()> {
+        Ok(())
     }
 
     /// Sleeps in the driver until `what` is reached, the channel faults

@@ -31,7 +31,7 @@ fn structs() -> Vec<(&'static str, usize, Fields)> {
             "abi_version" => abi_version, "protocol_version" => protocol_version,
             "vram_bytes" => vram_bytes, "compute_engines" => compute_engines,
             "channel_slots" => channel_slots, "max_contexts" => max_contexts,
-            "reserved" => reserved, "shm_size" => shm_size,
+            "flags" => flags, "shm_size" => shm_size,
             "aperture_offset" => aperture_offset, "aperture_size" => aperture_size,
         ]),
         s!("vgpu_ioc_stats", abi::Stats, [
@@ -69,6 +69,11 @@ fn structs() -> Vec<(&'static str, usize, Fields)> {
             "timeout_ns" => timeout_ns, "ref" => reference, "notify_seq" => notify_seq,
             "error" => error, "notify_token" => notify_token, "error_info" => error_info,
         ]),
+        s!("vgpu_ioc_channel_status", abi::ChannelStatus, [
+            "ctx" => ctx, "channel" => channel, "gp_put" => gp_put, "gp_get" => gp_get,
+            "ref" => reference, "notify_seq" => notify_seq, "error" => error,
+            "reserved" => reserved, "error_info" => error_info,
+        ]),
     ]
 }
 
@@ -84,6 +89,7 @@ fn constants() -> Vec<(&'static str, u64)> {
         ("VGPU_IOC_MAX_USER_MAP", abi::MAX_USER_MAP),
         ("VGPU_WAIT_FENCE", abi::WAIT_FENCE as u64),
         ("VGPU_WAIT_NOTIFY", abi::WAIT_NOTIFY as u64),
+        ("VGPU_INFO_FORWARDED", abi::INFO_FORWARDED as u64),
         // The ioctl page codes are the protocol's.
         ("VGPU_IOC_PAGE_4K", PAGE_4K as u64),
         ("VGPU_IOC_PAGE_64K", PAGE_64K as u64),

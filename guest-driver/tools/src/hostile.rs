@@ -82,6 +82,12 @@ fn skip(out: &mut Vec<Check>, name: &str) {
     });
 }
 
+/// Whether the device is forwarded (no shared-memory region); false if GET_INFO fails.
+fn forwarded(fd: RawFd) -> bool {
+    let mut i = abi::Info::default();
+    ioctl(fd, abi::GET_INFO, &mut i) == 0 && i.flags & abi::INFO_FORWARDED != 0
+}
+
 /// Checks the driver answers without asking the device.
 fn driver_only(fd: RawFd, out: &mut Vec<Check>) {
     let mut junk = [0u8; 64];
@@ -210,12 +216,22 @@ fn driver_only(fd: RawFd, out: &mut Vec<Check>) {
         try_mmap(fd, 0, 4096, false),
         libc::EACCES,
     );
-    expect(
-        out,
-        "mmap_unowned_aperture",
-        try_mmap(fd, 0x40_0000, 4096, false),
-        libc::EACCES,
-    );
+    if forwarded(fd) {
+        // No region: nothing lies past the channel pages' offsets.
+        expect(
+            out,
+            "mmap_aperture_forwarded",
+            try_mmap(fd, 0x40_0000, 4096, false),
+            libc::EINVAL,
+        );
+    } else {
+        expect(
+            out,
+            "mmap_unowned_aperture",
+            try_mmap(fd, 0x40_0000, 4096, false),
+            libc::EACCES,
+        );
+    }
     expect(
         out,
         "mmap_past_region",
@@ -300,6 +316,62 @@ fn with_device(dev_path: &str, fd: RawFd, out: &mut Vec<Check>) {
         try_mmap(fd, ch.offset, 4096, false),
         0,
     );
+    let mut st = abi::ChannelStatus {
+        ctx: ctx.ctx,
+        channel: 0x7777,
+        ..Default::default()
+    };
+    expect(
+        out,
+        "channel_status_forged_id",
+        ioctl(fd, abi::CHANNEL_STATUS, &mut st),
+        libc::ENOENT,
+    );
+    let parent_ch = ch.channel;
+    let code = in_child(move || {
+        let mut s = abi::ChannelStatus {
+            ctx: parent_ctx,
+            channel: parent_ch,
+            ..Default::default()
+        };
+        ioctl(fd, abi::CHANNEL_STATUS, &mut s)
+    });
+    expect(out, "other_process_channel_status", code, libc::EACCES);
+    let mut sub = abi::Submit {
+        ctx: ctx.ctx,
+        channel: 0x7777,
+        gp_put: 1,
+        reserved: 0,
+    };
+    expect(
+        out,
+        "submit_forged_id",
+        ioctl(fd, abi::SUBMIT, &mut sub),
+        libc::ENOENT,
+    );
+    if forwarded(fd) {
+        let mut v = abi::AllocVram {
+            ctx: ctx.ctx,
+            size: 4096,
+            align: 4096,
+            ..Default::default()
+        };
+        if ioctl(fd, abi::ALLOC_VRAM, &mut v) == 0 {
+            let mut ap = abi::MapAperture {
+                ctx: ctx.ctx,
+                mem: v.mem,
+                ..Default::default()
+            };
+            expect(
+                out,
+                "map_aperture_forwarded",
+                ioctl(fd, abi::MAP_APERTURE, &mut ap),
+                libc::EOPNOTSUPP,
+            );
+        } else {
+            skip(out, "map_aperture_forwarded");
+        }
+    }
     let mut f = abi::MemArg {
         ctx: ctx.ctx,
         mem: 0x7777,

@@ -1,6 +1,6 @@
 //! Measurements shared by the suites.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use vgpu_guest::{Context, KernelArgs};
 
@@ -41,6 +41,29 @@ pub fn submit_latency(
     let p50 = percentile(&mut v, 50.0).unwrap_or(0) as f64 / 1e3;
     let p99 = percentile(&mut v, 99.0).unwrap_or(0) as f64 / 1e3;
     Ok((p50, p99))
+}
+
+/// Submissions per second of a stream of `n` empty-kernel submissions, each a GP entry of
+/// its own, published back to back (the ring keeps up to its size in flight) and waited
+/// for once at the end: the rate at which the path takes work, not the GPU's.
+pub fn submit_throughput(ctx: &Context, n: u32) -> Result<f64, vgpu_guest::Error> {
+    let mut ch = ctx.create_channel()?;
+    // Warm-up: first touch of the ring and arenas.
+    for _ in 0..16 {
+        ch.launch(&KernelArgs::Empty, [1, 1, 1])?;
+        ch.submit()?;
+    }
+    ch.finish()?;
+    let t0 = Instant::now();
+    let mut last = None;
+    for _ in 0..n {
+        ch.launch(&KernelArgs::Empty, [1, 1, 1])?;
+        last = Some(ch.submit()?);
+    }
+    if let Some(f) = last {
+        ch.wait_timeout(f, Duration::from_secs(60))?;
+    }
+    Ok(f64::from(n) / t0.elapsed().as_secs_f64().max(1e-9))
 }
 
 /// The median of `v` (0 when empty).

@@ -233,6 +233,7 @@ impl ApiState {
                     .map(|w| w.share);
                 Some(VmSummary {
                     connected: st.connected,
+                    submission: submission_mode(st.forwarded).into(),
                     paused: be.vm_paused(&name)?,
                     weight: be.vm_weight(&name)?,
                     vram_quota_bytes: be.vm_limits(&name)?.vram_bytes,
@@ -454,6 +455,7 @@ fn vm_detail(be: &VgpuBackend, name: &str) -> Result<VmDetail, Failure> {
             .to_string_lossy()
             .into_owned(),
         connected: st.connected,
+        submission: submission_mode(st.forwarded).into(),
         paused: be.vm_paused(name).ok_or_else(gone)?,
         weight: be.vm_weight(name).ok_or_else(gone)?,
         limits: LimitsBody {
@@ -586,6 +588,15 @@ pub fn scheduler(be: &VgpuBackend) -> SchedulerBody {
             busy_skips: st.busy_skips,
             watchdog_kills: st.watchdog_kills,
         },
+    }
+}
+
+/// The API's name for a VM's submission mode.
+fn submission_mode(forwarded: bool) -> &'static str {
+    if forwarded {
+        "forwarded"
+    } else {
+        "direct"
     }
 }
 

@@ -37,6 +37,10 @@ pub struct GpuBody {
 pub struct VmSummary {
     pub name: String,
     pub connected: bool,
+    /// How the guest submits work: `direct` (stores to its control pages in the device's
+    /// shared-memory region) or `forwarded` (`SUBMIT` requests; the frontend offered no
+    /// region). See protocol.md §9.
+    pub submission: String,
     pub paused: bool,
     pub weight: u32,
     pub vram_quota_bytes: u64,
@@ -96,6 +100,8 @@ pub struct VmDetail {
     pub name: String,
     pub socket: String,
     pub connected: bool,
+    /// `direct` or `forwarded` (as in [`VmSummary::submission`]).
+    pub submission: String,
     pub paused: bool,
     pub weight: u32,
     pub limits: LimitsBody,

@@ -306,7 +306,14 @@ fn run(cli: Cli) -> Result<(), ClientError> {
                 return print_json(&l);
             }
             let mut rows = vec![[
-                "NAME", "STATE", "WEIGHT", "VRAM", "QUOTA", "CHANNELS", "GPU 10s",
+                "NAME",
+                "STATE",
+                "SUBMISSION",
+                "WEIGHT",
+                "VRAM",
+                "QUOTA",
+                "CHANNELS",
+                "GPU 10s",
             ]
             .map(String::from)
             .to_vec()];
@@ -319,6 +326,7 @@ fn run(cli: Cli) -> Result<(), ClientError> {
                 rows.push(vec![
                     v.name,
                     state.into(),
+                    v.submission,
                     v.weight.to_string(),
                     human_bytes(v.vram_bytes),
                     human_bytes(v.vram_quota_bytes),
@@ -337,6 +345,7 @@ fn run(cli: Cli) -> Result<(), ClientError> {
                 vec!["name".into(), v.name],
                 vec!["socket".into(), v.socket],
                 vec!["connected".into(), v.connected.to_string()],
+                vec!["submission".into(), v.submission],
                 vec!["paused".into(), v.paused.to_string()],
                 vec!["weight".into(), v.weight.to_string()],
                 vec![

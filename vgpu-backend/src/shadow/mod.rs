@@ -72,8 +72,9 @@ pub struct ShadowTarget {
     pub ch: u32,
     /// The real control page.
     pub page: FdRange,
-    /// The channel's slot in the BAR.
-    pub slot_off: u64,
+    /// The channel's slot in the BAR; `None` for a forwarded channel, which has no BAR
+    /// view: its shadow then only takes the `SUBMIT`s (protocol.md §9).
+    pub slot_off: Option<u64>,
 }
 
 /// Errors of shadow-channel operations.
@@ -530,8 +531,11 @@ impl Shadows {
         shadow.store(ControlPage::GP_PUT, real.load(ControlPage::GP_PUT));
         // 2. Switch. With REPLY_ACK the frontend's mmap(MAP_FIXED) is done when this
         //    returns: every later guest store lands in the shadow page.
-        let mapped = shm.map(slot_off, fd, idx as u64 * PAGE_SIZE, PAGE_SIZE, true);
-        if let Err(e) = mapped {
+        let mapped = match slot_off {
+            Some(off) => shm.map(off, fd, idx as u64 * PAGE_SIZE, PAGE_SIZE, true),
+            None => Ok(()),
+        };
+        if let (Err(e), Some(slot_off)) = (mapped, slot_off) {
             // The frontend may have left the old page, or a hole: put the real page back.
             // Stores that reached the shadow (if it was mapped after all) are carried over.
             let back = shm.map(slot_off, real_page.fd, real_page.offset, PAGE_SIZE, true);
@@ -583,7 +587,11 @@ impl Shadows {
         };
         let idx = s.page;
         let t0 = Instant::now();
-        if let Err(e) = shm.map(slot_off, real_page.fd, real_page.offset, PAGE_SIZE, true) {
+        let mapped = match slot_off {
+            Some(off) => shm.map(off, real_page.fd, real_page.offset, PAGE_SIZE, true),
+            None => Ok(()),
+        };
+        if let Err(e) = mapped {
             // The slot may still show the shadow: the channel stays shadowed.
             self.stats.failures += 1;
             return Err(e.into());
@@ -912,7 +920,7 @@ mod tests {
         let t = ShadowTarget {
             ch: 1,
             page: f.page,
-            slot_off: 0,
+            slot_off: Some(0),
         };
         gpu_view.store(ControlPage::GP_GET, 3);
         gpu_view.store(ControlPage::GP_PUT, 5);
@@ -956,7 +964,7 @@ mod tests {
         let t = ShadowTarget {
             ch: 1,
             page: f.page,
-            slot_off: 0,
+            slot_off: Some(0),
         };
         let guest = f.guest_word(0);
 
@@ -1005,7 +1013,7 @@ mod tests {
         let t = ShadowTarget {
             ch: 1,
             page: f.page,
-            slot_off: 0,
+            slot_off: Some(0),
         };
         let guest = f.guest_word(0);
         let mut sh = Shadows::new();

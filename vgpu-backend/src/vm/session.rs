@@ -62,6 +62,8 @@ impl Default for VmLimits {
 pub struct VmStats {
     /// Whether a frontend is connected now.
     pub connected: bool,
+    /// Whether the driver acked `VIRTIO_VGPU_F_FORWARDED` (forwarded submission).
+    pub forwarded: bool,
     pub contexts: u32,
     pub channels: u32,
     pub vram_bytes: u64,
@@ -130,6 +132,19 @@ pub struct ChannelState {
     pub slot_mapped: bool,
     pub gp_ring_va: u64,
     pub gp_entries: u32,
+}
+
+impl ChannelState {
+    /// A forwarded channel: no slot, no BAR view; the guest submits with `SUBMIT`.
+    pub fn forwarded(&self) -> bool {
+        self.slot == vgpu_protocol::device::NO_SLOT
+    }
+
+    /// Whether the shadow mechanism can hold the channel: its slot shows its page, or it
+    /// has no slot (forwarded: the hold catches its `SUBMIT`s).
+    pub fn holdable(&self) -> bool {
+        self.slot_mapped || self.forwarded()
+    }
 }
 
 /// Resource usage counted against [`VmLimits`].
@@ -218,6 +233,8 @@ pub struct SessionShared {
     activity: Arc<ActivityCounter>,
     /// Some channel's activity is not counted by the GPU (it lacks the feature).
     uncounted: AtomicBool,
+    /// The driver acked `VIRTIO_VGPU_F_FORWARDED`: channels get no BAR slot.
+    forwarded: AtomicBool,
 }
 
 impl SessionShared {
@@ -231,6 +248,7 @@ impl SessionShared {
             }),
             activity,
             uncounted: AtomicBool::new(false),
+            forwarded: AtomicBool::new(false),
             requests: AtomicU64::new(0),
             errors: AtomicU64::new(0),
             disconnects: AtomicU64::new(0),
@@ -254,6 +272,16 @@ impl SessionShared {
         }
     }
 
+    /// Records the driver's choice of submission mode (its acked features).
+    pub fn set_forwarded(&self, on: bool) {
+        self.forwarded.store(on, Ordering::Release);
+    }
+
+    /// Whether the driver submits forwarded (no shared-memory region).
+    pub fn forwarded(&self) -> bool {
+        self.forwarded.load(Ordering::Acquire)
+    }
+
     pub(crate) fn count_ring_error(&self) {
         self.ring_errors.fetch_add(1, Ordering::Relaxed);
     }
@@ -272,6 +300,7 @@ impl SessionShared {
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
         VmStats {
             connected: false,
+            forwarded: self.forwarded(),
             contexts: r(&self.contexts) as u32,
             channels: r(&self.channels) as u32,
             vram_bytes: r(&self.vram_bytes),

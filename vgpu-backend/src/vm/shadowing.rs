@@ -5,7 +5,7 @@
 use std::io;
 
 use log::debug;
-use vgpu_protocol::device::slot_offset;
+use vgpu_protocol::device::{slot_offset, NO_SLOT};
 use vgpu_protocol::PAGE_SIZE;
 
 use crate::shadow::{
@@ -22,10 +22,14 @@ impl Session {
             .channels
             .get(&ch)
             .ok_or(ShadowError::NoChannel(ch))?;
-        if !c.slot_mapped {
+        let slot_off = if c.slot == NO_SLOT {
+            // Forwarded: no BAR view to switch, SUBMIT writes the shadow while held.
+            None
+        } else if !c.slot_mapped {
             return Err(ShadowError::SlotNotMapped(ch));
-        }
-        let slot_off = slot_offset(c.slot).ok_or(ShadowError::SlotNotMapped(ch))?;
+        } else {
+            Some(slot_offset(c.slot).ok_or(ShadowError::SlotNotMapped(ch))?)
+        };
         let hch = *self
             .hal
             .channels
@@ -125,7 +129,7 @@ impl Session {
     /// [`Session::peek_channel`], paused or not.
     pub fn peek_channel_any(&mut self, ch: u32) -> Result<ChannelPeek, ShadowError> {
         // Looked at before: its page is mapped here (no HAL lookup).
-        if self.state.channels.get(&ch).is_some_and(|c| c.slot_mapped) {
+        if self.state.channels.get(&ch).is_some_and(|c| c.holdable()) {
             if let Some(p) = self.shadows.peek_mapped(ch) {
                 return Ok(p);
             }

@@ -154,7 +154,7 @@ impl Session {
         self.state
             .channels
             .iter()
-            .filter(|(_, c)| c.ctx == ctx && c.slot_mapped)
+            .filter(|(_, c)| c.ctx == ctx && c.holdable())
             .map(|(id, _)| *id)
             .collect()
     }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use log::{error, info, warn};
 use vgpu_protocol::device::DeviceConfig;
 
-use super::{kick, DRIVER_FEATURES};
+use super::{driver_features, kick};
 use super::{lock, loopback_requirements, with_queues, IrqThread, LoopbackError, LoopbackVm};
 use crate::frontend::VhostUserDevice;
 use crate::reconnect::retry;
@@ -157,7 +157,7 @@ impl LoopbackVm {
         let socket = lock(&self.socket).clone();
         let mut dev = VhostUserDevice::connect(
             &socket,
-            &loopback_requirements(self.faults.request_timeout),
+            &loopback_requirements(self.faults.request_timeout, self.forwarded),
             self.handler.clone(),
         )?;
         if DeviceConfig::decode(dev.config()).is_none() {
@@ -172,7 +172,11 @@ impl LoopbackVm {
         self.ctrl.reset_rings();
         self.events.revive()?;
         with_queues(&self.ctrl, &self.events, |queues| {
-            dev.activate(DRIVER_FEATURES, &self.ram.vhost_regions(), queues)
+            dev.activate(
+                driver_features(self.forwarded),
+                &self.ram.vhost_regions(),
+                queues,
+            )
         })?;
         self.link.clear_lost();
         let irq = IrqThread::start(

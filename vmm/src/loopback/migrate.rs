@@ -30,10 +30,7 @@ use vgpu_protocol::device::{CONTROL_QUEUE, EVENT_QUEUE};
 use vgpu_protocol::migration::precopy::{ChunkFrame, PauseRecord};
 use vgpu_protocol::migration::{stream_kind, DeviceState, KIND_CHUNKS, KIND_FULL, KIND_PAUSED};
 
-use super::{
-    kick, lock, loopback_requirements, with_queues, IrqThread, LoopbackError, LoopbackVm,
-    DRIVER_FEATURES,
-};
+use super::{kick, lock, loopback_requirements, with_queues, IrqThread, LoopbackError, LoopbackVm};
 use crate::frontend::{read_state_frame, VhostUserDevice};
 
 /// One pre-copy round as it went through the frontend.
@@ -240,14 +237,17 @@ impl LoopbackVm {
     ) -> Result<(VhostUserDevice, MigrationReport), LoopbackError> {
         let mut dest = VhostUserDevice::connect(
             socket,
-            &loopback_requirements(self.faults.request_timeout),
+            &loopback_requirements(self.faults.request_timeout, self.forwarded),
             self.handler.clone(),
         )?;
         let mut started = false;
         let loaded = (|| {
             // The rings start only once the state is in (as on a KVM destination,
             // `boot::receive`): nothing is served from a half-loaded device.
-            dest.prepare(DRIVER_FEATURES, &self.ram.vhost_regions())?;
+            dest.prepare(
+                super::driver_features(self.forwarded),
+                &self.ram.vhost_regions(),
+            )?;
             let mut report = stream_state(source, &mut dest, filter)?;
             let mut tail = source.save_state()?;
             filter(&mut tail);

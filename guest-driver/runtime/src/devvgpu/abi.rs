@@ -3,7 +3,7 @@
 //! here against it.
 
 /// ABI version the driver reports in `GET_INFO`.
-pub const ABI_VERSION: u32 = 1;
+pub const ABI_VERSION: u32 = 2;
 pub const IOCTL_MAGIC: u32 = 0xC6;
 
 pub const PAGE_4K: u32 = 0;
@@ -13,6 +13,8 @@ pub const MAP_READ_ONLY: u32 = 1;
 pub const MAX_USER_MAP: u64 = 1 << 32;
 pub const WAIT_FENCE: u32 = 0;
 pub const WAIT_NOTIFY: u32 = 1;
+/// `Info::flags`: the device has no shared-memory region (forwarded submission).
+pub const INFO_FORWARDED: u32 = 1;
 
 #[repr(C)]
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -23,7 +25,7 @@ pub struct Info {
     pub compute_engines: u32,
     pub channel_slots: u32,
     pub max_contexts: u32,
-    pub reserved: u32,
+    pub flags: u32,
     pub shm_size: u64,
     pub aperture_offset: u64,
     pub aperture_size: u64,
@@ -143,6 +145,20 @@ pub struct Wait {
     pub error_info: u64,
 }
 
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ChannelStatus {
+    pub ctx: u32,
+    pub channel: u32,
+    pub gp_put: u32,
+    pub gp_get: u32,
+    pub reference: u32,
+    pub notify_seq: u32,
+    pub error: u32,
+    pub reserved: u32,
+    pub error_info: u64,
+}
+
 const IOC_WRITE: u32 = 1;
 const IOC_READ: u32 = 2;
 
@@ -178,6 +194,7 @@ pub const CREATE_CHANNEL: u32 = iowr::<CreateChannel>(0x0b);
 pub const DESTROY_CHANNEL: u32 = iow::<ChannelArg>(0x0c);
 pub const SUBMIT: u32 = iow::<Submit>(0x0d);
 pub const WAIT: u32 = iowr::<Wait>(0x0e);
+pub const CHANNEL_STATUS: u32 = iowr::<ChannelStatus>(0x0f);
 
 /// Every ioctl with its C name (for the ABI test).
 pub const IOCTLS: &[(&str, u32)] = &[
@@ -196,4 +213,5 @@ pub const IOCTLS: &[(&str, u32)] = &[
     ("VGPU_IOC_DESTROY_CHANNEL", DESTROY_CHANNEL),
     ("VGPU_IOC_SUBMIT", SUBMIT),
     ("VGPU_IOC_WAIT", WAIT),
+    ("VGPU_IOC_CHANNEL_STATUS", CHANNEL_STATUS),
 ];

@@ -41,6 +41,8 @@ struct Mem {
 struct Chan {
     ctx: CtxHandle,
     _page: Mmap,
+    /// The driver's copy of the control page (forwarded device).
+    forwarded: bool,
 }
 
 #[derive(Default)]
@@ -55,6 +57,8 @@ struct State {
 pub struct DevVgpuTransport {
     file: File,
     state: Mutex<State>,
+    /// Whether the device is forwarded (`VGPU_INFO_FORWARDED`), asked once.
+    forwarded: std::sync::OnceLock<bool>,
 }
 
 fn page_code(page: PageSize) -> u32 {
@@ -109,6 +113,7 @@ impl DevVgpuTransport {
         Ok(DevVgpuTransport {
             file,
             state: Mutex::new(State::default()),
+            forwarded: std::sync::OnceLock::new(),
         })
     }
 
@@ -145,6 +150,27 @@ impl DevVgpuTransport {
         let mut s = abi::Stats::default();
         self.ioctl("VGPU_IOC_GET_STATS", abi::GET_STATS, &mut s)?;
         Ok(s)
+    }
+
+    /// Whether the device has no shared-memory region (forwarded submission).
+    pub fn is_forwarded(&self) -> Result<bool> {
+        if let Some(f) = self.forwarded.get() {
+            return Ok(*f);
+        }
+        let f = self.raw_info()?.flags & abi::INFO_FORWARDED != 0;
+        Ok(*self.forwarded.get_or_init(|| f))
+    }
+
+    /// The channel's control-page fields as the device reads them (one request); on a
+    /// forwarded device the driver also copies them into the channel's mapped page.
+    pub fn channel_status(&self, ctx: CtxHandle, ch: ChanHandle) -> Result<abi::ChannelStatus> {
+        let mut a = abi::ChannelStatus {
+            ctx: ctx_id(ctx)?,
+            channel: chan_id(ch)?,
+            ..Default::default()
+        };
+        self.ioctl("VGPU_IOC_CHANNEL_STATUS", abi::CHANNEL_STATUS, &mut a)?;
+        Ok(a)
     }
 
     fn map_window(&self, offset: u64, len: u64) -> Result<Mmap> {
@@ -366,6 +392,7 @@ impl Transport for DevVgpuTransport {
             gp_ring_va,
             ..Default::default()
         };
+        let forwarded = self.is_forwarded()?;
         self.ioctl("VGPU_IOC_CREATE_CHANNEL", abi::CREATE_CHANNEL, &mut a)?;
         let handle = ChanHandle(a.channel as u64);
         let page = match self.map_window(a.offset, vgpu_protocol::PAGE_SIZE) {
@@ -378,8 +405,19 @@ impl Transport for DevVgpuTransport {
         // SAFETY: the page stays mapped (owned by the `Chan` entry) until
         // `destroy_channel` or `destroy_context` removes it.
         let control = unsafe { CpuPtr::new(page.as_non_null(), page.len()) };
-        self.state().chans.insert(handle, Chan { ctx, _page: page });
-        Ok(ChannelDesc { handle, control })
+        self.state().chans.insert(
+            handle,
+            Chan {
+                ctx,
+                _page: page,
+                forwarded,
+            },
+        );
+        Ok(ChannelDesc {
+            handle,
+            control,
+            forwarded,
+        })
     }
 
     fn destroy_channel(&self, ctx: CtxHandle, ch: ChanHandle) -> Result<()> {
@@ -399,6 +437,13 @@ impl Transport for DevVgpuTransport {
 
     fn doorbell(&self, _ch: ChanHandle) {
         // No doorbell: the GPU polls GP_PUT, a doorbell would be an exit.
+    }
+
+    fn refresh_control(&self, ctx: CtxHandle, ch: ChanHandle) -> Result<()> {
+        if !self.state().chans.get(&ch).is_some_and(|c| c.forwarded) {
+            return Ok(()); // a direct channel's page is the GPU's own
+        }
+        self.channel_status(ctx, ch).map(|_| ())
     }
 
     fn remote_submit(&self, ctx: CtxHandle, ch: ChanHandle, gp_put: u32) -> Result<()> {

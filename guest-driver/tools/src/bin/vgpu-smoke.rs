@@ -105,12 +105,13 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     if cli.stats {
         return match vgpu_guest::devvgpu::DevVgpuTransport::open(&cli.device)
-            .and_then(|t| t.stats())
+            .and_then(|t| Ok((t.stats()?, t.is_forwarded()?)))
         {
-            Ok(s) => {
+            Ok((s, fwd)) => {
                 println!(
-                    "VGPU-STATS contexts={} channels={} vram_bytes={} mapped_guest_bytes={} aperture_bytes={} vram_limit={}",
-                    s.contexts, s.channels, s.vram_bytes, s.mapped_guest_bytes, s.aperture_bytes, s.vram_limit
+                    "VGPU-STATS contexts={} channels={} vram_bytes={} mapped_guest_bytes={} aperture_bytes={} vram_limit={} submission={}",
+                    s.contexts, s.channels, s.vram_bytes, s.mapped_guest_bytes, s.aperture_bytes, s.vram_limit,
+                    if fwd { "forwarded" } else { "direct" }
                 );
                 ExitCode::SUCCESS
             }

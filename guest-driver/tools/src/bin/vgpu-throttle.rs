@@ -22,6 +22,14 @@ struct Cli {
     /// Use an in-process sim GPU instead of the device.
     #[arg(long)]
     native: bool,
+    /// Instead of the device node: a loopback VM (direct submission, or forwarded with
+    /// --forwarded) connected to a running backend's VM socket (host side; needs a build
+    /// with feature `loopback`).
+    #[arg(long, value_name = "SOCKET", conflicts_with = "native")]
+    loopback: Option<std::path::PathBuf>,
+    /// `--loopback`: a frontend without a shared-memory region (forwarded submission).
+    #[arg(long, requires = "loopback")]
+    forwarded: bool,
     /// Length of each kernel, in microseconds.
     #[arg(long, default_value_t = 1000)]
     kernel_us: u64,
@@ -37,7 +45,9 @@ struct Cli {
 }
 
 fn run(cli: &Cli) -> Result<(), String> {
-    let dev = if cli.native {
+    let dev = if let Some(socket) = &cli.loopback {
+        open_loopback(socket, cli.forwarded)?
+    } else if cli.native {
         vgpu_guest_tools::native::device(None).map_err(|e| e.to_string())?
     } else {
         Device::devvgpu(&cli.device).map_err(|e| format!("{}: {e}", cli.device))?
@@ -75,6 +85,17 @@ fn run(cli: &Cli) -> Result<(), String> {
         if wall > 0.0 { busy / wall } else { 0.0 }
     );
     Ok(())
+}
+
+#[cfg(feature = "loopback")]
+fn open_loopback(socket: &std::path::Path, forwarded: bool) -> Result<Device, String> {
+    Device::connect_loopback_with(socket, 256 << 20, forwarded, std::process::id())
+        .map_err(|e| format!("{}: {e}", socket.display()))
+}
+
+#[cfg(not(feature = "loopback"))]
+fn open_loopback(_socket: &std::path::Path, _forwarded: bool) -> Result<Device, String> {
+    Err("--loopback needs a build with feature `loopback`".into())
 }
 
 fn main() -> ExitCode {

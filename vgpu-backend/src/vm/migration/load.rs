@@ -308,8 +308,11 @@ impl Session {
                 Ok(t) => t,
                 Err(_) => continue,
             };
+            let Some(slot_off) = t.slot_off else {
+                continue;
+            };
             let page = self.shadows.shadow_page_range(ch).unwrap_or(t.page);
-            if let Err(e) = shm.map(t.slot_off, page.fd, page.offset, PAGE_SIZE, true) {
+            if let Err(e) = shm.map(slot_off, page.fd, page.offset, PAGE_SIZE, true) {
                 warn!("remap slot of channel {ch}: {e}");
             }
         }

@@ -1,4 +1,6 @@
-//! Requests on channels: CREATE_CHANNEL (born into its owners' holds), SUBMIT (the API-remoting baseline), DESTROY_CHANNEL.
+//! Requests on channels: CREATE_CHANNEL (born into its owners' holds), SUBMIT (the
+//! API-remoting baseline, and the submission path of forwarded mode), CHANNEL_STATUS
+//! (forwarded mode's view of the control page), DESTROY_CHANNEL.
 
 use super::*;
 
@@ -56,7 +58,11 @@ impl Session {
         if self.state.channels.len() >= self.limits.max_channels as usize {
             return Err(ErrorCode::LimitExceeded);
         }
+        // Forwarded (the driver has no shared-memory region): the channel gets no slot and
+        // its control page stays the backend's; the guest uses SUBMIT and CHANNEL_STATUS.
+        let forwarded = resume.is_none() && self.shared.forwarded();
         let slot = match resume {
+            None if forwarded => NO_SLOT,
             None => free_slot(self.state.channels.values().map(|c| c.slot))
                 .ok_or(ErrorCode::LimitExceeded)?,
             Some((slot, _)) => {
@@ -66,7 +72,11 @@ impl Session {
                 slot
             }
         };
-        let slot_off = slot_offset(slot).ok_or(ErrorCode::Internal)?;
+        let slot_off = if forwarded {
+            None
+        } else {
+            Some(slot_offset(slot).ok_or(ErrorCode::Internal)?)
+        };
         let channels = &self.state.channels;
         let id = fresh_id(&mut self.state.last_channel, |i| channels.contains_key(&i));
         let sink = Arc::new(ChannelSink::new(self.shared.events.clone(), id));
@@ -81,9 +91,15 @@ impl Session {
         .map_err(|e| e.code())?;
         let mapped = match self.gpu.control_page(hch) {
             // A restored channel's slot shows its shadow page first (its hold below).
-            Ok(page) if page.len >= PAGE_SIZE && resume.is_some() => Ok(()),
+            Ok(page) if page.len >= PAGE_SIZE && (resume.is_some() || forwarded) => Ok(()),
             Ok(page) if page.len >= PAGE_SIZE => shm
-                .map(slot_off, page.fd, page.offset, PAGE_SIZE, true)
+                .map(
+                    slot_off.ok_or(ErrorCode::Internal)?,
+                    page.fd,
+                    page.offset,
+                    PAGE_SIZE,
+                    true,
+                )
                 .map_err(|e| {
                     warn!("CREATE_CHANNEL: SHMEM_MAP of slot {slot}: {e}");
                     e.code()
@@ -106,7 +122,7 @@ impl Session {
                 pid,
                 ctx,
                 slot,
-                slot_mapped: true,
+                slot_mapped: !forwarded,
                 gp_ring_va,
                 gp_entries,
             },
@@ -136,8 +152,8 @@ impl Session {
         Ok(ReplyBody::Channel { channel: id, slot })
     }
 
-    /// API-remoting baseline: stores GP_PUT into the channel's real control page.
-    pub(super) fn submit(&mut self, pid: u32, ctx: u32, channel: u32, gp_put: u32) -> Reply {
+    /// Checks that `channel` is `pid`'s, in `ctx`.
+    fn owned_channel(&self, pid: u32, ctx: u32, channel: u32) -> Result<(), ErrorCode> {
         self.owned_ctx(pid, ctx)?;
         let c = self
             .state
@@ -150,10 +166,44 @@ impl Session {
         if c.ctx != ctx {
             return Err(ErrorCode::NotFound);
         }
+        Ok(())
+    }
+
+    /// API-remoting baseline and forwarded submission: stores GP_PUT into the channel's
+    /// real control page.
+    pub(super) fn submit(&mut self, pid: u32, ctx: u32, channel: u32, gp_put: u32) -> Reply {
+        self.owned_channel(pid, ctx, channel)?;
         if self.shadows.submit(channel, gp_put) {
             // Shadowed: held back like a store through the BAR would be.
             return Ok(ReplyBody::Empty);
         }
+        let map = self.control_map(channel)?;
+        map.store(vgpu_protocol::ControlPage::GP_PUT, gp_put);
+        Ok(ReplyBody::Empty)
+    }
+
+    /// Forwarded mode's view of the control page: the fields the GPU writes, read from
+    /// the real page (never a shadow's copy, so they are current), and GP_PUT as the GPU
+    /// sees it.
+    pub(super) fn channel_status(&mut self, pid: u32, ctx: u32, channel: u32) -> Reply {
+        use vgpu_protocol::ControlPage as P;
+        self.owned_channel(pid, ctx, channel)?;
+        let map = self.control_map(channel)?;
+        // ERROR_INFO is written before ERROR: read ERROR first (acquire), then its detail.
+        let error = map.load(P::ERROR);
+        let error_info = map.load_u64(P::ERROR_INFO);
+        Ok(ReplyBody::ChannelStatus(ChannelStatusReply {
+            gp_put: map.load(P::GP_PUT),
+            gp_get: map.load(P::GP_GET),
+            reference: map.load(P::REF),
+            notify_seq: map.load(P::NOTIFY_SEQ),
+            error,
+            error_info,
+        }))
+    }
+
+    /// The backend's own mapping of channel `channel`'s real control page.
+    fn control_map(&mut self, channel: u32) -> Result<&crate::shadow::PageMap, ErrorCode> {
         let hch = *self.hal.channels.get(&channel).ok_or(ErrorCode::NotFound)?;
         if !self.hal.control_maps.contains_key(&hch) {
             // Drop mappings of channels that are gone before adding one.
@@ -168,9 +218,7 @@ impl Session {
             })?;
             self.hal.control_maps.insert(hch, map);
         }
-        let map = self.hal.control_maps.get(&hch).ok_or(ErrorCode::Internal)?;
-        map.store(vgpu_protocol::ControlPage::GP_PUT, gp_put);
-        Ok(ReplyBody::Empty)
+        self.hal.control_maps.get(&hch).ok_or(ErrorCode::Internal)
     }
 
     pub(super) fn destroy_channel(

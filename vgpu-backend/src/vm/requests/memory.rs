@@ -260,6 +260,12 @@ impl Session {
         mem: u32,
         shm: &dyn ShmMapper,
     ) -> Reply {
+        if self.shared.forwarded() {
+            // No shared-memory region to place a window in: the driver stages VRAM
+            // through guest RAM with the copy engine instead.
+            self.owned_ctx(pid, ctx)?;
+            return Err(ErrorCode::Unsupported);
+        }
         self.aperture_window(pid, ctx, mem, None, shm)
     }
 

@@ -21,11 +21,11 @@ use std::sync::Arc;
 use log::{debug, trace, warn};
 use vgpu_host_shim::{ChannelConfig, ChannelResume, ContextId, MapFlags, MapTarget, PageSize};
 use vgpu_protocol::channel::valid_gp_entries;
-use vgpu_protocol::device::{slot_offset, CHANNEL_SLOTS};
+use vgpu_protocol::device::{slot_offset, CHANNEL_SLOTS, NO_SLOT};
 use vgpu_protocol::gp::{GPU_VA_LIMIT, GP_ENTRY_SIZE};
 use vgpu_protocol::request::{
-    encode_reply, GuestRange, InfoReply, Op, ReplyBody, Request, StatsReply, MAP_READ_ONLY,
-    PAGE_2M, PAGE_4K, PAGE_64K,
+    encode_reply, ChannelStatusReply, GuestRange, InfoReply, Op, ReplyBody, Request, StatsReply,
+    MAP_READ_ONLY, PAGE_2M, PAGE_4K, PAGE_64K,
 };
 use vgpu_protocol::{ErrorCode, PAGE_SIZE, PROTOCOL_VERSION};
 
@@ -151,6 +151,7 @@ impl Session {
             } => self.create_channel(pid, ctx, *gp_ring_va, *gp_entries, shm),
             Op::DestroyChannel { channel } => self.destroy_channel(pid, ctx, *channel, shm),
             Op::Submit { channel, gp_put } => self.submit(pid, ctx, *channel, *gp_put),
+            Op::ChannelStatus { channel } => self.channel_status(pid, ctx, *channel),
         }
     }
 

@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# Build QEMU (x86_64-softmmu: KVM, TCG, vhost-user; nothing else) from Debian's source
+# package, with the patches in ci/qemu/patches, so that it can attach vgpu-backend as a
+# generic vhost-user device (virtio device ID 60). Idempotent; cached under ci/cache/qemu.
+#
+# Usage: ci/qemu/build.sh [--force] [--no-install]
+#   --force        rebuild even if the cached binary matches the source and patches
+#   --no-install   never call apt-get/pip (fail if something is missing)
+# Env: QEMU_SUITES  Debian suites to try, in order (default "trixie-backports trixie"):
+#                   the first whose source package can be downloaded is used.
+# Prints, on its last lines:
+#   QEMU=<path of qemu-system-x86_64>
+#   QEMU_DEVICE=<the generic vhost-user PCI device's name in that QEMU>
+#   QEMU_BIOS=<directory with bios-256k.bin>
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+HERE="$ROOT/ci/qemu"
+CACHE="$ROOT/ci/cache/qemu"
+SUITES="${QEMU_SUITES:-trixie-backports trixie}"
+FORCE=0
+INSTALL=1
+
+die() { echo "qemu-build: $*" >&2; exit 1; }
+log() { echo "qemu-build: $*" >&2; }
+
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --force) FORCE=1; shift ;;
+        --no-install) INSTALL=0; shift ;;
+        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+        *) die "unknown argument: $1" ;;
+    esac
+done
+
+mkdir -p "$CACHE"
+export DEBIAN_FRONTEND=noninteractive
+APT_LOG="$CACHE/apt.log"
+START=$(date +%s)
+
+# --- 1. host packages ---------------------------------------------------------------
+need=()
+for p in dpkg-dev build-essential pkg-config ninja-build libglib2.0-dev libpixman-1-dev \
+         flex bison device-tree-compiler libfdt-dev seabios python3-venv xz-utils; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
+done
+if [ ${#need[@]} -gt 0 ]; then
+    [ "$INSTALL" = 1 ] || die "missing packages: ${need[*]}"
+    log "apt-get install ${need[*]} (log: $APT_LOG)"
+    timeout 300 apt-get update -qq >"$APT_LOG" 2>&1 || true
+    timeout 900 apt-get install -y -q --no-install-recommends "${need[@]}" >>"$APT_LOG" 2>&1 \
+        || { tail -n 20 "$APT_LOG" >&2; die "apt-get install failed"; }
+fi
+
+# --- 2. source package --------------------------------------------------------------
+# A deb-src entry for the suites we try (the machines list binary packages of bookworm only).
+SRC_LIST=/etc/apt/sources.list.d/vgpu-qemu-src.sources
+want_src="Types: deb-src
+URIs: http://deb.debian.org/debian
+Suites: $SUITES
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg"
+if [ "$(cat "$SRC_LIST" 2>/dev/null)" != "$want_src" ]; then
+    [ "$INSTALL" = 1 ] || die "no deb-src entry $SRC_LIST"
+    echo "$want_src" >"$SRC_LIST"
+    log "apt-get update (deb-src: $SUITES)"
+    timeout 300 apt-get update -qq >>"$APT_LOG" 2>&1 || die "apt-get update failed"
+fi
+
+SRCDIR=""
+if [ "$FORCE" = 0 ] && [ -f "$CACHE/source" ]; then
+    SRCDIR="$(cat "$CACHE/source")"
+    [ -d "$SRCDIR" ] || SRCDIR=""
+fi
+if [ -z "$SRCDIR" ]; then
+    # The index of a suite can name a version whose files are not (yet) on the mirror:
+    # try the suites in order and keep the first that downloads.
+    for suite in $SUITES; do
+        dl="$CACHE/dl-$suite"
+        rm -rf "$dl"; mkdir -p "$dl"
+        log "apt-get source qemu/$suite"
+        if (cd "$dl" && timeout 600 apt-get source --download-only "qemu/$suite" >>"$APT_LOG" 2>&1); then
+            orig="$(ls "$dl"/qemu_*.orig.tar.xz 2>/dev/null | head -n 1)"
+            [ -n "$orig" ] || { log "  no orig tarball for $suite"; continue; }
+            ver="$(basename "$orig" .orig.tar.xz)"; ver="${ver#qemu_}"
+            log "  got qemu $ver from $suite; unpacking"
+            rm -rf "$CACHE/src-$ver"; mkdir -p "$CACHE/src-$ver"
+            tar -xf "$orig" -C "$CACHE/src-$ver" --strip-components=1
+            SRCDIR="$CACHE/src-$ver"
+            echo "$SRCDIR" >"$CACHE/source"
+            rm -rf "$dl"
+            break
+        fi
+        log "  qemu/$suite cannot be downloaded (see $APT_LOG)"
+        rm -rf "$dl"
+    done
+    [ -n "$SRCDIR" ] || die "no QEMU source package could be downloaded from: $SUITES"
+fi
+VERSION="$(cat "$SRCDIR/VERSION")"
+
+# --- 3. patches ---------------------------------------------------------------------
+# 0001 names virtio device ID 60 (QEMU asserts on IDs it has no name for); 0003 keeps
+# meson from unpacking edk2 images the "+ds" source does not have. QEMU before 10.1 has
+# only a non-creatable vhost-user-device-pci (0002 makes it creatable); later ones have
+# vhost-user-test-device-pci. 0004 (written against 10.0) makes the generic device wait
+# for its chardev at realize and set the vhost device up again after a reconnect.
+if grep -q '"vhost-user-test-device-pci"\|vhost-user-test-device-pci' "$SRCDIR"/hw/virtio/*.c; then
+    DEVICE=vhost-user-test-device-pci
+    PATCHES=(0001 0003)
+else
+    DEVICE=vhost-user-device-pci
+    PATCHES=(0001 0002 0003 0004)
+fi
+PATCH_FILES=()
+for p in "${PATCHES[@]}"; do PATCH_FILES+=("$(ls "$HERE/patches/$p"-*.patch)"); done
+STAMP="$VERSION $(cat "${PATCH_FILES[@]}" "$0" | sha256sum | cut -c1-16)"
+for f in "${PATCH_FILES[@]}"; do
+    if patch -d "$SRCDIR" -p1 -R --dry-run -s -f <"$f" >/dev/null 2>&1; then
+        continue # already applied
+    fi
+    log "patch $(basename "$f")"
+    patch -d "$SRCDIR" -p1 -s -f <"$f" || die "patch $(basename "$f") does not apply to $VERSION"
+done
+
+BUILD="$CACHE/build"
+BIN="$BUILD/qemu-system-x86_64"
+if [ "$FORCE" = 0 ] && [ -x "$BIN" ] && [ "$(cat "$CACHE/stamp" 2>/dev/null)" = "$STAMP" ]; then
+    log "cached: $BIN ($VERSION)"
+else
+    # --- 4. meson + pycotap in a venv (bookworm's meson is too old) -----------------
+    VENV="$CACHE/venv"
+    if ! "$VENV/bin/python3" -c 'import mesonbuild, pycotap' 2>/dev/null; then
+        [ "$INSTALL" = 1 ] || die "no venv with meson and pycotap at $VENV"
+        log "venv: pip install meson pycotap"
+        rm -rf "$VENV"
+        python3 -m venv "$VENV"
+        "$VENV/bin/pip" install -q 'meson>=1.5,<1.9' 'pycotap>=1.1' >>"$APT_LOG" 2>&1 \
+            || { tail -n 20 "$APT_LOG" >&2; die "pip install failed"; }
+    fi
+    export PATH="$VENV/bin:$PATH"
+
+    # --- 5. configure + build -------------------------------------------------------
+    # Configured once per source tree; a changed patch only rebuilds what it touches.
+    if [ "$FORCE" = 1 ] || [ ! -f "$BUILD/build.ninja" ] \
+        || [ "$(cat "$CACHE/configured" 2>/dev/null)" != "$SRCDIR" ]; then
+        rm -rf "$BUILD"; mkdir -p "$BUILD"
+        log "configure $VERSION (log: $CACHE/build.log)"
+        (cd "$BUILD" && "$SRCDIR/configure" --python="$VENV/bin/python3" \
+            --target-list=x86_64-softmmu --without-default-features \
+            --enable-kvm --enable-vhost-user --enable-tcg --disable-docs \
+            --enable-fdt=system --disable-install-blobs --disable-download \
+            --disable-werror) >"$CACHE/build.log" 2>&1 \
+            || { tail -n 30 "$CACHE/build.log" >&2; die "configure failed"; }
+        echo "$SRCDIR" >"$CACHE/configured"
+    fi
+    log "ninja ($(nproc) jobs)"
+    (cd "$BUILD" && ninja qemu-system-x86_64) >>"$CACHE/build.log" 2>&1 \
+        || { tail -n 30 "$CACHE/build.log" >&2; die "build failed"; }
+    echo "$STAMP" >"$CACHE/stamp"
+    log "built $BIN in $(( $(date +%s) - START ))s"
+fi
+
+"$BIN" -device help 2>/dev/null | grep -q "\"$DEVICE\"" \
+    || die "$BIN has no device $DEVICE"
+echo "$DEVICE" >"$CACHE/device"
+echo "QEMU=$BIN"
+echo "QEMU_DEVICE=$DEVICE"
+echo "QEMU_BIOS=/usr/share/seabios"

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# A Debian guest under QEMU (TCG, built by ci/qemu/build.sh) with vgpu.ko, attached to
+# vgpu-backend through QEMU's generic vhost-user device. That QEMU has no vhost-user SHMEM,
+# so the device runs in forwarded mode (protocol.md §9.1). The same backend serves a
+# loopback VM in direct mode on the host. ci/qemu/guest_test.py then checks: the guest
+# passes the rig's guest checks (vgpu-smoke, hostile, ...); both VMs share the GPU within
+# 3 pp of their entitlement; a guest reboot (QMP system_reset) and a backend restart
+# (QEMU reconnects) are survived. Prints "QG-STEP ..." lines and "QG-RESULT ok|FAIL ...".
+#
+# Usage: ci/qemu/guest-test.sh [--no-build] [--fair-secs S] [--keep]
+#   --no-build   use the binaries, vgpu.ko and QEMU already built
+#   --keep       keep the work directory (logs) even on success
+# Env: CARGO_TARGET_DIR (default <repo>/target)
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+HERE="$ROOT/ci/qemu"
+RIG="$ROOT/ci/rig"
+BUILD=1 FAIR_SECS=40 KEEP=0
+die() { echo "guest-test: $*" >&2; exit 1; }
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --no-build) BUILD=0; shift ;;
+        --fair-secs) FAIR_SECS="$2"; shift 2 ;;
+        --keep) KEEP=1; shift ;;
+        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+        *) die "unknown argument: $1" ;;
+    esac
+done
+START=$(date +%s)
+TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
+MUSL="$TARGET_DIR/x86_64-unknown-linux-musl/release"
+HOSTBIN="$TARGET_DIR/release"
+TOOLS="vgpu-smoke vgpu-throttle vgpu-guest-bench"
+
+# QEMU (cached), the rig's Debian kernel + modules + headers (cached).
+eval "$("$HERE/build.sh" $([ "$BUILD" = 1 ] || echo --no-install) | grep -E '^QEMU(_DEVICE)?=')"
+[ -f "$ROOT/ci/cache/rig/l1.cpio.gz" ] || "$RIG/build-l1.sh" >&2
+KERNEL="$(readlink -f "$ROOT/ci/cache/rig/vmlinuz")"
+KVER="$(basename "$KERNEL" | sed 's/^vmlinuz-//')"
+MODDIR="$ROOT/ci/cache/rig/kernel-$KVER/lib/modules/$KVER/kernel/drivers/virtio"
+[ -f /usr/share/qemu/linuxboot_dma.bin ] || apt-get install -y -q --no-install-recommends qemu-system-data >&2
+
+if [ "$BUILD" = 1 ]; then
+    rustup target list --installed | grep -q x86_64-unknown-linux-musl \
+        || rustup target add x86_64-unknown-linux-musl >&2
+    bins=(); for t in $TOOLS; do bins+=(--bin "$t"); done
+    (cd "$ROOT" && cargo build --release --target x86_64-unknown-linux-musl \
+        -p vgpu-guest-tools "${bins[@]}" >&2)
+    (cd "$ROOT" && cargo build --release -p vgpu-backend --bin vgpu-backend --bin vgpuctl >&2)
+    (cd "$ROOT" && cargo build --release -p vgpu-guest-tools --features loopback \
+        --bin vgpu-throttle >&2)
+    KDIR="/usr/src/linux-headers-$KVER"
+    [ -d "$KDIR" ] || apt-get install -y --no-install-recommends "linux-headers-$KVER" >&2
+    make -C "$ROOT/guest-driver/kernel" KDIR="$KDIR" >&2
+fi
+DRIVER="$ROOT/guest-driver/kernel/vgpu.ko"
+modinfo -F vermagic "$DRIVER" | grep -q "^$KVER " || die "$DRIVER is not built for $KVER"
+for b in vgpu-backend vgpuctl vgpu-throttle; do
+    [ -x "$HOSTBIN/$b" ] || die "no $HOSTBIN/$b (drop --no-build)"
+done
+
+WORK="$(mktemp -d /tmp/vgpu-qemu-test.XXXXXX)"
+cleanup() { [ "$KEEP" = 1 ] || [ "${RC:-1}" != 0 ] || rm -rf "$WORK"; }
+trap cleanup EXIT
+# The guest: the rig's L2 initramfs with virtio_pci, vgpu.ko, the static tools, the rig's
+# guest checks, and our command loop as /l2-cmd.sh.
+VIRTIO_MODS="virtio_ring virtio virtio_pci_modern_dev virtio_pci_legacy_dev virtio_pci"
+adds=()
+for m in $VIRTIO_MODS; do
+    [ -f "$MODDIR/$m.ko" ] || die "no $MODDIR/$m.ko (rebuild the rig: ci/rig/build-l1.sh)"
+    adds+=(--add "$MODDIR/$m.ko:/mods/$m.ko")
+done
+for t in $TOOLS; do
+    [ -x "$MUSL/$t" ] || die "no static $t in $MUSL (drop --no-build)"
+    strip -o "$WORK/$t" "$MUSL/$t"
+    adds+=(--add "$WORK/$t:/bin/$t")
+done
+{ echo "VIRTIO_MODS='$VIRTIO_MODS'"; cat "$HERE/guest-cmd.sh"; } > "$WORK/l2-cmd.sh"
+adds+=(--add "$DRIVER:/mods/vgpu.ko" --add "$WORK/l2-cmd.sh:/l2-cmd.sh"
+       --add "$RIG/l2-guest-checks.sh:/l2-guest-checks.sh")
+INITRD="$("$RIG/l2-initramfs.sh" --out "$WORK/guest.cpio.gz" "${adds[@]}")"
+
+echo "guest-test: QEMU $QEMU ($QEMU_DEVICE), kernel $KVER, work $WORK (setup $(( $(date +%s) - START ))s)" >&2
+RC=0
+python3 "$HERE/guest_test.py" --qemu "$QEMU" --device "$QEMU_DEVICE" --kernel "$KERNEL" \
+    --initrd "$INITRD" --backend "$HOSTBIN/vgpu-backend" --vgpuctl "$HOSTBIN/vgpuctl" \
+    --throttle "$HOSTBIN/vgpu-throttle" --work "$WORK" --log "$WORK/guest.log" \
+    --fair-secs "$FAIR_SECS" || RC=$?
+echo "guest-test: total $(( $(date +%s) - START ))s; logs in $WORK$([ "$RC" = 0 ] && [ "$KEEP" = 0 ] && echo ' (removed)')" >&2
+exit $RC
