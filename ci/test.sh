@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: unit, integration and property tests of every crate, a bounded
 # cargo-fuzz run of every fuzz target, and a Linux boot under vgpu-vmm in the nested rig.
-# Installs what it needs (idempotent). SKIP_FUZZ=1 / SKIP_RIG=1 skip those parts.
+# Installs what it needs (idempotent). SKIP_FUZZ=1 / SKIP_RIG=1 / SKIP_QEMU=1 skip those
+# parts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -69,5 +70,13 @@ if [ "${SKIP_RIG:-0}" != "1" ]; then
     # guest-visible pause is printed (L2-MIGRATE ... downtime_ms=).
     echo "== nested rig: an L2 VM live-migrated between two vgpu-vmm + vgpu-backend pairs"
     ci/rig/l2-vgpu.sh --guest --vms 1 --migrate-via tcp --timeout 900
+fi
+if [ "${SKIP_QEMU:-0}" != "1" ]; then
+    # QEMU (built from Debian's source with ci/qemu/patches, cached in ci/cache/qemu)
+    # without vhost-user SHMEM: a Debian guest with vgpu.ko in forwarded mode on one
+    # vgpu-backend that also serves a direct-mode loopback VM; guest checks (smoke,
+    # hostile), fair shares, driver reload, guest reboot and a backend restart.
+    echo "== QEMU: a forwarded-mode guest next to a direct loopback VM"
+    ci/qemu/guest-test.sh
 fi
 echo "== all tests passed"
