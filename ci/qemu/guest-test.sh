@@ -8,21 +8,28 @@
 # (QEMU reconnects) are survived. Prints "QG-STEP ..." lines and "QG-RESULT ok|FAIL ...".
 #
 # Usage: ci/qemu/guest-test.sh [--no-build] [--fair-secs S] [--keep]
+#                              [--qemu BIN --device NAME] [--expect-mode forwarded|direct]
 #   --no-build   use the binaries, vgpu.ko and QEMU already built
 #   --keep       keep the work directory (logs) even on success
+#   --qemu/--device  another QEMU (and its generic vhost-user device's name) instead of
+#                the one ci/qemu/build.sh builds; --expect-mode direct for one with SHMEM
+#                (ci/qemu/direct-test.sh)
 # Env: CARGO_TARGET_DIR (default <repo>/target)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 HERE="$ROOT/ci/qemu"
 RIG="$ROOT/ci/rig"
-BUILD=1 FAIR_SECS=40 KEEP=0
+BUILD=1 FAIR_SECS=40 KEEP=0 QEMU_OVERRIDE="" DEVICE_OVERRIDE="" EXPECT_MODE=forwarded
 die() { echo "guest-test: $*" >&2; exit 1; }
 while [ $# -gt 0 ]; do
     case "$1" in
         --no-build) BUILD=0; shift ;;
         --fair-secs) FAIR_SECS="$2"; shift 2 ;;
         --keep) KEEP=1; shift ;;
-        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+        --qemu) QEMU_OVERRIDE="$2"; shift 2 ;;
+        --device) DEVICE_OVERRIDE="$2"; shift 2 ;;
+        --expect-mode) EXPECT_MODE="$2"; shift 2 ;;
+        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
         *) die "unknown argument: $1" ;;
     esac
 done
@@ -33,7 +40,11 @@ HOSTBIN="$TARGET_DIR/release"
 TOOLS="vgpu-smoke vgpu-throttle vgpu-guest-bench"
 
 # QEMU (cached), the rig's Debian kernel + modules + headers (cached).
-eval "$("$HERE/build.sh" $([ "$BUILD" = 1 ] || echo --no-install) | grep -E '^QEMU(_DEVICE)?=')"
+if [ -n "$QEMU_OVERRIDE" ]; then
+    QEMU="$QEMU_OVERRIDE" QEMU_DEVICE="${DEVICE_OVERRIDE:-vhost-user-device-pci}"
+else
+    eval "$("$HERE/build.sh" $([ "$BUILD" = 1 ] || echo --no-install) | grep -E '^QEMU(_DEVICE)?=')"
+fi
 [ -f "$ROOT/ci/cache/rig/l1.cpio.gz" ] || "$RIG/build-l1.sh" >&2
 KERNEL="$(readlink -f "$ROOT/ci/cache/rig/vmlinuz")"
 KVER="$(basename "$KERNEL" | sed 's/^vmlinuz-//')"
@@ -85,6 +96,6 @@ RC=0
 python3 "$HERE/guest_test.py" --qemu "$QEMU" --device "$QEMU_DEVICE" --kernel "$KERNEL" \
     --initrd "$INITRD" --backend "$HOSTBIN/vgpu-backend" --vgpuctl "$HOSTBIN/vgpuctl" \
     --throttle "$HOSTBIN/vgpu-throttle" --work "$WORK" --log "$WORK/guest.log" \
-    --fair-secs "$FAIR_SECS" || RC=$?
+    --fair-secs "$FAIR_SECS" --expect-mode "$EXPECT_MODE" || RC=$?
 echo "guest-test: total $(( $(date +%s) - START ))s; logs in $WORK$([ "$RC" = 0 ] && [ "$KEEP" = 0 ] && echo ' (removed)')" >&2
 exit $RC

@@ -165,6 +165,8 @@ def main():
     ap.add_argument("--log", required=True)
     ap.add_argument("--fair-secs", type=int, default=40)
     ap.add_argument("--mem-mib", type=int, default=512)
+    ap.add_argument("--expect-mode", choices=["forwarded", "direct"], default="forwarded",
+                    help="the submission mode the device must show (direct: a QEMU with SHMEM)")
     args = ap.parse_args()
 
     work = args.work
@@ -198,14 +200,14 @@ def main():
         # ---- boot ---------------------------------------------------------------
         line, seen = guest.expect("QG-BOOT", 300)
         boot_s = time.monotonic() - t0
-        ok = line is not None and "submission=forwarded" in line
+        ok = line is not None and f"submission={args.expect_mode}" in line
         ready, _ = guest.expect("QG-READY", 60)
         api_mode = None
         try:
             api_mode = vgpuctl(args, api, "vm", "show", "qemu").get("submission")
         except Exception as e:
             log(f"vgpuctl: {e}")
-        step("boot", ok and ready is not None and api_mode == "forwarded",
+        step("boot", ok and ready is not None and api_mode == args.expect_mode,
              f"boot_s={boot_s:.1f} guest=[{line}] api={api_mode}")
         if not results["boot"]:
             log("\n".join(seen[-30:]))
@@ -257,7 +259,7 @@ def main():
         t = time.monotonic()
         rc, out = guest.run("reload", 600)
         reloaded = next((l for l in out if l.startswith("QG-RELOADED")), "")
-        step("reload", rc == 0 and "submission=forwarded" in reloaded,
+        step("reload", rc == 0 and f"submission={args.expect_mode}" in reloaded,
              f"secs={time.monotonic() - t:.0f} rc={rc} guest=[{reloaded}]")
 
         # ---- reboot -------------------------------------------------------------
@@ -296,7 +298,7 @@ def main():
         except Exception as e:
             log(f"vgpuctl: {e}")
         step("restart", connected and busy_rc not in (None, 0) and rc == 0
-             and mode == "forwarded",
+             and mode == args.expect_mode,
              f"reconnected={connected} busy_process_rc={busy_rc} ended_after_s={busy_end_s:.0f}"
              f" secs={time.monotonic() - t:.0f} smoke_rc={rc} api={mode}")
         guest.run("halt", 30)
