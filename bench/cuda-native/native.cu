@@ -484,18 +484,7 @@ static bool listed(const char* list, const char* section) {
     }
     return false;
 }
-static bool runs(const char* section) {
-    if (!g_only) return true;
-    size_t n = strlen(section);
-    for (const char* p = g_only; *p;) {
-        const char* e = strchr(p, ',');
-        size_t len = e ? (size_t)(e - p) : strlen(p);
-        if (len == n && !strncmp(p, section, n)) return true;
-        if (!e) break;
-        p = e + 1;
-    }
-    return false;
-}
+static bool runs(const char* section) { return listed(g_only, section); }
 
 int main(int argc, char** argv) {
     bool quick = false;

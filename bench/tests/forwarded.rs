@@ -15,15 +15,6 @@ use vgpu_protocol::ErrorCode;
 use vgpu_test_support::Host;
 use vgpu_vmm::loopback::LoopbackVm;
 
-const WORKLOADS: [&str; 6] = [
-    "saxpy",
-    "sgemm",
-    "hotspot",
-    "reduction",
-    "copy_heavy",
-    "throttle",
-];
-
 fn call(vm: &LoopbackVm, pid: u32, ctx: u32, op: Op) -> Result<ReplyBody, ErrorCode> {
     let req = Request { pid, ctx, op };
     let reply = vm.request(&req.encode()).unwrap();
@@ -63,7 +54,7 @@ fn forwarded_and_direct_vms_run_the_workloads_side_by_side() {
             let ch = ctx.create_channel().unwrap();
             assert_eq!(ch.is_forwarded(), forwarded);
             drop(ch);
-            for name in WORKLOADS {
+            for name in Workload::NAMES {
                 let r = Workload::by_name(name, true).unwrap().run(&ctx).unwrap();
                 assert!(
                     r.verified || name == "throttle",
