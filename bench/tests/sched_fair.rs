@@ -378,3 +378,50 @@ fn an_eviction_waiting_on_an_undrainable_channel_does_not_stall_the_scheduler() 
     assert!(tb.join().expect("b") > 0);
     drop((ch, buf, sem));
 }
+
+/// A channel waiting on a semaphore (one the guest's CPU would release, say) has work
+/// pending and uses no GPU time: counted as pending, its VM's clock would stand still and
+/// the other VM, pulling ahead, would be held back while the GPU idles. The scheduler
+/// counts it as blocked once it has made no progress for a few intervals with the GPU
+/// idle meanwhile, and until it progresses: the other VM keeps the GPU.
+#[test]
+fn a_channel_waiting_on_a_semaphore_does_not_hold_the_other_vm_back() {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let host = start_host("sem-wait", &["a", "b"]);
+    let be = &host.backend;
+    let stop = Arc::new(AtomicBool::new(false));
+    let dev = Device::loopback(host.connect("a"), 1).expect("device");
+    let ctx = dev.create_context().expect("context");
+    let sem = ctx.alloc_vram(4096).expect("semaphore");
+    let mut ch = ctx.create_channel().expect("channel");
+    ch.sem_acquire(sem.gpu_va(), 1, SemaphoreMode::Equal)
+        .expect("acquire");
+    ch.launch(&KernelArgs::Spin { ns: 1_000_000 }, [1, 1, 1])
+        .expect("launch");
+    let waiting = ch.submit().expect("submit");
+    let tb = spawn_throttle(host.connect("b"), 2, 1_000_000, stop.clone());
+    be.start_scheduler(SchedConfig::default())
+        .expect("policy fair");
+    std::thread::sleep(WARMUP);
+    let b0 = busy(be, "b");
+    let t0 = std::time::Instant::now();
+    std::thread::sleep(WINDOW);
+    let used = (busy(be, "b") - b0) as f64 / t0.elapsed().as_nanos() as f64;
+    let st = be.sched_stats();
+    println!(
+        "b's use of the GPU while a waits on a semaphore: {:.1} %; {} shadows",
+        used * 100.0,
+        st.shadows
+    );
+    // Release the waiter: it finishes, so it was pending all along.
+    sem.write(0, &1u32.to_le_bytes()).expect("release");
+    ch.wait_timeout(waiting, Duration::from_secs(10))
+        .expect("the waiter ran once released");
+    stop.store(true, Ordering::Release);
+    assert!(tb.join().expect("b") > 0);
+    assert!(
+        used >= 0.8,
+        "b used {:.1} % of the GPU beside a waiting channel (want >= 80)",
+        used * 100.0
+    );
+}

@@ -245,6 +245,12 @@ impl FairState {
         Self::default()
     }
 
+    /// VM `name`'s virtual time in GPU milliseconds at weight 100 (for tracing).
+    pub fn vm_clock_ms(&self, name: &str) -> Option<f64> {
+        let c = self.vms.clocks.get(name)?;
+        Some(c.vtime as f64 * 100.0 / SCALE as f64 / 1e6)
+    }
+
     /// One interval: charges the measured busy time and returns the channels to shadow.
     /// `threshold_ns` is the lead (GPU time beyond the entity's share, relative to its
     /// least-served active sibling) tolerated before shadowing.

@@ -28,6 +28,7 @@ pub mod fair;
 pub mod handle;
 pub mod sampling;
 pub mod shares;
+pub mod stall;
 pub mod timeslice;
 pub mod watchdog;
 
@@ -38,7 +39,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use log::{debug, info, warn};
+use log::{debug, info, trace, warn};
 use thiserror::Error;
 
 use vgpu_host_shim::clock::now_ns;
@@ -52,6 +53,7 @@ use fair::{ChannelSample, Decision, FairState, ProcSample, VmSample};
 use handle::{HoldChange, RetiredChannel, SchedVm, VmHolds};
 use sampling::{SampleObs, Sampler};
 use shares::{ChannelBusy, History, IntervalRecord, ProcBusy, VmBusy};
+use stall::Stalls;
 use timeslice::Timeslice;
 use watchdog::Watchdog;
 
@@ -373,6 +375,8 @@ struct Sched {
     /// Cost per GP entry of each channel, learnt from busy counters and GP_GET progress
     /// (for the release budget).
     entry_cost: Estimator,
+    /// Channels without progress in consecutive intervals (to tell blocked ones).
+    stalls: Stalls,
     fair: FairState,
     timeslice: Timeslice,
     sampler: Sampler,
@@ -413,6 +417,7 @@ fn thread_main(
         acct: Accounting::new(),
         est: Estimator::new(),
         entry_cost: Estimator::new(),
+        stalls: Stalls::new(),
         fair: FairState::new(),
         timeslice: Timeslice::new(),
         sampler: Sampler::new(u64::from(cfg.sample_period_ms) * 1_000_000),
@@ -721,6 +726,7 @@ impl Sched {
                 self.acct.forget(r.hal);
                 self.est.forget(r.hal);
                 self.entry_cost.forget(r.hal);
+                self.stalls.forget(r.hal);
             }
         }
         self.acct.end_interval(full);
@@ -730,11 +736,20 @@ impl Sched {
     /// The policy's input: VMs → processes (with their weight hints) → channels.
     ///
     /// A channel counts as having pending work only if it could use the GPU: not dead,
-    /// and not *blocked* — submitted work, not held back by us, no GPU time in the
-    /// interval although the GPU idled (waiting on a semaphore, say). A blocked channel
-    /// counted as pending would hold its siblings back (its clock never moves) — and if
-    /// a held-back sibling is the one that would release it, forever.
-    fn samples(&self, vms: &[VmObs], obs: &[Obs], idle_ns: u64, len_ns: u64) -> Vec<VmSample> {
+    /// and not *blocked* — submitted work, not held back by us, no GPU time for
+    /// [`stall::BLOCKED_AFTER_INTERVALS`] intervals in a row or more, and the GPU idled
+    /// in one of them (waiting on a semaphore, say). A blocked channel counted as
+    /// pending would hold its siblings back (its clock never moves) — and if a held-back
+    /// sibling is the one that would release it, forever. See [`stall`] for why one
+    /// interval is not enough.
+    fn samples(
+        &mut self,
+        vms: &[VmObs],
+        obs: &[Obs],
+        idle_ns: u64,
+        len_ns: u64,
+        full: bool,
+    ) -> Vec<VmSample> {
         let gpu_idled = idle_ns.saturating_mul(10) > len_ns;
         let hints = lock(&self.shared.hints);
         let mut out: Vec<VmSample> = vms
@@ -751,7 +766,8 @@ impl Sched {
                 && vms
                     .get(o.vm)
                     .is_some_and(|v| self.shadowed.contains(&(v.name.clone(), o.ch)));
-            let blocked = o.busy_delta_ns == 0 && !held && gpu_idled;
+            let stalled = o.pending && !o.dead && o.busy_delta_ns == 0 && !held;
+            let blocked = self.stalls.note(o.hal, stalled, gpu_idled);
             procs
                 .entry((o.vm, o.pid))
                 .or_default()
@@ -784,6 +800,8 @@ impl Sched {
                 });
             }
         }
+        drop(hints);
+        self.stalls.end_interval(full);
         out
     }
 
@@ -980,9 +998,18 @@ impl Sched {
                 .sum::<u64>();
         let capacity = len_ns.saturating_mul(u64::from(self.engines.max(1)));
         let idle_ns = capacity.saturating_sub(used);
-        let samples = self.samples(&vms, &obs, idle_ns, capacity);
+        let samples = self.samples(&vms, &obs, idle_ns, capacity, full);
         let charged_idle = if self.cfg.charge_idle { idle_ns } else { 0 };
         let decision = self.decide(&samples, &obs, &vms, charged_idle, full);
+        if log::log_enabled!(log::Level::Trace) {
+            trace_interval(
+                &samples,
+                &held_during,
+                &decision,
+                (idle_ns, len_ns),
+                &self.fair,
+            );
+        }
         // Keyed by VM index: no per-channel allocation (this runs for every channel of
         // every VM each tick).
         let backlog: BTreeMap<(usize, u32), u32> = obs
@@ -1159,4 +1186,38 @@ impl Sched {
         self.shadowed.clear();
         self.update_stats(|st| st.unshadows += un);
     }
+}
+
+/// One line per interval at `trace`: each VM's GPU time, held channels, pending
+/// channels, whether it is over its share now and its clock, to follow the policy's
+/// decisions through a run (`RUST_LOG=vgpu_backend::sched=trace`).
+fn trace_interval(
+    samples: &[VmSample],
+    held: &BTreeSet<(String, u32)>,
+    decision: &Decision,
+    (idle_ns, len_ns): (u64, u64),
+    fair: &FairState,
+) {
+    let ms = |ns: u64| ns as f64 / 1e6;
+    let mut line = format!("interval {:.2} ms, idle {:.2} ms:", ms(len_ns), ms(idle_ns));
+    for v in samples.iter().filter(|v| !v.procs.is_empty()) {
+        let chans = || v.procs.iter().flat_map(|p| &p.channels);
+        let busy = chans().map(|c| c.busy_delta_ns).sum::<u64>()
+            + v.procs.iter().map(|p| p.retired_busy_ns).sum::<u64>();
+        let span = (v.name.clone(), 0)..=(v.name.clone(), u32::MAX);
+        line.push_str(&format!(
+            " {} busy {:.2} held {} pending {} {} clock {:.1};",
+            v.name,
+            ms(busy),
+            held.range(span).count(),
+            chans().filter(|c| c.pending).count(),
+            if decision.over_vms.contains(&v.name) {
+                "OVER"
+            } else {
+                "ok"
+            },
+            fair.vm_clock_ms(&v.name).unwrap_or(0.0),
+        ));
+    }
+    trace!("{line}");
 }
