@@ -856,12 +856,59 @@ fn idle_then_burst(figs: &mut Vec<Figure>) -> Result<()> {
 /// saxpy and hotspot workloads (kernels the sim runs on the CPU, a channel per run); VM
 /// `d` looping sgemm. Each VM's share of the GPU time beside its entitlement (weighted
 /// max-min over measured demand, as `vgpu-demo` and the control API report it) and the
-/// deviation in pp; `mixed_max_dev` is the largest.
+/// deviation in pp; `mixed_max_dev` is the largest. The same mix runs under `none` too:
+/// `mixed_utilization_fair_vs_none` is the GPU's busy fraction under `fair` over that
+/// under `none` (a policy that holds tenants back while the GPU idles shows below 1).
 fn mixed_tenants(opts: &SchedOpts, figs: &mut Vec<Figure>) -> Result<()> {
+    let none = run_mix(opts, Policy::None)?;
+    let shares = run_mix(opts, Policy::Fair)?;
+    let mut max_dev: f64 = 0.0;
+    for v in &shares.vms {
+        let d = 100.0 * (v.share - v.entitled);
+        max_dev = max_dev.max(d.abs());
+        figs.push(fig(
+            &format!("mixed_{}_share", v.name),
+            100.0 * v.share,
+            "%",
+            Better::Higher,
+        ));
+        figs.push(fig(
+            &format!("mixed_{}_entitled", v.name),
+            100.0 * v.entitled,
+            "%",
+            Better::Higher,
+        ));
+        figs.push(dev(&format!("mixed_{}_dev", v.name), d, "pp", 3.0));
+    }
+    figs.push(dev("mixed_max_dev", max_dev, "pp", 3.0));
+    figs.push(fig(
+        "mixed_utilization_none",
+        100.0 * none.utilization,
+        "%",
+        Better::Higher,
+    ));
+    figs.push(fig(
+        "mixed_utilization_fair",
+        100.0 * shares.utilization,
+        "%",
+        Better::Higher,
+    ));
+    figs.push(fig(
+        "mixed_utilization_fair_vs_none",
+        shares.utilization / none.utilization.max(1e-9),
+        "ratio",
+        Better::Higher,
+    ));
+    Ok(())
+}
+
+/// One run of the mixed tenants of [`mixed_tenants`] under `policy`: the shares over
+/// the window after the warm-up.
+fn run_mix(opts: &SchedOpts, policy: Policy) -> Result<vgpu_backend::GpuShares> {
     use std::sync::atomic::{AtomicBool, Ordering};
     use vgpu_guest::workloads::Workload;
     let rig = SchedRig::new("mixed", &["a", "b", "c", "d"], false)?;
-    start(&rig.backend, Policy::Fair)?;
+    start(&rig.backend, policy)?;
     let throttles = [
         Tenant::spawn(rig.vm("a")?, TenantSpec::throttle(1, 2 * MS))?,
         Tenant::spawn(rig.vm("b")?, TenantSpec::throttle(2, 200 * US))?,
@@ -903,26 +950,7 @@ fn mixed_tenants(opts: &SchedOpts, figs: &mut Vec<Figure>) -> Result<()> {
         }
     }
     stop_all(throttles.into())?;
-    let mut max_dev: f64 = 0.0;
-    for v in &shares.vms {
-        let d = 100.0 * (v.share - v.entitled);
-        max_dev = max_dev.max(d.abs());
-        figs.push(fig(
-            &format!("mixed_{}_share", v.name),
-            100.0 * v.share,
-            "%",
-            Better::Higher,
-        ));
-        figs.push(fig(
-            &format!("mixed_{}_entitled", v.name),
-            100.0 * v.entitled,
-            "%",
-            Better::Higher,
-        ));
-        figs.push(dev(&format!("mixed_{}_dev", v.name), d, "pp", 3.0));
-    }
-    figs.push(dev("mixed_max_dev", max_dev, "pp", 3.0));
-    Ok(())
+    Ok(shares)
 }
 
 /// Hostile shapes against a steady VM (issue 19), weights 1:1 under `fair` with default

@@ -2,13 +2,27 @@
 //! then processes (guest PIDs) inside each VM.
 //!
 //! Each entity carries a virtual time. Every interval it is charged the GPU time it was
-//! measured to use, divided by its weight (`vtime += busy_ns * SCALE / weight`). Among the
-//! *active* siblings of a level (those with pending work or that ran in the interval),
-//! the one with the least virtual time is the most underserved; a sibling whose lead over
-//! it, converted back to GPU time at the sibling's weight, exceeds the threshold is
-//! shadowed for the next interval (all its channels). The least-served active sibling is
-//! never over the threshold, so some entity with pending work always runs
-//! (work-conserving).
+//! measured to use, divided by its weight (`vtime += busy_ns * SCALE / weight`). A
+//! sibling is *active* if it has pending work or ran in the interval; an active one is
+//! *light* if its queue drained (no work pending at the end of one of the last
+//! [`SATURATING_STEPS`] intervals) and its use (smoothed) is under a quarter of an equal
+//! split of the GPU by weight, and *saturating* otherwise. (A shallow queue alone does not
+//! make a tenant light: a throttle two kernels deep drains between its submissions but
+//! uses its share.) Among the saturating siblings of a level the one with the least
+//! virtual time is the most underserved; a sibling whose lead over it, converted back to
+//! GPU time at the sibling's weight, exceeds the threshold is shadowed for the next
+//! interval (all its channels). The least-served saturating sibling is never over the
+//! threshold, so some entity with pending work always runs (work-conserving).
+//!
+//! Light siblings (active, not saturating: a guest loop that computes on its CPU and
+//! submits a small kernel now and then) are served by the GPU's own round-robin as soon
+//! as they submit, so holding others back for them only idles the GPU: they keep at most
+//! the threshold's worth of credit over the least-served saturating sibling (bounded
+//! lag), and they never set the reference others are measured against. They are still
+//! held back themselves when they get ahead (a tenant whose queue drains because it
+//! submits one long kernel at a time). Before this rule, the demo's mix held three VMs
+//! behind a fourth that used 1 % of the GPU while the GPU idled 93 % of the time
+//! (issue 15).
 //!
 //! No banking: an idle entity's virtual time is raised to the least virtual time of the
 //! active siblings each interval, so credit it did not use while idle is lost; an entity
@@ -97,7 +111,26 @@ struct Clock {
     vtime: u128,
     /// The last step that saw it.
     seen: u64,
+    /// Steps in a row that ended with work pending.
+    backlogged_steps: u32,
+    /// GPU time used per step, smoothed (1/4 new).
+    use_ns: u64,
 }
+
+impl Clock {
+    /// What `steps` steps listed idle would have done to the backlog and use records
+    /// (a sibling left out of steps was quiet in them).
+    fn quiet_for(&mut self, steps: u64) {
+        self.backlogged_steps = 0;
+        for _ in 0..steps.min(64) {
+            self.use_ns -= self.use_ns / 4;
+        }
+    }
+}
+
+/// Steps in a row with work pending at the end after which a sibling counts as
+/// *saturating*; any other active sibling is *light* (see the module's comment).
+pub const SATURATING_STEPS: u32 = 3;
 
 /// One level of the hierarchy: the clocks of a set of siblings.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -107,6 +140,8 @@ struct Level<K: Ord> {
     steps: u64,
     /// The least virtual time of the active siblings at the last step that had any.
     vmin: u128,
+    /// For a VM's processes: the VM level's step at this level's last step.
+    parent_step: u64,
 }
 
 /// A sibling's input to [`Level::step`].
@@ -119,6 +154,8 @@ struct Entry<K> {
     held: bool,
     /// Active and not held back.
     runnable: bool,
+    /// Work pending at the interval's end (held back or not).
+    backlogged: bool,
 }
 
 impl<K: Ord + Clone> Level<K> {
@@ -130,6 +167,7 @@ impl<K: Ord + Clone> Level<K> {
         entries: &[Entry<K>],
         threshold_ns: u64,
         idle_ns: u64,
+        capacity_ns: u64,
         full: bool,
     ) -> BTreeSet<K> {
         self.steps += 1;
@@ -143,10 +181,19 @@ impl<K: Ord + Clone> Level<K> {
                     // Back from a quiet spell: it was idle meanwhile (no banking).
                     if c.seen + 1 < steps {
                         c.vtime = c.vtime.max(last_vmin);
+                        c.quiet_for(steps - c.seen - 1);
                     }
                     c.seen = steps;
                     c.vtime
                 })
+            })
+            .collect();
+        let runs: Vec<u32> = entries
+            .iter()
+            .map(|e| match (e.backlogged, self.clocks.get(&e.key)) {
+                (false, _) => 0,
+                (true, Some(c)) => c.backlogged_steps.saturating_add(1),
+                (true, None) => 1,
             })
             .collect();
         // Newcomers start at the least virtual time of the known active siblings.
@@ -182,6 +229,56 @@ impl<K: Ord + Clone> Level<K> {
                 }
             }
         }
+        // Bounded lag: a light sibling keeps at most the threshold's worth of credit
+        // over the least-served saturating one.
+        // Smoothed use, against a quarter of an equal split (by weight) of the
+        // interval's GPU time (or of what the active siblings used, if not known).
+        let uses: Vec<u64> = entries
+            .iter()
+            .map(|e| {
+                let old = self
+                    .clocks
+                    .get(&e.key)
+                    .map_or(e.busy_delta_ns, |c| c.use_ns);
+                old - old / 4 + e.busy_delta_ns / 4
+            })
+            .collect();
+        let (used, active_w) = entries
+            .iter()
+            .zip(&uses)
+            .filter(|(e, _)| e.active)
+            .fold((0u128, 0u128), |(u, w), (e, x)| {
+                (u + u128::from(*x), w + u128::from(e.weight.max(1)))
+            });
+        let used = if capacity_ns > 0 {
+            u128::from(capacity_ns)
+        } else {
+            used
+        };
+        let saturating: Vec<bool> = entries
+            .iter()
+            .zip(&runs)
+            .zip(&uses)
+            .map(|((e, r), x)| {
+                let quarter = used * u128::from(e.weight.max(1)) / active_w.max(1) / 4;
+                let light = !(e.backlogged && *r >= SATURATING_STEPS) && u128::from(*x) < quarter;
+                e.active && !light
+            })
+            .collect();
+        let vmin_saturating = vt
+            .iter()
+            .zip(&saturating)
+            .filter(|(_, s)| **s)
+            .map(|(v, _)| *v)
+            .min();
+        if let Some(vs) = vmin_saturating {
+            for ((e, v), s) in entries.iter().zip(vt.iter_mut()).zip(&saturating) {
+                if e.active && !*s {
+                    let slack = u128::from(threshold_ns) * SCALE / u128::from(e.weight.max(1));
+                    *v = (*v).max(vs.saturating_sub(slack));
+                }
+            }
+        }
         let vmin = entries
             .iter()
             .zip(&vt)
@@ -197,22 +294,33 @@ impl<K: Ord + Clone> Level<K> {
                     *v = (*v).max(vmin);
                     continue;
                 }
-                // The lead in GPU time at the sibling's own weight.
-                let lead_ns = (*v - vmin) * u128::from(e.weight.max(1)) / SCALE;
+                // The lead in GPU time at the sibling's own weight, over the
+                // least-served saturating sibling: with none, every sibling's queue
+                // drains and nobody needs holding back.
+                let Some(vs) = vmin_saturating else {
+                    continue;
+                };
+                let lead_ns = v.saturating_sub(vs) * u128::from(e.weight.max(1)) / SCALE;
                 if lead_ns > u128::from(threshold_ns) {
                     over.insert(e.key.clone());
                 }
             }
         }
-        for (e, v) in entries.iter().zip(vt) {
+        for (((e, v), r), x) in entries.iter().zip(vt).zip(runs).zip(uses) {
             match self.clocks.get_mut(&e.key) {
-                Some(c) => c.vtime = v,
+                Some(c) => {
+                    c.vtime = v;
+                    c.backlogged_steps = r;
+                    c.use_ns = x;
+                }
                 None => {
                     self.clocks.insert(
                         e.key.clone(),
                         Clock {
                             vtime: v,
                             seen: steps,
+                            backlogged_steps: r,
+                            use_ns: x,
                         },
                     );
                 }
@@ -255,17 +363,19 @@ impl FairState {
     /// `threshold_ns` is the lead (GPU time beyond the entity's share, relative to its
     /// least-served active sibling) tolerated before shadowing.
     pub fn decide(&mut self, vms: &[VmSample], threshold_ns: u64) -> Decision {
-        self.decide_with_idle(vms, threshold_ns, 0, &BTreeSet::new(), true)
+        self.decide_with_idle(vms, threshold_ns, (0, 0), &BTreeSet::new(), true)
     }
 
     /// [`FairState::decide`], knowing that the GPU was idle for `idle_ns` of the interval
-    /// while the channels in `held` were shadowed. `full`: `vms` holds every VM and
-    /// process (quiet ones included), so the clocks of those missing are dropped.
+    /// (charged, see the module's comment) while the channels in `held` were shadowed,
+    /// and that the interval held `capacity_ns` of GPU time (0: unknown). `full`: `vms`
+    /// holds every VM and process (quiet ones included), so the clocks of those missing
+    /// are dropped.
     pub fn decide_with_idle(
         &mut self,
         vms: &[VmSample],
         threshold_ns: u64,
-        idle_ns: u64,
+        (idle_ns, capacity_ns): (u64, u64),
         held: &BTreeSet<(String, u32)>,
         full: bool,
     ) -> Decision {
@@ -291,10 +401,18 @@ impl FairState {
                     active: v.procs.iter().any(ProcSample::active),
                     held: chans().any(|c| is_held(h, c)),
                     runnable: chans().any(|c| runs(h, c)),
+                    backlogged: chans().any(|c| c.pending),
                 }
             })
             .collect();
-        let over_vms = self.vms.step(&vm_entries, threshold_ns, idle_ns, full);
+        let over_vms = self
+            .vms
+            .step(&vm_entries, threshold_ns, idle_ns, capacity_ns, full);
+        let active_w: u64 = vm_entries
+            .iter()
+            .filter(|e| e.active)
+            .map(|e| u64::from(e.weight.max(1)))
+            .sum();
         // Each runnable VM's part of the idle time, for its processes.
         let runnable_w: u64 = vm_entries
             .iter()
@@ -320,6 +438,7 @@ impl FairState {
                     active: p.active(),
                     held: p.channels.iter().any(|c| is_held(h, c)),
                     runnable: p.channels.iter().any(|c| runs(h, c)),
+                    backlogged: p.channels.iter().any(|c| c.pending),
                 })
                 .collect();
             let vm_idle = if entries.iter().any(|e| e.runnable) && runnable_w > 0 {
@@ -332,7 +451,16 @@ impl FairState {
                 Some(l) => l,
                 None => self.procs.entry(v.name.clone()).or_default(),
             };
-            let over_procs = level.step(&entries, threshold_ns, vm_idle, full);
+            // A VM left out of intervals (quiet) had its processes idle meanwhile.
+            if level.parent_step + 1 < self.vms.steps {
+                for c in level.clocks.values_mut() {
+                    c.quiet_for(self.vms.steps - level.parent_step - 1);
+                }
+            }
+            level.parent_step = self.vms.steps;
+            let vm_capacity =
+                capacity_ns.saturating_mul(u64::from(v.weight.max(1))) / active_w.max(1);
+            let over_procs = level.step(&entries, threshold_ns, vm_idle, vm_capacity, full);
             let vm_over = over_vms.contains(&v.name);
             for p in &v.procs {
                 let proc_over = !vm_over && over_procs.contains(&p.pid);
@@ -381,16 +509,45 @@ mod tests {
 
     const MS: u64 = 1_000_000;
 
+    /// A state that has seen `sample`'s siblings with their work pending, and no GPU
+    /// time used, for as many intervals as it takes to count them as saturating.
+    fn primed(sample: &[VmSample]) -> FairState {
+        let idle: Vec<VmSample> = sample
+            .iter()
+            .map(|v| VmSample {
+                procs: v
+                    .procs
+                    .iter()
+                    .map(|p| ProcSample {
+                        channels: p
+                            .channels
+                            .iter()
+                            .map(|c| ChannelSample {
+                                busy_delta_ns: 0,
+                                ..*c
+                            })
+                            .collect(),
+                        retired_busy_ns: 0,
+                        ..p.clone()
+                    })
+                    .collect(),
+                ..v.clone()
+            })
+            .collect();
+        let mut s = FairState::new();
+        for _ in 1..SATURATING_STEPS {
+            s.decide(&idle, 0);
+        }
+        s
+    }
+
     #[test]
     fn over_user_is_shadowed_least_served_never() {
-        let mut s = FairState::new();
-        let d = s.decide(
-            &[
-                vm("a", 100, vec![proc_(1, vec![ch(1, MS, true)])]),
-                vm("b", 100, vec![proc_(2, vec![ch(7, 9 * MS, true)])]),
-            ],
-            2 * MS,
-        );
+        let sample = [
+            vm("a", 100, vec![proc_(1, vec![ch(1, MS, true)])]),
+            vm("b", 100, vec![proc_(2, vec![ch(7, 9 * MS, true)])]),
+        ];
+        let d = primed(&sample).decide(&sample, 2 * MS);
         assert_eq!(d.shadow, BTreeSet::from([("b".to_string(), 7)]));
         assert_eq!(d.over_vms, BTreeSet::from(["b".to_string()]));
     }
@@ -468,23 +625,21 @@ mod tests {
 
     #[test]
     fn processes_share_their_vm_and_vm_level_comes_first() {
-        let mut s = FairState::new();
         // VM a: two processes, pid 10 hogs. VM b: light. a as a whole is not over
         // (10 ms vs b's 10 ms), but pid 10 is over inside a.
-        let d = s.decide(
-            &[
-                vm(
-                    "a",
-                    1,
-                    vec![
-                        proc_(10, vec![ch(1, 9 * MS, true), ch(2, 0, true)]),
-                        proc_(11, vec![ch(3, MS, true)]),
-                    ],
-                ),
-                vm("b", 1, vec![proc_(20, vec![ch(4, 10 * MS, true)])]),
-            ],
-            2 * MS,
-        );
+        let sample = [
+            vm(
+                "a",
+                1,
+                vec![
+                    proc_(10, vec![ch(1, 9 * MS, true), ch(2, 0, true)]),
+                    proc_(11, vec![ch(3, MS, true)]),
+                ],
+            ),
+            vm("b", 1, vec![proc_(20, vec![ch(4, 10 * MS, true)])]),
+        ];
+        let mut s = primed(&sample);
+        let d = s.decide(&sample, 2 * MS);
         assert!(d.over_vms.is_empty());
         assert_eq!(d.over_procs, BTreeSet::from([("a".to_string(), 10)]));
         assert_eq!(
@@ -726,21 +881,76 @@ mod tests {
         ];
         // b was held back while a left 8 ms of the GPU idle: a is charged 10 ms, so
         // b (at 0) is 10 ms behind and a is over a 5 ms threshold.
-        let mut s = FairState::new();
-        let d = s.decide_with_idle(&sample, 5 * MS, 8 * MS, &held, true);
+        let mut s = primed(&sample);
+        let d = s.decide_with_idle(&sample, 5 * MS, (8 * MS, 0), &held, true);
         assert_eq!(d.over_vms, BTreeSet::from(["a".to_string()]));
         // Without the charge a is only 2 ms ahead.
-        let mut s = FairState::new();
+        let mut s = primed(&sample);
         assert!(s
-            .decide_with_idle(&sample, 5 * MS, 0, &held, true)
+            .decide_with_idle(&sample, 5 * MS, (0, 0), &held, true)
             .shadow
             .is_empty());
         // Nobody held back: idle time is nobody's loss.
-        let mut s = FairState::new();
+        let mut s = primed(&sample);
         assert!(s
-            .decide_with_idle(&sample, 5 * MS, 8 * MS, &BTreeSet::new(), true)
+            .decide_with_idle(&sample, 5 * MS, (8 * MS, 0), &BTreeSet::new(), true)
             .shadow
             .is_empty());
+    }
+
+    /// The demo's mix (issue 15): two saturating VMs, ahead of two light ones that
+    /// are active but use almost nothing. Light ones never hold the saturating ones
+    /// back; the saturating ones still hold each other back.
+    #[test]
+    fn light_siblings_do_not_hold_saturating_ones_back() {
+        let mut s = FairState::new();
+        let heavy = |name: &str, busy: u64| vm(name, 1, vec![proc_(1, vec![ch(1, busy, true)])]);
+        let light =
+            |name: &str, pending: bool| vm(name, 1, vec![proc_(1, vec![ch(1, MS / 10, pending)])]);
+        let mut held_saturating = 0;
+        for step in 0..100 {
+            // The light ones have work pending at every other interval's end.
+            let pending = step % 2 == 0;
+            let d = s.decide(
+                &[
+                    heavy("a", 5 * MS),
+                    heavy("b", 5 * MS),
+                    light("c", pending),
+                    light("d", !pending),
+                ],
+                5 * MS,
+            );
+            held_saturating += d.over_vms.len();
+        }
+        assert_eq!(held_saturating, 0, "the saturating VMs were held back");
+        // b runs ahead of a: held back, light ones or not.
+        let d = s.decide(
+            &[
+                heavy("a", 0),
+                heavy("b", 9 * MS),
+                light("c", true),
+                light("d", true),
+            ],
+            5 * MS,
+        );
+        assert_eq!(d.over_vms, BTreeSet::from(["b".to_string()]));
+    }
+
+    #[test]
+    fn a_light_sibling_that_runs_ahead_is_held_back() {
+        // c submits one 40 ms kernel at a time: its queue drains, but it is far ahead.
+        let sample = |c_busy: u64| {
+            [
+                vm("a", 1, vec![proc_(1, vec![ch(1, 2 * MS, true)])]),
+                vm("c", 1, vec![proc_(3, vec![ch(1, c_busy, false)])]),
+            ]
+        };
+        let mut s = FairState::new();
+        for _ in 0..SATURATING_STEPS {
+            s.decide(&sample(0), 5 * MS);
+        }
+        let d = s.decide(&sample(40 * MS), 5 * MS);
+        assert_eq!(d.over_vms, BTreeSet::from(["c".to_string()]));
     }
 
     #[test]
@@ -798,8 +1008,8 @@ mod tests {
                 }
                 let none = BTreeSet::new();
                 let t = threshold_ms * MS;
-                let d1 = listed.decide_with_idle(&all, t, 0, &none, true);
-                let d2 = sparse.decide_with_idle(&present, t, 0, &none, full);
+                let d1 = listed.decide_with_idle(&all, t, (0, 0), &none, true);
+                let d2 = sparse.decide_with_idle(&present, t, (0, 0), &none, full);
                 proptest::prop_assert_eq!(&d1.over_vms, &d2.over_vms, "step {}", step);
                 proptest::prop_assert_eq!(&d1.over_procs, &d2.over_procs, "step {}", step);
                 let listed_present: BTreeSet<(String, u32)> = d1

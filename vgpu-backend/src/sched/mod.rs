@@ -810,7 +810,7 @@ impl Sched {
         samples: &[VmSample],
         obs: &[Obs],
         vms: &[VmObs],
-        idle_ns: u64,
+        idle: (u64, u64),
         full: bool,
     ) -> Decision {
         let threshold_ns = self.cfg.threshold_us.saturating_mul(1000);
@@ -820,7 +820,7 @@ impl Sched {
             Policy::None => Decision::default(),
             Policy::Fair => self
                 .fair
-                .decide_with_idle(samples, threshold_ns, idle_ns, &held, full),
+                .decide_with_idle(samples, threshold_ns, idle, &held, full),
             Policy::Timeslice => {
                 let slice = u64::from(self.cfg.slice_ms) * 1_000_000;
                 self.timeslice.decide(samples, now_ns(), slice)
@@ -829,7 +829,7 @@ impl Sched {
                 // The fair clocks are charged even while a sample overrides them.
                 let fair = self
                     .fair
-                    .decide_with_idle(samples, threshold_ns, idle_ns, &held, full);
+                    .decide_with_idle(samples, threshold_ns, idle, &held, full);
                 // Dead channels are never sampled (they would never finish a sample).
                 let sobs: Vec<SampleObs> = obs
                     .iter()
@@ -1000,7 +1000,7 @@ impl Sched {
         let idle_ns = capacity.saturating_sub(used);
         let samples = self.samples(&vms, &obs, idle_ns, capacity, full);
         let charged_idle = if self.cfg.charge_idle { idle_ns } else { 0 };
-        let decision = self.decide(&samples, &obs, &vms, charged_idle, full);
+        let decision = self.decide(&samples, &obs, &vms, (charged_idle, capacity), full);
         if log::log_enabled!(log::Level::Trace) {
             trace_interval(
                 &samples,
