@@ -158,6 +158,35 @@ struct Entry<K> {
     backlogged: bool,
 }
 
+/// Which siblings are saturating (see the module's comment); the other active ones are
+/// light. `runs`: steps in a row each sibling ended with work pending; `uses`: its
+/// smoothed use per step; `capacity_ns`: the GPU time of a step (0: unknown, and what the
+/// active siblings used stands in).
+fn saturating<K>(entries: &[Entry<K>], runs: &[u32], uses: &[u64], capacity_ns: u64) -> Vec<bool> {
+    let (used, active_w) = entries
+        .iter()
+        .zip(uses)
+        .filter(|(e, _)| e.active)
+        .fold((0u128, 0u128), |(u, w), (e, x)| {
+            (u + u128::from(*x), w + u128::from(e.weight.max(1)))
+        });
+    let capacity = if capacity_ns > 0 {
+        u128::from(capacity_ns)
+    } else {
+        used
+    };
+    entries
+        .iter()
+        .zip(runs)
+        .zip(uses)
+        .map(|((e, run), used)| {
+            let quarter = capacity * u128::from(e.weight.max(1)) / active_w.max(1) / 4;
+            let drained = !(e.backlogged && *run >= SATURATING_STEPS);
+            e.active && !(drained && u128::from(*used) < quarter)
+        })
+        .collect()
+}
+
 impl<K: Ord + Clone> Level<K> {
     /// Charges the siblings (their busy time, and `idle_ns` of idle GPU time if a sibling
     /// was held back meanwhile), applies the no-banking rule, forgets vanished siblings
@@ -229,10 +258,7 @@ impl<K: Ord + Clone> Level<K> {
                 }
             }
         }
-        // Bounded lag: a light sibling keeps at most the threshold's worth of credit
-        // over the least-served saturating one.
-        // Smoothed use, against a quarter of an equal split (by weight) of the
-        // interval's GPU time (or of what the active siblings used, if not known).
+        // Smoothed use per step (1/4 new).
         let uses: Vec<u64> = entries
             .iter()
             .map(|e| {
@@ -243,28 +269,7 @@ impl<K: Ord + Clone> Level<K> {
                 old - old / 4 + e.busy_delta_ns / 4
             })
             .collect();
-        let (used, active_w) = entries
-            .iter()
-            .zip(&uses)
-            .filter(|(e, _)| e.active)
-            .fold((0u128, 0u128), |(u, w), (e, x)| {
-                (u + u128::from(*x), w + u128::from(e.weight.max(1)))
-            });
-        let used = if capacity_ns > 0 {
-            u128::from(capacity_ns)
-        } else {
-            used
-        };
-        let saturating: Vec<bool> = entries
-            .iter()
-            .zip(&runs)
-            .zip(&uses)
-            .map(|((e, r), x)| {
-                let quarter = used * u128::from(e.weight.max(1)) / active_w.max(1) / 4;
-                let light = !(e.backlogged && *r >= SATURATING_STEPS) && u128::from(*x) < quarter;
-                e.active && !light
-            })
-            .collect();
+        let saturating = saturating(entries, &runs, &uses, capacity_ns);
         let vmin_saturating = vt
             .iter()
             .zip(&saturating)
@@ -272,6 +277,8 @@ impl<K: Ord + Clone> Level<K> {
             .map(|(v, _)| *v)
             .min();
         if let Some(vs) = vmin_saturating {
+            // Bounded lag: a light sibling keeps at most the threshold's worth of credit
+            // over the least-served saturating one.
             for ((e, v), s) in entries.iter().zip(vt.iter_mut()).zip(&saturating) {
                 if e.active && !*s {
                     let slack = u128::from(threshold_ns) * SCALE / u128::from(e.weight.max(1));
