@@ -368,7 +368,7 @@ impl FairState {
 
     /// One interval: charges the measured busy time and returns the channels to shadow.
     /// `threshold_ns` is the lead (GPU time beyond the entity's share, relative to its
-    /// least-served active sibling) tolerated before shadowing.
+    /// least-served saturating sibling) tolerated before shadowing.
     pub fn decide(&mut self, vms: &[VmSample], threshold_ns: u64) -> Decision {
         self.decide_with_idle(vms, threshold_ns, (0, 0), &BTreeSet::new(), true)
     }

@@ -166,7 +166,7 @@ pub struct SchedConfig {
     pub policy: Policy,
     /// Length of a scheduling interval (1..=1000 ms).
     pub interval_ms: u32,
-    /// GPU time an entity may run ahead of its least-served active sibling (beyond its
+    /// GPU time an entity may run ahead of its least-served saturating sibling (beyond its
     /// weighted share) before it is shadowed (`fair`, `sampling`).
     pub threshold_us: u64,
     /// When set, a channel the policy lets run again is not unshadowed while its backlog
