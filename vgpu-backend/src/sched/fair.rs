@@ -201,9 +201,9 @@ impl<K: Ord + Clone> Level<K> {
     ) -> BTreeSet<K> {
         self.steps += 1;
         let (steps, last_vmin) = (self.steps, self.vmin);
-        // One lookup per sibling: the clocks are worked on in `vt` and written back once
+        // One lookup per sibling: the clocks are copied out here and written back once
         // (the keys may be names, and a lookup costs a string compare per node visited).
-        let mut vt: Vec<Option<u128>> = entries
+        let known: Vec<Option<Clock>> = entries
             .iter()
             .map(|e| {
                 self.clocks.get_mut(&e.key).map(|c| {
@@ -213,24 +213,34 @@ impl<K: Ord + Clone> Level<K> {
                         c.quiet_for(steps - c.seen - 1);
                     }
                     c.seen = steps;
-                    c.vtime
+                    *c
                 })
             })
             .collect();
         let runs: Vec<u32> = entries
             .iter()
-            .map(|e| match (e.backlogged, self.clocks.get(&e.key)) {
+            .zip(&known)
+            .map(|(e, c)| match (e.backlogged, c) {
                 (false, _) => 0,
                 (true, Some(c)) => c.backlogged_steps.saturating_add(1),
                 (true, None) => 1,
             })
             .collect();
+        // Smoothed use per step (1/4 new).
+        let uses: Vec<u64> = entries
+            .iter()
+            .zip(&known)
+            .map(|(e, c)| {
+                let old = c.map_or(e.busy_delta_ns, |c| c.use_ns);
+                old - old / 4 + e.busy_delta_ns / 4
+            })
+            .collect();
         // Newcomers start at the least virtual time of the known active siblings.
         let floor = entries
             .iter()
-            .zip(&vt)
+            .zip(&known)
             .filter(|(e, _)| e.active)
-            .filter_map(|(_, v)| *v)
+            .filter_map(|(_, c)| c.map(|c| c.vtime))
             .min()
             .unwrap_or(0);
         if full {
@@ -239,9 +249,9 @@ impl<K: Ord + Clone> Level<K> {
         }
         let mut vt: Vec<u128> = entries
             .iter()
-            .zip(vt.iter_mut())
-            .map(|(e, v)| {
-                v.unwrap_or(floor)
+            .zip(&known)
+            .map(|(e, c)| {
+                c.map_or(floor, |c| c.vtime)
                     + u128::from(e.busy_delta_ns) * SCALE / u128::from(e.weight.max(1))
             })
             .collect();
@@ -258,17 +268,6 @@ impl<K: Ord + Clone> Level<K> {
                 }
             }
         }
-        // Smoothed use per step (1/4 new).
-        let uses: Vec<u64> = entries
-            .iter()
-            .map(|e| {
-                let old = self
-                    .clocks
-                    .get(&e.key)
-                    .map_or(e.busy_delta_ns, |c| c.use_ns);
-                old - old / 4 + e.busy_delta_ns / 4
-            })
-            .collect();
         let saturating = saturating(entries, &runs, &uses, capacity_ns);
         let vmin_saturating = vt
             .iter()
