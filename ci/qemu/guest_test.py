@@ -39,6 +39,19 @@ def log(msg):
     print(f"guest-test: {msg}", file=sys.stderr, flush=True)
 
 
+def dump_tail(name, path, lines):
+    """Prints the last `lines` lines of a log, for a failure's report."""
+    try:
+        with open(path, errors="replace") as f:
+            tail = f.read().splitlines()[-lines:]
+    except OSError as e:
+        log(f"no {name} log: {e}")
+        return
+    print(f"==== {name} log ({path}, last {len(tail)} lines)", flush=True)
+    for line in tail:
+        print(f"  {line}", flush=True)
+
+
 class Guest:
     """QEMU with the guest's serial console on stdin/stdout."""
 
@@ -306,6 +319,11 @@ def main():
         guest.stop()
         backend.kill()
     ok = all(results.get(s) for s in ("boot", "checks", "fair", "reload", "reboot", "restart"))
+    if not ok:
+        # The logs stay in the work directory, which CI does not keep: print their tails.
+        for name, path in (("backend", os.path.join(work, "backend.log")),
+                           ("guest console", args.log)):
+            dump_tail(name, path, 60)
     print(f"QG-RESULT {'ok' if ok else 'FAIL'} " +
           " ".join(f"{k}={'ok' if v else 'FAIL'}" for k, v in results.items()) +
           f" total_s={time.monotonic() - t0:.0f}", flush=True)

@@ -3,23 +3,27 @@
 # "L2-GUEST-CHECK ok|FAIL NAME" line per check and "L2-USER-OK" when all passed.
 export PATH=/bin
 fail=0
+# Every tool run is bounded (generous for TCG: a stuck run fails its check instead of
+# holding the guest until the outer timeout).
+LIMIT=${CHECK_LIMIT:-300}
+bounded() { busybox timeout -s KILL "$LIMIT" "$@"; }
 check() { if [ "$2" = 1 ]; then echo "L2-GUEST-CHECK ok $1"; else echo "L2-GUEST-CHECK FAIL $1"; fail=1; fi; }
 ok() { [ "$1" = 0 ] && echo 1 || echo 0; }
 [ -c /dev/vgpu ] && node=1 || node=0
 check devnode $node
 # Every builtin kernel on VRAM and guest-RAM buffers, verified; channels' control pages
 # are the backend's pages, SHMEM_MAPped into the BAR and mmapped by the process.
-vgpu-smoke > /tmp/smoke.out 2>&1; r=$?; busybox tail -n 3 /tmp/smoke.out; check smoke $(ok $r)
+bounded vgpu-smoke > /tmp/smoke.out 2>&1; r=$?; busybox tail -n 3 /tmp/smoke.out; check smoke $(ok $r)
 # Two processes of this VM at once, with different inputs.
-vgpu-smoke --seed 11 > /tmp/s1.out 2>&1 & p1=$!
-vgpu-smoke --seed 12 > /tmp/s2.out 2>&1 & p2=$!
+bounded vgpu-smoke --seed 11 > /tmp/s1.out 2>&1 & p1=$!
+bounded vgpu-smoke --seed 12 > /tmp/s2.out 2>&1 & p2=$!
 wait $p1; r1=$?; wait $p2; r2=$?
 for f in /tmp/s1.out /tmp/s2.out; do
     busybox tail -n 1 $f; grep -i -E 'fail|error' $f | busybox head -n 5
 done
 check "two_processes(rc=$r1,$r2)" $([ "$r1" = 0 ] && [ "$r2" = 0 ] && echo 1 || echo 0)
 # Bad arguments, forged ids, another process's slots: errors, no leaks.
-vgpu-smoke --hostile > /tmp/hostile.out 2>&1; r=$?; busybox tail -n 2 /tmp/hostile.out
+bounded vgpu-smoke --hostile > /tmp/hostile.out 2>&1; r=$?; busybox tail -n 2 /tmp/hostile.out
 check hostile $(ok $r)
 # CPU stores through a VRAM buffer's aperture while VRAM beyond this VM's share comes and
 # goes beside it, so the backend moves the buffer's chunks under the stores (each move
@@ -28,17 +32,17 @@ check hostile $(ok $r)
 if [ "$(cat /sys/class/misc/vgpu/submission 2>/dev/null)" = forwarded ]; then
     echo "L2-GUEST-CHECK skip swap_cpu_stores (forwarded: no aperture)"
 else
-    vgpu-smoke --swap 30 --swap-buffer-mib 16 --swap-pressure-mib 160 > /tmp/swap.out 2>&1; r=$?; busybox tail -n 3 /tmp/swap.out
+    bounded vgpu-smoke --swap 30 --swap-buffer-mib 16 --swap-pressure-mib 160 > /tmp/swap.out 2>&1; r=$?; busybox tail -n 3 /tmp/swap.out
     check swap_cpu_stores $(ok $r)
 fi
 # A process killed mid-submission leaves nothing behind.
 vgpu-throttle --kernel-us 2000 --duration 60 > /tmp/t.out 2>&1 & tp=$!
 sleep 2; kill -9 $tp; wait $tp 2>/dev/null
 # The guest benchmark, as JSON lines (l2-driver.sh sets them beside an L1-native run).
-vgpu-guest-bench --json --quick --reps 5 > /tmp/bench.out 2>&1; r=$?
+bounded vgpu-guest-bench --json --quick --reps 5 > /tmp/bench.out 2>&1; r=$?
 while read -r l; do echo "L2-BENCH $l"; done < /tmp/bench.out
 check bench_quick $(ok $r)
-vgpu-smoke --stats > /tmp/stats.out 2>&1; cat /tmp/stats.out
+bounded vgpu-smoke --stats > /tmp/stats.out 2>&1; cat /tmp/stats.out
 grep -q 'contexts=0 channels=0 vram_bytes=0 mapped_guest_bytes=0 aperture_bytes=0' /tmp/stats.out && clean=1 || clean=0
 check nothing_left_in_backend $clean
 [ "$fail" = 0 ] && echo "L2-USER-OK"

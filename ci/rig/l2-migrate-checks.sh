@@ -7,8 +7,13 @@
 # serial log. Prints "L2-USER-OK" when every run passed.
 export PATH=/bin
 MIGRATE_SECS=${MIGRATE_SECS:-75}
+# Every wait here is bounded: a smoke run takes a few seconds even under TCG.
+SMOKE_LIMIT=${SMOKE_LIMIT:-120}
+smoke() { busybox timeout -s KILL "$SMOKE_LIMIT" vgpu-smoke "$@"; }
+# The driver's view of its rings and requests, for a failure's report.
+rings() { cat /sys/class/misc/vgpu/rings 2>/dev/null; dmesg | busybox tail -n 15; }
 fail=0
-if vgpu-smoke > /tmp/smoke0.out 2>&1; then
+if smoke > /tmp/smoke0.out 2>&1; then
     echo "L2-GUEST-CHECK ok smoke_before"
 else
     echo "L2-GUEST-CHECK FAIL smoke_before"; busybox tail -n 5 /tmp/smoke0.out; fail=1
@@ -21,11 +26,12 @@ n=0 bad=0
 while :; do
     read -r now _ < /proc/uptime
     [ "${now%.*}" -lt "$end" ] || break
-    if vgpu-smoke > /tmp/smoke.out 2>&1; then
+    if smoke > /tmp/smoke.out 2>&1; then
         n=$((n + 1)); echo "L2-LOOP $n ok t=$now" > /dev/console
     else
         bad=$((bad + 1)); echo "L2-LOOP FAIL t=$now" > /dev/console
         busybox tail -n 5 /tmp/smoke.out > /dev/console
+        rings > /dev/console
     fi
 done
 # Bounded: a throttle whose channel stopped on the move would wait forever.

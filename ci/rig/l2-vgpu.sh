@@ -55,6 +55,8 @@ TIMEOUT=420
 # backends' last log lines the summary shows.
 RIG_LOG="${RIG_LOG:-info}"
 RIG_LOG_LINES="${RIG_LOG_LINES:-25}"
+# How many lines of each log a failure or the watchdog prints.
+RIG_DUMP_LINES="${RIG_DUMP_LINES:-60}"
 ADDS=()
 EXTRA=()
 die() { echo "l2-vgpu: $*" >&2; exit 1; }
@@ -195,6 +197,48 @@ L2_ARGS="console=ttyS0 reboot=k panic=1 pci=conf1 quiet i8042.noaux i8042.nokbd 
 
 cat > "$WORK/cmd.sh" <<CMD
 mkdir -p /tmp/vgpu
+# Diagnostics: every log of this run stays in L1 and dies with it, so a failing or hung
+# step prints them here, on L1's console (which run-l1.sh streams and keeps).
+rig_threads() {
+    # Each vgpu process's threads: state, kernel wait channel and stack.
+    for p in \$(pidof vgpu-vmm vgpu-backend 2>/dev/null); do
+        echo "---- pid \$p: \$(tr '\\0' ' ' < /proc/\$p/cmdline 2>/dev/null | cut -c1-160)"
+        for t in /proc/\$p/task/*; do
+            echo "  tid \${t##*/} \$(cat \$t/comm 2>/dev/null) state=\$(cut -d' ' -f3 \$t/stat 2>/dev/null) wchan=\$(cat \$t/wchan 2>/dev/null)"
+            sed 's/^/      /' \$t/stack 2>/dev/null | head -n 12
+        done
+    done
+}
+rig_dump() {
+    echo "==== RIG-DUMP: \$1"
+    for f in /tmp/backend.log /tmp/backendB.log /tmp/vmm-*.log /tmp/migrate-*.out /tmp/l2-*.log; do
+        [ -f "\$f" ] || continue
+        echo "==== \$f (last $RIG_DUMP_LINES lines)"
+        tr -d '\r' < "\$f" | grep -a -v '^\$' | tail -n $RIG_DUMP_LINES
+    done
+    echo "==== RIG-DUMP end"
+}
+# Ends the step before run-l1.sh kills L1 (whose timeout is $TIMEOUT s): prints where
+# every vgpu thread waits and every log, then kills the VMMs and backends so that the
+# waits below return and the step fails with the logs on the console.
+(
+    sleep $((TIMEOUT - 45))
+    echo "RIG-WATCHDOG: the step did not end within $((TIMEOUT - 45))s"
+    rig_threads
+    rig_dump watchdog
+    : > /tmp/rig-failed
+    kill -KILL \$(pidof vgpu-vmm vgpu-backend) 2>/dev/null
+) &
+wdog=\$!
+# Fails fast: a VMM that ends with an error or a backend that dies (other than the one
+# a restart step kills on purpose) ends the whole step at once.
+rig_fail() {
+    echo "RIG-FAIL: \$1"
+    rig_threads
+    rig_dump "\$1"
+    : > /tmp/rig-failed
+    kill -KILL \$(pidof vgpu-vmm vgpu-backend) 2>/dev/null
+}
 vms=""
 for k in \$(seq 0 $((VMS - 1))); do vms="\$vms --vm vm\$k"; done
 start_backend() {
@@ -227,8 +271,11 @@ if [ "$MIGRATE" = 1 ]; then
             else
                 to=unix:/tmp/mig-\$k.sock
             fi
-            RUST_LOG=$RIG_LOG vgpu-vmm --incoming \$to --vgpu-socket /tmp/vgpuB/vm\$k.sock \
-                --timeout $((TIMEOUT - 60)) --serial /tmp/l2-\$k.dst.log > /tmp/vmm-\$k.dst.log 2>&1 &
+            (
+                RUST_LOG=$RIG_LOG vgpu-vmm --incoming \$to --vgpu-socket /tmp/vgpuB/vm\$k.sock \
+                    --timeout $((TIMEOUT - 60)) --serial /tmp/l2-\$k.dst.log > /tmp/vmm-\$k.dst.log 2>&1
+                r=\$?; echo \$r > /tmp/vmm-\$k.dst.rc; exit \$r
+            ) &
             echo \$! > /tmp/dst-\$k.pid
             for i in \$(seq 1 100); do
                 grep -a -q "waiting for a migration" /tmp/vmm-\$k.dst.log 2>/dev/null && break
@@ -291,12 +338,38 @@ read -r t0 _ < /proc/uptime
 pids=""
 for k in \$(seq 0 $((VMS - 1))); do
     : > /tmp/l2-\$k.log
-    RUST_LOG=$RIG_LOG vgpu-vmm --vgpu-socket /tmp/vgpu/vm\$k.sock --kernel /l2/vmlinuz \\
-        --initrd /l2/l2.cpio.gz --mem-mib 256 --vcpus $VCPUS --timeout $((TIMEOUT - 60)) \\
-        --cmdline "$L2_ARGS vgpu.vm=\$k" --serial /tmp/l2-\$k.log --api-socket /tmp/vmm-\$k.api \
-        > /tmp/vmm-\$k.log 2>&1 &
+    (
+        RUST_LOG=$RIG_LOG vgpu-vmm --vgpu-socket /tmp/vgpu/vm\$k.sock --kernel /l2/vmlinuz \\
+            --initrd /l2/l2.cpio.gz --mem-mib 256 --vcpus $VCPUS --timeout $((TIMEOUT - 60)) \\
+            --cmdline "$L2_ARGS vgpu.vm=\$k" --serial /tmp/l2-\$k.log --api-socket /tmp/vmm-\$k.api \
+            > /tmp/vmm-\$k.log 2>&1
+        r=\$?; echo \$r > /tmp/vmm-\$k.rc; exit \$r
+    ) &
     pids="\$pids \$!"
 done
+# The fail-fast monitor (see rig_fail): VMM exit codes and the backends' lives.
+(
+    while [ ! -f /tmp/rig-done ] && [ ! -f /tmp/rig-failed ]; do
+        sleep 1
+        for f in /tmp/vmm-*.rc; do
+            [ -f "\$f" ] || continue
+            r=\$(cat "\$f")
+            if [ -n "\$r" ] && [ "\$r" != 0 ] && [ ! -f /tmp/rig-done ]; then
+                rig_fail "\${f%.rc} exited with status \$r"; exit 0
+            fi
+        done
+        if [ "$RESTART" = 0 ] && ! kill -0 \$bp 2>/dev/null && [ ! -f /tmp/rig-done ]; then
+            rig_fail "vgpu-backend died"; exit 0
+        fi
+        if [ -f /tmp/backend2.pid ] && ! kill -0 \$(cat /tmp/backend2.pid) 2>/dev/null && [ ! -f /tmp/rig-done ]; then
+            rig_fail "the restarted vgpu-backend died"; exit 0
+        fi
+        if [ -n "\$bp2" ] && ! kill -0 \$bp2 2>/dev/null && [ ! -f /tmp/rig-done ]; then
+            rig_fail "the destination vgpu-backend died"; exit 0
+        fi
+    done
+) &
+fmon=\$!
 mon=""
 if [ -f /rig/monitor.sh ]; then
     VGPU_API_SOCKET=/tmp/vgpu/api.sock sh /rig/monitor.sh \$pids &
@@ -334,6 +407,10 @@ for p in \$pids; do
     fi
     k=\$((k + 1))
 done
+: > /tmp/rig-done
+kill \$wdog 2>/dev/null
+wait \$fmon
+[ ! -f /tmp/rig-failed ] || ok=0
 if [ -n "\$mon" ]; then wait \$mon; mrc=\$?; echo "L2-VGPU-MONITOR rc=\$mrc"; [ "\$mrc" = 0 ] || ok=0; fi
 if [ -n "\$rs" ]; then
     wait \$bp
@@ -352,6 +429,7 @@ fi
 echo "==== vgpu-backend"; tail -n $RIG_LOG_LINES /tmp/backend.log
 echo "L2-VGPU-BACKEND rc=\$brc"
 [ "\$brc" = 0 ] || ok=0
+if [ "\$ok" != 1 ] && [ ! -f /tmp/rig-failed ]; then rig_dump "the step failed"; fi
 [ "\$ok" = 1 ]
 CMD
 

@@ -110,21 +110,80 @@ fi
 mkdir -p "$(dirname "$LOG")"
 : > "$LOG"
 
+# L1's tick. QEMU's TCG can leave L1's one-shot local APIC timer interrupt pending in the
+# IRR without ever delivering it (seen with KVM guests running in L1: L1 halted in its
+# idle loop with IF=1, vector 0xec in the IRR, PPR 0x10): every L1 timer then waits
+# forever and the whole L1, its VMMs and their guests with it, freezes. A periodic tick
+# (no high-resolution timers, no dynamic ticks) re-arms the APIC timer by itself, and each
+# expiry makes QEMU look at the pending interrupts again, so a stuck one is taken at the
+# next tick (4 ms). RIG_L1_TICK=dynamic keeps the kernel's default (to reproduce).
+case "${RIG_L1_TICK:-periodic}" in
+    periodic) TICK_ARGS="highres=off nohz=off" ;;
+    dynamic) TICK_ARGS="" ;;
+    *) die "RIG_L1_TICK must be periodic or dynamic" ;;
+esac
+
 now() { date +%s.%N; }
 t0="$(now)"
-timeout -k 5 "$TIMEOUT" "${QEMU[@]}" -append "console=ttyS0 panic=-1 quiet $APPEND" \
+# A monitor socket, so that an L1 that stops answering can be asked where it is: shortly
+# before the timeout the CPU's registers and local APIC are printed and an NMI is sent,
+# which (unknown_nmi_panic) makes L1's kernel print its backtrace on the console.
+MON="$WORK/monitor.sock"
+timeout -k 5 "$TIMEOUT" "${QEMU[@]}" \
+    -append "console=ttyS0 panic=-1 quiet unknown_nmi_panic=1 $TICK_ARGS $APPEND" \
+    -monitor "unix:$MON,server=on,wait=off" \
     ${QEMU_EXTRA[@]+"${QEMU_EXTRA[@]}"} </dev/null >"$LOG" 2>&1 &
 qpid=$!
+monitor() {
+    python3 - "$MON" "$@" <<'PY' 2>&1 || true
+import socket, sys, time
+s = socket.socket(socket.AF_UNIX)
+s.settimeout(5)
+s.connect(sys.argv[1])
+s.settimeout(0.5)
+def drain():
+    out = b""
+    try:
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            out += b
+    except OSError:
+        pass
+    return out.decode(errors="replace")
+drain()
+for cmd in sys.argv[2:]:
+    s.sendall(cmd.encode() + b"\n")
+    time.sleep(1)
+    print(f"(qemu) {cmd}\n{drain()}")
+PY
+}
+# Seconds before the timeout at which a still-running L1 is examined.
+DIAG_BEFORE="${RIG_DIAG_BEFORE:-20}"
 tpid=""
 if [ "$QUIET" = 0 ]; then
     tail -n +1 -f --pid="$qpid" "$LOG" &
     tpid=$!
 fi
 t_ready=""
+diagnosed=0
 while kill -0 "$qpid" 2>/dev/null; do
     if [ -z "$t_ready" ] && grep -aq "RIG-READY" "$LOG"; then t_ready="$(now)"; fi
+    if [ "$diagnosed" = 0 ] && [ "$TIMEOUT" -gt $((DIAG_BEFORE * 2)) ] \
+        && awk -v a="$t0" -v b="$(now)" -v l=$((TIMEOUT - DIAG_BEFORE)) 'BEGIN {exit !(b - a > l)}'; then
+        diagnosed=1
+        echo "run-l1: L1 still running ${DIAG_BEFORE}s before the timeout: its CPU state, then an NMI" >&2
+        monitor "info registers" "info lapic" | tee -a "$LOG.monitor" >&2
+        # A keyboard interrupt makes QEMU's APIC look at its pending interrupts again: an
+        # L1 that waited on a timer interrupt stuck in its IRR (TCG) goes on after it.
+        monitor "sendkey shift" | tee -a "$LOG.monitor" >&2
+        sleep 3
+        monitor "info lapic" "nmi" | tee -a "$LOG.monitor" >&2
+    fi
     sleep 0.1
 done
+[ ! -f "$LOG.monitor" ] || cat "$LOG.monitor" >> "$LOG"; rm -f "$LOG.monitor"
 qrc=0
 wait "$qpid" || qrc=$?
 t1="$(now)"

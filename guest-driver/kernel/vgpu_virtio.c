@@ -21,6 +21,7 @@
 #include <linux/slab.h>
 #include <linux/virtio.h>
 #include <linux/virtio_config.h>
+#include <linux/virtio_ring.h>
 #include <linux/workqueue.h>
 
 #include "vgpu_drv.h"
@@ -443,8 +444,52 @@ static ssize_t submission_show(struct device *d, struct device_attribute *attr, 
 }
 static DEVICE_ATTR_RO(submission);
 
+/*
+ * sysfs: /sys/class/misc/vgpu/rings shows the driver's view of its split rings (the
+ * indices and EVENT_IDX words as they are in guest memory) and its request counters:
+ * what a stalled guest waits for, read without the device's help.
+ */
+static void vgpu_ring_show(struct virtio_device *vdev, struct virtqueue *vq, const char *name,
+			   char *buf, int *len)
+{
+	unsigned int num = virtqueue_get_vring_size(vq);
+	struct vring_avail *avail = phys_to_virt(virtqueue_get_avail_addr(vq));
+	struct vring_used *used = phys_to_virt(virtqueue_get_used_addr(vq));
+	/* With EVENT_IDX: used_event trails the avail ring, avail_event the used ring. */
+	__virtio16 *used_event = &avail->ring[num];
+	__virtio16 *avail_event = (__virtio16 *)&used->ring[num];
+
+	*len += sysfs_emit_at(buf, *len,
+			      "%s size=%u avail_idx=%u used_idx=%u avail_flags=%#x used_flags=%#x used_event=%u avail_event=%u broken=%d\n",
+			      name, num, virtio16_to_cpu(vdev, READ_ONCE(avail->idx)),
+			      virtio16_to_cpu(vdev, READ_ONCE(used->idx)),
+			      virtio16_to_cpu(vdev, READ_ONCE(avail->flags)),
+			      virtio16_to_cpu(vdev, READ_ONCE(used->flags)),
+			      virtio16_to_cpu(vdev, READ_ONCE(*used_event)),
+			      virtio16_to_cpu(vdev, READ_ONCE(*avail_event)),
+			      virtqueue_is_broken(vq));
+}
+
+static ssize_t rings_show(struct device *d, struct device_attribute *attr, char *buf)
+{
+	struct miscdevice *misc = dev_get_drvdata(d);
+	struct vgpu_dev *dev = container_of(misc, struct vgpu_dev, misc);
+	int len = 0;
+
+	vgpu_ring_show(dev->vdev, dev->ctrl_vq, "control", buf, &len);
+	vgpu_ring_show(dev->vdev, dev->event_vq, "event", buf, &len);
+	len += sysfs_emit_at(buf, len,
+			     "event_idx=%d requests=%lld timeouts=%lld events=%lld unrouted=%lld\n",
+			     virtio_has_feature(dev->vdev, VIRTIO_RING_F_EVENT_IDX),
+			     atomic64_read(&dev->requests), atomic64_read(&dev->timeouts),
+			     atomic64_read(&dev->events), atomic64_read(&dev->events_unrouted));
+	return len;
+}
+static DEVICE_ATTR_RO(rings);
+
 static struct attribute *vgpu_attrs[] = {
 	&dev_attr_submission.attr,
+	&dev_attr_rings.attr,
 	NULL,
 };
 ATTRIBUTE_GROUPS(vgpu);
