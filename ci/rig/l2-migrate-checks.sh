@@ -16,7 +16,7 @@ fail=0
 if smoke > /tmp/smoke0.out 2>&1; then
     echo "L2-GUEST-CHECK ok smoke_before"
 else
-    echo "L2-GUEST-CHECK FAIL smoke_before"; busybox tail -n 5 /tmp/smoke0.out; fail=1
+    echo "L2-GUEST-CHECK FAIL smoke_before"; busybox grep -a FAIL /tmp/smoke0.out; busybox tail -n 2 /tmp/smoke0.out; fail=1
 fi
 # A process whose channel lives across the move: kernels of 2 ms for the whole window.
 vgpu-throttle --kernel-us 2000 --duration "$MIGRATE_SECS" > /tmp/throttle.out 2>&1 & thr=$!
@@ -30,7 +30,7 @@ while :; do
         n=$((n + 1)); echo "L2-LOOP $n ok t=$now" > /dev/console
     else
         bad=$((bad + 1)); echo "L2-LOOP FAIL t=$now" > /dev/console
-        busybox tail -n 5 /tmp/smoke.out > /dev/console
+        { busybox grep -a FAIL /tmp/smoke.out; busybox tail -n 2 /tmp/smoke.out; } > /dev/console
         rings > /dev/console
     fi
 done

@@ -228,6 +228,7 @@ rig_dump() {
     rig_dump watchdog
     : > /tmp/rig-failed
     kill -KILL \$(pidof vgpu-vmm vgpu-backend) 2>/dev/null
+    pkill -KILL -f /rig/monitor.sh 2>/dev/null
 ) &
 wdog=\$!
 # Fails fast: a VMM that ends with an error or a backend that dies (other than the one
@@ -408,7 +409,6 @@ for p in \$pids; do
     k=\$((k + 1))
 done
 : > /tmp/rig-done
-kill \$wdog 2>/dev/null
 wait \$fmon
 [ ! -f /tmp/rig-failed ] || ok=0
 if [ -n "\$mon" ]; then wait \$mon; mrc=\$?; echo "L2-VGPU-MONITOR rc=\$mrc"; [ "\$mrc" = 0 ] || ok=0; fi
@@ -429,6 +429,7 @@ fi
 echo "==== vgpu-backend"; tail -n $RIG_LOG_LINES /tmp/backend.log
 echo "L2-VGPU-BACKEND rc=\$brc"
 [ "\$brc" = 0 ] || ok=0
+kill \$wdog 2>/dev/null
 if [ "\$ok" != 1 ] && [ ! -f /tmp/rig-failed ]; then rig_dump "the step failed"; fi
 [ "\$ok" = 1 ]
 CMD
