@@ -65,6 +65,14 @@ struct Cli {
     /// Per-VM limit: channels.
     #[arg(long)]
     vm_max_channels: Option<u32>,
+    /// Per-VM reserve: contexts of the GPU kept for the VM whatever other VMs take
+    /// [default: 1, at most the VM's limit].
+    #[arg(long)]
+    vm_reserved_contexts: Option<u32>,
+    /// Per-VM reserve: channels of the GPU kept for the VM whatever other VMs take
+    /// [default: 4, at most the VM's limit].
+    #[arg(long)]
+    vm_reserved_channels: Option<u32>,
     /// Per-VM limit: guest memory mapped into GPU address spaces, MiB.
     #[arg(long)]
     vm_mapped_guest_mib: Option<u64>,
@@ -150,6 +158,8 @@ impl Cli {
             v.vram_mib = self.vm_vram_mib.or(v.vram_mib);
             v.max_contexts = self.vm_max_contexts.or(v.max_contexts);
             v.max_channels = self.vm_max_channels.or(v.max_channels);
+            v.reserved_contexts = self.vm_reserved_contexts.or(v.reserved_contexts);
+            v.reserved_channels = self.vm_reserved_channels.or(v.reserved_channels);
             v.mapped_guest_mib = self.vm_mapped_guest_mib.or(v.mapped_guest_mib);
             v.swap_mib = self.vm_swap_mib.or(v.swap_mib);
         }

@@ -62,6 +62,29 @@ pub fn render(be: &VgpuBackend, shares: &ShareBook, api_requests: &[(u16, u64)])
         f64::from(gi.compute_engines),
     );
 
+    let cap = be.capacity();
+    for (name, what, h) in [
+        ("vgpu_gpu_contexts", "Contexts", cap.contexts),
+        ("vgpu_gpu_channels", "Channels", cap.channels),
+    ] {
+        o.family(
+            name,
+            "gauge",
+            &format!(
+                "{what} of the GPU: total, used by the VMs, reserved (the VMs' reserves \
+                 together), free (what a VM may take beyond its reserve)."
+            ),
+        );
+        for (state, v) in [
+            ("total", h.total),
+            ("used", h.used),
+            ("reserved", h.reserved),
+            ("free", h.free),
+        ] {
+            o.value(name, &[("state", state)], f64::from(v));
+        }
+    }
+
     let names = be.vm_names();
     let mut procs = Vec::new();
     o.family(

@@ -215,6 +215,7 @@ impl ApiState {
                 .to_string(),
             vms: be.vm_names().len() as u32,
             uptime_s: self.started.elapsed().as_secs_f64(),
+            capacity: be.capacity().into(),
         }
     }
 
@@ -461,6 +462,8 @@ fn vm_detail(be: &VgpuBackend, name: &str) -> Result<VmDetail, Failure> {
         limits: LimitsBody {
             max_contexts: lim.max_contexts,
             max_channels: lim.max_channels,
+            reserved_contexts: lim.reserve().contexts,
+            reserved_channels: lim.reserve().channels,
             vram_bytes: lim.vram_bytes,
             mapped_guest_bytes: lim.mapped_guest_bytes,
         },

@@ -26,6 +26,7 @@ use vgpu_protocol::device::slot_offset;
 use vgpu_protocol::request::GuestRange;
 use vgpu_protocol::PAGE_SIZE;
 
+use crate::capacity::{Counts, VmCapacity};
 use crate::events::{EventQueue, EVENT_FIFO_CAPACITY};
 use crate::guest_mem::GuestSysMemory;
 use crate::sched::handle::RetiredChannel;
@@ -36,6 +37,10 @@ use crate::shmem::{NullShm, ShmMapper};
 pub struct VmLimits {
     pub max_contexts: u32,
     pub max_channels: u32,
+    /// Contexts and channels of the GPU kept for this VM whatever other VMs take
+    /// ([`crate::capacity`]); at most `max_contexts` and `max_channels` count.
+    pub reserved_contexts: u32,
+    pub reserved_channels: u32,
     /// VRAM the VM's objects may hold in total.
     pub vram_bytes: u64,
     /// Guest memory the VM may have mapped into GPU address spaces in total.
@@ -45,11 +50,24 @@ pub struct VmLimits {
     pub swap_bytes: u64,
 }
 
+impl VmLimits {
+    /// The reserve the VM asks of the GPU: its reserved contexts and channels, at most
+    /// its limits.
+    pub fn reserve(&self) -> Counts {
+        Counts {
+            contexts: self.reserved_contexts.min(self.max_contexts),
+            channels: self.reserved_channels.min(self.max_channels),
+        }
+    }
+}
+
 impl Default for VmLimits {
     fn default() -> Self {
         VmLimits {
             max_contexts: 64,
             max_channels: 128,
+            reserved_contexts: 1,
+            reserved_channels: 4,
             vram_bytes: 512 << 20,
             mapped_guest_bytes: 1 << 30,
             swap_bytes: 0,
@@ -440,11 +458,26 @@ pub struct Session {
     pub(crate) swap: crate::vram::VmSwap,
     /// A live migration's VRAM pre-copy books (either side).
     pub(crate) precopy: crate::vm::migration::chunks::PrecopyBooks,
+    /// The VM's place in the book of the GPU's contexts and channels.
+    pub(crate) capacity: VmCapacity,
 }
 
 impl Session {
-    /// A session that reports into `shared`.
+    /// A session that reports into `shared`, with a book of the GPU's contexts and
+    /// channels of its own (no other VM shares the GPU with it).
     pub fn with_shared(gpu: Arc<dyn Gpu>, limits: VmLimits, shared: Arc<SessionShared>) -> Self {
+        let capacity = VmCapacity::standalone(crate::capacity::gpu_totals(gpu.as_ref()));
+        Self::with_capacity(gpu, limits, shared, capacity)
+    }
+
+    /// A session that reports into `shared` and takes contexts and channels through
+    /// `capacity`, its VM's place in the backend's book.
+    pub(crate) fn with_capacity(
+        gpu: Arc<dyn Gpu>,
+        limits: VmLimits,
+        shared: Arc<SessionShared>,
+        capacity: VmCapacity,
+    ) -> Self {
         Session {
             gpu,
             limits,
@@ -455,6 +488,7 @@ impl Session {
             hold: crate::shadow::OwnerHolds::default(),
             swap: crate::vram::VmSwap::default(),
             precopy: Default::default(),
+            capacity,
         }
     }
 
@@ -484,8 +518,17 @@ impl Session {
             && self.state.mappings.is_empty()
     }
 
-    /// Copies usage into the shared counters.
+    /// Tells the GPU's book how many contexts and channels the VM has.
+    pub(crate) fn sync_capacity(&self) {
+        self.capacity.set_used(Counts {
+            contexts: self.state.contexts.len() as u32,
+            channels: self.state.channels.len() as u32,
+        });
+    }
+
+    /// Copies usage into the shared counters and the GPU's book.
     pub(crate) fn publish(&self) {
+        self.sync_capacity();
         let s = &self.shared;
         let u = &self.state.usage;
         s.contexts

@@ -155,6 +155,7 @@ fn limits() -> VmLimits {
         vram_bytes: 16 * MIB,
         mapped_guest_bytes: 4 * MIB,
         swap_bytes: 0,
+        ..VmLimits::default()
     }
 }
 

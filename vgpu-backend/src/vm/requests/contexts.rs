@@ -6,7 +6,19 @@ impl Session {
     // ---- contexts ---------------------------------------------------------------------
 
     pub(in crate::vm) fn create_context(&mut self, pid: u32, mem: &GuestMemory) -> Reply {
-        if self.state.contexts.len() >= self.limits.max_contexts as usize {
+        let reply = self.new_context(pid, mem);
+        // The GPU's book counts what the session has (one more, or none if it failed).
+        self.sync_capacity();
+        reply
+    }
+
+    fn new_context(&mut self, pid: u32, mem: &GuestMemory) -> Reply {
+        let have = self.state.contexts.len();
+        if have >= self.limits.max_contexts as usize {
+            return Err(ErrorCode::LimitExceeded);
+        }
+        // Within the VM's reserve, or borrowed from what no other VM's reserve covers.
+        if !self.capacity.take_one(Resource::Contexts, have as u32) {
             return Err(ErrorCode::LimitExceeded);
         }
         let contexts = &self.state.contexts;
@@ -100,6 +112,7 @@ impl Session {
         for id in mems {
             self.release_vram(id);
         }
+        self.sync_capacity();
         Ok(ReplyBody::Empty)
     }
 }

@@ -29,6 +29,7 @@ use vgpu_protocol::request::{
 };
 use vgpu_protocol::{ErrorCode, PAGE_SIZE, PROTOCOL_VERSION};
 
+use crate::capacity::Resource;
 use crate::events::ChannelSink;
 use crate::guest_mem::{GuestMemory, GuestSysMemory};
 use crate::shadow::Holder;
