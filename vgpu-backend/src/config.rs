@@ -97,6 +97,9 @@ pub struct VmSection {
     pub mapped_guest_mib: Option<u64>,
     /// VRAM objects beyond the quota, swapped to system memory, MiB (0: none).
     pub swap_mib: Option<u64>,
+    /// GPU mappings at once, and the host memory (page tables) they may take, MiB.
+    pub max_mappings: Option<u32>,
+    pub page_table_mib: Option<u64>,
 }
 
 /// `[[vm]]`.
@@ -115,6 +118,8 @@ pub struct VmEntry {
     pub reserved_channels: Option<u32>,
     pub mapped_guest_mib: Option<u64>,
     pub swap_mib: Option<u64>,
+    pub max_mappings: Option<u32>,
+    pub page_table_mib: Option<u64>,
 }
 
 impl VmEntry {
@@ -129,6 +134,8 @@ impl VmEntry {
             reserved_channels: self.reserved_channels,
             mapped_guest_mib: self.mapped_guest_mib,
             swap_mib: self.swap_mib,
+            max_mappings: self.max_mappings,
+            page_table_mib: self.page_table_mib,
         }
     }
 }
@@ -438,6 +445,22 @@ impl FileConfig {
                 0,
                 crate::vram::MAX_SWAP_STORE / MIB,
             )? * MIB,
+            max_mappings: range32(
+                &key("max_mappings"),
+                own.max_mappings
+                    .or(d.max_mappings)
+                    .unwrap_or(builtin.max_mappings),
+                1,
+                1 << 20,
+            )?,
+            page_table_bytes: range(
+                &key("page_table_mib"),
+                own.page_table_mib
+                    .or(d.page_table_mib)
+                    .unwrap_or(builtin.page_table_bytes / MIB),
+                1,
+                1 << 20,
+            )? * MIB,
         };
         Ok((weight, limits))
     }
@@ -544,6 +567,11 @@ mod tests {
             ),
             ("[gpu\n", "t.toml"),
             ("[sandbox]\nseccomp = \"trap\"", "sandbox.seccomp"),
+            (
+                "[defaults]\npage_table_mib = 0",
+                "defaults.page_table_mib = 0",
+            ),
+            ("[defaults]\nmax_mappings = 0", "defaults.max_mappings = 0"),
             (
                 "[defaults]\nmax_channels = 8\nreserved_channels = 9",
                 "defaults.reserved_channels = 9: more than defaults.max_channels = 8",

@@ -174,7 +174,7 @@ pub fn render(be: &VgpuBackend, shares: &ShareBook, api_requests: &[(u16, u64)])
     }
     debug_assert!(WINDOWS_S.contains(&10));
 
-    let gauges: [(&str, &str); 9] = [
+    let gauges: [(&str, &str); 11] = [
         ("vgpu_vm_connected", "Whether a VMM is connected (0/1)."),
         (
             "vgpu_vm_paused",
@@ -189,6 +189,11 @@ pub fn render(be: &VgpuBackend, shares: &ShareBook, api_requests: &[(u16, u64)])
             "Channels of the VM shadowed now.",
         ),
         ("vgpu_vm_contexts", "Live GPU contexts of the VM."),
+        ("vgpu_vm_mappings", "GPU mappings of the VM."),
+        (
+            "vgpu_vm_page_table_bytes",
+            "Host memory of the VM's GPU mappings (page tables and their records).",
+        ),
         (
             "vgpu_vm_aperture_bytes",
             "VRAM mapped into the VM's BAR aperture.",
@@ -215,6 +220,8 @@ pub fn render(be: &VgpuBackend, shares: &ShareBook, api_requests: &[(u16, u64)])
                 "vgpu_vm_channels" => f64::from(st.channels),
                 "vgpu_vm_shadowed_channels" => f64::from(sh.shadowed_now),
                 "vgpu_vm_contexts" => f64::from(st.contexts),
+                "vgpu_vm_mappings" => f64::from(st.mappings),
+                "vgpu_vm_page_table_bytes" => st.page_table_bytes as f64,
                 _ => st.aperture_bytes as f64,
             };
             o.value(name, &[("vm", n)], v);

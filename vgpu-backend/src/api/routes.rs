@@ -466,6 +466,8 @@ fn vm_detail(be: &VgpuBackend, name: &str) -> Result<VmDetail, Failure> {
             reserved_channels: lim.reserve().channels,
             vram_bytes: lim.vram_bytes,
             mapped_guest_bytes: lim.mapped_guest_bytes,
+            max_mappings: lim.max_mappings,
+            page_table_bytes: lim.page_table_bytes,
         },
         usage: UsageBody {
             contexts: st.contexts,
@@ -473,6 +475,8 @@ fn vm_detail(be: &VgpuBackend, name: &str) -> Result<VmDetail, Failure> {
             vram_bytes: st.vram_bytes,
             mapped_guest_bytes: st.mapped_guest_bytes,
             aperture_bytes: st.aperture_bytes,
+            mappings: st.mappings,
+            page_table_bytes: st.page_table_bytes,
         },
         counters: CountersBody {
             requests: st.requests,

@@ -108,6 +108,9 @@ pub struct LimitsBody {
     /// The VRAM quota.
     pub vram_bytes: u64,
     pub mapped_guest_bytes: u64,
+    /// GPU mappings at once, and the host memory (page tables) they may take.
+    pub max_mappings: u32,
+    pub page_table_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -117,6 +120,10 @@ pub struct UsageBody {
     pub vram_bytes: u64,
     pub mapped_guest_bytes: u64,
     pub aperture_bytes: u64,
+    /// GPU mappings, and the host memory they take: the GPU's page tables and the
+    /// backend's records of them.
+    pub mappings: u32,
+    pub page_table_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

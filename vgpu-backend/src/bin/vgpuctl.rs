@@ -392,6 +392,16 @@ fn run(cli: Cli) -> Result<(), ClientError> {
                     ),
                 ],
                 vec![
+                    "mappings".into(),
+                    format!(
+                        "{} of {} ({} of {} page tables)",
+                        v.usage.mappings,
+                        v.limits.max_mappings,
+                        human_bytes(v.usage.page_table_bytes),
+                        human_bytes(v.limits.page_table_bytes)
+                    ),
+                ],
+                vec![
                     "requests (errors)".into(),
                     format!("{} ({})", v.counters.requests, v.counters.errors),
                 ],

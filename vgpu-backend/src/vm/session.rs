@@ -48,6 +48,11 @@ pub struct VmLimits {
     /// VRAM objects the VM may hold beyond `vram_bytes`, swapped to system memory
     /// ([`crate::vram`]); 0: no oversubscription.
     pub swap_bytes: u64,
+    /// GPU mappings (MAP_VRAM, MAP_GUEST) the VM may have at once.
+    pub max_mappings: u32,
+    /// Host memory the VM's GPU mappings may take: the GPU's page tables and the
+    /// backend's records of them.
+    pub page_table_bytes: u64,
 }
 
 impl VmLimits {
@@ -71,6 +76,9 @@ impl Default for VmLimits {
             vram_bytes: 512 << 20,
             mapped_guest_bytes: 1 << 30,
             swap_bytes: 0,
+            max_mappings: 16384,
+            // 2 GiB mapped with 4 KiB pages, 30 GiB with 64 KiB pages.
+            page_table_bytes: 32 << 20,
         }
     }
 }
@@ -87,6 +95,9 @@ pub struct VmStats {
     pub vram_bytes: u64,
     pub mapped_guest_bytes: u64,
     pub aperture_bytes: u64,
+    /// GPU mappings, and the host memory they take (page tables and their records).
+    pub mappings: u32,
+    pub page_table_bytes: u64,
     /// Control requests handled (all connections).
     pub requests: u64,
     /// Of those, answered with an error.
@@ -171,6 +182,9 @@ pub struct Usage {
     pub vram_bytes: u64,
     pub mapped_guest_bytes: u64,
     pub aperture_bytes: u64,
+    /// Host memory of the VM's GPU mappings: its contexts' page tables as the GPU counts
+    /// them, plus the records of the mappings.
+    pub page_table_bytes: u64,
 }
 
 /// The serializable part of a session.
@@ -245,6 +259,8 @@ pub struct SessionShared {
     vram_bytes: AtomicU64,
     mapped_guest_bytes: AtomicU64,
     aperture_bytes: AtomicU64,
+    mappings: AtomicU64,
+    page_table_bytes: AtomicU64,
     /// The VM's activity: the GPU raises it when any of the VM's channels fetches or
     /// completes work or stops ([`Gpu::count_activity`]), the session when a channel comes
     /// or goes. Unchanged since the scheduler's last look: nothing of the VM moved.
@@ -276,6 +292,8 @@ impl SessionShared {
             vram_bytes: AtomicU64::new(0),
             mapped_guest_bytes: AtomicU64::new(0),
             aperture_bytes: AtomicU64::new(0),
+            mappings: AtomicU64::new(0),
+            page_table_bytes: AtomicU64::new(0),
         }
     }
 
@@ -324,6 +342,8 @@ impl SessionShared {
             vram_bytes: r(&self.vram_bytes),
             mapped_guest_bytes: r(&self.mapped_guest_bytes),
             aperture_bytes: r(&self.aperture_bytes),
+            mappings: r(&self.mappings) as u32,
+            page_table_bytes: r(&self.page_table_bytes),
             requests: r(&self.requests),
             errors: r(&self.errors),
             disconnects: r(&self.disconnects),
@@ -539,6 +559,10 @@ impl Session {
         s.mapped_guest_bytes
             .store(u.mapped_guest_bytes, Ordering::Relaxed);
         s.aperture_bytes.store(u.aperture_bytes, Ordering::Relaxed);
+        s.mappings
+            .store(self.state.mappings.len() as u64, Ordering::Relaxed);
+        s.page_table_bytes
+            .store(u.page_table_bytes, Ordering::Relaxed);
     }
 
     /// Destroys every object of the VM in the HAL and forgets them. BAR mappings are

@@ -82,9 +82,13 @@ impl Session {
                 }
             }
         }
+        // The context's page tables go with it.
+        let tables = self.gpu.page_table_bytes(hctx).unwrap_or(0);
         if let Err(e) = self.gpu.destroy_context(hctx) {
             warn!("DESTROY_CONTEXT: destroy context {ctx}: {e}");
         }
+        let u = &mut self.state.usage;
+        u.page_table_bytes = u.page_table_bytes.saturating_sub(tables);
         self.hal.contexts.remove(&ctx);
         self.state.contexts.remove(&ctx);
         // 3. Mappings and VRAM objects of the context.
@@ -95,12 +99,7 @@ impl Session {
             .map(|(k, _)| *k)
             .collect();
         for k in keys {
-            if let Some(m) = self.state.mappings.remove(&k) {
-                if let MappingTarget::Guest { .. } = m.target {
-                    let u = &mut self.state.usage;
-                    u.mapped_guest_bytes = u.mapped_guest_bytes.saturating_sub(m.size);
-                }
-            }
+            self.forget_mapping(k);
         }
         let mems: Vec<u32> = self
             .state

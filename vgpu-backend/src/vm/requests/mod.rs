@@ -16,6 +16,9 @@ mod channels;
 mod contexts;
 mod memory;
 
+#[cfg(test)]
+pub(in crate::vm) use memory::record_of;
+
 use std::sync::Arc;
 
 use log::{debug, trace, warn};
