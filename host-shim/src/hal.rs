@@ -299,6 +299,12 @@ pub trait Gpu: Send + Sync {
     ) -> Result<()>;
     /// Unmaps whole pages covering exactly `va..va+size`.
     fn unmap(&self, ctx: ContextId, va: u64, size: u64) -> Result<()>;
+    /// Host memory `ctx`'s page tables take now, bytes: what its mappings cost the host
+    /// (the backend counts it against the VM).
+    fn page_table_bytes(&self, ctx: ContextId) -> Result<u64>;
+    /// What [`Gpu::map`] of `va..va+size` with pages of `page` would add to
+    /// [`Gpu::page_table_bytes`] now (0 for a range it would refuse).
+    fn map_cost(&self, ctx: ContextId, va: u64, size: u64, page: PageSize) -> Result<u64>;
     /// Rewrites the targets of existing mappings (for VRAM↔SYSRAM migration). Takes effect
     /// for the GPU only after [`Gpu::invalidate_tlb`].
     fn remap(&self, ctx: ContextId, va: u64, size: u64, target: MapTarget) -> Result<()>;

@@ -5,7 +5,7 @@
 //! as on hardware).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 
 use vgpu_protocol::gp::GPU_VA_LIMIT;
@@ -15,6 +15,28 @@ use crate::write_log::WriteLog;
 
 /// VA span of one page directory entry.
 const PDE_SPAN: u64 = 2 << 20;
+
+// Host memory of the page tables, as [`AddressSpace::table_bytes`] counts it: what a
+// guest's mappings cost the host. Upper bounds of what the allocator hands out.
+/// A page's access counter: its own heap block (an `Arc`: two counts and a `u32`, 20
+/// bytes, which malloc rounds up to a 32-byte chunk).
+const COUNTER_BYTES: u64 = 32;
+/// Heap block overhead of a page table (malloc's chunk header and rounding).
+const BLOCK_OVERHEAD: u64 = 16;
+
+/// Host bytes of one page directory entry of `page`'s size: its slot in the directory's
+/// hash table (counted twice: the table may be up to half empty after it grows) and, for
+/// big and small pages, its page table.
+fn pde_bytes(page: PageSize) -> u64 {
+    let entry = 2 * (std::mem::size_of::<(u64, Pde)>() as u64 + 1);
+    match page {
+        PageSize::Huge2M => entry,
+        PageSize::Big64K | PageSize::Small4K => {
+            let slots = PDE_SPAN / page.bytes();
+            entry + slots * std::mem::size_of::<Option<Pte>>() as u64 + BLOCK_OVERHEAD
+        }
+    }
+}
 /// TLB capacity in entries; on overflow it is simply flushed.
 const TLB_ENTRIES: usize = 1024;
 
@@ -104,6 +126,9 @@ pub struct AddressSpace {
     dead: AtomicBool,
     /// Writes through this space, while migration asks ([`crate::Gpu::track_writes`]).
     writes: WriteLog,
+    /// Host bytes the page tables take (see [`pde_bytes`]); changed under the tables'
+    /// write lock.
+    table_bytes: AtomicU64,
 }
 
 fn offset_target(t: MapTarget, by: u64) -> MapTarget {
@@ -150,7 +175,28 @@ impl AddressSpace {
             access: RwLock::new(()),
             dead: AtomicBool::new(false),
             writes: WriteLog::default(),
+            table_bytes: AtomicU64::new(0),
         }
+    }
+
+    /// Host bytes this space's page tables take now: per page directory entry its slot and
+    /// page table, per mapped page its access counter.
+    pub fn table_bytes(&self) -> u64 {
+        self.table_bytes.load(Ordering::Relaxed)
+    }
+
+    /// What mapping `va..va+size` with pages of `page` would add to
+    /// [`AddressSpace::table_bytes`] (0 for a range `map` would refuse).
+    pub fn map_cost(&self, va: u64, size: u64, page: PageSize) -> u64 {
+        let ps = page.bytes();
+        if check_range(va, size, ps).is_err() {
+            return 0;
+        }
+        let tables = self.read_tables();
+        let first = va / PDE_SPAN;
+        let last = (va + size - 1) / PDE_SPAN;
+        let new_pdes = (first..=last).filter(|k| !tables.contains_key(k)).count() as u64;
+        new_pdes * pde_bytes(page) + (size / ps) * COUNTER_BYTES
     }
 
     pub fn sysmem(&self) -> &dyn SysMemory {
@@ -203,19 +249,23 @@ impl AddressSpace {
             p += ps;
         }
         let mut p = va;
+        let mut added = 0;
         while p < va + size {
             let pte = Pte {
                 target: offset_target(target, p - va),
                 read_only: flags.read_only,
                 accesses: Arc::new(AtomicU32::new(0)),
             };
+            added += COUNTER_BYTES;
             let key = p / PDE_SPAN;
             match page {
                 PageSize::Huge2M => {
                     tables.insert(key, Pde::Huge(pte));
+                    added += pde_bytes(page);
                 }
                 PageSize::Big64K | PageSize::Small4K => {
                     let pde = tables.entry(key).or_insert_with(|| {
+                        added += pde_bytes(page);
                         let n = (PDE_SPAN / ps) as usize;
                         let t = vec![None; n].into_boxed_slice();
                         if page == PageSize::Big64K {
@@ -231,6 +281,7 @@ impl AddressSpace {
             }
             p += ps;
         }
+        self.table_bytes.fetch_add(added, Ordering::Relaxed);
         Ok(())
     }
 
@@ -272,7 +323,9 @@ impl AddressSpace {
     pub fn unmap(&self, va: u64, size: u64) -> Result<()> {
         let mut tables = self.write_tables();
         let mut emptied = Vec::new();
+        let mut freed = 0;
         Self::for_each_mapped(&mut tables, va, size, |p, pde| {
+            freed += COUNTER_BYTES;
             if let Pde::Huge(_) = pde {
                 emptied.push(p / PDE_SPAN);
             } else {
@@ -285,8 +338,16 @@ impl AddressSpace {
             }
         })?;
         for k in emptied {
-            tables.remove(&k);
+            if let Some(pde) = tables.remove(&k) {
+                freed += pde_bytes(pde.page_size());
+            }
         }
+        // Saturating: the count never goes below what the tables hold.
+        let _ = self
+            .table_bytes
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
+                Some(b.saturating_sub(freed))
+            });
         Ok(())
     }
 
@@ -591,6 +652,47 @@ mod tests {
         s.invalidate_tlb();
         assert_eq!(s.translate(0, false), Err(TranslateError::NotMapped));
         assert_eq!(s.mapped_pages(), 0);
+    }
+
+    #[test]
+    fn table_bytes_count_what_maps_add_and_unmaps_free() {
+        let s = space();
+        let v = MapTarget::Vram { offset: 0 };
+        let va = 0x1_0000_0000;
+        for page in [PageSize::Small4K, PageSize::Big64K, PageSize::Huge2M] {
+            // Three 2 MiB regions, the last one half used.
+            let size = 3 * PDE_SPAN
+                - if page == PageSize::Huge2M {
+                    0
+                } else {
+                    PDE_SPAN / 2
+                };
+            let cost = s.map_cost(va, size, page);
+            let pages = size / page.bytes();
+            assert_eq!(
+                cost,
+                3 * pde_bytes(page) + pages * COUNTER_BYTES,
+                "{page:?}"
+            );
+            s.map(va, size, v, page, RW).unwrap();
+            assert_eq!(s.table_bytes(), cost, "{page:?}");
+            if page != PageSize::Huge2M {
+                // More pages in a region already mapped cost only their counters.
+                let more = page.bytes();
+                assert_eq!(s.map_cost(va + size, more, page), COUNTER_BYTES);
+                s.map(va + size, more, v, page, RW).unwrap();
+                assert_eq!(s.table_bytes(), cost + COUNTER_BYTES);
+                s.unmap(va + size, more).unwrap();
+            }
+            // A refused map costs nothing and changes nothing.
+            assert!(s.map(va, page.bytes(), v, page, RW).is_err());
+            assert_eq!(s.table_bytes(), cost);
+            s.unmap(va, size).unwrap();
+            assert_eq!(s.table_bytes(), 0, "{page:?}");
+        }
+        // 1 GiB with 4 KiB pages: about 16 MiB of host memory.
+        let gib = s.map_cost(va, 1 << 30, PageSize::Small4K);
+        assert!((15 << 20..17 << 20).contains(&gib), "{gib}");
     }
 
     #[test]

@@ -91,9 +91,15 @@ pub struct VmSection {
     pub vram_mib: Option<u64>,
     pub max_contexts: Option<u32>,
     pub max_channels: Option<u32>,
+    /// Contexts and channels of the GPU kept for the VM whatever others take.
+    pub reserved_contexts: Option<u32>,
+    pub reserved_channels: Option<u32>,
     pub mapped_guest_mib: Option<u64>,
     /// VRAM objects beyond the quota, swapped to system memory, MiB (0: none).
     pub swap_mib: Option<u64>,
+    /// GPU mappings at once, and the host memory (page tables) they may take, MiB.
+    pub max_mappings: Option<u32>,
+    pub page_table_mib: Option<u64>,
 }
 
 /// `[[vm]]`.
@@ -108,8 +114,12 @@ pub struct VmEntry {
     pub vram_mib: Option<u64>,
     pub max_contexts: Option<u32>,
     pub max_channels: Option<u32>,
+    pub reserved_contexts: Option<u32>,
+    pub reserved_channels: Option<u32>,
     pub mapped_guest_mib: Option<u64>,
     pub swap_mib: Option<u64>,
+    pub max_mappings: Option<u32>,
+    pub page_table_mib: Option<u64>,
 }
 
 impl VmEntry {
@@ -120,8 +130,12 @@ impl VmEntry {
             vram_mib: self.vram_mib,
             max_contexts: self.max_contexts,
             max_channels: self.max_channels,
+            reserved_contexts: self.reserved_contexts,
+            reserved_channels: self.reserved_channels,
             mapped_guest_mib: self.mapped_guest_mib,
             swap_mib: self.swap_mib,
+            max_mappings: self.max_mappings,
+            page_table_mib: self.page_table_mib,
         }
     }
 }
@@ -345,6 +359,7 @@ impl FileConfig {
                 limits,
             });
         }
+        check_reserves(&vms, &gpu)?;
         Ok(Config {
             gpu,
             api_socket: self.api.socket.clone(),
@@ -371,26 +386,48 @@ impl FileConfig {
             MIN_WEIGHT,
             MAX_WEIGHT,
         )?;
+        let max_contexts = range32(
+            &key("max_contexts"),
+            own.max_contexts
+                .or(d.max_contexts)
+                .unwrap_or(builtin.max_contexts),
+            1,
+            65536,
+        )?;
+        let max_channels = range32(
+            &key("max_channels"),
+            own.max_channels
+                .or(d.max_channels)
+                .unwrap_or(builtin.max_channels),
+            1,
+            65536,
+        )?;
+        // A reserve given is checked against the limit; the built-in one follows it.
+        let reserved = |what: &str, given: Option<u32>, builtin: u32, max: u32| match given {
+            Some(r) if r > max => Err(ConfigError::Invalid(format!(
+                "{name}.reserved_{what} = {r}: more than {name}.max_{what} = {max}"
+            ))),
+            Some(r) => Ok(r),
+            None => Ok(builtin.min(max)),
+        };
         let limits = VmLimits {
             vram_bytes: match own.vram_mib.or(d.vram_mib) {
                 Some(m) => range(&key("vram_mib"), m, 1, 1 << 20)? * MIB,
                 None => gpu_vram,
             },
-            max_contexts: range32(
-                &key("max_contexts"),
-                own.max_contexts
-                    .or(d.max_contexts)
-                    .unwrap_or(builtin.max_contexts),
-                1,
-                65536,
+            max_contexts,
+            max_channels,
+            reserved_contexts: reserved(
+                "contexts",
+                own.reserved_contexts.or(d.reserved_contexts),
+                builtin.reserved_contexts,
+                max_contexts,
             )?,
-            max_channels: range32(
-                &key("max_channels"),
-                own.max_channels
-                    .or(d.max_channels)
-                    .unwrap_or(builtin.max_channels),
-                1,
-                65536,
+            reserved_channels: reserved(
+                "channels",
+                own.reserved_channels.or(d.reserved_channels),
+                builtin.reserved_channels,
+                max_channels,
             )?,
             mapped_guest_bytes: range(
                 &key("mapped_guest_mib"),
@@ -408,9 +445,41 @@ impl FileConfig {
                 0,
                 crate::vram::MAX_SWAP_STORE / MIB,
             )? * MIB,
+            max_mappings: range32(
+                &key("max_mappings"),
+                own.max_mappings
+                    .or(d.max_mappings)
+                    .unwrap_or(builtin.max_mappings),
+                1,
+                1 << 20,
+            )?,
+            page_table_bytes: range(
+                &key("page_table_mib"),
+                own.page_table_mib
+                    .or(d.page_table_mib)
+                    .unwrap_or(builtin.page_table_bytes / MIB),
+                1,
+                1 << 20,
+            )? * MIB,
         };
         Ok((weight, limits))
     }
+}
+
+/// The VMs' reserves together must fit the GPU (the backend admits a VM only then).
+fn check_reserves(vms: &[VmConfig], gpu: &GpuConfig) -> Result<(), ConfigError> {
+    let sum = |f: fn(&VmLimits) -> u32| vms.iter().map(|v| u64::from(f(&v.limits))).sum::<u64>();
+    for (what, reserved, total) in [
+        ("contexts", sum(|l| l.reserved_contexts), gpu.max_contexts),
+        ("channels", sum(|l| l.reserved_channels), gpu.max_channels),
+    ] {
+        if reserved > u64::from(total) {
+            return Err(ConfigError::Invalid(format!(
+                "the VMs reserve {reserved} {what} together: more than gpu.max_{what} = {total}"
+            )));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -498,6 +567,20 @@ mod tests {
             ),
             ("[gpu\n", "t.toml"),
             ("[sandbox]\nseccomp = \"trap\"", "sandbox.seccomp"),
+            (
+                "[defaults]\npage_table_mib = 0",
+                "defaults.page_table_mib = 0",
+            ),
+            ("[defaults]\nmax_mappings = 0", "defaults.max_mappings = 0"),
+            (
+                "[defaults]\nmax_channels = 8\nreserved_channels = 9",
+                "defaults.reserved_channels = 9: more than defaults.max_channels = 8",
+            ),
+            (
+                "socket_dir = \"/x\"\n[gpu]\nmax_contexts = 2\n[defaults]\nreserved_contexts = 1\n\
+                 [[vm]]\nname = \"a\"\n[[vm]]\nname = \"b\"\n[[vm]]\nname = \"c\"",
+                "reserve 3 contexts together: more than gpu.max_contexts = 2",
+            ),
         ];
         for (text, want) in cases {
             let e = parse(text).expect_err(text).to_string();

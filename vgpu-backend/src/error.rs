@@ -34,6 +34,8 @@ pub enum BackendError {
     Gpu(#[from] HalError),
     #[error("the backend is shutting down")]
     ShuttingDown,
+    #[error("the GPU cannot keep this VM's reserve: {0}")]
+    Capacity(#[from] crate::capacity::CapacityError),
 }
 
 /// Failure of a SHMEM_MAP / SHMEM_UNMAP request to the frontend.

@@ -18,6 +18,8 @@
 //! - [`sched`]: the GPU scheduler (VM weights, per-process shares, shadowing over-users,
 //!   policies none/timeslice/fair/sampling, kernel watchdog, share accounting);
 //! - [`vram`]: the VRAM manager (per-VM shares, transparent swapping to system memory);
+//! - [`capacity`]: the GPU's contexts and channels shared by the VMs (a reserve per VM,
+//!   borrowing above it);
 //! - [`control`]: operator controls of a VM (pause, resume, drain, VRAM quota);
 //! - [`api`]: the operator HTTP/JSON control API on a unix socket, its client, metrics;
 //! - [`config`]: the daemon's TOML configuration.
@@ -54,6 +56,7 @@
 //! and the request/error/disconnect counters of a VM do survive reconnects (not restarts).
 
 pub mod api;
+pub mod capacity;
 pub mod config;
 pub mod control;
 mod device_state;
@@ -116,6 +119,8 @@ pub struct VgpuBackend {
     stop: Arc<AtomicBool>,
     sched: sched::SchedSlot,
     vram: vram::VramManager,
+    /// The GPU's contexts and channels: each VM's reserve and what it borrows.
+    capacity: Arc<capacity::Capacity>,
 }
 
 fn valid_name(name: &str) -> bool {
@@ -130,7 +135,9 @@ fn valid_name(name: &str) -> bool {
 impl VgpuBackend {
     /// A backend for `gpu`; VMs get `defaults` as their limits unless told otherwise.
     pub fn new(gpu: Arc<dyn Gpu>, defaults: VmLimits) -> Arc<Self> {
+        let capacity = capacity::Capacity::new(capacity::gpu_totals(gpu.as_ref()));
         Arc::new(VgpuBackend {
+            capacity,
             gpu,
             defaults,
             vms: Mutex::new(BTreeMap::new()),
@@ -204,6 +211,9 @@ impl VgpuBackend {
         if vms.contains_key(name) {
             return Err(BackendError::DuplicateVm(name.to_string()));
         }
+        // Admitted only if its reserve fits beside the others' (given back if a later
+        // step fails).
+        let share = self.capacity.admit(limits.reserve())?;
         match std::fs::symlink_metadata(socket) {
             Ok(md) if md.file_type().is_socket() => {
                 std::fs::remove_file(socket).map_err(|source| BackendError::Socket {
@@ -229,6 +239,7 @@ impl VgpuBackend {
             limits,
             self.gpu.clone(),
             events,
+            share,
         ));
         vm.lock_session().swap.set_waker(self.vram.waker());
         let stop = self.stop.clone();
@@ -275,6 +286,11 @@ impl VgpuBackend {
             }
             None => false,
         }
+    }
+
+    /// The GPU's contexts and channels: total, used, reserved and free for borrowing.
+    pub fn capacity(&self) -> capacity::CapacityStats {
+        self.capacity.stats()
     }
 
     /// The limits a VM runs with.

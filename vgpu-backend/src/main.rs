@@ -65,6 +65,14 @@ struct Cli {
     /// Per-VM limit: channels.
     #[arg(long)]
     vm_max_channels: Option<u32>,
+    /// Per-VM reserve: contexts of the GPU kept for the VM whatever other VMs take
+    /// [default: 1, at most the VM's limit].
+    #[arg(long)]
+    vm_reserved_contexts: Option<u32>,
+    /// Per-VM reserve: channels of the GPU kept for the VM whatever other VMs take
+    /// [default: 4, at most the VM's limit].
+    #[arg(long)]
+    vm_reserved_channels: Option<u32>,
     /// Per-VM limit: guest memory mapped into GPU address spaces, MiB.
     #[arg(long)]
     vm_mapped_guest_mib: Option<u64>,
@@ -72,6 +80,12 @@ struct Cli {
     /// (default 0: no oversubscription).
     #[arg(long)]
     vm_swap_mib: Option<u64>,
+    /// Per-VM limit: GPU mappings at once [default: 16384].
+    #[arg(long)]
+    vm_max_mappings: Option<u32>,
+    /// Per-VM limit: host memory of the VM's GPU mappings (page tables), MiB [default: 32].
+    #[arg(long)]
+    vm_page_table_mib: Option<u64>,
     /// What a syscall outside a thread's seccomp filter does: `kill` the process, `log`
     /// it and let it run, or `off` (no filters; capabilities kept) [default: the config
     /// file's `sandbox.seccomp`, else kill].
@@ -150,8 +164,12 @@ impl Cli {
             v.vram_mib = self.vm_vram_mib.or(v.vram_mib);
             v.max_contexts = self.vm_max_contexts.or(v.max_contexts);
             v.max_channels = self.vm_max_channels.or(v.max_channels);
+            v.reserved_contexts = self.vm_reserved_contexts.or(v.reserved_contexts);
+            v.reserved_channels = self.vm_reserved_channels.or(v.reserved_channels);
             v.mapped_guest_mib = self.vm_mapped_guest_mib.or(v.mapped_guest_mib);
             v.swap_mib = self.vm_swap_mib.or(v.swap_mib);
+            v.max_mappings = self.vm_max_mappings.or(v.max_mappings);
+            v.page_table_mib = self.vm_page_table_mib.or(v.page_table_mib);
         }
         for (name, w) in &a.vm_weights {
             let v =

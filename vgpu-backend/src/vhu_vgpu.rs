@@ -172,7 +172,16 @@ impl VhuVgpu {
         events: Arc<crate::EventQueue>,
         mem: GuestMemoryAtomicMmap,
     ) -> io::Result<Self> {
-        let vm = VmState::new(name, std::path::PathBuf::new(), limits, gpu, events);
+        let capacity =
+            crate::capacity::VmCapacity::standalone(crate::capacity::gpu_totals(gpu.as_ref()));
+        let vm = VmState::new(
+            name,
+            std::path::PathBuf::new(),
+            limits,
+            gpu,
+            events,
+            capacity,
+        );
         Self::new(Arc::new(vm), mem)
     }
 

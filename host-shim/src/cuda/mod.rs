@@ -704,6 +704,14 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
         Ok(())
     }
 
+    fn page_table_bytes(&self, ctx: ContextId) -> Result<u64> {
+        Ok(self.space(ctx)?.table_bytes())
+    }
+
+    fn map_cost(&self, ctx: ContextId, va: u64, size: u64, page: PageSize) -> Result<u64> {
+        Ok(self.space(ctx)?.map_cost(va, size, page))
+    }
+
     fn remap(&self, ctx: ContextId, va: u64, size: u64, target: MapTarget) -> Result<()> {
         match target {
             MapTarget::Vram { offset } => {

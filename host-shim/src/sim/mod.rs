@@ -402,6 +402,14 @@ impl Gpu for SimGpu {
         self.space(ctx)?.unmap(va, size)
     }
 
+    fn page_table_bytes(&self, ctx: ContextId) -> Result<u64> {
+        Ok(self.space(ctx)?.table_bytes())
+    }
+
+    fn map_cost(&self, ctx: ContextId, va: u64, size: u64, page: PageSize) -> Result<u64> {
+        Ok(self.space(ctx)?.map_cost(va, size, page))
+    }
+
     fn remap(&self, ctx: ContextId, va: u64, size: u64, target: MapTarget) -> Result<()> {
         if let MapTarget::Vram { offset } = target {
             if offset

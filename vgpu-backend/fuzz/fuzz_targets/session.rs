@@ -71,6 +71,7 @@ fuzz_target!(|data: &[u8]| {
             mapped_guest_bytes: 2 << 20,
             // Oversubscription on: allocations past the quota spill to the swap store.
             swap_bytes: 8 << 20,
+            ..VmLimits::default()
         },
     );
     let shm = Frontend::default();

@@ -170,6 +170,7 @@ fuzz_target!(|data: &[u8]| {
         vram_bytes: 8 << 20,
         mapped_guest_bytes: 64 << 10,
         swap_bytes: 0,
+        ..VmLimits::default()
     };
     let dev =
         VhuVgpu::detached("fuzz", dyn_gpu, limits, queue.clone(), atomic.clone()).expect("device");

@@ -62,6 +62,29 @@ pub fn render(be: &VgpuBackend, shares: &ShareBook, api_requests: &[(u16, u64)])
         f64::from(gi.compute_engines),
     );
 
+    let cap = be.capacity();
+    for (name, what, h) in [
+        ("vgpu_gpu_contexts", "Contexts", cap.contexts),
+        ("vgpu_gpu_channels", "Channels", cap.channels),
+    ] {
+        o.family(
+            name,
+            "gauge",
+            &format!(
+                "{what} of the GPU: total, used by the VMs, reserved (the VMs' reserves \
+                 together), free (what a VM may take beyond its reserve)."
+            ),
+        );
+        for (state, v) in [
+            ("total", h.total),
+            ("used", h.used),
+            ("reserved", h.reserved),
+            ("free", h.free),
+        ] {
+            o.value(name, &[("state", state)], f64::from(v));
+        }
+    }
+
     let names = be.vm_names();
     let mut procs = Vec::new();
     o.family(
@@ -151,7 +174,7 @@ pub fn render(be: &VgpuBackend, shares: &ShareBook, api_requests: &[(u16, u64)])
     }
     debug_assert!(WINDOWS_S.contains(&10));
 
-    let gauges: [(&str, &str); 9] = [
+    let gauges: [(&str, &str); 11] = [
         ("vgpu_vm_connected", "Whether a VMM is connected (0/1)."),
         (
             "vgpu_vm_paused",
@@ -166,6 +189,11 @@ pub fn render(be: &VgpuBackend, shares: &ShareBook, api_requests: &[(u16, u64)])
             "Channels of the VM shadowed now.",
         ),
         ("vgpu_vm_contexts", "Live GPU contexts of the VM."),
+        ("vgpu_vm_mappings", "GPU mappings of the VM."),
+        (
+            "vgpu_vm_page_table_bytes",
+            "Host memory of the VM's GPU mappings (page tables and their records).",
+        ),
         (
             "vgpu_vm_aperture_bytes",
             "VRAM mapped into the VM's BAR aperture.",
@@ -192,6 +220,8 @@ pub fn render(be: &VgpuBackend, shares: &ShareBook, api_requests: &[(u16, u64)])
                 "vgpu_vm_channels" => f64::from(st.channels),
                 "vgpu_vm_shadowed_channels" => f64::from(sh.shadowed_now),
                 "vgpu_vm_contexts" => f64::from(st.contexts),
+                "vgpu_vm_mappings" => f64::from(st.mappings),
+                "vgpu_vm_page_table_bytes" => st.page_table_bytes as f64,
                 _ => st.aperture_bytes as f64,
             };
             o.value(name, &[("vm", n)], v);

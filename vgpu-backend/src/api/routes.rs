@@ -215,6 +215,7 @@ impl ApiState {
                 .to_string(),
             vms: be.vm_names().len() as u32,
             uptime_s: self.started.elapsed().as_secs_f64(),
+            capacity: be.capacity().into(),
         }
     }
 
@@ -461,8 +462,12 @@ fn vm_detail(be: &VgpuBackend, name: &str) -> Result<VmDetail, Failure> {
         limits: LimitsBody {
             max_contexts: lim.max_contexts,
             max_channels: lim.max_channels,
+            reserved_contexts: lim.reserve().contexts,
+            reserved_channels: lim.reserve().channels,
             vram_bytes: lim.vram_bytes,
             mapped_guest_bytes: lim.mapped_guest_bytes,
+            max_mappings: lim.max_mappings,
+            page_table_bytes: lim.page_table_bytes,
         },
         usage: UsageBody {
             contexts: st.contexts,
@@ -470,6 +475,8 @@ fn vm_detail(be: &VgpuBackend, name: &str) -> Result<VmDetail, Failure> {
             vram_bytes: st.vram_bytes,
             mapped_guest_bytes: st.mapped_guest_bytes,
             aperture_bytes: st.aperture_bytes,
+            mappings: st.mappings,
+            page_table_bytes: st.page_table_bytes,
         },
         counters: CountersBody {
             requests: st.requests,

@@ -20,6 +20,49 @@ pub struct InfoBody {
     pub policy: String,
     pub vms: u32,
     pub uptime_s: f64,
+    /// The GPU's contexts and channels: what the VMs use, reserve, and what is free.
+    pub capacity: CapacityBody,
+}
+
+/// One resource of the GPU shared by the VMs (`vgpu_backend::capacity::Headroom`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeadroomBody {
+    /// What the GPU has.
+    pub total: u32,
+    /// What the VMs' objects use.
+    pub used: u32,
+    /// The VMs' reserves together, used or not.
+    pub reserved: u32,
+    /// What a VM may still take beyond its reserve: the total less, per VM, the larger
+    /// of its use and its reserve.
+    pub free: u32,
+}
+
+/// The GPU's contexts and channels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CapacityBody {
+    pub contexts: HeadroomBody,
+    pub channels: HeadroomBody,
+}
+
+impl From<crate::capacity::Headroom> for HeadroomBody {
+    fn from(h: crate::capacity::Headroom) -> Self {
+        HeadroomBody {
+            total: h.total,
+            used: h.used,
+            reserved: h.reserved,
+            free: h.free,
+        }
+    }
+}
+
+impl From<crate::capacity::CapacityStats> for CapacityBody {
+    fn from(c: crate::capacity::CapacityStats) -> Self {
+        CapacityBody {
+            contexts: c.contexts.into(),
+            channels: c.channels.into(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -59,9 +102,15 @@ pub struct VmListBody {
 pub struct LimitsBody {
     pub max_contexts: u32,
     pub max_channels: u32,
+    /// Contexts and channels of the GPU kept for the VM whatever other VMs take.
+    pub reserved_contexts: u32,
+    pub reserved_channels: u32,
     /// The VRAM quota.
     pub vram_bytes: u64,
     pub mapped_guest_bytes: u64,
+    /// GPU mappings at once, and the host memory (page tables) they may take.
+    pub max_mappings: u32,
+    pub page_table_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -71,6 +120,10 @@ pub struct UsageBody {
     pub vram_bytes: u64,
     pub mapped_guest_bytes: u64,
     pub aperture_bytes: u64,
+    /// GPU mappings, and the host memory they take: the GPU's page tables and the
+    /// backend's records of them.
+    pub mappings: u32,
+    pub page_table_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

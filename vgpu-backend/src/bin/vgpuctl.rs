@@ -123,6 +123,14 @@ fn human_bytes(b: u64) -> String {
     }
 }
 
+/// One resource of the GPU as a line: used, total, reserved and free.
+fn headroom(h: &HeadroomBody) -> String {
+    format!(
+        "{} used of {} ({} reserved for VMs, {} free to borrow)",
+        h.used, h.total, h.reserved, h.free
+    )
+}
+
 fn pct(x: Option<f64>) -> String {
     x.map_or_else(|| "-".to_string(), |v| format!("{:.1}%", 100.0 * v))
 }
@@ -296,6 +304,8 @@ fn run(cli: Cli) -> Result<(), ClientError> {
                 vec!["compute engines".into(), i.gpu.compute_engines.to_string()],
                 vec!["policy".into(), i.policy],
                 vec!["vms".into(), i.vms.to_string()],
+                vec!["contexts".into(), headroom(&i.capacity.contexts)],
+                vec!["channels".into(), headroom(&i.capacity.channels)],
                 vec!["uptime".into(), format!("{:.0} s", i.uptime_s)],
             ]);
         }
@@ -358,13 +368,19 @@ fn run(cli: Cli) -> Result<(), ClientError> {
                 ],
                 vec![
                     "contexts".into(),
-                    format!("{} of {}", v.usage.contexts, v.limits.max_contexts),
+                    format!(
+                        "{} of {} ({} reserved)",
+                        v.usage.contexts, v.limits.max_contexts, v.limits.reserved_contexts
+                    ),
                 ],
                 vec![
                     "channels".into(),
                     format!(
-                        "{} of {} ({} shadowed)",
-                        v.usage.channels, v.limits.max_channels, v.shadow.shadowed_now
+                        "{} of {} ({} reserved, {} shadowed)",
+                        v.usage.channels,
+                        v.limits.max_channels,
+                        v.limits.reserved_channels,
+                        v.shadow.shadowed_now
                     ),
                 ],
                 vec![
@@ -373,6 +389,16 @@ fn run(cli: Cli) -> Result<(), ClientError> {
                         "{} of {}",
                         human_bytes(v.usage.mapped_guest_bytes),
                         human_bytes(v.limits.mapped_guest_bytes)
+                    ),
+                ],
+                vec![
+                    "mappings".into(),
+                    format!(
+                        "{} of {} ({} of {} page tables)",
+                        v.usage.mappings,
+                        v.limits.max_mappings,
+                        human_bytes(v.usage.page_table_bytes),
+                        human_bytes(v.limits.page_table_bytes)
                     ),
                 ],
                 vec![

@@ -63,13 +63,15 @@ pub(crate) struct VmState {
 
 impl VmState {
     /// A VM named `name` on `socket` (not listening yet) with a fresh session on `gpu`
-    /// whose events go to `events`.
+    /// whose events go to `events` and which takes the GPU's contexts and channels
+    /// through `capacity`.
     pub(crate) fn new(
         name: &str,
         socket: PathBuf,
         limits: VmLimits,
         gpu: Arc<dyn vgpu_host_shim::Gpu>,
         events: Arc<crate::EventQueue>,
+        capacity: crate::capacity::VmCapacity,
     ) -> Self {
         let shared = Arc::new(SessionShared::new(events));
         VmState {
@@ -77,7 +79,12 @@ impl VmState {
             socket,
             limits,
             gpu_vram: gpu.info().vram_bytes,
-            session: Mutex::new(Session::with_shared(gpu, limits, shared.clone())),
+            session: Mutex::new(Session::with_capacity(
+                gpu,
+                limits,
+                shared.clone(),
+                capacity,
+            )),
             shared,
             connected: AtomicBool::new(false),
             conn: Mutex::new(None),

@@ -26,6 +26,7 @@ use vgpu_protocol::device::slot_offset;
 use vgpu_protocol::request::GuestRange;
 use vgpu_protocol::PAGE_SIZE;
 
+use crate::capacity::{Counts, VmCapacity};
 use crate::events::{EventQueue, EVENT_FIFO_CAPACITY};
 use crate::guest_mem::GuestSysMemory;
 use crate::sched::handle::RetiredChannel;
@@ -36,6 +37,10 @@ use crate::shmem::{NullShm, ShmMapper};
 pub struct VmLimits {
     pub max_contexts: u32,
     pub max_channels: u32,
+    /// Contexts and channels of the GPU kept for this VM whatever other VMs take
+    /// ([`crate::capacity`]); at most `max_contexts` and `max_channels` count.
+    pub reserved_contexts: u32,
+    pub reserved_channels: u32,
     /// VRAM the VM's objects may hold in total.
     pub vram_bytes: u64,
     /// Guest memory the VM may have mapped into GPU address spaces in total.
@@ -43,6 +48,22 @@ pub struct VmLimits {
     /// VRAM objects the VM may hold beyond `vram_bytes`, swapped to system memory
     /// ([`crate::vram`]); 0: no oversubscription.
     pub swap_bytes: u64,
+    /// GPU mappings (MAP_VRAM, MAP_GUEST) the VM may have at once.
+    pub max_mappings: u32,
+    /// Host memory the VM's GPU mappings may take: the GPU's page tables and the
+    /// backend's records of them.
+    pub page_table_bytes: u64,
+}
+
+impl VmLimits {
+    /// The reserve the VM asks of the GPU: its reserved contexts and channels, at most
+    /// its limits.
+    pub fn reserve(&self) -> Counts {
+        Counts {
+            contexts: self.reserved_contexts.min(self.max_contexts),
+            channels: self.reserved_channels.min(self.max_channels),
+        }
+    }
 }
 
 impl Default for VmLimits {
@@ -50,9 +71,14 @@ impl Default for VmLimits {
         VmLimits {
             max_contexts: 64,
             max_channels: 128,
+            reserved_contexts: 1,
+            reserved_channels: 4,
             vram_bytes: 512 << 20,
             mapped_guest_bytes: 1 << 30,
             swap_bytes: 0,
+            max_mappings: 16384,
+            // 2 GiB mapped with 4 KiB pages, 30 GiB with 64 KiB pages.
+            page_table_bytes: 32 << 20,
         }
     }
 }
@@ -69,6 +95,9 @@ pub struct VmStats {
     pub vram_bytes: u64,
     pub mapped_guest_bytes: u64,
     pub aperture_bytes: u64,
+    /// GPU mappings, and the host memory they take (page tables and their records).
+    pub mappings: u32,
+    pub page_table_bytes: u64,
     /// Control requests handled (all connections).
     pub requests: u64,
     /// Of those, answered with an error.
@@ -153,6 +182,9 @@ pub struct Usage {
     pub vram_bytes: u64,
     pub mapped_guest_bytes: u64,
     pub aperture_bytes: u64,
+    /// Host memory of the VM's GPU mappings: its contexts' page tables as the GPU counts
+    /// them, plus the records of the mappings.
+    pub page_table_bytes: u64,
 }
 
 /// The serializable part of a session.
@@ -227,6 +259,8 @@ pub struct SessionShared {
     vram_bytes: AtomicU64,
     mapped_guest_bytes: AtomicU64,
     aperture_bytes: AtomicU64,
+    mappings: AtomicU64,
+    page_table_bytes: AtomicU64,
     /// The VM's activity: the GPU raises it when any of the VM's channels fetches or
     /// completes work or stops ([`Gpu::count_activity`]), the session when a channel comes
     /// or goes. Unchanged since the scheduler's last look: nothing of the VM moved.
@@ -258,6 +292,8 @@ impl SessionShared {
             vram_bytes: AtomicU64::new(0),
             mapped_guest_bytes: AtomicU64::new(0),
             aperture_bytes: AtomicU64::new(0),
+            mappings: AtomicU64::new(0),
+            page_table_bytes: AtomicU64::new(0),
         }
     }
 
@@ -306,6 +342,8 @@ impl SessionShared {
             vram_bytes: r(&self.vram_bytes),
             mapped_guest_bytes: r(&self.mapped_guest_bytes),
             aperture_bytes: r(&self.aperture_bytes),
+            mappings: r(&self.mappings) as u32,
+            page_table_bytes: r(&self.page_table_bytes),
             requests: r(&self.requests),
             errors: r(&self.errors),
             disconnects: r(&self.disconnects),
@@ -440,11 +478,26 @@ pub struct Session {
     pub(crate) swap: crate::vram::VmSwap,
     /// A live migration's VRAM pre-copy books (either side).
     pub(crate) precopy: crate::vm::migration::chunks::PrecopyBooks,
+    /// The VM's place in the book of the GPU's contexts and channels.
+    pub(crate) capacity: VmCapacity,
 }
 
 impl Session {
-    /// A session that reports into `shared`.
+    /// A session that reports into `shared`, with a book of the GPU's contexts and
+    /// channels of its own (no other VM shares the GPU with it).
     pub fn with_shared(gpu: Arc<dyn Gpu>, limits: VmLimits, shared: Arc<SessionShared>) -> Self {
+        let capacity = VmCapacity::standalone(crate::capacity::gpu_totals(gpu.as_ref()));
+        Self::with_capacity(gpu, limits, shared, capacity)
+    }
+
+    /// A session that reports into `shared` and takes contexts and channels through
+    /// `capacity`, its VM's place in the backend's book.
+    pub(crate) fn with_capacity(
+        gpu: Arc<dyn Gpu>,
+        limits: VmLimits,
+        shared: Arc<SessionShared>,
+        capacity: VmCapacity,
+    ) -> Self {
         Session {
             gpu,
             limits,
@@ -455,6 +508,7 @@ impl Session {
             hold: crate::shadow::OwnerHolds::default(),
             swap: crate::vram::VmSwap::default(),
             precopy: Default::default(),
+            capacity,
         }
     }
 
@@ -484,8 +538,17 @@ impl Session {
             && self.state.mappings.is_empty()
     }
 
-    /// Copies usage into the shared counters.
+    /// Tells the GPU's book how many contexts and channels the VM has.
+    pub(crate) fn sync_capacity(&self) {
+        self.capacity.set_used(Counts {
+            contexts: self.state.contexts.len() as u32,
+            channels: self.state.channels.len() as u32,
+        });
+    }
+
+    /// Copies usage into the shared counters and the GPU's book.
     pub(crate) fn publish(&self) {
+        self.sync_capacity();
         let s = &self.shared;
         let u = &self.state.usage;
         s.contexts
@@ -496,6 +559,10 @@ impl Session {
         s.mapped_guest_bytes
             .store(u.mapped_guest_bytes, Ordering::Relaxed);
         s.aperture_bytes.store(u.aperture_bytes, Ordering::Relaxed);
+        s.mappings
+            .store(self.state.mappings.len() as u64, Ordering::Relaxed);
+        s.page_table_bytes
+            .store(u.page_table_bytes, Ordering::Relaxed);
     }
 
     /// Destroys every object of the VM in the HAL and forgets them. BAR mappings are

@@ -155,6 +155,7 @@ fn limits() -> VmLimits {
         vram_bytes: 16 * MIB,
         mapped_guest_bytes: 4 * MIB,
         swap_bytes: 0,
+        ..VmLimits::default()
     }
 }
 
@@ -305,6 +306,22 @@ impl T {
         let shared = self.s.shared().stats();
         assert_eq!(shared.contexts as usize, st.contexts.len());
         assert_eq!(shared.vram_bytes, vram);
+        // Page-table memory: the contexts' tables as the GPU counts them, plus records.
+        let tables: u64 = st
+            .contexts
+            .keys()
+            .map(|c| self.gpu.page_table_bytes(self.hctx(*c)).unwrap())
+            .sum();
+        let records: u64 = st
+            .mappings
+            .values()
+            .map(crate::vm::requests::record_of)
+            .sum();
+        assert_eq!(st.usage.page_table_bytes, tables + records);
+        assert!(st.usage.page_table_bytes <= self.s.limits().page_table_bytes);
+        assert!(st.mappings.len() <= self.s.limits().max_mappings as usize);
+        assert_eq!(shared.mappings as usize, st.mappings.len());
+        assert_eq!(shared.page_table_bytes, st.usage.page_table_bytes);
     }
 }
 
@@ -931,6 +948,81 @@ fn channel_events_are_tagged_with_the_guest_id() {
     // After teardown, late events of old channels are dropped.
     t.s.teardown(&t.shm);
     assert!(events.is_empty());
+    t.assert_baseline();
+}
+
+#[test]
+fn mappings_are_bounded_in_number_and_in_page_table_memory() {
+    let mut t = T::with(
+        sim(),
+        VmLimits {
+            max_mappings: 3,
+            // Two 2 MiB regions of 4 KiB pages and a little more.
+            page_table_bytes: 80 << 10,
+            ..limits()
+        },
+    );
+    let c = t.ctx(1);
+    let (m, _) = t.alloc(1, c, 2 * MIB, 2 * MIB);
+    let map = |va| Op::MapVram {
+        mem: m,
+        flags: 0,
+        va,
+        page: PAGE_4K,
+    };
+    assert_eq!(t.req(1, c, map(0x1000_0000)), Ok(ReplyBody::Empty));
+    assert_eq!(t.req(1, c, map(0x2000_0000)), Ok(ReplyBody::Empty));
+    t.check_consistent();
+    let held = t.s.state().usage.page_table_bytes;
+    assert!(held > 2 * 512 * 64, "{held}");
+    // A third alias needs a third page table: over the memory bound, nothing mapped.
+    let pages = t.mapped_pages(c);
+    assert_eq!(t.req(1, c, map(0x3000_0000)), Err(ErrorCode::LimitExceeded));
+    assert_eq!(t.mapped_pages(c), pages);
+    assert_eq!(t.s.state().usage.page_table_bytes, held);
+    assert_eq!(
+        t.req(1, c, Op::Unmap { va: 0x3000_0000 }),
+        Err(ErrorCode::NotFound)
+    );
+    // 2 MiB pages cost little: the third mapping fits, the fourth is one too many.
+    assert_eq!(
+        t.req(
+            1,
+            c,
+            Op::MapVram {
+                mem: m,
+                flags: 0,
+                va: 0x4000_0000,
+                page: PAGE_2M,
+            }
+        ),
+        Ok(ReplyBody::Empty)
+    );
+    assert_eq!(
+        t.req(
+            1,
+            c,
+            Op::MapGuest {
+                va: 0x5000_0000,
+                page: PAGE_2M,
+                flags: 0,
+                ranges: vec![range(R0.0, R0.1)],
+            }
+        ),
+        Err(ErrorCode::LimitExceeded)
+    );
+    t.check_consistent();
+    // Unmapping gives the memory back; destroying the context gives back the rest.
+    assert_eq!(
+        t.req(1, c, Op::Unmap { va: 0x1000_0000 }),
+        Ok(ReplyBody::Empty)
+    );
+    assert!(t.s.state().usage.page_table_bytes < held);
+    assert_eq!(t.req(1, c, map(0x3000_0000)), Ok(ReplyBody::Empty));
+    t.check_consistent();
+    assert_eq!(t.req(1, c, Op::DestroyContext), Ok(ReplyBody::Empty));
+    assert_eq!(t.s.state().usage.page_table_bytes, 0);
+    assert_eq!(t.s.shared().stats().mappings, 0);
     t.assert_baseline();
 }
 

@@ -46,6 +46,21 @@ impl Session {
         resume: Option<(u32, ChannelResume)>,
         shm: &dyn ShmMapper,
     ) -> Reply {
+        let reply = self.make_channel(pid, ctx, gp_ring_va, gp_entries, resume, shm);
+        // The GPU's book counts what the session has (one more, or none if it failed).
+        self.sync_capacity();
+        reply
+    }
+
+    fn make_channel(
+        &mut self,
+        pid: u32,
+        ctx: u32,
+        gp_ring_va: u64,
+        gp_entries: u32,
+        resume: Option<(u32, ChannelResume)>,
+        shm: &dyn ShmMapper,
+    ) -> Reply {
         let (hctx, _) = self.owned_ctx(pid, ctx)?;
         let ring_ok = valid_gp_entries(gp_entries)
             && gp_ring_va.is_multiple_of(GP_ENTRY_SIZE as u64)
@@ -55,7 +70,12 @@ impl Session {
         if !ring_ok {
             return Err(ErrorCode::InvalidArgument);
         }
-        if self.state.channels.len() >= self.limits.max_channels as usize {
+        let have = self.state.channels.len();
+        if have >= self.limits.max_channels as usize {
+            return Err(ErrorCode::LimitExceeded);
+        }
+        // Within the VM's reserve, or borrowed from what no other VM's reserve covers.
+        if !self.capacity.take_one(Resource::Channels, have as u32) {
             return Err(ErrorCode::LimitExceeded);
         }
         // Forwarded (the driver has no shared-memory region): the channel gets no slot and
@@ -260,6 +280,7 @@ impl Session {
         } else {
             self.shared.busy().forget(channel);
         }
+        self.sync_capacity();
         Ok(ReplyBody::Empty)
     }
 }

@@ -6,7 +6,19 @@ impl Session {
     // ---- contexts ---------------------------------------------------------------------
 
     pub(in crate::vm) fn create_context(&mut self, pid: u32, mem: &GuestMemory) -> Reply {
-        if self.state.contexts.len() >= self.limits.max_contexts as usize {
+        let reply = self.new_context(pid, mem);
+        // The GPU's book counts what the session has (one more, or none if it failed).
+        self.sync_capacity();
+        reply
+    }
+
+    fn new_context(&mut self, pid: u32, mem: &GuestMemory) -> Reply {
+        let have = self.state.contexts.len();
+        if have >= self.limits.max_contexts as usize {
+            return Err(ErrorCode::LimitExceeded);
+        }
+        // Within the VM's reserve, or borrowed from what no other VM's reserve covers.
+        if !self.capacity.take_one(Resource::Contexts, have as u32) {
             return Err(ErrorCode::LimitExceeded);
         }
         let contexts = &self.state.contexts;
@@ -70,9 +82,13 @@ impl Session {
                 }
             }
         }
+        // The context's page tables go with it.
+        let tables = self.gpu.page_table_bytes(hctx).unwrap_or(0);
         if let Err(e) = self.gpu.destroy_context(hctx) {
             warn!("DESTROY_CONTEXT: destroy context {ctx}: {e}");
         }
+        let u = &mut self.state.usage;
+        u.page_table_bytes = u.page_table_bytes.saturating_sub(tables);
         self.hal.contexts.remove(&ctx);
         self.state.contexts.remove(&ctx);
         // 3. Mappings and VRAM objects of the context.
@@ -83,12 +99,7 @@ impl Session {
             .map(|(k, _)| *k)
             .collect();
         for k in keys {
-            if let Some(m) = self.state.mappings.remove(&k) {
-                if let MappingTarget::Guest { .. } = m.target {
-                    let u = &mut self.state.usage;
-                    u.mapped_guest_bytes = u.mapped_guest_bytes.saturating_sub(m.size);
-                }
-            }
+            self.forget_mapping(k);
         }
         let mems: Vec<u32> = self
             .state
@@ -100,6 +111,7 @@ impl Session {
         for id in mems {
             self.release_vram(id);
         }
+        self.sync_capacity();
         Ok(ReplyBody::Empty)
     }
 }

@@ -1,6 +1,29 @@
 //! Requests on memory: VRAM objects (ALLOC_VRAM, FREE_MEM), GPU mappings (MAP_VRAM, MAP_GUEST, UNMAP) and aperture windows (MAP_APERTURE, UNMAP_APERTURE).
+//!
+//! GPU mappings cost the host memory (page tables, and the session's record of each),
+//! however little guest memory or VRAM they reach: one object may be mapped at many
+//! addresses. So the VM's mappings are bounded in number (`VmLimits::max_mappings`) and
+//! in that memory (`VmLimits::page_table_bytes`), which is counted against the VM as the
+//! GPU reports it (`Usage::page_table_bytes`).
 
 use super::*;
+
+/// Host bytes of the session's record of one mapping (its entry in the mappings map,
+/// generously), besides its guest ranges.
+const MAPPING_RECORD_BYTES: u64 = 128;
+
+/// Host bytes of the record of a mapping with `ranges` guest ranges.
+fn record_bytes(ranges: usize) -> u64 {
+    MAPPING_RECORD_BYTES + (ranges * std::mem::size_of::<GuestRange>()) as u64
+}
+
+/// Host bytes of `m`'s record.
+pub(in crate::vm) fn record_of(m: &MappingState) -> u64 {
+    match &m.target {
+        MappingTarget::Vram { .. } => record_bytes(0),
+        MappingTarget::Guest { ranges } => record_bytes(ranges.len()),
+    }
+}
 
 impl Session {
     // ---- VRAM objects -----------------------------------------------------------------
@@ -96,10 +119,17 @@ impl Session {
         if flags & !MAP_READ_ONLY != 0 || self.overlaps(ctx, va, size) {
             return Err(ErrorCode::InvalidArgument);
         }
-        let backing = self.hal.vram.get(&mem).ok_or(ErrorCode::Internal)?;
-        self.map_object(hctx, va, backing, ps, map_flags(flags))
-            .map_err(|e| e.code())?;
-        self.state.mappings.insert(
+        self.admit_mapping(hctx, va, size, ps, 0)?;
+        let before = self.table_bytes(hctx);
+        let mapped = match self.hal.vram.get(&mem) {
+            Some(backing) => self
+                .map_object(hctx, va, backing, ps, map_flags(flags))
+                .map_err(|e| e.code()),
+            None => Err(ErrorCode::Internal),
+        };
+        self.tally_tables(hctx, before);
+        mapped?;
+        self.record_mapping(
             (ctx, va),
             MappingState {
                 pid,
@@ -110,6 +140,71 @@ impl Session {
             },
         );
         Ok(ReplyBody::Empty)
+    }
+
+    /// Checks that the VM may add a mapping of `va..va+size` with pages of `ps` and
+    /// `ranges` guest ranges: one more mapping, and the page-table memory it would add
+    /// with its record, within the VM's limits.
+    fn admit_mapping(
+        &self,
+        hctx: ContextId,
+        va: u64,
+        size: u64,
+        ps: PageSize,
+        ranges: usize,
+    ) -> Result<(), ErrorCode> {
+        if self.state.mappings.len() >= self.limits.max_mappings as usize {
+            return Err(ErrorCode::LimitExceeded);
+        }
+        let cost = self
+            .gpu
+            .map_cost(hctx, va, size, ps)
+            .map_err(|e| e.code())?
+            .saturating_add(record_bytes(ranges));
+        let used = self.state.usage.page_table_bytes;
+        if used
+            .checked_add(cost)
+            .is_none_or(|t| t > self.limits.page_table_bytes)
+        {
+            return Err(ErrorCode::LimitExceeded);
+        }
+        Ok(())
+    }
+
+    /// Host memory of `hctx`'s page tables now.
+    fn table_bytes(&self, hctx: ContextId) -> u64 {
+        self.gpu.page_table_bytes(hctx).unwrap_or(0)
+    }
+
+    /// Counts the change of `hctx`'s page tables since they took `before` bytes.
+    fn tally_tables(&mut self, hctx: ContextId, before: u64) {
+        let after = self.table_bytes(hctx);
+        let u = &mut self.state.usage;
+        u.page_table_bytes = u
+            .page_table_bytes
+            .saturating_sub(before)
+            .saturating_add(after);
+    }
+
+    /// Books a mapping the page tables now hold.
+    fn record_mapping(&mut self, key: (u32, u64), m: MappingState) {
+        let u = &mut self.state.usage;
+        u.page_table_bytes = u.page_table_bytes.saturating_add(record_of(&m));
+        if let MappingTarget::Guest { .. } = m.target {
+            u.mapped_guest_bytes = u.mapped_guest_bytes.saturating_add(m.size);
+        }
+        self.state.mappings.insert(key, m);
+    }
+
+    /// Drops the record of a mapping the page tables no longer hold.
+    pub(super) fn forget_mapping(&mut self, key: (u32, u64)) {
+        if let Some(m) = self.state.mappings.remove(&key) {
+            let u = &mut self.state.usage;
+            u.page_table_bytes = u.page_table_bytes.saturating_sub(record_of(&m));
+            if let MappingTarget::Guest { .. } = m.target {
+                u.mapped_guest_bytes = u.mapped_guest_bytes.saturating_sub(m.size);
+            }
+        }
     }
 
     pub(in crate::vm) fn map_guest(
@@ -154,6 +249,35 @@ impl Session {
         {
             return Err(ErrorCode::LimitExceeded);
         }
+        self.admit_mapping(hctx, va, total, ps, ranges.len())?;
+        let before = self.table_bytes(hctx);
+        let mapped = self.map_ranges(hctx, va, ps, flags, ranges);
+        self.tally_tables(hctx, before);
+        mapped?;
+        self.record_mapping(
+            (ctx, va),
+            MappingState {
+                pid,
+                size: total,
+                page,
+                flags,
+                target: MappingTarget::Guest {
+                    ranges: ranges.to_vec(),
+                },
+            },
+        );
+        Ok(ReplyBody::Empty)
+    }
+
+    /// Maps `ranges` back to back from `va`, all or nothing.
+    fn map_ranges(
+        &self,
+        hctx: ContextId,
+        va: u64,
+        ps: PageSize,
+        flags: u32,
+        ranges: &[GuestRange],
+    ) -> Result<(), ErrorCode> {
         let mut at = va;
         for (i, r) in ranges.iter().enumerate() {
             let res = self.gpu.map(
@@ -180,20 +304,7 @@ impl Session {
             }
             at += r.len;
         }
-        self.state.mappings.insert(
-            (ctx, va),
-            MappingState {
-                pid,
-                size: total,
-                page,
-                flags,
-                target: MappingTarget::Guest {
-                    ranges: ranges.to_vec(),
-                },
-            },
-        );
-        self.state.usage.mapped_guest_bytes += total;
-        Ok(ReplyBody::Empty)
+        Ok(())
     }
 
     /// Removes the GPU mapping at (ctx, va) from the page tables and the books. The TLB
@@ -204,6 +315,7 @@ impl Session {
         ctx: u32,
         va: u64,
     ) -> Result<(), ErrorCode> {
+        let before = self.table_bytes(hctx);
         let m = self
             .state
             .mappings
@@ -222,18 +334,14 @@ impl Session {
             }
         };
         let inval = self.gpu.invalidate_tlb(hctx);
+        self.tally_tables(hctx, before);
         if let Err(e) = res.and(inval) {
             // The page tables disagree with the books: keep the record (and so the target)
             // rather than free memory the GPU might still reach.
             warn!("unmap ctx {ctx} va {va:#x}: {e}");
             return Err(ErrorCode::Internal);
         }
-        if let Some(m) = self.state.mappings.remove(&(ctx, va)) {
-            if let MappingTarget::Guest { .. } = m.target {
-                let u = &mut self.state.usage;
-                u.mapped_guest_bytes = u.mapped_guest_bytes.saturating_sub(m.size);
-            }
-        }
+        self.forget_mapping((ctx, va));
         Ok(())
     }
 

@@ -16,6 +16,9 @@ mod channels;
 mod contexts;
 mod memory;
 
+#[cfg(test)]
+pub(in crate::vm) use memory::record_of;
+
 use std::sync::Arc;
 
 use log::{debug, trace, warn};
@@ -29,6 +32,7 @@ use vgpu_protocol::request::{
 };
 use vgpu_protocol::{ErrorCode, PAGE_SIZE, PROTOCOL_VERSION};
 
+use crate::capacity::Resource;
 use crate::events::ChannelSink;
 use crate::guest_mem::{GuestMemory, GuestSysMemory};
 use crate::shadow::Holder;

@@ -82,6 +82,12 @@ impl Gpu for NoCpuView {
     fn unmap(&self, ctx: ContextId, va: u64, size: u64) -> Result<()> {
         self.inner.unmap(ctx, va, size)
     }
+    fn page_table_bytes(&self, ctx: ContextId) -> Result<u64> {
+        self.inner.page_table_bytes(ctx)
+    }
+    fn map_cost(&self, ctx: ContextId, va: u64, size: u64, page: PageSize) -> Result<u64> {
+        self.inner.map_cost(ctx, va, size, page)
+    }
     fn remap(&self, ctx: ContextId, va: u64, size: u64, target: MapTarget) -> Result<()> {
         self.inner.remap(ctx, va, size, target)
     }
