@@ -237,6 +237,9 @@ pub struct VmVramBody {
     pub swap_limit_bytes: u64,
     pub resident_bytes: u64,
     pub swapped_bytes: u64,
+    /// VRAM its resident objects take from others: resident bytes plus the unused parts
+    /// of its 2 MiB frames for small pieces (charged to it).
+    pub footprint_bytes: u64,
     /// Chunks moved out to the swap store, and back in.
     pub evictions: u64,
     pub swap_ins: u64,
@@ -282,6 +285,7 @@ impl From<&crate::vram::VramReport> for VmVramBody {
             swap_limit_bytes: v.swap_limit_bytes,
             resident_bytes: v.resident_bytes,
             swapped_bytes: v.swapped_bytes,
+            footprint_bytes: v.footprint_bytes,
             evictions: v.evictions,
             swap_ins: v.swap_ins,
             bytes_out: v.bytes_out,

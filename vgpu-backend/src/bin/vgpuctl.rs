@@ -196,6 +196,10 @@ fn show_vram(v: &VmVramBody) {
         vec!["resident".into(), human_bytes(v.resident_bytes)],
         vec!["swapped".into(), human_bytes(v.swapped_bytes)],
         vec![
+            "footprint (with small-object frames)".into(),
+            human_bytes(v.footprint_bytes),
+        ],
+        vec![
             "quota / share / swap limit".into(),
             format!(
                 "{} / {} / {}",
