@@ -434,6 +434,9 @@ fn run(cli: Cli) -> Result<(), ClientError> {
             if let Some(e) = &m.error {
                 println!("  failed: {e}");
             }
+            if let Some(p) = &m.policy {
+                println!("  {}", p.note);
+            }
         }
         Cmd::Vm(VmCmd::Stats { name }) => {
             let s = c.vm_stats(&name)?;
