@@ -9,9 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use vgpu_backend::{MigrationPhase, PrecopyConfig, VgpuBackend, VmLimits};
+use vgpu_backend::{MigrationPhase, PrecopyConfig, SchedConfig, VgpuBackend, VmLimits};
+use vgpu_guest::workloads::throttle::{self, ThrottleConfig};
 use vgpu_guest::workloads::Workload;
 use vgpu_guest::{Device, KernelArgs};
+use vgpu_protocol::migration::{DeviceState, KIND_FULL};
 use vgpu_test_support::Host;
 use vgpu_vmm::loopback::LoopbackVm;
 
@@ -549,4 +551,117 @@ fn a_corrupt_precopy_round_is_refused_cleanly() {
         .expect("migration after the refusal");
     w.finish();
     assert_gpu_clean(&a, "source after the migration");
+}
+
+/// A guest process running `throttle` (`kernel_ns` kernels, depth 2) until `stop`, as in
+/// the `sched_fair` tests: steady work that always wants the GPU.
+fn spawn_throttle(
+    vm: Arc<LoopbackVm>,
+    pid: u32,
+    kernel_ns: u64,
+    stop: Arc<AtomicBool>,
+) -> JoinHandle<u64> {
+    std::thread::spawn(move || {
+        let dev = Device::loopback(vm, pid).expect("device");
+        let ctx = dev.create_context().expect("context");
+        let cfg = ThrottleConfig {
+            kernel_ns,
+            iterations: None,
+            depth: 2,
+            stop: Some(stop),
+        };
+        throttle::run(&ctx, &cfg).expect("throttle").iterations
+    })
+}
+
+/// `vm`'s share of the GPU time `vm` and `other` used on `be` over 2 s, after 300 ms (the
+/// `sched_fair` tests' window).
+fn share_of(be: &VgpuBackend, vm: &str, other: &str) -> f64 {
+    let busy = |n: &str| -> u64 { be.process_busy_ns(n).iter().map(|(_, b)| b).sum() };
+    std::thread::sleep(Duration::from_millis(300));
+    let (a0, b0) = (busy(vm), busy(other));
+    std::thread::sleep(Duration::from_secs(2));
+    let (a, b) = (busy(vm) - a0, busy(other) - b0);
+    a as f64 / (a + b).max(1) as f64
+}
+
+/// Issue 28, item 1: a device-state stream whose full state claims weight 10000 and a
+/// 1 TiB VRAM quota (valid CRCs: re-encoded) is loaded, but operator policy stays the
+/// destination's: the VM keeps this backend's weight and quota, the migration report
+/// names what the stream claimed, and the destination's other VM, both running steady
+/// work under the fair scheduler, keeps its half of the GPU (it used to fall to 0.8 %).
+#[test]
+fn a_stream_cannot_set_its_own_weight_or_quota_on_the_destination() {
+    let a = host("policy-src");
+    let b = Host::new(
+        "mig-policy-dst",
+        256 << 20,
+        VmLimits::default(),
+        &[VM, "other"],
+    );
+    HOSTS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(("policy-dst".into(), b.backend.clone()));
+    b.backend
+        .start_scheduler(SchedConfig::default())
+        .expect("fair");
+    let weight = b.backend.vm_weight(VM).expect("vm");
+    let quota = b.backend.vram_stats(VM).expect("vm").vm.quota_bytes;
+    let stop = Arc::new(AtomicBool::new(false));
+    let vm = a.connect(VM);
+    let migrated = spawn_throttle(vm.clone(), 1, 1_000_000, stop.clone());
+    let other = spawn_throttle(b.connect("other"), 2, 1_000_000, stop.clone());
+    std::thread::sleep(Duration::from_millis(200));
+
+    let mut forged = 0;
+    let rep = vm
+        .migrate_to_filtered(&b.socket(VM), &mut |f: &mut Vec<u8>| {
+            let kind = f
+                .get(12..16)
+                .map(|k| u32::from_le_bytes([k[0], k[1], k[2], k[3]]));
+            if kind == Some(KIND_FULL) {
+                let mut st = DeviceState::decode(f).expect("a full state");
+                st.vm.weight = 10_000;
+                st.vm.vram_quota = 1 << 40;
+                *f = st.encode();
+                forged += 1;
+            }
+        })
+        .expect("the forged stream is loaded");
+    eprintln!("migration with a forged policy: {rep:?}");
+    assert_eq!(forged, 1, "one full state");
+
+    let got = b.backend.vm_weight(VM).expect("vm");
+    let got_quota = b.backend.vram_stats(VM).expect("vm").vm.quota_bytes;
+    let p = b.backend.vm_migration(VM).expect("vm").policy;
+    let share = share_of(&b.backend, "other", VM);
+    println!(
+        "destination: weight {got} (its own {weight}), VRAM quota {got_quota} (its own \
+         {quota}); the other VM's share {:.1} %; report: {}",
+        share * 100.0,
+        p.map_or("none".into(), |p| p.note())
+    );
+    stop.store(true, Ordering::Release);
+    assert!(migrated.join().expect("migrated VM's guest") > 0);
+    assert!(other.join().expect("other VM's guest") > 0);
+    assert_eq!(
+        (got, got_quota),
+        (weight, quota),
+        "the stream set the policy"
+    );
+    let p = p.expect("the destination reports the stream's policy");
+    assert_eq!((p.weight, p.vram_quota), (weight, quota));
+    assert_eq!((p.stream_weight, p.stream_vram_quota), (10_000, 1 << 40));
+    assert_eq!(p.ignored(), ["weight", "vram_quota"]);
+    assert!(
+        p.note().contains("stream claimed weight 10000"),
+        "{}",
+        p.note()
+    );
+    assert!(
+        (share - 0.5).abs() <= 0.10,
+        "fair: the other VM's share {:.1} % (want 50 ± 10)",
+        share * 100.0
+    );
 }

@@ -98,6 +98,7 @@ pub use sched::{Policy, SchedConfig, SchedError, SchedStats};
 pub use shadow::{ChannelPeek, Holder, Holders, ShadowError, ShadowStats, ShadowSwitch};
 pub use shmem::{NullShm, ShmMapper, VhostShm};
 pub use vgpu_host_shim::Gpu;
+pub use vm::migration::policy::StreamPolicy;
 pub use vm::migration::progress::{MigrationPhase, MigrationProgress, PrecopyConfig, RoundStat};
 pub use vm::session::{Session, SessionShared, SessionState, VmLimits, VmStats};
 pub use vram::{

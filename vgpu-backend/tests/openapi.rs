@@ -496,3 +496,47 @@ fn vram_body_with_processes_matches_its_schema() {
     extra["processes"][0]["bogus"] = json!(1);
     assert!(valid(&d, &extra, &json!({"$ref": "#/components/schemas/VmVram"})).is_err());
 }
+
+/// A destination's migration body after a load (the server's answers here have none) is
+/// what the document's `Migration` and `MigrationPolicy` schemas say.
+#[test]
+fn migration_body_with_a_policy_matches_its_schema() {
+    use vgpu_backend::api::types::MigrationBody;
+    use vgpu_backend::{MigrationPhase, MigrationProgress, StreamPolicy};
+    let d = doc();
+    let p = MigrationProgress {
+        phase: MigrationPhase::Loaded,
+        policy: Some(StreamPolicy {
+            weight: 100,
+            vram_quota: 512 << 20,
+            stream_weight: 10_000,
+            stream_vram_quota: 1 << 40,
+        }),
+        ..MigrationProgress::default()
+    };
+    let body = serde_json::to_value(MigrationBody::from(&p)).expect("body");
+    valid(
+        &d,
+        &body,
+        &json!({"$ref": "#/components/schemas/Migration"}),
+    )
+    .expect("Migration");
+    assert_eq!(body["policy"]["ignored"], json!(["weight", "vram_quota"]));
+    let none =
+        serde_json::to_value(MigrationBody::from(&MigrationProgress::default())).expect("body");
+    assert!(none["policy"].is_null());
+    valid(
+        &d,
+        &none,
+        &json!({"$ref": "#/components/schemas/Migration"}),
+    )
+    .expect("no policy");
+    let mut extra = body.clone();
+    extra["policy"]["bogus"] = json!(1);
+    assert!(valid(
+        &d,
+        &extra,
+        &json!({"$ref": "#/components/schemas/Migration"})
+    )
+    .is_err());
+}

@@ -231,6 +231,39 @@ pub struct MigrationBody {
     pub drain_us: u64,
     /// Why the last transfer failed (`null` if it did not).
     pub error: Option<String>,
+    /// Destination, once the state is loaded: the operator policy this backend applies
+    /// and what the stream claimed (ignored); `null` otherwise.
+    pub policy: Option<MigrationPolicyBody>,
+}
+
+/// A loaded migration's operator policy (`GET /api/v1/vms/{name}/migration`): always this
+/// backend's; the stream's values are reported, never applied.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigrationPolicyBody {
+    /// The weight and VRAM quota this backend applies to the VM.
+    pub weight: u32,
+    pub vram_quota_bytes: u64,
+    /// What the stream's VM record carried.
+    pub stream_weight: u32,
+    pub stream_vram_quota_bytes: u64,
+    /// The fields where the stream differed (`weight`, `vram_quota`), each ignored.
+    pub ignored: Vec<String>,
+    /// The same in words, e.g. "policy from the destination (weight 100, VRAM quota
+    /// 536870912 bytes); stream claimed weight 10000, ignored".
+    pub note: String,
+}
+
+impl From<&crate::StreamPolicy> for MigrationPolicyBody {
+    fn from(p: &crate::StreamPolicy) -> Self {
+        MigrationPolicyBody {
+            weight: p.weight,
+            vram_quota_bytes: p.vram_quota,
+            stream_weight: p.stream_weight,
+            stream_vram_quota_bytes: p.stream_vram_quota,
+            ignored: p.ignored().into_iter().map(String::from).collect(),
+            note: p.note(),
+        }
+    }
 }
 
 impl From<&crate::MigrationProgress> for MigrationBody {
@@ -254,6 +287,7 @@ impl From<&crate::MigrationProgress> for MigrationBody {
             write_tracking: p.write_tracking,
             drain_us: p.drain.as_micros() as u64,
             error: p.error.clone(),
+            policy: p.policy.as_ref().map(MigrationPolicyBody::from),
         }
     }
 }
@@ -290,6 +324,9 @@ pub struct VmVramBody {
     pub swap_limit_bytes: u64,
     pub resident_bytes: u64,
     pub swapped_bytes: u64,
+    /// VRAM its resident objects take from others: resident bytes plus the unused parts
+    /// of its 2 MiB frames for small pieces (charged to it).
+    pub footprint_bytes: u64,
     /// Chunks moved out to the swap store, and back in.
     pub evictions: u64,
     pub swap_ins: u64,
@@ -335,6 +372,7 @@ impl From<&crate::vram::VramReport> for VmVramBody {
             swap_limit_bytes: v.swap_limit_bytes,
             resident_bytes: v.resident_bytes,
             swapped_bytes: v.swapped_bytes,
+            footprint_bytes: v.footprint_bytes,
             evictions: v.evictions,
             swap_ins: v.swap_ins,
             bytes_out: v.bytes_out,

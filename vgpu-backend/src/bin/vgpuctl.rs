@@ -204,6 +204,10 @@ fn show_vram(v: &VmVramBody) {
         vec!["resident".into(), human_bytes(v.resident_bytes)],
         vec!["swapped".into(), human_bytes(v.swapped_bytes)],
         vec![
+            "footprint (with small-object frames)".into(),
+            human_bytes(v.footprint_bytes),
+        ],
+        vec![
             "quota / share / swap limit".into(),
             format!(
                 "{} / {} / {}",
@@ -455,6 +459,9 @@ fn run(cli: Cli) -> Result<(), ClientError> {
             }
             if let Some(e) = &m.error {
                 println!("  failed: {e}");
+            }
+            if let Some(p) = &m.policy {
+                println!("  {}", p.note);
             }
         }
         Cmd::Vm(VmCmd::Stats { name }) => {

@@ -209,6 +209,8 @@ pub struct HalHandles {
     pub contexts: BTreeMap<u32, (ContextId, Arc<GuestSysMemory>)>,
     /// VRAM objects in chunks (in VRAM or swapped, see [`crate::vram`]).
     pub vram: BTreeMap<u32, crate::vram::backing::ObjBacking>,
+    /// The VM's frames for pieces smaller than a chunk ([`crate::vram::slabs`]).
+    pub slabs: crate::vram::slabs::SlabPool,
     pub channels: BTreeMap<u32, ChannelId>,
     /// The backend's own mappings of control pages, for SUBMIT (API-remoting baseline),
     /// keyed by the HAL's channel id, which is never reused.

@@ -242,7 +242,8 @@ impl T {
         let hal = self.gpu.stats();
         assert_eq!(hal.contexts - self.baseline.contexts, st.contexts.len());
         assert_eq!(hal.channels - self.baseline.channels, st.channels.len());
-        // Each VRAM object is a set of chunk allocations (see crate::vram).
+        // Each VRAM object is a set of chunks: whole ones are GPU allocations of their
+        // own, shorter ones pieces of the VM's frames (see crate::vram::slabs).
         let chunks: usize = self
             .s
             .hal
@@ -251,13 +252,17 @@ impl T {
             .map(|b| {
                 b.chunks
                     .iter()
-                    .filter(|c| matches!(c.loc, crate::vram::backing::Loc::Vram(_)))
+                    .filter(|c| {
+                        matches!(c.loc, crate::vram::backing::Loc::Vram(_))
+                            && c.len == crate::vram::backing::CHUNK
+                    })
                     .count()
             })
             .sum();
+        let frames = (self.s.hal.slabs.frame_bytes() / crate::vram::backing::CHUNK) as usize;
         assert_eq!(
             hal.vram_allocations - self.baseline.vram_allocations,
-            chunks
+            chunks + frames
         );
         assert_eq!(self.s.hal.vram.len(), st.mems.len());
         let vram: u64 = st.mems.values().map(|m| m.size).sum();
@@ -265,7 +270,7 @@ impl T {
         let resident: u64 = self.s.hal.vram.values().map(|b| b.resident_bytes()).sum();
         assert_eq!(
             self.baseline.vram_free_bytes - hal.vram_free_bytes,
-            resident
+            resident + self.s.vram_slack()
         );
         let guest: u64 = st
             .mappings

@@ -31,6 +31,7 @@ impl VramVm for VmState {
             quota: s.limits.vram_bytes,
             allocated,
             resident,
+            swappable: s.limits.swap_bytes > 0,
         }
     }
 

@@ -256,8 +256,8 @@ impl Session {
         let mut new_vram: Vec<(usize, u64)> = Vec::new();
         if dir == Dir::In {
             for (&i, &len) in todo.iter().zip(&lens) {
-                match self.gpu.alloc_vram(len, align) {
-                    Ok(a) => new_vram.push((i, a.offset)),
+                match self.alloc_chunk_vram(len, align) {
+                    Ok(offset) => new_vram.push((i, offset)),
                     Err(_) => break,
                 }
             }
@@ -342,7 +342,7 @@ impl Session {
             self.release_context(plan.ctx, shm);
         }
         for (_, o) in &plan.new_vram {
-            let _ = self.gpu.free_vram(*o);
+            let _ = self.free_chunk_vram(*o);
         }
         if e == MoveError::DrainTimeout {
             self.swap.counters.vm.drain_timeouts += 1;
@@ -474,7 +474,7 @@ impl Session {
             let c = b.chunks[i];
             match c.loc {
                 Loc::Vram(o) => {
-                    if let Err(e) = self.gpu.free_vram(o) {
+                    if let Err(e) = self.free_chunk_vram(o) {
                         warn!("VRAM manager: free chunk {o:#x}: {e}");
                     }
                 }
@@ -500,7 +500,7 @@ impl Session {
         // Unused new VRAM (a failure cut the batch short).
         for (i, o) in &new_vram {
             if !done.contains(i) && b.chunks[*i].loc != Loc::Vram(*o) {
-                let _ = self.gpu.free_vram(*o);
+                let _ = self.free_chunk_vram(*o);
             }
         }
         report.copy_ns = ns(tc);

@@ -10,7 +10,7 @@ use vgpu_protocol::ErrorCode;
 use crate::error::ShmError;
 use crate::shmem::ShmMapper;
 use crate::vm::session::Session;
-use crate::vram::backing::{Loc, ObjBacking, RunTarget};
+use crate::vram::backing::{Loc, ObjBacking, RunTarget, CHUNK};
 use crate::vram::store::SwapStore;
 
 impl Session {
@@ -45,17 +45,50 @@ impl Session {
         Ok(r)
     }
 
+    /// VRAM for a chunk of `len` bytes: a whole chunk straight from the GPU, chunk-aligned
+    /// (so the GPU's allocator only ever holds whole aligned chunks), a shorter piece in
+    /// one of the VM's own frames ([`crate::vram::slabs`]) at `align`.
+    pub(crate) fn alloc_chunk_vram(&mut self, len: u64, align: u64) -> Result<u64, HalError> {
+        if len >= CHUNK {
+            return self.gpu.alloc_vram(len, CHUNK).map(|a| a.offset);
+        }
+        self.hal.slabs.alloc(self.gpu.as_ref(), len, align)
+    }
+
+    /// Frees VRAM [`Session::alloc_chunk_vram`] gave.
+    pub(crate) fn free_chunk_vram(&mut self, offset: u64) -> Result<(), HalError> {
+        if self.hal.slabs.free(self.gpu.as_ref(), offset) {
+            return Ok(());
+        }
+        self.gpu.free_vram(offset)
+    }
+
+    /// Bytes of VRAM the VM's resident objects make unusable to others beyond their own
+    /// size: the unused parts of its frames for small pieces (its footprint minus its
+    /// resident bytes; the VRAM manager shares VRAM by the footprint).
+    pub(crate) fn vram_slack(&self) -> u64 {
+        self.hal.slabs.slack_bytes()
+    }
+
+    /// What `ALLOC_VRAM` charges the VM beyond its objects' bytes: the slack of its frames
+    /// past one frame's worth (the frame being filled is room any VM with small objects
+    /// has; every further frame a few small objects pin is charged to their VM).
+    pub(crate) fn vram_charged_slack(&self) -> u64 {
+        self.vram_slack().saturating_sub(CHUNK)
+    }
+
     /// Allocates an object of `size` bytes in chunks: in VRAM while it has room, the rest
-    /// in the swap store (the VRAM manager is woken to rebalance).
+    /// in the swap store (the VRAM manager is woken to rebalance) if the VM has a swap
+    /// limit. A VM without one is never given system memory: `NoMemory` instead.
     pub(crate) fn alloc_object(&mut self, size: u64, align: u64) -> Result<ObjBacking, ErrorCode> {
         let epoch = self.swap.epoch;
         let mut b = ObjBacking::layout(size, align, epoch);
         let mut spilled = 0u64;
         for i in 0..b.chunks.len() {
             let len = b.chunks[i].len;
-            match self.gpu.alloc_vram(len, b.align) {
-                Ok(a) => b.chunks[i].loc = Loc::Vram(a.offset),
-                Err(HalError::OutOfVram(_)) => spilled += 1,
+            match self.alloc_chunk_vram(len, b.align) {
+                Ok(offset) => b.chunks[i].loc = Loc::Vram(offset),
+                Err(HalError::OutOfVram(_)) if self.limits.swap_bytes > 0 => spilled += 1,
                 Err(e) => {
                     self.free_object(&b);
                     return Err(e.code());
@@ -77,7 +110,7 @@ impl Session {
     pub(crate) fn free_object(&mut self, b: &ObjBacking) {
         for c in &b.chunks {
             if let Loc::Vram(o) = c.loc {
-                if let Err(e) = self.gpu.free_vram(o) {
+                if let Err(e) = self.free_chunk_vram(o) {
                     warn!("free VRAM chunk {o:#x}: {e}");
                 }
             }

@@ -44,10 +44,15 @@ impl Session {
         }
     }
 
-    /// (allocated, resident) bytes of the VM's VRAM objects.
+    /// (allocated, resident) bytes of the VM's VRAM objects, each with the slack of its
+    /// frames for small pieces: the VRAM manager shares what VMs take from each other.
     pub(crate) fn vram_figures(&self) -> (u64, u64) {
-        let resident = self.hal.vram.values().map(|b| b.resident_bytes()).sum();
-        (self.state.usage.vram_bytes, resident)
+        let resident: u64 = self.hal.vram.values().map(|b| b.resident_bytes()).sum();
+        let slack = self.vram_slack();
+        (
+            self.state.usage.vram_bytes.saturating_add(slack),
+            resident.saturating_add(slack),
+        )
     }
 
     /// The coldest resident chunks: the object of the coldest chunk, its resident chunks
@@ -146,6 +151,7 @@ impl Session {
         vm.swap_limit_bytes = self.limits.swap_bytes;
         vm.resident_bytes = res;
         vm.swapped_bytes = swp;
+        vm.footprint_bytes = res.saturating_add(self.vram_slack());
         let samples: Vec<u64> = c.pause_samples.iter().copied().collect();
         VramReport {
             vm,

@@ -35,7 +35,8 @@ pub struct Chunk {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ObjBacking {
     pub chunks: Vec<Chunk>,
-    /// VRAM alignment of the chunks (the guest's alignment, at most [`CHUNK`]).
+    /// VRAM alignment of a piece shorter than a chunk ([`vram_align`]); whole chunks are
+    /// always chunk-aligned.
     pub align: u64,
     /// Offset of the object's region in the swap store, once it needed one.
     pub swap_region: Option<u64>,
@@ -69,6 +70,15 @@ impl RunTarget {
     }
 }
 
+/// The VRAM alignment an object of `size` bytes gets for a guest's `requested` one: no
+/// more than any page that can map the object needs (the largest power of two dividing
+/// its size: a mapping's size is a multiple of its page) and no more than a chunk, so a
+/// tiny object asking for a huge alignment cannot make the VRAM around it unusable.
+pub fn vram_align(size: u64, requested: u64) -> u64 {
+    let by_size = 1u64 << size.trailing_zeros().min(63);
+    requested.min(by_size).clamp(4096, CHUNK)
+}
+
 impl ObjBacking {
     /// Chunk layout of an object of `size` bytes (all chunks still unplaced: `Swap`).
     pub fn layout(size: u64, align: u64, epoch: u64) -> Self {
@@ -86,7 +96,7 @@ impl ObjBacking {
         }
         ObjBacking {
             chunks,
-            align: align.clamp(4096, CHUNK),
+            align: vram_align(size, align),
             swap_region: None,
         }
     }
@@ -143,6 +153,17 @@ impl ObjBacking {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn alignment_is_what_the_object_needs() {
+        assert_eq!(vram_align(4096, 2 << 20), 4096);
+        assert_eq!(vram_align(4096, 1 << 30), 4096);
+        assert_eq!(vram_align(12 << 10, 64 << 10), 4096);
+        assert_eq!(vram_align(64 << 10, 64 << 10), 64 << 10);
+        assert_eq!(vram_align(3 << 20, 2 << 20), 1 << 20);
+        assert_eq!(vram_align(16 << 20, 1 << 30), CHUNK);
+        assert_eq!(vram_align(16 << 20, 4096), 4096);
+    }
 
     #[test]
     fn layout_and_runs() {

@@ -24,10 +24,13 @@ pub enum Dir {
 pub struct PassFigures {
     /// Its VRAM quota.
     pub quota: u64,
-    /// Bytes of its objects, resident or swapped.
+    /// Bytes of its objects, resident or swapped, with the slack of its frames for small
+    /// pieces ([`crate::vram::slabs`]).
     pub allocated: u64,
     /// Bytes of them in VRAM.
     pub resident: u64,
+    /// Whether the VM has a swap limit: without one its VRAM is never moved out.
+    pub swappable: bool,
 }
 
 /// What the VRAM manager asks of a VM.

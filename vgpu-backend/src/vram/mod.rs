@@ -4,6 +4,8 @@
 //! - [`policy`]: shares (weight-derived, capped by quota and demand), victim and swap-in
 //!   order;
 //! - [`backing`]: a VRAM object as 2 MiB chunks, each in VRAM or in swap;
+//! - [`slabs`]: a VM's own 2 MiB frames for its pieces smaller than a chunk (whole chunks
+//!   come from the GPU at chunk alignment, so no VM's small objects split another's);
 //! - [`store`]: the per-VM swap memfd and the `SysMemory` that lets the GPU reach it;
 //! - [`object`]: allocating, freeing and mapping chunked objects;
 //! - [`evict`]: the pause dance that moves chunks (shadow + drain, copy, remap, invalidate,
@@ -22,6 +24,7 @@
 pub mod backing;
 pub mod handle;
 pub mod policy;
+pub mod slabs;
 pub mod stats;
 pub mod store;
 
@@ -247,6 +250,7 @@ impl VgpuBackend {
                 quota: f.quota,
                 allocated: f.allocated,
                 resident: f.resident,
+                pinned: !f.swappable,
             };
             vms.push(PassVm { vm, fig });
         }
@@ -297,7 +301,9 @@ impl VgpuBackend {
         // 2. LRU exchange within a VM: a swapped chunk touched more recently than a
         //    resident one takes its place.
         if cfg.lru_exchange {
-            for v in vms.iter_mut() {
+            // A pinned VM's chunks stay put (one a forced eviction moved out comes back
+            // through the deficit order above).
+            for v in vms.iter_mut().filter(|v| !v.fig.pinned) {
                 if Instant::now() >= deadline {
                     break;
                 }

@@ -7,7 +7,11 @@
 //! weight. A VM alone gets all of VRAM (up to its quota): oversubscription costs nothing
 //! while nobody else needs the space (Metter's "dynamic allocation" requirement).
 //!
-//! **Eviction** takes from the VM furthest over its share (resident − share); **swap-in**
+//! A VM without a swap limit is **pinned**: its VRAM is never moved out, so its share is
+//! what it allocated, and the others share what is left.
+//!
+//! **Eviction** takes from the VM furthest over its share (resident − share), never from a
+//! pinned one; **swap-in**
 //! serves the VM furthest below it first (deficit order). A move happens only from a VM
 //! over its share to one under it, or into free VRAM, so the split converges instead of
 //! ping-ponging.
@@ -22,14 +26,22 @@ pub struct VmFigures {
     pub allocated: u64,
     /// Of those, resident in VRAM.
     pub resident: u64,
+    /// No swap limit: never evicted.
+    pub pinned: bool,
 }
 
 /// Each VM's share of `vram` bytes (same order as `vms`).
 pub fn shares(vram: u64, vms: &[VmFigures]) -> Vec<u64> {
     let mut share = vec![0u64; vms.len()];
-    let cap: Vec<u64> = vms.iter().map(|v| v.quota.min(v.allocated)).collect();
-    let mut open: Vec<usize> = (0..vms.len()).filter(|&i| cap[i] > 0).collect();
     let mut left = vram;
+    for (i, v) in vms.iter().enumerate().filter(|(_, v)| v.pinned) {
+        share[i] = v.allocated;
+        left = left.saturating_sub(v.allocated);
+    }
+    let cap: Vec<u64> = vms.iter().map(|v| v.quota.min(v.allocated)).collect();
+    let mut open: Vec<usize> = (0..vms.len())
+        .filter(|&i| cap[i] > 0 && !vms[i].pinned)
+        .collect();
     // Each round either fixes at least one capped VM or ends.
     while !open.is_empty() && left > 0 {
         let wsum: u128 = open.iter().map(|&i| u128::from(vms[i].weight.max(1))).sum();
@@ -56,12 +68,13 @@ pub fn shares(vram: u64, vms: &[VmFigures]) -> Vec<u64> {
     share
 }
 
-/// Index of the VM to evict from: the one furthest over its share, if any is over.
+/// Index of the VM to evict from: the one furthest over its share, if any is over and
+/// not pinned.
 pub fn victim(vms: &[VmFigures], share: &[u64]) -> Option<usize> {
     vms.iter()
         .zip(share)
         .enumerate()
-        .filter(|(_, (v, s))| v.resident > **s)
+        .filter(|(_, (v, s))| !v.pinned && v.resident > **s)
         .max_by_key(|(_, (v, s))| v.resident - **s)
         .map(|(i, _)| i)
 }
@@ -86,7 +99,24 @@ mod tests {
             quota,
             allocated,
             resident,
+            pinned: false,
         }
+    }
+
+    #[test]
+    fn pinned_vms_keep_what_they_hold_and_are_never_the_victim() {
+        let pinned = VmFigures {
+            pinned: true,
+            ..vm(1, 1000, 70, 70)
+        };
+        let vms = [pinned, vm(1, 1000, 80, 30)];
+        let s = shares(100, &vms);
+        assert_eq!(s, vec![70, 30]);
+        assert_eq!(victim(&vms, &s), None);
+        // Over its weight's half, yet the other VM is the one over its share.
+        let vms = [pinned, vm(1, 1000, 80, 40)];
+        let s = shares(100, &vms);
+        assert_eq!(victim(&vms, &s), Some(1));
     }
 
     #[test]

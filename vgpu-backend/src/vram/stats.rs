@@ -16,6 +16,9 @@ pub struct VmVramStats {
     pub swap_limit_bytes: u64,
     pub resident_bytes: u64,
     pub swapped_bytes: u64,
+    /// VRAM its resident objects take from others: `resident_bytes` plus the unused
+    /// parts of its 2 MiB frames for pieces smaller than a chunk (charged to it).
+    pub footprint_bytes: u64,
     /// Chunks moved out and back in.
     pub evictions: u64,
     pub swap_ins: u64,

@@ -12,13 +12,14 @@
 //!   [`DeviceState`](vgpu_protocol::migration::DeviceState): contexts, VRAM objects with
 //!   their contents (resident or swapped), GPU mappings, aperture windows, channels with
 //!   GP_GET, the guest's GP_PUT (its shadow page), REF, NOTIFY_SEQ and error, pending
-//!   events, the VM's weight and last ids.
+//!   events, the VM's weight and VRAM quota (informational) and last ids.
 //! - **Load** ([`load`]): into an empty session on the destination, by the same code as
 //!   the guest's requests (so every field is validated as a request's would be) with ids,
 //!   BAR slots and aperture offsets forced to the saved ones, and channels re-created at
 //!   their saved position ([`vgpu_host_shim::Gpu::create_channel_resumed`]), shadowed,
 //!   with the guest's GP_PUT in the shadow page. Any failure tears the session down
-//!   again: the destination is left clean.
+//!   again: the destination is left clean. The VM keeps this host's operator policy
+//!   ([`policy`]): the stream's weight and quota are reported, never applied.
 //! - **Tail**: if the guest kept storing into the source's shadow pages after the save
 //!   (a frontend that cannot stop its vCPUs, like the loopback VM), a second save on the
 //!   source — after the destination mapped its pages over the BAR, so those pages are
@@ -30,6 +31,7 @@
 
 pub(crate) mod chunks;
 pub mod load;
+pub mod policy;
 pub(crate) mod progress;
 pub mod save;
 mod vm_state;

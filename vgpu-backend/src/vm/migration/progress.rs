@@ -93,6 +93,9 @@ pub struct MigrationProgress {
     pub drain: Duration,
     /// Why the last transfer failed.
     pub error: Option<String>,
+    /// Destination, once the full state is loaded: the operator policy this host applies
+    /// and what the stream claimed (ignored).
+    pub policy: Option<super::policy::StreamPolicy>,
 }
 
 /// Wall-clock now, ns since the Unix epoch (0 if the clock is before it).

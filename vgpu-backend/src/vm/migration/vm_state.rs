@@ -11,6 +11,7 @@ use vgpu_protocol::migration::precopy::{ChunkFrame, PauseRecord};
 use vgpu_protocol::migration::{DeviceState, Stream, VmRecord};
 
 use super::chunks::ChunkKey;
+use super::policy::StreamPolicy;
 use super::progress::{unix_ns, MigrationPhase, RoundStat};
 use super::MigrationError;
 use crate::guest_mem::GuestMemory;
@@ -295,18 +296,18 @@ impl VmState {
         self.lock_session().load_device_state(st, mem, shm)?;
         self.control.set_paused(true);
         self.control.set_migrating(true);
-        if (crate::sched::MIN_WEIGHT..=crate::sched::MAX_WEIGHT).contains(&st.vm.weight) {
-            self.weight.store(st.vm.weight, Ordering::Relaxed);
-        }
-        if st.vm.vram_quota != self.control.vram_quota() {
-            info!(
-                "VM {}: the source's VRAM quota was {} bytes, this host's is {}",
-                self.name,
-                st.vm.vram_quota,
-                self.control.vram_quota()
-            );
-        }
-        self.progress.update(|p| p.phase = MigrationPhase::Loaded);
+        // Operator policy stays this host's: the stream's weight and quota are reported
+        // (a forged stream must not give its VM the GPU), every field alike.
+        let policy = StreamPolicy::new(
+            self.weight.load(Ordering::Relaxed),
+            self.control.vram_quota(),
+            &st.vm,
+        );
+        info!("VM {}: {}", self.name, policy.note());
+        self.progress.update(|p| {
+            p.phase = MigrationPhase::Loaded;
+            p.policy = Some(policy);
+        });
         info!("VM {}: device state loaded ({len} bytes)", self.name);
         Ok(())
     }

@@ -48,8 +48,20 @@ impl Session {
         if !fits(self.state.usage.vram_bytes, rounded, limit) {
             return Err(ErrorCode::LimitExceeded);
         }
-        // Chunks that do not fit in free VRAM go to swap (the VRAM manager rebalances).
+        // Chunks that do not fit in free VRAM go to swap (the VRAM manager rebalances), or
+        // fail the request for a VM without a swap limit.
         let backing = self.alloc_object(rounded, align)?;
+        // The VM is charged the frames its small pieces pin, not only their bytes: islands
+        // of tiny objects count as the VRAM they make unusable.
+        let charged = self
+            .state
+            .usage
+            .vram_bytes
+            .saturating_add(self.vram_charged_slack());
+        if !fits(charged, rounded, limit) {
+            self.free_object(&backing);
+            return Err(ErrorCode::LimitExceeded);
+        }
         let mems = &self.state.mems;
         let id = fresh_id(&mut self.state.last_mem, |i| mems.contains_key(&i));
         self.state.mems.insert(
