@@ -3,10 +3,12 @@
 //! (Pause, drain and weights with guest work running are in
 //! `bench/tests/api_loopback.rs`.)
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -501,29 +503,273 @@ fn concurrent_updates_are_consistent() {
     assert!(s.running);
 }
 
-#[test]
-fn too_many_connections_get_503() {
-    let rig = Rig::new("conns", ApiOptions::default());
-    // Hold MAX_CONNECTIONS idle connections open.
-    let held: Vec<UnixStream> = (0..vgpu_backend::api::MAX_CONNECTIONS)
-        .map(|_| UnixStream::connect(rig.api.path()).expect("connect"))
-        .collect();
-    // Give the accept loop time to take them all.
-    std::thread::sleep(Duration::from_millis(300));
-    let r = rig
-        .client()
-        .raw("GET", "/api/v1/info", None)
-        .expect("answer");
-    assert_error(r.status, &body_json(&r), 503, "too_many_connections");
-    drop(held);
-    let t0 = Instant::now();
+/// Operator requests (`GET /api/v1/vms` through [`ApiClient`]) one after another while an
+/// attack runs: each one's latency and outcome.
+fn operator_requests(rig: &Rig, n: usize) -> Vec<(Duration, Result<usize, String>)> {
+    let c = ApiClient::new(rig.api.path()).with_timeout(Duration::from_secs(5));
+    (0..n)
+        .map(|_| {
+            let t0 = Instant::now();
+            let r = c.vms().map(|l| l.vms.len()).map_err(|e| e.to_string());
+            (t0.elapsed(), r)
+        })
+        .collect()
+}
+
+/// Every operator request answered with the VM list within 2 s (issue 28 item 6).
+fn assert_operator_served(what: &str, outcomes: &[(Duration, Result<usize, String>)]) {
+    let worst = outcomes.iter().map(|o| o.0).max().unwrap_or_default();
+    eprintln!("{what}: operator requests {outcomes:?}, worst {worst:?}");
+    for (t, r) in outcomes {
+        assert_eq!(r.as_ref().ok(), Some(&2), "{what}: {r:?} after {t:?}");
+        assert!(*t < Duration::from_secs(2), "{what}: answered after {t:?}");
+    }
+}
+
+/// Reads one response from a kept-alive connection.
+fn read_response(s: &mut UnixStream) -> Result<RawResponse, ClientError> {
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
     loop {
-        match rig.client().info() {
-            Ok(_) => break,
-            Err(e) if t0.elapsed() > Duration::from_secs(10) => panic!("{e}"),
-            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        let n = s.read(&mut buf)?;
+        out.extend_from_slice(&buf[..n]);
+        match parse_response(&out) {
+            Ok(r) => return Ok(r),
+            Err(e) if n == 0 => return Err(e),
+            Err(_) => {}
         }
     }
+}
+
+#[test]
+fn idle_connections_do_not_lock_out_the_operator() {
+    let rig = Rig::new("idle", ApiOptions::default());
+    // More connections that send nothing than the server serves at once, held open.
+    let held: Vec<UnixStream> = (0..40)
+        .map(|_| UnixStream::connect(rig.api.path()).expect("connect"))
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut outcomes = operator_requests(&rig, 5);
+    // As many connections that ask once, keep the connection and go quiet.
+    let mut kept_ok = 0;
+    let kept: Vec<UnixStream> = (0..40)
+        .map(|_| {
+            let mut s = UnixStream::connect(rig.api.path()).expect("connect");
+            s.set_read_timeout(Some(Duration::from_secs(5)))
+                .expect("timeout");
+            s.write_all(b"GET /api/v1/info HTTP/1.1\r\n\r\n")
+                .expect("write");
+            kept_ok += usize::from(read_response(&mut s).is_ok_and(|r| r.status == 200));
+            s
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    outcomes.extend(operator_requests(&rig, 5));
+    assert_operator_served("40 idle + 40 idle keep-alive connections", &outcomes);
+    assert_eq!(kept_ok, 40, "each keep-alive client was answered");
+    drop(kept);
+    // Those that sent nothing were left alone: no answer (they asked nothing), not closed
+    // (they hold no slot; the idle timeout closes them).
+    for mut s in held {
+        s.set_nonblocking(true).expect("nonblocking");
+        let mut out = [0u8; 64];
+        let r = s.read(&mut out);
+        assert!(
+            matches!(&r, Err(e) if e.kind() == ErrorKind::WouldBlock),
+            "{r:?}"
+        );
+    }
+}
+
+#[test]
+fn a_slow_request_head_is_cut_off_at_its_own_deadline() {
+    let rig = Rig::new(
+        "slowhead",
+        ApiOptions {
+            head_timeout: Duration::from_millis(400),
+            ..ApiOptions::default()
+        },
+    );
+    // A head dribbled a byte every 50 ms: 408 at the head deadline, not the request's 5 s.
+    let mut s = UnixStream::connect(rig.api.path()).expect("connect");
+    s.set_read_timeout(Some(Duration::from_millis(50)))
+        .expect("timeout");
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    for b in b"GET /api/v1/info HTTP/1.1\r\nX-Slow: ".iter().cycle() {
+        if s.write_all(&[*b]).is_err() || t0.elapsed() > Duration::from_secs(10) {
+            break;
+        }
+        match s.read_to_end(&mut out) {
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            _ => break,
+        }
+    }
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let _ = s.read_to_end(&mut out);
+    let r = parse_response(&out).expect("response");
+    assert_error(r.status, &body_json(&r), 408, "request_timeout");
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    // A body may arrive after the head deadline (within the request's).
+    let mut s = UnixStream::connect(rig.api.path()).expect("connect");
+    s.write_all(
+        b"PUT /api/v1/vms/vm1/weight HTTP/1.1\r\nConnection: close\r\nContent-Length: 14\r\n\r\n",
+    )
+    .expect("head");
+    std::thread::sleep(Duration::from_millis(700));
+    s.write_all(br#"{"weight":321}"#).expect("body");
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).expect("read");
+    assert_eq!(parse_response(&out).expect("response").status, 200);
+    assert_eq!(rig.host.backend.vm_weight("vm1"), Some(321));
+}
+
+/// A slow-loris client: sends a request head one byte every 200 ms, never finishing it;
+/// when the server answers or closes, connects again. Returns how each connection the
+/// server ended was answered: its status and whether it carried `Retry-After` (`None`: no
+/// answer).
+fn slow_loris(path: &Path, stop: &AtomicBool) -> Vec<Option<(u16, bool)>> {
+    let head =
+        b"GET /api/v1/info HTTP/1.1\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    let mut ended = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        let Ok(mut s) = UnixStream::connect(path) else {
+            std::thread::sleep(Duration::from_millis(50));
+            continue;
+        };
+        // The read timeout paces the bytes.
+        s.set_read_timeout(Some(Duration::from_millis(200)))
+            .expect("timeout");
+        let mut out = Vec::new();
+        let mut buf = [0u8; 1024];
+        for b in head.iter().cycle() {
+            if stop.load(Ordering::Relaxed) {
+                return ended;
+            }
+            if s.write_all(&[*b]).is_err() {
+                break;
+            }
+            match s.read(&mut buf) {
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+                Ok(n) => {
+                    out.extend_from_slice(&buf[..n]);
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
+        // Answered or closed: read the rest of the answer, then start over.
+        s.set_read_timeout(Some(Duration::from_secs(2)))
+            .expect("timeout");
+        let _ = s.read_to_end(&mut out);
+        ended.push(
+            parse_response(&out)
+                .ok()
+                .map(|r| (r.status, r.header("retry-after").is_some())),
+        );
+    }
+    ended
+}
+
+#[test]
+fn slow_loris_clients_do_not_delay_the_operator() {
+    let rig = Rig::new("loris", ApiOptions::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let lorises: Vec<_> = (0..40)
+        .map(|_| {
+            let (path, stop) = (rig.api.path().to_path_buf(), stop.clone());
+            std::thread::spawn(move || slow_loris(&path, &stop))
+        })
+        .collect();
+    // Let them take every connection slot.
+    std::thread::sleep(Duration::from_millis(1500));
+    let outcomes = operator_requests(&rig, 5);
+    stop.store(true, Ordering::Relaxed);
+    let ended: Vec<Option<(u16, bool)>> = lorises
+        .into_iter()
+        .flat_map(|t| t.join().expect("loris"))
+        .collect();
+    let count = |want: Option<(u16, bool)>| ended.iter().filter(|e| **e == want).count();
+    eprintln!(
+        "40 slow-loris clients: {} connections ended: {} answered 408, {} 503 with Retry-After, {} not answered",
+        ended.len(),
+        count(Some((408, false))),
+        count(Some((503, true))),
+        count(None)
+    );
+    assert_operator_served("40 slow-loris clients", &outcomes);
+    // Each was cut off with an answer: 408 at its head deadline, or 503 (Retry-After) when
+    // evicted for another request or never seated.
+    assert!(
+        ended
+            .iter()
+            .all(|e| matches!(e, Some((408, false)) | Some((503, true)))),
+        "{ended:?}"
+    );
+}
+
+#[test]
+fn a_burst_of_clients_all_get_an_answer() {
+    const CLIENTS: usize = 300;
+    let rig = Rig::new("burst", ApiOptions::default());
+    // All connect first, then all send: every connection is open at once.
+    let start = Arc::new(Barrier::new(CLIENTS));
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|_| {
+            let (path, start) = (rig.api.path().to_path_buf(), start.clone());
+            std::thread::spawn(move || {
+                let s = UnixStream::connect(&path);
+                start.wait();
+                let t0 = Instant::now();
+                let r = s.map_err(ClientError::from).and_then(|mut s| {
+                    s.set_read_timeout(Some(Duration::from_secs(15)))?;
+                    // A refused connection may be answered before its request is written.
+                    let _ = s.write_all(b"GET /api/v1/vms HTTP/1.1\r\nConnection: close\r\n\r\n");
+                    let mut out = Vec::new();
+                    s.read_to_end(&mut out)?;
+                    parse_response(&out)
+                });
+                (t0.elapsed(), r)
+            })
+        })
+        .collect();
+    let outcomes: Vec<(Duration, Result<RawResponse, ClientError>)> = clients
+        .into_iter()
+        .map(|t| t.join().expect("client"))
+        .collect();
+    let count = |f: &dyn Fn(&RawResponse) -> bool| {
+        outcomes
+            .iter()
+            .filter(|(_, r)| r.as_ref().is_ok_and(f))
+            .count()
+    };
+    let ok = count(&|r| r.status == 200);
+    let busy = count(&|r| r.status == 503 && r.header("retry-after").is_some());
+    let worst = outcomes.iter().map(|o| o.0).max().unwrap_or_default();
+    let unanswered: Vec<String> = outcomes
+        .iter()
+        .filter_map(|(_, r)| match r {
+            Ok(r) if r.status == 200 || r.status == 503 => None,
+            Ok(r) => Some(format!("status {}", r.status)),
+            Err(e) => Some(e.to_string()),
+        })
+        .collect();
+    eprintln!(
+        "{CLIENTS} concurrent clients: {ok} answered 200, {busy} answered 503 with Retry-After, {} not answered, slowest {worst:?}",
+        unanswered.len()
+    );
+    let mut kinds: Vec<&String> = unanswered.iter().collect();
+    kinds.dedup();
+    assert!(
+        unanswered.is_empty(),
+        "{} not answered: {kinds:?}",
+        unanswered.len()
+    );
+    assert_eq!(ok + busy, CLIENTS, "every 503 carries Retry-After");
+    assert!(worst < Duration::from_secs(2), "slowest answer {worst:?}");
+    // The server still works.
+    rig.client().info().expect("still serving");
 }
 
 #[test]

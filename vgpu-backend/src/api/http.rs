@@ -101,10 +101,12 @@ fn find_head_end(buf: &[u8]) -> Option<usize> {
 
 impl<S: TimedRead> RequestReader<S> {
     pub fn new(stream: S) -> Self {
-        RequestReader {
-            stream,
-            buf: Vec::new(),
-        }
+        Self::with_buffered(stream, Vec::new())
+    }
+
+    /// A reader that starts with `buf`, bytes already read from `stream`.
+    pub fn with_buffered(stream: S, buf: Vec<u8>) -> Self {
+        RequestReader { stream, buf }
     }
 
     /// Reads more bytes, failing once `deadline` passed.
@@ -133,19 +135,30 @@ impl<S: TimedRead> RequestReader<S> {
         }
     }
 
-    /// Reads the next request. `idle` bounds the wait for its first byte, `total` the time
-    /// from its first byte to its last (slow clients are cut off).
-    pub fn next(&mut self, idle: Duration, total: Duration) -> Result<Request, HttpError> {
-        if self.buf.is_empty() {
-            match self.fill(Instant::now() + idle) {
-                Ok(0) => return Err(HttpError::Closed),
-                Ok(_) => {}
-                // An idle keep-alive connection is simply closed.
-                Err(HttpError::Timeout) => return Err(HttpError::Closed),
-                Err(e) => return Err(e),
-            }
+    /// Waits up to `idle` for the first byte of the next request (at once if one is
+    /// buffered). [`HttpError::Closed`] if the peer closed the connection or sent nothing.
+    pub fn wait_for_request(&mut self, idle: Duration) -> Result<(), HttpError> {
+        if !self.buf.is_empty() {
+            return Ok(());
         }
-        let deadline = Instant::now() + total;
+        match self.fill(Instant::now() + idle) {
+            Ok(0) => Err(HttpError::Closed),
+            Ok(_) => Ok(()),
+            // An idle keep-alive connection is simply closed.
+            Err(HttpError::Timeout) => Err(HttpError::Closed),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Reads the request whose first byte came at `started`: its head must be complete
+    /// `head` after that and the whole request `total` after (slow clients are cut off).
+    pub fn read_request(
+        &mut self,
+        started: Instant,
+        head: Duration,
+        total: Duration,
+    ) -> Result<Request, HttpError> {
+        let head_deadline = started + head.min(total);
         let head_end = loop {
             if let Some(i) = find_head_end(&self.buf) {
                 break i;
@@ -153,7 +166,7 @@ impl<S: TimedRead> RequestReader<S> {
             if self.buf.len() > MAX_HEAD_BYTES {
                 return Err(HttpError::HeadTooLarge);
             }
-            if self.fill(deadline)? == 0 {
+            if self.fill(head_deadline)? == 0 {
                 return Err(HttpError::Malformed("connection closed inside the request"));
             }
         };
@@ -165,6 +178,7 @@ impl<S: TimedRead> RequestReader<S> {
         let mut req = parse_head(head)?;
         let body_start = head_end + 4;
         let len = body_length(&req)?;
+        let deadline = started + total;
         while self.buf.len() < body_start + len {
             if self.fill(deadline)? == 0 {
                 return Err(HttpError::Malformed("connection closed inside the body"));
@@ -173,6 +187,13 @@ impl<S: TimedRead> RequestReader<S> {
         req.body = self.buf[body_start..body_start + len].to_vec();
         self.buf.drain(..body_start + len);
         Ok(req)
+    }
+
+    /// Reads the next request: [`Self::wait_for_request`] with `idle`, then
+    /// [`Self::read_request`] with `total` for the head and the whole request.
+    pub fn next(&mut self, idle: Duration, total: Duration) -> Result<Request, HttpError> {
+        self.wait_for_request(idle)?;
+        self.read_request(Instant::now(), total, total)
     }
 }
 

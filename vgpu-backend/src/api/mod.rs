@@ -10,24 +10,37 @@
 //! - [`client`]: a client over the socket (used by `vgpuctl`, the demo and the tests);
 //! - [`types`]: the JSON bodies.
 //!
-//! One thread accepts connections, a thread serves each connection (at most
-//! [`MAX_CONNECTIONS`] at once; more are answered 503 and closed), and a sampler thread
-//! records busy time every [`share::SAMPLE_PERIOD`]. A slow client is cut off when a
-//! request is not complete [`ApiOptions::request_timeout`] after its first byte (408); an
-//! idle keep-alive connection is closed after [`ApiOptions::idle_timeout`]. The socket
-//! file is created with mode 0600: whoever can connect controls every VM.
+//! - [`lobby`]: the accept loop, where connections wait until their request starts;
+//! - [`pool`]: the connection slots, and evicting idle and slow connections when full.
+//!
+//! One thread accepts connections and holds them in the [`lobby`] until their request
+//! starts; a thread then serves each connection (at most [`MAX_CONNECTIONS`] at once), and
+//! a sampler thread records busy time every [`share::SAMPLE_PERIOD`]. Idle and slow
+//! clients cannot keep the operator out: a connection that sends nothing holds no slot;
+//! when every slot is taken, a newcomer's request evicts the connection idle longest
+//! between keep-alive requests, else the one whose request has been arriving longest; a
+//! request that finds no slot within [`lobby::QUEUE_WAIT`] is answered 503 with
+//! `Retry-After`. A slow client is cut off (408) when a request's head is not complete
+//! [`ApiOptions::head_timeout`], or the whole request [`ApiOptions::request_timeout`],
+//! after its first byte; an idle connection is closed after [`ApiOptions::idle_timeout`].
+//! Every connection that sent a request gets an answer. The socket file is created with
+//! mode 0600: whoever can connect controls every VM.
 
 pub mod client;
 pub mod http;
+pub mod lobby;
 pub mod metrics;
+pub mod pool;
 pub mod routes;
 pub mod share;
 pub mod types;
 
+use std::io::Read;
+use std::net::Shutdown;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -36,15 +49,21 @@ use log::{debug, info, warn};
 use thiserror::Error;
 
 use crate::VgpuBackend;
-use http::{RequestReader, Response};
+use http::{RequestReader, Response, TimedRead};
+use lobby::{Admitted, Doorman};
+use pool::{Phase, Pool};
 use routes::ApiState;
 use share::ShareBook;
+
+pub use pool::MAX_CONNECTIONS;
 
 /// Index of the accept thread in [`ApiServer::threads`] (the sampler is 0).
 const ACCEPT_THREAD: usize = 1;
 
-/// Connections served at once.
-pub const MAX_CONNECTIONS: usize = 32;
+/// The `Retry-After` of a 503 for lack of room, in seconds.
+pub const RETRY_AFTER_S: u32 = 1;
+/// Unread bytes discarded when closing a connection, at most.
+const MAX_DRAIN_BYTES: usize = 1 << 20;
 
 /// Errors of starting the API server.
 #[derive(Debug, Error)]
@@ -64,6 +83,8 @@ pub enum ApiError {
 /// Timeouts of the server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ApiOptions {
+    /// From a request's first byte to the end of its head (slow-loris clients).
+    pub head_timeout: Duration,
     /// From a request's first byte to its last.
     pub request_timeout: Duration,
     /// How long an idle keep-alive connection stays open.
@@ -75,6 +96,7 @@ pub struct ApiOptions {
 impl Default for ApiOptions {
     fn default() -> Self {
         ApiOptions {
+            head_timeout: Duration::from_secs(2),
             request_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(30),
             write_timeout: Duration::from_secs(5),
@@ -203,110 +225,150 @@ fn sampler_loop(be: Weak<VgpuBackend>, shares: Arc<ShareBook>, stop: Arc<AtomicB
     }
 }
 
+/// What the accept thread and the connection threads share.
+struct Server {
+    state: Arc<ApiState>,
+    stop: Arc<AtomicBool>,
+    opts: ApiOptions,
+    pool: Arc<Pool>,
+}
+
+impl Doorman for Server {
+    fn start(&self, conn: Admitted) {
+        let stream = conn.stream.clone();
+        let (state, stop, opts) = (self.state.clone(), self.stop.clone(), self.opts);
+        let spawned = std::thread::Builder::new()
+            .name("vgpu-api-conn".into())
+            .spawn(move || serve_connection(conn, &state, &stop, opts));
+        if let Err(e) = spawned {
+            warn!("control API: cannot start a connection thread: {e}");
+            self.refuse(&stream, false);
+        }
+    }
+
+    fn refuse(&self, stream: &UnixStream, shutting_down: bool) {
+        let resp = if shutting_down {
+            routes::error_response(503, "shutting_down", "the API is stopping")
+        } else {
+            busy_response()
+        };
+        let _ = stream.set_write_timeout(Some(self.opts.write_timeout));
+        let _ = resp.write_to(&mut &*stream, false);
+        self.state.count(resp.status);
+        close_gently(stream);
+    }
+}
+
+/// The answer to a connection there is no room for: try again in a second.
+fn busy_response() -> Response {
+    let mut resp = routes::error_response(503, "too_many_connections", "too many connections");
+    resp.headers
+        .push(("Retry-After", RETRY_AFTER_S.to_string()));
+    resp
+}
+
+/// Closes a connection without resetting it for the peer: closing a unix socket with
+/// unread data makes the peer's read fail after our answer. Shutting our reading side
+/// stops the peer from sending more, so the drain ends at once.
+fn close_gently(stream: &UnixStream) {
+    let _ = stream.shutdown(Shutdown::Read);
+    let mut buf = [0u8; 4096];
+    let mut drained = 0usize;
+    while drained < MAX_DRAIN_BYTES {
+        match (&mut &*stream).read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => drained += n,
+        }
+    }
+}
+
 fn accept_loop(
     listener: UnixListener,
     state: Arc<ApiState>,
     stop: Arc<AtomicBool>,
     opts: ApiOptions,
 ) {
-    // The connection and reject threads inherit the filters.
+    // The connection threads inherit the filters.
     vgpu_sandbox::enter(vgpu_sandbox::Role::Api);
-    let active = Arc::new(AtomicUsize::new(0));
-    // Connections over the limit are answered 503 by one thread, after it read their
-    // request (closing a unix socket with unread data resets it for the peer).
-    let (reject_tx, reject_rx) = std::sync::mpsc::sync_channel::<UnixStream>(MAX_CONNECTIONS);
-    let state_r = state.clone();
-    let rejecter = std::thread::Builder::new()
-        .name("vgpu-api-reject".into())
-        .spawn(move || {
-            for stream in reject_rx {
-                reject(stream, opts);
-                state_r.count(503);
-            }
-        });
-    if let Err(e) = &rejecter {
-        warn!("control API: cannot start the reject thread: {e}");
-    }
-    for conn in listener.incoming() {
-        if stop.load(Ordering::Acquire) {
-            break;
-        }
-        let stream = match conn {
-            Ok(s) => s,
-            Err(e) => {
-                warn!("control API: accept: {e}");
-                std::thread::sleep(Duration::from_millis(50));
-                continue;
-            }
-        };
-        if active.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
-            active.fetch_sub(1, Ordering::AcqRel);
-            // A full queue drops the connection.
-            let _ = reject_tx.try_send(stream);
-            continue;
-        }
-        let (state, stop, active2) = (state.clone(), stop.clone(), active.clone());
-        let spawned = std::thread::Builder::new()
-            .name("vgpu-api-conn".into())
-            .spawn(move || {
-                serve_connection(stream, &state, &stop, opts);
-                active2.fetch_sub(1, Ordering::AcqRel);
-            });
-        if let Err(e) = spawned {
-            active.fetch_sub(1, Ordering::AcqRel);
-            warn!("control API: cannot start a connection thread: {e}");
-        }
+    let server = Server {
+        state,
+        stop: stop.clone(),
+        opts,
+        pool: Pool::new(),
+    };
+    lobby::run(&listener, &server.pool, &server, &stop, opts.idle_timeout);
+}
+
+/// `Read` and read timeouts on a connection shared with its slot.
+struct SharedStream(Arc<UnixStream>);
+
+impl Read for SharedStream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        (&*self.0).read(buf)
     }
 }
 
-/// Reads (briefly) and discards a request, then answers 503.
-fn reject(stream: UnixStream, opts: ApiOptions) {
-    let _ = stream.set_write_timeout(Some(opts.write_timeout));
-    let _ = stream.set_read_timeout(Some(Duration::from_millis(100)));
-    let mut head = Vec::new();
-    let mut buf = [0u8; 1024];
-    let mut s = &stream;
-    while head.len() < http::MAX_HEAD_BYTES && !head.windows(4).any(|w| w == b"\r\n\r\n") {
-        match std::io::Read::read(&mut s, &mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => head.extend_from_slice(&buf[..n]),
-        }
+impl TimedRead for SharedStream {
+    fn set_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        self.0.set_read_timeout(t)
     }
-    let _ = routes::error_response(503, "too_many_connections", "too many connections")
-        .write_to(&mut s, false);
 }
 
-fn serve_connection(stream: UnixStream, state: &ApiState, stop: &AtomicBool, opts: ApiOptions) {
+fn serve_connection(conn: Admitted, state: &ApiState, stop: &AtomicBool, opts: ApiOptions) {
+    let Admitted {
+        stream,
+        ticket,
+        buffered,
+        first_byte,
+    } = conn;
+    let mut first_byte = Some(first_byte);
     if let Err(e) = stream.set_write_timeout(Some(opts.write_timeout)) {
         debug!("control API: {e}");
+        close_gently(&stream);
         return;
     }
-    let mut out = match stream.try_clone() {
-        Ok(s) => s,
-        Err(e) => {
-            debug!("control API: {e}");
-            return;
-        }
-    };
-    let mut reader = RequestReader::new(stream);
+    let mut reader = RequestReader::with_buffered(SharedStream(stream.clone()), buffered);
+    let mut out: &UnixStream = &stream;
     while !stop.load(Ordering::Acquire) {
-        let (resp, keep_alive): (Response, bool) =
-            match reader.next(opts.idle_timeout, opts.request_timeout) {
-                Ok(req) => {
-                    let resp = state.handle(&req);
-                    (resp, req.keep_alive)
+        let started = match first_byte.take() {
+            Some(t) => t,
+            None => {
+                if !ticket.set(Phase::Idle(Instant::now())) {
+                    break;
                 }
-                Err(e) => match e.status() {
-                    Some((status, code)) => {
+                // Also ends when the connection is evicted while idle.
+                match reader.wait_for_request(opts.idle_timeout) {
+                    Ok(()) => Instant::now(),
+                    Err(e) => {
                         debug!("control API: {e}");
-                        (routes::error_response(status, code, &e.to_string()), false)
+                        break;
                     }
-                    None => return,
-                },
-            };
+                }
+            }
+        };
+        let read = ticket
+            .set(Phase::Reading(started))
+            .then(|| reader.read_request(started, opts.head_timeout, opts.request_timeout));
+        let (resp, keep_alive): (Response, bool) = match (read, ticket.set(Phase::Busy)) {
+            (Some(Ok(req)), true) => {
+                let resp = state.handle(&req);
+                (resp, req.keep_alive)
+            }
+            (Some(Err(e)), true) => match e.status() {
+                Some((status, code)) => {
+                    debug!("control API: {e}");
+                    (routes::error_response(status, code, &e.to_string()), false)
+                }
+                None => break,
+            },
+            // Evicted while its request arrived: it may retry.
+            _ => (busy_response(), false),
+        };
         state.count(resp.status);
         if resp.write_to(&mut out, keep_alive).is_err() || !keep_alive {
-            return;
+            break;
         }
     }
+    close_gently(&stream);
+    drop(ticket);
 }

@@ -6,7 +6,7 @@
 //! | `BackendProcess` | the whole process | `main`, before the GPU opens and any thread starts |
 //! | `BackendMain` | the main thread | `main`, once every socket is bound and thread started |
 //! | `VmServe` | `vgpu-vm-NAME` and what it starts: the vhost-user thread `vgpu-NAME`, `vring_worker`, `vgpu-reap-NAME`, `vgpu-state-NAME` | `serve_loop`, first thing |
-//! | `Api` | `vgpu-api`, `vgpu-api-conn`, `vgpu-api-reject`, `vgpu-api-sampler` | `accept_loop`, `sampler_loop` |
+//! | `Api` | `vgpu-api`, `vgpu-api-conn`, `vgpu-api-sampler` | `accept_loop`, `sampler_loop` |
 //! | `Scheduler` | `vgpu-sched` | its `thread_main` |
 //! | `VramManager` | `vgpu-vram` | its `thread_main` |
 //! | `GpuEngine` | `sim-pfifo`, `sim-copy`, `cuda-pfifo` | host-shim, first thing in each |
