@@ -218,12 +218,15 @@ rig_dump() {
     done
     echo "==== RIG-DUMP end"
 }
-# Ends the step before run-l1.sh kills L1 (whose timeout is $TIMEOUT s): prints where
+# Ends the step a minute before run-l1.sh kills L1 (whose timeout is $TIMEOUT s): prints where
 # every vgpu thread waits and every log, then kills the VMMs and backends so that the
 # waits below return and the step fails with the logs on the console.
+# (L1's own boot already took part of that time: under load, tens of seconds.)
+read -r up0 _ < /proc/uptime
+wd=\$(( $((TIMEOUT - 60)) - \${up0%.*} ))
 (
-    sleep $((TIMEOUT - 45))
-    echo "RIG-WATCHDOG: the step did not end within $((TIMEOUT - 45))s"
+    sleep \$wd
+    echo "RIG-WATCHDOG: the step did not end within \${wd}s"
     rig_threads
     rig_dump watchdog
     : > /tmp/rig-failed
