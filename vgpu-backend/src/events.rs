@@ -124,14 +124,27 @@ impl EventQueue {
         self.lock().events.pop_front()
     }
 
-    /// Puts back an event that could not be delivered (keeps its place at the head).
-    pub fn unpop(&self, ev: Event) {
+    /// The oldest pending event, left queued: the vring worker takes it off with
+    /// [`Self::commit_head`] only once it lies in a used entry, so the queue never lacks
+    /// an event that is neither pending nor delivered (a migration's snapshot, taken
+    /// meanwhile, would lose it).
+    pub fn peek(&self) -> Option<Event> {
+        self.lock().events.front().copied()
+    }
+
+    /// Removes the head after [`Self::peek`] returned `ev` and it was delivered (unless
+    /// the head moved on meanwhile: a full FIFO drops its oldest).
+    pub fn commit_head(&self, ev: &Event) {
         let mut f = self.lock();
-        if f.events.len() < self.capacity {
-            f.events.push_front(ev);
-        } else {
-            self.dropped.fetch_add(1, Ordering::Relaxed);
+        if f.events.front() == Some(ev) {
+            f.events.pop_front();
         }
+    }
+
+    /// A copy of the pending events, oldest first, taken at one instant (they stay
+    /// queued).
+    pub fn snapshot(&self) -> Vec<Event> {
+        self.lock().events.iter().copied().collect()
     }
 
     /// Counts an event as delivered to the guest.
@@ -241,10 +254,16 @@ mod tests {
         }
         assert_eq!(q.pending(), 2);
         assert_eq!(q.dropped(), 1);
-        let e = q.pop().unwrap();
+        let e = q.peek().unwrap();
         assert_eq!((e.kind, e.channel, e.value), (event::NOTIFY, 7, 1));
-        q.unpop(e);
-        assert_eq!(q.pop().unwrap().value, 1);
+        assert_eq!(q.snapshot(), vec![e, q.snapshot()[1]]);
+        assert_eq!(q.pending(), 2, "peek and snapshot leave the events queued");
+        q.commit_head(&e);
+        assert_eq!(q.peek().unwrap().value, 2);
+        // The head moved on (dropped by a full FIFO): the commit takes nothing.
+        q.commit_head(&e);
+        assert_eq!(q.pending(), 1);
+        assert_eq!(q.pop().unwrap().value, 2);
         q.reset();
         assert!(q.is_empty());
         sink.event(GpuEvent::Error {

@@ -240,7 +240,8 @@ impl VhuVgpu {
 
     /// Runs `drain` over the vring with the EVENT_IDX dance: with EVENT_IDX, notifications
     /// are off while draining and re-armed after; a buffer that arrived meanwhile triggers
-    /// another round (while `more` says there is work for it).
+    /// another round (while `more` says there is work for it). A ring stopped meanwhile
+    /// is left alone (see [`Self::rearm`]).
     fn with_notifications(
         &self,
         vring: &Vring,
@@ -258,7 +259,7 @@ impl VhuVgpu {
             if !event_idx || !self.serving() {
                 break;
             }
-            match vring.enable_notification() {
+            match Self::rearm(vring) {
                 Ok(true) if more() && self.serving() => continue,
                 Ok(_) => break,
                 Err(e) => {
@@ -267,6 +268,22 @@ impl VhuVgpu {
                 }
             }
         }
+    }
+
+    /// Re-arms the ring's notifications (EVENT_IDX: `avail_event` = the next index to
+    /// take) and says whether buffers arrived meanwhile; nothing and `false` on a ring the
+    /// frontend stopped (GET_VRING_BASE marks it not ready under the same lock). A
+    /// stopped ring is no longer this worker's: after a migration the destination serves
+    /// it, in the same guest RAM, and a late `avail_event` from here would undo the
+    /// destination's and suppress the driver's kicks; and buffers the driver adds there
+    /// would keep this loop spinning, popping and putting back the head of the event
+    /// FIFO while the migration saves it (issue 27).
+    fn rearm(vring: &Vring) -> Result<bool, virtio_queue::Error> {
+        let mut state = vring.get_mut();
+        if !state.get_queue().ready() {
+            return Ok(false);
+        }
+        state.enable_notification()
     }
 
     fn signal(vring: &Vring) {
@@ -398,22 +415,15 @@ impl VhuVgpu {
         let events = &self.vm.shared.events;
         let mut used = false;
         let mut tickets = Vec::new();
-        while let Some(ev) = events.pop() {
+        // An event leaves the FIFO only once it is in a used entry (see `commit_head`).
+        while let Some(ev) = events.peek() {
             let chain = match self.pop_chain(EVENT_QUEUE, vring, mem.clone()) {
                 Ok(Some((chain, ticket))) => {
                     tickets.push(ticket);
                     chain
                 }
-                Ok(None) => {
-                    events.unpop(ev);
-                    break;
-                }
-                Err(virtio_queue::Error::QueueNotReady) => {
-                    events.unpop(ev);
-                    break;
-                }
+                Ok(None) | Err(virtio_queue::Error::QueueNotReady) => break,
                 Err(e) => {
-                    events.unpop(ev);
                     self.ring_broken(EVENT_QUEUE, &e);
                     break;
                 }
@@ -433,9 +443,6 @@ impl VhuVgpu {
                         self.vm.name
                     );
                 }
-                events.unpop(ev);
-            } else {
-                events.mark_delivered();
             }
             used = true;
             let len = if n < EVENT_SIZE { 0 } else { n as u32 };
@@ -443,6 +450,11 @@ impl VhuVgpu {
                 warn!("event queue: add_used: {e}");
                 break;
             }
+            if n >= EVENT_SIZE {
+                events.commit_head(&ev);
+                events.mark_delivered();
+            }
+            // Else the event stays at the head for the next buffer.
         }
         if used {
             Self::signal(vring);

@@ -31,4 +31,4 @@ pub mod virtio_pci;
 pub mod virtq;
 pub mod write_protect;
 
-pub use loopback::{GuestAlloc, LoopbackConfig, LoopbackError, LoopbackVm};
+pub use loopback::{GuestAlloc, LoopbackConfig, LoopbackError, LoopbackVm, NotifyCounts};

@@ -18,6 +18,7 @@ use vgpu_protocol::device::{
 };
 use vgpu_protocol::request::{Event, EVENT_SIZE, MAX_REPLY_SIZE, MAX_REQUEST_SIZE};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::frontend::{FrontendError, QueueSetup, VhostUserDevice};
@@ -69,14 +70,19 @@ pub struct LoopbackConfig {
     /// shared-memory region, and a driver that acks `VIRTIO_VGPU_F_FORWARDED` and submits
     /// with `SUBMIT` requests (protocol.md §9, "Forwarded submission").
     pub forwarded: bool,
+    /// Ack `VIRTIO_RING_F_EVENT_IDX` if the backend offers it: the driver then publishes
+    /// `used_event` and kicks only when `avail_event` asks, as Linux's `virtio_ring`
+    /// does. Off by default.
+    pub event_idx: bool,
+    /// Harvest a used ring only when the backend signals its call eventfd, as a guest's
+    /// interrupt handler does, so that a lost interrupt leaves its request to time out.
+    /// Off by default: the interrupt thread also harvests every 100 ms, which hides one.
+    pub interrupts_only: bool,
 }
 
 impl Default for LoopbackConfig {
     fn default() -> Self {
-        LoopbackConfig {
-            mem_bytes: 256 << 20,
-            forwarded: false,
-        }
+        LoopbackConfig::with_mem(256 << 20)
     }
 }
 
@@ -86,6 +92,8 @@ impl LoopbackConfig {
         LoopbackConfig {
             mem_bytes,
             forwarded: false,
+            event_idx: false,
+            interrupts_only: false,
         }
     }
 
@@ -95,6 +103,68 @@ impl LoopbackConfig {
             forwarded: true,
             ..self
         }
+    }
+
+    /// The same VM with [`Self::event_idx`] set to `on`.
+    pub fn event_idx(self, on: bool) -> Self {
+        LoopbackConfig {
+            event_idx: on,
+            ..self
+        }
+    }
+
+    /// The same VM with [`Self::interrupts_only`] set to `on`.
+    pub fn interrupts_only(self, on: bool) -> Self {
+        LoopbackConfig {
+            interrupts_only: on,
+            ..self
+        }
+    }
+}
+
+/// Notifications of both virtqueues since the VM connected: kicks the driver sent, and
+/// interrupts it saw (wake-ups of the interrupt thread on a call eventfd, and the
+/// backend's signals they carried: several signals may merge into one wake-up).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NotifyCounts {
+    pub ctrl_kicks: u64,
+    pub ctrl_interrupts: u64,
+    pub ctrl_signals: u64,
+    pub event_kicks: u64,
+    pub event_interrupts: u64,
+    pub event_signals: u64,
+}
+
+/// One queue's share of [`NotifyCounts`].
+#[derive(Debug, Default)]
+struct Counters {
+    kicks: AtomicU64,
+    interrupts: AtomicU64,
+    signals: AtomicU64,
+}
+
+impl Counters {
+    /// Kicks the device through `fd`, counted.
+    fn kick(&self, fd: &EventFd) {
+        self.kicks.fetch_add(1, Ordering::Relaxed);
+        kick(fd);
+    }
+
+    /// Consumes a signalled call eventfd, counted.
+    fn interrupt(&self, fd: &EventFd) {
+        let n = drain(fd);
+        if n > 0 {
+            self.interrupts.fetch_add(1, Ordering::Relaxed);
+            self.signals.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    fn get(&self) -> (u64, u64, u64) {
+        (
+            self.kicks.load(Ordering::Relaxed),
+            self.interrupts.load(Ordering::Relaxed),
+            self.signals.load(Ordering::Relaxed),
+        )
     }
 }
 
@@ -122,12 +192,15 @@ fn new_eventfd() -> Result<EventFd, LoopbackError> {
     EventFd::new(libc::EFD_CLOEXEC | libc::EFD_NONBLOCK).map_err(LoopbackError::EventFd)
 }
 
-/// Drains an eventfd (ignores "nothing to read").
-fn drain(fd: &EventFd) {
+/// Drains an eventfd: the counter it held (0 for "nothing to read").
+fn drain(fd: &EventFd) -> u64 {
     match fd.read() {
-        Ok(_) => {}
-        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-        Err(e) => warn!("eventfd read: {e}"),
+        Ok(n) => n,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
+        Err(e) => {
+            warn!("eventfd read: {e}");
+            0
+        }
     }
 }
 
@@ -166,6 +239,7 @@ struct Ctrl {
     slots: Vec<Slot>,
     kick: EventFd,
     call: EventFd,
+    counters: Counters,
     /// How long a request may wait for its reply before the backend counts as hung.
     timeout: Option<Duration>,
     link: Arc<Link>,
@@ -230,8 +304,11 @@ impl Ctrl {
         st.head_slot[head as usize] = Some(slot);
         st.done[slot] = None;
         let my_epoch = st.epoch;
+        let notify = st.q.kick_prepare();
         drop(st);
-        kick(&self.kick);
+        if notify {
+            self.kick();
+        }
 
         let deadline = self.timeout.map(|t| Instant::now() + t);
         let mut st = lock(&self.st);
@@ -274,6 +351,10 @@ impl Ctrl {
         Ok(reply)
     }
 
+    fn kick(&self) {
+        self.counters.kick(&self.kick);
+    }
+
     fn harvest(&self) {
         let mut st = lock(&self.st);
         let mut any = false;
@@ -285,7 +366,10 @@ impl Ctrl {
                         any = true;
                     }
                 }
-                Ok(None) => break,
+                // Re-armed with nothing new: done (else what came meanwhile may never
+                // interrupt).
+                Ok(None) if st.q.enable_interrupts() => break,
+                Ok(None) => {}
                 Err(e) => {
                     error!("control queue: {e}");
                     break;
@@ -370,6 +454,7 @@ struct Events {
     bufs: Vec<(u64, usize)>,
     kick: EventFd,
     call: EventFd,
+    counters: Counters,
 }
 
 impl Events {
@@ -385,6 +470,10 @@ impl Events {
         }])?;
         st.head_buf[head as usize] = Some(buf);
         Ok(())
+    }
+
+    fn kick(&self) {
+        self.counters.kick(&self.kick);
     }
 
     fn harvest(&self) {
@@ -420,16 +509,18 @@ impl Events {
                         }
                     }
                 }
-                Ok(None) => break,
+                Ok(None) if st.q.enable_interrupts() => break,
+                Ok(None) => {}
                 Err(e) => {
                     error!("event queue: {e}");
                     break;
                 }
             }
         }
+        let notify = reposted && st.q.kick_prepare();
         drop(st);
-        if reposted {
-            kick(&self.kick);
+        if notify {
+            self.kick();
         }
         if any {
             self.cv.notify_all();
@@ -444,8 +535,11 @@ impl Events {
                 if !st.dead {
                     match self.post(&mut st, buf) {
                         Ok(()) => {
+                            let notify = st.q.kick_prepare();
                             drop(st);
-                            kick(&self.kick);
+                            if notify {
+                                self.kick();
+                            }
                         }
                         Err(e) => error!("event queue: {e}"),
                     }
@@ -483,7 +577,7 @@ impl Events {
         }
         st.dead = false;
         drop(st);
-        kick(&self.kick);
+        self.kick();
         Ok(())
     }
 }
@@ -496,17 +590,19 @@ struct IrqThread {
 }
 
 impl IrqThread {
+    /// With `interrupts_only`, a ring is harvested only after its call eventfd fired.
     fn start(
         ctrl: Arc<Ctrl>,
         events: Arc<Events>,
         shm: Arc<ShmWindow>,
         sock: RawFd,
+        interrupts_only: bool,
     ) -> Result<Self, LoopbackError> {
         let exit = new_eventfd()?;
         let exit_fd = exit.as_raw_fd();
         let thread = std::thread::Builder::new()
             .name("vgpu-loopback-irq".into())
-            .spawn(move || irq_loop(&ctrl, &events, &shm, exit_fd, sock))
+            .spawn(move || irq_loop(&ctrl, &events, &shm, exit_fd, sock, interrupts_only))
             .map_err(LoopbackError::Spawn)?;
         Ok(IrqThread {
             exit,
@@ -524,7 +620,14 @@ impl IrqThread {
     }
 }
 
-fn irq_loop(ctrl: &Ctrl, events: &Events, shm: &ShmWindow, exit_fd: RawFd, mut sock: RawFd) {
+fn irq_loop(
+    ctrl: &Ctrl,
+    events: &Events,
+    shm: &ShmWindow,
+    exit_fd: RawFd,
+    mut sock: RawFd,
+    interrupts_only: bool,
+) {
     loop {
         let mut fds = [
             libc::pollfd {
@@ -571,27 +674,50 @@ fn irq_loop(ctrl: &Ctrl, events: &Events, shm: &ShmWindow, exit_fd: RawFd, mut s
             shm.clear();
             ctrl.link.report_lost("the backend hung up");
         }
-        if fds[1].revents != 0 {
-            drain(&ctrl.call);
+        let ctrl_irq = fds[1].revents != 0;
+        if ctrl_irq {
+            ctrl.counters.interrupt(&ctrl.call);
         }
-        if fds[2].revents != 0 {
-            drain(&events.call);
+        let events_irq = fds[2].revents != 0;
+        if events_irq {
+            events.counters.interrupt(&events.call);
         }
-        // Harvest unconditionally: cheap, and robust against a lost notification.
-        ctrl.harvest();
-        events.harvest();
+        // Unless told to behave as an interrupt handler, harvest unconditionally: cheap,
+        // and robust against a lost notification.
+        if ctrl_irq || !interrupts_only {
+            ctrl.harvest();
+        }
+        if events_irq || !interrupts_only {
+            events.harvest();
+        }
     }
 }
 
-/// Virtio features the loopback driver acks: forwarded submission when it has no
-/// shared-memory region.
-fn driver_features(forwarded: bool) -> u64 {
+/// Virtio features the loopback driver acks (of those the backend offers): forwarded
+/// submission when it has no shared-memory region, EVENT_IDX when asked for.
+fn driver_features(forwarded: bool, event_idx: bool) -> u64 {
     let fwd = if forwarded {
         1 << vgpu_protocol::device::VIRTIO_VGPU_F_FORWARDED
     } else {
         0
     };
-    1 << VIRTIO_F_VERSION_1 | fwd
+    let eidx = if event_idx {
+        1 << VIRTIO_RING_F_EVENT_IDX
+    } else {
+        0
+    };
+    1 << VIRTIO_F_VERSION_1 | fwd | eidx
+}
+
+/// Whether the driver runs its rings with EVENT_IDX on `dev`: asked for and offered.
+fn uses_event_idx(dev: &VhostUserDevice, want: bool) -> bool {
+    want && dev.offered_features() & (1 << VIRTIO_RING_F_EVENT_IDX) != 0
+}
+
+/// Sets both queues' EVENT_IDX mode (before the device uses the rings).
+fn set_event_idx(ctrl: &Ctrl, events: &Events, on: bool) {
+    lock(&ctrl.st).q.set_event_idx(on);
+    lock(&events.st).q.set_event_idx(on);
 }
 
 /// What the loopback VM needs of the backend: the vgpu requirements, plus device-state
@@ -648,6 +774,10 @@ pub struct LoopbackVm {
     faults: FaultPolicy,
     /// No shared-memory region: channels are forwarded ([`LoopbackConfig::forwarded`]).
     forwarded: bool,
+    /// [`LoopbackConfig::event_idx`]: asked for (used where the backend offers it).
+    want_event_idx: bool,
+    /// [`LoopbackConfig::interrupts_only`].
+    interrupts_only: bool,
     /// Loss reports and the thread that reacts to them (`link.rs`).
     link: Arc<Link>,
     supervisor: Mutex<Option<JoinHandle<()>>>,
@@ -742,6 +872,7 @@ impl LoopbackVm {
             slots,
             kick: new_eventfd()?,
             call: new_eventfd()?,
+            counters: Counters::default(),
             timeout: faults.request_timeout,
             link: link.clone(),
             live_epoch: AtomicU64::new(0),
@@ -767,6 +898,7 @@ impl LoopbackVm {
             bufs,
             kick: new_eventfd()?,
             call: new_eventfd()?,
+            counters: Counters::default(),
         });
         {
             let mut st = lock(&events.st);
@@ -775,12 +907,24 @@ impl LoopbackVm {
             }
         }
 
+        let event_idx = uses_event_idx(&dev, cfg.event_idx);
+        set_event_idx(&ctrl, &events, event_idx);
         with_queues(&ctrl, &events, |queues| {
-            dev.activate(driver_features(cfg.forwarded), &ram.vhost_regions(), queues)
+            dev.activate(
+                driver_features(cfg.forwarded, event_idx),
+                &ram.vhost_regions(),
+                queues,
+            )
         })?;
-        kick(&events.kick);
+        events.kick();
 
-        let irq = IrqThread::start(ctrl.clone(), events.clone(), shm.clone(), dev.socket_fd())?;
+        let irq = IrqThread::start(
+            ctrl.clone(),
+            events.clone(),
+            shm.clone(),
+            dev.socket_fd(),
+            cfg.interrupts_only,
+        )?;
         info!(
             "loopback VM up: {} MiB RAM, features {:#x}",
             cfg.mem_bytes >> 20,
@@ -791,6 +935,8 @@ impl LoopbackVm {
             socket: Mutex::new(socket.to_path_buf()),
             faults,
             forwarded: cfg.forwarded,
+            want_event_idx: cfg.event_idx,
+            interrupts_only: cfg.interrupts_only,
             link,
             supervisor: Mutex::new(None),
             handler,
@@ -834,6 +980,34 @@ impl LoopbackVm {
     /// and after the device started over): cheap enough to poll.
     pub fn live_in(&self, epoch: u64) -> bool {
         self.ctrl.live_epoch.load(Ordering::Acquire) == epoch
+    }
+
+    /// Whether the rings run with `VIRTIO_RING_F_EVENT_IDX` (asked for and offered).
+    pub fn event_idx(&self) -> bool {
+        lock(&self.ctrl.st).q.event_idx()
+    }
+
+    /// Kicks sent and interrupts seen so far, per queue.
+    pub fn notify_counts(&self) -> NotifyCounts {
+        let (ctrl_kicks, ctrl_interrupts, ctrl_signals) = self.ctrl.counters.get();
+        let (event_kicks, event_interrupts, event_signals) = self.events.counters.get();
+        NotifyCounts {
+            ctrl_kicks,
+            ctrl_interrupts,
+            ctrl_signals,
+            event_kicks,
+            event_interrupts,
+            event_signals,
+        }
+    }
+
+    /// The driver's avail indices of the control and event queues (they go on across
+    /// a migration and wrap at 2^16).
+    pub fn avail_indices(&self) -> [u16; 2] {
+        [
+            lock(&self.ctrl.st).q.avail_idx(),
+            lock(&self.events.st).q.avail_idx(),
+        ]
     }
 
     /// Reads the device config space (GET_CONFIG).

@@ -1,6 +1,8 @@
 //! A split-virtqueue *driver* (the guest side of virtio 1.x split rings): descriptor
 //! table, available ring and used ring live in guest RAM; the driver adds buffer chains
-//! and harvests used entries. No EVENT_IDX and no indirect descriptors (not negotiated).
+//! and harvests used entries. Optional `VIRTIO_RING_F_EVENT_IDX` notification suppression
+//! the way Linux's `virtio_ring` does it (see [`SplitQueue::set_event_idx`]); no indirect
+//! descriptors (not negotiated).
 
 use std::sync::atomic::{fence, AtomicU16, Ordering};
 
@@ -65,6 +67,16 @@ pub struct SplitQueue {
     in_flight: Vec<bool>,
     avail_idx: u16,
     last_used: u16,
+    /// `VIRTIO_RING_F_EVENT_IDX` was negotiated: `used_event` and `avail_event` are live.
+    event_idx: bool,
+    /// The avail index at the last kick decision ([`Self::kick_prepare`]).
+    kicked_idx: u16,
+}
+
+/// Whether a notification is due: the other side asked for one at `event` and the index
+/// moved from `old` past it to `new` (virtio 1.x 2.7.10, Linux's `vring_need_event`).
+pub fn vring_need_event(event: u16, new: u16, old: u16) -> bool {
+    new.wrapping_sub(event).wrapping_sub(1) < new.wrapping_sub(old)
 }
 
 // SAFETY: the pointers address guest RAM that outlives the queue (owned by whoever owns
@@ -109,7 +121,22 @@ impl SplitQueue {
             in_flight: vec![false; size as usize],
             avail_idx: 0,
             last_used: 0,
+            event_idx: false,
+            kicked_idx: 0,
         })
+    }
+
+    /// Turns `VIRTIO_RING_F_EVENT_IDX` on or off (as negotiated with the device; set before
+    /// the device uses the rings). With it, [`Self::pop_used`] and
+    /// [`Self::enable_interrupts`] publish `used_event` (the device interrupts once it
+    /// passes it) and [`Self::kick_prepare`] reads `avail_event` (kick only when the device
+    /// asked); without it every used entry may interrupt and every add is kicked.
+    pub fn set_event_idx(&mut self, on: bool) {
+        self.event_idx = on;
+    }
+
+    pub fn event_idx(&self) -> bool {
+        self.event_idx
     }
 
     pub fn size(&self) -> u16 {
@@ -131,6 +158,10 @@ impl SplitQueue {
     pub fn free_descriptors(&self) -> usize {
         self.free.len()
     }
+    /// The driver's avail index (chains published so far, mod 2^16).
+    pub fn avail_idx(&self) -> u16 {
+        self.avail_idx
+    }
 
     fn avail_idx_ref(&self) -> &AtomicU16 {
         // SAFETY: `avail + 2` is 2-aligned (the table is page aligned and 16*size bytes
@@ -141,6 +172,58 @@ impl SplitQueue {
     fn used_idx_ref(&self) -> &AtomicU16 {
         // SAFETY: `used + 2` is 2-aligned (page-aligned ring) and inside the ring.
         unsafe { &*(self.used.add(2) as *const AtomicU16) }
+    }
+
+    /// `used_event`: the u16 after the avail ring's entries (driver-written).
+    fn used_event_ref(&self) -> &AtomicU16 {
+        // SAFETY: `avail + 4 + 2*size` is 2-aligned and inside the avail ring, which is
+        // 6 + 2*size bytes long (allocated in `new`).
+        unsafe { &*(self.avail.add(4 + 2 * usize::from(self.size)) as *const AtomicU16) }
+    }
+
+    /// `avail_event`: the u16 after the used ring's entries (device-written).
+    fn avail_event_ref(&self) -> &AtomicU16 {
+        // SAFETY: `used + 4 + 8*size` is 2-aligned and inside the used ring, which is
+        // 6 + 8*size bytes long (allocated in `new`).
+        unsafe { &*(self.used.add(4 + 8 * usize::from(self.size)) as *const AtomicU16) }
+    }
+
+    /// Tells the device to interrupt for the next used entry (`used_event` = the last
+    /// one seen), then a full fence before the caller's next read of the used index
+    /// (Linux's `virtio_store_mb`).
+    fn publish_used_event(&self) {
+        self.used_event_ref()
+            .store(self.last_used, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+    }
+
+    /// Whether to kick the device for the chains added since the last call (Linux's
+    /// `virtqueue_kick_prepare`); call it under the same lock as `add`. With EVENT_IDX
+    /// only when the device's `avail_event` lies in what was added; without, always.
+    pub fn kick_prepare(&mut self) -> bool {
+        let old = self.kicked_idx;
+        let new = self.avail_idx;
+        self.kicked_idx = new;
+        if !self.event_idx {
+            return true;
+        }
+        // `add` ended with a full fence after the avail index store: the device either
+        // sees the new index or has published the avail_event we read here.
+        fence(Ordering::SeqCst);
+        let event = self.avail_event_ref().load(Ordering::SeqCst);
+        vring_need_event(event, new, old)
+    }
+
+    /// Re-arms interrupts after a harvest (Linux's `virtqueue_enable_cb_prepare` then
+    /// `virtqueue_poll`): with EVENT_IDX publishes `used_event` and re-checks. Returns
+    /// false if used entries arrived meanwhile (the device may not interrupt for them:
+    /// harvest again). Without EVENT_IDX nothing to arm: true.
+    pub fn enable_interrupts(&self) -> bool {
+        if !self.event_idx {
+            return true;
+        }
+        self.publish_used_event();
+        !self.has_used()
     }
 
     /// Adds a chain and publishes it in the avail ring. Returns the head id. The caller
@@ -207,6 +290,7 @@ impl SplitQueue {
         self.in_flight.fill(false);
         self.avail_idx = 0;
         self.last_used = 0;
+        self.kicked_idx = 0;
     }
 
     /// Whether the device has published used entries we have not harvested.
@@ -229,6 +313,10 @@ impl SplitQueue {
         let len = u32::from_le_bytes([e[4], e[5], e[6], e[7]]);
         if id >= self.size as u32 || !self.in_flight[id as usize] {
             return Err(VirtqError::BadUsedId(id));
+        }
+        if self.event_idx {
+            // As Linux's `virtqueue_get_buf`: ask for an interrupt at the next entry.
+            self.publish_used_event();
         }
         let head = id as u16;
         self.in_flight[head as usize] = false;
@@ -297,5 +385,60 @@ mod tests {
         assert!(!q.has_used());
         // SAFETY: test; the avail index lies in the ring just reset.
         assert_eq!(unsafe { ((avail + 2) as *const u16).read() }, 0);
+    }
+
+    #[test]
+    fn need_event_wraps() {
+        // The event index inside (old, new] asks for a notification, also across 2^16.
+        assert!(vring_need_event(5, 6, 5));
+        assert!(!vring_need_event(4, 6, 5));
+        assert!(vring_need_event(65535, 2, 65530));
+        assert!(vring_need_event(1, 2, 65530));
+        assert!(!vring_need_event(3, 2, 65530));
+        assert!(!vring_need_event(65529, 2, 65530));
+    }
+
+    #[test]
+    fn event_idx_suppresses_kicks_and_arms_used_event() {
+        let ram = GuestRam::new(&[(0, 1 << 20)]).unwrap();
+        let mut a = PageAllocator::new(0, 1 << 20);
+        let mut q = SplitQueue::new(8, &ram, &mut a).unwrap();
+        let buf = [Buffer {
+            gpa: 0x8000,
+            len: 8,
+            write: true,
+        }];
+        // Without EVENT_IDX every add is kicked.
+        q.add(&buf).unwrap();
+        assert!(q.kick_prepare());
+        assert!(q.kick_prepare(), "nothing added, still a kick: as before");
+        q.set_event_idx(true);
+        let (_, avail, used) = q.host_addrs();
+        let used_event = (avail + 4 + 2 * 8) as *mut u16;
+        let avail_event = (used + 4 + 8 * 8) as *mut u16;
+        // SAFETY: test; the fields lie in the rings set up above.
+        unsafe { avail_event.write(1) };
+        q.add(&buf).unwrap();
+        assert!(q.kick_prepare(), "the device asked at index 1");
+        q.add(&buf).unwrap();
+        assert!(!q.kick_prepare(), "the device has not caught up: no kick");
+        // Play device: take everything, re-arm at 3, complete two chains.
+        // SAFETY: test; the used ring's fields.
+        unsafe {
+            avail_event.write(3);
+            ((used + 4) as *mut u32).write(0);
+            ((used + 12) as *mut u32).write(1);
+            ((used + 2) as *mut u16).write(2);
+        }
+        q.add(&buf).unwrap();
+        assert!(q.kick_prepare());
+        assert!(!q.enable_interrupts(), "used entries are waiting");
+        assert_eq!(q.pop_used().unwrap().map(|u| u.id), Some(0));
+        // SAFETY: test; the avail ring's used_event.
+        assert_eq!(unsafe { used_event.read() }, 1, "armed for the next entry");
+        assert_eq!(q.pop_used().unwrap().map(|u| u.id), Some(1));
+        assert!(q.enable_interrupts(), "nothing left: armed at 2");
+        // SAFETY: as above.
+        assert_eq!(unsafe { used_event.read() }, 2);
     }
 }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use log::{error, info, warn};
 use vgpu_protocol::device::DeviceConfig;
 
-use super::{driver_features, kick};
+use super::{driver_features, set_event_idx, uses_event_idx};
 use super::{lock, loopback_requirements, with_queues, IrqThread, LoopbackError, LoopbackVm};
 use crate::frontend::VhostUserDevice;
 use crate::reconnect::retry;
@@ -168,12 +168,14 @@ impl LoopbackVm {
             dev.disconnect();
             return Err(LoopbackError::Disconnected);
         }
-        // The new backend starts both rings at index 0.
+        // The new backend starts both rings at index 0, with EVENT_IDX if it offers it.
+        let event_idx = uses_event_idx(&dev, self.want_event_idx);
+        set_event_idx(&self.ctrl, &self.events, event_idx);
         self.ctrl.reset_rings();
         self.events.revive()?;
         with_queues(&self.ctrl, &self.events, |queues| {
             dev.activate(
-                driver_features(self.forwarded),
+                driver_features(self.forwarded, event_idx),
                 &self.ram.vhost_regions(),
                 queues,
             )
@@ -184,11 +186,12 @@ impl LoopbackVm {
             self.events.clone(),
             self.shm.clone(),
             dev.socket_fd(),
+            self.interrupts_only,
         )?;
         *lock(&self.irq) = irq;
         *cur = dev;
         self.ctrl.revive();
-        kick(&self.events.kick);
+        self.events.kick();
         info!(
             "loopback VM: reconnected to {}; device generation {}",
             socket.display(),

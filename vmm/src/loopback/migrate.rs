@@ -30,7 +30,7 @@ use vgpu_protocol::device::{CONTROL_QUEUE, EVENT_QUEUE};
 use vgpu_protocol::migration::precopy::{ChunkFrame, PauseRecord};
 use vgpu_protocol::migration::{stream_kind, DeviceState, KIND_CHUNKS, KIND_FULL, KIND_PAUSED};
 
-use super::{kick, lock, loopback_requirements, with_queues, IrqThread, LoopbackError, LoopbackVm};
+use super::{lock, loopback_requirements, with_queues, IrqThread, LoopbackError, LoopbackVm};
 use crate::frontend::{read_state_frame, VhostUserDevice};
 
 /// One pre-copy round as it went through the frontend.
@@ -181,8 +181,8 @@ impl LoopbackVm {
         let r = self.migrate_frozen(socket, filter);
         // The rings run again: on the destination, or on the source after a rollback
         // (the event queue's kick delivers the events restored with the state).
-        kick(&self.ctrl.kick);
-        kick(&self.events.kick);
+        self.ctrl.kick();
+        self.events.kick();
         self.ctrl.thaw();
         r.map(|mut rep| {
             rep.downtime = t0.elapsed();
@@ -244,10 +244,17 @@ impl LoopbackVm {
         let loaded = (|| {
             // The rings start only once the state is in (as on a KVM destination,
             // `boot::receive`): nothing is served from a half-loaded device.
+            // The rings go on as they are: with EVENT_IDX exactly where they had it.
+            let event_idx = lock(&self.ctrl.st).q.event_idx();
             dest.prepare(
-                super::driver_features(self.forwarded),
+                super::driver_features(self.forwarded, event_idx),
                 &self.ram.vhost_regions(),
             )?;
+            if super::uses_event_idx(&dest, event_idx) != event_idx {
+                return Err(LoopbackError::Config(
+                    "the destination does not offer EVENT_IDX, which the rings use",
+                ));
+            }
             let mut report = stream_state(source, &mut dest, filter)?;
             let mut tail = source.save_state()?;
             filter(&mut tail);
@@ -281,6 +288,7 @@ impl LoopbackVm {
             self.events.clone(),
             self.shm.clone(),
             dev.socket_fd(),
+            self.interrupts_only,
         )?;
         *lock(&self.irq) = irq;
         Ok(())

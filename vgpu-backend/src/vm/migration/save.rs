@@ -102,17 +102,7 @@ impl Session {
         for id in ids {
             channels.push(self.channel_record(id)?);
         }
-        let events = {
-            let q = &self.shared.events;
-            let mut evs = Vec::new();
-            while let Some(ev) = q.pop() {
-                evs.push(ev);
-            }
-            for ev in evs.iter().rev() {
-                q.unpop(*ev);
-            }
-            evs
-        };
+        let events = self.shared.events.snapshot();
         Ok(DeviceState {
             vm,
             contexts,
