@@ -4,16 +4,15 @@
 //! Each entity carries a virtual time. Every interval it is charged the GPU time it was
 //! measured to use, divided by its weight (`vtime += busy_ns * SCALE / weight`). A
 //! sibling is *active* if it has pending work or ran in the interval; an active one is
-//! *light* if its use (smoothed) is under a quarter of an equal split of the GPU by weight
-//! and its queue drained (no work pending at the end of one of the last
-//! [`SATURATING_STEPS`] intervals), or under half of that split and it is *waiting* (see
-//! below); *saturating* otherwise. (A shallow queue alone does not make a tenant light: a
-//! throttle two kernels deep drains between its submissions but uses its share.) Among
-//! the saturating siblings of a level the one with the least virtual time is the most
-//! underserved; a sibling whose lead over it, converted back to GPU time at the sibling's
-//! weight, exceeds the threshold is shadowed for the next interval (all its channels).
-//! The least-served saturating sibling is never over the threshold, so some entity with
-//! pending work always runs (work-conserving).
+//! *light* if its queue drained (no work pending at the end of one of the last
+//! [`SATURATING_STEPS`] intervals) and its use (smoothed) is under a quarter of an equal
+//! split of the GPU by weight, and *saturating* otherwise. (A shallow queue alone does not
+//! make a tenant light: a throttle two kernels deep drains between its submissions but
+//! uses its share.) Among the saturating siblings of a level the one with the least
+//! virtual time is the most underserved; a sibling whose lead over it, converted back to
+//! GPU time at the sibling's weight, exceeds the threshold is shadowed for the next
+//! interval (all its channels). The least-served saturating sibling is never over the
+//! threshold, so some entity with pending work always runs (work-conserving).
 //!
 //! Light siblings (active, not saturating: a guest loop that computes on its CPU and
 //! submits a small kernel now and then) are served by the GPU's own round-robin as soon
@@ -24,25 +23,6 @@
 //! submits one long kernel at a time). Before this rule, the demo's mix held three VMs
 //! behind a fourth that used 1 % of the GPU while the GPU idled 93 % of the time
 //! (issue 15).
-//!
-//! Waiting: a queue that never drains but does not use the GPU waits on something else (a
-//! semaphore its CPU releases, say). Counted as saturating, it would set the reference
-//! and hold everyone ahead of it back while the GPU idles, for as long as it waits. A
-//! sibling is *seen waiting* in an interval in which another sibling was shadowed and it
-//! was not, it had work pending at the end, the GPU was idle for at least half of the
-//! interval, and it used under half its split: it was let run while others were held back
-//! for it, and left the GPU idle. Seen so in [`WAITING_PROOF_STEPS`] intervals in a row,
-//! it counts as waiting for [`WAITING_STEPS`] intervals. A GPU-bound sibling that only
-//! gets little beside long kernels on the GPU's round-robin is never seen so (the GPU is
-//! busy), nor one left alone with the GPU (it uses it), nor anyone in an interval in which
-//! nobody was held back (a front end that runs late on a loaded host idles the GPU with
-//! everyone's work in view). The mark expires, so a sibling taken for waiting that turns
-//! GPU-bound is saturating again after at most [`WAITING_STEPS`] intervals; one still
-//! waiting then is found so again within the next [`WAITING_PROOF_STEPS`] intervals. This
-//! keeps the policy work-conserving whatever a tenant's channels wait on: before it, a
-//! channel whose every entry waited on a semaphore released each 15 ms, then ran a 20 µs
-//! kernel, held its neighbour at 0.0 % of the GPU for seconds (issue 28); progress every
-//! interval or two kept it from ever counting as blocked ([`super::stall`]).
 //!
 //! No banking: an idle entity's virtual time is raised to the least virtual time of the
 //! active siblings each interval, so credit it did not use while idle is lost; an entity
@@ -135,36 +115,6 @@ struct Clock {
     backlogged_steps: u32,
     /// GPU time used per step, smoothed (1/4 new).
     use_ns: u64,
-    /// Whether it was seen waiting lately.
-    wait: Wait,
-}
-
-/// What a sibling's clock remembers of its waiting (see the module's comment).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Wait {
-    /// Steps in a row that saw it waiting.
-    run: u32,
-    /// The last step that ended [`WAITING_PROOF_STEPS`] or more such steps in a row;
-    /// 0: none.
-    marked: u64,
-}
-
-impl Wait {
-    /// Records step `step`, in which it was `seen` waiting or not.
-    fn note(self, seen: bool, step: u64) -> Wait {
-        let run = if seen { self.run.saturating_add(1) } else { 0 };
-        let marked = if run >= WAITING_PROOF_STEPS {
-            step
-        } else {
-            self.marked
-        };
-        Wait { run, marked }
-    }
-
-    /// Whether it counts as waiting at step `step`.
-    fn waiting(&self, step: u64) -> bool {
-        self.marked > 0 && step.saturating_sub(self.marked) < WAITING_STEPS
-    }
 }
 
 impl Clock {
@@ -172,7 +122,6 @@ impl Clock {
     /// (a sibling left out of steps was quiet in them).
     fn quiet_for(&mut self, steps: u64) {
         self.backlogged_steps = 0;
-        self.wait.run = 0;
         for _ in 0..steps.min(64) {
             self.use_ns -= self.use_ns / 4;
         }
@@ -182,18 +131,6 @@ impl Clock {
 /// Steps in a row with work pending at the end after which a sibling counts as
 /// *saturating*; any other active sibling is *light* (see the module's comment).
 pub const SATURATING_STEPS: u32 = 3;
-
-/// Steps in a row a sibling must be seen waiting (see the module's comment) to count as
-/// waiting: one interval of a loaded host's late front end, which idles the GPU with work
-/// in view, is not enough.
-pub const WAITING_PROOF_STEPS: u32 = 2;
-
-/// Steps for which a sibling found waiting may count as light although its queue never
-/// drains: 0.5 s at the default interval. Its neighbours are held back for its sake
-/// [`WAITING_PROOF_STEPS`] intervals in this many (to find it waiting again), and a
-/// sibling taken for waiting by mistake is served by the GPU's own round-robin for at
-/// most this long.
-pub const WAITING_STEPS: u64 = 50;
 
 /// One level of the hierarchy: the clocks of a set of siblings.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -215,17 +152,17 @@ struct Entry<K> {
     active: bool,
     /// Shadowed with work pending during the interval.
     held: bool,
-    /// Shadowed (work pending or not) during the interval.
-    shadowed: bool,
     /// Active and not held back.
     runnable: bool,
     /// Work pending at the interval's end (held back or not).
     backlogged: bool,
 }
 
-/// Each active sibling's equal split by weight of a step's GPU time: `capacity_ns` (0:
-/// unknown, and what the active siblings used, `uses`, stands in).
-fn fair_splits<K>(entries: &[Entry<K>], uses: &[u64], capacity_ns: u64) -> Vec<u128> {
+/// Which siblings are saturating (see the module's comment); the other active ones are
+/// light. `runs`: steps in a row each sibling ended with work pending; `uses`: its
+/// smoothed use per step; `capacity_ns`: the GPU time of a step (0: unknown, and what the
+/// active siblings used stands in).
+fn saturating<K>(entries: &[Entry<K>], runs: &[u32], uses: &[u64], capacity_ns: u64) -> Vec<bool> {
     let (used, active_w) = entries
         .iter()
         .zip(uses)
@@ -240,48 +177,26 @@ fn fair_splits<K>(entries: &[Entry<K>], uses: &[u64], capacity_ns: u64) -> Vec<u
     };
     entries
         .iter()
-        .map(|e| capacity * u128::from(e.weight.max(1)) / active_w.max(1))
-        .collect()
-}
-
-/// Which siblings are saturating (see the module's comment); the other active ones are
-/// light. `runs`: steps in a row each sibling ended with work pending; `uses`: its
-/// smoothed use per step; `waiting`: whether it was seen waiting in the last
-/// [`WAITING_STEPS`] steps; `splits`: its equal split of a step ([`fair_splits`]).
-fn saturating<K>(
-    entries: &[Entry<K>],
-    runs: &[u32],
-    uses: &[u64],
-    waiting: &[bool],
-    splits: &[u128],
-) -> Vec<bool> {
-    entries
-        .iter()
         .zip(runs)
         .zip(uses)
-        .zip(waiting.iter().zip(splits))
-        .map(|(((e, run), used), (waiting, split))| {
-            let used = u128::from(*used);
+        .map(|((e, run), used)| {
+            let quarter = capacity * u128::from(e.weight.max(1)) / active_w.max(1) / 4;
             let drained = !(e.backlogged && *run >= SATURATING_STEPS);
-            let light = (drained && used < split / 4) || (*waiting && used < split / 2);
-            e.active && !light
+            e.active && !(drained && u128::from(*used) < quarter)
         })
         .collect()
 }
 
-impl<K: Ord + Clone + std::fmt::Debug> Level<K> {
+impl<K: Ord + Clone> Level<K> {
     /// Charges the siblings (their busy time, and `idle_ns` of idle GPU time if a sibling
     /// was held back meanwhile), applies the no-banking rule, forgets vanished siblings
-    /// and returns those over their share by more than `threshold_ns`. `gpu_idled`: the
-    /// GPU was idle for at least half of the interval (siblings with work queued that
-    /// were let run and used little are then seen waiting).
+    /// and returns those over their share by more than `threshold_ns`.
     fn step(
         &mut self,
         entries: &[Entry<K>],
         threshold_ns: u64,
         idle_ns: u64,
         capacity_ns: u64,
-        gpu_idled: bool,
         full: bool,
     ) -> BTreeSet<K> {
         self.steps += 1;
@@ -320,35 +235,6 @@ impl<K: Ord + Clone + std::fmt::Debug> Level<K> {
                 old - old / 4 + e.busy_delta_ns / 4
             })
             .collect();
-        // Seen waiting: work queued, free to run while a sibling was held back, the GPU
-        // mostly idle, and it used under half its split anyway: holding the others back
-        // for it only idled the GPU.
-        let splits = fair_splits(entries, &uses, capacity_ns);
-        let someone_held = entries.iter().any(|e| e.shadowed);
-        let waits: Vec<Wait> = entries
-            .iter()
-            .zip(&known)
-            .zip(&splits)
-            .map(|((e, c), split)| {
-                let seen = gpu_idled
-                    && someone_held
-                    && e.backlogged
-                    && e.runnable
-                    && !e.shadowed
-                    && u128::from(e.busy_delta_ns) < split / 2;
-                let w = c.map_or(Wait::default(), |c| c.wait).note(seen, steps);
-                if w.run == WAITING_PROOF_STEPS {
-                    log::trace!(
-                        "fair: {:?} waiting: used {} us of its {} us split, GPU idle",
-                        e.key,
-                        e.busy_delta_ns / 1000,
-                        split / 1000
-                    );
-                }
-                w
-            })
-            .collect();
-        let waiting: Vec<bool> = waits.iter().map(|w| w.waiting(steps)).collect();
         // Newcomers start at the least virtual time of the known active siblings.
         let floor = entries
             .iter()
@@ -382,7 +268,7 @@ impl<K: Ord + Clone + std::fmt::Debug> Level<K> {
                 }
             }
         }
-        let saturating = saturating(entries, &runs, &uses, &waiting, &splits);
+        let saturating = saturating(entries, &runs, &uses, capacity_ns);
         let vmin_saturating = vt
             .iter()
             .zip(&saturating)
@@ -426,13 +312,12 @@ impl<K: Ord + Clone + std::fmt::Debug> Level<K> {
                 }
             }
         }
-        for ((((e, v), r), x), w) in entries.iter().zip(vt).zip(runs).zip(uses).zip(waits) {
+        for (((e, v), r), x) in entries.iter().zip(vt).zip(runs).zip(uses) {
             match self.clocks.get_mut(&e.key) {
                 Some(c) => {
                     c.vtime = v;
                     c.backlogged_steps = r;
                     c.use_ns = x;
-                    c.wait = w;
                 }
                 None => {
                     self.clocks.insert(
@@ -442,7 +327,6 @@ impl<K: Ord + Clone + std::fmt::Debug> Level<K> {
                             seen: steps,
                             backlogged_steps: r,
                             use_ns: x,
-                            wait: w,
                         },
                     );
                 }
@@ -457,25 +341,6 @@ impl<K: Ord + Clone + std::fmt::Debug> Level<K> {
 pub struct FairState {
     vms: Level<String>,
     procs: BTreeMap<String, Level<u32>>,
-}
-
-/// The GPU over the interval a decision follows.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct GpuInterval {
-    /// GPU time the interval held, all compute engines (0: unknown).
-    pub capacity_ns: u64,
-    /// The part of it nobody used.
-    pub idle_ns: u64,
-    /// Use it or lose it: charge the idle time to the siblings let run when one was held
-    /// back (see the module's comment).
-    pub charge_idle: bool,
-}
-
-impl GpuInterval {
-    /// Whether the GPU was idle for at least half of the interval (known capacity only).
-    fn mostly_idle(&self) -> bool {
-        self.capacity_ns > 0 && self.idle_ns.saturating_mul(2) >= self.capacity_ns
-    }
 }
 
 /// What [`FairState::decide`] chose.
@@ -504,29 +369,22 @@ impl FairState {
     /// `threshold_ns` is the lead (GPU time beyond the entity's share, relative to its
     /// least-served saturating sibling) tolerated before shadowing.
     pub fn decide(&mut self, vms: &[VmSample], threshold_ns: u64) -> Decision {
-        self.decide_with_idle(
-            vms,
-            threshold_ns,
-            GpuInterval::default(),
-            &BTreeSet::new(),
-            true,
-        )
+        self.decide_with_idle(vms, threshold_ns, (0, 0), &BTreeSet::new(), true)
     }
 
-    /// [`FairState::decide`], knowing what the GPU did in the interval (`gpu`: its
-    /// capacity and idle time, and whether idle time is charged; see the module's
-    /// comment) while the channels in `held` were shadowed. `full`: `vms` holds every VM
-    /// and process (quiet ones included), so the clocks of those missing are dropped.
+    /// [`FairState::decide`], knowing that the GPU was idle for `idle_ns` of the interval
+    /// (charged, see the module's comment) while the channels in `held` were shadowed,
+    /// and that the interval held `capacity_ns` of GPU time (0: unknown). `full`: `vms`
+    /// holds every VM and process (quiet ones included), so the clocks of those missing
+    /// are dropped.
     pub fn decide_with_idle(
         &mut self,
         vms: &[VmSample],
         threshold_ns: u64,
-        gpu: GpuInterval,
+        (idle_ns, capacity_ns): (u64, u64),
         held: &BTreeSet<(String, u32)>,
         full: bool,
     ) -> Decision {
-        let idle_ns = if gpu.charge_idle { gpu.idle_ns } else { 0 };
-        let (capacity_ns, gpu_idled) = (gpu.capacity_ns, gpu.mostly_idle());
         // Each VM's held channels (most VMs have none: no key is built per channel).
         let held_in: Vec<BTreeSet<u32>> = vms
             .iter()
@@ -548,20 +406,14 @@ impl FairState {
                     busy_delta_ns: v.procs.iter().map(ProcSample::busy_ns).sum(),
                     active: v.procs.iter().any(ProcSample::active),
                     held: chans().any(|c| is_held(h, c)),
-                    shadowed: chans().any(|c| h.contains(&c.ch)),
                     runnable: chans().any(|c| runs(h, c)),
                     backlogged: chans().any(|c| c.pending),
                 }
             })
             .collect();
-        let over_vms = self.vms.step(
-            &vm_entries,
-            threshold_ns,
-            idle_ns,
-            capacity_ns,
-            gpu_idled,
-            full,
-        );
+        let over_vms = self
+            .vms
+            .step(&vm_entries, threshold_ns, idle_ns, capacity_ns, full);
         let active_w: u64 = vm_entries
             .iter()
             .filter(|e| e.active)
@@ -591,7 +443,6 @@ impl FairState {
                     busy_delta_ns: p.busy_ns(),
                     active: p.active(),
                     held: p.channels.iter().any(|c| is_held(h, c)),
-                    shadowed: p.channels.iter().any(|c| h.contains(&c.ch)),
                     runnable: p.channels.iter().any(|c| runs(h, c)),
                     backlogged: p.channels.iter().any(|c| c.pending),
                 })
@@ -615,14 +466,7 @@ impl FairState {
             level.parent_step = self.vms.steps;
             let vm_capacity =
                 capacity_ns.saturating_mul(u64::from(v.weight.max(1))) / active_w.max(1);
-            let over_procs = level.step(
-                &entries,
-                threshold_ns,
-                vm_idle,
-                vm_capacity,
-                gpu_idled,
-                full,
-            );
+            let over_procs = level.step(&entries, threshold_ns, vm_idle, vm_capacity, full);
             let vm_over = over_vms.contains(&v.name);
             for p in &v.procs {
                 let proc_over = !vm_over && over_procs.contains(&p.pid);
@@ -1034,15 +878,6 @@ mod tests {
         assert!((f(2) - 0.125).abs() < 0.02, "{tot:?}");
     }
 
-    /// `idle_ns` of idle GPU time to charge, the interval's capacity unknown.
-    fn charged(idle_ns: u64) -> GpuInterval {
-        GpuInterval {
-            capacity_ns: 0,
-            idle_ns,
-            charge_idle: true,
-        }
-    }
-
     #[test]
     fn idle_time_is_charged_to_who_was_let_run_only_when_someone_waited() {
         let held = BTreeSet::from([("b".to_string(), 2)]);
@@ -1053,18 +888,18 @@ mod tests {
         // b was held back while a left 8 ms of the GPU idle: a is charged 10 ms, so
         // b (at 0) is 10 ms behind and a is over a 5 ms threshold.
         let mut s = primed(&sample);
-        let d = s.decide_with_idle(&sample, 5 * MS, charged(8 * MS), &held, true);
+        let d = s.decide_with_idle(&sample, 5 * MS, (8 * MS, 0), &held, true);
         assert_eq!(d.over_vms, BTreeSet::from(["a".to_string()]));
         // Without the charge a is only 2 ms ahead.
         let mut s = primed(&sample);
         assert!(s
-            .decide_with_idle(&sample, 5 * MS, GpuInterval::default(), &held, true)
+            .decide_with_idle(&sample, 5 * MS, (0, 0), &held, true)
             .shadow
             .is_empty());
         // Nobody held back: idle time is nobody's loss.
         let mut s = primed(&sample);
         assert!(s
-            .decide_with_idle(&sample, 5 * MS, charged(8 * MS), &BTreeSet::new(), true)
+            .decide_with_idle(&sample, 5 * MS, (8 * MS, 0), &BTreeSet::new(), true)
             .shadow
             .is_empty());
     }
@@ -1105,93 +940,6 @@ mod tests {
             5 * MS,
         );
         assert_eq!(d.over_vms, BTreeSet::from(["b".to_string()]));
-    }
-
-    /// A toy GPU of 10 ms intervals with a known capacity: `gpu(a_runs, b_runs)` gives
-    /// the GPU time VMs a (channel 1) and b (channel 2) used, both always with work
-    /// queued, given whether each was let run. Returns their totals.
-    fn run_toy(
-        s: &mut FairState,
-        intervals: usize,
-        mut gpu: impl FnMut(bool, bool) -> (u64, u64),
-    ) -> (u64, u64) {
-        let mut held = BTreeSet::new();
-        let (mut ta, mut tb) = (0, 0);
-        for _ in 0..intervals {
-            let runs = |v: &str, c: u32| !held.contains(&(v.to_string(), c));
-            let (a, b) = gpu(runs("a", 1), runs("b", 2));
-            assert!(a + b <= 10 * MS);
-            ta += a;
-            tb += b;
-            let sample = [
-                vm("a", 100, vec![proc_(1, vec![ch(1, a, true)])]),
-                vm("b", 100, vec![proc_(2, vec![ch(2, b, true)])]),
-            ];
-            let interval = GpuInterval {
-                capacity_ns: 10 * MS,
-                idle_ns: 10 * MS - a - b,
-                charge_idle: false,
-            };
-            held = s
-                .decide_with_idle(&sample, 5 * MS, interval, &held, true)
-                .shadow;
-        }
-        (ta, tb)
-    }
-
-    /// Issue 28: a's queue never drains (each entry waits on a semaphore its CPU releases
-    /// every 15 ms, then runs a 20 µs kernel), so it used to count as saturating and b,
-    /// ahead of it, was held back for good while the GPU idled. Seen waiting (b held back,
-    /// the GPU idle, a free to run and using almost nothing), a is light: b keeps the GPU
-    /// but for the [`WAITING_PROOF_STEPS`] intervals in [`WAITING_STEPS`] that find a
-    /// waiting again.
-    #[test]
-    fn a_sibling_waiting_between_small_kernels_does_not_hold_a_saturating_one_back() {
-        let mut s = FairState::new();
-        let mut step = 0u64;
-        let (_, b) = run_toy(&mut s, 2000, |_, b_runs| {
-            step += 1;
-            let a = if step.is_multiple_of(3) { 20_000 } else { 0 };
-            (a, if b_runs { 10 * MS - a } else { 0 })
-        });
-        let share = b as f64 / (2000.0 * 10.0 * MS as f64);
-        assert!(share >= 0.95, "b used {:.1} % of the GPU", share * 100.0);
-    }
-
-    /// A GPU-bound sibling with short kernels gets little beside long ones on the GPU's
-    /// own round-robin, and leaves some of the GPU idle when alone (its guest is slow to
-    /// resubmit), and every fifth time it is left alone the whole GPU stalls for the
-    /// interval (a front end that runs late on a loaded host): it is not waiting, so it
-    /// gets its half. Nor is one that waited once and then turned GPU-bound kept light:
-    /// the mark expires.
-    #[test]
-    fn a_gpu_bound_sibling_is_not_taken_for_waiting() {
-        let mut alone = 0u64;
-        let mut gpu_bound = |a_runs: bool, b_runs: bool| {
-            alone += u64::from(!b_runs);
-            match (a_runs, b_runs) {
-                (true, false) if alone % 5 == 1 => (0, 0),
-                (true, true) => (MS / 2, 19 * MS / 2),
-                (true, false) => (8 * MS, 0),
-                (false, true) => (0, 10 * MS),
-                (false, false) => panic!("not work-conserving"),
-            }
-        };
-        let mut s = FairState::new();
-        let (a, b) = run_toy(&mut s, 200, &mut gpu_bound);
-        let share = a as f64 / (a + b) as f64;
-        assert!((share - 0.5).abs() < 0.05, "a's share at first {share}");
-        let (a, b) = run_toy(&mut s, 2000, &mut gpu_bound);
-        let share = a as f64 / (a + b) as f64;
-        assert!((share - 0.5).abs() < 0.03, "a's share {share}");
-        // a waits on a semaphore for a while (seen waiting), then is GPU-bound again.
-        let mut s = FairState::new();
-        run_toy(&mut s, 200, |_, b_runs| {
-            (0, if b_runs { 10 * MS } else { 0 })
-        });
-        let (a, b) = run_toy(&mut s, 2000, &mut gpu_bound);
-        let share = a as f64 / (a + b) as f64;
-        assert!((share - 0.5).abs() < 0.03, "a's share {share}");
     }
 
     #[test]
@@ -1266,8 +1014,8 @@ mod tests {
                 }
                 let none = BTreeSet::new();
                 let t = threshold_ms * MS;
-                let d1 = listed.decide_with_idle(&all, t, GpuInterval::default(), &none, true);
-                let d2 = sparse.decide_with_idle(&present, t, GpuInterval::default(), &none, full);
+                let d1 = listed.decide_with_idle(&all, t, (0, 0), &none, true);
+                let d2 = sparse.decide_with_idle(&present, t, (0, 0), &none, full);
                 proptest::prop_assert_eq!(&d1.over_vms, &d2.over_vms, "step {}", step);
                 proptest::prop_assert_eq!(&d1.over_procs, &d2.over_procs, "step {}", step);
                 let listed_present: BTreeSet<(String, u32)> = d1

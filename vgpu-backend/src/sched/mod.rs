@@ -49,7 +49,7 @@ use vgpu_protocol::ErrorCode;
 use crate::shadow::{ChannelPeek, Holder, Holders};
 use crate::VgpuBackend;
 use account::{Accounting, Estimator};
-use fair::{ChannelSample, Decision, FairState, GpuInterval, ProcSample, VmSample};
+use fair::{ChannelSample, Decision, FairState, ProcSample, VmSample};
 use handle::{HoldChange, RetiredChannel, SchedVm, VmHolds};
 use sampling::{SampleObs, Sampler};
 use shares::{ChannelBusy, History, IntervalRecord, ProcBusy, VmBusy};
@@ -741,9 +741,7 @@ impl Sched {
     /// in one of them (waiting on a semaphore, say). A blocked channel counted as
     /// pending would hold its siblings back (its clock never moves) — and if a held-back
     /// sibling is the one that would release it, forever. See [`stall`] for why one
-    /// interval is not enough. A channel that progresses now and then between its waits
-    /// never counts as blocked: the policy tells it from a GPU-bound one by what it does
-    /// when let run (see [`fair`]'s *waiting*).
+    /// interval is not enough.
     fn samples(
         &mut self,
         vms: &[VmObs],
@@ -812,7 +810,7 @@ impl Sched {
         samples: &[VmSample],
         obs: &[Obs],
         vms: &[VmObs],
-        gpu: GpuInterval,
+        idle: (u64, u64),
         full: bool,
     ) -> Decision {
         let threshold_ns = self.cfg.threshold_us.saturating_mul(1000);
@@ -822,7 +820,7 @@ impl Sched {
             Policy::None => Decision::default(),
             Policy::Fair => self
                 .fair
-                .decide_with_idle(samples, threshold_ns, gpu, &held, full),
+                .decide_with_idle(samples, threshold_ns, idle, &held, full),
             Policy::Timeslice => {
                 let slice = u64::from(self.cfg.slice_ms) * 1_000_000;
                 self.timeslice.decide(samples, now_ns(), slice)
@@ -831,7 +829,7 @@ impl Sched {
                 // The fair clocks are charged even while a sample overrides them.
                 let fair = self
                     .fair
-                    .decide_with_idle(samples, threshold_ns, gpu, &held, full);
+                    .decide_with_idle(samples, threshold_ns, idle, &held, full);
                 // Dead channels are never sampled (they would never finish a sample).
                 let sobs: Vec<SampleObs> = obs
                     .iter()
@@ -1001,12 +999,8 @@ impl Sched {
         let capacity = len_ns.saturating_mul(u64::from(self.engines.max(1)));
         let idle_ns = capacity.saturating_sub(used);
         let samples = self.samples(&vms, &obs, idle_ns, capacity, full);
-        let gpu = GpuInterval {
-            capacity_ns: capacity,
-            idle_ns,
-            charge_idle: self.cfg.charge_idle,
-        };
-        let decision = self.decide(&samples, &obs, &vms, gpu, full);
+        let charged_idle = if self.cfg.charge_idle { idle_ns } else { 0 };
+        let decision = self.decide(&samples, &obs, &vms, (charged_idle, capacity), full);
         if log::log_enabled!(log::Level::Trace) {
             trace_interval(
                 &samples,
