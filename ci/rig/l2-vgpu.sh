@@ -224,6 +224,7 @@ rig_dump() {
 # (L1's own boot already took part of that time: under load, tens of seconds.)
 read -r up0 _ < /proc/uptime
 wd=\$(( $((TIMEOUT - 60)) - \${up0%.*} ))
+[ "\$wd" -gt 30 ] || wd=30
 (
     sleep \$wd
     echo "RIG-WATCHDOG: the step did not end within \${wd}s"
