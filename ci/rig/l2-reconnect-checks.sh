@@ -30,6 +30,16 @@ echo "L2-RECONNECT-READY" > /dev/console
 # A process that sends requests while the backend is away (killed, or stopped with
 # `--hang-backend`: then its request times out and the driver resets the device).
 vgpu-smoke > /tmp/outage.out 2>&1 & outage=$!
+# A prober asks for the VM's counts every second until an answer fails. With a hung
+# backend its request is the one that times out and makes the driver reset the device
+# (so vgpu-vmm's own reset meets the hung backend), whatever the processes above are
+# doing then: one spinning on a fence of a stopped GPU sends no request, and the
+# outage process may have ended before the backend stopped (the other guest became
+# ready later, and L1 stops the backend only once all are).
+(
+    i=0
+    while [ $i -lt $PATIENCE ] && vgpu-smoke --stats > /dev/null 2>&1; do sleep 1; i=$((i + 1)); done
+) & prober=$!
 # It must end by itself with an error (an ioctl's -ENODEV or SIGBUS on its zapped
 # channel page), never hang.
 i=0
@@ -54,6 +64,14 @@ else
     wait $outage; r=$?
     busybox tail -n 1 /tmp/outage.out
     check "requests_during_outage_end(rc=$r)" 1
+fi
+i=0
+while kill -0 $prober 2>/dev/null && [ $i -lt $PATIENCE ]; do sleep 1; i=$((i + 1)); done
+if kill -0 $prober 2>/dev/null; then
+    kill -9 $prober; wait $prober 2>/dev/null
+    check prober_saw_the_outage 0
+else
+    check prober_saw_the_outage 1
 fi
 # New processes work once the device is back (the first tries may find no backend yet).
 i=0 r=1
