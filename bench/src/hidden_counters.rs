@@ -121,6 +121,7 @@ impl Gpu for HiddenCounters {
     fn channel_counters(&self, ch: ChannelId) -> Result<ChannelCounters> {
         Ok(ChannelCounters {
             busy_ns: 0,
+            sem_wait_ns: 0,
             ..self.inner.channel_counters(ch)?
         })
     }

@@ -136,6 +136,11 @@ pub struct ChannelCounters {
     pub kernels: u64,
     /// Copy methods completed.
     pub copies: u64,
+    /// Nanoseconds the channel's next work waited on a semaphore acquire not yet
+    /// satisfied, including a wait still going on (never goes backwards). Work pending
+    /// behind such a wait cannot use the GPU: the scheduler does not hold other tenants
+    /// back for it (issue 28).
+    pub sem_wait_ns: u64,
 }
 
 /// Something the GPU tells a channel's owner.

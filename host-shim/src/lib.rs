@@ -9,6 +9,7 @@ pub mod kernels;
 pub mod mmu;
 pub mod shared_mem;
 pub mod sim;
+pub mod wait_clock;
 
 /// The VRAM allocator: the protocol's range allocator, shared with the runtime's GPU
 /// virtual address allocator.

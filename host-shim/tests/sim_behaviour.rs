@@ -404,6 +404,12 @@ fn semaphore_wait_is_cheap_and_resumes() {
     assert_eq!(gpu.channel_counters(copier.id).unwrap().copies, 1);
 }
 
+/// The cases the `cuda` GPU shares: semaphores order channels and their waits are counted.
+#[test]
+fn semaphores_order_channels() {
+    common::cuda_cases::semaphores_order_channels(&gpu());
+}
+
 /// A channel re-created at a saved ring position (live migration) continues with the
 /// next entry: nothing before it runs again, its control page shows the saved fields,
 /// and a stopped channel comes back stopped without a new event.

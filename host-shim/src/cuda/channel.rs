@@ -12,6 +12,7 @@ use super::plan::HostAction;
 use crate::hal::{ChannelConfig, ChannelCounters, ChannelId, ContextId, EventSink, GpuEvent};
 use crate::mmu::AddressSpace;
 use crate::sim::control_pages::ControlPages;
+use crate::wait_clock::WaitClock;
 
 /// Issued GP entries sharing one end mark.
 pub struct Inflight<M> {
@@ -50,6 +51,9 @@ pub struct CudaChannel<D: Device> {
     pub stream: D::Stream,
     pub state: Mutex<ChanState<D>>,
     pub busy_ns: AtomicU64,
+    /// Time a batch ending in a semaphore wait was in flight, less its kernels' time (the
+    /// front end issues nothing behind such a batch; the wait itself runs on the GPU).
+    pub sem_wait: WaitClock,
     pub gp_completed: AtomicU64,
     pub kernels: AtomicU64,
     pub copies: AtomicU64,
@@ -98,6 +102,7 @@ impl<D: Device> CudaChannel<D> {
                 last_end: 0,
             }),
             busy_ns: AtomicU64::new(0),
+            sem_wait: WaitClock::default(),
             gp_completed: AtomicU64::new(0),
             kernels: AtomicU64::new(0),
             copies: AtomicU64::new(0),
@@ -186,6 +191,7 @@ impl<D: Device> CudaChannel<D> {
             gp_completed: self.gp_completed.load(Ordering::Relaxed),
             kernels: self.kernels.load(Ordering::Relaxed),
             copies: self.copies.load(Ordering::Relaxed),
+            sem_wait_ns: self.sem_wait.read(crate::clock::now_ns()),
         }
     }
 }

@@ -190,6 +190,7 @@ impl<D: Device> CudaChannel<D> {
             let Some(done) = st.inflight.pop_front() else {
                 break;
             };
+            let mut charged = 0;
             if let Some(tl) = tl.as_mut() {
                 if let Some(end) = tl.at(dev, &done.end) {
                     // Queued behind its own stream's previous entry: it started no earlier
@@ -201,6 +202,7 @@ impl<D: Device> CudaChannel<D> {
                     if done.runs {
                         let ns = tl.charge(start.min(end), end);
                         self.busy_ns.fetch_add(ns, Ordering::Relaxed);
+                        charged = ns;
                         log::trace!(
                             "cuda channel {:?}: entry ran {} ns, charged {ns} ns",
                             self.id,
@@ -209,6 +211,10 @@ impl<D: Device> CudaChannel<D> {
                     }
                     st.last_end = end;
                 }
+            }
+            if done.waits {
+                // Its semaphore wait was satisfied (less the time its kernels ran).
+                self.sem_wait.end(now_ns(), charged);
             }
             for a in &done.host {
                 match *a {
@@ -244,6 +250,10 @@ impl<D: Device> CudaChannel<D> {
         if let Some(b) = batch {
             // Whatever was issued is tracked, even when a later entry faulted.
             let next_get = st.fetched;
+            if b.waits {
+                // Nothing is issued behind it until its wait is satisfied.
+                self.sem_wait.begin(now_ns());
+            }
             match dev.mark(&self.stream) {
                 Ok(end) => st.inflight.push_back(Inflight {
                     next_get,

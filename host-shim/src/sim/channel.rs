@@ -12,6 +12,7 @@ use crate::hal::{
     EventSink, GpuEvent,
 };
 use crate::mmu::AddressSpace;
+use crate::wait_clock::WaitClock;
 
 pub struct SimChannel {
     pub id: ChannelId,
@@ -31,6 +32,8 @@ pub struct SimChannel {
     busy_reported: AtomicU64,
     /// The context's running total, which outlives its channels.
     context_busy_ns: Arc<AtomicU64>,
+    /// Time its head entry waited on a semaphore acquire (the PFIFO thread writes it).
+    pub sem_wait: WaitClock,
     pub gp_completed: AtomicU64,
     pub kernels: AtomicU64,
     pub copies: AtomicU64,
@@ -79,6 +82,7 @@ impl SimChannel {
             running_until: AtomicU64::new(0),
             busy_reported: AtomicU64::new(0),
             context_busy_ns,
+            sem_wait: WaitClock::default(),
             gp_completed: AtomicU64::new(0),
             kernels: AtomicU64::new(0),
             copies: AtomicU64::new(0),
@@ -211,6 +215,7 @@ impl SimChannel {
             gp_completed: self.gp_completed.load(Ordering::Relaxed),
             kernels: self.kernels.load(Ordering::Relaxed),
             copies: self.copies.load(Ordering::Relaxed),
+            sem_wait_ns: self.sem_wait.read(crate::clock::now_ns()),
         }
     }
 }

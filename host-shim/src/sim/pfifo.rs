@@ -245,6 +245,8 @@ impl Pfifo {
                         progress = true;
                         continue;
                     }
+                    // Its head moved past any semaphore wait.
+                    e.ch.sem_wait.end(now_ns(), 0);
                     let Some(item) = e.item.take() else {
                         continue;
                     };
@@ -345,6 +347,16 @@ fn run_entry(e: &mut ChanExec, shared: &Shared) -> (Slot, bool) {
 /// `charge` is false when nothing ran (a stall at the first method tried).
 fn finish(e: &mut ChanExec, step: Step, start: u64, charge: bool) -> Slot {
     let now = now_ns();
+    // A stall is a semaphore wait: one that goes on (nothing ran), or a new one after
+    // methods that ran; anything else moved the entry on and ends a wait.
+    if step == Step::Stalled {
+        if charge {
+            e.ch.sem_wait.end(now, 0);
+        }
+        e.ch.sem_wait.begin(if charge { now } else { start });
+    } else {
+        e.ch.sem_wait.end(now, 0);
+    }
     match step {
         Step::Spin { ns } => {
             e.on_engine = true;

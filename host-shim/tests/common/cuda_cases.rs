@@ -232,7 +232,8 @@ pub fn hostile_pointers_fault_and_change_nothing<G: Gpu + ?Sized>(gpu: &Arc<G>) 
 }
 
 /// SEM_ACQUIRE blocks its channel until another channel's SEM_RELEASE; REF, NOTIFY and
-/// GP_GET follow completion.
+/// GP_GET follow completion. The waiter's `sem_wait_ns` counts the wait and stops when it
+/// is satisfied; the releaser never waited.
 pub fn semaphores_order_channels<G: Gpu + ?Sized>(gpu: &Arc<G>) {
     let p = Proc::new(gpu, SYS_BASE);
     let sem = SYS_VA + DATA_OFF;
@@ -258,6 +259,11 @@ pub fn semaphores_order_channels<G: Gpu + ?Sized>(gpu: &Arc<G>) {
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(waiter.ctrl.load(vgpu_protocol::ControlPage::GP_GET), 0);
     assert_eq!(p.peek(DATA_OFF + 0x1000, 4), vec![0; 4]);
+    let waited = gpu.channel_counters(waiter.id).unwrap().sem_wait_ns;
+    assert!(
+        waited >= 20_000_000,
+        "waited {waited} ns of 50 ms on the semaphore"
+    );
     let spin = releaser.launch(&KernelArgs::Spin { ns: 2_000_000 });
     releaser.submit(&[
         spin,
@@ -269,6 +275,15 @@ pub fn semaphores_order_channels<G: Gpu + ?Sized>(gpu: &Arc<G>) {
     ]);
     waiter.wait_idle(T).unwrap();
     releaser.wait_idle(T).unwrap();
+    let after = gpu.channel_counters(waiter.id).unwrap().sem_wait_ns;
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(
+        gpu.channel_counters(waiter.id).unwrap().sem_wait_ns,
+        after,
+        "the wait ended with its release"
+    );
+    assert!(after >= waited);
+    assert_eq!(gpu.channel_counters(releaser.id).unwrap().sem_wait_ns, 0);
     assert_eq!(p.peek(DATA_OFF + 0x1000, 4), 0x1234_5678u32.to_le_bytes());
     assert_eq!(waiter.ctrl.load(vgpu_protocol::ControlPage::REF), 42);
     assert_eq!(waiter.ctrl.load(vgpu_protocol::ControlPage::NOTIFY_SEQ), 1);

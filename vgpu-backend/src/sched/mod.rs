@@ -371,6 +371,8 @@ struct Sched {
     /// Compute engines of the GPU (idle time is counted over all of them).
     engines: u32,
     acct: Accounting,
+    /// Semaphore-wait readings per channel (deltas, as busy time).
+    sem_waits: Accounting,
     est: Estimator,
     /// Cost per GP entry of each channel, learnt from busy counters and GP_GET progress
     /// (for the release budget).
@@ -415,6 +417,7 @@ fn thread_main(
         use_counters: counters && cfg.policy != Policy::Sampling,
         engines,
         acct: Accounting::new(),
+        sem_waits: Accounting::new(),
         est: Estimator::new(),
         entry_cost: Estimator::new(),
         stalls: Stalls::new(),
@@ -497,6 +500,8 @@ struct Obs {
     /// Stopped on an error (faulted, killed): it will never run again.
     dead: bool,
     busy_delta_ns: u64,
+    /// Time its next work waited on a semaphore acquire since the previous reading.
+    sem_wait_delta_ns: u64,
 }
 
 /// One connected VM at a tick.
@@ -613,6 +618,7 @@ impl Sched {
                     holders: c.holders,
                     dead: gpu.channel_error(c.hal).ok().flatten().is_some(),
                     busy_delta_ns: 0,
+                    sem_wait_delta_ns: 0,
                 });
             }
             vm_obs.push(VmObs {
@@ -701,6 +707,9 @@ impl Sched {
                     None => 0,
                 }
             };
+            if self.use_counters {
+                o.sem_wait_delta_ns = self.sem_waits.delta(o.hal, o.counters.sem_wait_ns);
+            }
         }
         if self.use_counters {
             for o in obs.iter() {
@@ -724,12 +733,14 @@ impl Sched {
                 *v.retired_busy.entry(r.pid).or_default() += d;
                 // HAL channel ids are never reused: nothing of it is needed again.
                 self.acct.forget(r.hal);
+                self.sem_waits.forget(r.hal);
                 self.est.forget(r.hal);
                 self.entry_cost.forget(r.hal);
                 self.stalls.forget(r.hal);
             }
         }
         self.acct.end_interval(full);
+        self.sem_waits.end_interval(full);
         self.est.end_interval(full);
     }
 
@@ -741,7 +752,10 @@ impl Sched {
     /// in one of them (waiting on a semaphore, say). A blocked channel counted as
     /// pending would hold its siblings back (its clock never moves) — and if a held-back
     /// sibling is the one that would release it, forever. See [`stall`] for why one
-    /// interval is not enough.
+    /// interval is not enough. Nor does a channel whose work waited on a semaphore for
+    /// half the interval or more by the GPU's own count (`sem_wait_ns`): a queue that
+    /// waits between short kernels never stalls three intervals in a row, and counted as
+    /// pending it held a steady VM at 0.0 % of the GPU while the GPU idled (issue 28).
     fn samples(
         &mut self,
         vms: &[VmObs],
@@ -751,6 +765,8 @@ impl Sched {
         full: bool,
     ) -> Vec<VmSample> {
         let gpu_idled = idle_ns.saturating_mul(10) > len_ns;
+        // `len_ns` is the capacity of all compute engines; a channel runs on one.
+        let interval_ns = len_ns / u64::from(self.engines.max(1));
         let hints = lock(&self.shared.hints);
         let mut out: Vec<VmSample> = vms
             .iter()
@@ -768,6 +784,9 @@ impl Sched {
                     .is_some_and(|v| self.shadowed.contains(&(v.name.clone(), o.ch)));
             let stalled = o.pending && !o.dead && o.busy_delta_ns == 0 && !held;
             let blocked = self.stalls.note(o.hal, stalled, gpu_idled);
+            // Its work waited on a semaphore for half the interval or more, by the GPU's
+            // own count: it could not have used the GPU then (issue 28).
+            let sem_waiting = o.sem_wait_delta_ns.saturating_mul(2) >= interval_ns;
             procs
                 .entry((o.vm, o.pid))
                 .or_default()
@@ -775,7 +794,7 @@ impl Sched {
                 .push(ChannelSample {
                     ch: o.ch,
                     busy_delta_ns: o.busy_delta_ns,
-                    pending: o.pending && !o.dead && !blocked,
+                    pending: o.pending && !o.dead && !blocked && !sem_waiting,
                 });
         }
         for (i, v) in vms.iter().enumerate() {

@@ -83,6 +83,7 @@ mod tests {
             gp_completed,
             kernels,
             copies: 0,
+            sem_wait_ns: 0,
         }
     }
 
