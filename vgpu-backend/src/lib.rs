@@ -58,8 +58,6 @@
 pub mod api;
 pub mod capacity;
 pub mod config;
-pub mod control;
-mod device_state;
 pub mod error;
 pub mod events;
 pub mod guest_mem;
@@ -98,6 +96,8 @@ pub use sched::{Policy, SchedConfig, SchedError, SchedStats};
 pub use shadow::{ChannelPeek, Holder, Holders, ShadowError, ShadowStats, ShadowSwitch};
 pub use shmem::{NullShm, ShmMapper, VhostShm};
 pub use vgpu_host_shim::Gpu;
+/// The operator controls of a VM live with the VM ([`vm::control`]).
+pub use vm::control;
 pub use vm::migration::policy::StreamPolicy;
 pub use vm::migration::progress::{MigrationPhase, MigrationProgress, PrecopyConfig, RoundStat};
 pub use vm::session::{Session, SessionShared, SessionState, VmLimits, VmStats};
@@ -242,7 +242,7 @@ impl VgpuBackend {
             events,
             share,
         ));
-        vm.lock_session().swap.set_waker(self.vram.waker());
+        vm.lock_session().set_vram_waker(self.vram.waker());
         let stop = self.stop.clone();
         let vm2 = vm.clone();
         let handle = std::thread::Builder::new()
@@ -297,7 +297,7 @@ impl VgpuBackend {
     /// The limits a VM runs with.
     pub fn vm_limits(&self, name: &str) -> Option<VmLimits> {
         self.vm(name).map(|vm| VmLimits {
-            vram_bytes: vm.control.vram_quota(),
+            vram_bytes: vm.shared.vram_quota(),
             ..vm.limits
         })
     }
@@ -533,7 +533,7 @@ fn serve_connection(
     vm.migration_forget();
     {
         let mut s = vm.lock_session();
-        let c = s.swap.counters.vm;
+        let c = s.vram_move_counters();
         s.teardown(&Gone);
         if c.evictions + c.swap_ins + c.spilled_chunks > 0 {
             info!(

@@ -54,10 +54,10 @@ use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
 };
 
-use crate::device_state::StateTransfer;
 use crate::guest_mem::GuestMemory;
 use crate::inflight::{InFlight, Ticket, STOP_TIMEOUT};
 use crate::shmem::VhostShm;
+use crate::vm::device_state::StateTransfer;
 use crate::VmState;
 
 /// Guest memory as vhost-user-backend hands it over.

@@ -15,6 +15,8 @@
 //!
 //! No other module has an `impl` block for these types.
 
+pub mod control;
+pub(crate) mod device_state;
 pub mod migration;
 mod pause;
 pub mod requests;
@@ -36,7 +38,6 @@ use std::time::Duration;
 
 use vhost_user_backend::ShutdownHandle;
 
-use crate::control;
 use crate::shmem::VhostShm;
 use session::{Session, SessionShared, VmLimits};
 
@@ -73,7 +74,7 @@ impl VmState {
         events: Arc<crate::EventQueue>,
         capacity: crate::capacity::VmCapacity,
     ) -> Self {
-        let shared = Arc::new(SessionShared::new(events));
+        let shared = Arc::new(SessionShared::new(events, limits.vram_bytes));
         VmState {
             name: name.to_string(),
             socket,
@@ -90,7 +91,7 @@ impl VmState {
             conn: Mutex::new(None),
             shm: Mutex::new(None),
             weight: AtomicU32::new(crate::sched::DEFAULT_WEIGHT),
-            control: control::VmControl::new(limits.vram_bytes),
+            control: control::VmControl::new(),
             progress: Default::default(),
             precopy_cfg: Default::default(),
         }
@@ -132,6 +133,6 @@ impl VmState {
 
     /// VRAM the config space advertises: the VM's limit, at most the GPU's size.
     pub(crate) fn config_vram_bytes(&self) -> u64 {
-        self.control.vram_quota().min(self.gpu_vram)
+        self.shared.vram_quota().min(self.gpu_vram)
     }
 }

@@ -271,13 +271,28 @@ pub struct SessionShared {
     uncounted: AtomicBool,
     /// The driver acked `VIRTIO_VGPU_F_FORWARDED`: channels get no BAR slot.
     forwarded: AtomicBool,
+    /// The VM's VRAM quota, its one copy: ALLOC_VRAM's limit (with the swap limit), the
+    /// most the VRAM manager keeps resident for it, what the config space advertises.
+    /// Set only through [`crate::vm::control::validate_vram_quota`]'s checks.
+    vram_quota: AtomicU64,
 }
 
 impl SessionShared {
-    pub fn new(events: Arc<EventQueue>) -> Self {
+    /// The VM's VRAM quota now.
+    pub(crate) fn vram_quota(&self) -> u64 {
+        self.vram_quota.load(Ordering::Acquire)
+    }
+
+    /// Sets the VRAM quota (already validated).
+    pub(in crate::vm) fn set_vram_quota(&self, bytes: u64) {
+        self.vram_quota.store(bytes, Ordering::Release);
+    }
+
+    pub fn new(events: Arc<EventQueue>, vram_quota: u64) -> Self {
         let activity = Arc::new(ActivityCounter::new());
         SessionShared {
             events,
+            vram_quota: AtomicU64::new(vram_quota),
             busy: Mutex::new(BusyBook {
                 activity: activity.clone(),
                 ..BusyBook::default()
@@ -466,22 +481,22 @@ impl BusyBook {
 /// One VM's GPU objects and the logic that manages them (request handling lives in
 /// [`crate::vm::requests`]).
 pub struct Session {
-    pub(crate) gpu: Arc<dyn Gpu>,
-    pub(crate) limits: VmLimits,
-    pub(crate) shared: Arc<SessionShared>,
-    pub(crate) state: SessionState,
-    pub(crate) hal: HalHandles,
+    pub(in crate::vm) gpu: Arc<dyn Gpu>,
+    pub(in crate::vm) limits: VmLimits,
+    pub(in crate::vm) shared: Arc<SessionShared>,
+    pub(in crate::vm) state: SessionState,
+    pub(in crate::vm) hal: HalHandles,
     /// Shadowed channels and the VM's shadow-page pool.
-    pub(crate) shadows: crate::shadow::Shadows,
+    pub(in crate::vm) shadows: crate::shadow::Shadows,
     /// Holds on the VM's owners (pause, scheduler, VRAM moves) that channels are born
     /// into ([`crate::shadow::holds`]).
-    pub(crate) hold: crate::shadow::OwnerHolds,
+    pub(in crate::vm) hold: crate::shadow::OwnerHolds,
     /// Swap store and VRAM-manager counters.
-    pub(crate) swap: crate::vram::VmSwap,
+    pub(in crate::vm) swap: crate::vram::VmSwap,
     /// A live migration's VRAM pre-copy books (either side).
-    pub(crate) precopy: crate::vm::migration::chunks::PrecopyBooks,
+    pub(in crate::vm) precopy: crate::vm::migration::chunks::PrecopyBooks,
     /// The VM's place in the book of the GPU's contexts and channels.
-    pub(crate) capacity: VmCapacity,
+    pub(in crate::vm) capacity: VmCapacity,
 }
 
 impl Session {
@@ -517,7 +532,11 @@ impl Session {
     /// A stand-alone session (tests, tools): events go to a detached FIFO.
     pub fn new(gpu: Arc<dyn Gpu>, limits: VmLimits) -> Self {
         let events = Arc::new(EventQueue::detached(EVENT_FIFO_CAPACITY));
-        Self::with_shared(gpu, limits, Arc::new(SessionShared::new(events)))
+        Self::with_shared(
+            gpu,
+            limits,
+            Arc::new(SessionShared::new(events, limits.vram_bytes)),
+        )
     }
 
     pub fn limits(&self) -> VmLimits {
@@ -538,6 +557,16 @@ impl Session {
             && self.state.mems.is_empty()
             && self.state.channels.is_empty()
             && self.state.mappings.is_empty()
+    }
+
+    /// Wakes the VRAM manager when this VM's swap state changes.
+    pub(crate) fn set_vram_waker(&mut self, w: Arc<crate::vram::Waker>) {
+        self.swap.set_waker(w);
+    }
+
+    /// The VM's VRAM moves so far (evictions, swap-ins, spills, pauses).
+    pub(crate) fn vram_move_counters(&self) -> crate::vram::VmVramStats {
+        self.swap.counters.vm
     }
 
     /// Tells the GPU's book how many contexts and channels the VM has.

@@ -28,7 +28,7 @@ impl VramVm for VmState {
         s.refresh_recency(epoch);
         let (allocated, resident) = s.vram_figures();
         PassFigures {
-            quota: s.limits.vram_bytes,
+            quota: s.shared.vram_quota(),
             allocated,
             resident,
             swappable: s.limits.swap_bytes > 0,
@@ -82,6 +82,6 @@ impl VramVm for VmState {
     }
 
     fn set_quota(&self, bytes: u64) {
-        self.lock_session().limits.vram_bytes = bytes;
+        self.shared.set_vram_quota(bytes);
     }
 }

@@ -147,7 +147,7 @@ impl Session {
             swp += b.swapped_bytes();
         }
         let mut vm = c.vm;
-        vm.quota_bytes = self.limits.vram_bytes;
+        vm.quota_bytes = self.shared.vram_quota();
         vm.swap_limit_bytes = self.limits.swap_bytes;
         vm.resident_bytes = res;
         vm.swapped_bytes = swp;

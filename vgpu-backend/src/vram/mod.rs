@@ -433,8 +433,8 @@ impl VgpuBackend {
     /// Sets VM `name`'s VRAM quota: the most it keeps resident when others need VRAM, and
     /// (with its swap limit) what ALLOC_VRAM admits. Objects already allocated stay.
     pub fn set_vram_quota(&self, name: &str, bytes: u64) -> Result<(), VramError> {
-        if !(4096..=MAX_SWAP_STORE).contains(&bytes) {
-            return Err(VramError::InvalidConfig(format!("quota {bytes}")));
+        if let Err(e) = crate::control::validate_vram_quota(bytes) {
+            return Err(VramError::InvalidConfig(e.to_string()));
         }
         let vm = self
             .vm(name)

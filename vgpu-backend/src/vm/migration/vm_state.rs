@@ -127,7 +127,7 @@ impl VmState {
         self.send_round(round + 1, true, &dirty, out)?;
         let rec = VmRecord {
             weight: self.weight.load(Ordering::Relaxed),
-            vram_quota: self.control.vram_quota(),
+            vram_quota: self.shared.vram_quota(),
             ..VmRecord::default()
         };
         let st = {
@@ -300,7 +300,7 @@ impl VmState {
         // (a forged stream must not give its VM the GPU), every field alike.
         let policy = StreamPolicy::new(
             self.weight.load(Ordering::Relaxed),
-            self.control.vram_quota(),
+            self.shared.vram_quota(),
             &st.vm,
         );
         info!("VM {}: {}", self.name, policy.note());

@@ -164,7 +164,7 @@ impl Session {
         InfoReply {
             version: PROTOCOL_VERSION,
             compute_engines: info.compute_engines,
-            vram_bytes: info.vram_bytes.min(self.limits.vram_bytes),
+            vram_bytes: info.vram_bytes.min(self.shared.vram_quota()),
             // What this VM may use: its channel limit, at most the BAR's slots.
             channel_slots: CHANNEL_SLOTS.min(self.limits.max_channels),
             max_contexts: self.limits.max_contexts,
@@ -179,7 +179,7 @@ impl Session {
             vram_bytes: u.vram_bytes,
             mapped_guest_bytes: u.mapped_guest_bytes,
             aperture_bytes: u.aperture_bytes,
-            vram_limit: self.limits.vram_bytes,
+            vram_limit: self.shared.vram_quota(),
         }
     }
 

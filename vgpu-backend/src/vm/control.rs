@@ -22,7 +22,7 @@
 //! usage. The config space and `GET_INFO` report the new value when next read (no
 //! config-change interrupt is sent).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -37,6 +37,16 @@ use crate::{VgpuBackend, VmState};
 pub const MIN_VRAM_QUOTA: u64 = 4096;
 /// Largest VRAM quota (1 TiB, the VRAM manager's bound).
 pub const MAX_VRAM_QUOTA: u64 = crate::vram::MAX_SWAP_STORE;
+
+/// The one check of a VRAM quota, whoever sets it: one page to [`MAX_VRAM_QUOTA`], in
+/// whole pages.
+pub fn validate_vram_quota(bytes: u64) -> Result<u64, ControlError> {
+    if (MIN_VRAM_QUOTA..=MAX_VRAM_QUOTA).contains(&bytes) && bytes.is_multiple_of(4096) {
+        Ok(bytes)
+    } else {
+        Err(ControlError::InvalidQuota(bytes))
+    }
+}
 
 /// Errors of the operator controls.
 #[derive(Debug, Error)]
@@ -64,7 +74,6 @@ pub enum ControlError {
 pub(crate) struct VmControl {
     /// Mirrors the session's [`OwnerHolds::paused`](crate::shadow::OwnerHolds).
     pub(crate) paused: AtomicBool,
-    vram_quota: AtomicU64,
     /// A live migration holds the pause ([`crate::vm::migration`]).
     migrating: AtomicBool,
     /// This host saved the VM's state for the migration (it is the source).
@@ -72,10 +81,9 @@ pub(crate) struct VmControl {
 }
 
 impl VmControl {
-    pub(crate) fn new(vram_quota: u64) -> Self {
+    pub(crate) fn new() -> Self {
         VmControl {
             paused: AtomicBool::new(false),
-            vram_quota: AtomicU64::new(vram_quota),
             migrating: AtomicBool::new(false),
             saved: AtomicBool::new(false),
         }
@@ -104,10 +112,6 @@ impl VmControl {
 
     pub(crate) fn paused(&self) -> bool {
         self.paused.load(Ordering::Acquire)
-    }
-
-    pub(crate) fn vram_quota(&self) -> u64 {
-        self.vram_quota.load(Ordering::Acquire)
     }
 }
 
@@ -163,15 +167,11 @@ impl VgpuBackend {
 
     /// Sets VM `name`'s VRAM quota (its `vram_bytes` limit) for new allocations.
     pub fn set_vm_vram_quota(&self, name: &str, bytes: u64) -> Result<(), ControlError> {
-        if !(MIN_VRAM_QUOTA..=MAX_VRAM_QUOTA).contains(&bytes) || !bytes.is_multiple_of(4096) {
-            return Err(ControlError::InvalidQuota(bytes));
-        }
-        let vm = self.control_vm(name)?;
-        // The VRAM manager sets the session's limit and rebalances.
+        validate_vram_quota(bytes)?;
+        self.control_vm(name)?;
+        // The VRAM manager sets the VM's one quota and rebalances.
         self.set_vram_quota(name, bytes)
-            .map_err(|e| ControlError::Vram(e.to_string()))?;
-        vm.control.vram_quota.store(bytes, Ordering::Release);
-        Ok(())
+            .map_err(|e| ControlError::Vram(e.to_string()))
     }
 
     /// Pauses VM `name`: shadows all its channels (see the module docs). Tries every
@@ -240,5 +240,23 @@ impl VgpuBackend {
             });
         }
         Some(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_vram_quota_is_whole_pages_from_one_page_to_the_bound() {
+        for ok in [MIN_VRAM_QUOTA, 1 << 20, MAX_VRAM_QUOTA] {
+            assert_eq!(validate_vram_quota(ok).ok(), Some(ok));
+        }
+        for bad in [0, 4095, 4097, MAX_VRAM_QUOTA + 4096, u64::MAX] {
+            assert!(matches!(
+                validate_vram_quota(bad),
+                Err(ControlError::InvalidQuota(b)) if b == bad
+            ));
+        }
     }
 }
