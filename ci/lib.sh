@@ -1,6 +1,7 @@
-# Shared setup of the rig and QEMU scripts (ci/rig/l2-*.sh, ci/qemu/guest-test.sh):
-# where the binaries are, the static (musl) build, the rig's Debian kernel and its virtio
-# modules, the guest driver, and the stripped guest tools for an L2 initramfs.
+# Shared functions of the CI scripts: the step timer of .ci/run and ci/test.sh, and the
+# setup of the rig and QEMU scripts (ci/rig/l2-*.sh, ci/qemu/guest-test.sh): where the
+# binaries are, the static (musl) build, the rig's Debian kernel and its virtio modules,
+# the guest driver, and the stripped guest tools for an L2 initramfs.
 #
 # Source it after setting ROOT (the repository root) and defining die():
 #   ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -75,4 +76,43 @@ add_guest_tools() {
         strip -o "$dir/$t" "$MUSL/$t"
         tools_ref+=(--add "$dir/$t:/bin/$t")
     done
+}
+
+# --- step times -----------------------------------------------------------------------
+# ci_steps_begin: the outermost script that calls it (.ci/run, or ci/test.sh run alone)
+# prints a table of every step's wall time when it exits, nested ones' steps included
+# (they share the file VGPU_CI_STEPS names).
+ci_steps_begin() {
+    [ -z "${VGPU_CI_STEPS:-}" ] || return 0
+    VGPU_CI_STEPS="$(mktemp)"
+    export VGPU_CI_STEPS
+    CI_STEPS_START=$SECONDS
+    trap ci_steps_summary EXIT
+}
+
+# ci_step NAME COMMAND...: runs COMMAND (a program or a function; a function runs
+# without errexit, so it must return its failures), prints "== step NAME (N s)" and
+# records the time; returns COMMAND's status.
+ci_step() {
+    local name="$1" t0=$SECONDS rc=0 dt
+    shift
+    echo "== $name"
+    "$@" || rc=$?
+    dt=$((SECONDS - t0))
+    echo "== step $name ($dt s)$([ "$rc" = 0 ] || echo ", failed with status $rc")"
+    [ -z "${VGPU_CI_STEPS:-}" ] || printf '%s\t%s\t%s\n' "$dt" "$rc" "$name" >> "$VGPU_CI_STEPS"
+    return "$rc"
+}
+
+ci_steps_summary() {
+    local rc=$? secs status name
+    if [ -s "$VGPU_CI_STEPS" ]; then
+        echo "== step times (wall, s)"
+        while IFS=$'\t' read -r secs status name; do
+            printf '%7s  %s%s\n' "$secs" "$name" "$([ "$status" = 0 ] || echo "  (failed)")"
+        done < "$VGPU_CI_STEPS"
+        printf '%7s  %s\n' "$((SECONDS - CI_STEPS_START))" "total"
+    fi
+    rm -f "$VGPU_CI_STEPS"
+    return "$rc"
 }
