@@ -12,7 +12,7 @@
 //! move bytes in and out with the copy engine (the runtime stages through guest RAM, as
 //! `cudaMemcpy` does). System-memory targets (guest RAM, swapped VRAM chunks) are
 //! registered with the driver when mapped, so kernels reach them over PCIe/C2C. See
-//! `docs/architecture.md` ("The cuda GPU").
+//! `docs/architecture/gpu.md` ("The `cuda` GPU").
 //!
 //! Isolation: one CUDA context for all tenants, with checked pointer arguments.
 
