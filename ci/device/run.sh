@@ -251,7 +251,16 @@ suite_fuzz() {
 }
 
 run() {
-    B="$(cd "$1" && pwd)"; O="$2"; shift 2
+    local s
+    if [ -d "$1" ]; then
+        B="$(cd "$1" && pwd)"
+    else
+        for s in "${@:3}"; do
+            [ -z "$(needs "$s")" ] || die "no binaries in $1 (ci/device/run.sh pack ${*:3}, then copy it here)"
+        done
+        B="$1"
+    fi
+    O="$2"; shift 2
     mkdir -p "$O"; O="$(cd "$O" && pwd)"
     WORK="$(mktemp -d)"
     trap 'rm -rf "$WORK"' EXIT
