@@ -2,21 +2,45 @@
 # The whole test suite: unit, integration and property tests of every crate, a bounded
 # cargo-fuzz run of every fuzz target, and a Linux boot under vgpu-vmm in the nested rig.
 # Installs what it needs (idempotent). SKIP_FUZZ=1 / SKIP_RIG=1 / SKIP_QEMU=1 skip those
-# parts.
+# parts. Prints "== step NAME (N s)" after each step and a table of the steps' wall
+# times at the end (docs/testing.md, "What each step costs").
 set -euo pipefail
-cd "$(dirname "$0")/.."
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT"
+die() { echo "test: $*" >&2; exit 1; }
+. ci/lib.sh
+ci_steps_begin
 
 FUZZ_SECONDS="${FUZZ_SECONDS:-30}"
 
-echo "== cargo test (workspace)"
 # Includes the loopback fault soak (bench/tests/fault_soak.rs, docs/testing.md): faults
 # injected for VGPU_SOAK_SECS (180 s here, about 3 minutes of wall time) from the seed
 # VGPU_SOAK_SEED (a fixed default; the test prints it for a replay).
 export VGPU_SOAK_SECS="${VGPU_SOAK_SECS:-180}"
-cargo test --workspace --release 2>&1
+ci_step "cargo test (workspace)" cargo test --workspace --release 2>&1
+
+# One fuzz target: built (a target that no longer builds must fail the suite, not run
+# nothing), run for FUZZ_SECONDS, failed if it left a crash artifact.
+fuzz_target() {
+    local crate="$1" target="$2"
+    rm -rf "$crate/fuzz/artifacts/$target"
+    # cargo-fuzz needs nightly flags; RUSTC_BOOTSTRAP lets stable accept them.
+    if ! (cd "$crate" && RUSTC_BOOTSTRAP=1 cargo fuzz build "$target" 2>&1 | tail -3); then
+        echo "fuzz target $crate/$target does not build"
+        return 1
+    fi
+    (cd "$crate" && RUSTC_BOOTSTRAP=1 cargo fuzz run "$target" -- \
+        -max_total_time="$FUZZ_SECONDS" -rss_limit_mb=2048 2>&1 \
+        | grep -E "^Done|panicked|SUMMARY|deadly" || true)
+    if [ -n "$(ls -A "$crate/fuzz/artifacts/$target" 2>/dev/null)" ]; then
+        echo "fuzz target $crate/$target found a crash:"
+        ls "$crate/fuzz/artifacts/$target"
+        return 1
+    fi
+}
 
 if [ "${SKIP_FUZZ:-0}" != "1" ]; then
-    ci/install-fuzz.sh
+    ci_step "install cargo-fuzz" ci/install-fuzz.sh
     # Every parser of guest input has a fuzz target: the protocol decoders, the backend's
     # request handling (a whole session driven by arbitrary bytes), its virtqueue handling
     # (virtqueue) and the sim's PFIFO over fuzzed rings and push buffers (pfifo); so have
@@ -24,22 +48,7 @@ if [ "${SKIP_FUZZ:-0}" != "1" ]; then
     # Every target `cargo fuzz list` names runs.
     for crate in protocol vgpu-backend; do
         for target in $(cd "$crate" && cargo fuzz list); do
-            echo "== fuzz $crate/$target for ${FUZZ_SECONDS}s"
-            rm -rf "$crate/fuzz/artifacts/$target"
-            # A target that no longer builds must fail the suite, not run nothing.
-            if ! (cd "$crate" && RUSTC_BOOTSTRAP=1 cargo fuzz build "$target" 2>&1 | tail -3); then
-                echo "fuzz target $crate/$target does not build"
-                exit 1
-            fi
-            # cargo-fuzz needs nightly flags; RUSTC_BOOTSTRAP lets stable accept them.
-            (cd "$crate" && RUSTC_BOOTSTRAP=1 cargo fuzz run "$target" -- \
-                -max_total_time="$FUZZ_SECONDS" -rss_limit_mb=2048 2>&1 \
-                | grep -E "^Done|panicked|SUMMARY|deadly" || true)
-            if [ -n "$(ls -A "$crate/fuzz/artifacts/$target" 2>/dev/null)" ]; then
-                echo "fuzz target $crate/$target found a crash:"
-                ls "$crate/fuzz/artifacts/$target"
-                exit 1
-            fi
+            ci_step "fuzz $crate/$target (${FUZZ_SECONDS} s)" fuzz_target "$crate" "$target"
         done
     done
 fi
@@ -47,39 +56,40 @@ if [ "${SKIP_RIG:-0}" != "1" ]; then
     # The nested rig (QEMU TCG with SVM gives a real /dev/kvm in L1): vgpu-vmm boots a
     # Debian L2 Linux with 2 vCPUs to userspace and shuts it down cleanly. Installs its
     # Debian packages and the musl target itself (ci/rig/README.md).
-    echo "== nested rig: L2 Linux under vgpu-vmm"
-    ci/rig/l2-boot.sh --vcpus 2 --quiet-l2
+    ci_step "nested rig: L2 Linux under vgpu-vmm" \
+        ci/rig/l2-boot.sh --vcpus 2 --quiet-l2
     # The whole stack: vgpu-backend in L1 serving two L2 guests at once, each under
     # vgpu-vmm with vgpu.ko and the guest tools (smoke, two processes, hostile process,
     # killed process leaves nothing, quick bench), plus exit costs seen from L2.
-    echo "== nested rig: two L2 VMs with the guest driver on one vgpu-backend"
-    ci/rig/l2-vgpu.sh --guest --vms 2 --timeout 900
+    ci_step "nested rig: two L2 VMs with the guest driver on one vgpu-backend" \
+        ci/rig/l2-vgpu.sh --guest --vms 2 --timeout 900
     # Reconnect: vgpu-backend SIGKILLed and restarted under two L2 guests that hold the
     # device; vgpu-vmm reconnects, vgpu.ko resets the device, old processes end with an
     # error, vgpu-smoke passes again, no oops or warning in either guest's dmesg.
-    echo "== nested rig: a backend killed and restarted under two L2 VMs"
-    ci/rig/l2-vgpu.sh --guest --vms 2 --restart-backend --timeout 900
+    ci_step "nested rig: a backend killed and restarted under two L2 VMs" \
+        ci/rig/l2-vgpu.sh --guest --vms 2 --restart-backend --timeout 900
     # The same with a hung backend: SIGSTOPped for 60 s (requests time out, the guests
     # reset their devices, vgpu-vmm's reset request times out and it closes the
     # connection), then killed and restarted.
-    echo "== nested rig: a backend hung, then restarted, under two L2 VMs"
-    ci/rig/l2-vgpu.sh --guest --vms 2 --hang-backend 60 --timeout 900
+    ci_step "nested rig: a backend hung, then restarted, under two L2 VMs" \
+        ci/rig/l2-vgpu.sh --guest --vms 2 --hang-backend 60 --timeout 900
     # Live migration: an L2 guest looping vgpu-smoke and a verifying throttle moves from
     # one vgpu-vmm + vgpu-backend pair to another in L1 over TCP while its GPU work is in
     # flight; the loops go on verifying on the destination, the source lets go, and the
     # guest-visible pause is printed (L2-MIGRATE ... downtime_ms=).
-    echo "== nested rig: an L2 VM live-migrated between two vgpu-vmm + vgpu-backend pairs"
-    ci/rig/l2-vgpu.sh --guest --vms 1 --migrate-via tcp --timeout 900
+    ci_step "nested rig: an L2 VM live-migrated between two vgpu-vmm + vgpu-backend pairs" \
+        ci/rig/l2-vgpu.sh --guest --vms 1 --migrate-via tcp --timeout 900
 fi
 if [ "${SKIP_QEMU:-0}" != "1" ]; then
-    # QEMU (built from Debian's source with ci/qemu/patches, cached in ci/cache/qemu)
+    # QEMU (built from Debian's source with ci/qemu/patches, cached in ci/cache/qemu and
+    # in a store outside the checkout keyed by the source and patches: ci/qemu/build.sh)
     # without vhost-user SHMEM: a Debian guest with vgpu.ko in forwarded mode on one
     # vgpu-backend that also serves a direct-mode loopback VM; guest checks (smoke,
     # hostile), fair shares, driver reload, guest reboot and a backend restart.
-    echo "== QEMU: a forwarded-mode guest next to a direct loopback VM"
-    ci/qemu/guest-test.sh
+    ci_step "QEMU: a forwarded-mode guest next to a direct loopback VM" \
+        ci/qemu/guest-test.sh
     # The direct path under a QEMU with vhost-user SHMEM (QEMU 11+): skips, saying why,
     # unless VGPU_QEMU_SHMEM names such a QEMU.
-    ci/qemu/direct-test.sh --no-build
+    ci_step "QEMU: the direct path (vhost-user SHMEM)" ci/qemu/direct-test.sh --no-build
 fi
 echo "== all tests passed"

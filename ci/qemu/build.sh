@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Build QEMU (x86_64-softmmu: KVM, TCG, vhost-user; nothing else) from Debian's source
 # package, with the patches in ci/qemu/patches, so that it can attach vgpu-backend as a
-# generic vhost-user device (virtio device ID 60). Idempotent; cached under ci/cache/qemu.
+# generic vhost-user device (virtio device ID 60). Idempotent; cached under ci/cache/qemu,
+# and the finished binary also in a store outside the checkout, keyed by the source
+# version and a hash of the patches and this script, so a clean clone on the same machine
+# (or a CI that keeps the store) skips the ~16-minute build and the source download.
 #
 # Usage: ci/qemu/build.sh [--force] [--no-install]
 #   --force        rebuild even if the cached binary matches the source and patches
 #   --no-install   never call apt-get/pip (fail if something is missing)
 # Env: QEMU_SUITES  Debian suites to try, in order (default "trixie-backports trixie"):
 #                   the first whose source package can be downloaded is used.
+#      VGPU_QEMU_STORE  the store (default ${XDG_CACHE_HOME:-~/.cache}/vgpu/qemu);
+#                   --force neither reads it nor is stopped by it
 # Prints, on its last lines:
 #   QEMU=<path of qemu-system-x86_64>
 #   QEMU_DEVICE=<the generic vhost-user PCI device's name in that QEMU>
@@ -21,6 +26,10 @@ SUITES="${QEMU_SUITES:-trixie-backports trixie}"
 FORCE=0
 INSTALL=1
 
+STORE="${VGPU_QEMU_STORE:-${XDG_CACHE_HOME:-$HOME/.cache}/vgpu/qemu}"
+# What a build depends on besides the source: every patch (the set applied depends on the
+# source) and this script.
+RECIPE="$(cat "$HERE"/patches/*.patch "$0" | sha256sum | cut -c1-16)"
 die() { echo "qemu-build: $*" >&2; exit 1; }
 log() { echo "qemu-build: $*" >&2; }
 
@@ -67,6 +76,38 @@ if [ "$(cat "$SRC_LIST" 2>/dev/null)" != "$want_src" ]; then
     timeout 300 apt-get update -qq >>"$APT_LOG" 2>&1 || die "apt-get update failed"
 fi
 
+# The store: a binary built from this source version with these patches and this script.
+print_result() {
+    echo "QEMU=$1"
+    echo "QEMU_DEVICE=$2"
+    echo "QEMU_BIOS=/usr/share/seabios"
+}
+from_store() {
+    local dir="$STORE/$1-$RECIPE"
+    [ -x "$dir/qemu-system-x86_64" ] && [ -f "$dir/device" ] || return 1
+    "$dir/qemu-system-x86_64" -device help 2>/dev/null | grep -q "\"$(cat "$dir/device")\"" || return 1
+    log "from the store: $dir ($1)"
+    print_result "$dir/qemu-system-x86_64" "$(cat "$dir/device")"
+    exit 0
+}
+if [ "$FORCE" = 0 ]; then
+    # The version each suite offers, from the index alone (no download), in the order the
+    # download below tries them: the first suite whose version is in the store answers; a
+    # suite whose tarball is on the mirror but not in the store ends the search (the
+    # download below would pick it: build it).
+    for suite in $SUITES; do
+        line="$(apt-get source --print-uris -qq "qemu/$suite" 2>/dev/null \
+            | awk '$2 ~ /^qemu_.*\.orig\.tar\.xz$/' | head -n 1)" || true
+        [ -n "$line" ] || continue
+        ver="$(awk '{print $2}' <<<"$line")"; ver="${ver#qemu_}"; ver="${ver%.orig.tar.xz}"
+        from_store "$ver" || true
+        url="$(awk '{print $1}' <<<"$line" | tr -d "'")"
+        if ! command -v curl >/dev/null || timeout 30 curl -sfIL -o /dev/null "$url"; then
+            break
+        fi
+    done
+fi
+
 SRCDIR=""
 if [ "$FORCE" = 0 ] && [ -f "$CACHE/source" ]; then
     SRCDIR="$(cat "$CACHE/source")"
@@ -97,6 +138,8 @@ if [ -z "$SRCDIR" ]; then
     [ -n "$SRCDIR" ] || die "no QEMU source package could be downloaded from: $SUITES"
 fi
 VERSION="$(cat "$SRCDIR/VERSION")"
+ORIGVER="$(basename "$SRCDIR")"; ORIGVER="${ORIGVER#src-}"   # as in qemu_<ORIGVER>.orig.tar.xz
+[ "$FORCE" = 1 ] || from_store "$ORIGVER" || true
 
 # --- 3. patches ---------------------------------------------------------------------
 # 0001 names virtio device ID 60 (QEMU asserts on IDs it has no name for); 0003 keeps
@@ -163,6 +206,12 @@ fi
 "$BIN" -device help 2>/dev/null | grep -q "\"$DEVICE\"" \
     || die "$BIN has no device $DEVICE"
 echo "$DEVICE" >"$CACHE/device"
-echo "QEMU=$BIN"
-echo "QEMU_DEVICE=$DEVICE"
-echo "QEMU_BIOS=/usr/share/seabios"
+# Into the store (a failure here costs only the next clone a build).
+dst="$STORE/$ORIGVER-$RECIPE"
+if [ ! -x "$dst/qemu-system-x86_64" ] && mkdir -p "$STORE" 2>/dev/null; then
+    tmp="$(mktemp -d "$STORE/.new.XXXXXX")" \
+        && cp "$BIN" "$tmp/qemu-system-x86_64" && echo "$DEVICE" >"$tmp/device" \
+        && { mv -T "$tmp" "$dst" 2>/dev/null || rm -rf "$tmp"; } \
+        && log "stored as $dst" || log "warning: could not store the binary in $STORE"
+fi
+print_result "$BIN" "$DEVICE"

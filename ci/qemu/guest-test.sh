@@ -34,10 +34,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 START=$(date +%s)
-TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
-MUSL="$TARGET_DIR/x86_64-unknown-linux-musl/release"
-HOSTBIN="$TARGET_DIR/release"
-TOOLS="vgpu-smoke vgpu-throttle vgpu-guest-bench"
+. "$ROOT/ci/lib.sh"
 
 # QEMU (cached), the rig's Debian kernel + modules + headers (cached).
 if [ -n "$QEMU_OVERRIDE" ]; then
@@ -45,24 +42,15 @@ if [ -n "$QEMU_OVERRIDE" ]; then
 else
     eval "$("$HERE/build.sh" $([ "$BUILD" = 1 ] || echo --no-install) | grep -E '^QEMU(_DEVICE)?=')"
 fi
-[ -f "$ROOT/ci/cache/rig/l1.cpio.gz" ] || "$RIG/build-l1.sh" >&2
-KERNEL="$(readlink -f "$ROOT/ci/cache/rig/vmlinuz")"
-KVER="$(basename "$KERNEL" | sed 's/^vmlinuz-//')"
-MODDIR="$ROOT/ci/cache/rig/kernel-$KVER/lib/modules/$KVER/kernel/drivers/virtio"
+rig_kernel
 [ -f /usr/share/qemu/linuxboot_dma.bin ] || apt-get install -y -q --no-install-recommends qemu-system-data >&2
 
 if [ "$BUILD" = 1 ]; then
-    rustup target list --installed | grep -q x86_64-unknown-linux-musl \
-        || rustup target add x86_64-unknown-linux-musl >&2
-    bins=(); for t in $TOOLS; do bins+=(--bin "$t"); done
-    (cd "$ROOT" && cargo build --release --target x86_64-unknown-linux-musl \
-        -p vgpu-guest-tools "${bins[@]}" >&2)
+    musl_build_guest_tools
     (cd "$ROOT" && cargo build --release -p vgpu-backend --bin vgpu-backend --bin vgpuctl >&2)
     (cd "$ROOT" && cargo build --release -p vgpu-guest-tools --features loopback \
         --bin vgpu-throttle >&2)
-    KDIR="/usr/src/linux-headers-$KVER"
-    [ -d "$KDIR" ] || apt-get install -y --no-install-recommends "linux-headers-$KVER" >&2
-    make -C "$ROOT/guest-driver/kernel" KDIR="$KDIR" >&2
+    build_guest_driver
 fi
 DRIVER="$ROOT/guest-driver/kernel/vgpu.ko"
 modinfo -F vermagic "$DRIVER" | grep -q "^$KVER " || die "$DRIVER is not built for $KVER"
@@ -75,17 +63,9 @@ cleanup() { [ "$KEEP" = 1 ] || [ "${RC:-1}" != 0 ] || rm -rf "$WORK"; }
 trap cleanup EXIT
 # The guest: the rig's L2 initramfs with virtio_pci, vgpu.ko, the static tools, the rig's
 # guest checks, and our command loop as /l2-cmd.sh.
-VIRTIO_MODS="virtio_ring virtio virtio_pci_modern_dev virtio_pci_legacy_dev virtio_pci"
 adds=()
-for m in $VIRTIO_MODS; do
-    [ -f "$MODDIR/$m.ko" ] || die "no $MODDIR/$m.ko (rebuild the rig: ci/rig/build-l1.sh)"
-    adds+=(--add "$MODDIR/$m.ko:/mods/$m.ko")
-done
-for t in $TOOLS; do
-    [ -x "$MUSL/$t" ] || die "no static $t in $MUSL (drop --no-build)"
-    strip -o "$WORK/$t" "$MUSL/$t"
-    adds+=(--add "$WORK/$t:/bin/$t")
-done
+add_virtio_mods adds
+add_guest_tools "$WORK" adds
 { echo "VIRTIO_MODS='$VIRTIO_MODS'"; cat "$HERE/guest-cmd.sh"; } > "$WORK/l2-cmd.sh"
 adds+=(--add "$DRIVER:/mods/vgpu.ko" --add "$WORK/l2-cmd.sh:/l2-cmd.sh"
        --add "$RIG/l2-guest-checks.sh:/l2-guest-checks.sh")

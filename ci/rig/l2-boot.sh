@@ -40,17 +40,11 @@ while [ $# -gt 0 ]; do
     esac
 done
 
-TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
-BIN="$TARGET_DIR/x86_64-unknown-linux-musl/release/vgpu-vmm"
-if [ "$BUILD" = 1 ]; then
-    rustup target list --installed | grep -q x86_64-unknown-linux-musl \
-        || rustup target add x86_64-unknown-linux-musl >&2
-    (cd "$ROOT" && cargo build --release --target x86_64-unknown-linux-musl \
-        -p vgpu-vmm --bin vgpu-vmm >&2)
-fi
+. "$ROOT/ci/lib.sh"
+BIN="$MUSL/vgpu-vmm"
+[ "$BUILD" = 0 ] || musl_build -p vgpu-vmm --bin vgpu-vmm
 [ -x "$BIN" ] || die "no static vgpu-vmm at $BIN (drop --no-build)"
-[ -f "$ROOT/ci/cache/rig/l1.cpio.gz" ] || "$RIG/build-l1.sh" >&2
-KERNEL="$(readlink -f "$ROOT/ci/cache/rig/vmlinuz")"
+rig_kernel
 
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT

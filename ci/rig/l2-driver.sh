@@ -69,28 +69,15 @@ $L1_PRE" ;;
     *) die "--backend real|stub" ;;
 esac
 
-TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
-MUSL="$TARGET_DIR/x86_64-unknown-linux-musl/release"
-TOOLS="vgpu-smoke vgpu-throttle vgpu-guest-bench"
-[ -f "$ROOT/ci/cache/rig/l1.cpio.gz" ] || "$RIG/build-l1.sh" >&2
-KERNEL="$(readlink -f "$ROOT/ci/cache/rig/vmlinuz")"
-KVER="${KVER:-$(basename "$KERNEL" | sed 's/^vmlinuz-//')}"
-KDIR="/usr/src/linux-headers-$KVER"
-MODDIR="$ROOT/ci/cache/rig/kernel-$KVER/lib/modules/$KVER/kernel/drivers/virtio"
+. "$ROOT/ci/lib.sh"
+rig_kernel "${KVER:-}"
 
 if [ "$BUILD" = 1 ]; then
-    rustup target list --installed | grep -q x86_64-unknown-linux-musl \
-        || rustup target add x86_64-unknown-linux-musl >&2
     # Host programs for L1 (vgpu-bench: the native baseline of the guest suite).
-    (cd "$ROOT" && cargo build --release --target x86_64-unknown-linux-musl \
-        -p vgpu-vmm -p vgpu-backend -p vgpu-bench \
-        --bin vgpu-vmm --bin vgpu-backend --bin vgpu-bench >&2)
-    # The guest tools for L2 build on the guest runtime alone (no backend, VMM or sim).
-    bins=(); for t in $TOOLS; do bins+=(--bin "$t"); done
-    (cd "$ROOT" && cargo build --release --target x86_64-unknown-linux-musl \
-        -p vgpu-guest-tools "${bins[@]}" >&2)
-    [ -d "$KDIR" ] || apt-get install -y --no-install-recommends "linux-headers-$KVER" >&2
-    make -C "$ROOT/guest-driver/kernel" KDIR="$KDIR" >&2
+    musl_build -p vgpu-vmm -p vgpu-backend -p vgpu-bench \
+        --bin vgpu-vmm --bin vgpu-backend --bin vgpu-bench
+    musl_build_guest_tools
+    build_guest_driver
 fi
 KO="$ROOT/guest-driver/kernel/vgpu.ko"
 [ -f "$KO" ] || die "no $KO (drop --no-build)"
@@ -102,19 +89,9 @@ trap 'rm -rf "$WORK"' EXIT
 
 [ "$BACKEND" != real ] || strip -o "$WORK/vgpu-backend" "$MUSL/vgpu-backend"
 [ "$BACKEND" != real ] || strip -o "$WORK/vgpu-bench" "$MUSL/vgpu-bench"
-# Static tools, stripped: the L2 initramfs rides inside L1's.
 l2_adds=(--add "$WORK/l2-cmd.sh:/l2-cmd.sh" --add "$KO:/mods/vgpu.ko")
-for t in $TOOLS; do
-    [ -x "$MUSL/$t" ] || die "no static $t in $MUSL (drop --no-build)"
-    strip -o "$WORK/$t" "$MUSL/$t"
-    l2_adds+=(--add "$WORK/$t:/bin/$t")
-done
-# In dependency order (modprobe --show-depends virtio_pci).
-VIRTIO_MODS="virtio_ring virtio virtio_pci_modern_dev virtio_pci_legacy_dev virtio_pci"
-for m in $VIRTIO_MODS; do
-    [ -f "$MODDIR/$m.ko" ] || die "no $MODDIR/$m.ko (rebuild the rig: ci/rig/build-l1.sh)"
-    l2_adds+=(--add "$MODDIR/$m.ko:/mods/$m.ko")
-done
+add_guest_tools "$WORK" l2_adds
+add_virtio_mods l2_adds
 
 if [ -n "$L2_SCRIPT" ]; then
     cp "$L2_SCRIPT" "$WORK/user.sh"

@@ -27,33 +27,18 @@ while [ $# -gt 0 ]; do
     esac
 done
 
-TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
-BIN="$TARGET_DIR/x86_64-unknown-linux-musl/release/vgpu-vmm"
-if [ "$BUILD" = 1 ]; then
-    rustup target list --installed | grep -q x86_64-unknown-linux-musl \
-        || rustup target add x86_64-unknown-linux-musl >&2
-    (cd "$ROOT" && cargo build --release --target x86_64-unknown-linux-musl \
-        -p vgpu-vmm --bin vgpu-vmm >&2)
-fi
+. "$ROOT/ci/lib.sh"
+BIN="$MUSL/vgpu-vmm"
+[ "$BUILD" = 0 ] || musl_build -p vgpu-vmm --bin vgpu-vmm
 [ -x "$BIN" ] || die "no static vgpu-vmm at $BIN (drop --no-build)"
-[ -f "$ROOT/ci/cache/rig/l1.cpio.gz" ] || "$RIG/build-l1.sh" >&2
-KERNEL="$(readlink -f "$ROOT/ci/cache/rig/vmlinuz")"
-KVER="$(basename "$KERNEL" | sed 's/^vmlinuz-//')"
-MODDIR="$ROOT/ci/cache/rig/kernel-$KVER/lib/modules/$KVER/kernel/drivers/virtio"
+rig_kernel
 
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 
 # The check that runs in L2 (busybox sh; no lspci: read sysfs).
-# In dependency order (modprobe --show-depends virtio_pci).
-VIRTIO_MODS="virtio_ring virtio virtio_pci_modern_dev virtio_pci_legacy_dev virtio_pci"
 l2_adds=(--add "$WORK/l2-cmd.sh:/l2-cmd.sh")
-if [ "$VIRTIO" = 1 ]; then
-    for m in $VIRTIO_MODS; do
-        [ -f "$MODDIR/$m.ko" ] || die "no $MODDIR/$m.ko (rebuild the rig: ci/rig/build-l1.sh)"
-        l2_adds+=(--add "$MODDIR/$m.ko:/mods/$m.ko")
-    done
-fi
+[ "$VIRTIO" = 0 ] || add_virtio_mods l2_adds
 { echo "VIRTIO_MODS='$VIRTIO_MODS'"; cat <<'L2'
 found=0
 for d in /sys/bus/pci/devices/*; do

@@ -84,29 +84,14 @@ while [ $# -gt 0 ]; do
 done
 case "$VMS" in [1-8]) ;; *) die "--vms must be 1..8" ;; esac
 
-TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
-MUSL="$TARGET_DIR/x86_64-unknown-linux-musl/release"
-TOOLS="vgpu-smoke vgpu-throttle vgpu-guest-bench"
-[ -f "$ROOT/ci/cache/rig/l1.cpio.gz" ] || "$RIG/build-l1.sh" >&2
-KERNEL="$(readlink -f "$ROOT/ci/cache/rig/vmlinuz")"
-KVER="$(basename "$KERNEL" | sed 's/^vmlinuz-//')"
-MODDIR="$ROOT/ci/cache/rig/kernel-$KVER/lib/modules/$KVER/kernel/drivers/virtio"
+. "$ROOT/ci/lib.sh"
+rig_kernel
 if [ "$BUILD" = 1 ]; then
-    rustup target list --installed | grep -q x86_64-unknown-linux-musl \
-        || rustup target add x86_64-unknown-linux-musl >&2
-    (cd "$ROOT" && cargo build --release --target x86_64-unknown-linux-musl \
-        -p vgpu-vmm -p vgpu-backend --bin vgpu-vmm --bin vgpu-migrate --bin vgpu-backend \
-        --bin vgpuctl >&2)
+    musl_build -p vgpu-vmm -p vgpu-backend --bin vgpu-vmm --bin vgpu-migrate --bin vgpu-backend \
+        --bin vgpuctl
     if [ "$GUEST" = 1 ]; then
-        # The guest tools build on the guest runtime alone (no backend, VMM or sim).
-        bins=(); for t in $TOOLS; do bins+=(--bin "$t"); done
-        (cd "$ROOT" && cargo build --release --target x86_64-unknown-linux-musl \
-            -p vgpu-guest-tools "${bins[@]}" >&2)
-    fi
-    if [ "$GUEST" = 1 ]; then
-        KDIR="/usr/src/linux-headers-$KVER"
-        [ -d "$KDIR" ] || apt-get install -y --no-install-recommends "linux-headers-$KVER" >&2
-        make -C "$ROOT/guest-driver/kernel" KDIR="$KDIR" >&2
+        musl_build_guest_tools
+        build_guest_driver
         gcc -O2 -static -o "$TARGET_DIR/exit-cost" "$RIG/exit-cost.c" >&2
     fi
 fi
@@ -126,23 +111,13 @@ if [ "$GUEST" = 1 ]; then
     else
         L2CMD="${L2CMD:-$RIG/l2-guest-checks.sh}"
     fi
-    # Static tools, stripped: the L2 initramfs rides inside L1's.
-    for t in $TOOLS; do
-        [ -x "$MUSL/$t" ] || die "no static $t in $MUSL (drop --no-build)"
-        strip -o "$WORK/$t" "$MUSL/$t"
-        ADDS+=(--add "$WORK/$t:/bin/$t")
-    done
+    add_guest_tools "$WORK" ADDS
 fi
 [ -z "$DRIVER" ] || modinfo -F vermagic "$DRIVER" | grep -q "^$KVER " \
     || die "$DRIVER is not built for $KVER"
 
-# In dependency order (modprobe --show-depends virtio_pci).
-VIRTIO_MODS="virtio_ring virtio virtio_pci_modern_dev virtio_pci_legacy_dev virtio_pci"
 l2_adds=(--add "$WORK/l2-cmd.sh:/l2-cmd.sh")
-for m in $VIRTIO_MODS; do
-    [ -f "$MODDIR/$m.ko" ] || die "no $MODDIR/$m.ko (rebuild the rig: ci/rig/build-l1.sh)"
-    l2_adds+=(--add "$MODDIR/$m.ko:/mods/$m.ko")
-done
+add_virtio_mods l2_adds
 [ -z "$DRIVER" ] || l2_adds+=(--add "$DRIVER:/mods/vgpu.ko")
 [ -z "$EXITCOST" ] || l2_adds+=(--add "$EXITCOST:/bin/exit-cost")
 [ -z "$L2CMD" ] || l2_adds+=(--add "$L2CMD:/l2-user.sh")

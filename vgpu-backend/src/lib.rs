@@ -3,7 +3,7 @@
 //!
 //! Layout, in the style of rust-vmm's vhost-device crates:
 //! - [`vhu_vgpu`]: `VhostUserBackend` — features, config space, shared-memory region,
-//!   control and event virtqueues; [`inflight`] makes a ring's stop wait for the requests
+//!   control and event virtqueues; `inflight` makes a ring's stop wait for the requests
 //!   the worker already took;
 //! - [`vm`]: **the one owner of per-VM state** — `VmState` and its `Session` (what each
 //!   guest process owns), control requests by subject, the session's channels through the

@@ -1,18 +1,18 @@
 //! `cuda`: the HAL on a real NVIDIA GPU.
 //!
 //! Guests see exactly what they see on the `sim`: channel control pages in host shared
-//! memory that they map and store GP_PUT into. A host front end ([`frontend`]) plays
+//! memory that they map and store GP_PUT into. A host front end (`frontend`) plays
 //! PFIFO and issues the work on one CUDA stream per channel.
 //!
 //! Memory. The GPU's page tables are the same software MMU the sim uses
 //! ([`crate::mmu::AddressSpace`]): every LAUNCH/COPY/semaphore address is translated and
 //! checked through the issuing context's mappings when the entry is planned
 //! ([`plan`]), and the kernels receive only the resulting flat pointers. VRAM is device
-//! memory ([`vram`]); the CPU cannot map it, so the HAL offers no aperture file and guests
+//! memory (`vram`); the CPU cannot map it, so the HAL offers no aperture file and guests
 //! move bytes in and out with the copy engine (the runtime stages through guest RAM, as
 //! `cudaMemcpy` does). System-memory targets (guest RAM, swapped VRAM chunks) are
 //! registered with the driver when mapped, so kernels reach them over PCIe/C2C. See
-//! `docs/architecture.md` ("The cuda GPU").
+//! `docs/architecture/gpu.md` ("The `cuda` GPU").
 //!
 //! Isolation: one CUDA context for all tenants, with checked pointer arguments.
 

@@ -364,6 +364,8 @@ struct Shadowed {
 
 /// The shadow state of one VM's channels (lives in its [`Session`], under the session
 /// lock; the pool survives reconnects).
+///
+/// [`Session`]: crate::vm::session::Session
 #[derive(Debug, Default)]
 pub struct Shadows {
     pool: Pool,

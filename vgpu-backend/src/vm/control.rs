@@ -21,6 +21,9 @@
 //! allocations; objects already allocated stay even when the quota drops below the VM's
 //! usage. The config space and `GET_INFO` report the new value when next read (no
 //! config-change interrupt is sent).
+//!
+//! [`Holder::Operator`]: crate::shadow::Holder::Operator
+//! [`Session::peek_channel`]: crate::vm::session::Session::peek_channel
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -1,4 +1,4 @@
-//! The one owner of a VM's state: [`VmState`] (what the backend keeps per served VM) with
+//! The one owner of a VM's state: `VmState` (what the backend keeps per served VM) with
 //! its [`session::Session`] (every GPU object the guest created, behind one lock), and
 //! every operation on them:
 //! - [`session`]: the state — plain data keyed by guest-visible ids (`SessionState`, what

@@ -43,6 +43,8 @@ impl Session {
     }
 
     /// `who` takes (`on`) or drops its hold of channel `ch` (see [`Shadows::set_hold`]).
+    ///
+    /// [`Shadows::set_hold`]: crate::shadow::Shadows::set_hold
     pub fn hold_channel(
         &mut self,
         ch: u32,
@@ -78,7 +80,7 @@ impl Session {
         left
     }
 
-    /// See [`Shadows::release_capped`].
+    /// See [`Shadows::release_capped`](crate::shadow::Shadows::release_capped).
     pub fn release_capped(&mut self, ch: u32, n: u32) -> Result<u32, ShadowError> {
         if !self.state.channels.contains_key(&ch) {
             return Err(ShadowError::NoChannel(ch));
@@ -89,6 +91,8 @@ impl Session {
     /// See [`Shadows::peek`]. While the operator has the VM paused this fails with
     /// [`ShadowError::Paused`], so that a scheduler leaves the channel alone (and counts
     /// the VM as idle rather than starving everyone else for it); see [`crate::control`].
+    ///
+    /// [`Shadows::peek`]: crate::shadow::Shadows::peek
     pub fn peek_channel(&mut self, ch: u32) -> Result<ChannelPeek, ShadowError> {
         if self.hold.paused {
             return Err(ShadowError::Paused(ch));
@@ -138,7 +142,7 @@ impl Session {
         Ok(self.shadows.peek(ch, t.page)?)
     }
 
-    /// See [`Shadows::mirror`].
+    /// See [`Shadows::mirror`](crate::shadow::Shadows::mirror).
     pub fn mirror_shadows(&mut self) -> usize {
         self.shadows.mirror()
     }

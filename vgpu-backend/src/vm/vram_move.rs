@@ -22,7 +22,7 @@
 //!
 //! The session lock is **not** held while the GPU drains (step 1's wait, up to the drain
 //! timeout): the scheduler, the operator API and the VM's own requests go on meanwhile
-//! ([`move_chunks_unlocked`]). The context stays held for the VRAM manager — a channel the
+//! (`move_chunks_unlocked`). The context stays held for the VRAM manager — a channel the
 //! guest creates in it meanwhile is born held ([`crate::shadow::OwnerHolds`]) — and the
 //! move re-reads the object once drained, under the lock: an object freed meanwhile ends
 //! the move (`Gone`) and everything it held is released. The copy itself (step 2, bounded

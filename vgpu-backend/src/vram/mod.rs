@@ -7,9 +7,10 @@
 //! - [`slabs`]: a VM's own 2 MiB frames for its pieces smaller than a chunk (whole chunks
 //!   come from the GPU at chunk alignment, so no VM's small objects split another's);
 //! - [`store`]: the per-VM swap memfd and the `SysMemory` that lets the GPU reach it;
-//! - [`object`]: allocating, freeing and mapping chunked objects;
-//! - [`evict`]: the pause dance that moves chunks (shadow + drain, copy, remap, invalidate,
-//!   aperture, free, resume);
+//! - [`vram_objects`](crate::vm::vram_objects) (in `vm`): allocating, freeing and mapping
+//!   chunked objects;
+//! - [`vram_move`](crate::vm::vram_move) (in `vm`): the pause dance that moves chunks
+//!   (shadow + drain, copy, remap, invalidate, aperture, free, resume);
 //! - [`stats`]: counters per VM and per process.
 //!
 //! Allocation never blocks on another VM: chunks that do not fit in free VRAM are placed

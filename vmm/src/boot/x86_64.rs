@@ -258,7 +258,7 @@ pub fn write_boot_params<M: GuestMemoryBackend>(
 }
 
 /// Loads kernel, initrd and command line and writes the zero page, GDT, IDT, page tables
-/// and MP table. The vCPU state comes from [`setup_vcpu`].
+/// and MP table. The vCPU state comes from [`setup_vcpu`](super::setup_vcpu).
 pub fn load_all<M: GuestMemoryBackend>(
     mem: &M,
     kernel: &Path,
@@ -380,7 +380,7 @@ fn checksum(bytes: &[u8]) -> u8 {
 const MP_PCI_BUS_ID: u8 = 0;
 
 /// The MP floating pointer structure followed by the MP configuration table, as bytes
-/// to place at [`MPTABLE_START`]. `pci_intx` lists `(slot, ioapic pin)`: INTA# of PCI
+/// to place at `MPTABLE_START`. `pci_intx` lists `(slot, ioapic pin)`: INTA# of PCI
 /// slot `slot` on bus 0 is wired to that IOAPIC pin, edge-triggered and active high
 /// (the VMM pulses the line through an irqfd; a level-triggered pin could drop a pulse
 /// that arrives while the previous interrupt is still being handled).

@@ -9,7 +9,7 @@
 //!
 //! The orchestration lives beside the VM it moves: `boot::send` (source) and
 //! `boot::receive` (destination); the order of steps and why is documented there and in
-//! `docs/architecture.md` ("Live migration of a KVM VM").
+//! `docs/architecture/migration.md` ("A KVM VM between two `vgpu-vmm`s").
 
 pub mod codec;
 pub mod cpu;

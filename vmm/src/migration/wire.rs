@@ -122,7 +122,7 @@ pub fn connect(addr: &Address) -> Result<Box<dyn Conn>, MigrationError> {
 /// A message of the stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Msg {
-    /// The machine's shape ([`super::Hello`], encoded).
+    /// The machine's shape ([`super::records::Hello`], encoded).
     Hello(Vec<u8>),
     /// Guest RAM at `gpa`.
     Ram { gpa: u64, data: Vec<u8> },

@@ -1,5 +1,5 @@
-//! Loading a device state into a fresh session: [`Session::load_device_state`] and
-//! [`Session::apply_tail`].
+//! Loading a device state into a fresh session: `Session::load_device_state` and
+//! `Session::apply_tail`.
 //!
 //! Every object is re-created through the same handler a guest request would reach, so
 //! a hostile stream gets exactly the validation a hostile guest gets (ids, ranges, page

@@ -1,13 +1,13 @@
 //! Live migration of a VM's GPU state (the backend's part of issue 14, first slice).
 //!
-//! - **Pause** ([`crate::vm::pause`]): the migration pause *is* the operator's pause —
+//! - **Pause** (`crate::vm::pause`): the migration pause *is* the operator's pause —
 //!   every channel held shadowed by [`crate::shadow::Holder::Operator`], new channels
 //!   born held, the scheduler treating the VM as idle — plus a drain (bounded) until the
 //!   engines finished what they had fetched. While it lasts the operator cannot resume
 //!   the VM ([`crate::control::ControlError::Migrating`]).
-//! - **Pre-copy** ([`chunks`], [`vm_state`]): before the pause, rounds of VRAM chunks
+//! - **Pre-copy** (`chunks`, `vm_state`): before the pause, rounds of VRAM chunks
 //!   written since they were sent (the GPU's write record, moves, aperture windows in the
-//!   last round), so that the pause copies only what changed ([`progress`]: the view).
+//!   last round), so that the pause copies only what changed (`progress`: the view).
 //! - **Save** ([`save`]): the paused session as a
 //!   [`DeviceState`](vgpu_protocol::migration::DeviceState): contexts, VRAM objects with
 //!   their contents (resident or swapped), GPU mappings, aperture windows, channels with

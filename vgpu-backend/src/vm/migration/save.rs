@@ -1,4 +1,4 @@
-//! Saving a paused session: [`Session::save_device_state`] and [`Session::save_tail`].
+//! Saving a paused session: `Session::save_device_state` and `Session::save_tail`.
 
 use vgpu_protocol::migration::{
     ChannelRecord, ContextRecord, DeviceState, MappingRecord, MappingTargetRecord, MemRecord,

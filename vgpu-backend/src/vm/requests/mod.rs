@@ -1,6 +1,6 @@
 //! Control-queue request handling: decode, validate, act on the HAL and the BAR, reply.
 //! This file decodes and dispatches and holds the ownership checks; the handlers live by
-//! subject in [`contexts`], [`memory`] and [`channels`].
+//! subject in `contexts`, `memory` and `channels`.
 //!
 //! Every field of a request is guest-controlled. Each handler validates its arguments
 //! (→ `InvalidArgument`), then ownership (→ `NotFound` / `PermissionDenied`), then limits

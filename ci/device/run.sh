@@ -1,0 +1,303 @@
+#!/usr/bin/env bash
+# Runs on a GPU machine that has the CUDA driver and toolkit but no Rust toolchain, in two
+# halves (ci/device/README.md):
+#
+#   ci/device/run.sh pack [--dir DIR] SUITE...     on a build machine: builds what the
+#       suites need (release, stripped) into DIR (default target/device); copy DIR along
+#       with a checkout of the same commit to the GPU machine.
+#   ci/device/run.sh run [--dir DIR] [--out DIR] SUITE...   on the GPU machine, from the
+#       repository root: runs the suites with the binaries in DIR, writes every log and
+#       JSON file to the --out directory (default $OUT, else target/device-out) and prints
+#       a summary of each.
+#   ci/device/run.sh list                          the suites and what each needs.
+#
+# Suites (GPU: the cuda GPU; CPU: the sim, for a quiet many-core host):
+#   gpu         GPU   host-shim's cuda_gpu tests
+#   vram        GPU   the 3-VM VRAM stress on the GPU (bench/tests/vram_swap.rs three_vms;
+#                     SECS, default 60, EVICTIONS, default 4000)
+#   large       GPU   vgpu-bench cuda --large --only workloads against native CUDA
+#   cuda        GPU   the whole vgpu-bench cuda suite, standard sizes, against native CUDA
+#   swap        GPU   vgpu-bench swap --gpu cuda (oversubscription)
+#   sandboxed   GPU   the sandboxed_daemon test on the GPU, and vgpu-smoke --loopback
+#                     through `vgpu-backend --gpu cuda --seccomp kill`
+#   mps         GPU   native CUDA's two-process fairness, time-sliced and under MPS
+#   seccomp     GPU   vgpu-backend --gpu cuda in seccomp log mode (the kernel's records of
+#                     what it would have killed) and kill mode, driven through vgpuctl
+#   quiet-sched CPU   vgpu-bench scale --vms 64 and sched --only mixed,hostile three times
+#                     each, vgpu-demo five times (RUNS scales all three counts)
+#   fuzz        CPU   every cargo-fuzz target at once in libFuzzer's fork mode for SECS
+#                     seconds (default 560); WORKERS="virtqueue=3 session=3 ..." picks the
+#                     targets and worker counts (default: 2 workers each)
+#
+# The native CUDA baseline (bench/cuda-native/native.cu with host-shim's kernels.cu) is
+# compiled on the GPU machine with nvcc.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$ROOT"
+die() { echo "device/run: $*" >&2; exit 1; }
+
+ALL_SUITES="gpu vram large cuda swap sandboxed mps seccomp quiet-sched fuzz"
+FUZZ_CRATES="protocol vgpu-backend"
+
+# What each suite needs from the build machine: "bin:CRATE:NAME[:FEATURES]",
+# "test:CRATE:NAME" and "fuzz".
+needs() {
+    case "$1" in
+        gpu) echo "test:vgpu-host-shim:cuda_gpu" ;;
+        vram) echo "test:vgpu-bench:vram_swap" ;;
+        large|cuda|swap) echo "bin:vgpu-bench:vgpu-bench" ;;
+        sandboxed) echo "test:vgpu-backend:sandboxed_daemon bin:vgpu-backend:vgpu-backend" \
+                        "bin:vgpu-guest-tools:vgpu-smoke:native,loopback" ;;
+        mps) ;;
+        seccomp) echo "bin:vgpu-backend:vgpu-backend bin:vgpu-backend:vgpuctl" ;;
+        quiet-sched) echo "bin:vgpu-bench:vgpu-bench bin:vgpu-bench:vgpu-demo" ;;
+        fuzz) echo "fuzz" ;;
+        *) die "unknown suite: $1 (one of: $ALL_SUITES)" ;;
+    esac
+}
+
+# --- pack: on the build machine --------------------------------------------------------
+# The path of a test binary cargo builds (from its JSON messages).
+test_binary() {
+    cargo test --release -p "$1" --test "$2" --no-run --message-format=json \
+        | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | tail -n 1
+}
+
+pack() {
+    local dir="$1"; shift
+    local target_dir="${CARGO_TARGET_DIR:-$ROOT/target}"
+    mkdir -p "$dir"
+    local suite need kind crate name features exe
+    for suite in "$@"; do
+        for need in $(needs "$suite"); do
+            IFS=: read -r kind crate name features <<<"$need"
+            case "$kind" in
+                bin)
+                    cargo build --release -p "$crate" --bin "$name" \
+                        ${features:+--features "$features"} >&2
+                    strip -o "$dir/$name" "$target_dir/release/$name" ;;
+                test)
+                    exe="$(test_binary "$crate" "$name")" || exe=""
+                    [ -n "$exe" ] || die "cargo built no test binary $crate/$name"
+                    strip -o "$dir/$name" "$exe" ;;
+                fuzz)
+                    # cargo-fuzz needs nightly flags; RUSTC_BOOTSTRAP lets stable accept them.
+                    ci/install-fuzz.sh
+                    mkdir -p "$dir/fuzz/corpus"
+                    for crate in $FUZZ_CRATES; do
+                        (cd "$crate" && RUSTC_BOOTSTRAP=1 cargo fuzz build >&2)
+                        for name in $(cd "$crate" && cargo fuzz list); do
+                            # cargo puts them under CARGO_TARGET_DIR when that is set.
+                            exe="${CARGO_TARGET_DIR:-$crate/fuzz/target}/x86_64-unknown-linux-gnu/release/$name"
+                            [ -x "$exe" ] || exe="$crate/fuzz/target/x86_64-unknown-linux-gnu/release/$name"
+                            strip -o "$dir/fuzz/$name" "$exe"
+                            if [ -d "$crate/fuzz/corpus/$name" ]; then
+                                mkdir -p "$dir/fuzz/corpus/$name"
+                                cp -r "$crate/fuzz/corpus/$name/." "$dir/fuzz/corpus/$name/"
+                            fi
+                        done
+                    done ;;
+            esac
+        done
+    done
+    echo "device/run: packed $* into $dir ($(du -sh "$dir" | cut -f1))" >&2
+}
+
+# --- run: on the GPU machine -----------------------------------------------------------
+native_baseline() {
+    [ -x "$WORK/cuda-native" ] && return
+    nvcc -O2 -o "$WORK/cuda-native" bench/cuda-native/native.cu -lcuda 2>&1 | tail -3
+}
+
+suite_gpu() {
+    timeout 240 "$B/cuda_gpu" --test-threads=1 2>&1 | tee "$O/cuda_gpu.txt" | grep -E "^test |result"
+}
+
+suite_vram() {
+    VGPU_TEST_GPU=cuda VGPU_SWAP_SECS="${SECS:-60}" VGPU_SWAP_EVICTIONS="${EVICTIONS:-4000}" \
+        timeout 200 "$B/vram_swap" three_vms --nocapture 2>&1 | tee "$O/vram_stress.txt" \
+        | grep -vE "^\s*$" | tail -8
+}
+
+suite_large() {
+    native_baseline
+    timeout 330 "$B/vgpu-bench" --json cuda --gpu cuda --baseline "$WORK/cuda-native" --vram-mib 8192 \
+        --large --only workloads > "$O/cuda-large.json" 2> "$O/cuda-large.log"; echo "rc $?"
+    grep -E "_ms\"|ratio" "$O/cuda-large.json" | cut -c1-150
+    tail -3 "$O/cuda-large.log"
+}
+
+suite_cuda() {
+    native_baseline
+    timeout 450 "$B/vgpu-bench" --json cuda --gpu cuda --baseline "$WORK/cuda-native" --vram-mib 8192 \
+        > "$O/cuda-full.json" 2> "$O/cuda-full.log"; echo "rc $?"
+    grep -E "ratio|b2b|latency|share|off_by|evict|pause" "$O/cuda-full.json" | cut -c1-140
+}
+
+suite_swap() {
+    timeout 420 "$B/vgpu-bench" --json swap --gpu cuda > "$O/swap-cuda.json" 2> "$O/swap-cuda.log"
+    echo "rc $?"
+    grep -E "slowdown\"|convergence|in_swap|moved" "$O/swap-cuda.json" | cut -c1-140
+    tail -3 "$O/swap-cuda.log"
+}
+
+suite_sandboxed() {
+    echo "-- sandboxed_daemon on the GPU"
+    VGPU_TEST_GPU=cuda VGPU_BACKEND_BIN="$B/vgpu-backend" timeout 180 "$B/sandboxed_daemon" --nocapture 2>&1 \
+        | tee "$O/sandboxed_daemon-cuda.txt" | grep -E "^test |result|panicked"
+    echo "-- vgpu-smoke through vgpu-backend --gpu cuda --seccomp kill"
+    local d="$WORK/sandboxed" p i
+    mkdir -p "$d"
+    "$B/vgpu-backend" --gpu cuda --vram-mib 4096 --socket-dir "$d" --vm a --vm b --seccomp kill \
+        > "$O/backend-smoke.log" 2>&1 &
+    p=$!
+    for i in $(seq 50); do [ -S "$d/a.sock" ] && break; sleep 0.2; done
+    timeout 120 "$B/vgpu-smoke" --loopback "$d/a.sock" > "$O/smoke-a.txt" 2>&1; echo "smoke a rc $?"
+    timeout 120 "$B/vgpu-smoke" --loopback "$d/b.sock" --rounds 3 > "$O/smoke-b.txt" 2>&1; echo "smoke b rc $?"
+    tail -1 "$O/smoke-a.txt" "$O/smoke-b.txt"
+    grep FAIL "$O/smoke-a.txt" "$O/smoke-b.txt" | head
+    kill -0 $p && echo "backend alive" || echo "backend DIED"
+    kill -TERM $p; wait $p; echo "backend exit rc=$?"
+}
+
+suite_mps() {
+    native_baseline
+    if ! command -v nvidia-cuda-mps-control >/dev/null; then
+        echo "no nvidia-cuda-mps-control on this machine" | tee "$O/fairness-mps.txt"
+        return
+    fi
+    timeout 60 "$WORK/cuda-native" --only fairness | tee "$O/fairness-timeslicing.txt"
+    export CUDA_MPS_PIPE_DIRECTORY="$WORK/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$WORK/mps-log"
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d && echo "MPS started"
+    timeout 60 "$WORK/cuda-native" --only fairness | tee "$O/fairness-mps.txt"
+    echo quit | nvidia-cuda-mps-control
+    tail -5 "$CUDA_MPS_LOG_DIRECTORY/control.log" 2>/dev/null
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+
+# One seccomp mode: start the backend, show its filters, drive the API, stop it.
+seccomp_mode() {
+    local mode=$1 d="$WORK/seccomp-$1" p t
+    mkdir -p "$d"
+    echo "-- --seccomp $mode"
+    RUST_LOG=info "$B/vgpu-backend" --gpu cuda --vram-mib 2048 --socket-dir "$d" --vm a --vm b \
+        --api-socket "$d/api.sock" --seccomp "$mode" > "$O/backend-$mode.log" 2>&1 &
+    p=$!
+    sleep 8
+    if ! kill -0 $p 2>/dev/null; then
+        wait $p; echo "DIED rc=$?"; tail -20 "$O/backend-$mode.log"; return
+    fi
+    echo "alive after 8 s"
+    grep -E "Seccomp|NoNewPrivs|CapEff" /proc/$p/status
+    for t in /proc/$p/task/*; do echo "$(cat "$t/comm") $(grep Seccomp_filters "$t/status" 2>/dev/null)"; done \
+        | sort | uniq -c
+    "$B/vgpuctl" --socket "$d/api.sock" info 2>&1 | head -15
+    "$B/vgpuctl" --socket "$d/api.sock" vm list 2>&1 | head -5
+    "$B/vgpuctl" --socket "$d/api.sock" vm set-weight a 300 2>&1 | head -3
+    sleep 2
+    kill -0 $p 2>/dev/null && echo "alive after API calls" || { wait $p; echo "DIED rc=$?"; }
+    kill -TERM $p; wait $p; echo "exit rc=$?"
+    tail -5 "$O/backend-$mode.log"
+}
+
+suite_seccomp() {
+    dmesg -C 2>/dev/null
+    seccomp_mode log
+    dmesg 2>/dev/null | grep "type=1326" | grep -o "comm=[^ ]* .*syscall=[0-9]*" \
+        | sed 's/ exe=.*syscall/ syscall/' | sort | uniq -c | head -20
+    seccomp_mode kill
+}
+
+suite_quiet-sched() {
+    local runs="${RUNS:-3}" i
+    nproc; uptime
+    for i in $(seq "$runs"); do
+        echo "-- scale --vms 64 (run $i)"
+        timeout 120 "$B/vgpu-bench" scale --vms 64 > "$O/scale64-$i.txt" 2> "$O/scale64-$i.err"
+        grep -E "sched_cpu|quiet|observed" "$O/scale64-$i.txt" | head -8
+    done
+    for i in $(seq "$runs"); do
+        echo "-- sched --only mixed,hostile (run $i)"
+        timeout 200 "$B/vgpu-bench" sched --only mixed,hostile > "$O/sched-mixed-$i.txt" 2> "$O/sched-mixed-$i.err"
+        grep -E "mixed_|short_vs_long|channels16" "$O/sched-mixed-$i.txt"
+    done
+    for i in $(seq $((runs * 5 / 3))); do
+        echo "-- vgpu-demo (run $i)"
+        timeout 90 "$B/vgpu-demo" > "$O/demo-$i.txt" 2>&1
+        grep -i "verdict\|entitle" "$O/demo-$i.txt" | tail -12
+    done
+}
+
+suite_fuzz() {
+    local f="$B/fuzz" secs="${SECS:-560}" workers="${WORKERS:-}" tw t w c
+    if [ -z "$workers" ]; then
+        for t in $(ls "$f" | grep -v '^corpus$'); do workers="$workers $t=2"; done
+    fi
+    for tw in $workers; do
+        t=${tw%=*}; w=${tw#*=}
+        c="$WORK/corpus/$t"; mkdir -p "$c" "$O/crash-$t"
+        [ ! -d "$f/corpus/$t" ] || cp -r "$f/corpus/$t/." "$c/"
+        ( cd "$O/crash-$t" && timeout $((secs + 30)) "$f/$t" -fork="$w" -max_total_time="$secs" \
+            -rss_limit_mb=2048 -ignore_crashes=0 "$c" > "$O/fuzz-$t.log" 2>&1 ) &
+    done
+    wait
+    for tw in $workers; do
+        t=${tw%=*}; w=${tw#*=}
+        echo "$t workers=$w secs=$secs: $(grep -E '^#[0-9]+' "$O/fuzz-$t.log" | tail -1)"
+        grep -E "ERROR|panicked|deadly|SUMMARY" "$O/fuzz-$t.log" | head -3
+        ls "$O/crash-$t" | head -3
+    done
+}
+
+run() {
+    local s
+    if [ -d "$1" ]; then
+        B="$(cd "$1" && pwd)"
+    else
+        for s in "${@:3}"; do
+            [ -z "$(needs "$s")" ] || die "no binaries in $1 (ci/device/run.sh pack ${*:3}, then copy it here)"
+        done
+        B="$1"
+    fi
+    O="$2"; shift 2
+    mkdir -p "$O"; O="$(cd "$O" && pwd)"
+    WORK="$(mktemp -d)"
+    trap 'rm -rf "$WORK"' EXIT
+    # B and O are absolute: a suite may change directory.
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$O/gpu.txt"
+    fi
+    local suite t0
+    # A suite's commands may fail: each prints its status and the run goes on.
+    set +e
+    for suite in "$@"; do
+        t0=$(date +%s)
+        echo "== $suite"
+        "suite_$suite"
+        echo "== $suite done ($(( $(date +%s) - t0 )) s)"
+    done
+}
+
+[ $# -gt 0 ] || { sed -n '2,33p' "$0"; exit 2; }
+CMD="$1"; shift
+DIR="target/device"
+OUT_DIR="${OUT:-target/device-out}"
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --dir) DIR="$2"; shift 2 ;;
+        --out) OUT_DIR="$2"; shift 2 ;;
+        -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
+        -*) die "unknown option: $1" ;;
+        *) break ;;
+    esac
+done
+case "$CMD" in
+    list)
+        for s in $ALL_SUITES; do printf '%-12s %s\n' "$s" "$(needs "$s" | tr '\n' ' ')"; done ;;
+    pack|run)
+        [ $# -gt 0 ] || die "name the suites (ci/device/run.sh list)"
+        for s in "$@"; do needs "$s" >/dev/null; done
+        if [ "$CMD" = pack ]; then pack "$DIR" "$@"; else run "$DIR" "$OUT_DIR" "$@"; fi ;;
+    *) die "pack, run or list (ci/device/run.sh --help)" ;;
+esac
