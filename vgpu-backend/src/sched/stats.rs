@@ -17,10 +17,10 @@ pub struct SchedStats {
     /// Channels the watchdog killed.
     pub watchdog_kills: u64,
     /// Times a VM was left as it was for an interval because its session stayed locked
-    /// past [`SESSION_LOCK_WAIT`] (a long request, a frontend slow to ack a remap).
+    /// past [`SESSION_LOCK_WAIT`](super::SESSION_LOCK_WAIT) (a long request, a frontend slow to ack a remap).
     pub busy_skips: u64,
     /// Channels the last interval looked at in full, and the quiet ones it only counted
-    /// (idle since the previous look: see [`handle::SchedVm::observe`]).
+    /// (idle since the previous look: see [`SchedVm::observe`](super::handle::SchedVm::observe)).
     pub observed_channels: u32,
     pub quiet_channels: u32,
     /// `sampling`: rounds started, samples taken, samples dropped.
