@@ -9,9 +9,9 @@ use vgpu_protocol::{ControlPage, ErrorCode};
 
 use super::device::Device;
 use super::plan::HostAction;
+use crate::fifo::control_pages::ControlPages;
 use crate::hal::{ChannelConfig, ChannelCounters, ChannelId, ContextId, EventSink, GpuEvent};
 use crate::mmu::AddressSpace;
-use crate::sim::control_pages::ControlPages;
 use crate::wait_clock::WaitClock;
 
 /// Issued GP entries sharing one end mark.

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use vgpu_protocol::gp::GP_ENTRY_SIZE;
 use vgpu_protocol::method::decode_all;
-use vgpu_protocol::{ControlPage, ErrorCode, GpEntry};
+use vgpu_protocol::{counter_after, ControlPage, ErrorCode, GpEntry};
 
 use super::channel::{CudaChannel, Inflight};
 use super::device::Device;
@@ -138,10 +138,6 @@ impl<D: Device> Translate for std::cell::RefCell<CtxTranslate<'_, D>> {
         }
         Some(p)
     }
-}
-
-fn counter_after(a: u32, b: u32) -> bool {
-    (a.wrapping_sub(b) as i32) > 0
 }
 
 impl<D: Device> CudaChannel<D> {

@@ -42,9 +42,9 @@ pub use self::error::DeviceError;
 pub use self::fake::FakeDevice;
 use self::hostreg::HostRegistry;
 use self::vram::DeviceVram;
+use crate::fifo::control_pages::ControlPages;
 use crate::hal::*;
 use crate::mmu::AddressSpace;
-use crate::sim::control_pages::ControlPages;
 use crate::vram::VramAllocator;
 use crate::vram_pool::VramPool;
 

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use vgpu_protocol::{ControlPage, ErrorCode};
 
-use super::control_pages::ControlPages;
+use crate::fifo::control_pages::ControlPages;
 use crate::hal::{
     ActivityCounter, ChannelConfig, ChannelCounters, ChannelId, ChannelResume, ContextId,
     EventSink, GpuEvent,

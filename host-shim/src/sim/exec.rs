@@ -8,8 +8,8 @@ use vgpu_protocol::method::{decode_all, Method};
 use vgpu_protocol::{ControlPage, ErrorCode, GpEntry, KernelArgs};
 
 use super::channel::SimChannel;
-use super::control_pages::add;
 use crate::clock::now_ns;
+use crate::fifo::control_pages::add;
 use crate::gpu_view::{CopyError, GpuView};
 use crate::kernels::{run_kernel, KernelError, KernelMemory};
 use crate::shared_mem::SharedMem;

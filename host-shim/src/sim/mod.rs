@@ -3,7 +3,6 @@
 //! kernels, a concurrent copy engine, a paging MMU per context, and per-channel counters.
 
 mod channel;
-pub(crate) mod control_pages;
 mod copy_engine;
 mod exec;
 mod pfifo;
@@ -17,8 +16,8 @@ use std::thread::{JoinHandle, Thread};
 use vgpu_protocol::ErrorCode;
 
 use self::channel::SimChannel;
-use self::control_pages::ControlPages;
 use self::exec::{Step, WorkItem};
+use crate::fifo::control_pages::ControlPages;
 use crate::hal::*;
 use crate::mmu::AddressSpace;
 use crate::shared_mem::SharedMem;

@@ -17,10 +17,10 @@ use std::sync::Arc;
 use vgpu_protocol::{counter_after, counter_distance, ControlPage, ErrorCode};
 
 use super::channel::SimChannel;
-use super::control_pages::add;
 use super::exec::{self, EngineKind, Step, WorkItem};
 use super::{CopyJob, Shared};
 use crate::clock::{now_ns, thread_cpu_ns};
+use crate::fifo::control_pages::add;
 use crate::hal::ChannelId;
 
 /// The PFIFO's private view of a channel.
