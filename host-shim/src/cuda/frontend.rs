@@ -150,7 +150,7 @@ impl<D: Device> CudaChannel<D> {
         tl: &mut Option<Timeline<D>>,
         limits: (u32, usize),
     ) -> bool {
-        if self.is_stopped() {
+        if self.core.is_stopped() {
             return false;
         }
         let mut progress = self.retire(dev, tl);
@@ -162,7 +162,7 @@ impl<D: Device> CudaChannel<D> {
                 progress |= p
             }
             Err((code, info)) => {
-                self.fault(code, info);
+                self.core.fault(code, info);
                 progress = true;
             }
         }
@@ -177,9 +177,9 @@ impl<D: Device> CudaChannel<D> {
                 Ok(true) => {}
                 Ok(false) => break,
                 Err(e) => {
-                    log::warn!("cuda channel {:?}: {e}", self.id);
+                    log::warn!("cuda channel {:?}: {e}", self.core.id);
                     drop(st);
-                    self.fault(ErrorCode::Internal, 0);
+                    self.core.fault(ErrorCode::Internal, 0);
                     return true;
                 }
             }
@@ -201,7 +201,7 @@ impl<D: Device> CudaChannel<D> {
                         charged = ns;
                         log::trace!(
                             "cuda channel {:?}: entry ran {} ns, charged {ns} ns",
-                            self.id,
+                            self.core.id,
                             end.saturating_sub(start)
                         );
                     }
@@ -210,18 +210,19 @@ impl<D: Device> CudaChannel<D> {
             }
             if done.waits {
                 // Its semaphore wait was satisfied (less the time its kernels ran).
-                self.sem_wait.end(now_ns(), charged);
+                self.core.sem_wait.end(now_ns(), charged);
             }
             for a in &done.host {
                 match *a {
-                    HostAction::SetRef(v) => self.store(ControlPage::REF, v),
-                    HostAction::Notify(t) => self.notify(t),
+                    HostAction::SetRef(v) => self.core.store(ControlPage::REF, v),
+                    HostAction::Notify(t) => self.core.notify(t),
                 }
             }
-            self.copies.fetch_add(done.copies, Ordering::Relaxed);
-            self.gp_completed
+            self.core.copies.fetch_add(done.copies, Ordering::Relaxed);
+            self.core
+                .gp_completed
                 .fetch_add(u64::from(done.entries), Ordering::Relaxed);
-            self.store(ControlPage::GP_GET, done.next_get);
+            self.core.store(ControlPage::GP_GET, done.next_get);
             progress = true;
         }
         progress
@@ -248,7 +249,7 @@ impl<D: Device> CudaChannel<D> {
             let next_get = st.fetched;
             if b.waits {
                 // Nothing is issued behind it until its wait is satisfied.
-                self.sem_wait.begin(now_ns());
+                self.core.sem_wait.begin(now_ns());
             }
             match dev.mark(&self.stream) {
                 Ok(end) => st.inflight.push_back(Inflight {
@@ -262,7 +263,7 @@ impl<D: Device> CudaChannel<D> {
                     copies: b.copies,
                 }),
                 Err(e) => {
-                    log::warn!("cuda channel {:?}: {e}", self.id);
+                    log::warn!("cuda channel {:?}: {e}", self.core.id);
                     return Err((ErrorCode::Internal, 0));
                 }
             }
@@ -287,7 +288,7 @@ impl<D: Device> CudaChannel<D> {
             {
                 return Ok(true);
             }
-            let put = self.load(ControlPage::GP_PUT);
+            let put = self.core.load(ControlPage::GP_PUT);
             if !counter_after(put, st.fetched) {
                 return Ok(batch.is_some());
             }
@@ -296,7 +297,7 @@ impl<D: Device> CudaChannel<D> {
             let in_flight: u32 = st.inflight.iter().map(|i| i.entries).sum::<u32>()
                 + batch.as_ref().map_or(0, |b| b.entries);
             let get = st.fetched.wrapping_sub(in_flight);
-            if put.wrapping_sub(get) > self.cfg.gp_entries {
+            if put.wrapping_sub(get) > self.core.cfg.gp_entries {
                 // More outstanding entries than the ring holds: the application overwrote
                 // work that had not run yet (as the sim reports it).
                 return Err((ErrorCode::BadGpEntry, put as u64));
@@ -305,13 +306,13 @@ impl<D: Device> CudaChannel<D> {
             let scratch_before = st.scratch;
             let plan = {
                 let tr = std::cell::RefCell::new(CtxTranslate {
-                    space: &self.space,
+                    space: &self.core.space,
                     mem,
                     dev,
                     scratch: &mut st.scratch,
                     ref_ptr: self.ref_ptr,
                 });
-                let mut view = GpuView::new(&self.space, None);
+                let mut view = GpuView::new(&self.core.space, None);
                 let mut read = |va, buf: &mut [u8]| view.read(va, buf);
                 plan_entry(&methods, &tr, &mut read)?
             };
@@ -329,7 +330,7 @@ impl<D: Device> CudaChannel<D> {
                     .is_none_or(|last| dev.reached(&last.end).unwrap_or(true));
                 let start = if idle {
                     Some(dev.mark(&self.stream).map_err(|e| {
-                        log::warn!("cuda channel {:?}: {e}", self.id);
+                        log::warn!("cuda channel {:?}: {e}", self.core.id);
                         (ErrorCode::Internal, 0)
                     })?)
                 } else {
@@ -348,11 +349,11 @@ impl<D: Device> CudaChannel<D> {
                 // A launch the driver refuses (e.g. a grid beyond its limits) is the
                 // guest's bad argument, not a GPU failure.
                 dev.issue(&self.stream, op).map_err(|e| {
-                    log::debug!("cuda channel {:?}: issue {op:?}: {e}", self.id);
+                    log::debug!("cuda channel {:?}: issue {op:?}: {e}", self.core.id);
                     (ErrorCode::BadKernelArgs, 0)
                 })?;
             }
-            self.kernels.fetch_add(plan.kernels, Ordering::Relaxed);
+            self.core.kernels.fetch_add(plan.kernels, Ordering::Relaxed);
             st.fetched = st.fetched.wrapping_add(1);
             if let Some(b) = batch.as_mut() {
                 b.entries += 1;
@@ -368,9 +369,9 @@ impl<D: Device> CudaChannel<D> {
     /// Rings and push buffers must be in system memory: the front end cannot read VRAM
     /// (device memory) without a copy, so an entry there faults the channel.
     fn fetch(&self, seq: u32) -> Result<Vec<vgpu_protocol::Method>, (ErrorCode, u64)> {
-        let mut view = GpuView::new(&self.space, None);
-        let index = (seq % self.cfg.gp_entries) as u64;
-        let entry_va = self.cfg.gp_ring_va + index * GP_ENTRY_SIZE as u64;
+        let mut view = GpuView::new(&self.core.space, None);
+        let index = (seq % self.core.cfg.gp_entries) as u64;
+        let entry_va = self.core.cfg.gp_ring_va + index * GP_ENTRY_SIZE as u64;
         let mut raw = [0u8; GP_ENTRY_SIZE];
         view.read(entry_va, &mut raw)
             .map_err(|f| (ErrorCode::MmuFault, f.va))?;

@@ -42,6 +42,7 @@ pub use self::error::DeviceError;
 pub use self::fake::FakeDevice;
 use self::hostreg::HostRegistry;
 use self::vram::DeviceVram;
+use crate::fifo::channel_core::ChannelCore;
 use crate::fifo::control_pages::ControlPages;
 use crate::hal::*;
 use crate::mmu::AddressSpace;
@@ -276,7 +277,7 @@ impl<D: Device> CudaGpuOf<D> {
         self.shared
             .channels_snapshot()
             .iter()
-            .map(|c| (c.id, c.ctx, c.counters()))
+            .map(|c| (c.core.id, c.core.ctx, c.counters()))
             .collect()
     }
 
@@ -311,7 +312,7 @@ impl<D: Device> CudaGpuOf<D> {
         for c in chans {
             while !c.drained(&*self.shared.dev) {
                 if Instant::now() > deadline {
-                    log::warn!("cuda: channel {:?} still has GPU work in flight", c.id);
+                    log::warn!("cuda: channel {:?} still has GPU work in flight", c.core.id);
                     return Err(HalError::Os(
                         "GPU work still in flight (a semaphore wait that nobody releases?)".into(),
                     ));
@@ -326,7 +327,7 @@ impl<D: Device> CudaGpuOf<D> {
         self.shared
             .channels_snapshot()
             .into_iter()
-            .filter(|c| c.ctx == ctx)
+            .filter(|c| c.core.ctx == ctx)
             .collect()
     }
 
@@ -339,7 +340,7 @@ impl<D: Device> CudaGpuOf<D> {
         let mut removed = Vec::new();
         chans.retain(|_, c| {
             if pred(c) {
-                c.stop();
+                c.core.stop();
                 removed.push(c.clone());
                 false
             } else {
@@ -365,7 +366,7 @@ impl<D: Device> CudaGpuOf<D> {
             }
         } else {
             for c in removed {
-                c.retire_slot();
+                c.core.retire_slot();
             }
         }
         drained
@@ -384,19 +385,11 @@ impl<D: Device> CudaGpuOf<D> {
         let stream = self.shared.dev.create_stream().map_err(os_err)?;
         let slot = self.pages.take().ok_or(HalError::TooMany("channels"))?;
         let id = ChannelId(self.next_channel.fetch_add(1, Ordering::Relaxed));
-        let ch = Arc::new(CudaChannel::new(
-            id,
-            ctx,
-            space,
-            cfg,
-            slot,
-            self.pages.clone(),
-            sink,
-            stream,
-        ));
+        let core = ChannelCore::new(id, ctx, space, cfg, slot, self.pages.clone(), sink);
         if let Some(at) = at {
-            ch.resume_at(at);
+            core.resume_at(at);
         }
+        let ch = Arc::new(CudaChannel::new(core, stream));
         {
             let ctxs = self.lock_contexts();
             if !ctxs.contains_key(&ctx) {
@@ -584,7 +577,7 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
             .lock_contexts()
             .remove(&ctx)
             .ok_or(HalError::NoContext(ctx))?;
-        let removed = self.remove_channels(|c| c.ctx == ctx);
+        let removed = self.remove_channels(|c| c.core.ctx == ctx);
         context.space.kill();
         // Only once the GPU is done with the context's memory may it be unregistered (and
         // the owner free it). A stuck semaphore wait keeps the registration (and so the
@@ -792,7 +785,7 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
     }
 
     fn destroy_channel(&self, ch: ChannelId) -> Result<()> {
-        let removed = self.remove_channels(|c| c.id == ch);
+        let removed = self.remove_channels(|c| c.core.id == ch);
         if removed.is_empty() {
             return Err(HalError::NoChannel(ch));
         }
@@ -803,7 +796,7 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
     }
 
     fn control_page(&self, ch: ChannelId) -> Result<FdRange> {
-        Ok(self.pages.fd_range(self.channel(ch)?.slot))
+        Ok(self.pages.fd_range(self.channel(ch)?.core.slot))
     }
 
     fn doorbell(&self, _ch: ChannelId) {
@@ -815,11 +808,11 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
     }
 
     fn channel_error(&self, ch: ChannelId) -> Result<Option<(ErrorCode, u64)>> {
-        Ok(self.channel(ch)?.error())
+        Ok(self.channel(ch)?.core.error())
     }
 
     fn kill_channel(&self, ch: ChannelId, code: ErrorCode) -> Result<()> {
-        self.channel(ch)?.fault(code, 0);
+        self.channel(ch)?.core.fault(code, 0);
         self.shared.wake();
         Ok(())
     }

@@ -4,4 +4,5 @@
 //! channel's control page, and the GPU's front end fetches and decodes GP entries from the
 //! channel's address space. What does not depend on how the entries then run lives here.
 
+pub mod channel_core;
 pub mod control_pages;

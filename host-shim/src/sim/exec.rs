@@ -75,7 +75,7 @@ pub fn host_prefix(ch: &SimChannel, vram: &SharedMem, item: &mut WorkItem) -> St
         methods: item.methods[..head].to_vec(),
         pc: item.pc,
     };
-    let step = run(ch, vram, &mut prefix, &ch.stopped);
+    let step = run(ch, vram, &mut prefix, &ch.core.stopped);
     item.pc = prefix.pc;
     match step {
         Step::Done if head < item.methods.len() => Step::Ready,
@@ -85,9 +85,9 @@ pub fn host_prefix(ch: &SimChannel, vram: &SharedMem, item: &mut WorkItem) -> St
 
 /// Reads and decodes GP entry number `get` of the channel's ring and its push buffer.
 pub fn fetch(ch: &SimChannel, vram: &SharedMem, get: u32) -> Result<WorkItem, (ErrorCode, u64)> {
-    let mut view = GpuView::new(&ch.space, Some(vram));
-    let index = (get % ch.cfg.gp_entries) as u64;
-    let entry_va = ch.cfg.gp_ring_va + index * GP_ENTRY_SIZE as u64;
+    let mut view = GpuView::new(&ch.core.space, Some(vram));
+    let index = (get % ch.core.cfg.gp_entries) as u64;
+    let entry_va = ch.core.cfg.gp_ring_va + index * GP_ENTRY_SIZE as u64;
     let mut raw = [0u8; GP_ENTRY_SIZE];
     view.read(entry_va, &mut raw)
         .map_err(|f| (ErrorCode::MmuFault, f.va))?;
@@ -106,15 +106,15 @@ pub fn fetch(ch: &SimChannel, vram: &SharedMem, get: u32) -> Result<WorkItem, (E
 
 /// Runs `item` from its current method until it finishes, stalls, starts a spin or fails.
 pub fn run(ch: &SimChannel, vram: &SharedMem, item: &mut WorkItem, abort: &AtomicBool) -> Step {
-    let mut view = GpuView::new(&ch.space, Some(vram));
+    let mut view = GpuView::new(&ch.core.space, Some(vram));
     while let Some(&m) = item.methods.get(item.pc) {
-        if ch.is_stopped() || abort.load(Ordering::Relaxed) {
+        if ch.core.is_stopped() || abort.load(Ordering::Relaxed) {
             return Step::Aborted;
         }
         match m {
             Method::Nop => {}
-            Method::SetRef { value } => ch.store(ControlPage::REF, value),
-            Method::Notify { token } => ch.notify(token),
+            Method::SetRef { value } => ch.core.store(ControlPage::REF, value),
+            Method::Notify { token } => ch.core.notify(token),
             Method::SemRelease {
                 va,
                 value,
@@ -158,7 +158,7 @@ pub fn run(ch: &SimChannel, vram: &SharedMem, item: &mut WorkItem, abort: &Atomi
                     Ok(a) => a,
                     Err(_) => return Step::Fault(ErrorCode::BadKernelArgs, args_va),
                 };
-                add(&ch.kernels, 1);
+                add(&ch.core.kernels, 1);
                 if let KernelArgs::Spin { ns } = args {
                     item.pc += 1;
                     return Step::Spin { ns };
@@ -173,7 +173,7 @@ pub fn run(ch: &SimChannel, vram: &SharedMem, item: &mut WorkItem, abort: &Atomi
                 }
             }
             Method::Copy { src, dst, len } => match view.copy(dst, src, len, abort) {
-                Ok(()) => add(&ch.copies, 1),
+                Ok(()) => add(&ch.core.copies, 1),
                 Err(CopyError::Fault(f)) => return Step::Fault(ErrorCode::MmuFault, f.va),
                 Err(CopyError::Aborted) => return Step::Aborted,
             },

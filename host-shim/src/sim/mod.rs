@@ -17,6 +17,7 @@ use vgpu_protocol::ErrorCode;
 
 use self::channel::SimChannel;
 use self::exec::{Step, WorkItem};
+use crate::fifo::channel_core::ChannelCore;
 use crate::fifo::control_pages::ControlPages;
 use crate::hal::*;
 use crate::mmu::AddressSpace;
@@ -247,7 +248,7 @@ impl SimGpu {
         chans.retain(|_, c| {
             let drop_it = pred(c);
             if drop_it {
-                c.stop();
+                c.core.stop();
             }
             !drop_it
         });
@@ -291,7 +292,7 @@ impl SimGpu {
         self.shared
             .channels_snapshot()
             .iter()
-            .map(|c| (c.id, c.ctx, c.counters()))
+            .map(|c| (c.core.id, c.core.ctx, c.counters()))
             .collect()
     }
 
@@ -346,7 +347,7 @@ impl Gpu for SimGpu {
             .write_contexts()
             .remove(&ctx)
             .ok_or(HalError::NoContext(ctx))?;
-        self.remove_channels(|c| c.ctx == ctx);
+        self.remove_channels(|c| c.core.ctx == ctx);
         // Engines may still hold the address space; from here on they cannot touch its
         // memory, so the owner may free it as soon as this returns.
         context.space.kill();
@@ -467,14 +468,14 @@ impl Gpu for SimGpu {
     }
 
     fn destroy_channel(&self, ch: ChannelId) -> Result<()> {
-        if self.remove_channels(|c| c.id == ch) == 0 {
+        if self.remove_channels(|c| c.core.id == ch) == 0 {
             return Err(HalError::NoChannel(ch));
         }
         Ok(())
     }
 
     fn control_page(&self, ch: ChannelId) -> Result<FdRange> {
-        Ok(self.pages.fd_range(self.channel(ch)?.slot))
+        Ok(self.pages.fd_range(self.channel(ch)?.core.slot))
     }
 
     fn doorbell(&self, _ch: ChannelId) {
@@ -486,15 +487,15 @@ impl Gpu for SimGpu {
     }
 
     fn count_activity(&self, ch: ChannelId, counter: Arc<ActivityCounter>) -> Result<bool> {
-        Ok(self.channel(ch)?.count_activity(counter))
+        Ok(self.channel(ch)?.core.count_activity(counter))
     }
 
     fn channel_error(&self, ch: ChannelId) -> Result<Option<(ErrorCode, u64)>> {
-        Ok(self.channel(ch)?.error())
+        Ok(self.channel(ch)?.core.error())
     }
 
     fn kill_channel(&self, ch: ChannelId, code: ErrorCode) -> Result<()> {
-        self.channel(ch)?.fault(code, 0);
+        self.channel(ch)?.core.fault(code, 0);
         self.shared.wake_pfifo();
         Ok(())
     }
@@ -510,28 +511,18 @@ impl SimGpu {
         at: Option<ChannelResume>,
     ) -> Result<ChannelId> {
         cfg.check()?;
-        let owner = self
+        let (space, busy_ns) = self
             .read_contexts()
             .get(&ctx)
-            .map(|c| channel::Owner {
-                ctx,
-                space: c.space.clone(),
-                busy_ns: c.busy_ns.clone(),
-            })
+            .map(|c| (c.space.clone(), c.busy_ns.clone()))
             .ok_or(HalError::NoContext(ctx))?;
         let slot = self.pages.take().ok_or(HalError::TooMany("channels"))?;
         let id = ChannelId(self.next_channel.fetch_add(1, Ordering::Relaxed));
-        let ch = Arc::new(SimChannel::new(
-            id,
-            owner,
-            cfg,
-            slot,
-            self.pages.clone(),
-            sink,
-        ));
+        let core = ChannelCore::new(id, ctx, space, cfg, slot, self.pages.clone(), sink);
         if let Some(at) = at {
-            ch.resume_at(at);
+            core.resume_at(at);
         }
+        let ch = Arc::new(SimChannel::new(core, busy_ns));
         {
             // The context may have been destroyed meanwhile; check under the channel lock
             // order (contexts, then channels) so no channel outlives its context.
