@@ -3,7 +3,7 @@
 pub mod choice;
 pub mod clock;
 pub mod cuda;
-pub mod fifo;
+mod fifo;
 pub mod gpu_view;
 pub mod hal;
 pub mod kernels;

@@ -9,9 +9,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use vgpu_protocol::gp::GP_ENTRY_SIZE;
-use vgpu_protocol::method::decode_all;
-use vgpu_protocol::{counter_after, ControlPage, ErrorCode, GpEntry};
+use vgpu_protocol::{ControlPage, ErrorCode};
 
 use super::channel::{CudaChannel, Inflight};
 use super::device::Device;
@@ -288,21 +286,14 @@ impl<D: Device> CudaChannel<D> {
             {
                 return Ok(true);
             }
-            let put = self.core.load(ControlPage::GP_PUT);
-            if !counter_after(put, st.fetched) {
-                return Ok(batch.is_some());
-            }
-            // The front end's own count of completed entries, not the page's GP_GET: the
-            // guest can write that field, and the check must not trust it.
             let in_flight: u32 = st.inflight.iter().map(|i| i.entries).sum::<u32>()
                 + batch.as_ref().map_or(0, |b| b.entries);
-            let get = st.fetched.wrapping_sub(in_flight);
-            if put.wrapping_sub(get) > self.core.cfg.gp_entries {
-                // More outstanding entries than the ring holds: the application overwrote
-                // work that had not run yet (as the sim reports it).
-                return Err((ErrorCode::BadGpEntry, put as u64));
-            }
-            let methods = self.fetch(st.fetched)?;
+            let completed = st.fetched.wrapping_sub(in_flight);
+            // Rings and push buffers must be in system memory: the front end cannot read
+            // VRAM (device memory) without a copy, so an entry there faults the channel.
+            let Some(methods) = self.core.fetch_next(st.fetched, completed, None)? else {
+                return Ok(batch.is_some());
+            };
             let scratch_before = st.scratch;
             let plan = {
                 let tr = std::cell::RefCell::new(CtxTranslate {
@@ -363,27 +354,6 @@ impl<D: Device> CudaChannel<D> {
                 b.copies += plan.copies;
             }
         }
-    }
-
-    /// Reads and decodes GP entry `seq` and its push buffer from guest memory.
-    /// Rings and push buffers must be in system memory: the front end cannot read VRAM
-    /// (device memory) without a copy, so an entry there faults the channel.
-    fn fetch(&self, seq: u32) -> Result<Vec<vgpu_protocol::Method>, (ErrorCode, u64)> {
-        let mut view = GpuView::new(&self.core.space, None);
-        let index = (seq % self.core.cfg.gp_entries) as u64;
-        let entry_va = self.core.cfg.gp_ring_va + index * GP_ENTRY_SIZE as u64;
-        let mut raw = [0u8; GP_ENTRY_SIZE];
-        view.read(entry_va, &mut raw)
-            .map_err(|f| (ErrorCode::MmuFault, f.va))?;
-        let entry = GpEntry::decode(&raw).map_err(|_| (ErrorCode::BadGpEntry, entry_va))?;
-        let mut bytes = vec![0u8; entry.len_bytes() as usize];
-        view.read(entry.pb_va, &mut bytes)
-            .map_err(|f| (ErrorCode::MmuFault, f.va))?;
-        let words: Vec<u32> = bytes
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        decode_all(&words).map_err(|e| (ErrorCode::BadMethod, entry.pb_va + e.offset() as u64 * 4))
     }
 
     /// Whether the channel has work on the GPU or had an entry issued in the last

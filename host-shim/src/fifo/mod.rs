@@ -6,3 +6,4 @@
 
 pub mod channel_core;
 pub mod control_pages;
+pub mod fetch;

@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
 
-use vgpu_protocol::{counter_after, counter_distance, ControlPage, ErrorCode};
+use vgpu_protocol::{ControlPage, ErrorCode};
 
 use super::channel::SimChannel;
 use super::exec::{self, EngineKind, Step, WorkItem};
@@ -312,18 +312,9 @@ impl Pfifo {
 
 /// Looks for the channel's next GP entry and fetches it.
 fn next_entry(e: &mut ChanExec, shared: &Shared) -> Result<Option<WorkItem>, (ErrorCode, u64)> {
-    let put = e.ch.core.load(ControlPage::GP_PUT);
-    if !counter_after(put, e.get) {
-        return Ok(None);
-    }
-    if counter_distance(e.get, put) > e.ch.core.cfg.gp_entries {
-        // More outstanding entries than the ring holds: the application overwrote work
-        // that had not run yet.
-        return Err((ErrorCode::BadGpEntry, put as u64));
-    }
-    let item = exec::fetch(&e.ch, &shared.vram, e.get)?;
-    e.ch.core.note_activity();
-    Ok(Some(item))
+    // One entry at a time: the next to fetch is the next to complete.
+    let methods = e.ch.core.fetch_next(e.get, e.get, Some(&shared.vram))?;
+    Ok(methods.map(|methods| WorkItem { methods, pc: 0 }))
 }
 
 /// Runs the channel's current entry from where it stopped. Returns the engine slot's
