@@ -10,6 +10,7 @@ use vgpu_protocol::ControlPage;
 use super::device::Device;
 use super::plan::HostAction;
 use crate::fifo::channel_core::ChannelCore;
+use crate::fifo::tables::FifoChannel;
 use crate::hal::ChannelCounters;
 
 /// Issued GP entries sharing one end mark.
@@ -78,8 +79,14 @@ impl<D: Device> CudaChannel<D> {
     pub fn lock(&self) -> std::sync::MutexGuard<'_, ChanState<D>> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
 
-    pub fn counters(&self) -> ChannelCounters {
+impl<D: Device> FifoChannel for CudaChannel<D> {
+    fn core(&self) -> &ChannelCore {
+        &self.core
+    }
+
+    fn counters(&self) -> ChannelCounters {
         self.core.counters(self.busy_ns.load(Ordering::Relaxed))
     }
 }

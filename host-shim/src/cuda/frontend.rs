@@ -385,9 +385,9 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
         log::warn!("cuda: no timeline stream: channels report no busy time");
     }
     while !shared.shutdown.load(Ordering::Acquire) {
-        let gen = shared.gen.load(Ordering::Acquire);
+        let gen = shared.fifo.gen();
         if gen != seen_gen {
-            chans = shared.channels_snapshot();
+            chans = shared.fifo.channels();
             seen_gen = gen;
         }
         let mut progress = false;

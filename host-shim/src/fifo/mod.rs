@@ -7,3 +7,4 @@
 pub mod channel_core;
 pub mod control_pages;
 pub mod fetch;
+pub mod tables;

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::fifo::channel_core::ChannelCore;
+use crate::fifo::tables::FifoChannel;
 use crate::hal::ChannelCounters;
 
 pub struct SimChannel {
@@ -65,8 +66,14 @@ impl SimChannel {
         let v = busy.saturating_add(running);
         self.busy_reported.fetch_max(v, Ordering::SeqCst).max(v)
     }
+}
 
-    pub fn counters(&self) -> ChannelCounters {
+impl FifoChannel for SimChannel {
+    fn core(&self) -> &ChannelCore {
+        &self.core
+    }
+
+    fn counters(&self) -> ChannelCounters {
         self.core.counters(self.busy_now())
     }
 }

@@ -7,18 +7,17 @@ mod copy_engine;
 mod exec;
 mod pfifo;
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
-use std::thread::{JoinHandle, Thread};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 
 use vgpu_protocol::ErrorCode;
 
 use self::channel::SimChannel;
 use self::exec::{Step, WorkItem};
-use crate::fifo::channel_core::ChannelCore;
 use crate::fifo::control_pages::ControlPages;
+use crate::fifo::tables::Tables;
 use crate::hal::*;
 use crate::mmu::AddressSpace;
 use crate::shared_mem::SharedMem;
@@ -76,26 +75,15 @@ pub(crate) struct CopyResult {
 pub(crate) struct Shared {
     cfg: SimConfig,
     vram: SharedMem,
-    channels: RwLock<BTreeMap<ChannelId, Arc<SimChannel>>>,
-    /// Bumped whenever `channels` changes, so the PFIFO re-reads it only then.
-    gen: AtomicU64,
+    /// Contexts, channels and control pages; wakes the PFIFO thread.
+    fifo: Tables<SimChannel, SimContext>,
     copy_done: Mutex<Vec<CopyResult>>,
     shutdown: AtomicBool,
-    pfifo_thread: OnceLock<Thread>,
     pfifo_cpu_ns: AtomicU64,
     copy_cpu_ns: AtomicU64,
 }
 
 impl Shared {
-    fn channels_snapshot(&self) -> Vec<Arc<SimChannel>> {
-        self.channels
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect()
-    }
-
     fn take_copy_results(&self) -> Vec<CopyResult> {
         std::mem::take(&mut *self.copy_done.lock().unwrap_or_else(|e| e.into_inner()))
     }
@@ -105,18 +93,12 @@ impl Shared {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(r);
-        self.wake_pfifo();
-    }
-
-    fn wake_pfifo(&self) {
-        if let Some(t) = self.pfifo_thread.get() {
-            t.unpark();
-        }
+        self.fifo.wake();
     }
 }
 
-struct Context {
-    space: Arc<AddressSpace>,
+/// What the sim keeps with a context: the engine time all its channels ever used.
+struct SimContext {
     busy_ns: Arc<AtomicU64>,
 }
 
@@ -133,16 +115,9 @@ pub struct SimStats {
 /// The sim GPU. Dropping it stops its engine threads.
 pub struct SimGpu {
     shared: Arc<Shared>,
-    pages: Arc<ControlPages>,
     vram_alloc: VramPool,
-    /// Read on every map/unmap/invalidate of any VM, written only when a context comes or
-    /// goes: a reader-writer lock, so that one VM's page-table calls never queue behind
-    /// another's (issue 16).
-    contexts: RwLock<HashMap<ContextId, Context>>,
     /// VRAM size (fixed): `info()` needs no allocator lock.
     vram_bytes: u64,
-    next_context: AtomicU32,
-    next_channel: AtomicU32,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -159,13 +134,12 @@ impl SimGpu {
         }
         let vram = SharedMem::new("vgpu-vram", cfg.vram_bytes).map_err(os_err)?;
         let pages = Arc::new(ControlPages::new(cfg.max_channels).map_err(os_err)?);
+        let fifo = Tables::new(pages, cfg.max_contexts, vram.len());
         let shared = Arc::new(Shared {
             vram,
-            channels: RwLock::new(BTreeMap::new()),
-            gen: AtomicU64::new(0),
+            fifo,
             copy_done: Mutex::new(Vec::new()),
             shutdown: AtomicBool::new(false),
-            pfifo_thread: OnceLock::new(),
             pfifo_cpu_ns: AtomicU64::new(0),
             copy_cpu_ns: AtomicU64::new(0),
             cfg: cfg.clone(),
@@ -187,25 +161,13 @@ impl SimGpu {
                 pfifo::Pfifo::new(s, tx).run()
             })
             .map_err(os_err)?;
-        let _ = shared.pfifo_thread.set(pfifo.thread().clone());
+        shared.fifo.set_frontend(pfifo.thread().clone());
         Ok(Arc::new(SimGpu {
             shared,
-            pages,
             vram_alloc: VramPool::new(cfg.vram_bytes),
-            contexts: RwLock::new(HashMap::new()),
             vram_bytes: cfg.vram_bytes,
-            next_context: AtomicU32::new(1),
-            next_channel: AtomicU32::new(1),
             threads: Mutex::new(vec![pfifo, copy]),
         }))
-    }
-
-    fn read_contexts(&self) -> std::sync::RwLockReadGuard<'_, HashMap<ContextId, Context>> {
-        self.contexts.read().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn write_contexts(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<ContextId, Context>> {
-        self.contexts.write().unwrap_or_else(|e| e.into_inner())
     }
 
     fn lock_vram(&self) -> std::sync::MutexGuard<'_, VramAllocator> {
@@ -213,66 +175,27 @@ impl SimGpu {
     }
 
     fn space(&self, ctx: ContextId) -> Result<Arc<AddressSpace>> {
-        self.read_contexts()
-            .get(&ctx)
-            .map(|c| c.space.clone())
-            .ok_or(HalError::NoContext(ctx))
+        self.shared.fifo.space(ctx)
     }
 
     /// Engine time used by all channels a context ever had (tools and demos; the backend
     /// keeps its own books from channel counters).
     pub fn context_busy_ns(&self, ctx: ContextId) -> Result<u64> {
-        self.read_contexts()
-            .get(&ctx)
-            .map(|c| c.busy_ns.load(Ordering::Relaxed))
-            .ok_or(HalError::NoContext(ctx))
-    }
-
-    fn channel(&self, ch: ChannelId) -> Result<Arc<SimChannel>> {
         self.shared
-            .channels
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&ch)
-            .cloned()
-            .ok_or(HalError::NoChannel(ch))
-    }
-
-    fn remove_channels(&self, pred: impl Fn(&SimChannel) -> bool) -> usize {
-        let mut chans = self
-            .shared
-            .channels
-            .write()
-            .unwrap_or_else(|e| e.into_inner());
-        let before = chans.len();
-        chans.retain(|_, c| {
-            let drop_it = pred(c);
-            if drop_it {
-                c.core.stop();
-            }
-            !drop_it
-        });
-        let removed = before - chans.len();
-        drop(chans);
-        if removed > 0 {
-            self.shared.gen.fetch_add(1, Ordering::AcqRel);
-            self.shared.wake_pfifo();
-        }
-        removed
+            .fifo
+            .read_contexts()
+            .get(&ctx)
+            .map(|c| c.gpu.busy_ns.load(Ordering::Relaxed))
+            .ok_or(HalError::NoContext(ctx))
     }
 
     /// Live object counts.
     pub fn stats(&self) -> SimStats {
         let vram = self.lock_vram();
         SimStats {
-            contexts: self.read_contexts().len(),
-            channels: self
-                .shared
-                .channels
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .len(),
-            control_slots_in_use: self.pages.slots_in_use(),
+            contexts: self.shared.fifo.context_count(),
+            channels: self.shared.fifo.channel_count(),
+            control_slots_in_use: self.shared.fifo.pages().slots_in_use(),
             vram_allocations: vram.allocations(),
             vram_free_bytes: vram.free_bytes(),
         }
@@ -289,11 +212,7 @@ impl SimGpu {
     /// Every live channel with its context and counters (for tools and demos; the backend
     /// keeps its own books).
     pub fn channels(&self) -> Vec<(ChannelId, ContextId, ChannelCounters)> {
-        self.shared
-            .channels_snapshot()
-            .iter()
-            .map(|c| (c.core.id, c.core.ctx, c.counters()))
-            .collect()
+        self.shared.fifo.channel_list()
     }
 
     /// Mapped pages in a context (leak checks).
@@ -305,7 +224,7 @@ impl SimGpu {
 impl Drop for SimGpu {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Release);
-        self.shared.wake_pfifo();
+        self.shared.fifo.wake();
         let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
         for t in threads {
             let _ = t.join();
@@ -327,30 +246,15 @@ impl Gpu for SimGpu {
     }
 
     fn create_context(&self, sysmem: Arc<dyn SysMemory>) -> Result<ContextId> {
-        let mut ctxs = self.write_contexts();
-        if ctxs.len() >= self.shared.cfg.max_contexts as usize {
-            return Err(HalError::TooMany("contexts"));
-        }
-        let id = ContextId(self.next_context.fetch_add(1, Ordering::Relaxed));
-        ctxs.insert(
-            id,
-            Context {
-                space: Arc::new(AddressSpace::new(sysmem)),
-                busy_ns: Arc::new(AtomicU64::new(0)),
-            },
-        );
-        Ok(id)
+        let busy_ns = Arc::new(AtomicU64::new(0));
+        let space = Arc::new(AddressSpace::new(sysmem));
+        self.shared
+            .fifo
+            .create_context(space, SimContext { busy_ns })
     }
 
     fn destroy_context(&self, ctx: ContextId) -> Result<()> {
-        let context = self
-            .write_contexts()
-            .remove(&ctx)
-            .ok_or(HalError::NoContext(ctx))?;
-        self.remove_channels(|c| c.core.ctx == ctx);
-        // Engines may still hold the address space; from here on they cannot touch its
-        // memory, so the owner may free it as soon as this returns.
-        context.space.kill();
+        self.shared.fifo.remove_context(ctx)?;
         Ok(())
     }
 
@@ -387,14 +291,7 @@ impl Gpu for SimGpu {
         page: PageSize,
         flags: MapFlags,
     ) -> Result<()> {
-        if let MapTarget::Vram { offset } = target {
-            if offset
-                .checked_add(size)
-                .is_none_or(|end| end > self.shared.vram.len())
-            {
-                return Err(HalError::InvalidArgument("VRAM target out of bounds"));
-            }
-        }
+        self.shared.fifo.check_vram_target(target, size)?;
         self.space(ctx)?.map(va, size, target, page, flags)
     }
 
@@ -411,14 +308,7 @@ impl Gpu for SimGpu {
     }
 
     fn remap(&self, ctx: ContextId, va: u64, size: u64, target: MapTarget) -> Result<()> {
-        if let MapTarget::Vram { offset } = target {
-            if offset
-                .checked_add(size)
-                .is_none_or(|end| end > self.shared.vram.len())
-            {
-                return Err(HalError::InvalidArgument("VRAM target out of bounds"));
-            }
-        }
+        self.shared.fifo.check_vram_target(target, size)?;
         self.space(ctx)?.remap(va, size, target)
     }
 
@@ -468,36 +358,39 @@ impl Gpu for SimGpu {
     }
 
     fn destroy_channel(&self, ch: ChannelId) -> Result<()> {
-        if self.remove_channels(|c| c.core.id == ch) == 0 {
+        if self
+            .shared
+            .fifo
+            .remove_channels(|c| c.core.id == ch)
+            .is_empty()
+        {
             return Err(HalError::NoChannel(ch));
         }
         Ok(())
     }
 
     fn control_page(&self, ch: ChannelId) -> Result<FdRange> {
-        Ok(self.pages.fd_range(self.channel(ch)?.core.slot))
+        self.shared.fifo.control_page(ch)
     }
 
     fn doorbell(&self, _ch: ChannelId) {
-        self.shared.wake_pfifo();
+        self.shared.fifo.wake();
     }
 
     fn channel_counters(&self, ch: ChannelId) -> Result<ChannelCounters> {
-        Ok(self.channel(ch)?.counters())
+        self.shared.fifo.channel_counters(ch)
     }
 
     fn count_activity(&self, ch: ChannelId, counter: Arc<ActivityCounter>) -> Result<bool> {
-        Ok(self.channel(ch)?.core.count_activity(counter))
+        self.shared.fifo.count_activity(ch, counter)
     }
 
     fn channel_error(&self, ch: ChannelId) -> Result<Option<(ErrorCode, u64)>> {
-        Ok(self.channel(ch)?.core.error())
+        self.shared.fifo.channel_error(ch)
     }
 
     fn kill_channel(&self, ch: ChannelId, code: ErrorCode) -> Result<()> {
-        self.channel(ch)?.core.fault(code, 0);
-        self.shared.wake_pfifo();
-        Ok(())
+        self.shared.fifo.kill_channel(ch, code)
     }
 }
 
@@ -510,34 +403,11 @@ impl SimGpu {
         sink: Arc<dyn EventSink>,
         at: Option<ChannelResume>,
     ) -> Result<ChannelId> {
-        cfg.check()?;
-        let (space, busy_ns) = self
-            .read_contexts()
-            .get(&ctx)
-            .map(|c| (c.space.clone(), c.busy_ns.clone()))
-            .ok_or(HalError::NoContext(ctx))?;
-        let slot = self.pages.take().ok_or(HalError::TooMany("channels"))?;
-        let id = ChannelId(self.next_channel.fetch_add(1, Ordering::Relaxed));
-        let core = ChannelCore::new(id, ctx, space, cfg, slot, self.pages.clone(), sink);
-        if let Some(at) = at {
-            core.resume_at(at);
-        }
+        let (core, busy_ns) = self
+            .shared
+            .fifo
+            .new_core(ctx, cfg, sink, at, |c| c.gpu.busy_ns.clone())?;
         let ch = Arc::new(SimChannel::new(core, busy_ns));
-        {
-            // The context may have been destroyed meanwhile; check under the channel lock
-            // order (contexts, then channels) so no channel outlives its context.
-            let ctxs = self.read_contexts();
-            if !ctxs.contains_key(&ctx) {
-                return Err(HalError::NoContext(ctx));
-            }
-            self.shared
-                .channels
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(id, ch);
-        }
-        self.shared.gen.fetch_add(1, Ordering::AcqRel);
-        self.shared.wake_pfifo();
-        Ok(id)
+        self.shared.fifo.insert_channel(ch)
     }
 }

@@ -103,12 +103,12 @@ impl Pfifo {
 
     /// Picks up created and destroyed channels.
     fn refresh(&mut self) {
-        let gen = self.shared.gen.load(Ordering::Acquire);
+        let gen = self.shared.fifo.gen();
         if gen == self.seen_gen {
             return;
         }
         self.seen_gen = gen;
-        let current = self.shared.channels_snapshot();
+        let current = self.shared.fifo.channels();
         let mut old: HashMap<ChannelId, ChanExec> =
             self.chans.drain(..).map(|e| (e.ch.core.id, e)).collect();
         self.chans = current
