@@ -33,8 +33,6 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use vgpu_protocol::ErrorCode;
-
 use self::channel::CudaChannel;
 pub use self::device::Device;
 pub use self::driver::CudaDevice;
@@ -464,6 +462,8 @@ impl<D: Device> Drop for CudaGpuOf<D> {
 }
 
 impl<D: Device> Gpu for CudaGpuOf<D> {
+    crate::fifo::table_methods!();
+
     fn info(&self) -> GpuInfo {
         let cfg = &self.shared.cfg;
         GpuInfo {
@@ -601,14 +601,6 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
         Ok(())
     }
 
-    fn page_table_bytes(&self, ctx: ContextId) -> Result<u64> {
-        Ok(self.space(ctx)?.table_bytes())
-    }
-
-    fn map_cost(&self, ctx: ContextId, va: u64, size: u64, page: PageSize) -> Result<u64> {
-        Ok(self.space(ctx)?.map_cost(va, size, page))
-    }
-
     fn remap(&self, ctx: ContextId, va: u64, size: u64, target: MapTarget) -> Result<()> {
         match target {
             MapTarget::Vram { .. } => self.shared.fifo.check_vram_target(target, size)?,
@@ -652,35 +644,6 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
         Ok(())
     }
 
-    fn access_counts(
-        &self,
-        ctx: ContextId,
-        va: u64,
-        size: u64,
-        reset: bool,
-    ) -> Result<Vec<(u64, u32)>> {
-        self.space(ctx)?.access_counts(va, size, reset)
-    }
-
-    fn create_channel(
-        &self,
-        ctx: ContextId,
-        cfg: ChannelConfig,
-        sink: Arc<dyn EventSink>,
-    ) -> Result<ChannelId> {
-        self.new_channel(ctx, cfg, sink, None)
-    }
-
-    fn create_channel_resumed(
-        &self,
-        ctx: ContextId,
-        cfg: ChannelConfig,
-        sink: Arc<dyn EventSink>,
-        at: ChannelResume,
-    ) -> Result<ChannelId> {
-        self.new_channel(ctx, cfg, sink, Some(at))
-    }
-
     fn destroy_channel(&self, ch: ChannelId) -> Result<()> {
         let removed = self.shared.fifo.remove_channels(|c| c.core.id == ch);
         if removed.is_empty() {
@@ -690,25 +653,5 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
             log::warn!("cuda: channel {ch:?} destroyed with GPU work in flight: {e}");
         }
         Ok(())
-    }
-
-    fn control_page(&self, ch: ChannelId) -> Result<FdRange> {
-        self.shared.fifo.control_page(ch)
-    }
-
-    fn doorbell(&self, _ch: ChannelId) {
-        self.shared.fifo.wake();
-    }
-
-    fn channel_counters(&self, ch: ChannelId) -> Result<ChannelCounters> {
-        self.shared.fifo.channel_counters(ch)
-    }
-
-    fn channel_error(&self, ch: ChannelId) -> Result<Option<(ErrorCode, u64)>> {
-        self.shared.fifo.channel_error(ch)
-    }
-
-    fn kill_channel(&self, ch: ChannelId, code: ErrorCode) -> Result<()> {
-        self.shared.fifo.kill_channel(ch, code)
     }
 }

@@ -12,8 +12,6 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use vgpu_protocol::ErrorCode;
-
 use self::channel::SimChannel;
 use self::exec::{Step, WorkItem};
 use crate::fifo::control_pages::ControlPages;
@@ -233,6 +231,8 @@ impl Drop for SimGpu {
 }
 
 impl Gpu for SimGpu {
+    crate::fifo::table_methods!();
+
     fn info(&self) -> GpuInfo {
         let cfg = &self.shared.cfg;
         GpuInfo {
@@ -299,14 +299,6 @@ impl Gpu for SimGpu {
         self.space(ctx)?.unmap(va, size)
     }
 
-    fn page_table_bytes(&self, ctx: ContextId) -> Result<u64> {
-        Ok(self.space(ctx)?.table_bytes())
-    }
-
-    fn map_cost(&self, ctx: ContextId, va: u64, size: u64, page: PageSize) -> Result<u64> {
-        Ok(self.space(ctx)?.map_cost(va, size, page))
-    }
-
     fn remap(&self, ctx: ContextId, va: u64, size: u64, target: MapTarget) -> Result<()> {
         self.shared.fifo.check_vram_target(target, size)?;
         self.space(ctx)?.remap(va, size, target)
@@ -315,16 +307,6 @@ impl Gpu for SimGpu {
     fn invalidate_tlb(&self, ctx: ContextId) -> Result<()> {
         self.space(ctx)?.invalidate_tlb();
         Ok(())
-    }
-
-    fn access_counts(
-        &self,
-        ctx: ContextId,
-        va: u64,
-        size: u64,
-        reset: bool,
-    ) -> Result<Vec<(u64, u32)>> {
-        self.space(ctx)?.access_counts(va, size, reset)
     }
 
     /// Every engine write goes through a [`crate::gpu_view::GpuView`] of the channel's
@@ -336,25 +318,6 @@ impl Gpu for SimGpu {
 
     fn take_written(&self, ctx: ContextId, target: MapTarget, len: u64) -> Result<bool> {
         Ok(self.space(ctx)?.writes().take(target, len))
-    }
-
-    fn create_channel(
-        &self,
-        ctx: ContextId,
-        cfg: ChannelConfig,
-        sink: Arc<dyn EventSink>,
-    ) -> Result<ChannelId> {
-        self.new_channel(ctx, cfg, sink, None)
-    }
-
-    fn create_channel_resumed(
-        &self,
-        ctx: ContextId,
-        cfg: ChannelConfig,
-        sink: Arc<dyn EventSink>,
-        at: ChannelResume,
-    ) -> Result<ChannelId> {
-        self.new_channel(ctx, cfg, sink, Some(at))
     }
 
     fn destroy_channel(&self, ch: ChannelId) -> Result<()> {
@@ -369,28 +332,8 @@ impl Gpu for SimGpu {
         Ok(())
     }
 
-    fn control_page(&self, ch: ChannelId) -> Result<FdRange> {
-        self.shared.fifo.control_page(ch)
-    }
-
-    fn doorbell(&self, _ch: ChannelId) {
-        self.shared.fifo.wake();
-    }
-
-    fn channel_counters(&self, ch: ChannelId) -> Result<ChannelCounters> {
-        self.shared.fifo.channel_counters(ch)
-    }
-
     fn count_activity(&self, ch: ChannelId, counter: Arc<ActivityCounter>) -> Result<bool> {
         self.shared.fifo.count_activity(ch, counter)
-    }
-
-    fn channel_error(&self, ch: ChannelId) -> Result<Option<(ErrorCode, u64)>> {
-        self.shared.fifo.channel_error(ch)
-    }
-
-    fn kill_channel(&self, ch: ChannelId, code: ErrorCode) -> Result<()> {
-        self.shared.fifo.kill_channel(ch, code)
     }
 }
 
