@@ -220,6 +220,8 @@ impl<D: Device> CudaChannel<D> {
             self.core
                 .gp_completed
                 .fetch_add(u64::from(done.entries), Ordering::Relaxed);
+            // Counted before GP_GET moves: whoever sees the entry done sees the activity.
+            self.core.note_activity();
             self.core.store(ControlPage::GP_GET, done.next_get);
             progress = true;
         }

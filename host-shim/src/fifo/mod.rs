@@ -76,6 +76,16 @@ macro_rules! table_methods {
             self.shared.fifo.channel_counters(ch)
         }
 
+        /// Every GPU notes a channel's fetches, completions and error stop in its
+        /// [`crate::fifo::channel_core::ChannelCore`].
+        fn count_activity(
+            &self,
+            ch: $crate::hal::ChannelId,
+            counter: std::sync::Arc<$crate::hal::ActivityCounter>,
+        ) -> $crate::hal::Result<bool> {
+            self.shared.fifo.count_activity(ch, counter)
+        }
+
         fn channel_error(
             &self,
             ch: $crate::hal::ChannelId,

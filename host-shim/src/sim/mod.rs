@@ -331,10 +331,6 @@ impl Gpu for SimGpu {
         }
         Ok(())
     }
-
-    fn count_activity(&self, ch: ChannelId, counter: Arc<ActivityCounter>) -> Result<bool> {
-        self.shared.fifo.count_activity(ch, counter)
-    }
 }
 
 impl SimGpu {
