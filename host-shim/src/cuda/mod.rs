@@ -2,7 +2,9 @@
 //!
 //! Guests see exactly what they see on the `sim`: channel control pages in host shared
 //! memory that they map and store GP_PUT into. A host front end ([`frontend`]) plays
-//! PFIFO and issues the work on one CUDA stream per channel.
+//! PFIFO and issues the work on one CUDA stream per channel. The control pages, channel
+//! core, GP fetch/decode and context/channel tables are the front-end core it shares with
+//! the sim (`crate::fifo`); this module adds planning, streams and host registration.
 //!
 //! Memory. The GPU's page tables are the same software MMU the sim uses
 //! ([`crate::mmu::AddressSpace`]): every LAUNCH/COPY/semaphore address is translated and

@@ -2,7 +2,15 @@
 //!
 //! Guests drive the `sim` and the `cuda` GPU the same way: they store GP_PUT into a
 //! channel's control page, and the GPU's front end fetches and decodes GP entries from the
-//! channel's address space. What does not depend on how the entries then run lives here.
+//! channel's address space. What does not depend on how the entries then run lives here:
+//! - [`control_pages`]: the memfd holding every channel's control page;
+//! - [`channel_core`]: [`channel_core::ChannelCore`], which each GPU's channel contains;
+//! - [`fetch`]: GP fetch/decode and a LAUNCH's argument block;
+//! - [`tables`]: the contexts and channels, the front end's wake-up, the VRAM bounds check,
+//!   and ([`table_methods!`]) the `Gpu` methods answered from them alone.
+//!
+//! A GPU adds how the methods run: the sim's PFIFO and copy engine (`crate::sim`), the
+//! cuda planner and streams (`crate::cuda`).
 
 pub mod channel_core;
 pub mod control_pages;
@@ -77,7 +85,7 @@ macro_rules! table_methods {
         }
 
         /// Every GPU notes a channel's fetches, completions and error stop in its
-        /// [`crate::fifo::channel_core::ChannelCore`].
+        /// `ChannelCore` (the shared front-end core).
         fn count_activity(
             &self,
             ch: $crate::hal::ChannelId,

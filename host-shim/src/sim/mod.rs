@@ -1,6 +1,9 @@
 //! `sim`: a software GPU that behaves like the Fermi-class hardware in the seeds —
 //! memory-mapped channel control pages polled by a round-robin PFIFO, non-preemptible
 //! kernels, a concurrent copy engine, a paging MMU per context, and per-channel counters.
+//!
+//! The control pages, channel core, GP fetch/decode and context/channel tables are the
+//! front-end core it shares with `cuda` (`crate::fifo`); this module adds the engines.
 
 mod channel;
 mod copy_engine;
