@@ -1,8 +1,16 @@
-//! `vgpu-host-shim`: the GPU HAL ([`hal::Gpu`]) and the `sim` software GPU.
+//! `vgpu-host-shim`: the GPU HAL ([`hal::Gpu`]) and its two GPUs, the `sim` software GPU
+//! ([`sim`]) and the `cuda` GPU on an NVIDIA device ([`cuda`]).
+//!
+//! Both GPUs stand on one front-end core, the private `fifo` module: the control pages,
+//! the `ChannelCore` each GPU's channel contains (ids, slot, error state, the shared
+//! counters, activity count), GP fetch/decode, and the context/channel tables with the
+//! VRAM bounds check. A GPU adds only how an entry's methods run: the sim's PFIFO and
+//! copy engine, or the cuda planner issuing onto CUDA streams.
 
 pub mod choice;
 pub mod clock;
 pub mod cuda;
+mod fifo;
 pub mod gpu_view;
 pub mod hal;
 pub mod kernels;

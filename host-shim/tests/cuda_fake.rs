@@ -124,3 +124,8 @@ fn fake_unmapped_system_memory_is_unregistered_at_invalidate() {
 fn fake_resumed_channel_continues_at_its_saved_position() {
     resumed_channel_continues_at_its_saved_position(&gpu());
 }
+
+#[test]
+fn fake_activity_counter_counts_the_group_work() {
+    activity_counter_counts_the_group_work(&gpu());
+}

@@ -93,3 +93,10 @@ fn gpu_resumed_channel_continues_at_its_saved_position() {
         resumed_channel_continues_at_its_saved_position(&g);
     }
 }
+
+#[test]
+fn gpu_activity_counter_counts_the_group_work() {
+    if let Some(g) = gpu() {
+        activity_counter_counts_the_group_work(&g);
+    }
+}

@@ -423,33 +423,5 @@ fn resumed_channel_continues_at_its_saved_position() {
 /// one group only.
 #[test]
 fn activity_counter_counts_the_group_work() {
-    let gpu = gpu();
-    let p = Proc::new(&gpu, SYS_BASE);
-    let mut a = p.channel(0);
-    let b = p.channel(1);
-    let group = std::sync::Arc::new(ActivityCounter::new());
-    assert!(gpu.count_activity(a.id, group.clone()).unwrap());
-    assert!(gpu.count_activity(b.id, group.clone()).unwrap());
-    assert!(
-        !gpu.count_activity(a.id, std::sync::Arc::new(ActivityCounter::new()))
-            .unwrap(),
-        "a channel counts into one group"
-    );
-    assert_eq!(group.get(), 0, "nothing ran yet");
-    let m = a.launch(&spin(100_000));
-    a.submit(&[m]);
-    a.wait_idle(T).unwrap();
-    let after = group.get();
-    assert!(after >= 2, "a fetch and a completion: {after}");
-    std::thread::sleep(Duration::from_millis(20));
-    assert_eq!(group.get(), after, "idle channels leave it alone");
-    // A channel's own count rolls up to its parent's.
-    let c = p.channel(2);
-    let own = std::sync::Arc::new(ActivityCounter::with_parent(group.clone()));
-    assert!(gpu.count_activity(c.id, own.clone()).unwrap());
-    let mut c = c;
-    let m = c.launch(&spin(100_000));
-    c.submit(&[m]);
-    c.wait_idle(T).unwrap();
-    assert!(own.get() >= 2 && group.get() >= after + 2);
+    common::cuda_cases::activity_counter_counts_the_group_work(&gpu());
 }

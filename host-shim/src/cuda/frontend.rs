@@ -9,9 +9,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use vgpu_protocol::gp::GP_ENTRY_SIZE;
-use vgpu_protocol::method::decode_all;
-use vgpu_protocol::{ControlPage, ErrorCode, GpEntry};
+use vgpu_protocol::{ControlPage, ErrorCode};
 
 use super::channel::{CudaChannel, Inflight};
 use super::device::Device;
@@ -140,10 +138,6 @@ impl<D: Device> Translate for std::cell::RefCell<CtxTranslate<'_, D>> {
     }
 }
 
-fn counter_after(a: u32, b: u32) -> bool {
-    (a.wrapping_sub(b) as i32) > 0
-}
-
 impl<D: Device> CudaChannel<D> {
     /// Retires reached entries, then issues new ones. Returns whether anything happened.
     pub fn step(
@@ -154,7 +148,7 @@ impl<D: Device> CudaChannel<D> {
         tl: &mut Option<Timeline<D>>,
         limits: (u32, usize),
     ) -> bool {
-        if self.is_stopped() {
+        if self.core.is_stopped() {
             return false;
         }
         let mut progress = self.retire(dev, tl);
@@ -166,7 +160,7 @@ impl<D: Device> CudaChannel<D> {
                 progress |= p
             }
             Err((code, info)) => {
-                self.fault(code, info);
+                self.core.fault(code, info);
                 progress = true;
             }
         }
@@ -181,9 +175,9 @@ impl<D: Device> CudaChannel<D> {
                 Ok(true) => {}
                 Ok(false) => break,
                 Err(e) => {
-                    log::warn!("cuda channel {:?}: {e}", self.id);
+                    log::warn!("cuda channel {:?}: {e}", self.core.id);
                     drop(st);
-                    self.fault(ErrorCode::Internal, 0);
+                    self.core.fault(ErrorCode::Internal, 0);
                     return true;
                 }
             }
@@ -205,7 +199,7 @@ impl<D: Device> CudaChannel<D> {
                         charged = ns;
                         log::trace!(
                             "cuda channel {:?}: entry ran {} ns, charged {ns} ns",
-                            self.id,
+                            self.core.id,
                             end.saturating_sub(start)
                         );
                     }
@@ -214,18 +208,21 @@ impl<D: Device> CudaChannel<D> {
             }
             if done.waits {
                 // Its semaphore wait was satisfied (less the time its kernels ran).
-                self.sem_wait.end(now_ns(), charged);
+                self.core.sem_wait.end(now_ns(), charged);
             }
             for a in &done.host {
                 match *a {
-                    HostAction::SetRef(v) => self.store(ControlPage::REF, v),
-                    HostAction::Notify(t) => self.notify(t),
+                    HostAction::SetRef(v) => self.core.store(ControlPage::REF, v),
+                    HostAction::Notify(t) => self.core.notify(t),
                 }
             }
-            self.copies.fetch_add(done.copies, Ordering::Relaxed);
-            self.gp_completed
+            self.core.copies.fetch_add(done.copies, Ordering::Relaxed);
+            self.core
+                .gp_completed
                 .fetch_add(u64::from(done.entries), Ordering::Relaxed);
-            self.store(ControlPage::GP_GET, done.next_get);
+            // Counted before GP_GET moves: whoever sees the entry done sees the activity.
+            self.core.note_activity();
+            self.core.store(ControlPage::GP_GET, done.next_get);
             progress = true;
         }
         progress
@@ -252,7 +249,7 @@ impl<D: Device> CudaChannel<D> {
             let next_get = st.fetched;
             if b.waits {
                 // Nothing is issued behind it until its wait is satisfied.
-                self.sem_wait.begin(now_ns());
+                self.core.sem_wait.begin(now_ns());
             }
             match dev.mark(&self.stream) {
                 Ok(end) => st.inflight.push_back(Inflight {
@@ -266,7 +263,7 @@ impl<D: Device> CudaChannel<D> {
                     copies: b.copies,
                 }),
                 Err(e) => {
-                    log::warn!("cuda channel {:?}: {e}", self.id);
+                    log::warn!("cuda channel {:?}: {e}", self.core.id);
                     return Err((ErrorCode::Internal, 0));
                 }
             }
@@ -291,31 +288,24 @@ impl<D: Device> CudaChannel<D> {
             {
                 return Ok(true);
             }
-            let put = self.load(ControlPage::GP_PUT);
-            if !counter_after(put, st.fetched) {
-                return Ok(batch.is_some());
-            }
-            // The front end's own count of completed entries, not the page's GP_GET: the
-            // guest can write that field, and the check must not trust it.
             let in_flight: u32 = st.inflight.iter().map(|i| i.entries).sum::<u32>()
                 + batch.as_ref().map_or(0, |b| b.entries);
-            let get = st.fetched.wrapping_sub(in_flight);
-            if put.wrapping_sub(get) > self.cfg.gp_entries {
-                // More outstanding entries than the ring holds: the application overwrote
-                // work that had not run yet (as the sim reports it).
-                return Err((ErrorCode::BadGpEntry, put as u64));
-            }
-            let methods = self.fetch(st.fetched)?;
+            let completed = st.fetched.wrapping_sub(in_flight);
+            // Rings and push buffers must be in system memory: the front end cannot read
+            // VRAM (device memory) without a copy, so an entry there faults the channel.
+            let Some(methods) = self.core.fetch_next(st.fetched, completed, None)? else {
+                return Ok(batch.is_some());
+            };
             let scratch_before = st.scratch;
             let plan = {
                 let tr = std::cell::RefCell::new(CtxTranslate {
-                    space: &self.space,
+                    space: &self.core.space,
                     mem,
                     dev,
                     scratch: &mut st.scratch,
                     ref_ptr: self.ref_ptr,
                 });
-                let mut view = GpuView::new(&self.space, None);
+                let mut view = GpuView::new(&self.core.space, None);
                 let mut read = |va, buf: &mut [u8]| view.read(va, buf);
                 plan_entry(&methods, &tr, &mut read)?
             };
@@ -333,7 +323,7 @@ impl<D: Device> CudaChannel<D> {
                     .is_none_or(|last| dev.reached(&last.end).unwrap_or(true));
                 let start = if idle {
                     Some(dev.mark(&self.stream).map_err(|e| {
-                        log::warn!("cuda channel {:?}: {e}", self.id);
+                        log::warn!("cuda channel {:?}: {e}", self.core.id);
                         (ErrorCode::Internal, 0)
                     })?)
                 } else {
@@ -352,11 +342,11 @@ impl<D: Device> CudaChannel<D> {
                 // A launch the driver refuses (e.g. a grid beyond its limits) is the
                 // guest's bad argument, not a GPU failure.
                 dev.issue(&self.stream, op).map_err(|e| {
-                    log::debug!("cuda channel {:?}: issue {op:?}: {e}", self.id);
+                    log::debug!("cuda channel {:?}: issue {op:?}: {e}", self.core.id);
                     (ErrorCode::BadKernelArgs, 0)
                 })?;
             }
-            self.kernels.fetch_add(plan.kernels, Ordering::Relaxed);
+            self.core.kernels.fetch_add(plan.kernels, Ordering::Relaxed);
             st.fetched = st.fetched.wrapping_add(1);
             if let Some(b) = batch.as_mut() {
                 b.entries += 1;
@@ -366,27 +356,6 @@ impl<D: Device> CudaChannel<D> {
                 b.copies += plan.copies;
             }
         }
-    }
-
-    /// Reads and decodes GP entry `seq` and its push buffer from guest memory.
-    /// Rings and push buffers must be in system memory: the front end cannot read VRAM
-    /// (device memory) without a copy, so an entry there faults the channel.
-    fn fetch(&self, seq: u32) -> Result<Vec<vgpu_protocol::Method>, (ErrorCode, u64)> {
-        let mut view = GpuView::new(&self.space, None);
-        let index = (seq % self.cfg.gp_entries) as u64;
-        let entry_va = self.cfg.gp_ring_va + index * GP_ENTRY_SIZE as u64;
-        let mut raw = [0u8; GP_ENTRY_SIZE];
-        view.read(entry_va, &mut raw)
-            .map_err(|f| (ErrorCode::MmuFault, f.va))?;
-        let entry = GpEntry::decode(&raw).map_err(|_| (ErrorCode::BadGpEntry, entry_va))?;
-        let mut bytes = vec![0u8; entry.len_bytes() as usize];
-        view.read(entry.pb_va, &mut bytes)
-            .map_err(|f| (ErrorCode::MmuFault, f.va))?;
-        let words: Vec<u32> = bytes
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        decode_all(&words).map_err(|e| (ErrorCode::BadMethod, entry.pb_va + e.offset() as u64 * 4))
     }
 
     /// Whether the channel has work on the GPU or had an entry issued in the last
@@ -418,9 +387,9 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
         log::warn!("cuda: no timeline stream: channels report no busy time");
     }
     while !shared.shutdown.load(Ordering::Acquire) {
-        let gen = shared.gen.load(Ordering::Acquire);
+        let gen = shared.fifo.gen();
         if gen != seen_gen {
-            chans = shared.channels_snapshot();
+            chans = shared.fifo.channels();
             seen_gen = gen;
         }
         let mut progress = false;

@@ -2,7 +2,9 @@
 //!
 //! Guests see exactly what they see on the `sim`: channel control pages in host shared
 //! memory that they map and store GP_PUT into. A host front end (`frontend`) plays
-//! PFIFO and issues the work on one CUDA stream per channel.
+//! PFIFO and issues the work on one CUDA stream per channel. The control pages, channel
+//! core, GP fetch/decode and context/channel tables are the front-end core it shares with
+//! the sim (`crate::fifo`); this module adds planning, streams and host registration.
 //!
 //! Memory. The GPU's page tables are the same software MMU the sim uses
 //! ([`crate::mmu::AddressSpace`]): every LAUNCH/COPY/semaphore address is translated and
@@ -27,13 +29,11 @@ pub mod plan;
 pub mod timeline;
 mod vram;
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
-use std::thread::{JoinHandle, Thread};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-use vgpu_protocol::ErrorCode;
 
 use self::channel::CudaChannel;
 pub use self::device::Device;
@@ -42,9 +42,10 @@ pub use self::error::DeviceError;
 pub use self::fake::FakeDevice;
 use self::hostreg::HostRegistry;
 use self::vram::DeviceVram;
+use crate::fifo::control_pages::ControlPages;
+use crate::fifo::tables::Tables;
 use crate::hal::*;
 use crate::mmu::AddressSpace;
-use crate::sim::control_pages::ControlPages;
 use crate::vram::VramAllocator;
 use crate::vram_pool::VramPool;
 
@@ -103,10 +104,9 @@ pub(crate) struct Shared<D: Device> {
     cfg: CudaConfig,
     dev: Arc<D>,
     vram: DeviceVram,
-    channels: RwLock<BTreeMap<ChannelId, Arc<CudaChannel<D>>>>,
-    gen: AtomicU64,
+    /// Contexts, channels and control pages; wakes the front-end thread.
+    fifo: Tables<CudaChannel<D>, CudaContext>,
     shutdown: AtomicBool,
-    frontend: OnceLock<Thread>,
     frontend_cpu_ns: AtomicU64,
     /// Scratch buffers replaced while work may still use them; freed at drop.
     old_scratch: Mutex<Vec<u64>>,
@@ -116,21 +116,6 @@ pub(crate) struct Shared<D: Device> {
 }
 
 impl<D: Device> Shared<D> {
-    fn channels_snapshot(&self) -> Vec<Arc<CudaChannel<D>>> {
-        self.channels
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect()
-    }
-
-    fn wake(&self) {
-        if let Some(t) = self.frontend.get() {
-            t.unpark();
-        }
-    }
-
     fn retire_scratch(&self, ptrs: Vec<u64>) {
         self.old_scratch
             .lock()
@@ -139,8 +124,8 @@ impl<D: Device> Shared<D> {
     }
 }
 
-struct Context {
-    space: Arc<AddressSpace>,
+/// What `cuda` keeps with a context besides its address space.
+struct CudaContext {
     sysmem: Arc<dyn SysMemory>,
     /// System-memory mappings (GPU VA → size) whose host memory is registered.
     sys_maps: BTreeMap<u64, u64>,
@@ -152,11 +137,7 @@ struct Context {
 /// The `cuda` GPU over a [`Device`]: [`CudaGpu`] on real hardware, [`FakeCudaGpu`] in tests.
 pub struct CudaGpuOf<D: Device> {
     shared: Arc<Shared<D>>,
-    pages: Arc<ControlPages>,
     vram_alloc: VramPool,
-    contexts: Mutex<HashMap<ContextId, Context>>,
-    next_context: AtomicU32,
-    next_channel: AtomicU32,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -214,11 +195,9 @@ impl<D: Device> CudaGpuOf<D> {
         let shared = Arc::new(Shared {
             cfg: cfg.clone(),
             dev,
+            fifo: Tables::new(pages, cfg.max_contexts, vram.len()),
             vram,
-            channels: RwLock::new(BTreeMap::new()),
-            gen: AtomicU64::new(0),
             shutdown: AtomicBool::new(false),
-            frontend: OnceLock::new(),
             frontend_cpu_ns: AtomicU64::new(0),
             old_scratch: Mutex::new(Vec::new()),
             hostreg: Mutex::new(HostRegistry::default()),
@@ -231,14 +210,10 @@ impl<D: Device> CudaGpuOf<D> {
                 frontend::run(s)
             })
             .map_err(os_err)?;
-        let _ = shared.frontend.set(thread.thread().clone());
+        shared.fifo.set_frontend(thread.thread().clone());
         Ok(Arc::new(CudaGpuOf {
             shared,
-            pages,
             vram_alloc: VramPool::new(cfg.vram_bytes),
-            contexts: Mutex::new(HashMap::new()),
-            next_context: AtomicU32::new(1),
-            next_channel: AtomicU32::new(1),
             thread: Mutex::new(Some(thread)),
         }))
     }
@@ -260,9 +235,10 @@ impl<D: Device> CudaGpuOf<D> {
     /// The control pages' host range (address, bytes) while registered with the device
     /// for the GPU's own REF writes (registered for the GPU's whole life).
     pub fn control_pages_registration(&self) -> Option<(usize, usize)> {
-        self.pages
+        let pages = self.shared.fifo.pages();
+        pages
             .host_range()
-            .filter(|_| self.pages.device_mapped())
+            .filter(|_| pages.device_mapped())
             .map(|(p, len)| (p as usize, len))
     }
 
@@ -273,15 +249,7 @@ impl<D: Device> CudaGpuOf<D> {
 
     /// Every live channel with its context and counters.
     pub fn channels(&self) -> Vec<(ChannelId, ContextId, ChannelCounters)> {
-        self.shared
-            .channels_snapshot()
-            .iter()
-            .map(|c| (c.id, c.ctx, c.counters()))
-            .collect()
-    }
-
-    fn lock_contexts(&self) -> std::sync::MutexGuard<'_, HashMap<ContextId, Context>> {
-        self.contexts.lock().unwrap_or_else(|e| e.into_inner())
+        self.shared.fifo.channel_list()
     }
 
     fn lock_vram(&self) -> std::sync::MutexGuard<'_, VramAllocator> {
@@ -289,20 +257,7 @@ impl<D: Device> CudaGpuOf<D> {
     }
 
     fn space(&self, ctx: ContextId) -> Result<Arc<AddressSpace>> {
-        self.lock_contexts()
-            .get(&ctx)
-            .map(|c| c.space.clone())
-            .ok_or(HalError::NoContext(ctx))
-    }
-
-    fn channel(&self, ch: ChannelId) -> Result<Arc<CudaChannel<D>>> {
-        self.shared
-            .channels
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&ch)
-            .cloned()
-            .ok_or(HalError::NoChannel(ch))
+        self.shared.fifo.space(ctx)
     }
 
     /// Waits until every entry issued so far on `chans` has completed on the GPU.
@@ -311,7 +266,7 @@ impl<D: Device> CudaGpuOf<D> {
         for c in chans {
             while !c.drained(&*self.shared.dev) {
                 if Instant::now() > deadline {
-                    log::warn!("cuda: channel {:?} still has GPU work in flight", c.id);
+                    log::warn!("cuda: channel {:?} still has GPU work in flight", c.core.id);
                     return Err(HalError::Os(
                         "GPU work still in flight (a semaphore wait that nobody releases?)".into(),
                     ));
@@ -324,34 +279,11 @@ impl<D: Device> CudaGpuOf<D> {
 
     fn context_channels(&self, ctx: ContextId) -> Vec<Arc<CudaChannel<D>>> {
         self.shared
-            .channels_snapshot()
+            .fifo
+            .channels()
             .into_iter()
-            .filter(|c| c.ctx == ctx)
+            .filter(|c| c.core.ctx == ctx)
             .collect()
-    }
-
-    fn remove_channels(&self, pred: impl Fn(&CudaChannel<D>) -> bool) -> Vec<Arc<CudaChannel<D>>> {
-        let mut chans = self
-            .shared
-            .channels
-            .write()
-            .unwrap_or_else(|e| e.into_inner());
-        let mut removed = Vec::new();
-        chans.retain(|_, c| {
-            if pred(c) {
-                c.stop();
-                removed.push(c.clone());
-                false
-            } else {
-                true
-            }
-        });
-        drop(chans);
-        if !removed.is_empty() {
-            self.shared.gen.fetch_add(1, Ordering::AcqRel);
-            self.shared.wake();
-        }
-        removed
     }
 
     /// Frees removed channels' scratch once their streams have drained.
@@ -365,7 +297,7 @@ impl<D: Device> CudaGpuOf<D> {
             }
         } else {
             for c in removed {
-                c.retire_slot();
+                c.core.retire_slot();
             }
         }
         drained
@@ -379,46 +311,20 @@ impl<D: Device> CudaGpuOf<D> {
         sink: Arc<dyn EventSink>,
         at: Option<ChannelResume>,
     ) -> Result<ChannelId> {
-        cfg.check()?;
-        let space = self.space(ctx)?;
+        let (core, ()) = self.shared.fifo.new_core(ctx, cfg, sink, at, |_| ())?;
         let stream = self.shared.dev.create_stream().map_err(os_err)?;
-        let slot = self.pages.take().ok_or(HalError::TooMany("channels"))?;
-        let id = ChannelId(self.next_channel.fetch_add(1, Ordering::Relaxed));
-        let ch = Arc::new(CudaChannel::new(
-            id,
-            ctx,
-            space,
-            cfg,
-            slot,
-            self.pages.clone(),
-            sink,
-            stream,
-        ));
-        if let Some(at) = at {
-            ch.resume_at(at);
-        }
-        {
-            let ctxs = self.lock_contexts();
-            if !ctxs.contains_key(&ctx) {
-                return Err(HalError::NoContext(ctx));
-            }
-            self.shared
-                .channels
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(id, ch);
-        }
-        self.shared.gen.fetch_add(1, Ordering::AcqRel);
-        self.shared.wake();
-        Ok(id)
+        let ch = Arc::new(CudaChannel::new(core, stream));
+        self.shared.fifo.insert_channel(ch)
     }
 
     /// Registers the host memory behind a system-memory mapping at `va` with the device.
     fn register_sysram(&self, ctx: ContextId, va: u64, addr: u64, size: u64) -> Result<()> {
         let sysmem = self
-            .lock_contexts()
+            .shared
+            .fifo
+            .read_contexts()
             .get(&ctx)
-            .map(|c| c.sysmem.clone())
+            .map(|c| c.gpu.sysmem.clone())
             .ok_or(HalError::NoContext(ctx))?;
         let mut reg = self
             .shared
@@ -445,7 +351,8 @@ impl<D: Device> CudaGpuOf<D> {
     /// registration ends at the next `invalidate_tlb`, once the GPU is done with them).
     fn release_sysram(&self, ctx: ContextId, va: u64, size: u64) {
         let end = va.saturating_add(size);
-        if let Some(c) = self.lock_contexts().get_mut(&ctx) {
+        if let Some(c) = self.shared.fifo.write_contexts().get_mut(&ctx) {
+            let c = &mut c.gpu;
             let gone: Vec<u64> = c
                 .sys_maps
                 .range(va..end)
@@ -462,14 +369,21 @@ impl<D: Device> CudaGpuOf<D> {
     /// Ends the registrations released in `ctx` (after the GPU drained).
     fn unregister_released(&self, ctx: ContextId) {
         let gone = self
-            .lock_contexts()
+            .shared
+            .fifo
+            .write_contexts()
             .get_mut(&ctx)
-            .map(|c| std::mem::take(&mut c.released))
+            .map(|c| std::mem::take(&mut c.gpu.released))
             .unwrap_or_default();
         if gone.is_empty() {
             return;
         }
-        let c = self.lock_contexts().get(&ctx).map(|c| c.sys_maps.clone());
+        let c = self
+            .shared
+            .fifo
+            .read_contexts()
+            .get(&ctx)
+            .map(|c| c.gpu.sys_maps.clone());
         self.shared
             .hostreg
             .lock()
@@ -503,8 +417,8 @@ impl<D: Device> CudaGpuOf<D> {
 
     /// Records a registered system-memory mapping.
     fn note_sysram(&self, ctx: ContextId, va: u64, size: u64) {
-        if let Some(c) = self.lock_contexts().get_mut(&ctx) {
-            c.sys_maps.insert(va, size);
+        if let Some(c) = self.shared.fifo.write_contexts().get_mut(&ctx) {
+            c.gpu.sys_maps.insert(va, size);
         }
     }
 }
@@ -512,12 +426,12 @@ impl<D: Device> CudaGpuOf<D> {
 impl<D: Device> Drop for CudaGpuOf<D> {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Release);
-        self.shared.wake();
+        self.shared.fifo.wake();
         let t = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(t) = t {
             let _ = t.join();
         }
-        let all = self.remove_channels(|_| true);
+        let all = self.shared.fifo.remove_channels(|_| true);
         if self.reap(&all).is_err() {
             // The GPU may still touch this memory: leaking it is the safe choice.
             log::warn!("cuda: GPU dropped with work in flight; its memory stays registered");
@@ -537,8 +451,9 @@ impl<D: Device> Drop for CudaGpuOf<D> {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .release(&*self.shared.dev, |_| true);
-        if let Some((ptr, _)) = self.pages.host_range() {
-            if self.pages.device_mapped() {
+        let pages = self.shared.fifo.pages();
+        if let Some((ptr, _)) = pages.host_range() {
+            if pages.device_mapped() {
                 if let Err(e) = self.shared.dev.unregister_host(ptr) {
                     log::warn!("cuda: unregistering the control pages: {e}");
                 }
@@ -549,6 +464,8 @@ impl<D: Device> Drop for CudaGpuOf<D> {
 }
 
 impl<D: Device> Gpu for CudaGpuOf<D> {
+    crate::fifo::table_methods!();
+
     fn info(&self) -> GpuInfo {
         let cfg = &self.shared.cfg;
         GpuInfo {
@@ -562,30 +479,19 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
     }
 
     fn create_context(&self, sysmem: Arc<dyn SysMemory>) -> Result<ContextId> {
-        let mut ctxs = self.lock_contexts();
-        if ctxs.len() >= self.shared.cfg.max_contexts as usize {
-            return Err(HalError::TooMany("contexts"));
-        }
-        let id = ContextId(self.next_context.fetch_add(1, Ordering::Relaxed));
-        ctxs.insert(
-            id,
-            Context {
-                space: Arc::new(AddressSpace::new(sysmem.clone())),
+        let space = Arc::new(AddressSpace::new(sysmem.clone()));
+        self.shared.fifo.create_context(
+            space,
+            CudaContext {
                 sysmem,
                 sys_maps: BTreeMap::new(),
                 released: Vec::new(),
             },
-        );
-        Ok(id)
+        )
     }
 
     fn destroy_context(&self, ctx: ContextId) -> Result<()> {
-        let context = self
-            .lock_contexts()
-            .remove(&ctx)
-            .ok_or(HalError::NoContext(ctx))?;
-        let removed = self.remove_channels(|c| c.ctx == ctx);
-        context.space.kill();
+        let (_, removed) = self.shared.fifo.remove_context(ctx)?;
         // Only once the GPU is done with the context's memory may it be unregistered (and
         // the owner free it). A stuck semaphore wait keeps the registration (and so the
         // pages) alive rather than let the GPU touch freed memory.
@@ -672,14 +578,7 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
         flags: MapFlags,
     ) -> Result<()> {
         match target {
-            MapTarget::Vram { offset } => {
-                if offset
-                    .checked_add(size)
-                    .is_none_or(|end| end > self.shared.vram.len())
-                {
-                    return Err(HalError::InvalidArgument("VRAM target out of bounds"));
-                }
-            }
+            MapTarget::Vram { .. } => self.shared.fifo.check_vram_target(target, size)?,
             MapTarget::Sysram { addr } => {
                 let space = self.space(ctx)?;
                 self.register_sysram(ctx, va, addr, size)?;
@@ -704,24 +603,9 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
         Ok(())
     }
 
-    fn page_table_bytes(&self, ctx: ContextId) -> Result<u64> {
-        Ok(self.space(ctx)?.table_bytes())
-    }
-
-    fn map_cost(&self, ctx: ContextId, va: u64, size: u64, page: PageSize) -> Result<u64> {
-        Ok(self.space(ctx)?.map_cost(va, size, page))
-    }
-
     fn remap(&self, ctx: ContextId, va: u64, size: u64, target: MapTarget) -> Result<()> {
         match target {
-            MapTarget::Vram { offset } => {
-                if offset
-                    .checked_add(size)
-                    .is_none_or(|end| end > self.shared.vram.len())
-                {
-                    return Err(HalError::InvalidArgument("VRAM target out of bounds"));
-                }
-            }
+            MapTarget::Vram { .. } => self.shared.fifo.check_vram_target(target, size)?,
             MapTarget::Sysram { addr } => {
                 let space = self.space(ctx)?;
                 // A new key for the retargeted range; whatever it replaces is released.
@@ -762,65 +646,14 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
         Ok(())
     }
 
-    fn access_counts(
-        &self,
-        ctx: ContextId,
-        va: u64,
-        size: u64,
-        reset: bool,
-    ) -> Result<Vec<(u64, u32)>> {
-        self.space(ctx)?.access_counts(va, size, reset)
-    }
-
-    fn create_channel(
-        &self,
-        ctx: ContextId,
-        cfg: ChannelConfig,
-        sink: Arc<dyn EventSink>,
-    ) -> Result<ChannelId> {
-        self.new_channel(ctx, cfg, sink, None)
-    }
-
-    fn create_channel_resumed(
-        &self,
-        ctx: ContextId,
-        cfg: ChannelConfig,
-        sink: Arc<dyn EventSink>,
-        at: ChannelResume,
-    ) -> Result<ChannelId> {
-        self.new_channel(ctx, cfg, sink, Some(at))
-    }
-
     fn destroy_channel(&self, ch: ChannelId) -> Result<()> {
-        let removed = self.remove_channels(|c| c.id == ch);
+        let removed = self.shared.fifo.remove_channels(|c| c.core.id == ch);
         if removed.is_empty() {
             return Err(HalError::NoChannel(ch));
         }
         if let Err(e) = self.reap(&removed) {
             log::warn!("cuda: channel {ch:?} destroyed with GPU work in flight: {e}");
         }
-        Ok(())
-    }
-
-    fn control_page(&self, ch: ChannelId) -> Result<FdRange> {
-        Ok(self.pages.fd_range(self.channel(ch)?.slot))
-    }
-
-    fn doorbell(&self, _ch: ChannelId) {
-        self.shared.wake();
-    }
-
-    fn channel_counters(&self, ch: ChannelId) -> Result<ChannelCounters> {
-        Ok(self.channel(ch)?.counters())
-    }
-
-    fn channel_error(&self, ch: ChannelId) -> Result<Option<(ErrorCode, u64)>> {
-        Ok(self.channel(ch)?.error())
-    }
-
-    fn kill_channel(&self, ch: ChannelId, code: ErrorCode) -> Result<()> {
-        self.channel(ch)?.fault(code, 0);
-        self.shared.wake();
         Ok(())
     }
 }

@@ -10,6 +10,7 @@ use vgpu_protocol::kernel::KernelArgs;
 use vgpu_protocol::method::Method;
 use vgpu_protocol::{ErrorCode, SemaphoreMode};
 
+use crate::fifo::fetch::launch_args;
 use crate::kernels::{FaultKind, MemFault, MAX_RESIDENT_BYTES};
 
 /// One operation on a channel's stream. Addresses are device pointers (for the real
@@ -74,7 +75,7 @@ pub trait Translate {
 }
 
 /// Reads a launch's argument block from guest memory.
-pub type ArgReader<'a> = dyn FnMut(u64, &mut [u8]) -> Result<(), MemFault> + 'a;
+pub use crate::fifo::fetch::ArgReader;
 
 /// Why an entry cannot run: the channel faults with `code` and `info`.
 pub type PlanError = (ErrorCode, u64);
@@ -548,14 +549,7 @@ pub fn plan_entry(
                 args_len,
                 ..
             } => {
-                if args_len as usize != KernelArgs::encoded_len(kernel) {
-                    return Err((ErrorCode::BadKernelArgs, args_va));
-                }
-                let mut raw = [0u8; 64];
-                let raw = &mut raw[..args_len as usize];
-                read_args(args_va, raw).map_err(fault)?;
-                let args = KernelArgs::decode(kernel, raw)
-                    .map_err(|_| (ErrorCode::BadKernelArgs, args_va))?;
+                let args = launch_args(kernel, args_va, args_len, read_args)?;
                 debug_assert_eq!(args.kernel(), kernel);
                 launch(t, args, &mut plan)?;
             }

@@ -24,11 +24,11 @@ pub fn run(shared: Arc<Shared>, rx: Receiver<CopyJob>) {
         let CopyJob { ch, mut item } = job;
         let t0 = now_ns();
         let pc_before = item.pc;
-        let step = exec::run(&ch, &shared.vram, &mut item, &ch.stopped);
+        let step = exec::run(&ch, &shared.vram, &mut item, &ch.core.stopped);
         let busy_ns = now_ns() - t0;
         shared.copy_cpu_ns.store(thread_cpu_ns(), Ordering::Relaxed);
         shared.push_copy_result(CopyResult {
-            chan: ch.id,
+            chan: ch.core.id,
             item,
             step,
             busy_ns,

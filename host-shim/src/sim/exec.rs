@@ -1,15 +1,15 @@
-//! Fetching GP entries and executing their methods: the part shared by the PFIFO's inline
-//! compute engine and the copy engine thread.
+//! Executing GP entries' methods: the part shared by the PFIFO's inline compute engine
+//! and the copy engine thread (fetching them is [`crate::fifo::fetch`]'s).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use vgpu_protocol::gp::GP_ENTRY_SIZE;
-use vgpu_protocol::method::{decode_all, Method};
-use vgpu_protocol::{ControlPage, ErrorCode, GpEntry, KernelArgs};
+use vgpu_protocol::method::Method;
+use vgpu_protocol::{ControlPage, ErrorCode, KernelArgs};
 
 use super::channel::SimChannel;
-use super::control_pages::add;
 use crate::clock::now_ns;
+use crate::fifo::control_pages::add;
+use crate::fifo::fetch::launch_args;
 use crate::gpu_view::{CopyError, GpuView};
 use crate::kernels::{run_kernel, KernelError, KernelMemory};
 use crate::shared_mem::SharedMem;
@@ -75,7 +75,7 @@ pub fn host_prefix(ch: &SimChannel, vram: &SharedMem, item: &mut WorkItem) -> St
         methods: item.methods[..head].to_vec(),
         pc: item.pc,
     };
-    let step = run(ch, vram, &mut prefix, &ch.stopped);
+    let step = run(ch, vram, &mut prefix, &ch.core.stopped);
     item.pc = prefix.pc;
     match step {
         Step::Done if head < item.methods.len() => Step::Ready,
@@ -83,38 +83,17 @@ pub fn host_prefix(ch: &SimChannel, vram: &SharedMem, item: &mut WorkItem) -> St
     }
 }
 
-/// Reads and decodes GP entry number `get` of the channel's ring and its push buffer.
-pub fn fetch(ch: &SimChannel, vram: &SharedMem, get: u32) -> Result<WorkItem, (ErrorCode, u64)> {
-    let mut view = GpuView::new(&ch.space, Some(vram));
-    let index = (get % ch.cfg.gp_entries) as u64;
-    let entry_va = ch.cfg.gp_ring_va + index * GP_ENTRY_SIZE as u64;
-    let mut raw = [0u8; GP_ENTRY_SIZE];
-    view.read(entry_va, &mut raw)
-        .map_err(|f| (ErrorCode::MmuFault, f.va))?;
-    let entry = GpEntry::decode(&raw).map_err(|_| (ErrorCode::BadGpEntry, entry_va))?;
-    let mut bytes = vec![0u8; entry.len_bytes() as usize];
-    view.read(entry.pb_va, &mut bytes)
-        .map_err(|f| (ErrorCode::MmuFault, f.va))?;
-    let words: Vec<u32> = bytes
-        .chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    let methods = decode_all(&words)
-        .map_err(|e| (ErrorCode::BadMethod, entry.pb_va + e.offset() as u64 * 4))?;
-    Ok(WorkItem { methods, pc: 0 })
-}
-
 /// Runs `item` from its current method until it finishes, stalls, starts a spin or fails.
 pub fn run(ch: &SimChannel, vram: &SharedMem, item: &mut WorkItem, abort: &AtomicBool) -> Step {
-    let mut view = GpuView::new(&ch.space, Some(vram));
+    let mut view = GpuView::new(&ch.core.space, Some(vram));
     while let Some(&m) = item.methods.get(item.pc) {
-        if ch.is_stopped() || abort.load(Ordering::Relaxed) {
+        if ch.core.is_stopped() || abort.load(Ordering::Relaxed) {
             return Step::Aborted;
         }
         match m {
             Method::Nop => {}
-            Method::SetRef { value } => ch.store(ControlPage::REF, value),
-            Method::Notify { token } => ch.notify(token),
+            Method::SetRef { value } => ch.core.store(ControlPage::REF, value),
+            Method::Notify { token } => ch.core.notify(token),
             Method::SemRelease {
                 va,
                 value,
@@ -146,19 +125,12 @@ pub fn run(ch: &SimChannel, vram: &SharedMem, item: &mut WorkItem, abort: &Atomi
                 args_len,
                 ..
             } => {
-                if args_len as usize != KernelArgs::encoded_len(kernel) {
-                    return Step::Fault(ErrorCode::BadKernelArgs, args_va);
-                }
-                let mut raw = [0u8; 64];
-                let raw = &mut raw[..args_len as usize];
-                if let Err(f) = view.read(args_va, raw) {
-                    return Step::Fault(ErrorCode::MmuFault, f.va);
-                }
-                let args = match KernelArgs::decode(kernel, raw) {
-                    Ok(a) => a,
-                    Err(_) => return Step::Fault(ErrorCode::BadKernelArgs, args_va),
-                };
-                add(&ch.kernels, 1);
+                let args =
+                    match launch_args(kernel, args_va, args_len, &mut |va, b| view.read(va, b)) {
+                        Ok(a) => a,
+                        Err((code, info)) => return Step::Fault(code, info),
+                    };
+                add(&ch.core.kernels, 1);
                 if let KernelArgs::Spin { ns } = args {
                     item.pc += 1;
                     return Step::Spin { ns };
@@ -173,7 +145,7 @@ pub fn run(ch: &SimChannel, vram: &SharedMem, item: &mut WorkItem, abort: &Atomi
                 }
             }
             Method::Copy { src, dst, len } => match view.copy(dst, src, len, abort) {
-                Ok(()) => add(&ch.copies, 1),
+                Ok(()) => add(&ch.core.copies, 1),
                 Err(CopyError::Fault(f)) => return Step::Fault(ErrorCode::MmuFault, f.va),
                 Err(CopyError::Aborted) => return Step::Aborted,
             },

@@ -1,24 +1,24 @@
 //! `sim`: a software GPU that behaves like the Fermi-class hardware in the seeds —
 //! memory-mapped channel control pages polled by a round-robin PFIFO, non-preemptible
 //! kernels, a concurrent copy engine, a paging MMU per context, and per-channel counters.
+//!
+//! The control pages, channel core, GP fetch/decode and context/channel tables are the
+//! front-end core it shares with `cuda` (`crate::fifo`); this module adds the engines.
 
 mod channel;
-pub(crate) mod control_pages;
 mod copy_engine;
 mod exec;
 mod pfifo;
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
-use std::thread::{JoinHandle, Thread};
-
-use vgpu_protocol::ErrorCode;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 
 use self::channel::SimChannel;
-use self::control_pages::ControlPages;
 use self::exec::{Step, WorkItem};
+use crate::fifo::control_pages::ControlPages;
+use crate::fifo::tables::Tables;
 use crate::hal::*;
 use crate::mmu::AddressSpace;
 use crate::shared_mem::SharedMem;
@@ -76,26 +76,15 @@ pub(crate) struct CopyResult {
 pub(crate) struct Shared {
     cfg: SimConfig,
     vram: SharedMem,
-    channels: RwLock<BTreeMap<ChannelId, Arc<SimChannel>>>,
-    /// Bumped whenever `channels` changes, so the PFIFO re-reads it only then.
-    gen: AtomicU64,
+    /// Contexts, channels and control pages; wakes the PFIFO thread.
+    fifo: Tables<SimChannel, SimContext>,
     copy_done: Mutex<Vec<CopyResult>>,
     shutdown: AtomicBool,
-    pfifo_thread: OnceLock<Thread>,
     pfifo_cpu_ns: AtomicU64,
     copy_cpu_ns: AtomicU64,
 }
 
 impl Shared {
-    fn channels_snapshot(&self) -> Vec<Arc<SimChannel>> {
-        self.channels
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect()
-    }
-
     fn take_copy_results(&self) -> Vec<CopyResult> {
         std::mem::take(&mut *self.copy_done.lock().unwrap_or_else(|e| e.into_inner()))
     }
@@ -105,18 +94,12 @@ impl Shared {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(r);
-        self.wake_pfifo();
-    }
-
-    fn wake_pfifo(&self) {
-        if let Some(t) = self.pfifo_thread.get() {
-            t.unpark();
-        }
+        self.fifo.wake();
     }
 }
 
-struct Context {
-    space: Arc<AddressSpace>,
+/// What the sim keeps with a context: the engine time all its channels ever used.
+struct SimContext {
     busy_ns: Arc<AtomicU64>,
 }
 
@@ -133,16 +116,9 @@ pub struct SimStats {
 /// The sim GPU. Dropping it stops its engine threads.
 pub struct SimGpu {
     shared: Arc<Shared>,
-    pages: Arc<ControlPages>,
     vram_alloc: VramPool,
-    /// Read on every map/unmap/invalidate of any VM, written only when a context comes or
-    /// goes: a reader-writer lock, so that one VM's page-table calls never queue behind
-    /// another's (issue 16).
-    contexts: RwLock<HashMap<ContextId, Context>>,
     /// VRAM size (fixed): `info()` needs no allocator lock.
     vram_bytes: u64,
-    next_context: AtomicU32,
-    next_channel: AtomicU32,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -159,13 +135,12 @@ impl SimGpu {
         }
         let vram = SharedMem::new("vgpu-vram", cfg.vram_bytes).map_err(os_err)?;
         let pages = Arc::new(ControlPages::new(cfg.max_channels).map_err(os_err)?);
+        let fifo = Tables::new(pages, cfg.max_contexts, vram.len());
         let shared = Arc::new(Shared {
             vram,
-            channels: RwLock::new(BTreeMap::new()),
-            gen: AtomicU64::new(0),
+            fifo,
             copy_done: Mutex::new(Vec::new()),
             shutdown: AtomicBool::new(false),
-            pfifo_thread: OnceLock::new(),
             pfifo_cpu_ns: AtomicU64::new(0),
             copy_cpu_ns: AtomicU64::new(0),
             cfg: cfg.clone(),
@@ -187,25 +162,13 @@ impl SimGpu {
                 pfifo::Pfifo::new(s, tx).run()
             })
             .map_err(os_err)?;
-        let _ = shared.pfifo_thread.set(pfifo.thread().clone());
+        shared.fifo.set_frontend(pfifo.thread().clone());
         Ok(Arc::new(SimGpu {
             shared,
-            pages,
             vram_alloc: VramPool::new(cfg.vram_bytes),
-            contexts: RwLock::new(HashMap::new()),
             vram_bytes: cfg.vram_bytes,
-            next_context: AtomicU32::new(1),
-            next_channel: AtomicU32::new(1),
             threads: Mutex::new(vec![pfifo, copy]),
         }))
-    }
-
-    fn read_contexts(&self) -> std::sync::RwLockReadGuard<'_, HashMap<ContextId, Context>> {
-        self.contexts.read().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn write_contexts(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<ContextId, Context>> {
-        self.contexts.write().unwrap_or_else(|e| e.into_inner())
     }
 
     fn lock_vram(&self) -> std::sync::MutexGuard<'_, VramAllocator> {
@@ -213,66 +176,27 @@ impl SimGpu {
     }
 
     fn space(&self, ctx: ContextId) -> Result<Arc<AddressSpace>> {
-        self.read_contexts()
-            .get(&ctx)
-            .map(|c| c.space.clone())
-            .ok_or(HalError::NoContext(ctx))
+        self.shared.fifo.space(ctx)
     }
 
     /// Engine time used by all channels a context ever had (tools and demos; the backend
     /// keeps its own books from channel counters).
     pub fn context_busy_ns(&self, ctx: ContextId) -> Result<u64> {
-        self.read_contexts()
-            .get(&ctx)
-            .map(|c| c.busy_ns.load(Ordering::Relaxed))
-            .ok_or(HalError::NoContext(ctx))
-    }
-
-    fn channel(&self, ch: ChannelId) -> Result<Arc<SimChannel>> {
         self.shared
-            .channels
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&ch)
-            .cloned()
-            .ok_or(HalError::NoChannel(ch))
-    }
-
-    fn remove_channels(&self, pred: impl Fn(&SimChannel) -> bool) -> usize {
-        let mut chans = self
-            .shared
-            .channels
-            .write()
-            .unwrap_or_else(|e| e.into_inner());
-        let before = chans.len();
-        chans.retain(|_, c| {
-            let drop_it = pred(c);
-            if drop_it {
-                c.stop();
-            }
-            !drop_it
-        });
-        let removed = before - chans.len();
-        drop(chans);
-        if removed > 0 {
-            self.shared.gen.fetch_add(1, Ordering::AcqRel);
-            self.shared.wake_pfifo();
-        }
-        removed
+            .fifo
+            .read_contexts()
+            .get(&ctx)
+            .map(|c| c.gpu.busy_ns.load(Ordering::Relaxed))
+            .ok_or(HalError::NoContext(ctx))
     }
 
     /// Live object counts.
     pub fn stats(&self) -> SimStats {
         let vram = self.lock_vram();
         SimStats {
-            contexts: self.read_contexts().len(),
-            channels: self
-                .shared
-                .channels
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .len(),
-            control_slots_in_use: self.pages.slots_in_use(),
+            contexts: self.shared.fifo.context_count(),
+            channels: self.shared.fifo.channel_count(),
+            control_slots_in_use: self.shared.fifo.pages().slots_in_use(),
             vram_allocations: vram.allocations(),
             vram_free_bytes: vram.free_bytes(),
         }
@@ -289,11 +213,7 @@ impl SimGpu {
     /// Every live channel with its context and counters (for tools and demos; the backend
     /// keeps its own books).
     pub fn channels(&self) -> Vec<(ChannelId, ContextId, ChannelCounters)> {
-        self.shared
-            .channels_snapshot()
-            .iter()
-            .map(|c| (c.id, c.ctx, c.counters()))
-            .collect()
+        self.shared.fifo.channel_list()
     }
 
     /// Mapped pages in a context (leak checks).
@@ -305,7 +225,7 @@ impl SimGpu {
 impl Drop for SimGpu {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Release);
-        self.shared.wake_pfifo();
+        self.shared.fifo.wake();
         let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
         for t in threads {
             let _ = t.join();
@@ -314,6 +234,8 @@ impl Drop for SimGpu {
 }
 
 impl Gpu for SimGpu {
+    crate::fifo::table_methods!();
+
     fn info(&self) -> GpuInfo {
         let cfg = &self.shared.cfg;
         GpuInfo {
@@ -327,30 +249,15 @@ impl Gpu for SimGpu {
     }
 
     fn create_context(&self, sysmem: Arc<dyn SysMemory>) -> Result<ContextId> {
-        let mut ctxs = self.write_contexts();
-        if ctxs.len() >= self.shared.cfg.max_contexts as usize {
-            return Err(HalError::TooMany("contexts"));
-        }
-        let id = ContextId(self.next_context.fetch_add(1, Ordering::Relaxed));
-        ctxs.insert(
-            id,
-            Context {
-                space: Arc::new(AddressSpace::new(sysmem)),
-                busy_ns: Arc::new(AtomicU64::new(0)),
-            },
-        );
-        Ok(id)
+        let busy_ns = Arc::new(AtomicU64::new(0));
+        let space = Arc::new(AddressSpace::new(sysmem));
+        self.shared
+            .fifo
+            .create_context(space, SimContext { busy_ns })
     }
 
     fn destroy_context(&self, ctx: ContextId) -> Result<()> {
-        let context = self
-            .write_contexts()
-            .remove(&ctx)
-            .ok_or(HalError::NoContext(ctx))?;
-        self.remove_channels(|c| c.ctx == ctx);
-        // Engines may still hold the address space; from here on they cannot touch its
-        // memory, so the owner may free it as soon as this returns.
-        context.space.kill();
+        self.shared.fifo.remove_context(ctx)?;
         Ok(())
     }
 
@@ -387,14 +294,7 @@ impl Gpu for SimGpu {
         page: PageSize,
         flags: MapFlags,
     ) -> Result<()> {
-        if let MapTarget::Vram { offset } = target {
-            if offset
-                .checked_add(size)
-                .is_none_or(|end| end > self.shared.vram.len())
-            {
-                return Err(HalError::InvalidArgument("VRAM target out of bounds"));
-            }
-        }
+        self.shared.fifo.check_vram_target(target, size)?;
         self.space(ctx)?.map(va, size, target, page, flags)
     }
 
@@ -402,39 +302,14 @@ impl Gpu for SimGpu {
         self.space(ctx)?.unmap(va, size)
     }
 
-    fn page_table_bytes(&self, ctx: ContextId) -> Result<u64> {
-        Ok(self.space(ctx)?.table_bytes())
-    }
-
-    fn map_cost(&self, ctx: ContextId, va: u64, size: u64, page: PageSize) -> Result<u64> {
-        Ok(self.space(ctx)?.map_cost(va, size, page))
-    }
-
     fn remap(&self, ctx: ContextId, va: u64, size: u64, target: MapTarget) -> Result<()> {
-        if let MapTarget::Vram { offset } = target {
-            if offset
-                .checked_add(size)
-                .is_none_or(|end| end > self.shared.vram.len())
-            {
-                return Err(HalError::InvalidArgument("VRAM target out of bounds"));
-            }
-        }
+        self.shared.fifo.check_vram_target(target, size)?;
         self.space(ctx)?.remap(va, size, target)
     }
 
     fn invalidate_tlb(&self, ctx: ContextId) -> Result<()> {
         self.space(ctx)?.invalidate_tlb();
         Ok(())
-    }
-
-    fn access_counts(
-        &self,
-        ctx: ContextId,
-        va: u64,
-        size: u64,
-        reset: bool,
-    ) -> Result<Vec<(u64, u32)>> {
-        self.space(ctx)?.access_counts(va, size, reset)
     }
 
     /// Every engine write goes through a [`crate::gpu_view::GpuView`] of the channel's
@@ -448,55 +323,15 @@ impl Gpu for SimGpu {
         Ok(self.space(ctx)?.writes().take(target, len))
     }
 
-    fn create_channel(
-        &self,
-        ctx: ContextId,
-        cfg: ChannelConfig,
-        sink: Arc<dyn EventSink>,
-    ) -> Result<ChannelId> {
-        self.new_channel(ctx, cfg, sink, None)
-    }
-
-    fn create_channel_resumed(
-        &self,
-        ctx: ContextId,
-        cfg: ChannelConfig,
-        sink: Arc<dyn EventSink>,
-        at: ChannelResume,
-    ) -> Result<ChannelId> {
-        self.new_channel(ctx, cfg, sink, Some(at))
-    }
-
     fn destroy_channel(&self, ch: ChannelId) -> Result<()> {
-        if self.remove_channels(|c| c.id == ch) == 0 {
+        if self
+            .shared
+            .fifo
+            .remove_channels(|c| c.core.id == ch)
+            .is_empty()
+        {
             return Err(HalError::NoChannel(ch));
         }
-        Ok(())
-    }
-
-    fn control_page(&self, ch: ChannelId) -> Result<FdRange> {
-        Ok(self.pages.fd_range(self.channel(ch)?.slot))
-    }
-
-    fn doorbell(&self, _ch: ChannelId) {
-        self.shared.wake_pfifo();
-    }
-
-    fn channel_counters(&self, ch: ChannelId) -> Result<ChannelCounters> {
-        Ok(self.channel(ch)?.counters())
-    }
-
-    fn count_activity(&self, ch: ChannelId, counter: Arc<ActivityCounter>) -> Result<bool> {
-        Ok(self.channel(ch)?.count_activity(counter))
-    }
-
-    fn channel_error(&self, ch: ChannelId) -> Result<Option<(ErrorCode, u64)>> {
-        Ok(self.channel(ch)?.error())
-    }
-
-    fn kill_channel(&self, ch: ChannelId, code: ErrorCode) -> Result<()> {
-        self.channel(ch)?.fault(code, 0);
-        self.shared.wake_pfifo();
         Ok(())
     }
 }
@@ -510,44 +345,11 @@ impl SimGpu {
         sink: Arc<dyn EventSink>,
         at: Option<ChannelResume>,
     ) -> Result<ChannelId> {
-        cfg.check()?;
-        let owner = self
-            .read_contexts()
-            .get(&ctx)
-            .map(|c| channel::Owner {
-                ctx,
-                space: c.space.clone(),
-                busy_ns: c.busy_ns.clone(),
-            })
-            .ok_or(HalError::NoContext(ctx))?;
-        let slot = self.pages.take().ok_or(HalError::TooMany("channels"))?;
-        let id = ChannelId(self.next_channel.fetch_add(1, Ordering::Relaxed));
-        let ch = Arc::new(SimChannel::new(
-            id,
-            owner,
-            cfg,
-            slot,
-            self.pages.clone(),
-            sink,
-        ));
-        if let Some(at) = at {
-            ch.resume_at(at);
-        }
-        {
-            // The context may have been destroyed meanwhile; check under the channel lock
-            // order (contexts, then channels) so no channel outlives its context.
-            let ctxs = self.read_contexts();
-            if !ctxs.contains_key(&ctx) {
-                return Err(HalError::NoContext(ctx));
-            }
-            self.shared
-                .channels
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(id, ch);
-        }
-        self.shared.gen.fetch_add(1, Ordering::AcqRel);
-        self.shared.wake_pfifo();
-        Ok(id)
+        let (core, busy_ns) = self
+            .shared
+            .fifo
+            .new_core(ctx, cfg, sink, at, |c| c.gpu.busy_ns.clone())?;
+        let ch = Arc::new(SimChannel::new(core, busy_ns));
+        self.shared.fifo.insert_channel(ch)
     }
 }

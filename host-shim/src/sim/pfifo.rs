@@ -14,13 +14,13 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
 
-use vgpu_protocol::{counter_after, counter_distance, ControlPage, ErrorCode};
+use vgpu_protocol::{ControlPage, ErrorCode};
 
 use super::channel::SimChannel;
-use super::control_pages::add;
 use super::exec::{self, EngineKind, Step, WorkItem};
 use super::{CopyJob, Shared};
 use crate::clock::{now_ns, thread_cpu_ns};
+use crate::fifo::control_pages::add;
 use crate::hal::ChannelId;
 
 /// The PFIFO's private view of a channel.
@@ -103,19 +103,19 @@ impl Pfifo {
 
     /// Picks up created and destroyed channels.
     fn refresh(&mut self) {
-        let gen = self.shared.gen.load(Ordering::Acquire);
+        let gen = self.shared.fifo.gen();
         if gen == self.seen_gen {
             return;
         }
         self.seen_gen = gen;
-        let current = self.shared.channels_snapshot();
+        let current = self.shared.fifo.channels();
         let mut old: HashMap<ChannelId, ChanExec> =
-            self.chans.drain(..).map(|e| (e.ch.id, e)).collect();
+            self.chans.drain(..).map(|e| (e.ch.core.id, e)).collect();
         self.chans = current
             .into_iter()
             .map(|ch| {
-                old.remove(&ch.id).unwrap_or_else(|| ChanExec {
-                    get: ch.start_get(),
+                old.remove(&ch.core.id).unwrap_or_else(|| ChanExec {
+                    get: ch.core.start_get(),
                     ch,
                     item: None,
                     on_engine: false,
@@ -133,7 +133,7 @@ impl Pfifo {
     }
 
     fn index_of(&self, id: ChannelId) -> Option<usize> {
-        self.chans.iter().position(|e| e.ch.id == id)
+        self.chans.iter().position(|e| e.ch.core.id == id)
     }
 
     /// Ends spin kernels whose deadline passed and continues their entries.
@@ -148,7 +148,7 @@ impl Pfifo {
                 continue;
             };
             let now = now_ns();
-            let stopped = self.chans[i].ch.is_stopped();
+            let stopped = self.chans[i].ch.core.is_stopped();
             if now < until && !stopped {
                 continue;
             }
@@ -194,7 +194,7 @@ impl Pfifo {
         for k in 0..n {
             let i = (self.rr + k) % n;
             let e = &mut self.chans[i];
-            if e.on_engine || e.ch.is_stopped() {
+            if e.on_engine || e.ch.core.is_stopped() {
                 continue;
             }
             if e.item.is_none() {
@@ -202,7 +202,7 @@ impl Pfifo {
                     Ok(Some(item)) => e.item = Some(item),
                     Ok(None) => continue,
                     Err((code, info)) => {
-                        e.ch.fault(code, info);
+                        e.ch.core.fault(code, info);
                         progress = true;
                         continue;
                     }
@@ -246,7 +246,7 @@ impl Pfifo {
                         continue;
                     }
                     // Its head moved past any semaphore wait.
-                    e.ch.sem_wait.end(now_ns(), 0);
+                    e.ch.core.sem_wait.end(now_ns(), 0);
                     let Some(item) = e.item.take() else {
                         continue;
                     };
@@ -256,7 +256,7 @@ impl Pfifo {
                     };
                     if self.copy_tx.send(job).is_err() {
                         // The copy engine is gone: only happens at shutdown.
-                        e.ch.fault(ErrorCode::Internal, 0);
+                        e.ch.core.fault(ErrorCode::Internal, 0);
                         continue;
                     }
                     e.on_engine = true;
@@ -312,18 +312,9 @@ impl Pfifo {
 
 /// Looks for the channel's next GP entry and fetches it.
 fn next_entry(e: &mut ChanExec, shared: &Shared) -> Result<Option<WorkItem>, (ErrorCode, u64)> {
-    let put = e.ch.load(ControlPage::GP_PUT);
-    if !counter_after(put, e.get) {
-        return Ok(None);
-    }
-    if counter_distance(e.get, put) > e.ch.cfg.gp_entries {
-        // More outstanding entries than the ring holds: the application overwrote work
-        // that had not run yet.
-        return Err((ErrorCode::BadGpEntry, put as u64));
-    }
-    let item = exec::fetch(&e.ch, &shared.vram, e.get)?;
-    e.ch.note_activity();
-    Ok(Some(item))
+    // One entry at a time: the next to fetch is the next to complete.
+    let methods = e.ch.core.fetch_next(e.get, e.get, Some(&shared.vram))?;
+    Ok(methods.map(|methods| WorkItem { methods, pc: 0 }))
 }
 
 /// Runs the channel's current entry from where it stopped. Returns the engine slot's
@@ -335,7 +326,7 @@ fn run_entry(e: &mut ChanExec, shared: &Shared) -> (Slot, bool) {
     let (step, moved) = match e.item.as_mut() {
         Some(item) => {
             let pc = item.pc;
-            let step = exec::run(&e.ch, &shared.vram, item, &e.ch.stopped);
+            let step = exec::run(&e.ch, &shared.vram, item, &e.ch.core.stopped);
             (step, step != Step::Stalled || item.pc != pc)
         }
         None => (Step::Done, true),
@@ -351,11 +342,11 @@ fn finish(e: &mut ChanExec, step: Step, start: u64, charge: bool) -> Slot {
     // methods that ran; anything else moved the entry on and ends a wait.
     if step == Step::Stalled {
         if charge {
-            e.ch.sem_wait.end(now, 0);
+            e.ch.core.sem_wait.end(now, 0);
         }
-        e.ch.sem_wait.begin(if charge { now } else { start });
+        e.ch.core.sem_wait.begin(if charge { now } else { start });
     } else {
-        e.ch.sem_wait.end(now, 0);
+        e.ch.core.sem_wait.end(now, 0);
     }
     match step {
         Step::Spin { ns } => {
@@ -363,7 +354,7 @@ fn finish(e: &mut ChanExec, step: Step, start: u64, charge: bool) -> Slot {
             let until = now.saturating_add(ns);
             e.ch.set_running(start, until);
             return Slot::Spinning {
-                chan: e.ch.id,
+                chan: e.ch.core.id,
                 start,
                 until,
             };
@@ -371,9 +362,9 @@ fn finish(e: &mut ChanExec, step: Step, start: u64, charge: bool) -> Slot {
         Step::Done => {
             e.ch.charge(now - start);
             e.get = e.get.wrapping_add(1);
-            e.ch.store(ControlPage::GP_GET, e.get);
-            add(&e.ch.gp_completed, 1);
-            e.ch.note_activity();
+            e.ch.core.store(ControlPage::GP_GET, e.get);
+            add(&e.ch.core.gp_completed, 1);
+            e.ch.core.note_activity();
             e.item = None;
         }
         Step::Stalled => {
@@ -383,7 +374,7 @@ fn finish(e: &mut ChanExec, step: Step, start: u64, charge: bool) -> Slot {
         }
         Step::Fault(code, info) => {
             e.ch.charge(now - start);
-            e.ch.fault(code, info);
+            e.ch.core.fault(code, info);
             e.item = None;
         }
         Step::Aborted => e.item = None,

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::kernels::{data, f32s, from_f32s, run_all, Mem, T};
-use super::{CtrlMap, Proc, DATA_OFF, ENTRIES, RING_OFF, SYS_BASE, SYS_VA};
+use super::{spin, CtrlMap, Proc, DATA_OFF, ENTRIES, RING_OFF, SYS_BASE, SYS_VA};
 use vgpu_host_shim::kernels::reference;
 use vgpu_host_shim::*;
 use vgpu_protocol::{ControlPage, ErrorCode, KernelArgs, Method, SemaphoreMode};
@@ -409,4 +409,38 @@ pub fn fence_signals_before_its_batch_ends<G: Gpu + ?Sized>(gpu: &Arc<G>) {
     assert_eq!(seen, 1, "REF 1 before the long spin ends (GP_GET {get})");
     ch.wait_idle(T).unwrap();
     assert_eq!(ch.ctrl.load(vgpu_protocol::ControlPage::REF), 2);
+}
+
+/// The activity count of a group of channels (issue 15): it moves when one of them
+/// fetches and completes work, stays put while they are idle, and a channel counts into
+/// one group only.
+pub fn activity_counter_counts_the_group_work<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+    let p = Proc::new(gpu, SYS_BASE);
+    let mut a = p.channel(0);
+    let b = p.channel(1);
+    let group = Arc::new(ActivityCounter::new());
+    assert!(gpu.count_activity(a.id, group.clone()).unwrap());
+    assert!(gpu.count_activity(b.id, group.clone()).unwrap());
+    assert!(
+        !gpu.count_activity(a.id, Arc::new(ActivityCounter::new()))
+            .unwrap(),
+        "a channel counts into one group"
+    );
+    assert_eq!(group.get(), 0, "nothing ran yet");
+    let m = a.launch(&spin(100_000));
+    a.submit(&[m]);
+    a.wait_idle(T).unwrap();
+    let after = group.get();
+    assert!(after >= 2, "a fetch and a completion: {after}");
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(group.get(), after, "idle channels leave it alone");
+    // A channel's own count rolls up to its parent's.
+    let c = p.channel(2);
+    let own = Arc::new(ActivityCounter::with_parent(group.clone()));
+    assert!(gpu.count_activity(c.id, own.clone()).unwrap());
+    let mut c = c;
+    let m = c.launch(&spin(100_000));
+    c.submit(&[m]);
+    c.wait_idle(T).unwrap();
+    assert!(own.get() >= 2 && group.get() >= after + 2);
 }

@@ -165,10 +165,8 @@ impl ChannelPeek {
     }
 }
 
-/// `a` is strictly after `b`, modulo 2^32.
-pub fn counter_after(a: u32, b: u32) -> bool {
-    (a.wrapping_sub(b) as i32) > 0
-}
+/// `a` is strictly after `b`, modulo 2^32 (the protocol's comparison).
+pub use vgpu_protocol::counter_after;
 
 /// The later of `a` and `b`, measured as signed distances from `base` (GP_GET): a counter
 /// "behind" `base` loses against one at or after it.
