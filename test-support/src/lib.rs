@@ -5,9 +5,14 @@
 //!   `cuda` one a test picks with [`gpu_from_env`]) serving VMs on vhost-user sockets in a
 //!   private directory, shut down and cleaned up on drop;
 //! - [`connect_retry`]: a loopback VM connecting to a socket the backend may not have
-//!   bound yet.
+//!   bound yet;
+//! - [`BackendLauncher`] / [`BackendProcess`]: the `vgpu-backend` binary as a child
+//!   process (config, sockets and log in a private directory; restart, SIGSTOP, SIGKILL,
+//!   SIGTERM), for tests of the daemon itself.
 //!
 //! Fixtures panic on setup failures: a test that cannot set up has failed.
+
+mod backend_process;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,6 +23,11 @@ use vgpu_backend::{VgpuBackend, VmLimits};
 use vgpu_host_shim::cuda::{CudaConfig, CudaGpu};
 use vgpu_host_shim::{Gpu, GpuChoice, SimConfig, SimGpu};
 use vgpu_vmm::loopback::{LoopbackConfig, LoopbackError, LoopbackVm};
+use vgpu_vmm::reconnect::FaultPolicy;
+
+pub use backend_process::{
+    backend_bin, BackendLauncher, BackendProcess, PROCESS_PATIENCE, TERMINATE_TIMEOUT,
+};
 
 /// How long [`Host::connect`] keeps trying.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -32,9 +42,19 @@ pub fn connect_retry(
     cfg: LoopbackConfig,
     timeout: Duration,
 ) -> Result<Arc<LoopbackVm>, LoopbackError> {
+    connect_retry_with(socket, cfg, FaultPolicy::default(), timeout)
+}
+
+/// [`connect_retry`] with a fault policy (request timeout, reconnect).
+pub fn connect_retry_with(
+    socket: &Path,
+    cfg: LoopbackConfig,
+    faults: FaultPolicy,
+    timeout: Duration,
+) -> Result<Arc<LoopbackVm>, LoopbackError> {
     let t0 = Instant::now();
     loop {
-        match LoopbackVm::connect(socket, cfg.clone()) {
+        match LoopbackVm::connect_with(socket, cfg.clone(), faults) {
             Ok(vm) => return Ok(vm),
             Err(e) if t0.elapsed() > timeout => return Err(e),
             Err(_) => std::thread::sleep(Duration::from_millis(10)),
