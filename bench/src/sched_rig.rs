@@ -15,11 +15,9 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 use vgpu_backend::{VgpuBackend, VmLimits};
 use vgpu_guest::{Device, KernelArgs};
-use vgpu_host_shim::{Gpu, HalError, SimConfig, SimGpu};
+use vgpu_host_shim::{HalError, SimConfig, SimGpu};
 use vgpu_test_support::{connect_retry, CONNECT_TIMEOUT};
 use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
-
-use crate::hidden_counters::HiddenCounters;
 
 #[derive(Debug, Error)]
 pub enum RigError {
@@ -49,14 +47,10 @@ impl SchedRig {
     pub fn new(tag: &str, vms: &[&str], hide_counters: bool) -> Result<Self, RigError> {
         let sim = SimGpu::new(SimConfig {
             vram_bytes: 256 << 20,
+            hide_busy_counters: hide_counters,
             ..SimConfig::default()
         })?;
-        let gpu: Arc<dyn Gpu> = if hide_counters {
-            Arc::new(HiddenCounters::new(sim.clone()))
-        } else {
-            sim.clone()
-        };
-        let backend = VgpuBackend::new(gpu, VmLimits::default());
+        let backend = VgpuBackend::new(sim.clone(), VmLimits::default());
         let dir = std::env::temp_dir().join(format!(
             "vgpu-sched-{tag}-{}-{}",
             std::process::id(),

@@ -5,6 +5,7 @@ pub mod clock;
 pub mod cuda;
 pub mod gpu_view;
 pub mod hal;
+pub mod host_copy_log;
 pub mod kernels;
 pub mod mmu;
 pub mod shared_mem;
@@ -25,4 +26,5 @@ pub use hal::{
     EventSink, FdRange, Gpu, GpuEvent, GpuInfo, HalError, HostRange, MapFlags, MapTarget, PageSize,
     SysMemory, VramAlloc,
 };
+pub use host_copy_log::{CopyDir, HostCopy, HostCopyLog};
 pub use sim::{SimConfig, SimGpu, SimStats};
