@@ -6,7 +6,6 @@
 //! depend on how busy the (shared, 2-core) host is.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -16,7 +15,7 @@ use thiserror::Error;
 use vgpu_backend::{VgpuBackend, VmLimits};
 use vgpu_guest::{Device, KernelArgs};
 use vgpu_host_shim::{HalError, SimConfig, SimGpu};
-use vgpu_test_support::{connect_retry, CONNECT_TIMEOUT};
+use vgpu_test_support::{connect_retry, Host, CONNECT_TIMEOUT};
 use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
 
 #[derive(Debug, Error)]
@@ -33,12 +32,11 @@ pub enum RigError {
     Tenant(String, String),
 }
 
-/// A backend on a sim GPU serving named loopback VMs on private sockets.
+/// A backend on a sim GPU serving named loopback VMs on private sockets (a
+/// [`Host`] with a loopback VM connected to each).
 pub struct SchedRig {
-    pub sim: Arc<SimGpu>,
-    pub backend: Arc<VgpuBackend>,
+    pub host: Host,
     vms: BTreeMap<String, Arc<LoopbackVm>>,
-    dir: PathBuf,
 }
 
 impl SchedRig {
@@ -50,22 +48,14 @@ impl SchedRig {
             hide_busy_counters: hide_counters,
             ..SimConfig::default()
         })?;
-        let backend = VgpuBackend::new(sim.clone(), VmLimits::default());
-        let dir = std::env::temp_dir().join(format!(
-            "vgpu-sched-{tag}-{}-{}",
-            std::process::id(),
-            crate::sched_rig::unique()
-        ));
-        std::fs::create_dir_all(&dir).map_err(|e| RigError::Backend(e.to_string()))?;
         let mut rig = SchedRig {
-            sim,
-            backend,
+            host: Host::with_gpu(&format!("sched-{tag}"), sim, VmLimits::default(), &[]),
             vms: BTreeMap::new(),
-            dir,
         };
         for vm in vms {
-            let sock = rig.dir.join(format!("{vm}.sock"));
-            rig.backend
+            let sock = rig.host.socket(vm);
+            rig.host
+                .backend
                 .serve_vm(vm, &sock)
                 .map_err(|e| RigError::Backend(e.to_string()))?;
             let cfg = LoopbackConfig::with_mem(32 << 20);
@@ -74,6 +64,16 @@ impl SchedRig {
             rig.vms.insert(vm.to_string(), lvm);
         }
         Ok(rig)
+    }
+
+    /// The sim GPU.
+    pub fn sim(&self) -> &Arc<SimGpu> {
+        &self.host.gpu
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<VgpuBackend> {
+        &self.host.backend
     }
 
     pub fn vm(&self, name: &str) -> Result<Arc<LoopbackVm>, RigError> {
@@ -85,7 +85,7 @@ impl SchedRig {
 
     /// GPU busy time of guest process `pid` of VM `vm` so far (the backend's books).
     pub fn proc_busy(&self, vm: &str, pid: u32) -> u64 {
-        self.backend
+        self.backend()
             .process_busy_ns(vm)
             .iter()
             .filter(|(p, _)| *p == pid)
@@ -95,7 +95,7 @@ impl SchedRig {
 
     /// GPU busy time of VM `vm` so far.
     pub fn vm_busy(&self, vm: &str) -> u64 {
-        self.backend
+        self.backend()
             .process_busy_ns(vm)
             .iter()
             .map(|(_, b)| b)
@@ -105,18 +105,11 @@ impl SchedRig {
 
 impl Drop for SchedRig {
     fn drop(&mut self) {
+        // The VMs first; the host then shuts the backend down and removes its directory.
         for vm in self.vms.values() {
             vm.disconnect();
         }
-        self.backend.shutdown();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
-}
-
-/// A number unique in this process (for socket directories of concurrent rigs).
-pub fn unique() -> u64 {
-    static N: AtomicU64 = AtomicU64::new(0);
-    N.fetch_add(1, Ordering::Relaxed)
 }
 
 /// What a tenant thread did.

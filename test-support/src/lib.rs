@@ -64,14 +64,19 @@ pub fn connect_retry_with(
 
 /// A private directory under the system's temporary one, unique in this process.
 pub fn temp_dir(prefix: &str) -> PathBuf {
+    try_temp_dir(prefix).expect("test directory")
+}
+
+/// [`temp_dir`] for a program that reports the error (a benchmark run by a user).
+pub fn try_temp_dir(prefix: &str) -> std::io::Result<PathBuf> {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let dir = std::env::temp_dir().join(format!(
         "vgpu-{prefix}-{}-{}",
         std::process::id(),
         NEXT.fetch_add(1, Ordering::Relaxed)
     ));
-    std::fs::create_dir_all(&dir).expect("test directory");
-    dir
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
 }
 
 /// The GPU a test runs on: `VGPU_TEST_GPU=sim|cuda[:INDEX]` (default `sim`), with

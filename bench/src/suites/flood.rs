@@ -473,12 +473,8 @@ fn phase_figures(figs: &mut Vec<Figure>, phase: &str, l: &Latencies) {
 pub fn run(opts: &FloodOpts) -> Result<Vec<Figure>, FloodError> {
     let sim = SimGpu::new(SimConfig::default())?;
     let backend = VgpuBackend::new(sim, VmLimits::default());
-    let dir = std::env::temp_dir().join(format!(
-        "vgpu-flood-{}-{}",
-        std::process::id(),
-        crate::sched_rig::unique()
-    ));
-    std::fs::create_dir_all(&dir).map_err(|e| FloodError::Backend(e.to_string()))?;
+    let dir =
+        vgpu_test_support::try_temp_dir("flood").map_err(|e| FloodError::Backend(e.to_string()))?;
     let result = measure(opts, &backend, &dir);
     backend.shutdown();
     let _ = std::fs::remove_dir_all(&dir);
