@@ -15,8 +15,8 @@ use thiserror::Error;
 use vgpu_backend::{VgpuBackend, VmLimits};
 use vgpu_guest::{Device, KernelArgs};
 use vgpu_host_shim::{HalError, SimConfig, SimGpu};
+use vgpu_loopback::{LoopbackConfig, LoopbackVm};
 use vgpu_test_support::{connect_retry, Host, CONNECT_TIMEOUT};
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
 
 #[derive(Debug, Error)]
 pub enum RigError {

@@ -11,9 +11,9 @@ use vgpu_guest::workloads::Workload;
 use vgpu_guest::{Device, KernelArgs};
 use vgpu_host_shim::cuda::{CudaConfig, FakeCudaGpu, FakeDevice};
 use vgpu_host_shim::Gpu;
+use vgpu_loopback::LoopbackVm;
 use vgpu_protocol::reference;
 use vgpu_test_support::Host;
-use vgpu_vmm::loopback::LoopbackVm;
 
 const MIB: u64 = 1 << 20;
 

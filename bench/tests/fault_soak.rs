@@ -28,8 +28,8 @@ use vgpu_backend::api::client::ApiClient;
 use vgpu_guest::workloads::Workload;
 use vgpu_guest::{Buffer, Channel, Context, Device, Error, KernelArgs};
 use vgpu_host_shim::kernels::reference;
+use vgpu_loopback::LoopbackVm;
 use vgpu_test_support::{BackendLauncher, BackendProcess as Backend};
-use vgpu_vmm::loopback::LoopbackVm;
 use vgpu_vmm::reconnect::{FaultPolicy, ReconnectPolicy};
 
 /// Liveness bound for anything the soak waits for (never a performance target).

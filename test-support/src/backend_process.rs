@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vgpu_backend::api::client::ApiClient;
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
+use vgpu_loopback::{LoopbackConfig, LoopbackVm};
 use vgpu_vmm::reconnect::FaultPolicy;
 
 use crate::{connect_retry_with, temp_dir, DEFAULT_VM_MEM};

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use vgpu_backend::{VgpuBackend, VmLimits};
 use vgpu_host_shim::cuda::{CudaConfig, CudaGpu};
 use vgpu_host_shim::{Gpu, GpuChoice, SimConfig, SimGpu};
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackError, LoopbackVm};
+use vgpu_loopback::{LoopbackConfig, LoopbackError, LoopbackVm};
 use vgpu_vmm::reconnect::FaultPolicy;
 
 pub use backend_process::{

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use vgpu_guest::workloads::Workload;
 use vgpu_guest::{Device, Error, KernelArgs};
+use vgpu_loopback::LoopbackVm;
 use vgpu_test_support::BackendLauncher;
-use vgpu_vmm::loopback::LoopbackVm;
 use vgpu_vmm::reconnect::{FaultPolicy, ReconnectPolicy};
 
 /// Liveness bound for anything this test waits for (never a performance target).

@@ -12,8 +12,8 @@ use vgpu_backend::api::types::VmVramBody;
 use vgpu_guest::workloads::Workload;
 use vgpu_guest::{Buffer, Context, Device, KernelArgs};
 use vgpu_host_shim::kernels::reference;
+use vgpu_loopback::LoopbackVm;
 use vgpu_test_support::{BackendLauncher, BackendProcess};
-use vgpu_vmm::loopback::LoopbackVm;
 use vgpu_vmm::reconnect::FaultPolicy;
 
 const MIB: u64 = 1 << 20;

@@ -22,7 +22,7 @@ use vgpu_host_shim::cuda::{
     CudaConfig, CudaGpu, CudaGpuOf, Device as CudaDeviceTrait, FakeCudaGpu, FakeDevice,
 };
 use vgpu_host_shim::Gpu;
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
+use vgpu_loopback::{LoopbackConfig, LoopbackVm};
 
 use crate::report::{Better, Figure};
 use crate::sched_rig::{Tenant, TenantSpec};

@@ -18,11 +18,11 @@ use thiserror::Error;
 use vgpu_backend::{VgpuBackend, VmLimits};
 use vgpu_guest::Device;
 use vgpu_host_shim::{HalError, SimConfig, SimGpu};
+use vgpu_loopback::{LoopbackConfig, LoopbackError, LoopbackVm};
 use vgpu_protocol::request::{
     decode_reply, GuestRange, Op, ReplyBody, Request, RequestError, PAGE_2M, PAGE_4K,
 };
 use vgpu_protocol::ErrorCode;
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackError, LoopbackVm};
 
 use crate::report::{Better, Figure};
 

@@ -13,7 +13,7 @@ use thiserror::Error;
 use vgpu_backend::{Policy, SchedConfig, VgpuBackend, VmLimits};
 use vgpu_guest::{Channel, Context, Device, KernelArgs};
 use vgpu_host_shim::{HalError, SimConfig, SimGpu};
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
+use vgpu_loopback::{LoopbackConfig, LoopbackVm};
 
 use crate::proc_stats::{open_fds, rss, thread_cpu_ns, threads};
 use crate::report::{Better, Figure};
