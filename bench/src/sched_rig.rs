@@ -6,7 +6,6 @@
 //! depend on how busy the (shared, 2-core) host is.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -15,11 +14,9 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 use vgpu_backend::{VgpuBackend, VmLimits};
 use vgpu_guest::{Device, KernelArgs};
-use vgpu_host_shim::{Gpu, HalError, SimConfig, SimGpu};
-use vgpu_test_support::{connect_retry, CONNECT_TIMEOUT};
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
-
-use crate::hidden_counters::HiddenCounters;
+use vgpu_host_shim::{HalError, SimConfig, SimGpu};
+use vgpu_loopback::{LoopbackConfig, LoopbackVm};
+use vgpu_test_support::{connect_retry, Host, CONNECT_TIMEOUT};
 
 #[derive(Debug, Error)]
 pub enum RigError {
@@ -35,12 +32,11 @@ pub enum RigError {
     Tenant(String, String),
 }
 
-/// A backend on a sim GPU serving named loopback VMs on private sockets.
+/// A backend on a sim GPU serving named loopback VMs on private sockets (a
+/// [`Host`] with a loopback VM connected to each).
 pub struct SchedRig {
-    pub sim: Arc<SimGpu>,
-    pub backend: Arc<VgpuBackend>,
+    pub host: Host,
     vms: BTreeMap<String, Arc<LoopbackVm>>,
-    dir: PathBuf,
 }
 
 impl SchedRig {
@@ -49,29 +45,17 @@ impl SchedRig {
     pub fn new(tag: &str, vms: &[&str], hide_counters: bool) -> Result<Self, RigError> {
         let sim = SimGpu::new(SimConfig {
             vram_bytes: 256 << 20,
+            hide_busy_counters: hide_counters,
             ..SimConfig::default()
         })?;
-        let gpu: Arc<dyn Gpu> = if hide_counters {
-            Arc::new(HiddenCounters::new(sim.clone()))
-        } else {
-            sim.clone()
-        };
-        let backend = VgpuBackend::new(gpu, VmLimits::default());
-        let dir = std::env::temp_dir().join(format!(
-            "vgpu-sched-{tag}-{}-{}",
-            std::process::id(),
-            crate::sched_rig::unique()
-        ));
-        std::fs::create_dir_all(&dir).map_err(|e| RigError::Backend(e.to_string()))?;
         let mut rig = SchedRig {
-            sim,
-            backend,
+            host: Host::with_gpu(&format!("sched-{tag}"), sim, VmLimits::default(), &[]),
             vms: BTreeMap::new(),
-            dir,
         };
         for vm in vms {
-            let sock = rig.dir.join(format!("{vm}.sock"));
-            rig.backend
+            let sock = rig.host.socket(vm);
+            rig.host
+                .backend
                 .serve_vm(vm, &sock)
                 .map_err(|e| RigError::Backend(e.to_string()))?;
             let cfg = LoopbackConfig::with_mem(32 << 20);
@@ -80,6 +64,16 @@ impl SchedRig {
             rig.vms.insert(vm.to_string(), lvm);
         }
         Ok(rig)
+    }
+
+    /// The sim GPU.
+    pub fn sim(&self) -> &Arc<SimGpu> {
+        &self.host.gpu
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<VgpuBackend> {
+        &self.host.backend
     }
 
     pub fn vm(&self, name: &str) -> Result<Arc<LoopbackVm>, RigError> {
@@ -91,7 +85,7 @@ impl SchedRig {
 
     /// GPU busy time of guest process `pid` of VM `vm` so far (the backend's books).
     pub fn proc_busy(&self, vm: &str, pid: u32) -> u64 {
-        self.backend
+        self.backend()
             .process_busy_ns(vm)
             .iter()
             .filter(|(p, _)| *p == pid)
@@ -101,7 +95,7 @@ impl SchedRig {
 
     /// GPU busy time of VM `vm` so far.
     pub fn vm_busy(&self, vm: &str) -> u64 {
-        self.backend
+        self.backend()
             .process_busy_ns(vm)
             .iter()
             .map(|(_, b)| b)
@@ -111,18 +105,11 @@ impl SchedRig {
 
 impl Drop for SchedRig {
     fn drop(&mut self) {
+        // The VMs first; the host then shuts the backend down and removes its directory.
         for vm in self.vms.values() {
             vm.disconnect();
         }
-        self.backend.shutdown();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
-}
-
-/// A number unique in this process (for socket directories of concurrent rigs).
-pub fn unique() -> u64 {
-    static N: AtomicU64 = AtomicU64::new(0);
-    N.fetch_add(1, Ordering::Relaxed)
 }
 
 /// What a tenant thread did.

@@ -6,20 +6,22 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vgpu_backend::{VgpuBackend, VmLimits};
+use vgpu_backend::VmLimits;
 use vgpu_guest::workloads::Workload;
 use vgpu_guest::{Device, KernelArgs};
 use vgpu_host_shim::cuda::{CudaConfig, FakeCudaGpu, FakeDevice};
+use vgpu_host_shim::Gpu;
+use vgpu_loopback::LoopbackVm;
 use vgpu_protocol::reference;
-use vgpu_test_support::{connect_retry, temp_dir};
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
+use vgpu_test_support::Host;
 
 const MIB: u64 = 1 << 20;
 
+/// A [`Host`] on the fake `cuda` GPU with a loopback VM (256 MiB of guest RAM) connected
+/// to each of its VMs; the VMs disconnect before the host shuts down.
 struct Rig {
-    backend: Arc<VgpuBackend>,
     vms: Vec<Arc<LoopbackVm>>,
-    dir: std::path::PathBuf,
+    host: Host<dyn Gpu>,
 }
 
 impl Rig {
@@ -32,22 +34,9 @@ impl Rig {
             },
         )
         .expect("fake cuda GPU");
-        let backend = VgpuBackend::new(gpu, limits);
-        let dir = temp_dir(tag);
-        let vms = names
-            .iter()
-            .map(|n| {
-                let sock = dir.join(format!("{n}.sock"));
-                backend.serve_vm(n, &sock).expect("serve");
-                connect_retry(
-                    &sock,
-                    LoopbackConfig::with_mem(256 * MIB),
-                    Duration::from_secs(10),
-                )
-                .expect("connect")
-            })
-            .collect();
-        Rig { backend, vms, dir }
+        let host = Host::on_gpu(tag, gpu, limits, names).with_vm_mem(256 * MIB);
+        let vms = names.iter().map(|n| host.connect(n)).collect();
+        Rig { vms, host }
     }
 }
 
@@ -56,8 +45,6 @@ impl Drop for Rig {
         for vm in &self.vms {
             vm.disconnect();
         }
-        self.backend.shutdown();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -173,7 +160,7 @@ fn oversubscribed_vram_evicts_to_host_memory_and_results_stay_exact() {
     let moved: u64 = ["a", "b"]
         .iter()
         .map(|n| {
-            let s = rig.backend.vram_stats(n).unwrap().vm;
+            let s = rig.host.backend.vram_stats(n).unwrap().vm;
             s.evictions + s.spilled_chunks
         })
         .sum();

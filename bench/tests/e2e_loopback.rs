@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 use vgpu_backend::VmLimits;
 use vgpu_guest::workloads::Workload;
 use vgpu_guest::{Device, KernelArgs};
+use vgpu_loopback::LoopbackVm;
 use vgpu_protocol::request::{decode_reply, GuestRange, Op, ReplyBody, Request};
 use vgpu_protocol::ErrorCode;
 use vgpu_test_support::Host;
-use vgpu_vmm::loopback::LoopbackVm;
 
 /// The backend on a 256 MiB sim GPU serving `vms`.
 fn start_host(tag: &str, vms: &[&str]) -> Host {

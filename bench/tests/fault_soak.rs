@@ -19,8 +19,6 @@
 //! vgpu-backend`; `cargo test --workspace` builds it) or `VGPU_BACKEND_BIN`.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, RwLock};
@@ -30,8 +28,8 @@ use vgpu_backend::api::client::ApiClient;
 use vgpu_guest::workloads::Workload;
 use vgpu_guest::{Buffer, Channel, Context, Device, Error, KernelArgs};
 use vgpu_host_shim::kernels::reference;
-use vgpu_test_support::temp_dir;
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
+use vgpu_loopback::LoopbackVm;
+use vgpu_test_support::{BackendLauncher, BackendProcess as Backend};
 use vgpu_vmm::reconnect::{FaultPolicy, ReconnectPolicy};
 
 /// Liveness bound for anything the soak waits for (never a performance target).
@@ -74,146 +72,34 @@ fn env_u64(name: &str, default: u64) -> u64 {
     }
 }
 
-/// The backend binary: `VGPU_BACKEND_BIN`, else next to this test's `deps` directory.
-fn backend_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("VGPU_BACKEND_BIN") {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().expect("test executable");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps");
-    let bin = profile_dir.join("vgpu-backend");
-    assert!(
-        bin.exists(),
-        "{} missing: build it first (cargo build --release -p vgpu-backend) or set \
-         VGPU_BACKEND_BIN",
-        bin.display()
-    );
-    bin
+/// Starts backend processes on a 32 MiB GPU serving VM `s` (steady) and VM `v` (victim,
+/// a 16 MiB quota), both with swap, and the control API.
+fn launcher() -> BackendLauncher {
+    BackendLauncher::new(
+        "fault-soak",
+        "[gpu]\nvram_mib = 32\n\
+         [scheduler]\npolicy = \"fair\"\ninterval_ms = 10\n\
+         [[vm]]\nname = \"s\"\nswap_mib = 64\n\
+         [[vm]]\nname = \"v\"\nvram_mib = 16\nswap_mib = 64\n",
+    )
+    .with_api()
+    .rust_log("warn")
 }
 
-/// The backend process; SIGKILLed on drop.
-struct Backend {
-    child: Child,
-    dir: PathBuf,
-}
-
-impl Backend {
-    /// A 32 MiB GPU; VM `s` (steady) and VM `v` (victim, a 16 MiB quota), both with swap.
-    fn start(dir: &Path) -> Backend {
-        let cfg = dir.join("backend.toml");
-        std::fs::write(
-            &cfg,
-            format!(
-                "socket_dir = \"{d}\"\n[gpu]\nvram_mib = 32\n\
-                 [api]\nsocket = \"{d}/api.sock\"\n\
-                 [scheduler]\npolicy = \"fair\"\ninterval_ms = 10\n\
-                 [[vm]]\nname = \"s\"\nswap_mib = 64\n\
-                 [[vm]]\nname = \"v\"\nvram_mib = 16\nswap_mib = 64\n",
-                d = dir.display()
-            ),
-        )
-        .expect("config");
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(dir.join("backend.log"))
-            .expect("log file");
-        let child = Command::new(backend_bin())
-            .arg("--config")
-            .arg(&cfg)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("vgpu-backend");
-        Backend {
-            child,
-            dir: dir.to_path_buf(),
+/// Open fds of the backend process, less its per-VM pools (a VM's shadow-page memfd
+/// and swap store, each made on first use and kept while the VM is configured), which
+/// are checked to be at most one per VM instead.
+fn fds(backend: &Backend) -> Result<usize, String> {
+    let t = backend.fd_targets();
+    for pool in ["/memfd:vgpu-shadow", "/memfd:vgpu-swap"] {
+        let n = t.iter().filter(|p| p.starts_with(pool)).count();
+        if n > 2 {
+            return Err(format!("{n} × {pool} for 2 VMs"));
         }
     }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    fn socket(&self, vm: &str) -> PathBuf {
-        self.dir.join(format!("{vm}.sock"))
-    }
-
-    fn log_tail(&self) -> String {
-        let log = std::fs::read_to_string(self.dir.join("backend.log")).unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        lines[lines.len().saturating_sub(40)..].join("\n")
-    }
-
-    fn api(&mut self) -> ApiClient {
-        let c = ApiClient::new(self.dir.join("api.sock"));
-        let t0 = Instant::now();
-        loop {
-            match c.info() {
-                Ok(_) => return c,
-                Err(e) if t0.elapsed() > PATIENCE => panic!("backend API: {e}"),
-                Err(_) => {
-                    if let Some(st) = self.child.try_wait().expect("try_wait") {
-                        panic!("backend exited: {st:?}\n{}", self.log_tail());
-                    }
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            }
-        }
-    }
-
-    /// Open fds of the backend process, less its per-VM pools (a VM's shadow-page memfd
-    /// and swap store, each made on first use and kept while the VM is configured), which
-    /// are checked to be at most one per VM instead.
-    fn fds(&self) -> Result<usize, String> {
-        let t = self.fd_targets();
-        for pool in ["/memfd:vgpu-shadow", "/memfd:vgpu-swap"] {
-            let n = t.iter().filter(|p| p.starts_with(pool)).count();
-            if n > 2 {
-                return Err(format!("{n} × {pool} for 2 VMs"));
-            }
-        }
-        Ok(t.iter()
-            .filter(|p| !p.starts_with("/memfd:vgpu-shadow") && !p.starts_with("/memfd:vgpu-swap"))
-            .count())
-    }
-
-    /// What each open fd of the backend points at (for a leak report).
-    fn fd_targets(&self) -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| std::fs::read_link(e.path()).ok())
-            .map(|p| p.display().to_string())
-            .collect();
-        v.sort();
-        v
-    }
-
-    fn alive(&mut self) -> Result<(), String> {
-        match self.child.try_wait().expect("try_wait") {
-            None => Ok(()),
-            Some(st) => Err(format!("backend died: {st:?}\n{}", self.log_tail())),
-        }
-    }
-
-    /// SIGKILL and reap.
-    fn kill(mut self) {
-        self.child.kill().expect("SIGKILL");
-        self.child.wait().expect("wait");
-    }
-}
-
-impl Drop for Backend {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    Ok(t.iter()
+        .filter(|p| !p.starts_with("/memfd:vgpu-shadow") && !p.starts_with("/memfd:vgpu-swap"))
+        .count())
 }
 
 fn reconnecting() -> FaultPolicy {
@@ -224,18 +110,6 @@ fn reconnecting() -> FaultPolicy {
             max_attempts: None,
         }),
         request_timeout: Some(Duration::from_secs(30)),
-    }
-}
-
-fn connect(socket: &Path, policy: FaultPolicy) -> Arc<LoopbackVm> {
-    let t0 = Instant::now();
-    loop {
-        let cfg = LoopbackConfig::with_mem(128 * MIB);
-        match LoopbackVm::connect_with(socket, cfg, policy) {
-            Ok(vm) => return vm,
-            Err(e) if t0.elapsed() > PATIENCE => panic!("connect {}: {e}", socket.display()),
-            Err(_) => std::thread::sleep(Duration::from_millis(20)),
-        }
     }
 }
 
@@ -477,7 +351,7 @@ fn victim_clean(api: &ApiClient) -> Result<(), String> {
 fn fds_back(backend: &Backend, steady: &Steady, baseline: usize) -> Result<(), String> {
     let _quiet = steady.gate.write().unwrap();
     settle(|| {
-        let n = backend.fds()?;
+        let n = fds(backend)?;
         if n == baseline {
             Ok(())
         } else {
@@ -502,11 +376,11 @@ fn fd_baseline(backend: &Backend, steady: &Steady, api: &ApiClient, rng: &mut Rn
     );
     victim_clean(api).expect("warm-up VM cleans up");
     let _quiet = steady.gate.write().unwrap();
-    let mut last = backend.fds().expect("fds");
+    let mut last = fds(backend).expect("fds");
     let mut stable_since = Instant::now();
     while stable_since.elapsed() < Duration::from_millis(300) {
         std::thread::sleep(Duration::from_millis(20));
-        let n = backend.fds().expect("fds");
+        let n = fds(backend).expect("fds");
         if n != last {
             last = n;
             stable_since = Instant::now();
@@ -526,7 +400,7 @@ fn join_within<T: Send + 'static>(rx: &mpsc::Receiver<T>, what: &str) -> Result<
 /// unverified.
 fn fault_vmm_kill(t: &mut Tally, rng: &mut Rng, b: &Backend) {
     const F: &str = "vmm_kill";
-    let vm = connect(&b.socket("v"), FaultPolicy::default());
+    let vm = b.connect("v", FaultPolicy::default());
     let dev = Device::loopback(vm.clone(), 1).expect("device");
     let ctx = dev.create_context().expect("context");
     let mut spin = ctx.create_channel().expect("channel");
@@ -572,7 +446,7 @@ fn fault_vmm_kill(t: &mut Tally, rng: &mut Rng, b: &Backend) {
 /// process in the same VM keeps its exact accumulator, and the killed one's objects go.
 fn fault_guest_kill(t: &mut Tally, rng: &mut Rng, b: &Backend, api: &ApiClient) {
     const F: &str = "guest_kill";
-    let vm = connect(&b.socket("v"), FaultPolicy::default());
+    let vm = b.connect("v", FaultPolicy::default());
     let sib = Device::loopback(vm.clone(), 2).expect("sibling device");
     let sib_ctx = sib.create_context().expect("sibling context");
     let mut acc = Acc::new(&sib_ctx).expect("accumulator");
@@ -653,7 +527,7 @@ fn fault_guest_kill(t: &mut Tally, rng: &mut Rng, b: &Backend, api: &ApiClient) 
 fn fault_backend_kill(
     t: &mut Tally,
     backend: &mut Option<Backend>,
-    dir: &Path,
+    launcher: &BackendLauncher,
     steady: &Steady,
     steady_vm: &Arc<LoopbackVm>,
 ) -> ApiClient {
@@ -684,7 +558,7 @@ fn fault_backend_kill(
             }
         }),
     );
-    let mut b = Backend::start(dir);
+    let mut b = launcher.start();
     let api = b.api();
     *backend = Some(b);
     t.check(
@@ -736,7 +610,7 @@ fn fault_api_change(t: &mut Tally, rng: &mut Rng, api: &ApiClient) {
 fn fault_vram_pressure(t: &mut Tally, rng: &mut Rng, b: &Backend, api: &ApiClient) {
     const F: &str = "vram_pressure";
     let before = api.vm_stats("v").expect("stats").vram;
-    let vm = connect(&b.socket("v"), FaultPolicy::default());
+    let vm = b.connect("v", FaultPolicy::default());
     let dev = Device::loopback(vm.clone(), 1).expect("device");
     let ctx = dev.create_context().expect("context");
     let n = rng.range(8, 10) as u8;
@@ -801,7 +675,7 @@ fn fault_vram_pressure(t: &mut Tally, rng: &mut Rng, b: &Backend, api: &ApiClien
 /// not a lost device), and works again once maps are allowed.
 fn fault_refuse_maps(t: &mut Tally, b: &Backend, api: &ApiClient) {
     const F: &str = "refuse_maps";
-    let vm = connect(&b.socket("v"), FaultPolicy::default());
+    let vm = b.connect("v", FaultPolicy::default());
     let dev = Device::loopback(vm.clone(), 1).expect("device");
     let ctx = dev.create_context().expect("context");
     let maps = vm.shmem_maps();
@@ -854,15 +728,15 @@ fn fault_soak() {
     let seed = env_u64("VGPU_SOAK_SEED", DEFAULT_SEED);
     println!("fault soak: {secs} s, seed {seed:#x} (VGPU_SOAK_SEED={seed:#x} replays it)");
     let mut rng = Rng(seed);
-    let dir = temp_dir("fault-soak");
-    let mut backend = Some(Backend::start(&dir));
+    let launcher = launcher();
+    let mut backend = Some(launcher.start());
     let mut api = backend.as_mut().expect("backend").api();
 
     let steady = Arc::new(Steady::default());
-    let steady_vm = connect(
-        &backend.as_ref().expect("backend").socket("s"),
-        reconnecting(),
-    );
+    let steady_vm = backend
+        .as_ref()
+        .expect("backend")
+        .connect("s", reconnecting());
     let worker = {
         let (s, vm, seed) = (steady.clone(), steady_vm.clone(), rng.next());
         std::thread::spawn(move || s.worker(vm, seed))
@@ -891,7 +765,7 @@ fn fault_soak() {
             0 => fault_vmm_kill(&mut t, &mut rng, backend.as_ref().expect("backend")),
             1 => fault_guest_kill(&mut t, &mut rng, backend.as_ref().expect("backend"), &api),
             2 => {
-                api = fault_backend_kill(&mut t, &mut backend, &dir, &steady, &steady_vm);
+                api = fault_backend_kill(&mut t, &mut backend, &launcher, &steady, &steady_vm);
             }
             3 => fault_api_change(&mut t, &mut rng, &api),
             4 => fault_vram_pressure(&mut t, &mut rng, backend.as_ref().expect("backend"), &api),
@@ -932,5 +806,4 @@ fn fault_soak() {
     }
     steady_vm.disconnect();
     drop(backend);
-    let _ = std::fs::remove_dir_all(&dir);
 }

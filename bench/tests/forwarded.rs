@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 use vgpu_backend::VmLimits;
 use vgpu_guest::workloads::Workload;
 use vgpu_guest::{Device, Error, KernelArgs};
+use vgpu_loopback::LoopbackVm;
 use vgpu_protocol::device::NO_SLOT;
 use vgpu_protocol::request::{decode_reply, Op, ReplyBody, Request};
 use vgpu_protocol::ErrorCode;
 use vgpu_test_support::Host;
-use vgpu_vmm::loopback::LoopbackVm;
 
 fn call(vm: &LoopbackVm, pid: u32, ctx: u32, op: Op) -> Result<ReplyBody, ErrorCode> {
     let req = Request { pid, ctx, op };

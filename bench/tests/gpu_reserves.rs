@@ -12,10 +12,10 @@ use vgpu_backend::api::{ApiOptions, ApiServer};
 use vgpu_backend::{Gpu, VmLimits};
 use vgpu_bench::suites::flood::call;
 use vgpu_guest::{Device, KernelArgs};
+use vgpu_loopback::LoopbackVm;
 use vgpu_protocol::request::{Op, ReplyBody};
 use vgpu_protocol::ErrorCode;
 use vgpu_test_support::Host;
-use vgpu_vmm::loopback::LoopbackVm;
 
 const HOGS: [&str; 4] = ["hog0", "hog1", "hog2", "hog3"];
 const LATE: &str = "late";

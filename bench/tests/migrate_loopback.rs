@@ -13,9 +13,9 @@ use vgpu_backend::{MigrationPhase, PrecopyConfig, SchedConfig, VgpuBackend, VmLi
 use vgpu_guest::workloads::throttle::{self, ThrottleConfig};
 use vgpu_guest::workloads::Workload;
 use vgpu_guest::{Device, KernelArgs};
+use vgpu_loopback::LoopbackVm;
 use vgpu_protocol::migration::{DeviceState, KIND_FULL};
 use vgpu_test_support::Host;
-use vgpu_vmm::loopback::LoopbackVm;
 
 const VM: &str = "vm";
 

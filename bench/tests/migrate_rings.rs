@@ -19,10 +19,10 @@ use std::time::{Duration, Instant};
 use vgpu_backend::VmLimits;
 use vgpu_guest::workloads::Workload;
 use vgpu_guest::{Device, KernelArgs};
+use vgpu_loopback::{LoopbackConfig, LoopbackVm, NotifyCounts};
 use vgpu_protocol::device::QUEUE_SIZE;
 use vgpu_protocol::request::{decode_reply, event, Op, ReplyBody, Request};
 use vgpu_test_support::{Host, DEFAULT_VM_MEM};
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm, NotifyCounts};
 use vgpu_vmm::reconnect::FaultPolicy;
 
 const VM: &str = "vm";

@@ -14,9 +14,9 @@ use vgpu_backend::{
 };
 use vgpu_guest::workloads::throttle::{self, ThrottleConfig};
 use vgpu_guest::{Device, KernelArgs};
+use vgpu_loopback::LoopbackVm;
 use vgpu_protocol::method::SemaphoreMode;
 use vgpu_test_support::Host;
-use vgpu_vmm::loopback::LoopbackVm;
 
 const WINDOW: Duration = Duration::from_secs(2);
 const WARMUP: Duration = Duration::from_millis(300);

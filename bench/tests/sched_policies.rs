@@ -64,7 +64,7 @@ fn two_levels_and_an_idle_sibling_s_share_goes_to_the_others() {
     let _serial = serial();
     let _ = env_logger::builder().is_test(true).try_init();
     let rig = SchedRig::new("t-levels", &["a", "b"], false).expect("rig");
-    let be = &rig.backend;
+    let be = rig.backend();
     start(be, Policy::Fair);
     let a = Tenant::spawn(rig.vm("a").unwrap(), TenantSpec::throttle(1, MS)).unwrap();
     let b1 = Tenant::spawn(rig.vm("b").unwrap(), TenantSpec::throttle(21, 500_000)).unwrap();
@@ -120,7 +120,7 @@ fn two_levels_and_an_idle_sibling_s_share_goes_to_the_others() {
 fn vm_weights_hold_and_process_hints_never_raise_a_vm_s_share() {
     let _serial = serial();
     let rig = SchedRig::new("t-weights", &["a", "b"], false).expect("rig");
-    let be = &rig.backend;
+    let be = rig.backend();
     be.set_vm_weight("a", 100).unwrap();
     be.set_vm_weight("b", 300).unwrap();
     // B's process 21 asks for 3x its sibling; A's process asks for a huge weight, which
@@ -163,7 +163,7 @@ fn timeslice_and_sampling_share_the_gpu() {
     let (short, long) = (200_000, 2 * MS);
     {
         let rig = SchedRig::new("t-slice", &["a", "b"], false).expect("rig");
-        let be = &rig.backend;
+        let be = rig.backend();
         start(be, Policy::Timeslice);
         let a = Tenant::spawn(rig.vm("a").unwrap(), TenantSpec::throttle(1, short)).unwrap();
         let b = Tenant::spawn(rig.vm("b").unwrap(), TenantSpec::throttle(2, long)).unwrap();
@@ -182,7 +182,7 @@ fn timeslice_and_sampling_share_the_gpu() {
     }
     // A GPU without busy counters: fair and the watchdog are refused, sampling works.
     let rig = SchedRig::new("t-sampling", &["a", "b"], true).expect("rig");
-    let be = &rig.backend;
+    let be = rig.backend();
     assert!(matches!(
         be.start_scheduler(SchedConfig::default()),
         Err(SchedError::NoBusyCounters)
@@ -218,7 +218,7 @@ fn watchdog_kills_a_runaway_kernel_and_spares_everyone_else() {
     let _serial = serial();
     let _ = env_logger::builder().is_test(true).try_init();
     let rig = SchedRig::new("t-watchdog", &["a", "b"], false).expect("rig");
-    let be = &rig.backend;
+    let be = rig.backend();
     be.start_scheduler(SchedConfig {
         watchdog_ms: Some(100),
         ..SchedConfig::default()

@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use vgpu_backend::VmLimits;
 use vgpu_guest::{ChannelOptions, Device, SemaphoreMode};
+use vgpu_loopback::LoopbackVm;
 use vgpu_test_support::Host;
-use vgpu_vmm::loopback::LoopbackVm;
 
 /// Remaps of the default run (shadow and unshadow each count one).
 const DEFAULT_REMAPS: u64 = 100_000;

@@ -6,10 +6,10 @@
 
 use vgpu_backend::{VgpuBackend, VmLimits};
 use vgpu_guest::Device;
+use vgpu_loopback::LoopbackVm;
 use vgpu_protocol::request::{decode_reply, Op, ReplyBody, Request};
 use vgpu_protocol::ErrorCode;
 use vgpu_test_support::Host;
-use vgpu_vmm::loopback::LoopbackVm;
 
 const MIB: u64 = 1 << 20;
 const VRAM: u64 = 64 * MIB;

@@ -11,9 +11,9 @@ use vgpu_backend::{VgpuBackend, VmLimits, VramConfig};
 use vgpu_guest::{Buffer, Channel, Context, Device, KernelArgs};
 use vgpu_host_shim::kernels::reference;
 use vgpu_host_shim::Gpu;
+use vgpu_loopback::LoopbackVm;
 use vgpu_protocol::ErrorCode;
 use vgpu_test_support::{gpu_from_env, Host};
-use vgpu_vmm::loopback::LoopbackVm;
 
 const MIB: u64 = 1 << 20;
 const BLOCK: u64 = 64 << 10;

@@ -13,6 +13,7 @@ pub mod cuda;
 mod fifo;
 pub mod gpu_view;
 pub mod hal;
+pub mod host_copy_log;
 pub mod kernels;
 pub mod mmu;
 pub mod shared_mem;
@@ -33,4 +34,5 @@ pub use hal::{
     EventSink, FdRange, Gpu, GpuEvent, GpuInfo, HalError, HostRange, MapFlags, MapTarget, PageSize,
     SysMemory, VramAlloc,
 };
+pub use host_copy_log::{CopyDir, HostCopy, HostCopyLog};
 pub use sim::{SimConfig, SimGpu, SimStats};

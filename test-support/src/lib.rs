@@ -5,9 +5,14 @@
 //!   `cuda` one a test picks with [`gpu_from_env`]) serving VMs on vhost-user sockets in a
 //!   private directory, shut down and cleaned up on drop;
 //! - [`connect_retry`]: a loopback VM connecting to a socket the backend may not have
-//!   bound yet.
+//!   bound yet;
+//! - [`BackendLauncher`] / [`BackendProcess`]: the `vgpu-backend` binary as a child
+//!   process (config, sockets and log in a private directory; restart, SIGSTOP, SIGKILL,
+//!   SIGTERM), for tests of the daemon itself.
 //!
 //! Fixtures panic on setup failures: a test that cannot set up has failed.
+
+mod backend_process;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,7 +22,12 @@ use std::time::{Duration, Instant};
 use vgpu_backend::{VgpuBackend, VmLimits};
 use vgpu_host_shim::cuda::{CudaConfig, CudaGpu};
 use vgpu_host_shim::{Gpu, GpuChoice, SimConfig, SimGpu};
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackError, LoopbackVm};
+use vgpu_loopback::{LoopbackConfig, LoopbackError, LoopbackVm};
+use vgpu_vmm::reconnect::FaultPolicy;
+
+pub use backend_process::{
+    backend_bin, BackendLauncher, BackendProcess, PROCESS_PATIENCE, TERMINATE_TIMEOUT,
+};
 
 /// How long [`Host::connect`] keeps trying.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -32,9 +42,19 @@ pub fn connect_retry(
     cfg: LoopbackConfig,
     timeout: Duration,
 ) -> Result<Arc<LoopbackVm>, LoopbackError> {
+    connect_retry_with(socket, cfg, FaultPolicy::default(), timeout)
+}
+
+/// [`connect_retry`] with a fault policy (request timeout, reconnect).
+pub fn connect_retry_with(
+    socket: &Path,
+    cfg: LoopbackConfig,
+    faults: FaultPolicy,
+    timeout: Duration,
+) -> Result<Arc<LoopbackVm>, LoopbackError> {
     let t0 = Instant::now();
     loop {
-        match LoopbackVm::connect(socket, cfg.clone()) {
+        match LoopbackVm::connect_with(socket, cfg.clone(), faults) {
             Ok(vm) => return Ok(vm),
             Err(e) if t0.elapsed() > timeout => return Err(e),
             Err(_) => std::thread::sleep(Duration::from_millis(10)),
@@ -44,14 +64,19 @@ pub fn connect_retry(
 
 /// A private directory under the system's temporary one, unique in this process.
 pub fn temp_dir(prefix: &str) -> PathBuf {
+    try_temp_dir(prefix).expect("test directory")
+}
+
+/// [`temp_dir`] for a program that reports the error (a benchmark run by a user).
+pub fn try_temp_dir(prefix: &str) -> std::io::Result<PathBuf> {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let dir = std::env::temp_dir().join(format!(
         "vgpu-{prefix}-{}-{}",
         std::process::id(),
         NEXT.fetch_add(1, Ordering::Relaxed)
     ));
-    std::fs::create_dir_all(&dir).expect("test directory");
-    dir
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
 }
 
 /// The GPU a test runs on: `VGPU_TEST_GPU=sim|cuda[:INDEX]` (default `sim`), with

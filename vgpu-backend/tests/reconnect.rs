@@ -5,102 +5,22 @@
 //! over; processes from before get `DeviceLost` (never a hang), new ones run workloads
 //! whose results are checked against CPU references.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vgpu_guest::workloads::Workload;
 use vgpu_guest::{Device, Error, KernelArgs};
-use vgpu_test_support::temp_dir;
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
+use vgpu_loopback::LoopbackVm;
+use vgpu_test_support::BackendLauncher;
 use vgpu_vmm::reconnect::{FaultPolicy, ReconnectPolicy};
 
 /// Liveness bound for anything this test waits for (never a performance target).
 const PATIENCE: Duration = Duration::from_secs(60);
 
-/// A backend process serving VM `a` from `dir`; killed on drop.
-struct Backend {
-    child: Child,
-    dir: PathBuf,
-}
-
-impl Backend {
-    fn start(dir: &Path) -> Backend {
-        let cfg = dir.join("backend.toml");
-        std::fs::write(
-            &cfg,
-            format!(
-                "socket_dir = \"{}\"\n[gpu]\nvram_mib = 64\n[[vm]]\nname = \"a\"\n",
-                dir.display()
-            ),
-        )
-        .expect("config");
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(dir.join("backend.log"))
-            .expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_vgpu-backend"))
-            .arg("--config")
-            .arg(&cfg)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("vgpu-backend");
-        Backend {
-            child,
-            dir: dir.to_path_buf(),
-        }
-    }
-
-    fn socket(&self) -> PathBuf {
-        self.dir.join("a.sock")
-    }
-
-    fn signal(&self, sig: i32) {
-        // SAFETY: kill(2) on our own child's pid.
-        let rc = unsafe { libc::kill(self.child.id() as i32, sig) };
-        assert_eq!(rc, 0, "kill({sig})");
-    }
-
-    /// SIGSTOP, returning once every thread has stopped (the signal is asynchronous: a
-    /// thread could otherwise still answer a request).
-    fn stop(&self) {
-        self.signal(libc::SIGSTOP);
-        let tasks = PathBuf::from(format!("/proc/{}/task", self.child.id()));
-        let t0 = Instant::now();
-        loop {
-            let all_stopped = std::fs::read_dir(&tasks)
-                .expect("task list")
-                .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("stat")).ok())
-                .all(|stat| {
-                    // "pid (comm) S ...": the state follows the last ')'.
-                    stat.rsplit_once(')')
-                        .is_some_and(|(_, rest)| rest.trim_start().starts_with('T'))
-                });
-            if all_stopped {
-                return;
-            }
-            assert!(t0.elapsed() < PATIENCE, "backend does not stop");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    /// SIGKILL and reap.
-    fn kill(mut self) {
-        self.signal(libc::SIGKILL);
-        self.child.wait().expect("wait");
-    }
-}
-
-impl Drop for Backend {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Starts backend processes serving VM `a` on a 64 MiB GPU, all on the same socket.
+fn launcher(tag: &str) -> BackendLauncher {
+    BackendLauncher::new(tag, "[gpu]\nvram_mib = 64\n[[vm]]\nname = \"a\"\n")
+        .bin(env!("CARGO_BIN_EXE_vgpu-backend"))
 }
 
 fn faults(request_timeout: Duration) -> FaultPolicy {
@@ -111,19 +31,6 @@ fn faults(request_timeout: Duration) -> FaultPolicy {
             max_attempts: None,
         }),
         request_timeout: Some(request_timeout),
-    }
-}
-
-/// Connects once the backend listens.
-fn connect(b: &Backend, policy: FaultPolicy) -> Arc<LoopbackVm> {
-    let t0 = Instant::now();
-    loop {
-        let cfg = LoopbackConfig::with_mem(128 << 20);
-        match LoopbackVm::connect_with(&b.socket(), cfg, policy) {
-            Ok(vm) => return vm,
-            Err(e) if t0.elapsed() > PATIENCE => panic!("connect: {e}"),
-            Err(_) => std::thread::sleep(Duration::from_millis(20)),
-        }
     }
 }
 
@@ -157,9 +64,9 @@ fn assert_lost<T: std::fmt::Debug>(r: Result<T, Error>, what: &str) {
 
 #[test]
 fn a_killed_backend_is_replaced_and_the_vm_starts_over() {
-    let dir = temp_dir("reconnect-kill");
-    let first = Backend::start(&dir);
-    let vm = connect(&first, faults(Duration::from_secs(30)));
+    let backend = launcher("reconnect-kill");
+    let first = backend.start();
+    let vm = first.connect("a", faults(Duration::from_secs(30)));
     assert_eq!(vm.epoch(), 0);
     let ram_free = vm.guest_free_bytes();
 
@@ -192,7 +99,7 @@ fn a_killed_backend_is_replaced_and_the_vm_starts_over() {
     assert!(got.contains("DeviceLost"), "{got}");
     assert_lost(waiter.join().expect("waiter"), "fence wait");
 
-    let _second = Backend::start(&dir);
+    let _second = backend.start();
     wait_generation(&vm, 1);
     // The old process's resources are gone with the old backend: a clear error.
     assert_lost(ctx.alloc_vram(1 << 20), "old process: alloc");
@@ -207,14 +114,13 @@ fn a_killed_backend_is_replaced_and_the_vm_starts_over() {
     // RAM after 101 backend restarts when that leaked it).
     assert_eq!(vm.guest_free_bytes(), ram_free, "guest RAM leaked");
     vm.disconnect();
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn a_hung_backend_times_out_and_the_vm_moves_to_a_restarted_one() {
-    let dir = temp_dir("reconnect-hang");
-    let first = Backend::start(&dir);
-    let vm = connect(&first, faults(Duration::from_secs(2)));
+    let backend = launcher("reconnect-hang");
+    let first = backend.start();
+    let vm = first.connect("a", faults(Duration::from_secs(2)));
     let old = Device::loopback(vm.clone(), 100).expect("device");
     run_workloads(&old);
     let ctx = old.create_context().expect("context");
@@ -229,12 +135,11 @@ fn a_hung_backend_times_out_and_the_vm_moves_to_a_restarted_one() {
     std::thread::sleep(Duration::from_secs(3));
     assert!(!vm.live_in(0) && !vm.live_in(1), "no backend answers yet");
     first.kill();
-    let _second = Backend::start(&dir);
+    let _second = backend.start();
     wait_generation(&vm, 1);
     assert_lost(ctx.create_channel(), "old process after the reconnect");
     let new = Device::loopback(vm.clone(), 200).expect("device");
     run_workloads(&new);
     drop((ctx, old, new));
     vm.disconnect();
-    let _ = std::fs::remove_dir_all(&dir);
 }

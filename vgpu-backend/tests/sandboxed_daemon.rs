@@ -4,8 +4,6 @@
 //! and a clean shutdown on SIGTERM. A syscall the filters lack kills the daemon with
 //! SIGSYS, which this test sees as a failed request or a non-zero exit.
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -14,125 +12,55 @@ use vgpu_backend::api::types::VmVramBody;
 use vgpu_guest::workloads::Workload;
 use vgpu_guest::{Buffer, Context, Device, KernelArgs};
 use vgpu_host_shim::kernels::reference;
-use vgpu_test_support::{connect_retry, temp_dir};
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
+use vgpu_loopback::LoopbackVm;
+use vgpu_test_support::{BackendLauncher, BackendProcess};
+use vgpu_vmm::reconnect::FaultPolicy;
 
 const MIB: u64 = 1 << 20;
 
-/// The daemon, killed (if still running) and its directory removed on drop.
+/// The daemon and the directory of its sockets and log.
 struct Daemon {
-    child: Child,
-    dir: PathBuf,
-    stderr: PathBuf,
+    process: BackendProcess,
+    _launcher: BackendLauncher,
 }
 
 impl Daemon {
     /// Starts the binary on a config with two VMs on a 32 MiB GPU, each with 32 MiB of
-    /// swap; `extra` flags go after `--config`. The GPU is the sim unless
-    /// `VGPU_TEST_GPU` names another (`cuda`: the same test on a real GPU, see
-    /// docs/testing.md).
+    /// swap, and the control API; `extra` flags go after `--config`. The GPU is the sim
+    /// unless `VGPU_TEST_GPU` names another (`cuda`: the same test on a real GPU, see
+    /// docs/testing.md); `VGPU_BACKEND_BIN` runs the test against another build, e.g.
+    /// the static (musl) binary the nested rig uses.
     fn start(tag: &str, extra: &[&str]) -> Daemon {
-        let dir = temp_dir(tag);
-        let cfg = dir.join("backend.toml");
         let model = std::env::var("VGPU_TEST_GPU").unwrap_or_else(|_| "sim".into());
-        std::fs::write(
-            &cfg,
-            format!(
-                "socket_dir = \"{d}\"\n[gpu]\nmodel = \"{model}\"\nvram_mib = 32\n\
-                 [api]\nsocket = \"{d}/api.sock\"\n\
+        let launcher = BackendLauncher::new(
+            tag,
+            &format!(
+                "[gpu]\nmodel = \"{model}\"\nvram_mib = 32\n\
                  [scheduler]\npolicy = \"fair\"\ninterval_ms = 10\n\
-                 [[vm]]\nname = \"a\"\nswap_mib = 32\n[[vm]]\nname = \"b\"\nswap_mib = 32\n",
-                d = dir.display()
+                 [[vm]]\nname = \"a\"\nswap_mib = 32\n[[vm]]\nname = \"b\"\nswap_mib = 32\n"
             ),
         )
-        .expect("config");
-        let stderr = dir.join("stderr.log");
-        // VGPU_BACKEND_BIN runs the test against another build, e.g. the static (musl)
-        // binary the nested rig uses.
-        let bin = std::env::var_os("VGPU_BACKEND_BIN")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_vgpu-backend")));
-        let child = Command::new(bin)
-            .arg("--config")
-            .arg(&cfg)
-            .args(extra)
-            .env("RUST_LOG", "info")
-            .stderr(std::fs::File::create(&stderr).expect("stderr file"))
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("vgpu-backend");
-        Daemon { child, dir, stderr }
-    }
-
-    fn api(&self) -> ApiClient {
-        ApiClient::new(self.dir.join("api.sock"))
-    }
-
-    fn socket(&self, vm: &str) -> PathBuf {
-        self.dir.join(format!("{vm}.sock"))
+        .bin(env!("CARGO_BIN_EXE_vgpu-backend"))
+        .with_api()
+        .args(extra);
+        Daemon {
+            process: launcher.start(),
+            _launcher: launcher,
+        }
     }
 
     fn log(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+        self.process.log()
     }
 
     fn connect(&self, vm: &str) -> Arc<LoopbackVm> {
-        connect_retry(
-            &self.socket(vm),
-            LoopbackConfig::with_mem(128 * MIB),
-            Duration::from_secs(20),
-        )
-        .unwrap_or_else(|e| panic!("connect {vm}: {e}\n{}", self.log()))
+        self.process.connect(vm, FaultPolicy::default())
     }
 
     /// Still running? (A seccomp kill ends it with SIGSYS.)
     fn assert_alive(&mut self, at: &str) {
-        if let Some(status) = self.child.try_wait().expect("try_wait") {
-            panic!("daemon died {at}: {status:?}\n{}", self.log());
-        }
-    }
-
-    /// SIGTERM, then the exit status within 10 s.
-    fn terminate(&mut self) -> std::process::ExitStatus {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe {
-            libc::kill(self.child.id() as i32, libc::SIGTERM);
-        }
-        let t0 = Instant::now();
-        loop {
-            if let Some(s) = self.child.try_wait().expect("try_wait") {
-                return s;
-            }
-            if t0.elapsed() > Duration::from_secs(10) {
-                let _ = self.child.kill();
-                panic!("daemon did not stop on SIGTERM\n{}", self.log());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn wait_api(d: &mut Daemon) -> ApiClient {
-    let c = d.api();
-    let t0 = Instant::now();
-    loop {
-        match c.info() {
-            Ok(_) => return c,
-            Err(e) if t0.elapsed() > Duration::from_secs(20) => {
-                panic!("daemon API: {e}\n{}", d.log())
-            }
-            Err(_) => {
-                d.assert_alive("before its API answered");
-                std::thread::sleep(Duration::from_millis(20));
-            }
+        if let Err(e) = self.process.alive() {
+            panic!("daemon died {at}: {e}");
         }
     }
 }
@@ -290,12 +218,12 @@ fn on_real_gpu() -> bool {
 #[test]
 fn daemon_under_default_seccomp_serves_vms() {
     let mut d = Daemon::start("seccomp-kill", &[]);
-    let api = wait_api(&mut d);
+    let api = d.process.api();
     // Every thread: in seccomp filter mode with its role's filters stacked over the
     // process filter, no new privileges, no capabilities (this matters when run as root).
     let _a = d.connect("a");
     let threads = thread_status(
-        d.child.id(),
+        d.process.pid(),
         &[
             "Seccomp",
             "Seccomp_filters",
@@ -342,7 +270,7 @@ fn daemon_under_default_seccomp_serves_vms() {
     // A reconnect after the disconnect: the VM threads start over under their filters.
     run_session(&mut d, &api);
     d.assert_alive("after the second session");
-    let status = d.terminate();
+    let status = d.process.terminate();
     let log = d.log();
     assert!(status.success(), "{status:?}\n{log}");
     assert!(log.contains("seccomp: kill"), "{log}");

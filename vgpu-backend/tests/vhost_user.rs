@@ -5,18 +5,18 @@
 
 use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use vgpu_backend::{VgpuBackend, VmLimits};
+use vgpu_backend::VmLimits;
 use vgpu_host_shim::{Gpu, SimConfig, SimGpu};
 use vgpu_protocol::device::{
     slot_offset, DeviceConfig, CHANNEL_SLOTS, CONTROL_QUEUE, EVENT_QUEUE, NUM_QUEUES, SHM_SIZE,
 };
 use vgpu_protocol::request::{decode_reply, event, Event, Op, ReplyBody, Request, EVENT_SIZE};
 use vgpu_protocol::{ControlPage, ErrorCode, PROTOCOL_VERSION};
+use vgpu_test_support::Host;
 use vhost::vhost_user::message::{
     VhostUserConfigFlags, VhostUserMMap, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
 };
@@ -339,13 +339,6 @@ fn rand_suffix() -> u64 {
     N.fetch_add(1, Ordering::Relaxed)
 }
 
-fn socket_path(name: &str) -> PathBuf {
-    std::env::temp_dir().join(format!(
-        "vgpu-backend-test-{}-{name}.sock",
-        std::process::id()
-    ))
-}
-
 fn wait_until(what: &str, f: impl Fn() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while !f() {
@@ -363,9 +356,9 @@ fn end_to_end_over_vhost_user() {
     })
     .unwrap();
     let baseline = sim.stats();
-    let gpu: Arc<dyn Gpu> = sim.clone();
-    let backend = VgpuBackend::new(gpu, VmLimits::default());
-    let sock = socket_path("vm0");
+    let host = Host::with_gpu("vhost-user-e2e", sim, VmLimits::default(), &[]);
+    let (sim, backend) = (&host.gpu, &host.backend);
+    let sock = host.socket("vm0");
     backend.serve_vm("vm0", &sock).unwrap();
     assert_eq!(backend.vm_names(), vec!["vm0".to_string()]);
     assert!(!backend.vm_stats("vm0").unwrap().connected);
@@ -547,9 +540,9 @@ fn a_broken_avail_index_ends_the_connection_and_the_socket_serves_again() {
     })
     .unwrap();
     let baseline = sim.stats();
-    let gpu: Arc<dyn Gpu> = sim.clone();
-    let backend = VgpuBackend::new(gpu, VmLimits::default());
-    let sock = socket_path("broken-ring");
+    let host = Host::with_gpu("vhost-user-broken-ring", sim, VmLimits::default(), &[]);
+    let (sim, backend) = (&host.gpu, &host.backend);
+    let sock = host.socket("vmb");
     backend.serve_vm("vmb", &sock).unwrap();
     for (round, queue) in [CONTROL_QUEUE, EVENT_QUEUE].into_iter().enumerate() {
         let mut vm = Vm::connect(&sock, true);
@@ -627,9 +620,9 @@ fn stopping_the_control_ring_waits_for_the_requests_already_taken() {
         ..SimConfig::default()
     })
     .unwrap();
-    let gpu: Arc<dyn Gpu> = sim.clone();
-    let backend = VgpuBackend::new(gpu, VmLimits::default());
-    let sock = socket_path("stop-waits");
+    let host = Host::with_gpu("vhost-user-stop-waits", sim, VmLimits::default(), &[]);
+    let backend = &host.backend;
+    let sock = host.socket("vms");
     backend.serve_vm("vms", &sock).unwrap();
     let mut vm = Vm::connect(&sock, false);
     let ctx = match vm.request(3, 0, Op::CreateContext).unwrap() {

@@ -1,7 +1,8 @@
 //! `vgpu-vmm`: the VMM side of vgpu.
 //!
 //! - [`frontend`]: the vhost-user frontend (handshake, backend-request channel, vring
-//!   setup), shared by the KVM VMM and the loopback frontend.
+//!   setup), shared by the KVM VMM and the loopback frontend (crate `vgpu-loopback`,
+//!   which the VMM does not ship).
 //! - [`shm_window`]: the device's shared-memory window (BAR) served by SHMEM_MAP/UNMAP.
 //! - [`guest_memory`]: memfd-backed guest RAM and a page allocator over it.
 //! - [`virtq`]: a split-virtqueue driver (the guest side of a virtqueue).
@@ -12,14 +13,11 @@
 //!   retry loop; [`request_timeout`]: the watchdog that ends an unanswered request.
 //! - [`migration`]: live migration of a KVM VM between two `vgpu-vmm`s (the stream,
 //!   vCPU, chip and device state; the steps are in `boot::send` and `boot::receive`).
-//! - [`loopback`]: [`LoopbackVm`], a "VM" without KVM whose guest processes are threads of
-//!   the calling program, for tests and benchmarks.
 
 pub mod boot;
 pub mod frontend;
 pub mod guest_memory;
 pub mod kvm;
-pub mod loopback;
 pub mod migration;
 pub mod pci;
 pub mod reconnect;
@@ -30,5 +28,3 @@ pub mod vgpu_device;
 pub mod virtio_pci;
 pub mod virtq;
 pub mod write_protect;
-
-pub use loopback::{GuestAlloc, LoopbackConfig, LoopbackError, LoopbackVm, NotifyCounts};

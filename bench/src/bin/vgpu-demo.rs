@@ -24,7 +24,7 @@ use vgpu_guest::workloads::{HotspotConfig, SaxpyConfig, SgemmConfig, ThrottleCon
 use vgpu_guest::Device;
 use vgpu_host_shim::cuda::{CudaConfig, CudaGpu};
 use vgpu_host_shim::{Gpu, GpuChoice, SimConfig, SimGpu};
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
+use vgpu_loopback::{LoopbackConfig, LoopbackVm};
 
 #[derive(Parser)]
 #[command(

@@ -28,7 +28,7 @@ use vgpu_backend::{Policy, SchedConfig, VgpuBackend, VmLimits};
 use vgpu_guest::workloads::throttle::{self, ThrottleConfig};
 use vgpu_guest::Device;
 use vgpu_host_shim::{HalError, SimConfig, SimGpu};
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
+use vgpu_loopback::{LoopbackConfig, LoopbackVm};
 
 use crate::report::{Better, Figure};
 use crate::stats::percentile;

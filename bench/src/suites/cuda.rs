@@ -22,7 +22,7 @@ use vgpu_host_shim::cuda::{
     CudaConfig, CudaGpu, CudaGpuOf, Device as CudaDeviceTrait, FakeCudaGpu, FakeDevice,
 };
 use vgpu_host_shim::Gpu;
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
+use vgpu_loopback::{LoopbackConfig, LoopbackVm};
 
 use crate::report::{Better, Figure};
 use crate::sched_rig::{Tenant, TenantSpec};
@@ -212,12 +212,8 @@ impl Rig {
                 ..VmLimits::default()
             },
         );
-        let dir = std::env::temp_dir().join(format!(
-            "vgpu-bench-cuda-{}-{}",
-            std::process::id(),
-            crate::sched_rig::unique()
-        ));
-        std::fs::create_dir_all(&dir).map_err(|e| CudaSuiteError::Backend(e.to_string()))?;
+        let dir = vgpu_test_support::try_temp_dir("bench-cuda")
+            .map_err(|e| CudaSuiteError::Backend(e.to_string()))?;
         let mut vms = Vec::new();
         for name in names {
             let sock = dir.join(format!("{name}.sock"));

@@ -18,11 +18,11 @@ use thiserror::Error;
 use vgpu_backend::{VgpuBackend, VmLimits};
 use vgpu_guest::Device;
 use vgpu_host_shim::{HalError, SimConfig, SimGpu};
+use vgpu_loopback::{LoopbackConfig, LoopbackError, LoopbackVm};
 use vgpu_protocol::request::{
     decode_reply, GuestRange, Op, ReplyBody, Request, RequestError, PAGE_2M, PAGE_4K,
 };
 use vgpu_protocol::ErrorCode;
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackError, LoopbackVm};
 
 use crate::report::{Better, Figure};
 
@@ -473,12 +473,8 @@ fn phase_figures(figs: &mut Vec<Figure>, phase: &str, l: &Latencies) {
 pub fn run(opts: &FloodOpts) -> Result<Vec<Figure>, FloodError> {
     let sim = SimGpu::new(SimConfig::default())?;
     let backend = VgpuBackend::new(sim, VmLimits::default());
-    let dir = std::env::temp_dir().join(format!(
-        "vgpu-flood-{}-{}",
-        std::process::id(),
-        crate::sched_rig::unique()
-    ));
-    std::fs::create_dir_all(&dir).map_err(|e| FloodError::Backend(e.to_string()))?;
+    let dir =
+        vgpu_test_support::try_temp_dir("flood").map_err(|e| FloodError::Backend(e.to_string()))?;
     let result = measure(opts, &backend, &dir);
     backend.shutdown();
     let _ = std::fs::remove_dir_all(&dir);

@@ -23,7 +23,7 @@ use thiserror::Error;
 use vgpu_backend::{PrecopyConfig, VgpuBackend, VmLimits};
 use vgpu_guest::{Device, KernelArgs};
 use vgpu_host_shim::{HalError, SimConfig, SimGpu};
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm, MigrationReport};
+use vgpu_loopback::{LoopbackConfig, LoopbackVm, MigrationReport};
 
 use crate::report::{Better, Figure};
 

@@ -13,7 +13,7 @@ use thiserror::Error;
 use vgpu_backend::{Policy, SchedConfig, VgpuBackend, VmLimits};
 use vgpu_guest::{Channel, Context, Device, KernelArgs};
 use vgpu_host_shim::{HalError, SimConfig, SimGpu};
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
+use vgpu_loopback::{LoopbackConfig, LoopbackVm};
 
 use crate::proc_stats::{open_fds, rss, thread_cpu_ns, threads};
 use crate::report::{Better, Figure};
@@ -143,12 +143,8 @@ pub fn run(opts: &ScaleOpts) -> Result<Vec<Figure>, ScaleError> {
             ..SchedConfig::default()
         })
         .map_err(|e| ScaleError::Backend(e.to_string()))?;
-    let dir = std::env::temp_dir().join(format!(
-        "vgpu-scale-{}-{}",
-        std::process::id(),
-        crate::sched_rig::unique()
-    ));
-    std::fs::create_dir_all(&dir).map_err(|e| ScaleError::Backend(e.to_string()))?;
+    let dir =
+        vgpu_test_support::try_temp_dir("scale").map_err(|e| ScaleError::Backend(e.to_string()))?;
     let result = measure(opts, &backend, &dir);
     backend.shutdown();
     let _ = std::fs::remove_dir_all(&dir);

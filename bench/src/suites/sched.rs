@@ -249,7 +249,7 @@ fn fleig_sweep(
     plots: &mut Vec<(&'static str, Plot)>,
 ) -> Result<()> {
     let rig = SchedRig::new("fleig", &["a"], false)?;
-    let be = &rig.backend;
+    let be = rig.backend();
     start(be, Policy::Fair)?;
     // Warm-up: first runs pay for page faults and thread start-up.
     run_workload(&rig, opts)?;
@@ -391,7 +391,7 @@ fn vm_against_throttles(
     plots: &mut Vec<(&'static str, Plot)>,
 ) -> Result<()> {
     let rig = SchedRig::new("vms", &["a", "b"], false)?;
-    let be = &rig.backend;
+    let be = rig.backend();
     let mut series = Vec::new();
     let mut max_dev: f64 = 0.0;
     for (policy, counts) in [
@@ -460,7 +460,7 @@ fn vm_against_throttles(
 /// so the GPU's own arbitration would favour it).
 fn weights_1_2_4(opts: &SchedOpts, figs: &mut Vec<Figure>) -> Result<()> {
     let rig = SchedRig::new("w124", &["a", "b", "c"], false)?;
-    let be = &rig.backend;
+    let be = rig.backend();
     for (vm, w) in [("a", 100), ("b", 200), ("c", 400)] {
         be.set_vm_weight(vm, w)?;
     }
@@ -502,7 +502,7 @@ fn two_levels(
     plots: &mut Vec<(&'static str, Plot)>,
 ) -> Result<()> {
     let rig = SchedRig::new("levels", &["a", "b"], false)?;
-    let be = &rig.backend;
+    let be = rig.backend();
     start(be, Policy::Fair)?;
     let interval_ns = u64::from(SchedConfig::default().interval_ms) * MS;
     let seq0 = be.sched_history(0).last().map_or(0, |r| r.seq + 1);
@@ -665,7 +665,7 @@ fn two_levels(
 /// One saturating tenant under fair vs none (alternating), and the shadow switch cost.
 fn overhead(opts: &SchedOpts, figs: &mut Vec<Figure>) -> Result<()> {
     let rig = SchedRig::new("overhead", &["a"], false)?;
-    let be = &rig.backend;
+    let be = rig.backend();
     let tenant = Tenant::spawn(rig.vm("a")?, TenantSpec::throttle(1, 200 * US))?;
     // Alternate the order in each pair so drift in the host's load hits both sides;
     // the figure is the median of the pairs' ratios.
@@ -751,7 +751,7 @@ fn other_policies(opts: &SchedOpts, figs: &mut Vec<Figure>) -> Result<()> {
     let (short, long) = (200 * US, 2 * MS);
     {
         let rig = SchedRig::new("slice", &["a", "b"], false)?;
-        start(&rig.backend, Policy::Timeslice)?;
+        start(rig.backend(), Policy::Timeslice)?;
         let tenants = vec![
             Tenant::spawn(rig.vm("a")?, TenantSpec::throttle(1, short))?,
             Tenant::spawn(rig.vm("b")?, TenantSpec::throttle(2, long))?,
@@ -768,14 +768,14 @@ fn other_policies(opts: &SchedOpts, figs: &mut Vec<Figure>) -> Result<()> {
     }
     // The GPU hides its busy counters: shares from the tenants' kernel counts.
     let rig = SchedRig::new("sampling", &["a", "b"], true)?;
-    start(&rig.backend, Policy::Sampling)?;
+    start(rig.backend(), Policy::Sampling)?;
     let a = Tenant::spawn(rig.vm("a")?, TenantSpec::throttle(1, short))?;
     let b = Tenant::spawn(rig.vm("b")?, TenantSpec::throttle(2, long))?;
     std::thread::sleep(opts.warmup * 2);
     let (a0, b0) = (a.completed(), b.completed());
     std::thread::sleep(opts.window * 2);
     let (ga, gb) = ((a.completed() - a0) * short, (b.completed() - b0) * long);
-    let st = rig.backend.sched_stats();
+    let st = rig.backend().sched_stats();
     stop_all(vec![a, b])?;
     let s = share(ga, ga + gb) * 100.0;
     figs.push(fig("sampling_vm_a_share", s, "%", Better::Higher));
@@ -798,7 +798,7 @@ fn other_policies(opts: &SchedOpts, figs: &mut Vec<Figure>) -> Result<()> {
 /// lower one; goal ≥ 90 %), and `c`'s share.
 fn idle_then_burst(figs: &mut Vec<Figure>) -> Result<()> {
     let rig = SchedRig::new("burst", &["a", "b", "c"], false)?;
-    start(&rig.backend, Policy::Fair)?;
+    start(rig.backend(), Policy::Fair)?;
     let steady = vec![
         Tenant::spawn(rig.vm("a")?, TenantSpec::throttle(1, MS))?,
         Tenant::spawn(rig.vm("b")?, TenantSpec::throttle(2, MS))?,
@@ -810,7 +810,7 @@ fn idle_then_burst(figs: &mut Vec<Figure>) -> Result<()> {
     idle.launch(&vgpu_guest::KernelArgs::Spin { ns: MS }, [1, 1, 1])?;
     idle.finish()?;
     std::thread::sleep(Duration::from_secs(2));
-    let quiet_before = rig.backend.sched_stats().quiet_channels;
+    let quiet_before = rig.backend().sched_stats().quiet_channels;
     let burst = Tenant::spawn(rig.vm("c")?, TenantSpec::throttle(3, 2 * MS))?;
     for _ in 0..4 {
         idle.launch(&vgpu_guest::KernelArgs::Spin { ns: 2 * MS }, [1, 1, 1])?;
@@ -908,7 +908,7 @@ fn run_mix(opts: &SchedOpts, policy: Policy) -> Result<vgpu_backend::GpuShares> 
     use std::sync::atomic::{AtomicBool, Ordering};
     use vgpu_guest::workloads::Workload;
     let rig = SchedRig::new("mixed", &["a", "b", "c", "d"], false)?;
-    start(&rig.backend, policy)?;
+    start(rig.backend(), policy)?;
     let throttles = [
         Tenant::spawn(rig.vm("a")?, TenantSpec::throttle(1, 2 * MS))?,
         Tenant::spawn(rig.vm("b")?, TenantSpec::throttle(2, 200 * US))?,
@@ -933,11 +933,11 @@ fn run_mix(opts: &SchedOpts, policy: Policy) -> Result<vgpu_backend::GpuShares> 
         ));
     }
     std::thread::sleep(opts.warmup);
-    let seq0 = rig.backend.next_interval();
+    let seq0 = rig.backend().next_interval();
     std::thread::sleep(opts.window.max(Duration::from_secs(2)));
     let shares = rig
-        .backend
-        .gpu_shares_between(seq0, rig.backend.next_interval());
+        .backend()
+        .gpu_shares_between(seq0, rig.backend().next_interval());
     stop.store(true, Ordering::Relaxed);
     for l in loops {
         let runs = l
@@ -982,7 +982,7 @@ fn churn_and_many_channels(opts: &SchedOpts, figs: &mut Vec<Figure>) -> Result<(
     ];
     for (name, specs, steady) in cases {
         let rig = SchedRig::new(name, &["a", "b"], false)?;
-        start(&rig.backend, Policy::Fair)?;
+        start(rig.backend(), Policy::Fair)?;
         let mut tenants = Vec::new();
         for spec in specs {
             tenants.push(Tenant::spawn(rig.vm("a")?, spec)?);
@@ -1009,7 +1009,7 @@ fn churn_and_many_channels(opts: &SchedOpts, figs: &mut Vec<Figure>) -> Result<(
 /// per second of the wait, and the longest tick in intervals (target: under 2).
 fn tick_while_eviction_waits(opts: &SchedOpts, figs: &mut Vec<Figure>) -> Result<()> {
     let rig = SchedRig::new("evict-wait", &["a", "b"], false)?;
-    let be = rig.backend.clone();
+    let be = rig.backend().clone();
     be.set_vram_config(VramConfig {
         enabled: false,
         drain_timeout_ms: 2_000,

@@ -38,7 +38,7 @@ use vgpu_backend::{VgpuBackend, VmLimits, VramConfig};
 use vgpu_guest::{Buffer, Channel, Context, Device, KernelArgs};
 use vgpu_host_shim::cuda::{CudaConfig, CudaGpu};
 use vgpu_host_shim::{Gpu, GpuChoice, HalError, SimConfig, SimGpu};
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
+use vgpu_loopback::{LoopbackConfig, LoopbackVm};
 
 use crate::report::{Better, Figure};
 

@@ -14,7 +14,7 @@ use vgpu_backend::{VgpuBackend, VmLimits};
 use vgpu_guest::workloads::Workload;
 use vgpu_guest::Device;
 use vgpu_host_shim::{HalError, SimConfig, SimGpu};
-use vgpu_vmm::loopback::{LoopbackConfig, LoopbackVm};
+use vgpu_loopback::{LoopbackConfig, LoopbackVm};
 
 use crate::report::{Better, Figure};
 use crate::suites::measure::{min, submit_latency, submit_throughput, Publish};

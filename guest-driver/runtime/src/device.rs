@@ -35,7 +35,7 @@ impl Device {
 
     /// Opens the vgpu device of a loopback VM as guest process `pid`.
     #[cfg(feature = "loopback")]
-    pub fn loopback(vm: Arc<vgpu_vmm::loopback::LoopbackVm>, pid: u32) -> Result<Self> {
+    pub fn loopback(vm: Arc<vgpu_loopback::LoopbackVm>, pid: u32) -> Result<Self> {
         Self::new(Arc::new(crate::loopback::LoopbackTransport::new(vm, pid)))
     }
 
@@ -60,11 +60,11 @@ impl Device {
         forwarded: bool,
         pid: u32,
     ) -> Result<Self> {
-        let mut cfg = vgpu_vmm::loopback::LoopbackConfig::with_mem(mem_bytes);
+        let mut cfg = vgpu_loopback::LoopbackConfig::with_mem(mem_bytes);
         if forwarded {
             cfg = cfg.forwarded();
         }
-        let vm = vgpu_vmm::loopback::LoopbackVm::connect(socket.as_ref(), cfg).map_err(|e| {
+        let vm = vgpu_loopback::LoopbackVm::connect(socket.as_ref(), cfg).map_err(|e| {
             crate::error::Error::Os {
                 what: "connecting the loopback VM",
                 source: std::io::Error::other(e.to_string()),

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use std::sync::atomic::Ordering;
 
+use vgpu_loopback::{GuestAlloc, LoopbackVm};
 use vgpu_protocol::device::{slot_offset, NO_SLOT};
 use vgpu_protocol::mem::{MapFlags, PageSize};
 use vgpu_protocol::request::{
@@ -22,7 +23,6 @@ use vgpu_protocol::request::{
 };
 use vgpu_protocol::ControlPage;
 use vgpu_protocol::ErrorCode;
-use vgpu_vmm::{GuestAlloc, LoopbackVm};
 
 use crate::error::{Error, Result};
 use crate::transport::{
@@ -89,8 +89,8 @@ fn page_code(page: PageSize) -> u32 {
     }
 }
 
-fn vm_err(e: vgpu_vmm::LoopbackError) -> Error {
-    use vgpu_vmm::LoopbackError as E;
+fn vm_err(e: vgpu_loopback::LoopbackError) -> Error {
+    use vgpu_loopback::LoopbackError as E;
     match e {
         E::DeviceReset | E::Disconnected | E::Timeout(_) => Error::DeviceLost,
         e => transport_err(e),

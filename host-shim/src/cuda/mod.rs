@@ -167,6 +167,11 @@ impl CudaGpu {
 }
 
 impl<D: Device> CudaGpuOf<D> {
+    /// A channel's counters as this GPU shows them: all of them.
+    fn reported_counters(&self, c: ChannelCounters) -> ChannelCounters {
+        c
+    }
+
     /// Builds the GPU on `dev`: allocates and registers VRAM, starts the front end.
     pub fn with_device(dev: Arc<D>, cfg: CudaConfig) -> Result<Arc<Self>> {
         if cfg.max_channels == 0 || cfg.vram_bytes < 1 << 20 {

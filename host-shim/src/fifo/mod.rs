@@ -19,8 +19,9 @@ pub mod tables;
 
 /// The [`crate::hal::Gpu`] methods that every GPU answers the same way from its
 /// [`tables::Tables`] and its contexts' address spaces. Expands inside `impl Gpu for ...`
-/// of a type with a `self.shared.fifo: Tables`, a `self.space(ctx)` and a
-/// `self.new_channel(ctx, cfg, sink, Option<ChannelResume>)`.
+/// of a type with a `self.shared.fifo: Tables`, a `self.space(ctx)`, a
+/// `self.new_channel(ctx, cfg, sink, Option<ChannelResume>)` and a
+/// `self.reported_counters(ChannelCounters)` (what the GPU shows of a channel's counters).
 macro_rules! table_methods {
     () => {
         fn page_table_bytes(&self, ctx: $crate::hal::ContextId) -> $crate::hal::Result<u64> {
@@ -81,7 +82,10 @@ macro_rules! table_methods {
             &self,
             ch: $crate::hal::ChannelId,
         ) -> $crate::hal::Result<$crate::hal::ChannelCounters> {
-            self.shared.fifo.channel_counters(ch)
+            self.shared
+                .fifo
+                .channel_counters(ch)
+                .map(|c| self.reported_counters(c))
         }
 
         /// Every GPU notes a channel's fetches, completions and error stop in its

@@ -20,6 +20,7 @@ use self::exec::{Step, WorkItem};
 use crate::fifo::control_pages::ControlPages;
 use crate::fifo::tables::Tables;
 use crate::hal::*;
+use crate::host_copy_log::{self, CopyDir, HostCopy, HostCopyLog};
 use crate::mmu::AddressSpace;
 use crate::shared_mem::SharedMem;
 use crate::vram::VramAllocator;
@@ -39,6 +40,14 @@ pub struct SimConfig {
     pub max_idle_sleep_ns: u64,
     /// Spin kernels are timed by sleeping, then spinning for this last stretch.
     pub spin_window_ns: u64,
+    /// A GPU without per-channel accounting: `has_busy_counters` is false and channel
+    /// counters report no busy or semaphore-wait time (the `sampling` policy's case).
+    pub hide_busy_counters: bool,
+    /// A GPU without a CPU view of VRAM (`vram_fd` is `None`), like `cuda`: its owner
+    /// copies VRAM through the HAL.
+    pub hide_vram_view: bool,
+    /// Records every host copy to or from VRAM.
+    pub host_copy_log: Option<Arc<HostCopyLog>>,
 }
 
 impl Default for SimConfig {
@@ -52,6 +61,9 @@ impl Default for SimConfig {
             min_idle_sleep_ns: 10_000,
             max_idle_sleep_ns: 250_000,
             spin_window_ns: 20_000,
+            hide_busy_counters: false,
+            hide_vram_view: false,
+            host_copy_log: None,
         }
     }
 }
@@ -127,6 +139,20 @@ fn os_err(e: impl std::fmt::Display) -> HalError {
 }
 
 impl SimGpu {
+    /// A channel's counters as this GPU shows them: without busy time or semaphore waits
+    /// when configured to hide them (a GPU without per-channel counters).
+    fn reported_counters(&self, c: ChannelCounters) -> ChannelCounters {
+        if self.shared.cfg.hide_busy_counters {
+            ChannelCounters {
+                busy_ns: 0,
+                sem_wait_ns: 0,
+                ..c
+            }
+        } else {
+            c
+        }
+    }
+
     pub fn new(cfg: SimConfig) -> Result<Arc<Self>> {
         if cfg.compute_engines == 0 || cfg.max_channels == 0 || cfg.vram_bytes < 1 << 20 {
             return Err(HalError::InvalidArgument(
@@ -244,7 +270,7 @@ impl Gpu for SimGpu {
             compute_engines: cfg.compute_engines,
             max_channels: cfg.max_channels,
             max_contexts: cfg.max_contexts,
-            has_busy_counters: true,
+            has_busy_counters: !cfg.hide_busy_counters,
         }
     }
 
@@ -274,15 +300,48 @@ impl Gpu for SimGpu {
     }
 
     fn vram_fd(&self) -> Option<FdRange> {
+        if self.shared.cfg.hide_vram_view {
+            return None;
+        }
         vram_pool::fd_range(&self.shared.vram)
     }
 
     fn vram_read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        host_copy_log::record_in(
+            self.shared.cfg.host_copy_log.as_deref(),
+            HostCopy::Single(CopyDir::FromVram),
+        );
         vram_pool::read(&self.shared.vram, offset, buf)
     }
 
     fn vram_write(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        host_copy_log::record_in(
+            self.shared.cfg.host_copy_log.as_deref(),
+            HostCopy::Single(CopyDir::ToVram),
+        );
         vram_pool::write(&self.shared.vram, offset, buf)
+    }
+
+    fn vram_read_many(&self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        host_copy_log::record_in(
+            self.shared.cfg.host_copy_log.as_deref(),
+            HostCopy::Batch(CopyDir::FromVram, reads.len()),
+        );
+        for (offset, buf) in reads.iter_mut() {
+            vram_pool::read(&self.shared.vram, *offset, buf)?;
+        }
+        Ok(())
+    }
+
+    fn vram_write_many(&self, writes: &[(u64, &[u8])]) -> Result<()> {
+        host_copy_log::record_in(
+            self.shared.cfg.host_copy_log.as_deref(),
+            HostCopy::Batch(CopyDir::ToVram, writes.len()),
+        );
+        for (offset, buf) in writes {
+            vram_pool::write(&self.shared.vram, *offset, buf)?;
+        }
+        Ok(())
     }
 
     fn map(

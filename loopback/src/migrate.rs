@@ -31,7 +31,7 @@ use vgpu_protocol::migration::precopy::{ChunkFrame, PauseRecord};
 use vgpu_protocol::migration::{stream_kind, DeviceState, KIND_CHUNKS, KIND_FULL, KIND_PAUSED};
 
 use super::{lock, loopback_requirements, with_queues, IrqThread, LoopbackError, LoopbackVm};
-use crate::frontend::{read_state_frame, VhostUserDevice};
+use vgpu_vmm::frontend::{read_state_frame, VhostUserDevice};
 
 /// One pre-copy round as it went through the frontend.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -334,6 +334,6 @@ fn stream_state(
     let dst = dest.check_state();
     dst?;
     src?;
-    pumped.map_err(crate::frontend::FrontendError::StateIo)?;
+    pumped.map_err(vgpu_vmm::frontend::FrontendError::StateIo)?;
     Ok(report)
 }

@@ -16,8 +16,8 @@ use vgpu_protocol::device::DeviceConfig;
 
 use super::{driver_features, set_event_idx, uses_event_idx};
 use super::{lock, loopback_requirements, with_queues, IrqThread, LoopbackError, LoopbackVm};
-use crate::frontend::VhostUserDevice;
-use crate::reconnect::retry;
+use vgpu_vmm::frontend::VhostUserDevice;
+use vgpu_vmm::reconnect::retry;
 
 #[derive(Debug, Default)]
 struct LinkState {

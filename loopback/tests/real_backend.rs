@@ -6,10 +6,10 @@ use std::time::{Duration, Instant};
 
 use vgpu_backend::{VgpuBackend, VmLimits};
 use vgpu_host_shim::{SimConfig, SimGpu};
+use vgpu_loopback::{LoopbackConfig, LoopbackVm};
 use vgpu_protocol::device::{APERTURE_OFFSET, CHANNEL_SLOTS, SHM_SIZE};
 use vgpu_protocol::request::{decode_reply, Op, ReplyBody, Request};
 use vgpu_protocol::PROTOCOL_VERSION;
-use vgpu_vmm::{LoopbackConfig, LoopbackVm};
 
 fn socket(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("vgpu-vmm-real-{}-{name}.sock", std::process::id()))

@@ -21,17 +21,17 @@ use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::frontend::{FrontendError, QueueSetup, VhostUserDevice};
-use crate::guest_memory::{GuestMemoryError, GuestRam, PageAllocator, PAGE_SIZE};
-use crate::reconnect::FaultPolicy;
-use crate::shm_window::{HoleFill, ShmHandler, ShmWindow, ShmWindowError};
+use vgpu_vmm::frontend::{FrontendError, QueueSetup, VhostUserDevice};
+use vgpu_vmm::guest_memory::{GuestMemoryError, GuestRam, PageAllocator, PAGE_SIZE};
+use vgpu_vmm::reconnect::FaultPolicy;
+use vgpu_vmm::shm_window::{HoleFill, ShmHandler, ShmWindow, ShmWindowError};
 
 mod link;
 mod migrate;
-use crate::vgpu_device::vgpu_requirements;
-use crate::virtq::{Buffer, SplitQueue, VirtqError};
 use link::Link;
 pub use migrate::{MigrationReport, StreamFilter};
+use vgpu_vmm::vgpu_device::vgpu_requirements;
+use vgpu_vmm::virtq::{Buffer, SplitQueue, VirtqError};
 
 #[derive(Debug, Error)]
 pub enum LoopbackError {
@@ -725,7 +725,7 @@ fn set_event_idx(ctrl: &Ctrl, events: &Events, on: bool) {
 fn loopback_requirements(
     request_timeout: Option<Duration>,
     forwarded: bool,
-) -> crate::frontend::DeviceRequirements {
+) -> vgpu_vmm::frontend::DeviceRequirements {
     let mut r = vgpu_requirements();
     r.request_timeout = request_timeout;
     r.optional_protocol_features |= vhost::vhost_user::VhostUserProtocolFeatures::DEVICE_STATE;

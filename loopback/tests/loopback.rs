@@ -12,11 +12,11 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use vgpu_loopback::{LoopbackConfig, LoopbackError, LoopbackVm};
 use vgpu_protocol::device::{DeviceConfig, QUEUE_SIZE, SHM_REGION_ID, SHM_SIZE};
 use vgpu_protocol::request::{
     event, op, Event, GuestRange, Op, Request, MAX_REPLY_SIZE, MAX_SG_ENTRIES,
 };
-use vgpu_vmm::{LoopbackConfig, LoopbackError, LoopbackVm};
 use vhost::vhost_user::message::{
     VhostUserMMap, VhostUserMMapFlags, VhostUserProtocolFeatures, VhostUserShMemConfig,
     VhostUserVirtioFeatures,
