@@ -130,8 +130,8 @@ fn load(
     file: File,
 ) -> Result<(), MigrationError> {
     let most = vm
-        .limits
-        .vram_bytes
+        .shared
+        .vram_quota()
         .saturating_add(vm.limits.swap_bytes)
         .saturating_add(METADATA_ALLOWANCE);
     let mut reader = FrameReader { file, most };

@@ -539,8 +539,12 @@ impl Session {
         )
     }
 
+    /// The VM's limits, with its VRAM quota as it is now.
     pub fn limits(&self) -> VmLimits {
-        self.limits
+        VmLimits {
+            vram_bytes: self.shared.vram_quota(),
+            ..self.limits
+        }
     }
 
     pub fn state(&self) -> &SessionState {

@@ -20,8 +20,8 @@ impl Session {
             return Ok(s.clone());
         }
         let cap = self
-            .limits
-            .vram_bytes
+            .shared
+            .vram_quota()
             .saturating_add(self.limits.swap_bytes)
             // Room for fragmentation (virtual only: pages are committed when written).
             .saturating_mul(2)

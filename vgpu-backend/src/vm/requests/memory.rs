@@ -33,8 +33,8 @@ impl Session {
         let gpu_vram = self.gpu.info().vram_bytes;
         // What the VM may hold: its VRAM quota plus its swap limit.
         let limit = self
-            .limits
-            .vram_bytes
+            .shared
+            .vram_quota()
             .saturating_add(self.limits.swap_bytes);
         if size == 0
             || size > limit.min(gpu_vram.saturating_add(self.limits.swap_bytes))
