@@ -10,6 +10,8 @@ use common::cuda_cases::*;
 use vgpu_host_shim::cuda::{CudaConfig, CudaGpu};
 
 fn gpu() -> Option<Arc<CudaGpu>> {
+    // `RUST_LOG=warn` shows what the GPU reports (a teardown that leaks, say).
+    let _ = env_logger::builder().is_test(true).try_init();
     let index = std::env::var("VGPU_CUDA_INDEX")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -95,8 +97,27 @@ fn gpu_resumed_channel_continues_at_its_saved_position() {
 }
 
 #[test]
-fn gpu_activity_counter_counts_the_group_work() {
+fn gpu_counts_activity_of_a_channel_group() {
     if let Some(g) = gpu() {
         activity_counter_counts_the_group_work(&g);
+    }
+}
+
+/// Known bug (found 2026-11-26 on the H100): once a `CudaGpu` of the process has been
+/// dropped, the next one's batched host-to-VRAM copies fail with
+/// `cuMemcpyHtoDAsync: CUDA_ERROR_INVALID_VALUE` (single copies and kernels work; with the
+/// first GPU still alive both work). A backend opens one GPU per process, so it shows
+/// only in this suite, where each test opens its own; the per-VM workers of issue 30 own
+/// one context each. Run with `--ignored` to see it. Until it is fixed the batched case
+/// must be the first of the process to open a GPU (`--test-threads=1` runs tests by name:
+/// `gpu_batched_…` comes first).
+#[test]
+#[ignore = "known bug: batched copies of a CudaGpu opened after another was dropped"]
+fn gpu_second_gpu_after_a_dropped_one_copies_in_batches() {
+    if let Some(g) = gpu() {
+        batched_host_copies_move_many_chunks_exactly(&g);
+    }
+    if let Some(g) = gpu() {
+        batched_host_copies_move_many_chunks_exactly(&g);
     }
 }
