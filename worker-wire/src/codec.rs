@@ -183,6 +183,13 @@ fn va_range(va: u64, size: u64) -> Result<(u64, u64), WireError> {
     }
 }
 
+/// A context and a range in its address space, as Map, Unmap and Remap start.
+fn ctx_range(r: &mut Reader<'_>) -> Result<(u32, u64, u64), WireError> {
+    let ctx = r.u32()?;
+    let (va, size) = va_range(r.u64()?, r.u64()?)?;
+    Ok((ctx, va, size))
+}
+
 fn error_code(v: u32) -> Result<ErrorCode, WireError> {
     ErrorCode::from_u32(v).map_err(|_| WireError::Field("code"))
 }
@@ -440,8 +447,7 @@ pub fn decode_command(frame: &[u8], fds: u8) -> Result<(u32, Command), WireError
             offset: page_aligned(r.u64()?, "offset")?,
         },
         MAP => {
-            let ctx = r.u32()?;
-            let (va, size) = va_range(r.u64()?, r.u64()?)?;
+            let (ctx, va, size) = ctx_range(&mut r)?;
             let target = target(&mut r)?;
             let page = page_size(r.u8()?)?;
             let read_only = r.bool("read_only")?;
@@ -458,13 +464,11 @@ pub fn decode_command(frame: &[u8], fds: u8) -> Result<(u32, Command), WireError
             }
         }
         UNMAP => {
-            let ctx = r.u32()?;
-            let (va, size) = va_range(r.u64()?, r.u64()?)?;
+            let (ctx, va, size) = ctx_range(&mut r)?;
             Command::Unmap { ctx, va, size }
         }
         REMAP => {
-            let ctx = r.u32()?;
-            let (va, size) = va_range(r.u64()?, r.u64()?)?;
+            let (ctx, va, size) = ctx_range(&mut r)?;
             Command::Remap {
                 ctx,
                 va,
