@@ -168,14 +168,29 @@ pub struct HostRange {
     pub len: usize,
 }
 
+/// A piece of system memory as a file range: `len` bytes at system address `addr` are
+/// `len` bytes of `fd` from `fd_offset` (valid while the [`SysMemory`] lives).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SysRegion {
+    pub addr: u64,
+    pub len: u64,
+    pub fd: RawFd,
+    pub fd_offset: u64,
+}
+
 /// Translates a context's system-memory addresses to host memory.
 ///
-/// The native runtime backs it with its own allocations; the backend will back it with a
+/// The native runtime backs it with its own allocations; the backend backs it with a
 /// VM's guest RAM, so the GPU can reach only what the backend put in the translation.
 pub trait SysMemory: Send + Sync {
     /// The host memory at `addr`: a non-empty range of at most `len` bytes that starts at
     /// `addr` and stays valid while `self` lives, or `None` if `addr` is not backed.
     fn translate(&self, addr: u64, len: u64) -> Option<HostRange>;
+    /// The same memory as file ranges, for a GPU in another process (a worker) that maps
+    /// it itself; empty (the default) when it is not backed by files such a GPU can map.
+    fn regions(&self) -> Vec<SysRegion> {
+        Vec::new()
+    }
 }
 
 /// A range of a file descriptor owned by the GPU (valid while the GPU lives); map it with
@@ -225,6 +240,12 @@ pub enum HalError {
     Os(String),
     #[error("not supported by this GPU: {0}")]
     Unsupported(&'static str),
+    /// The GPU is gone: its worker process died, faulted or broke the protocol.
+    #[error("GPU lost: {0}")]
+    DeviceLost(String),
+    /// A GPU in another process refused with this code.
+    #[error("refused by the GPU: {0}")]
+    Refused(ErrorCode),
 }
 
 impl HalError {
@@ -242,6 +263,8 @@ impl HalError {
             | HalError::PageSizeConflict(_) => ErrorCode::InvalidArgument,
             HalError::Os(_) => ErrorCode::Internal,
             HalError::Unsupported(_) => ErrorCode::Unsupported,
+            HalError::DeviceLost(_) => ErrorCode::DeviceLost,
+            HalError::Refused(code) => *code,
         }
     }
 }
@@ -379,6 +402,12 @@ pub trait Gpu: Send + Sync {
     fn destroy_channel(&self, ch: ChannelId) -> Result<()>;
     /// The channel's 4 KiB control page.
     fn control_page(&self, ch: ChannelId) -> Result<FdRange>;
+    /// Every channel's control page, slot after slot (channel `ch`'s is at
+    /// [`Gpu::control_page`]'s offset), for a process that serves this GPU to another:
+    /// or `None` (the default) when the pages are not one file.
+    fn control_pages(&self) -> Option<FdRange> {
+        None
+    }
     /// Optional doorbell: tells the GPU to look at the channel now instead of at its next poll.
     fn doorbell(&self, ch: ChannelId);
     fn channel_counters(&self, ch: ChannelId) -> Result<ChannelCounters>;

@@ -32,7 +32,7 @@ pub use choice::GpuChoice;
 pub use hal::{
     ActivityCounter, ChannelConfig, ChannelCounters, ChannelId, ChannelResume, ContextId,
     EventSink, FdRange, Gpu, GpuEvent, GpuInfo, HalError, HostRange, MapFlags, MapTarget, PageSize,
-    SysMemory, VramAlloc,
+    SysMemory, SysRegion, VramAlloc,
 };
 pub use host_copy_log::{CopyDir, HostCopy, HostCopyLog};
 pub use sim::{SimConfig, SimGpu, SimStats};

@@ -243,7 +243,8 @@ _Static_assert(sizeof(struct vgpu_timestamp_args) == 8, "timestamp args");
 #define VGPU_ERR_CHANNEL_DESTROYED 14
 #define VGPU_ERR_VERSION_MISMATCH 15
 #define VGPU_ERR_INTERNAL 16
-#define VGPU_ERR_COUNT 17
+#define VGPU_ERR_DEVICE_LOST 17
+#define VGPU_ERR_COUNT 18
 
 /* ---- The virtio device (protocol.md §9-§13): id, queues, config space, shared memory. */
 #define VGPU_VIRTIO_ID 60

@@ -40,11 +40,16 @@ pub enum ErrorCode {
     VersionMismatch = 15,
     #[error("internal error")]
     Internal = 16,
+    /// The GPU behind the channel or request is gone (its worker process died or
+    /// faulted); the VM's other work is lost with it, other VMs are untouched, and a
+    /// device reset gives the VM a new one.
+    #[error("GPU lost")]
+    DeviceLost = 17,
 }
 
 impl ErrorCode {
     /// Every code, in numeric order.
-    pub const ALL: [ErrorCode; 17] = [
+    pub const ALL: [ErrorCode; 18] = [
         ErrorCode::Ok,
         ErrorCode::InvalidArgument,
         ErrorCode::NotFound,
@@ -62,6 +67,7 @@ impl ErrorCode {
         ErrorCode::ChannelDestroyed,
         ErrorCode::VersionMismatch,
         ErrorCode::Internal,
+        ErrorCode::DeviceLost,
     ];
 
     /// Decodes a code received from a peer; unknown values are an error.
@@ -92,6 +98,6 @@ mod tests {
             assert_eq!(c.as_u32() as usize, i);
             assert_eq!(ErrorCode::from_u32(c.as_u32()), Ok(*c));
         }
-        assert_eq!(ErrorCode::from_u32(17), Err(UnknownErrorCode(17)));
+        assert_eq!(ErrorCode::from_u32(18), Err(UnknownErrorCode(18)));
     }
 }

@@ -5,7 +5,7 @@ use vgpu_protocol::gp::GPU_VA_LIMIT;
 use vgpu_protocol::mem::PageSize;
 use vgpu_protocol::{ErrorCode, PAGE_SIZE};
 
-use crate::message::{Command, Reply, Resume, Target};
+use crate::message::{Command, Event, Reply, Resume, Target};
 use crate::{WireError, HEADER_LEN, MAGIC, MAX_FDS, MAX_PAYLOAD, VERSION};
 
 /// A frame's header.
@@ -130,29 +130,36 @@ impl<'a> Reader<'a> {
 }
 
 const HELLO: u16 = 1;
-const CONTROL_PAGES: u16 = 2;
-const ADD_GUEST_REGION: u16 = 3;
-const SWAP_STORE: u16 = 4;
-const CREATE_CONTEXT: u16 = 5;
-const DESTROY_CONTEXT: u16 = 6;
-const ALLOC_VRAM: u16 = 7;
-const FREE_VRAM: u16 = 8;
+const ADD_GUEST_REGION: u16 = 2;
+const COPY_BUFFER: u16 = 3;
+const CREATE_CONTEXT: u16 = 4;
+const DESTROY_CONTEXT: u16 = 5;
+const ALLOC_VRAM: u16 = 6;
+const FREE_VRAM: u16 = 7;
+const VRAM_FREE: u16 = 8;
 const MAP: u16 = 9;
 const UNMAP: u16 = 10;
 const REMAP: u16 = 11;
 const INVALIDATE_TLB: u16 = 12;
-const CREATE_CHANNEL: u16 = 13;
-const DESTROY_CHANNEL: u16 = 14;
-const KILL_CHANNEL: u16 = 15;
-const MOVE_CHUNK: u16 = 16;
-const PAUSE: u16 = 17;
-const RESUME: u16 = 18;
-const SHUTDOWN: u16 = 19;
+const PAGE_TABLE_BYTES: u16 = 13;
+const MAP_COST: u16 = 14;
+const SYSRAM_HINT: u16 = 15;
+const CREATE_CHANNEL: u16 = 16;
+const DESTROY_CHANNEL: u16 = 17;
+const KILL_CHANNEL: u16 = 18;
+const DOORBELL: u16 = 19;
+const COPY: u16 = 20;
+const SHUTDOWN: u16 = 21;
 
 const REPLY_OK: u16 = 0x100;
 const REPLY_HELLO: u16 = 0x101;
 const REPLY_VRAM: u16 = 0x102;
-const REPLY_ERROR: u16 = 0x103;
+const REPLY_BYTES: u16 = 0x103;
+const REPLY_CHANNEL: u16 = 0x104;
+const REPLY_ERROR: u16 = 0x105;
+
+const EVENT_NOTIFY: u16 = 0x200;
+const EVENT_ERROR: u16 = 0x201;
 
 /// Largest VRAM size, alignment or swap store a frame may name (1 TiB).
 const MAX_BYTES: u64 = 1 << 40;
@@ -229,13 +236,21 @@ fn target(r: &mut Reader<'_>) -> Result<Target, WireError> {
 /// The file descriptors a command's frame carries.
 fn command_fds(kind: u16) -> u8 {
     match kind {
-        CONTROL_PAGES | ADD_GUEST_REGION | SWAP_STORE => 1,
+        ADD_GUEST_REGION | COPY_BUFFER => 1,
         _ => 0,
     }
 }
 
 fn reply_fds(kind: u16) -> u8 {
-    u8::from(kind == REPLY_HELLO)
+    if kind == REPLY_HELLO {
+        2
+    } else {
+        0
+    }
+}
+
+fn event_fds(_kind: u16) -> u8 {
+    0
 }
 
 fn frame(kind: u16, seq: u32, fds: u8, payload: Writer) -> Vec<u8> {
@@ -262,10 +277,6 @@ pub fn encode_command(seq: u32, c: &Command) -> Vec<u8> {
             w.u32(worker);
             HELLO
         }
-        Command::ControlPages { len } => {
-            w.u64(len);
-            CONTROL_PAGES
-        }
         Command::AddGuestRegion {
             gpa,
             len,
@@ -274,9 +285,9 @@ pub fn encode_command(seq: u32, c: &Command) -> Vec<u8> {
             w.u64(gpa).u64(len).u64(fd_offset);
             ADD_GUEST_REGION
         }
-        Command::SwapStore { len } => {
+        Command::CopyBuffer { len } => {
             w.u64(len);
-            SWAP_STORE
+            COPY_BUFFER
         }
         Command::CreateContext { ctx } => {
             w.u32(ctx);
@@ -294,6 +305,7 @@ pub fn encode_command(seq: u32, c: &Command) -> Vec<u8> {
             w.u64(offset);
             FREE_VRAM
         }
+        Command::VramFree => VRAM_FREE,
         Command::Map {
             ctx,
             va,
@@ -325,15 +337,36 @@ pub fn encode_command(seq: u32, c: &Command) -> Vec<u8> {
             w.u32(ctx);
             INVALIDATE_TLB
         }
+        Command::PageTableBytes { ctx } => {
+            w.u32(ctx);
+            PAGE_TABLE_BYTES
+        }
+        Command::MapCost {
+            ctx,
+            va,
+            size,
+            page,
+        } => {
+            w.u32(ctx).u64(va).u64(size).u8(page_index(page));
+            MAP_COST
+        }
+        Command::SysramHint {
+            ctx,
+            addr,
+            len,
+            prepare,
+        } => {
+            w.u32(ctx).u64(addr).u64(len).u8(u8::from(prepare));
+            SYSRAM_HINT
+        }
         Command::CreateChannel {
             ctx,
             ch,
-            slot,
             gp_ring_va,
             gp_entries,
             resume,
         } => {
-            w.u32(ctx).u32(ch).u32(slot).u64(gp_ring_va).u32(gp_entries);
+            w.u32(ctx).u32(ch).u64(gp_ring_va).u32(gp_entries);
             match resume {
                 None => {
                     w.u8(0);
@@ -356,20 +389,22 @@ pub fn encode_command(seq: u32, c: &Command) -> Vec<u8> {
             w.u32(ch).u32(code as u32);
             KILL_CHANNEL
         }
-        Command::MoveChunk {
+        Command::Doorbell { ch } => {
+            w.u32(ch);
+            DOORBELL
+        }
+        Command::Copy {
             vram_offset,
-            store_offset,
+            buf_offset,
             len,
             to_vram,
         } => {
             w.u64(vram_offset)
-                .u64(store_offset)
+                .u64(buf_offset)
                 .u64(len)
                 .u8(u8::from(to_vram));
-            MOVE_CHUNK
+            COPY
         }
-        Command::Pause => PAUSE,
-        Command::Resume => RESUME,
         Command::Shutdown => SHUTDOWN,
     };
     frame(kind, seq, command_fds(kind), w)
@@ -408,15 +443,46 @@ fn open<'a>(
     ))
 }
 
+/// A channel's ring: a valid size, entry-aligned, inside the address space.
+fn gp_ring(gp_ring_va: u64, gp_entries: u32) -> Result<(), WireError> {
+    if !valid_gp_entries(gp_entries) {
+        return Err(WireError::Field("gp_entries"));
+    }
+    let ring_end = u64::from(gp_entries)
+        .checked_mul(vgpu_protocol::gp::GP_ENTRY_SIZE as u64)
+        .and_then(|n| gp_ring_va.checked_add(n));
+    if !gp_ring_va.is_multiple_of(vgpu_protocol::gp::GP_ENTRY_SIZE as u64)
+        || ring_end.is_none_or(|e| e > GPU_VA_LIMIT)
+    {
+        return Err(WireError::Field("gp_ring_va"));
+    }
+    Ok(())
+}
+
+fn resume(r: &mut Reader<'_>) -> Result<Option<Resume>, WireError> {
+    if !r.bool("resume")? {
+        return Ok(None);
+    }
+    let (gp_get, reference, notify_seq) = (r.u32()?, r.u32()?, r.u32()?);
+    let error = if r.bool("error")? {
+        Some((error_code(r.u32()?)?, r.u64()?))
+    } else {
+        None
+    };
+    Ok(Some(Resume {
+        gp_get,
+        reference,
+        notify_seq,
+        error,
+    }))
+}
+
 /// Decodes a command frame that arrived with `fds` file descriptors: (sequence number,
 /// command).
 pub fn decode_command(frame: &[u8], fds: u8) -> Result<(u32, Command), WireError> {
     let (h, mut r) = open(frame, fds, command_fds)?;
     let c = match h.kind {
         HELLO => Command::Hello { worker: r.u32()? },
-        CONTROL_PAGES => Command::ControlPages {
-            len: length(r.u64()?, "len")?,
-        },
         ADD_GUEST_REGION => {
             let gpa = page_aligned(r.u64()?, "gpa")?;
             let len = length(r.u64()?, "len")?;
@@ -430,7 +496,7 @@ pub fn decode_command(frame: &[u8], fds: u8) -> Result<(u32, Command), WireError
                 fd_offset,
             }
         }
-        SWAP_STORE => Command::SwapStore {
+        COPY_BUFFER => Command::CopyBuffer {
             len: length(r.u64()?, "len")?,
         },
         CREATE_CONTEXT => Command::CreateContext { ctx: r.u32()? },
@@ -446,6 +512,7 @@ pub fn decode_command(frame: &[u8], fds: u8) -> Result<(u32, Command), WireError
         FREE_VRAM => Command::FreeVram {
             offset: page_aligned(r.u64()?, "offset")?,
         },
+        VRAM_FREE => Command::VramFree,
         MAP => {
             let (ctx, va, size) = ctx_range(&mut r)?;
             let target = target(&mut r)?;
@@ -477,44 +544,39 @@ pub fn decode_command(frame: &[u8], fds: u8) -> Result<(u32, Command), WireError
             }
         }
         INVALIDATE_TLB => Command::InvalidateTlb { ctx: r.u32()? },
+        PAGE_TABLE_BYTES => Command::PageTableBytes { ctx: r.u32()? },
+        // Any range: the GPU answers 0 for one it would refuse, as the HAL says.
+        MAP_COST => Command::MapCost {
+            ctx: r.u32()?,
+            va: r.u64()?,
+            size: r.u64()?,
+            page: page_size(r.u8()?)?,
+        },
+        SYSRAM_HINT => {
+            let ctx = r.u32()?;
+            let addr = page_aligned(r.u64()?, "addr")?;
+            let len = length(r.u64()?, "len")?;
+            if addr.checked_add(len).is_none() {
+                return Err(WireError::Field("len"));
+            }
+            Command::SysramHint {
+                ctx,
+                addr,
+                len,
+                prepare: r.bool("prepare")?,
+            }
+        }
         CREATE_CHANNEL => {
-            let (ctx, ch, slot) = (r.u32()?, r.u32()?, r.u32()?);
+            let (ctx, ch) = (r.u32()?, r.u32()?);
             let gp_ring_va = r.u64()?;
             let gp_entries = r.u32()?;
-            if !valid_gp_entries(gp_entries) {
-                return Err(WireError::Field("gp_entries"));
-            }
-            let ring_end = u64::from(gp_entries)
-                .checked_mul(vgpu_protocol::gp::GP_ENTRY_SIZE as u64)
-                .and_then(|n| gp_ring_va.checked_add(n));
-            if !gp_ring_va.is_multiple_of(vgpu_protocol::gp::GP_ENTRY_SIZE as u64)
-                || ring_end.is_none_or(|e| e > GPU_VA_LIMIT)
-            {
-                return Err(WireError::Field("gp_ring_va"));
-            }
-            let resume = if r.bool("resume")? {
-                let (gp_get, reference, notify_seq) = (r.u32()?, r.u32()?, r.u32()?);
-                let error = if r.bool("error")? {
-                    Some((error_code(r.u32()?)?, r.u64()?))
-                } else {
-                    None
-                };
-                Some(Resume {
-                    gp_get,
-                    reference,
-                    notify_seq,
-                    error,
-                })
-            } else {
-                None
-            };
+            gp_ring(gp_ring_va, gp_entries)?;
             Command::CreateChannel {
                 ctx,
                 ch,
-                slot,
                 gp_ring_va,
                 gp_entries,
-                resume,
+                resume: resume(&mut r)?,
             }
         }
         DESTROY_CHANNEL => Command::DestroyChannel { ch: r.u32()? },
@@ -522,24 +584,24 @@ pub fn decode_command(frame: &[u8], fds: u8) -> Result<(u32, Command), WireError
             ch: r.u32()?,
             code: error_code(r.u32()?)?,
         },
-        MOVE_CHUNK => {
-            let vram_offset = page_aligned(r.u64()?, "vram_offset")?;
-            let store_offset = page_aligned(r.u64()?, "store_offset")?;
-            let len = length(r.u64()?, "len")?;
-            if vram_offset.checked_add(len).is_none_or(|e| e > MAX_BYTES)
-                || store_offset.checked_add(len).is_none_or(|e| e > MAX_BYTES)
+        DOORBELL => Command::Doorbell { ch: r.u32()? },
+        COPY => {
+            let vram_offset = r.u64()?;
+            let buf_offset = r.u64()?;
+            let len = r.u64()?;
+            if len == 0
+                || vram_offset.checked_add(len).is_none_or(|e| e > MAX_BYTES)
+                || buf_offset.checked_add(len).is_none_or(|e| e > MAX_BYTES)
             {
                 return Err(WireError::Field("len"));
             }
-            Command::MoveChunk {
+            Command::Copy {
                 vram_offset,
-                store_offset,
+                buf_offset,
                 len,
                 to_vram: r.bool("to_vram")?,
             }
         }
-        PAUSE => Command::Pause,
-        RESUME => Command::Resume,
         SHUTDOWN => Command::Shutdown,
         k => return Err(WireError::Kind(k)),
     };
@@ -548,21 +610,38 @@ pub fn decode_command(frame: &[u8], fds: u8) -> Result<(u32, Command), WireError
 }
 
 /// The frame of reply `rep` to the command numbered `seq`; a `Hello` reply is sent with
-/// the aperture's fd.
+/// the control pages' and the counters page's fds.
 pub fn encode_reply(seq: u32, rep: &Reply) -> Vec<u8> {
     let mut w = Writer(Vec::new());
     let kind = match *rep {
         Reply::Ok => REPLY_OK,
         Reply::Hello {
             vram_bytes,
-            aperture_len,
+            max_channels,
+            max_contexts,
+            compute_engines,
+            control_pages_len,
+            counters_len,
         } => {
-            w.u64(vram_bytes).u64(aperture_len);
+            w.u64(vram_bytes)
+                .u32(max_channels)
+                .u32(max_contexts)
+                .u32(compute_engines)
+                .u64(control_pages_len)
+                .u64(counters_len);
             REPLY_HELLO
         }
         Reply::Vram { offset, len } => {
             w.u64(offset).u64(len);
             REPLY_VRAM
+        }
+        Reply::Bytes { n } => {
+            w.u64(n);
+            REPLY_BYTES
+        }
+        Reply::Channel { slot } => {
+            w.u32(slot);
+            REPLY_CHANNEL
         }
         Reply::Error { code } => {
             w.u32(code as u32);
@@ -572,16 +651,43 @@ pub fn encode_reply(seq: u32, rep: &Reply) -> Vec<u8> {
     frame(kind, seq, reply_fds(kind), w)
 }
 
+/// The most channels or contexts a worker may say it has.
+const MAX_SLOTS: u32 = 1 << 16;
+
 /// Decodes a reply frame that arrived with `fds` file descriptors: (sequence number,
 /// reply).
 pub fn decode_reply(frame: &[u8], fds: u8) -> Result<(u32, Reply), WireError> {
     let (h, mut r) = open(frame, fds, reply_fds)?;
     let rep = match h.kind {
         REPLY_OK => Reply::Ok,
-        REPLY_HELLO => Reply::Hello {
-            vram_bytes: length(r.u64()?, "vram_bytes")?,
-            aperture_len: length(r.u64()?, "aperture_len")?,
-        },
+        REPLY_HELLO => {
+            let vram_bytes = length(r.u64()?, "vram_bytes")?;
+            let slots = |v: u32, name| {
+                if v == 0 || v > MAX_SLOTS {
+                    Err(WireError::Field(name))
+                } else {
+                    Ok(v)
+                }
+            };
+            let max_channels = slots(r.u32()?, "max_channels")?;
+            let max_contexts = slots(r.u32()?, "max_contexts")?;
+            let compute_engines = slots(r.u32()?, "compute_engines")?;
+            let control_pages_len = length(r.u64()?, "control_pages_len")?;
+            let counters_len = length(r.u64()?, "counters_len")?;
+            if control_pages_len != u64::from(max_channels) * PAGE_SIZE
+                || counters_len != crate::counters::page_len(max_channels)
+            {
+                return Err(WireError::Field("pages"));
+            }
+            Reply::Hello {
+                vram_bytes,
+                max_channels,
+                max_contexts,
+                compute_engines,
+                control_pages_len,
+                counters_len,
+            }
+        }
         REPLY_VRAM => {
             let offset = page_aligned(r.u64()?, "offset")?;
             let len = length(r.u64()?, "len")?;
@@ -590,6 +696,14 @@ pub fn decode_reply(frame: &[u8], fds: u8) -> Result<(u32, Reply), WireError> {
             }
             Reply::Vram { offset, len }
         }
+        REPLY_BYTES => Reply::Bytes { n: r.u64()? },
+        REPLY_CHANNEL => {
+            let slot = r.u32()?;
+            if slot >= MAX_SLOTS {
+                return Err(WireError::Field("slot"));
+            }
+            Reply::Channel { slot }
+        }
         REPLY_ERROR => Reply::Error {
             code: error_code(r.u32()?)?,
         },
@@ -597,6 +711,48 @@ pub fn decode_reply(frame: &[u8], fds: u8) -> Result<(u32, Reply), WireError> {
     };
     r.finish()?;
     Ok((h.seq, rep))
+}
+
+/// The frame of event `ev` (its sequence number counts events, for the logs).
+pub fn encode_event(seq: u32, ev: &Event) -> Vec<u8> {
+    let mut w = Writer(Vec::new());
+    let kind = match *ev {
+        Event::Notify { ch, token } => {
+            w.u32(ch).u32(token);
+            EVENT_NOTIFY
+        }
+        Event::Error { ch, code, info } => {
+            w.u32(ch).u32(code as u32).u64(info);
+            EVENT_ERROR
+        }
+    };
+    frame(kind, seq, 0, w)
+}
+
+/// Decodes an event frame that arrived with `fds` file descriptors (events carry none).
+pub fn decode_event(frame: &[u8], fds: u8) -> Result<(u32, Event), WireError> {
+    let (h, mut r) = open(frame, fds, event_fds)?;
+    let ev = match h.kind {
+        EVENT_NOTIFY => Event::Notify {
+            ch: r.u32()?,
+            token: r.u32()?,
+        },
+        EVENT_ERROR => {
+            let ch = r.u32()?;
+            let code = error_code(r.u32()?)?;
+            if code == ErrorCode::Ok {
+                return Err(WireError::Field("code"));
+            }
+            Event::Error {
+                ch,
+                code,
+                info: r.u64()?,
+            }
+        }
+        k => return Err(WireError::Kind(k)),
+    };
+    r.finish()?;
+    Ok((h.seq, ev))
 }
 
 #[cfg(test)]

@@ -8,15 +8,21 @@
 //! The worker decodes commands the same way, though they come from its parent: a bug on
 //! either side shows as an error, not as memory corruption.
 //!
+//! Events (a channel's NOTIFY or fault) travel the other way on a socket of their own,
+//! in the same frames; per-channel counters are in a shared page ([`counters`]).
+//!
 //! Frame: a 16-byte header (magic, version, kind, sequence number, payload length, count
 //! of file descriptors sent with it as `SCM_RIGHTS`), then the payload, little-endian
 //! fields in a fixed order per kind. Replies carry the sequence number of their command.
 
 mod codec;
+pub mod counters;
 mod message;
 
-pub use codec::{decode_command, decode_reply, encode_command, encode_reply, Header};
-pub use message::{Command, Reply, Resume, Target};
+pub use codec::{
+    decode_command, decode_event, decode_reply, encode_command, encode_event, encode_reply, Header,
+};
+pub use message::{Command, Event, Reply, Resume, Target};
 
 use thiserror::Error;
 

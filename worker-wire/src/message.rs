@@ -1,4 +1,4 @@
-//! The commands and replies, as values.
+//! The commands, replies and events, as values.
 
 use vgpu_protocol::mem::PageSize;
 use vgpu_protocol::ErrorCode;
@@ -30,10 +30,6 @@ pub enum Command {
     Hello {
         worker: u32,
     },
-    /// The channels' control pages: one fd (memfd), `len` bytes.
-    ControlPages {
-        len: u64,
-    },
     /// A piece of the VM's RAM: one fd (memfd) mapped from `fd_offset`, seen by the
     /// guest at `gpa`.
     AddGuestRegion {
@@ -41,8 +37,8 @@ pub enum Command {
         len: u64,
         fd_offset: u64,
     },
-    /// The VM's swap store for VRAM moves: one fd (memfd), `len` bytes.
-    SwapStore {
+    /// The buffer host reads and writes of VRAM pass through: one fd (memfd), `len` bytes.
+    CopyBuffer {
         len: u64,
     },
     CreateContext {
@@ -58,6 +54,8 @@ pub enum Command {
     FreeVram {
         offset: u64,
     },
+    /// Bytes of VRAM not allocated (answered with `Bytes`).
+    VramFree,
     Map {
         ctx: u32,
         va: u64,
@@ -80,11 +78,31 @@ pub enum Command {
     InvalidateTlb {
         ctx: u32,
     },
-    /// A channel whose control page is slot `slot` of the control pages.
+    /// Host memory of the context's page tables (answered with `Bytes`).
+    PageTableBytes {
+        ctx: u32,
+    },
+    /// What mapping `va..va+size` with pages of `page` would add to the page tables
+    /// (answered with `Bytes`; 0 for a range the GPU would refuse).
+    MapCost {
+        ctx: u32,
+        va: u64,
+        size: u64,
+        page: PageSize,
+    },
+    /// The HAL's sysram hint: `addr..addr+len` of the VM's RAM is about to be mapped
+    /// (`prepare`), or no longer (`!prepare`).
+    SysramHint {
+        ctx: u32,
+        addr: u64,
+        len: u64,
+        prepare: bool,
+    },
+    /// A channel (answered with `Channel`: its slot in the control pages and the
+    /// counters page).
     CreateChannel {
         ctx: u32,
         ch: u32,
-        slot: u32,
         gp_ring_va: u64,
         gp_entries: u32,
         resume: Option<Resume>,
@@ -96,17 +114,18 @@ pub enum Command {
         ch: u32,
         code: ErrorCode,
     },
-    /// Copies `len` bytes from VRAM at `vram_offset` into the swap store at
-    /// `store_offset` (an eviction), or back (`to_vram`, a swap-in).
-    MoveChunk {
+    /// Look at the channel now instead of at the next poll.
+    Doorbell {
+        ch: u32,
+    },
+    /// Copies `len` bytes from VRAM at `vram_offset` into the copy buffer at
+    /// `buf_offset` (a host read), or back (`to_vram`, a host write).
+    Copy {
         vram_offset: u64,
-        store_offset: u64,
+        buf_offset: u64,
         len: u64,
         to_vram: bool,
     },
-    /// Stops fetching from every channel (migration, a device reset) / goes on.
-    Pause,
-    Resume,
     /// Ends the worker after it released everything.
     Shutdown,
 }
@@ -115,19 +134,41 @@ pub enum Command {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reply {
     Ok,
-    /// `Hello`'s answer: the GPU's VRAM and the worker's VRAM aperture (one fd: a memfd
-    /// the VMM maps into the guest's BAR), `aperture_len` bytes.
+    /// `Hello`'s answer: the GPU's shape, and two fds: the channels' control pages
+    /// (`control_pages_len` bytes, a 4 KiB page per slot) and the counters page
+    /// (`counters_len` bytes, a record per slot, see `crate::counters`).
     Hello {
         vram_bytes: u64,
-        aperture_len: u64,
+        max_channels: u32,
+        max_contexts: u32,
+        compute_engines: u32,
+        control_pages_len: u64,
+        counters_len: u64,
     },
     /// `AllocVram`'s answer.
     Vram {
         offset: u64,
         len: u64,
     },
+    /// A byte count (`VramFree`, `PageTableBytes`, `MapCost`).
+    Bytes {
+        n: u64,
+    },
+    /// `CreateChannel`'s answer: the channel's slot.
+    Channel {
+        slot: u32,
+    },
     /// Refused or failed, with the code a guest would see.
     Error {
         code: ErrorCode,
     },
+}
+
+/// What the worker tells the backend unasked, on its event socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// A channel's `NOTIFY` method ran.
+    Notify { ch: u32, token: u32 },
+    /// A channel faulted and stopped.
+    Error { ch: u32, code: ErrorCode, info: u64 },
 }

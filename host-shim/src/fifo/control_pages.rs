@@ -70,6 +70,15 @@ impl ControlPages {
         (self.mem.len() / PAGE_SIZE) as usize - self.lock_free().len()
     }
 
+    /// Every slot's page.
+    pub fn whole(&self) -> FdRange {
+        FdRange {
+            fd: self.mem.fd(),
+            offset: 0,
+            len: self.mem.len(),
+        }
+    }
+
     pub fn fd_range(&self, slot: u32) -> FdRange {
         FdRange {
             fd: self.mem.fd(),

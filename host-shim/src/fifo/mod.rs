@@ -24,6 +24,10 @@ pub mod tables;
 /// `self.reported_counters(ChannelCounters)` (what the GPU shows of a channel's counters).
 macro_rules! table_methods {
     () => {
+        fn control_pages(&self) -> Option<$crate::hal::FdRange> {
+            Some(self.shared.fifo.pages().whole())
+        }
+
         fn page_table_bytes(&self, ctx: $crate::hal::ContextId) -> $crate::hal::Result<u64> {
             Ok(self.space(ctx)?.table_bytes())
         }

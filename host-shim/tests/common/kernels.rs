@@ -195,5 +195,5 @@ pub fn run_all<G: Gpu + ?Sized>(mem: &Mem<G>, ch: &mut Chan) {
 }
 
 pub fn ch_counters<G: Gpu + ?Sized>(p: &Proc<G>, ch: &Chan) -> ChannelCounters {
-    p.gpu.channel_counters(ch.id).unwrap()
+    super::counters_after(&*p.gpu, ch.id, u64::from(ch.put))
 }

@@ -14,44 +14,35 @@ use vgpu_host_shim::*;
 use vgpu_protocol::method::encode_all;
 use vgpu_protocol::{ControlPage, ErrorCode, GpEntry, KernelArgs, KernelId, Method};
 
-/// System memory of a test "process": one zeroed allocation at a fixed bus address.
+/// System memory of a test "process": one zeroed memfd at a fixed bus address (a file, so
+/// a GPU in a worker process can map it too, as it maps guest RAM).
 pub struct TestSysMem {
     pub base: u64,
-    mem: Box<[u8]>,
+    mem: shared_mem::SharedMem,
 }
-
-// SAFETY: the allocation lives as long as the struct; the GPU and the test access it
-// concurrently through raw pointers, as with guest RAM.
-unsafe impl Send for TestSysMem {}
-// SAFETY: see Send.
-unsafe impl Sync for TestSysMem {}
 
 impl TestSysMem {
     pub fn new(base: u64, len: usize) -> Self {
         TestSysMem {
             base,
-            mem: vec![0u8; len].into_boxed_slice(),
+            mem: shared_mem::SharedMem::new("test-sysmem", len as u64).unwrap(),
         }
     }
     pub fn ptr(&self, addr: u64) -> *mut u8 {
-        assert!(addr >= self.base && addr < self.base + self.mem.len() as u64);
-        (self.mem.as_ptr() as *mut u8).wrapping_add((addr - self.base) as usize)
+        assert!(addr >= self.base && addr < self.base + self.mem.len());
+        self.mem.range_ptr(addr - self.base, 1).unwrap()
     }
     pub fn write(&self, addr: u64, b: &[u8]) {
-        assert!(addr + b.len() as u64 <= self.base + self.mem.len() as u64);
-        // SAFETY: bounds checked above.
-        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.ptr(addr), b.len()) }
+        assert!(self.mem.write(addr - self.base, b), "write out of bounds");
     }
     pub fn read(&self, addr: u64, b: &mut [u8]) {
-        assert!(addr + b.len() as u64 <= self.base + self.mem.len() as u64);
-        // SAFETY: bounds checked above.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr(addr), b.as_mut_ptr(), b.len()) }
+        assert!(self.mem.read(addr - self.base, b), "read out of bounds");
     }
 }
 
 impl SysMemory for TestSysMem {
     fn translate(&self, addr: u64, len: u64) -> Option<HostRange> {
-        let end = self.base + self.mem.len() as u64;
+        let end = self.base + self.mem.len();
         if addr < self.base || addr >= end {
             return None;
         }
@@ -59,6 +50,15 @@ impl SysMemory for TestSysMem {
             ptr: self.ptr(addr),
             len: (len.min(end - addr)) as usize,
         })
+    }
+
+    fn regions(&self) -> Vec<SysRegion> {
+        vec![SysRegion {
+            addr: self.base,
+            len: self.mem.len(),
+            fd: self.mem.fd(),
+            fd_offset: 0,
+        }]
     }
 }
 
@@ -291,6 +291,19 @@ impl Chan {
             }
             std::thread::sleep(Duration::from_micros(20));
         }
+    }
+}
+
+/// The channel's counters once they show `completed` GP entries (at once on an
+/// in-process GPU; a GPU in a worker process publishes them within a millisecond or so).
+pub fn counters_after<G: Gpu + ?Sized>(gpu: &G, ch: ChannelId, completed: u64) -> ChannelCounters {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let c = gpu.channel_counters(ch).unwrap();
+        if c.gp_completed >= completed || Instant::now() > deadline {
+            return c;
+        }
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 

@@ -1,9 +1,11 @@
-//! Arbitrary frames (and fd counts) through both decoders: never a panic, and whatever
+//! Arbitrary frames (and fd counts) through every decoder: never a panic, and whatever
 //! decodes encodes back to the same bytes.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use vgpu_worker_wire::{decode_command, decode_reply, encode_command, encode_reply};
+use vgpu_worker_wire::{
+    decode_command, decode_event, decode_reply, encode_command, encode_event, encode_reply,
+};
 
 fuzz_target!(|data: &[u8]| {
     let Some((&fds, frame)) = data.split_first() else {
@@ -15,5 +17,8 @@ fuzz_target!(|data: &[u8]| {
     }
     if let Ok((seq, r)) = decode_reply(frame, fds) {
         assert_eq!(encode_reply(seq, &r), frame);
+    }
+    if let Ok((seq, e)) = decode_event(frame, fds) {
+        assert_eq!(encode_event(seq, &e), frame);
     }
 });

@@ -1,7 +1,7 @@
 use proptest::prelude::*;
 
 use super::*;
-use crate::message::{Command, Reply, Resume, Target};
+use crate::message::{Command, Event, Reply, Resume, Target};
 use crate::{WireError, HEADER_LEN};
 
 const GIB: u64 = 1 << 30;
@@ -9,13 +9,12 @@ const GIB: u64 = 1 << 30;
 fn every_command() -> Vec<Command> {
     vec![
         Command::Hello { worker: 7 },
-        Command::ControlPages { len: 1 << 20 },
         Command::AddGuestRegion {
             gpa: GIB,
             len: 256 << 20,
             fd_offset: 0,
         },
-        Command::SwapStore { len: 4 * GIB },
+        Command::CopyBuffer { len: 4 * GIB },
         Command::CreateContext { ctx: 3 },
         Command::DestroyContext { ctx: 3 },
         Command::AllocVram {
@@ -23,6 +22,7 @@ fn every_command() -> Vec<Command> {
             align: 2 << 20,
         },
         Command::FreeVram { offset: 64 << 20 },
+        Command::VramFree,
         Command::Map {
             ctx: 3,
             va: 0x4000_0000,
@@ -51,10 +51,22 @@ fn every_command() -> Vec<Command> {
             target: Target::Sysram { addr: GIB },
         },
         Command::InvalidateTlb { ctx: 3 },
+        Command::PageTableBytes { ctx: 3 },
+        Command::MapCost {
+            ctx: 3,
+            va: 0x1234,
+            size: 5,
+            page: PageSize::Big64K,
+        },
+        Command::SysramHint {
+            ctx: 3,
+            addr: GIB,
+            len: 2 << 20,
+            prepare: true,
+        },
         Command::CreateChannel {
             ctx: 3,
             ch: 9,
-            slot: 4,
             gp_ring_va: 0x10_0000,
             gp_entries: 256,
             resume: None,
@@ -62,7 +74,6 @@ fn every_command() -> Vec<Command> {
         Command::CreateChannel {
             ctx: 3,
             ch: 10,
-            slot: 5,
             gp_ring_va: 0x20_0000,
             gp_entries: 1024,
             resume: Some(Resume {
@@ -77,14 +88,13 @@ fn every_command() -> Vec<Command> {
             ch: 9,
             code: ErrorCode::WatchdogKilled,
         },
-        Command::MoveChunk {
+        Command::Doorbell { ch: 10 },
+        Command::Copy {
             vram_offset: 2 << 20,
-            store_offset: 6 << 20,
-            len: 2 << 20,
+            buf_offset: 6 << 20,
+            len: 100,
             to_vram: false,
         },
-        Command::Pause,
-        Command::Resume,
         Command::Shutdown,
     ]
 }
@@ -100,9 +110,9 @@ fn every_command_round_trips_with_its_fds() {
         assert_eq!(decode_command(&f, fds_of(&f)), Ok((seq as u32, c)), "{c:?}");
     }
     // The ones that carry a memfd say so in the header.
-    let f = encode_command(1, &Command::ControlPages { len: 4096 });
+    let f = encode_command(1, &Command::CopyBuffer { len: 4096 });
     assert_eq!(fds_of(&f), 1);
-    let f = encode_command(1, &Command::Pause);
+    let f = encode_command(1, &Command::Shutdown);
     assert_eq!(fds_of(&f), 0);
 }
 
@@ -112,12 +122,18 @@ fn every_reply_round_trips() {
         Reply::Ok,
         Reply::Hello {
             vram_bytes: 80 * GIB,
-            aperture_len: 256 << 20,
+            max_channels: 256,
+            max_contexts: 64,
+            compute_engines: 1,
+            control_pages_len: 256 * 4096,
+            counters_len: crate::counters::page_len(256),
         },
         Reply::Vram {
             offset: 4 << 20,
             len: 2 << 20,
         },
+        Reply::Bytes { n: 12345 },
+        Reply::Channel { slot: 17 },
         Reply::Error {
             code: ErrorCode::NoMemory,
         },
@@ -125,6 +141,65 @@ fn every_reply_round_trips() {
     for (seq, r) in replies.into_iter().enumerate() {
         let f = encode_reply(seq as u32, &r);
         assert_eq!(decode_reply(&f, fds_of(&f)), Ok((seq as u32, r)), "{r:?}");
+    }
+    // The Hello reply brings the control pages and the counters page.
+    assert_eq!(fds_of(&encode_reply(0, &replies[1])), 2);
+}
+
+#[test]
+fn every_event_round_trips_and_a_fault_names_an_error() {
+    let events = [
+        Event::Notify { ch: 4, token: 99 },
+        Event::Error {
+            ch: 4,
+            code: ErrorCode::MmuFault,
+            info: 0xdead_beef,
+        },
+    ];
+    for (seq, e) in events.into_iter().enumerate() {
+        let f = encode_event(seq as u32, &e);
+        assert_eq!(decode_event(&f, 0), Ok((seq as u32, e)), "{e:?}");
+        assert!(matches!(decode_event(&f, 1), Err(WireError::Fds { .. })));
+    }
+    let f = encode_event(
+        1,
+        &Event::Error {
+            ch: 1,
+            code: ErrorCode::Ok,
+            info: 0,
+        },
+    );
+    assert_eq!(decode_event(&f, 0), Err(WireError::Field("code")));
+    // A command is not an event.
+    let c = encode_command(1, &Command::Shutdown);
+    assert!(matches!(decode_event(&c, 0), Err(WireError::Kind(_))));
+}
+
+#[test]
+fn a_hello_whose_pages_do_not_fit_its_slots_is_refused() {
+    let lie = |max_channels, control_pages_len, counters_len| Reply::Hello {
+        vram_bytes: GIB,
+        max_channels,
+        max_contexts: 1,
+        compute_engines: 1,
+        control_pages_len,
+        counters_len,
+    };
+    for r in [
+        lie(256, 4096, crate::counters::page_len(256)),
+        lie(256, 256 * 4096, 4096 * 64),
+        lie(0, 4096, 4096),
+        lie(
+            1 << 20,
+            (1 << 20) * 4096,
+            crate::counters::page_len(1 << 20),
+        ),
+    ] {
+        let f = encode_reply(1, &r);
+        assert!(
+            matches!(decode_reply(&f, 2), Err(WireError::Field(_))),
+            "accepted {r:?}"
+        );
     }
 }
 
@@ -163,7 +238,7 @@ fn frames_that_lie_are_refused() {
         decode_command(&good, 1),
         Err(WireError::Fds { .. })
     ));
-    let f = encode_command(1, &Command::SwapStore { len: GIB });
+    let f = encode_command(1, &Command::CopyBuffer { len: GIB });
     assert!(matches!(decode_command(&f, 0), Err(WireError::Fds { .. })));
     // An unknown kind, and a reply decoded as a command.
     let mut f = good.clone();
@@ -176,14 +251,20 @@ fn frames_that_lie_are_refused() {
 #[test]
 fn fields_out_of_range_are_refused() {
     let bad = [
-        Command::ControlPages { len: 0 },
-        Command::ControlPages { len: 4097 },
+        Command::CopyBuffer { len: 0 },
+        Command::CopyBuffer { len: 4097 },
         Command::AddGuestRegion {
             gpa: !4095,
             len: 8192,
             fd_offset: 0,
         },
-        Command::SwapStore { len: 2 << 40 },
+        Command::CopyBuffer { len: 2 << 40 },
+        Command::SysramHint {
+            ctx: 0,
+            addr: 4095,
+            len: 4096,
+            prepare: false,
+        },
         Command::AllocVram {
             size: 4096,
             align: 3 << 12,
@@ -223,7 +304,6 @@ fn fields_out_of_range_are_refused() {
         Command::CreateChannel {
             ctx: 0,
             ch: 0,
-            slot: 0,
             gp_ring_va: 0x1000,
             gp_entries: 100,
             resume: None,
@@ -231,15 +311,20 @@ fn fields_out_of_range_are_refused() {
         Command::CreateChannel {
             ctx: 0,
             ch: 0,
-            slot: 0,
             gp_ring_va: 0x1008,
             gp_entries: 256,
             resume: None,
         },
-        Command::MoveChunk {
+        Command::Copy {
             vram_offset: 0,
-            store_offset: (1 << 40) - 4096,
+            buf_offset: (1 << 40) - 4096,
             len: 8192,
+            to_vram: true,
+        },
+        Command::Copy {
+            vram_offset: 0,
+            buf_offset: 0,
+            len: 0,
             to_vram: true,
         },
     ];
@@ -262,9 +347,9 @@ fn fields_out_of_range_are_refused() {
     assert_eq!(decode_command(&f, 0), Err(WireError::Field("code")));
     let mut f = encode_command(
         1,
-        &Command::MoveChunk {
+        &Command::Copy {
             vram_offset: 0,
-            store_offset: 0,
+            buf_offset: 0,
             len: 4096,
             to_vram: true,
         },
@@ -283,7 +368,10 @@ proptest! {
             prop_assert_eq!(encode_command(seq, &c), bytes.clone());
         }
         if let Ok((seq, r)) = decode_reply(&bytes, fds) {
-            prop_assert_eq!(encode_reply(seq, &r), bytes);
+            prop_assert_eq!(encode_reply(seq, &r), bytes.clone());
+        }
+        if let Ok((seq, e)) = decode_event(&bytes, fds) {
+            prop_assert_eq!(encode_event(seq, &e), bytes);
         }
     }
 

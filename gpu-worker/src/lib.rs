@@ -1,0 +1,20 @@
+//! `vgpu-gpu-worker`: one VM's GPU in a process of its own (issue 30,
+//! `docs/design/gpu-workers.md`).
+//!
+//! Two CUDA contexts of one process share one GPU address space, and one fault in either
+//! kills both; two processes are isolated. So each VM's GPU work runs in a worker
+//! process: [`server::serve`] is the worker's side (it serves any [`vgpu_host_shim::Gpu`]:
+//! the `cuda` GPU, its CPU fake in CI, or the sim), [`client::WorkerGpu`] the backend's
+//! (a `Gpu` whose calls are commands on the worker's socket). The messages are
+//! `vgpu-worker-wire`'s; the transport is [`socket`] (frames and fds over a
+//! `SOCK_SEQPACKET` pair).
+
+pub mod client;
+mod guest_ram;
+mod mapping;
+pub mod server;
+pub mod socket;
+
+pub use client::spawn::{WorkerProgram, COMMAND_FD, EVENT_FD};
+pub use client::{StartError, WorkerGpu, WorkerOptions};
+pub use server::{serve, ServeError, ServeOptions};

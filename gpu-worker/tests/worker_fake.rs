@@ -1,0 +1,209 @@
+//! The worker boundary without a GPU: `vgpu-gpu-worker --gpu cuda-fake` (the whole `cuda`
+//! GPU on the CPU fake device) in a process of its own, driven through [`WorkerGpu`] by
+//! the same cases the in-process `cuda` GPU passes (host-shim's `cuda_cases`), plus what
+//! only a process boundary has: a killed worker, a lying worker, reaping.
+
+#[path = "../../host-shim/tests/common/mod.rs"]
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::cuda_cases::*;
+use common::kernels::T;
+use common::*;
+use vgpu_gpu_worker::{WorkerGpu, WorkerOptions, WorkerProgram};
+use vgpu_host_shim::*;
+use vgpu_protocol::{ErrorCode, KernelArgs};
+
+fn program(gpu: &str) -> WorkerProgram {
+    WorkerProgram {
+        program: env!("CARGO_BIN_EXE_vgpu-gpu-worker").into(),
+        args: ["--gpu", gpu, "--vram-mib", "64", "--max-channels", "64"]
+            .map(String::from)
+            .to_vec(),
+    }
+}
+
+fn worker_of(gpu: &str) -> Arc<WorkerGpu> {
+    WorkerGpu::start(&program(gpu), &WorkerOptions::default()).unwrap()
+}
+
+fn worker() -> Arc<WorkerGpu> {
+    worker_of("cuda-fake")
+}
+
+#[test]
+fn worker_every_kernel_on_system_memory() {
+    every_kernel_on_system_memory(&worker());
+}
+
+#[test]
+fn worker_every_kernel_on_vram() {
+    every_kernel_on_vram(&worker());
+}
+
+#[test]
+fn worker_host_copies_and_kernels_agree_on_vram() {
+    host_copies_and_kernels_agree_on_vram(&worker());
+}
+
+#[test]
+fn worker_batched_host_copies_move_many_chunks_exactly() {
+    batched_host_copies_move_many_chunks_exactly(&worker());
+}
+
+#[test]
+fn worker_hostile_pointers_fault_and_change_nothing() {
+    hostile_pointers_fault_and_change_nothing(&worker());
+}
+
+#[test]
+fn worker_semaphores_order_channels() {
+    semaphores_order_channels(&worker());
+}
+
+#[test]
+fn worker_resumed_channel_continues_at_its_saved_position() {
+    resumed_channel_continues_at_its_saved_position(&worker());
+}
+
+#[test]
+fn worker_fence_signals_before_its_batch_ends() {
+    fence_signals_before_its_batch_ends(&worker());
+}
+
+#[test]
+fn a_sim_in_a_worker_runs_the_same_kernels() {
+    every_kernel_on_system_memory(&worker_of("sim"));
+}
+
+/// Counters come through the shared page within a publication period: a channel's 20
+/// kernels show up, then its context's end takes the channel with it.
+#[test]
+fn worker_counters_arrive_and_teardown_takes_the_channels() {
+    let g = worker();
+    let p = Proc::new(&g, SYS_BASE);
+    let mut ch = p.channel(0);
+    for _ in 0..20 {
+        let m = ch.launch(&spin(200_000));
+        ch.submit(&[m]);
+    }
+    ch.wait_idle(T).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let c = loop {
+        let c = g.channel_counters(ch.id).unwrap();
+        if c.gp_completed == 20 || Instant::now() > deadline {
+            break c;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    assert_eq!((c.kernels, c.gp_completed), (20, 20));
+    assert!(c.busy_ns >= 20 * 200_000, "busy {} ns", c.busy_ns);
+    g.destroy_context(p.ctx).unwrap();
+    assert!(g.channel_counters(ch.id).is_err());
+    assert_eq!(g.channel_error(ch.id), Err(HalError::NoChannel(ch.id)));
+}
+
+fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn process_exists(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// A worker killed mid-work (what a GPU fault does to its process) loses its own GPU
+/// only: its channel gets a `DeviceLost` error event, its calls fail at once with
+/// `DeviceLost`, and another worker's channel goes on with verified work.
+#[test]
+fn a_killed_worker_loses_its_gpu_and_no_other() {
+    let (a, b) = (worker(), worker());
+    let (pa, pb) = (Proc::new(&a, SYS_BASE), Proc::new(&b, SYS_BASE));
+    let (mut ca, mut cb) = (pa.channel(0), pb.channel(0));
+    let m = ca.launch(&spin(50_000_000));
+    ca.submit(&[m]);
+    a.kill();
+    wait_for("a's DeviceLost event", || {
+        ca.events.0.lock().unwrap().iter().any(|e| {
+            matches!(e, GpuEvent::Error { channel, code: ErrorCode::DeviceLost, .. } if *channel == ca.id)
+        })
+    });
+    assert!(a.is_lost());
+    let t = Instant::now();
+    assert!(matches!(
+        a.alloc_vram(4096, 4096),
+        Err(HalError::DeviceLost(_))
+    ));
+    assert!(matches!(
+        a.create_context(pa.sys.clone()),
+        Err(HalError::DeviceLost(_))
+    ));
+    assert!(
+        t.elapsed() < Duration::from_millis(100),
+        "a lost GPU answers at once"
+    );
+    assert_eq!(a.channel_error(ca.id), Ok(Some((ErrorCode::DeviceLost, 0))));
+    // b: a saxpy round, verified.
+    let x: Vec<f32> = (0..4096).map(|i| i as f32).collect();
+    let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+    pb.poke(DATA_OFF, &bytes);
+    let m = cb.launch(&KernelArgs::Saxpy {
+        x: SYS_VA + DATA_OFF,
+        y: SYS_VA + DATA_OFF,
+        n: 4096,
+        a: 1.0,
+    });
+    cb.submit(&[m]);
+    cb.wait_idle(T).unwrap();
+    let out = pb.peek(DATA_OFF, bytes.len());
+    let got: Vec<f32> = out
+        .chunks(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert!(got.iter().zip(&x).all(|(g, x)| *g == 2.0 * x));
+    assert!(cb.events.0.lock().unwrap().is_empty(), "b saw no error");
+    let pid = a.pid();
+    drop((ca, pa, a));
+    assert!(!process_exists(pid), "the killed worker was reaped");
+}
+
+/// A program that is not a worker, or one that answers with garbage, is refused at
+/// start, and its process does not outlive the refusal.
+#[test]
+fn a_program_that_is_no_worker_is_refused_and_reaped() {
+    let no = WorkerProgram {
+        program: "/bin/true".into(),
+        args: vec![],
+    };
+    assert!(WorkerGpu::start(&no, &WorkerOptions::default()).is_err());
+    let liar = WorkerProgram {
+        program: "/bin/sh".into(),
+        args: vec![
+            "-c".into(),
+            "printf 'VGWK garbage' >&3; exec sleep 30".into(),
+        ],
+    };
+    let t = Instant::now();
+    let e = WorkerGpu::start(&liar, &WorkerOptions::default());
+    assert!(e.is_err(), "a garbage greeting is refused");
+    assert!(t.elapsed() < Duration::from_secs(5), "and not waited out");
+    let silent = WorkerProgram {
+        program: "/bin/sh".into(),
+        args: vec!["-c".into(), "exec sleep 30".into()],
+    };
+    let opts = WorkerOptions {
+        call_timeout: Duration::from_millis(300),
+        ..WorkerOptions::default()
+    };
+    let t = Instant::now();
+    assert!(
+        WorkerGpu::start(&silent, &opts).is_err(),
+        "a silent one times out"
+    );
+    assert!(t.elapsed() < Duration::from_secs(5));
+}
