@@ -9,12 +9,15 @@
 //! `vgpu-worker-wire`'s; the transport is [`socket`] (frames and fds over a
 //! `SOCK_SEQPACKET` pair).
 
+pub mod cli;
 pub mod client;
 mod guest_ram;
 mod mapping;
+pub mod pool;
 pub mod server;
 pub mod socket;
 
 pub use client::spawn::{WorkerProgram, COMMAND_FD, EVENT_FD};
-pub use client::{StartError, WorkerGpu, WorkerOptions};
+pub use client::{Ids, StartError, WorkerGpu, WorkerOptions};
+pub use pool::{PoolConfig, PoolStats, VmWorker, WorkerPool};
 pub use server::{serve, ServeError, ServeOptions};

@@ -19,7 +19,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vgpu_backend::{VgpuBackend, VmLimits};
+use vgpu_backend::{VgpuBackend, VmGpuSource, VmLimits};
+use vgpu_gpu_worker::{VmWorker, WorkerPool};
 use vgpu_host_shim::cuda::{CudaConfig, CudaGpu};
 use vgpu_host_shim::{Gpu, GpuChoice, SimConfig, SimGpu};
 use vgpu_loopback::{LoopbackConfig, LoopbackError, LoopbackVm};
@@ -112,7 +113,11 @@ pub struct Host<G: Gpu + ?Sized = SimGpu> {
     pub backend: Arc<VgpuBackend>,
     pub dir: PathBuf,
     vm_mem: u64,
+    /// Each VM's GPU worker, on a host with a worker per VM.
+    workers: WorkerMap,
 }
+
+type WorkerMap = Arc<std::sync::Mutex<std::collections::HashMap<String, Arc<VmWorker>>>>;
 
 impl Host {
     /// A sim GPU with `vram_bytes` of VRAM (the rest default), a backend with `limits`
@@ -139,14 +144,49 @@ impl Host<dyn Gpu> {
     }
 }
 
+impl Host<WorkerPool> {
+    /// As [`Host::new`], with a GPU worker process per VM from `pool` (each VM's
+    /// [`VmWorker`] is kept in [`Host::workers`]).
+    pub fn on_workers(tag: &str, pool: Arc<WorkerPool>, limits: VmLimits, vms: &[&str]) -> Self {
+        let workers: WorkerMap = Arc::default();
+        let (p, w) = (pool.clone(), workers.clone());
+        let source: VmGpuSource = Arc::new(move |name: &str, l: &VmLimits| -> Arc<dyn Gpu> {
+            let g = p.vm_gpu(name, l.vram_bytes);
+            w.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(name.to_string(), g.clone());
+            g
+        });
+        let backend = VgpuBackend::with_vm_gpus(pool.clone(), source, limits);
+        let mut host = Host::start(tag, pool, backend, vms);
+        host.workers = workers;
+        host
+    }
+
+    /// VM `vm`'s GPU worker.
+    pub fn worker(&self, vm: &str) -> Arc<VmWorker> {
+        self.workers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(vm)
+            .cloned()
+            .unwrap_or_else(|| panic!("no worker for VM {vm}"))
+    }
+}
+
 impl<G: Gpu + ?Sized> Host<G> {
     fn build(tag: &str, gpu: Arc<G>, hal: Arc<dyn Gpu>, limits: VmLimits, vms: &[&str]) -> Self {
         let backend = VgpuBackend::new(hal, limits);
+        Host::start(tag, gpu, backend, vms)
+    }
+
+    fn start(tag: &str, gpu: Arc<G>, backend: Arc<VgpuBackend>, vms: &[&str]) -> Self {
         let host = Host {
             gpu,
             backend,
             dir: temp_dir(tag),
             vm_mem: DEFAULT_VM_MEM,
+            workers: Arc::default(),
         };
         for vm in vms {
             host.serve(vm);

@@ -7,7 +7,9 @@
 //! replaces the table later (a context created before a memory hot-plug does not see the new
 //! region; it may re-create itself).
 
-use vgpu_host_shim::{HostRange, SysMemory};
+use std::os::fd::AsRawFd;
+
+use vgpu_host_shim::{HostRange, SysMemory, SysRegion};
 use vm_memory::{
     GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, MemoryRegionAddress,
 };
@@ -68,6 +70,24 @@ impl SysMemory for GuestSysMemory {
         let n = usize::try_from(len.min(avail)).ok()?;
         let ptr = region.get_host_address(MemoryRegionAddress(offset)).ok()?;
         Some(HostRange { ptr, len: n })
+    }
+
+    /// Every region of the table as its file (a GPU worker maps them itself); none if a
+    /// region has no file behind it.
+    fn regions(&self) -> Vec<SysRegion> {
+        let mut out = Vec::new();
+        for r in self.mem.iter() {
+            let Some(fo) = r.file_offset() else {
+                return Vec::new();
+            };
+            out.push(SysRegion {
+                addr: r.start_addr().0,
+                len: r.len(),
+                fd: fo.file().as_raw_fd(),
+                fd_offset: fo.start(),
+            });
+        }
+        out
     }
 }
 

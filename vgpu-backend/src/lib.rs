@@ -109,9 +109,16 @@ use crate::shmem::NullShm as Gone;
 use crate::vhu_vgpu::{VhuVgpu, EVENT_FD_TOKEN};
 pub(crate) use crate::vm::VmState;
 
+/// Gives a VM its own GPU (a worker process of its own, `vgpu-gpu-worker`'s
+/// `WorkerPool::vm_gpu`), from its name and limits.
+pub type VmGpuSource = Arc<dyn Fn(&str, &VmLimits) -> Arc<dyn Gpu> + Send + Sync>;
+
 /// The backend: a GPU shared by the VMs it serves.
 pub struct VgpuBackend {
+    /// The GPU as a whole: its totals, and channel calls by id (the scheduler's).
     gpu: Arc<dyn Gpu>,
+    /// Each VM's own GPU, where VMs do not share `gpu`'s objects (a worker per VM).
+    vm_gpus: Option<VmGpuSource>,
     defaults: VmLimits,
     vms: Mutex<BTreeMap<String, Arc<VmState>>>,
     /// Moves whenever `vms` changes (the scheduler keeps its own list until it does).
@@ -136,10 +143,21 @@ fn valid_name(name: &str) -> bool {
 impl VgpuBackend {
     /// A backend for `gpu`; VMs get `defaults` as their limits unless told otherwise.
     pub fn new(gpu: Arc<dyn Gpu>, defaults: VmLimits) -> Arc<Self> {
+        Self::build(gpu, None, defaults)
+    }
+
+    /// A backend whose VMs each get their own GPU from `vm_gpus` (a worker process per
+    /// VM); `gpu` is the whole GPU's view: totals, and channel calls routed by id.
+    pub fn with_vm_gpus(gpu: Arc<dyn Gpu>, vm_gpus: VmGpuSource, defaults: VmLimits) -> Arc<Self> {
+        Self::build(gpu, Some(vm_gpus), defaults)
+    }
+
+    fn build(gpu: Arc<dyn Gpu>, vm_gpus: Option<VmGpuSource>, defaults: VmLimits) -> Arc<Self> {
         let capacity = capacity::Capacity::new(capacity::gpu_totals(gpu.as_ref()));
         Arc::new(VgpuBackend {
             capacity,
             gpu,
+            vm_gpus,
             defaults,
             vms: Mutex::new(BTreeMap::new()),
             vms_gen: AtomicU64::new(0),
@@ -234,11 +252,15 @@ impl VgpuBackend {
             source: std::io::Error::other(e.to_string()),
         })?;
         let events = Arc::new(EventQueue::new(EVENT_FIFO_CAPACITY).map_err(BackendError::EventFd)?);
+        let vm_gpu = match &self.vm_gpus {
+            Some(source) => source(name, &limits),
+            None => self.gpu.clone(),
+        };
         let vm = Arc::new(VmState::new(
             name,
             socket.to_path_buf(),
             limits,
-            self.gpu.clone(),
+            vm_gpu,
             events,
             share,
         ));

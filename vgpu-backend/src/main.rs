@@ -91,6 +91,11 @@ struct Cli {
     /// file's `sandbox.seccomp`, else kill].
     #[arg(long, value_name = "kill|log|off")]
     seccomp: Option<vgpu_sandbox::Mode>,
+    /// With `--gpu cuda`: run each VM's GPU work in a worker process of its own (its own
+    /// CUDA context and fault domain, `vgpu-backend worker`), not in the backend's one
+    /// context. Needs `--seccomp off` for now: the sandbox forbids starting processes.
+    #[arg(long)]
+    gpu_workers: bool,
     #[command(flatten)]
     sched: SchedArgs,
 }
@@ -241,7 +246,27 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
         return Err("no VM to serve: give --vm NAME or [[vm]] in the config file".into());
     }
     let set = block_signals().map_err(|e| format!("blocking signals: {e}"))?;
+    if cli.gpu_workers {
+        if !matches!(cfg.gpu.model, GpuChoice::Cuda { .. }) {
+            return Err("--gpu-workers is for --gpu cuda".into());
+        }
+        if cfg.seccomp != Mode::Off {
+            return Err(
+                "--gpu-workers needs --seccomp off: the sandbox forbids starting processes".into(),
+            );
+        }
+    }
     confine_process(cfg.seccomp, cfg.gpu.model)?;
+    if cli.gpu_workers {
+        let pool = worker_pool(&cfg.gpu)?;
+        let p = pool.clone();
+        let vm_gpus: vgpu_backend::VmGpuSource =
+            Arc::new(move |name: &str, limits: &VmLimits| -> Arc<dyn Gpu> {
+                p.vm_gpu(name, limits.vram_bytes)
+            });
+        let backend = VgpuBackend::with_vm_gpus(pool, vm_gpus, VmLimits::default());
+        return serve(backend, &cfg, set);
+    }
     let gpu: Arc<dyn Gpu> = match cfg.gpu.model {
         GpuChoice::Sim => SimGpu::new(SimConfig {
             vram_bytes: cfg.gpu.vram_bytes,
@@ -263,8 +288,44 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
         )
         .map_err(|e| format!("cuda GPU {index}: {e}"))?,
     };
-    let info = gpu.info();
-    let backend = VgpuBackend::new(gpu, VmLimits::default());
+    serve(VgpuBackend::new(gpu, VmLimits::default()), &cfg, set)
+}
+
+/// The workers of `--gpu-workers`: this program run as `vgpu-backend worker`, one per VM.
+fn worker_pool(
+    g: &vgpu_backend::config::GpuConfig,
+) -> Result<Arc<vgpu_gpu_worker::WorkerPool>, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("this program's path: {e}"))?;
+    let cfg = vgpu_gpu_worker::PoolConfig {
+        program: vgpu_gpu_worker::WorkerProgram {
+            program: exe,
+            args: vec!["worker".into(), "--gpu".into(), g.model.to_string()],
+        },
+        gpu: vgpu_host_shim::GpuInfo {
+            name: g.model.to_string(),
+            vram_bytes: g.vram_bytes,
+            compute_engines: 1,
+            max_channels: g.max_channels,
+            max_contexts: g.max_contexts,
+            has_busy_counters: true,
+        },
+        per_worker: (g.max_channels, g.max_contexts),
+        opts: vgpu_gpu_worker::WorkerOptions::default(),
+    };
+    info!(
+        "GPU workers: one per VM ({})",
+        cfg.program.program.display()
+    );
+    Ok(vgpu_gpu_worker::WorkerPool::new(cfg))
+}
+
+/// Serves the configured VMs on `backend` until SIGINT or SIGTERM.
+fn serve(
+    backend: Arc<VgpuBackend>,
+    cfg: &vgpu_backend::config::Config,
+    set: libc::sigset_t,
+) -> Result<(), String> {
+    let info = backend.gpu().info();
     for vm in &cfg.vms {
         if let Some(dir) = vm.socket.parent() {
             std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
@@ -310,6 +371,11 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
+    // `vgpu-backend worker ...`: one VM's GPU worker, started by a backend.
+    if std::env::args().nth(1).as_deref() == Some("worker") {
+        let args = std::env::args().enumerate().filter(|(i, _)| *i != 1);
+        return vgpu_gpu_worker::cli::main_with(args.map(|(_, a)| a));
+    }
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let matches = Cli::command().get_matches();
     let cli = match Cli::from_arg_matches(&matches) {

@@ -37,11 +37,31 @@ use self::spawn::{start, WorkerProgram};
 use crate::mapping::{file_len, memfd, Mapping};
 use crate::socket;
 
+/// Context and channel ids, unique across every worker that draws from one (the
+/// backend's books key channels by id, and a restarted worker must not reuse its
+/// predecessor's).
+#[derive(Debug, Default)]
+pub struct Ids {
+    ctx: AtomicU32,
+    ch: AtomicU32,
+}
+
+impl Ids {
+    fn next_ctx(&self) -> u32 {
+        self.ctx.fetch_add(1, Ordering::Relaxed).wrapping_add(1)
+    }
+    fn next_ch(&self) -> u32 {
+        self.ch.fetch_add(1, Ordering::Relaxed).wrapping_add(1)
+    }
+}
+
 /// How the backend talks to a worker.
 #[derive(Debug, Clone)]
 pub struct WorkerOptions {
-    /// The worker's number (logs; later the high bits of its ids).
+    /// The worker's number (logs).
     pub worker: u32,
+    /// Where its ids come from.
+    pub ids: Arc<Ids>,
     /// A call not answered in this long loses the GPU (longer than any drain the GPU
     /// does: the cuda GPU waits up to 10 s for a context's work).
     pub call_timeout: Duration,
@@ -53,6 +73,7 @@ impl Default for WorkerOptions {
     fn default() -> Self {
         WorkerOptions {
             worker: 0,
+            ids: Arc::default(),
             call_timeout: Duration::from_secs(30),
             copy_buffer: 8 << 20,
         }
@@ -244,8 +265,7 @@ pub struct WorkerGpu {
     _copy_fd: OwnedFd,
     /// Guest RAM regions the worker has (address, length).
     regions: Mutex<Vec<(u64, u64)>>,
-    next_ctx: AtomicU32,
-    next_ch: AtomicU32,
+    ids: Arc<Ids>,
     event_thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -311,8 +331,7 @@ impl WorkerGpu {
             copy: Mutex::new(copy),
             _copy_fd: copy_fd,
             regions: Mutex::new(Vec::new()),
-            next_ctx: AtomicU32::new(1),
-            next_ch: AtomicU32::new(1),
+            ids: opts.ids.clone(),
             event_thread: Mutex::new(Some(event_thread)),
         }))
     }
@@ -411,7 +430,7 @@ impl WorkerGpu {
         resume: Option<Resume>,
     ) -> Result<ChannelId> {
         cfg.check()?;
-        let ch = self.next_ch.fetch_add(1, Ordering::Relaxed);
+        let ch = self.ids.next_ch();
         let c = Command::CreateChannel {
             ctx: ctx.0,
             ch,
@@ -544,7 +563,7 @@ impl Gpu for WorkerGpu {
 
     fn create_context(&self, sysmem: Arc<dyn SysMemory>) -> Result<ContextId> {
         self.send_regions(sysmem.as_ref())?;
-        let ctx = self.next_ctx.fetch_add(1, Ordering::Relaxed);
+        let ctx = self.ids.next_ctx();
         self.inner.call_ok(&Command::CreateContext { ctx })?;
         Ok(ContextId(ctx))
     }

@@ -16,7 +16,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::sync::Arc;
 
-use vgpu_host_shim::{HostRange, SysMemory};
+use vgpu_host_shim::{HostRange, SysMemory, SysRegion};
 
 use crate::guest_mem::GuestSysMemory;
 
@@ -225,6 +225,19 @@ impl VmSysMemory {
 }
 
 impl SysMemory for VmSysMemory {
+    fn regions(&self) -> Vec<SysRegion> {
+        let mut r = self.guest.regions();
+        if !r.is_empty() {
+            r.push(SysRegion {
+                addr: SWAP_BASE,
+                len: self.swap.capacity(),
+                fd: self.swap.file.as_raw_fd(),
+                fd_offset: 0,
+            });
+        }
+        r
+    }
+
     fn translate(&self, addr: u64, len: u64) -> Option<HostRange> {
         if addr < SWAP_BASE {
             return self.guest.translate(addr, len);

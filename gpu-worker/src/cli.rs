@@ -1,0 +1,110 @@
+//! A worker's command line and `main`: `vgpu-gpu-worker` and `vgpu-backend worker` both
+//! run it. Started by the backend with its command socket as fd 3 and its event socket as
+//! fd 4; not meant to be run by hand.
+
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use log::error;
+
+use crate::{serve, ServeOptions, COMMAND_FD, EVENT_FD};
+use vgpu_host_shim::cuda::{CudaConfig, CudaGpu, FakeCudaGpu, FakeDevice};
+use vgpu_host_shim::{Gpu, SimConfig, SimGpu};
+
+#[derive(Debug, Parser)]
+#[command(name = "vgpu-gpu-worker", version, about)]
+struct Cli {
+    /// The GPU: `cuda[:INDEX]`, `cuda-fake` (the CPU stand-in for the CUDA device, for
+    /// tests without a GPU) or `sim`.
+    #[arg(long, default_value = "cuda")]
+    gpu: String,
+    /// VRAM of this worker's GPU, MiB.
+    #[arg(long, default_value_t = 1024)]
+    vram_mib: u64,
+    /// Channels of this worker's GPU.
+    #[arg(long, default_value_t = 256)]
+    max_channels: u32,
+    /// Contexts of this worker's GPU.
+    #[arg(long, default_value_t = 256)]
+    max_contexts: u32,
+    /// How often channels' counters are published, microseconds.
+    #[arg(long, default_value_t = 1000,
+          value_parser = clap::value_parser!(u64).range(100..=100_000))]
+    publish_us: u64,
+}
+
+fn open(cli: &Cli) -> Result<Arc<dyn Gpu>, String> {
+    let cfg = CudaConfig {
+        vram_bytes: cli.vram_mib << 20,
+        max_channels: cli.max_channels,
+        max_contexts: cli.max_contexts,
+        ..CudaConfig::default()
+    };
+    let gpu: Arc<dyn Gpu> = match cli.gpu.as_str() {
+        "sim" => SimGpu::new(SimConfig {
+            vram_bytes: cli.vram_mib << 20,
+            max_channels: cli.max_channels,
+            max_contexts: cli.max_contexts,
+            ..SimConfig::default()
+        })
+        .map_err(|e| format!("sim GPU: {e}"))?,
+        "cuda-fake" => FakeCudaGpu::with_device(Arc::new(FakeDevice::default()), cfg)
+            .map_err(|e| format!("fake cuda GPU: {e}"))?,
+        other => {
+            let index = match other.strip_prefix("cuda") {
+                Some("") => 0,
+                Some(rest) => rest
+                    .strip_prefix(':')
+                    .and_then(|i| i.parse().ok())
+                    .ok_or_else(|| {
+                        format!("--gpu {other:?}: expected cuda[:INDEX], cuda-fake or sim")
+                    })?,
+                None => {
+                    return Err(format!(
+                        "--gpu {other:?}: expected cuda[:INDEX], cuda-fake or sim"
+                    ))
+                }
+            };
+            CudaGpu::open(index, cfg).map_err(|e| format!("cuda GPU {index}: {e}"))?
+        }
+    };
+    Ok(gpu)
+}
+
+/// Runs a worker with the command line `args` (the first is the program's name).
+pub fn main_with(args: impl IntoIterator<Item = String>) -> ExitCode {
+    let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
+        .try_init();
+    let cli = match Cli::try_parse_from(args) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
+    let gpu = match open(&cli) {
+        Ok(g) => g,
+        Err(e) => {
+            error!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    // SAFETY: the backend started this process with its sockets as fds 3 and 4 (see
+    // `crate::client::spawn`); nothing else in it owns them.
+    let (cmd, events) = unsafe {
+        (
+            OwnedFd::from_raw_fd(COMMAND_FD),
+            OwnedFd::from_raw_fd(EVENT_FD),
+        )
+    };
+    let opts = ServeOptions {
+        publish_every: Duration::from_micros(cli.publish_us),
+    };
+    match serve(gpu, cmd, events, opts) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}
