@@ -84,7 +84,7 @@ fn connect(host: &Host<WorkerPool>, vm: &str, pid: u32) -> (Arc<LoopbackVm>, Dev
 fn a_killed_worker_fails_its_vm_only_and_the_vm_comes_back_on_a_new_one() {
     let host = host("workers-kill", &["a", "b"]);
     let (lb_a, dev_a) = connect(&host, "a", 10);
-    let (_lb_b, dev_b) = connect(&host, "b", 20);
+    let (lb_b, dev_b) = connect(&host, "b", 20);
     let ctx_a = dev_a.create_context().unwrap();
     let ctx_b = dev_b.create_context().unwrap();
     assert_eq!(saxpy_round(&ctx_a, 1 << 16, 1), Ok(true));
@@ -145,4 +145,15 @@ fn a_killed_worker_fails_its_vm_only_and_the_vm_comes_back_on_a_new_one() {
     );
     let st = host.gpu.stats();
     assert_eq!((st.started, st.lost, st.running), (3, 1, 2));
+
+    // A disconnect ends the VM's request threads, not its worker: b reconnects to the
+    // same worker (its parent-death signal follows the launcher thread).
+    drop(dev_b);
+    lb_b.disconnect();
+    std::thread::sleep(Duration::from_millis(300));
+    let (_lb_b, dev_b) = connect(&host, "b", 21);
+    let ctx_b = dev_b.create_context().unwrap();
+    assert_eq!(saxpy_round(&ctx_b, 1 << 16, 4), Ok(true));
+    assert_eq!(wb.pid(), Some(pid_b), "b still on its first worker");
+    assert_eq!(host.gpu.stats().started, 3);
 }

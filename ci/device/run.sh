@@ -25,6 +25,10 @@
 #                     what it would have killed) and kill mode, driven through vgpuctl
 #   quiet-sched CPU   vgpu-bench scale --vms 64 and sched --only mixed,hostile three times
 #                     each, vgpu-demo five times (RUNS scales all three counts)
+#   workers     GPU   a GPU worker process per VM (issue 30): the cuda cases through a
+#                     worker, two workers time-slicing against one, CYCLES (default 100)
+#                     killed workers beside three verified ones, vgpu-smoke through
+#                     vgpu-backend --gpu-workers
 #   fuzz        CPU   every cargo-fuzz target at once in libFuzzer's fork mode for SECS
 #                     seconds (default 560); WORKERS="virtqueue=3 session=3 ..." picks the
 #                     targets and worker counts (default: 2 workers each)
@@ -36,11 +40,11 @@ ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
 die() { echo "device/run: $*" >&2; exit 1; }
 
-ALL_SUITES="gpu vram large cuda swap sandboxed mps seccomp quiet-sched fuzz"
+ALL_SUITES="gpu vram large cuda swap sandboxed mps seccomp quiet-sched workers fuzz"
 FUZZ_CRATES="protocol vgpu-backend"
 
 # What each suite needs from the build machine: "bin:CRATE:NAME[:FEATURES]",
-# "test:CRATE:NAME" and "fuzz".
+# "test:CRATE:NAME", "example:CRATE:NAME" and "fuzz".
 needs() {
     case "$1" in
         gpu) echo "test:vgpu-host-shim:cuda_gpu" ;;
@@ -51,6 +55,9 @@ needs() {
         mps) ;;
         seccomp) echo "bin:vgpu-backend:vgpu-backend bin:vgpu-backend:vgpuctl" ;;
         quiet-sched) echo "bin:vgpu-bench:vgpu-bench bin:vgpu-bench:vgpu-demo" ;;
+        workers) echo "test:vgpu-gpu-worker:worker_cuda bin:vgpu-gpu-worker:vgpu-gpu-worker" \
+                      "example:vgpu-gpu-worker:worker_faults example:vgpu-gpu-worker:worker_timeslice" \
+                      "bin:vgpu-backend:vgpu-backend bin:vgpu-guest-tools:vgpu-smoke:native,loopback" ;;
         fuzz) echo "fuzz" ;;
         *) die "unknown suite: $1 (one of: $ALL_SUITES)" ;;
     esac
@@ -76,6 +83,9 @@ pack() {
                     cargo build --release -p "$crate" --bin "$name" \
                         ${features:+--features "$features"} >&2
                     strip -o "$dir/$name" "$target_dir/release/$name" ;;
+                example)
+                    cargo build --release -p "$crate" --example "$name" >&2
+                    strip -o "$dir/$name" "$target_dir/release/examples/$name" ;;
                 test)
                     exe="$(test_binary "$crate" "$name")" || exe=""
                     [ -n "$exe" ] || die "cargo built no test binary $crate/$name"
@@ -158,6 +168,32 @@ suite_sandboxed() {
     grep FAIL "$O/smoke-a.txt" "$O/smoke-b.txt" | head
     kill -0 $p && echo "backend alive" || echo "backend DIED"
     kill -TERM $p; wait $p; echo "backend exit rc=$?"
+}
+
+suite_workers() {
+    export VGPU_GPU_WORKER="$B/vgpu-gpu-worker"
+    echo "-- the cuda cases through a worker"
+    VGPU_WORKER_GPU=cuda timeout 300 "$B/worker_cuda" --test-threads=1 2>&1 \
+        | tee "$O/worker_cuda.txt" | grep -E "^test |result"
+    echo "-- two workers time-slicing against one"
+    for _ in 1 2 3; do timeout 120 "$B/worker_timeslice" cuda 20000 2>&1 | grep -v INFO; done \
+        | tee "$O/worker_timeslice.txt"
+    echo "-- ${CYCLES:-100} killed workers beside three verified ones"
+    timeout 600 "$B/worker_faults" cuda "${CYCLES:-100}" 2>&1 | grep -v INFO \
+        | tee "$O/worker_faults.txt" | tail -6
+    echo "-- vgpu-smoke through vgpu-backend --gpu-workers"
+    local d="$WORK/workers" p s
+    mkdir -p "$d"
+    RUST_LOG=info "$B/vgpu-backend" --gpu cuda --gpu-workers --seccomp off --socket-dir "$d" \
+        --vm a --vm b > "$O/backend-workers.log" 2>&1 &
+    p=$!
+    for _ in $(seq 50); do [ -S "$d/b.sock" ] && break; sleep 0.2; done
+    for s in a a b; do
+        timeout 120 "$B/vgpu-smoke" --loopback "$d/$s.sock" --seed $RANDOM 2>&1 | grep -vE "PASS"
+    done | tee "$O/smoke-workers.txt"
+    ps -o pid,stat,cmd --ppid $p | tee -a "$O/smoke-workers.txt"
+    kill -TERM $p; wait $p; echo "backend exit rc=$?"
+    sleep 1; echo "workers left: $(pgrep -fc 'vgpu-backend worker' || true)"
 }
 
 suite_mps() {

@@ -53,6 +53,16 @@ impl GuestRam {
     }
 }
 
+impl GuestRam {
+    /// Forgets every region (only while no context, and so no GPU work, uses them).
+    pub fn clear(&self) {
+        self.regions
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+}
+
 impl SysMemory for GuestRam {
     fn translate(&self, addr: u64, len: u64) -> Option<HostRange> {
         if len == 0 {

@@ -207,6 +207,14 @@ impl Worker {
                 })?;
                 Reply::Ok
             }
+            Command::ClearGuestRegions => {
+                // A context's GPU work may reach the regions until the context is gone.
+                if !self.contexts.is_empty() {
+                    return Err(Refused(ErrorCode::Busy));
+                }
+                self.ram.clear();
+                Reply::Ok
+            }
             Command::CopyBuffer { len } => {
                 let fd = fds.pop().ok_or(Refused(ErrorCode::InvalidArgument))?;
                 if file_len(fd.as_fd()).map_or(true, |f| f < len) {

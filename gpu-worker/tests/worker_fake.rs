@@ -207,3 +207,39 @@ fn a_program_that_is_no_worker_is_refused_and_reaped() {
     );
     assert!(t.elapsed() < Duration::from_secs(5));
 }
+
+/// A worker started by a thread that then ends (a VM's request thread at disconnect)
+/// lives on: the parent-death signal is tied to the launcher thread, not the starter.
+#[test]
+fn a_worker_outlives_the_thread_that_started_it() {
+    let g = std::thread::spawn(worker).join().unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!g.is_lost(), "the worker died with its starter thread");
+    every_kernel_on_vram(&g);
+}
+
+/// A new memory table at the same guest addresses (a VM that reconnected) replaces the
+/// worker's regions once no context uses the old ones, and is refused while one does:
+/// the GPU never works on a previous connection's memory.
+#[test]
+fn a_new_memory_table_replaces_the_old_only_when_no_context_uses_it() {
+    let g = worker();
+    let old = Proc::new(&g, SYS_BASE);
+    let sys = Arc::new(TestSysMem::new(SYS_BASE, SYS_LEN));
+    assert!(
+        matches!(g.create_context(sys.clone()), Err(HalError::Unsupported(_))),
+        "a second table over a live context's"
+    );
+    g.destroy_context(old.ctx).unwrap();
+    let new = Proc::new(&g, SYS_BASE);
+    let mut ch = new.channel(0);
+    let m = ch.launch(&KernelArgs::Memset {
+        dst: SYS_VA + DATA_OFF,
+        len: 4096,
+        pattern: 0x5a5a_5a5a,
+    });
+    ch.submit(&[m]);
+    ch.wait_idle(T).unwrap();
+    assert_eq!(new.peek(DATA_OFF, 4096), vec![0x5a; 4096], "the new memory");
+    assert_eq!(old.peek(DATA_OFF, 4096), vec![0; 4096], "not the old one");
+}

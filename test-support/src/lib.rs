@@ -146,7 +146,7 @@ impl Host<dyn Gpu> {
 
 impl Host<WorkerPool> {
     /// As [`Host::new`], with a GPU worker process per VM from `pool` (each VM's
-    /// [`VmWorker`] is kept in [`Host::workers`]).
+    /// [`VmWorker`] is kept: [`Host::worker`]).
     pub fn on_workers(tag: &str, pool: Arc<WorkerPool>, limits: VmLimits, vms: &[&str]) -> Self {
         let workers: WorkerMap = Arc::default();
         let (p, w) = (pool.clone(), workers.clone());

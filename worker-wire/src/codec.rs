@@ -150,6 +150,7 @@ const KILL_CHANNEL: u16 = 18;
 const DOORBELL: u16 = 19;
 const COPY: u16 = 20;
 const SHUTDOWN: u16 = 21;
+const CLEAR_GUEST_REGIONS: u16 = 22;
 
 const REPLY_OK: u16 = 0x100;
 const REPLY_HELLO: u16 = 0x101;
@@ -285,6 +286,7 @@ pub fn encode_command(seq: u32, c: &Command) -> Vec<u8> {
             w.u64(gpa).u64(len).u64(fd_offset);
             ADD_GUEST_REGION
         }
+        Command::ClearGuestRegions => CLEAR_GUEST_REGIONS,
         Command::CopyBuffer { len } => {
             w.u64(len);
             COPY_BUFFER
@@ -496,6 +498,7 @@ pub fn decode_command(frame: &[u8], fds: u8) -> Result<(u32, Command), WireError
                 fd_offset,
             }
         }
+        CLEAR_GUEST_REGIONS => Command::ClearGuestRegions,
         COPY_BUFFER => Command::CopyBuffer {
             len: length(r.u64()?, "len")?,
         },

@@ -37,6 +37,9 @@ pub enum Command {
         len: u64,
         fd_offset: u64,
     },
+    /// Forgets every guest RAM region (a new memory table: the VM reconnected); refused
+    /// while a context lives.
+    ClearGuestRegions,
     /// The buffer host reads and writes of VRAM pass through: one fd (memfd), `len` bytes.
     CopyBuffer {
         len: u64,

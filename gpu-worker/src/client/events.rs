@@ -53,6 +53,8 @@ pub(super) fn run(inner: Arc<Inner>) {
     }
     warn!("GPU worker {}: lost ({why})", inner.worker);
     inner.lose(&why);
+    // No zombie waits for the handle's drop.
+    super::reap(&inner);
     for (ch, sink) in inner.take_sinks() {
         sink.event(GpuEvent::Error {
             channel: ChannelId(ch),

@@ -253,6 +253,44 @@ fn wire_target(t: MapTarget) -> Target {
     }
 }
 
+/// A guest RAM region as the worker has it: where, and which file range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RegionId {
+    addr: u64,
+    len: u64,
+    fd_offset: u64,
+    dev: u64,
+    ino: u64,
+}
+
+impl RegionId {
+    fn of(r: &vgpu_host_shim::SysRegion) -> Result<Self> {
+        // SAFETY: stat is plain data, filled by fstat before it is read.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `st` is a valid out pointer; `r.fd` is open while the SysMemory lives.
+        if unsafe { libc::fstat(r.fd, &mut st) } != 0 {
+            return Err(HalError::Os(format!(
+                "a guest RAM region's file: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        Ok(RegionId {
+            addr: r.addr,
+            len: r.len,
+            fd_offset: r.fd_offset,
+            dev: st.st_dev,
+            ino: st.st_ino,
+        })
+    }
+}
+
+#[derive(Default)]
+struct Regions {
+    sent: Vec<RegionId>,
+    /// Contexts alive on the worker (it forgets regions only while there are none).
+    contexts: usize,
+}
+
 /// A GPU served by a worker process.
 pub struct WorkerGpu {
     inner: Arc<Inner>,
@@ -263,8 +301,8 @@ pub struct WorkerGpu {
     /// The copy buffer (its fd stays open: the worker maps the same file).
     copy: Mutex<Mapping>,
     _copy_fd: OwnedFd,
-    /// Guest RAM regions the worker has (address, length).
-    regions: Mutex<Vec<(u64, u64)>>,
+    /// Guest RAM regions the worker has, and the contexts alive on it.
+    regions: Mutex<Regions>,
     ids: Arc<Ids>,
     event_thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -330,7 +368,7 @@ impl WorkerGpu {
             counters,
             copy: Mutex::new(copy),
             _copy_fd: copy_fd,
-            regions: Mutex::new(Vec::new()),
+            regions: Mutex::new(Regions::default()),
             ids: opts.ids.clone(),
             event_thread: Mutex::new(Some(event_thread)),
         }))
@@ -358,7 +396,10 @@ impl WorkerGpu {
             .ok_or(HalError::NoChannel(ch))
     }
 
-    /// Sends the regions of `sysmem` the worker does not have yet.
+    /// Makes the worker's guest RAM that of `sysmem`: regions it has (the same file
+    /// range at the same address) stay, new ones are sent; a region that differs from
+    /// one the worker has (the VM reconnected with new memory) replaces them all, which
+    /// the worker allows only while no context lives.
     fn send_regions(&self, sysmem: &dyn SysMemory) -> Result<()> {
         let regions = sysmem.regions();
         if regions.is_empty() {
@@ -366,9 +407,27 @@ impl WorkerGpu {
                 "system memory a worker process cannot map (no file behind it)",
             ));
         }
-        let mut sent = lock(&self.regions);
-        for r in regions {
-            if sent.contains(&(r.addr, r.len)) {
+        let mut have = lock(&self.regions);
+        let mut want = Vec::with_capacity(regions.len());
+        for r in &regions {
+            want.push(RegionId::of(r)?);
+        }
+        let clash = want.iter().any(|w| {
+            have.sent
+                .iter()
+                .any(|h| h != w && h.addr < w.addr + w.len && w.addr < h.addr + h.len)
+        });
+        if clash {
+            if have.contexts > 0 {
+                return Err(HalError::Unsupported(
+                    "a new memory table while contexts use the old one",
+                ));
+            }
+            self.inner.call_ok(&Command::ClearGuestRegions)?;
+            have.sent.clear();
+        }
+        for (r, id) in regions.iter().zip(want) {
+            if have.sent.contains(&id) {
                 continue;
             }
             let c = Command::AddGuestRegion {
@@ -377,7 +436,7 @@ impl WorkerGpu {
                 fd_offset: r.fd_offset,
             };
             match self.inner.call(&c, &[r.fd])? {
-                Reply::Ok => sent.push((r.addr, r.len)),
+                Reply::Ok => have.sent.push(id),
                 Reply::Error { code } => return Err(refusal(code, &c)),
                 rep => return Err(self.inner.unexpected(&c, rep)),
             }
@@ -565,6 +624,7 @@ impl Gpu for WorkerGpu {
         self.send_regions(sysmem.as_ref())?;
         let ctx = self.ids.next_ctx();
         self.inner.call_ok(&Command::CreateContext { ctx })?;
+        lock(&self.regions).contexts += 1;
         Ok(ContextId(ctx))
     }
 
@@ -573,6 +633,8 @@ impl Gpu for WorkerGpu {
             .call_ok(&Command::DestroyContext { ctx: ctx.0 })?;
         // The worker destroyed the context's channels with it.
         lock(&self.inner.channels).retain(|_, c| c.ctx != ctx.0);
+        let mut r = lock(&self.regions);
+        r.contexts = r.contexts.saturating_sub(1);
         Ok(())
     }
 

@@ -1,10 +1,17 @@
 //! Starting a worker process: two socket pairs, the child's ends as fds 3 and 4, and a
 //! parent-death signal so no worker outlives its backend.
+//!
+//! Linux sends the parent-death signal when the *thread* that forked the child ends, not
+//! the process: a worker forked by a VM's request thread would die with that thread (at
+//! the VM's disconnect). So every worker is forked by one launcher thread that lives as
+//! long as the process.
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Mutex, OnceLock};
 
 use crate::socket;
 
@@ -27,8 +34,50 @@ pub struct Started {
     pub events: OwnedFd,
 }
 
-/// Starts `prog` with its command socket as fd 3 and its event socket as fd 4.
+type Job = (WorkerProgram, Sender<std::io::Result<Started>>);
+
+/// The launcher thread's queue (`None` if it could not be started).
+static LAUNCHER: OnceLock<Option<Mutex<Sender<Job>>>> = OnceLock::new();
+
+fn launcher() -> Option<&'static Mutex<Sender<Job>>> {
+    LAUNCHER
+        .get_or_init(|| {
+            let (tx, rx) = channel::<Job>();
+            let spawned = std::thread::Builder::new()
+                .name("gpu-worker-launcher".into())
+                .spawn(move || {
+                    for (prog, reply) in rx {
+                        let _ = reply.send(start_here(&prog));
+                    }
+                });
+            match spawned {
+                Ok(_) => Some(Mutex::new(tx)),
+                Err(e) => {
+                    log::warn!("no launcher thread ({e}): workers die with their starter");
+                    None
+                }
+            }
+        })
+        .as_ref()
+}
+
+/// Starts `prog` with its command socket as fd 3 and its event socket as fd 4, forked by
+/// the launcher thread.
 pub fn start(prog: &WorkerProgram) -> std::io::Result<Started> {
+    let Some(l) = launcher() else {
+        return start_here(prog);
+    };
+    let (tx, rx) = channel();
+    l.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .send((prog.clone(), tx))
+        .map_err(|_| std::io::Error::other("the launcher thread is gone"))?;
+    rx.recv()
+        .map_err(|_| std::io::Error::other("the launcher thread is gone"))?
+}
+
+/// Starts `prog` from this thread.
+fn start_here(prog: &WorkerProgram) -> std::io::Result<Started> {
     let (cmd, cmd_child) = socket::pair()?;
     let (events, events_child) = socket::pair()?;
     let (a, b) = (cmd_child.as_raw_fd(), events_child.as_raw_fd());

@@ -307,6 +307,19 @@ pub fn counters_after<G: Gpu + ?Sized>(gpu: &G, ch: ChannelId, completed: u64) -
     }
 }
 
+/// The channel's error once it has one (at once on an in-process GPU; a GPU in a worker
+/// process publishes it within a millisecond or so), or `None` after 2 s.
+pub fn error_after<G: Gpu + ?Sized>(gpu: &G, ch: ChannelId) -> Option<(ErrorCode, u64)> {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let e = gpu.channel_error(ch).unwrap();
+        if e.is_some() || Instant::now() > deadline {
+            return e;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 pub fn spin(ns: u64) -> KernelArgs {
     KernelArgs::Spin { ns }
 }

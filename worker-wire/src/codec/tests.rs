@@ -14,6 +14,7 @@ fn every_command() -> Vec<Command> {
             len: 256 << 20,
             fd_offset: 0,
         },
+        Command::ClearGuestRegions,
         Command::CopyBuffer { len: 4 * GIB },
         Command::CreateContext { ctx: 3 },
         Command::DestroyContext { ctx: 3 },
