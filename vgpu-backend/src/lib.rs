@@ -117,8 +117,10 @@ pub type VmGpuSource = Arc<dyn Fn(&str, &VmLimits) -> Arc<dyn Gpu> + Send + Sync
 pub struct VgpuBackend {
     /// The GPU as a whole: its totals, and channel calls by id (the scheduler's).
     gpu: Arc<dyn Gpu>,
-    /// Each VM's own GPU, where VMs do not share `gpu`'s objects (a worker per VM).
+    /// Each VM's own GPU, where VMs do not share `gpu`'s objects (a worker per VM), and
+    /// the workers' pool.
     vm_gpus: Option<VmGpuSource>,
+    workers: Option<Arc<vgpu_gpu_worker::WorkerPool>>,
     defaults: VmLimits,
     vms: Mutex<BTreeMap<String, Arc<VmState>>>,
     /// Moves whenever `vms` changes (the scheduler keeps its own list until it does).
@@ -146,18 +148,29 @@ impl VgpuBackend {
         Self::build(gpu, None, defaults)
     }
 
-    /// A backend whose VMs each get their own GPU from `vm_gpus` (a worker process per
-    /// VM); `gpu` is the whole GPU's view: totals, and channel calls routed by id.
-    pub fn with_vm_gpus(gpu: Arc<dyn Gpu>, vm_gpus: VmGpuSource, defaults: VmLimits) -> Arc<Self> {
-        Self::build(gpu, Some(vm_gpus), defaults)
+    /// A backend whose VMs each get their own GPU from `vm_gpus` (a worker process of
+    /// `pool` per VM); `pool` is the whole GPU's view: totals, and channel calls routed
+    /// to their VM.
+    pub fn with_vm_gpus(
+        pool: Arc<vgpu_gpu_worker::WorkerPool>,
+        vm_gpus: VmGpuSource,
+        defaults: VmLimits,
+    ) -> Arc<Self> {
+        Self::build(pool.clone(), Some((vm_gpus, pool)), defaults)
     }
 
-    fn build(gpu: Arc<dyn Gpu>, vm_gpus: Option<VmGpuSource>, defaults: VmLimits) -> Arc<Self> {
+    fn build(
+        gpu: Arc<dyn Gpu>,
+        per_vm: Option<(VmGpuSource, Arc<vgpu_gpu_worker::WorkerPool>)>,
+        defaults: VmLimits,
+    ) -> Arc<Self> {
         let capacity = capacity::Capacity::new(capacity::gpu_totals(gpu.as_ref()));
+        let (vm_gpus, workers) = per_vm.unzip();
         Arc::new(VgpuBackend {
             capacity,
             gpu,
             vm_gpus,
+            workers,
             defaults,
             vms: Mutex::new(BTreeMap::new()),
             vms_gen: AtomicU64::new(0),
@@ -170,6 +183,11 @@ impl VgpuBackend {
 
     pub fn gpu(&self) -> &Arc<dyn Gpu> {
         &self.gpu
+    }
+
+    /// The GPU workers' counts, when each VM has a worker process.
+    pub fn worker_stats(&self) -> Option<vgpu_gpu_worker::PoolStats> {
+        self.workers.as_ref().map(|p| p.stats())
     }
 
     fn lock_vms(&self) -> MutexGuard<'_, BTreeMap<String, Arc<VmState>>> {

@@ -62,6 +62,28 @@ pub fn render(be: &VgpuBackend, shares: &ShareBook, api_requests: &[(u16, u64)])
         f64::from(gi.compute_engines),
     );
 
+    if let Some(w) = be.worker_stats() {
+        o.family(
+            "vgpu_gpu_workers_running",
+            "gauge",
+            "GPU worker processes running (one per VM that has GPU objects).",
+        );
+        o.value("vgpu_gpu_workers_running", &[], w.running as f64);
+        o.family(
+            "vgpu_gpu_worker_starts_total",
+            "counter",
+            "GPU worker processes started, restarts after a loss included.",
+        );
+        o.value("vgpu_gpu_worker_starts_total", &[], w.started as f64);
+        o.family(
+            "vgpu_gpu_worker_losses_total",
+            "counter",
+            "GPU worker processes lost (died, faulted, hung past the call timeout or broke \
+             the protocol) and replaced.",
+        );
+        o.value("vgpu_gpu_worker_losses_total", &[], w.lost as f64);
+    }
+
     let cap = be.capacity();
     for (name, what, h) in [
         ("vgpu_gpu_contexts", "Contexts", cap.contexts),

@@ -1,0 +1,139 @@
+//! Churn with a GPU worker per VM (issue 30) leaves nothing behind: 1,000 connect /
+//! disconnect cycles of a VM whose worker is also killed every tenth cycle (100 worker
+//! restarts), then the backend has the fds and threads it had before, exactly one live
+//! worker, no zombie, and no object of the VM in its books. (A test binary of its own:
+//! fd and thread counts are per process.)
+
+use std::time::{Duration, Instant};
+
+use vgpu_backend::VmLimits;
+use vgpu_bench::proc_stats::{open_fds, threads};
+use vgpu_gpu_worker::{PoolConfig, WorkerOptions, WorkerPool, WorkerProgram};
+use vgpu_guest::{Device, KernelArgs};
+use vgpu_host_shim::GpuInfo;
+use vgpu_test_support::{backend_bin, Host};
+
+const MIB: u64 = 1 << 20;
+
+fn host() -> Host<WorkerPool> {
+    let pool = WorkerPool::new(PoolConfig {
+        program: WorkerProgram {
+            program: backend_bin(None),
+            args: ["worker", "--gpu", "cuda-fake"].map(String::from).to_vec(),
+        },
+        gpu: GpuInfo {
+            name: "cuda-fake".into(),
+            vram_bytes: 64 * MIB,
+            compute_engines: 1,
+            max_channels: 32,
+            max_contexts: 16,
+            has_busy_counters: true,
+        },
+        per_worker: (16, 8),
+        opts: WorkerOptions::default(),
+    });
+    let limits = VmLimits {
+        vram_bytes: 16 * MIB,
+        ..VmLimits::default()
+    };
+    Host::on_workers("worker-churn", pool, limits, &["vm"]).with_vm_mem(64 * MIB)
+}
+
+/// This process's children: (live, zombies).
+fn children() -> (usize, usize) {
+    let me = std::process::id().to_string();
+    let (mut live, mut zombies) = (0, 0);
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid ...: comm may hold spaces, so split after its ')'.
+        let Some(rest) = stat.rsplit_once(')').map(|r| r.1) else {
+            continue;
+        };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        if f.get(1) == Some(&me.as_str()) {
+            if f[0] == "Z" {
+                zombies += 1;
+            } else {
+                live += 1;
+            }
+        }
+    }
+    (live, zombies)
+}
+
+fn one_connection(host: &Host<WorkerPool>, pid: u32, kill: bool) {
+    let seen = host.backend.vm_stats("vm").map_or(0, |s| s.disconnects);
+    let lvm = host.connect("vm");
+    {
+        let dev = Device::loopback(lvm.clone(), pid).unwrap();
+        let ctx = dev.create_context().unwrap();
+        let buf = ctx.alloc_vram(4096).unwrap();
+        let mut ch = ctx.create_channel().unwrap();
+        ch.launch(
+            &KernelArgs::Memset {
+                dst: buf.gpu_va(),
+                len: 4096,
+                pattern: pid,
+            },
+            [1, 1, 1],
+        )
+        .unwrap();
+        ch.finish().unwrap();
+        if kill {
+            host.worker("vm").kill();
+        }
+    }
+    lvm.disconnect();
+    drop(lvm);
+    let t0 = Instant::now();
+    while host
+        .backend
+        .vm_stats("vm")
+        .is_some_and(|s| s.disconnects <= seen)
+        && t0.elapsed() < Duration::from_secs(10)
+    {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Counts once they held still for 200 ms.
+fn steady() -> (u64, u64) {
+    let t0 = Instant::now();
+    let mut last = (open_fds(), threads());
+    let mut still = 0;
+    while still < 10 && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+        let now = (open_fds(), threads());
+        still = if now == last { still + 1 } else { 0 };
+        last = now;
+    }
+    last
+}
+
+#[test]
+fn a_thousand_cycles_and_a_hundred_worker_restarts_leave_nothing_behind() {
+    let host = host();
+    // The first connection starts what lives as long as the backend (the launcher
+    // thread, the VM's first worker).
+    one_connection(&host, 1, false);
+    let before = steady();
+    const CYCLES: u32 = 1_000;
+    for i in 1..=CYCLES {
+        one_connection(&host, 1 + i, i % 10 == 0);
+    }
+    // The last cycle killed the worker: one more connection starts the next.
+    one_connection(&host, CYCLES + 2, false);
+    let after = steady();
+    let st = host.gpu.stats();
+    let kids = children();
+    println!(
+        "{CYCLES} cycles with workers: (fds, threads) {before:?} -> {after:?}, workers {st:?}, children (live, zombies) {kids:?}"
+    );
+    assert_eq!(after, before, "(fds, threads) before and after");
+    assert_eq!((st.started, st.lost, st.running), (101, 100, 1));
+    assert_eq!(kids, (1, 0), "one live worker, no zombie, no orphan");
+    let s = host.backend.vm_stats("vm").unwrap();
+    assert_eq!((s.contexts, s.channels, s.vram_bytes), (0, 0, 0), "{s:?}");
+}
