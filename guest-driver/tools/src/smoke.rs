@@ -310,8 +310,9 @@ fn fault_is_reported(ctx: &Context) -> R {
     good.finish().map_err(e2s)
 }
 
-/// Freeing a buffer while a queued kernel still targets it: the kernel must fault, not
-/// write into VRAM that was handed to someone else (here: another context's buffer).
+/// Freeing a buffer while a queued kernel still targets it: the kernel faults or finishes
+/// before the free completes; it never writes into VRAM that was handed to someone else
+/// (here: another context's buffer).
 fn free_mid_kernel(dev: &Device, ctx: &Context) -> R {
     const LEN: u64 = 1 << 20;
     let mut ch = ctx.create_channel().map_err(e2s)?;
@@ -334,12 +335,22 @@ fn free_mid_kernel(dev: &Device, ctx: &Context) -> R {
     let other = dev.create_context().map_err(e2s)?;
     let fresh = other.alloc_vram(LEN).map_err(e2s)?;
     fresh.fill(0, LEN, 0x5a).map_err(e2s)?;
+    // Two outcomes are right, and which one comes depends on whether the GPU planned
+    // the memset before the free arrived (a free through a GPU worker process takes two
+    // socket hops longer): the memset faults (planned after the unmap), or it completes
+    // on the buffer before the free does (the GPU drains before freed memory is reused).
+    // Wrong is only a write that reaches memory someone else got: checked below.
     match ch.wait_timeout(f, Duration::from_secs(60)) {
         Err(Error::ChannelFault {
             code: ErrorCode::MmuFault,
             ..
-        }) => {}
-        other => return Err(format!("expected an MMU fault, got {other:?}")),
+        })
+        | Ok(()) => {}
+        other => {
+            return Err(format!(
+                "expected an MMU fault or completion, got {other:?}"
+            ))
+        }
     }
     let mut got = vec![0u8; LEN as usize];
     fresh.read(0, &mut got).map_err(e2s)?;
