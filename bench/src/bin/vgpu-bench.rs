@@ -78,6 +78,10 @@ enum Suite {
         /// Completion marks in flight per channel [default: 64].
         #[arg(long)]
         max_inflight: Option<usize>,
+        /// Each VM's GPU work in a worker process of its own (issue 30): `vgpu-backend
+        /// worker`, the `vgpu-backend` beside this program (or `$VGPU_BACKEND_BIN`).
+        #[arg(long)]
+        workers: bool,
     },
     /// Fair service of control requests: a victim VM's request latency alone and while
     /// another VM floods its control queue, or its event queue, side by side.
@@ -112,6 +116,23 @@ enum Suite {
     },
 }
 
+/// `$VGPU_BACKEND_BIN`, else the `vgpu-backend` beside this program.
+fn backend_beside_me() -> Result<PathBuf, String> {
+    if let Some(p) = std::env::var_os("VGPU_BACKEND_BIN") {
+        return Ok(p.into());
+    }
+    let me = std::env::current_exe().map_err(|e| format!("this program's path: {e}"))?;
+    let bin = me.with_file_name("vgpu-backend");
+    if bin.exists() {
+        Ok(bin)
+    } else {
+        Err(format!(
+            "--workers: no {} (build vgpu-backend or set VGPU_BACKEND_BIN)",
+            bin.display()
+        ))
+    }
+}
+
 fn main() {
     env_logger::init();
     let cli = Cli::parse();
@@ -129,6 +150,7 @@ fn main() {
             workloads,
             batch,
             max_inflight,
+            workers,
         } => match gpu {
             vgpu_host_shim::GpuChoice::Sim => {
                 Err("vgpu-bench cuda needs --gpu cuda[:INDEX]".into())
@@ -151,7 +173,13 @@ fn main() {
                 }
                 opts.batch = batch.unwrap_or(opts.batch);
                 opts.max_inflight = max_inflight.unwrap_or(opts.max_inflight);
-                cuda::run(&opts).map_err(|e| e.to_string())
+                match workers.then(backend_beside_me).transpose() {
+                    Ok(w) => {
+                        opts.workers = w;
+                        cuda::run(&opts).map_err(|e| e.to_string())
+                    }
+                    Err(e) => Err(e),
+                }
             }
         },
         Suite::Sim => {

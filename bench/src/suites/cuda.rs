@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use thiserror::Error;
 use vgpu_backend::{Policy, SchedConfig, VgpuBackend, VmLimits, VramConfig};
+use vgpu_gpu_worker::{PoolConfig, WorkerOptions, WorkerPool, WorkerProgram};
 use vgpu_guest::workloads::{
     CopyHeavyConfig, HotspotConfig, ReductionConfig, SaxpyConfig, SgemmConfig, ThrottleConfig,
     Workload,
@@ -68,6 +69,10 @@ pub struct CudaOpts {
     /// The front end's batching (see `CudaConfig::batch`, `max_inflight`).
     pub batch: u32,
     pub max_inflight: usize,
+    /// Run each VM's GPU work in a worker process of its own (issue 30): this program,
+    /// run as `PROGRAM worker --gpu ...` (`vgpu-backend`). The native side stays in
+    /// process.
+    pub workers: Option<PathBuf>,
 }
 
 /// A part of the suite (`vgpu-bench cuda --only SECTION,…`; the native baseline program
@@ -124,6 +129,7 @@ impl CudaOpts {
             workloads: Vec::new(),
             batch: CudaConfig::default().batch,
             max_inflight: CudaConfig::default().max_inflight,
+            workers: None,
         }
     }
 
@@ -201,17 +207,40 @@ struct Rig {
     dir: PathBuf,
 }
 
+/// How the rigs' VMs get their GPU: the suite's in-process GPU, or a worker process
+/// each running this program (`PROGRAM worker --gpu GPU`).
+#[derive(Clone)]
+struct VmGpus {
+    gpu: Arc<dyn Gpu>,
+    workers: Option<WorkerProgram>,
+}
+
 impl Rig {
-    fn new(gpu: Arc<dyn Gpu>, names: &[&str], vm_mem: u64) -> Result<Self, CudaSuiteError> {
-        let backend = VgpuBackend::new(
-            gpu,
-            VmLimits {
-                vram_bytes: 4 << 30,
-                mapped_guest_bytes: 2 << 30,
-                swap_bytes: 2 << 30,
-                ..VmLimits::default()
-            },
-        );
+    fn new(g: &VmGpus, names: &[&str], vm_mem: u64) -> Result<Self, CudaSuiteError> {
+        let limits = VmLimits {
+            vram_bytes: 4 << 30,
+            mapped_guest_bytes: 2 << 30,
+            swap_bytes: 2 << 30,
+            ..VmLimits::default()
+        };
+        let backend = match &g.workers {
+            None => VgpuBackend::new(g.gpu.clone(), limits),
+            Some(prog) => {
+                let gi = g.gpu.info();
+                let pool = WorkerPool::new(PoolConfig {
+                    program: prog.clone(),
+                    per_worker: (gi.max_channels, gi.max_contexts),
+                    gpu: gi,
+                    opts: WorkerOptions::default(),
+                });
+                let p = pool.clone();
+                let source: vgpu_backend::VmGpuSource =
+                    Arc::new(move |name: &str, l: &VmLimits| -> Arc<dyn Gpu> {
+                        p.vm_gpu(name, l.vram_bytes)
+                    });
+                VgpuBackend::with_vm_gpus(pool, source, limits)
+            }
+        };
         let dir = vgpu_test_support::try_temp_dir("bench-cuda")
             .map_err(|e| CudaSuiteError::Backend(e.to_string()))?;
         let mut vms = Vec::new();
@@ -258,7 +287,7 @@ fn b2b_rate(ctx: &vgpu_guest::Context, kernels: u32) -> Result<f64, vgpu_guest::
 
 /// Two VMs, one with 10 ms and one with 1 ms kernels, under `policy`: each VM's share of
 /// the wall time, from completed kernels × kernel length.
-fn fairness(gpu: Arc<dyn Gpu>, policy: Policy, secs: f64) -> Result<(f64, f64), CudaSuiteError> {
+fn fairness(gpu: &VmGpus, policy: Policy, secs: f64) -> Result<(f64, f64), CudaSuiteError> {
     let rig = Rig::new(gpu, &["a", "b"], 32 << 20)?;
     rig.backend
         .start_scheduler(SchedConfig {
@@ -287,7 +316,7 @@ fn fairness(gpu: Arc<dyn Gpu>, policy: Policy, secs: f64) -> Result<(f64, f64), 
 
 /// Three VMs with weights 1:2:4, each running 1 ms kernels, under the fair policy: each
 /// VM's share of the wall time.
-fn weighted(gpu: Arc<dyn Gpu>, secs: f64) -> Result<Vec<f64>, CudaSuiteError> {
+fn weighted(gpu: &VmGpus, secs: f64) -> Result<Vec<f64>, CudaSuiteError> {
     let rig = Rig::new(gpu, &["w1", "w2", "w4"], 32 << 20)?;
     for (name, w) in [("w1", 100), ("w2", 200), ("w4", 400)] {
         rig.backend
@@ -330,9 +359,27 @@ fn run_on<D: CudaDeviceTrait>(
 ) -> Result<Vec<Figure>, CudaSuiteError> {
     let mut figs = Vec::new();
     let dyn_gpu: Arc<dyn Gpu> = gpu.clone();
+    let vm_gpus = VmGpus {
+        gpu: dyn_gpu.clone(),
+        workers: opts.workers.as_ref().map(|program| WorkerProgram {
+            program: program.clone(),
+            args: vec![
+                "worker".into(),
+                "--gpu".into(),
+                if opts.fake {
+                    "cuda-fake".into()
+                } else {
+                    format!("cuda:{}", opts.index)
+                },
+            ],
+        }),
+    };
+    if vm_gpus.workers.is_some() {
+        figs.push(fig("vm_gpu_in_worker_process", 1.0, "bool", Better::Higher));
+    }
     let vm_sections = [Section::Workloads, Section::Latency, Section::B2b];
     if vm_sections.iter().any(|&s| opts.runs(s)) {
-        let rig = Rig::new(dyn_gpu.clone(), &["bench"], 768 << 20)?;
+        let rig = Rig::new(&vm_gpus, &["bench"], 768 << 20)?;
         let native = Device::native(dyn_gpu.clone())?;
         let guest = Device::loopback(rig.vms[0].clone(), 1000)?;
         let nctx = native.create_context()?;
@@ -355,18 +402,19 @@ fn run_on<D: CudaDeviceTrait>(
             figs.push(fig("b2b_empty_kernels_vm", rg, "kernels/s", Better::Higher));
         }
     }
-    if opts.runs(Section::FrontendCpu) {
+    // The in-process front end's CPU: not the VMs' with workers.
+    if opts.runs(Section::FrontendCpu) && vm_gpus.workers.is_none() {
         figs.extend(frontend_cpu(&gpu));
     }
     if opts.runs(Section::Swap) {
-        figs.extend(vram_swap(dyn_gpu.clone(), opts.small)?);
+        figs.extend(vram_swap(&vm_gpus, opts.small)?);
     }
     if !opts.runs(Section::Fairness) {
         return Ok(figs);
     }
 
     for (policy, tag) in [(Policy::None, "none"), (Policy::Fair, "fair")] {
-        let (a, b) = fairness(dyn_gpu.clone(), policy, opts.fairness_secs)?;
+        let (a, b) = fairness(&vm_gpus, policy, opts.fairness_secs)?;
         figs.push(fig(
             &format!("fairness_{tag}_10ms_vm_share"),
             a,
@@ -380,7 +428,7 @@ fn run_on<D: CudaDeviceTrait>(
             Better::Higher,
         ));
     }
-    let shares = weighted(dyn_gpu.clone(), opts.fairness_secs)?;
+    let shares = weighted(&vm_gpus, opts.fairness_secs)?;
     let want = [100.0 / 7.0, 200.0 / 7.0, 400.0 / 7.0];
     for ((w, share), want) in [1, 2, 4].iter().zip(&shares).zip(want) {
         figs.push(fig(
@@ -450,13 +498,16 @@ fn run_workloads<D: CudaDeviceTrait>(
             Better::Higher,
         ));
     }
-    let busy_cpu = (gpu.frontend_cpu_ns() - cpu0) as f64 / wall0.elapsed().as_nanos() as f64;
-    figs.push(fig(
-        "frontend_cpu_under_workloads",
-        busy_cpu * 100.0,
-        "% of a core",
-        Better::Lower,
-    ));
+    // The in-process front end's CPU: the VM's own is in its worker, with workers.
+    if opts.workers.is_none() {
+        let busy_cpu = (gpu.frontend_cpu_ns() - cpu0) as f64 / wall0.elapsed().as_nanos() as f64;
+        figs.push(fig(
+            "frontend_cpu_under_workloads",
+            busy_cpu * 100.0,
+            "% of a core",
+            Better::Lower,
+        ));
+    }
     Ok(figs)
 }
 
@@ -529,7 +580,7 @@ fn frontend_cpu<D: CudaDeviceTrait>(gpu: &CudaGpuOf<D>) -> Vec<Figure> {
 /// evicted 64 MiB at a time by the backend (device→host copies into the VM's swap memory,
 /// page tables retargeted), computed on while evicted (kernels read host memory), swapped
 /// back in, and verified bit-exactly after each step.
-fn vram_swap(gpu: Arc<dyn Gpu>, small: bool) -> Result<Vec<Figure>, CudaSuiteError> {
+fn vram_swap(gpu: &VmGpus, small: bool) -> Result<Vec<Figure>, CudaSuiteError> {
     const VM: &str = "swap";
     let step: u64 = if small { 4 << 20 } else { 64 << 20 };
     let rounds = 4u64;
