@@ -147,12 +147,15 @@ ORIGVER="$(basename "$SRCDIR")"; ORIGVER="${ORIGVER#src-}"   # as in qemu_<ORIGV
 # only a non-creatable vhost-user-device-pci (0002 makes it creatable); later ones have
 # vhost-user-test-device-pci. 0004 (written against 10.0) makes the generic device wait
 # for its chardev at realize and set the vhost device up again after a reconnect.
+# 0005 and 0006 (written against 10.0, to the spec of QEMU 11.1's series) add vhost-user
+# shared memory: GET_SHMEM_CONFIG, SHMEM_MAP/UNMAP and the device's shared-memory BAR,
+# so that vgpu runs direct under this QEMU (docs/testing/rig.md).
 if grep -q '"vhost-user-test-device-pci"\|vhost-user-test-device-pci' "$SRCDIR"/hw/virtio/*.c; then
     DEVICE=vhost-user-test-device-pci
     PATCHES=(0001 0003)
 else
     DEVICE=vhost-user-device-pci
-    PATCHES=(0001 0002 0003 0004)
+    PATCHES=(0001 0002 0003 0004 0005 0006)
 fi
 PATCH_FILES=()
 for p in "${PATCHES[@]}"; do PATCH_FILES+=("$(ls "$HERE/patches/$p"-*.patch)"); done

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A Debian guest under QEMU (TCG, built by ci/qemu/build.sh) with vgpu.ko, attached to
-# vgpu-backend through QEMU's generic vhost-user device. That QEMU has no vhost-user SHMEM,
-# so the device runs in forwarded mode (protocol.md §9.1). The same backend serves a
+# vgpu-backend through QEMU's generic vhost-user device, started without vhost-user
+# shared memory (shmem=off, patch 0006), so the device runs in forwarded mode (protocol.md
+# §9.1; --expect-mode direct leaves shared memory on). The same backend serves a
 # loopback VM in direct mode on the host. ci/qemu/guest_test.py then checks: the guest
 # passes the rig's guest checks (vgpu-smoke, hostile, ...); both VMs share the GPU within
 # 3 pp of their entitlement; a guest reboot (QMP system_reset) and a backend restart

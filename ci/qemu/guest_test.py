@@ -2,7 +2,8 @@
 """Drives one QEMU guest against vgpu-backend for ci/qemu/guest-test.sh.
 
 One backend serves two VMs: `qemu` (a Linux guest under QEMU with TCG, whose generic
-vhost-user device has no shared-memory region, so vgpu.ko runs forwarded) and `loop` (a
+vhost-user device has no shared-memory region (shmem=off; with --expect-mode direct it has
+one), so vgpu.ko runs forwarded) and `loop` (a
 loopback VM in direct mode, `vgpu-throttle --loopback` on the host). Steps, each one
 printing "QG-STEP <name> ok|FAIL ...":
 
@@ -205,7 +206,10 @@ def main():
         "-kernel", args.kernel, "-initrd", args.initrd,
         "-append", "console=ttyS0 quiet panic=-1 reboot=k",
         "-chardev", f"socket,id=c0,path={work}/qemu.sock,reconnect-ms=500",
-        "-device", f"{args.device},chardev=c0,virtio-id=60,num_vqs=2,vq_size=256,config_size=32",
+        "-device", f"{args.device},chardev=c0,virtio-id=60,num_vqs=2,vq_size=256,config_size=32"
+        # Our QEMU negotiates vhost-user shared memory unless told not to (patch 0006's
+        # property; a QEMU 11.1 has none and always does).
+        + (",shmem=off" if args.expect_mode == "forwarded" else ""),
     ]
     guest = Guest(qemu_cmd, args.log)
     t0 = time.monotonic()
