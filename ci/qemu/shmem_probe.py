@@ -17,6 +17,8 @@ checked end to end. Steps, each printing "SP-STEP <name> ok|FAIL <detail>":
   unmap      SHMEM_UNMAP: acked, the BAR no longer shows the bytes
   reconnect  the backend's connection closes with a mapping in place: QEMU drops it,
              reconnects, asks GET_SHMEM_CONFIG again, and the BAR no longer shows it
+  reset      a mapping does not outlive a device reset (QMP system_reset), as the
+             series' spec says
   pow2       a backend whose regions do not total a power of two is refused at
              realize with a message (QEMU 11.1 asserts)
 
@@ -290,6 +292,17 @@ def main():
         step("reconnect", back and gone3 != 0x5EED0000CAFE0003 and gone0 != 0x5EED0000CAFE0001
              and remap == 0,
              f"reconnected={back} region3={gone3:#x} region0={gone0:#x} map again={remap}")
+
+        shown = read_u64(qmp_a, base + MIB) if remap == 0 else None
+        qmp(qmp_a, "system_reset")
+        time.sleep(1)  # the reset happens in QEMU's main loop, after the reply
+        bar.clear()
+        wait_until(find_bar, 30)
+        after_reset = read_u64(qmp_a, bar["address"] + MIB) if bar else None
+        step("reset", shown == 0x5EED0000CAFE0003 and after_reset is not None
+             and after_reset != 0x5EED0000CAFE0003,
+             f"before={shown if shown is None else hex(shown)} "
+             f"after={after_reset if after_reset is None else hex(after_reset)}")
     finally:
         qemu.terminate()
         qemu.wait(10)
@@ -302,7 +315,7 @@ def main():
          f"rc={r.returncode} stderr={r.stderr.strip()[-200:]!r}")
 
     print(f"SP-RESULT {'ok' if all(results.values()) else 'FAIL'} (work {work})", flush=True)
-    return 0 if all(results.values()) and len(results) == 7 else 1
+    return 0 if all(results.values()) and len(results) == 8 else 1
 
 
 if __name__ == "__main__":
