@@ -178,9 +178,15 @@ def hmp(path, line):
 
 
 def read_u64(path, addr):
-    """The 8 bytes at guest physical `addr` (xp through the monitor)."""
+    """The 8 bytes at guest physical `addr` (xp through the monitor); None where nothing
+    is mapped ("Cannot access memory")."""
     out = hmp(path, f"xp /1gx {addr:#x}")
-    return int(out.split(":")[1].split()[0], 16)
+    word = out.split(":", 1)[1].split()[0]
+    return None if word == "Cannot" else int(word, 16)
+
+
+def show(v):
+    return "unmapped" if v is None else hex(v)
 
 
 def memfd_with(pattern_u64, size):
@@ -268,7 +274,7 @@ def main():
         got3 = read_u64(qmp_a, base + MIB)
         step("map", r0 == 0 and r3 == 0 and got0 == 0x5EED0000CAFE0001
              and got3 == 0x5EED0000CAFE0003,
-             f"replies={r0},{r3} region0={got0:#x} region3={got3:#x}")
+             f"replies={r0},{r3} region0={show(got0)} region3={show(got3)}")
 
         bad = [backend.request(SHMEM_MAP, 0, 0, MIB - PAGE, 2 * PAGE, MAP_RW, fd_a),
                backend.request(SHMEM_MAP, 0, 0, 16 * PAGE + PAGE, PAGE, MAP_RW, fd_a),
@@ -281,7 +287,7 @@ def main():
         u = backend.request(SHMEM_UNMAP, 0, 0, 16 * PAGE, 64 * 1024, 0)
         after = read_u64(qmp_a, base + 16 * PAGE + 8)
         step("unmap", u == 0 and after != 0x5EED0000CAFE0001,
-             f"reply={u} region0 now {after:#x}")
+             f"reply={u} region0 now {show(after)}")
 
         # The mapping of region 3 and the one at region 0's start are still there.
         backend.drop_connection()
@@ -291,18 +297,16 @@ def main():
         remap = backend.request(SHMEM_MAP, 3, PAGE, 0, PAGE, 0, fd_b) if back else None
         step("reconnect", back and gone3 != 0x5EED0000CAFE0003 and gone0 != 0x5EED0000CAFE0001
              and remap == 0,
-             f"reconnected={back} region3={gone3:#x} region0={gone0:#x} map again={remap}")
+             f"reconnected={back} region3={show(gone3)} region0={show(gone0)} map again={remap}")
 
         shown = read_u64(qmp_a, base + MIB) if remap == 0 else None
         qmp(qmp_a, "system_reset")
         time.sleep(1)  # the reset happens in QEMU's main loop, after the reply
         bar.clear()
         wait_until(find_bar, 30)
-        after_reset = read_u64(qmp_a, bar["address"] + MIB) if bar else None
-        step("reset", shown == 0x5EED0000CAFE0003 and after_reset is not None
-             and after_reset != 0x5EED0000CAFE0003,
-             f"before={shown if shown is None else hex(shown)} "
-             f"after={after_reset if after_reset is None else hex(after_reset)}")
+        after_reset = read_u64(qmp_a, bar["address"] + MIB) if bar else 0x5EED0000CAFE0003
+        step("reset", shown == 0x5EED0000CAFE0003 and bar and after_reset != 0x5EED0000CAFE0003,
+             f"before={show(shown)} after={show(after_reset)}")
     finally:
         qemu.terminate()
         qemu.wait(10)
