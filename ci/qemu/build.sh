@@ -160,13 +160,32 @@ fi
 PATCH_FILES=()
 for p in "${PATCHES[@]}"; do PATCH_FILES+=("$(ls "$HERE/patches/$p"-*.patch)"); done
 STAMP="$VERSION $(cat "${PATCH_FILES[@]}" "$0" | sha256sum | cut -c1-16)"
-for f in "${PATCH_FILES[@]}"; do
-    if patch -d "$SRCDIR" -p1 -R --dry-run -s -f <"$f" >/dev/null 2>&1; then
-        continue # already applied
-    fi
-    log "patch $(basename "$f")"
-    patch -d "$SRCDIR" -p1 -s -f <"$f" || die "patch $(basename "$f") does not apply to $VERSION"
-done
+# The source keeps copies of the patches applied to it, in order: later patches change
+# code of earlier ones (0006 that of 0004), so a patch alone cannot tell whether it is
+# applied. Another set is taken off, last first, before this one goes on.
+APPLIED="$SRCDIR/.vgpu-patches"
+SERIES="$(cat "${PATCH_FILES[@]}" | sha256sum | cut -c1-16)"
+if [ -d "$APPLIED" ] && [ "$(cat "$APPLIED/series" 2>/dev/null)" != "$SERIES" ]; then
+    for f in $(ls -r "$APPLIED"/*.patch 2>/dev/null); do
+        log "unpatch $(basename "$f")"
+        patch -d "$SRCDIR" -p1 -R -s -f <"$f" \
+            || die "cannot take $(basename "$f") off $SRCDIR (remove it for a fresh source)"
+    done
+    rm -rf "$APPLIED"
+fi
+if [ ! -d "$APPLIED" ]; then
+    mkdir -p "$APPLIED"
+    for f in "${PATCH_FILES[@]}"; do
+        # A source patched before the copies were kept: independent patches only.
+        if ! patch -d "$SRCDIR" -p1 -R --dry-run -s -f <"$f" >/dev/null 2>&1; then
+            log "patch $(basename "$f")"
+            patch -d "$SRCDIR" -p1 -s -f <"$f" || die "patch $(basename "$f") does not apply" \
+                "to $VERSION (a source patched by an older set: remove $SRCDIR)"
+        fi
+        cp "$f" "$APPLIED/"
+    done
+    echo "$SERIES" >"$APPLIED/series"
+fi
 
 BUILD="$CACHE/build"
 BIN="$BUILD/qemu-system-x86_64"

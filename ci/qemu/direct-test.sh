@@ -62,7 +62,8 @@ BPID=$!
 for _ in $(seq 100); do [ -S "$WORK/probe.sock" ] && break; sleep 0.1; done
 rc=0
 timeout 10 "$QEMU" -accel tcg -machine pc -m 64M -nodefaults -display none -S \
-    -serial none -monitor none -chardev "socket,id=c0,path=$WORK/probe.sock" \
+    -L /usr/share/seabios -L /usr/share/qemu -serial none -monitor none \
+    -chardev "socket,id=c0,path=$WORK/probe.sock" \
     -device "$QEMU_DEVICE,chardev=c0,virtio-id=60,num_vqs=2,vq_size=256,config_size=32" \
     >"$WORK/qemu-probe.log" 2>&1 || rc=$?
 kill "$BPID" 2>/dev/null || true
