@@ -46,7 +46,7 @@ if [ "${SKIP_FUZZ:-0}" != "1" ]; then
     # (virtqueue) and the sim's PFIFO over fuzzed rings and push buffers (pfifo); so have
     # the control API's HTTP request parser (http_request) and the TOML config (config).
     # Every target `cargo fuzz list` names runs.
-    for crate in protocol vgpu-backend; do
+    for crate in protocol vgpu-backend worker-wire; do
         for target in $(cd "$crate" && cargo fuzz list); do
             ci_step "fuzz $crate/$target (${FUZZ_SECONDS} s)" fuzz_target "$crate" "$target"
         done

@@ -40,38 +40,39 @@ vgpu-smoke > /tmp/outage.out 2>&1 & outage=$!
     i=0
     while [ $i -lt $PATIENCE ] && vgpu-smoke --stats > /dev/null 2>&1; do sleep 1; i=$((i + 1)); done
 ) & prober=$!
+# Waits up to PATIENCE s for process $1 to end by itself: 0 if it did (its exit status in
+# $rc), else kills it and returns 1.
+ended() {
+    i=0
+    while kill -0 $1 2>/dev/null && [ $i -lt $PATIENCE ]; do sleep 1; i=$((i + 1)); done
+    if kill -0 $1 2>/dev/null; then
+        kill -9 $1; wait $1 2>/dev/null
+        return 1
+    fi
+    wait $1; rc=$?
+    return 0
+}
 # It must end by itself with an error (an ioctl's -ENODEV or SIGBUS on its zapped
 # channel page), never hang.
-i=0
-while kill -0 $old 2>/dev/null && [ $i -lt $PATIENCE ]; do sleep 1; i=$((i + 1)); done
-if kill -0 $old 2>/dev/null; then
-    kill -9 $old; wait $old 2>/dev/null
-    check old_process_ended_with_an_error 0
-else
-    wait $old; r=$?
+if ended $old; then
     busybox tail -n 2 /tmp/old.out
-    echo "old process rc=$r"
-    check old_process_ended_with_an_error $([ "$r" != 0 ] && echo 1 || echo 0)
+    echo "old process rc=$rc"
+    check old_process_ended_with_an_error $([ "$rc" != 0 ] && echo 1 || echo 0)
+else
+    check old_process_ended_with_an_error 0
 fi
 # The outage process must end by itself too (any result: it may have run before the
 # backend went away).
-i=0
-while kill -0 $outage 2>/dev/null && [ $i -lt $PATIENCE ]; do sleep 1; i=$((i + 1)); done
-if kill -0 $outage 2>/dev/null; then
-    kill -9 $outage; wait $outage 2>/dev/null
-    check requests_during_outage_end 0
-else
-    wait $outage; r=$?
+if ended $outage; then
     busybox tail -n 1 /tmp/outage.out
-    check "requests_during_outage_end(rc=$r)" 1
-fi
-i=0
-while kill -0 $prober 2>/dev/null && [ $i -lt $PATIENCE ]; do sleep 1; i=$((i + 1)); done
-if kill -0 $prober 2>/dev/null; then
-    kill -9 $prober; wait $prober 2>/dev/null
-    check prober_saw_the_outage 0
+    check "requests_during_outage_end(rc=$rc)" 1
 else
+    check requests_during_outage_end 0
+fi
+if ended $prober; then
     check prober_saw_the_outage 1
+else
+    check prober_saw_the_outage 0
 fi
 # New processes work once the device is back (the first tries may find no backend yet).
 i=0 r=1
