@@ -149,13 +149,16 @@ ORIGVER="$(basename "$SRCDIR")"; ORIGVER="${ORIGVER#src-}"   # as in qemu_<ORIGV
 # for its chardev at realize and set the vhost device up again after a reconnect.
 # 0005 and 0006 (written against 10.0, to the spec of QEMU 11.1's series) add vhost-user
 # shared memory: GET_SHMEM_CONFIG, SHMEM_MAP/UNMAP and the device's shared-memory BAR,
-# so that vgpu runs direct under this QEMU (docs/testing/rig.md).
+# so that vgpu runs direct under this QEMU (docs/testing/rig.md). 0007 goes past that
+# spec where vgpu-backend needs it: a map over existing mappings replaces them in one
+# memory transaction (shadow switches, read-only views during VRAM moves), a guest store
+# to a read-only mapping waits for its replacement, and the ack follows the commit.
 if grep -q '"vhost-user-test-device-pci"\|vhost-user-test-device-pci' "$SRCDIR"/hw/virtio/*.c; then
     DEVICE=vhost-user-test-device-pci
     PATCHES=(0001 0003)
 else
     DEVICE=vhost-user-device-pci
-    PATCHES=(0001 0002 0003 0004 0005 0006)
+    PATCHES=(0001 0002 0003 0004 0005 0006 0007)
 fi
 PATCH_FILES=()
 for p in "${PATCHES[@]}"; do PATCH_FILES+=("$(ls "$HERE/patches/$p"-*.patch)"); done

@@ -11,14 +11,17 @@ checked end to end. Steps, each printing "SP-STEP <name> ok|FAIL <detail>":
   bar        BAR 4 is 64-bit, prefetchable, as large as the regions together
   map        SHMEM_MAP of a memfd into region 0 and into the second region: acked, and
              the BAR reads the memfd's bytes at the region's offset
-  reject     a mapping past its region's end, one overlapping another, an unknown
-             region and an unmap of nothing are each answered with a failure, and the
-             channel still works afterwards
-  unmap      SHMEM_UNMAP: acked, the BAR no longer shows the bytes
+  reject     a mapping past its region's end, an unknown region and an unmap of
+             nothing are each answered with a failure, and the channel still works
+  replace    (patch 0007) a map over one page inside a mapping: the BAR shows the new
+             page there and the old mapping's bytes on either side
+  unmap      SHMEM_UNMAP of the original range (three mappings now): acked, the BAR no
+             longer shows the bytes
   reconnect  the backend's connection closes with a mapping in place: QEMU drops it,
              reconnects, asks GET_SHMEM_CONFIG again, and the BAR no longer shows it
-  reset      a mapping does not outlive a device reset (QMP system_reset), as the
-             series' spec says
+  reset      a device reset (QMP system_reset) sends RESET_DEVICE (the backend acks
+             that protocol feature; patch 0006's get_vhost) and leaves no mapping, as
+             the series' spec says
   pow2       a backend whose regions do not total a power of two is refused at
              realize with a message (QEMU 11.1 asserts)
 
@@ -42,13 +45,13 @@ VERSION, REPLY, NEED_REPLY = 0x1, 0x4, 0x8
 # Front-end requests we answer.
 GET_FEATURES, SET_OWNER, GET_VRING_BASE = 1, 3, 11
 GET_PROTOCOL_FEATURES, GET_QUEUE_NUM, SET_BACKEND_REQ_FD = 15, 17, 21
-GET_CONFIG, GET_MAX_MEM_SLOTS, GET_SHMEM_CONFIG = 24, 36, 44
+GET_CONFIG, RESET_DEVICE, GET_MAX_MEM_SLOTS, GET_SHMEM_CONFIG = 24, 34, 36, 44
 # Back-end requests we send.
 SHMEM_MAP, SHMEM_UNMAP = 9, 10
 MAP_RW = 1
-# Protocol features: REPLY_ACK, BACKEND_REQ, CONFIG, BACKEND_SEND_FD, SHMEM.
+# Protocol features: REPLY_ACK, BACKEND_REQ, CONFIG, BACKEND_SEND_FD, RESET_DEVICE, SHMEM.
 F_SHMEM = 22
-PROTOCOL = (1 << 3) | (1 << 5) | (1 << 9) | (1 << 10) | (1 << F_SHMEM)
+PROTOCOL = (1 << 3) | (1 << 5) | (1 << 9) | (1 << 10) | (1 << 13) | (1 << F_SHMEM)
 FEATURES = (1 << 32) | (1 << 30)  # VERSION_1, PROTOCOL_FEATURES
 MIB = 1 << 20
 PAGE = 4096
@@ -79,6 +82,7 @@ class FakeBackend:
         self.channel = None  # the backend channel (SET_BACKEND_REQ_FD)
         self.acked_protocol = None
         self.shmem_configs = 0  # GET_SHMEM_CONFIG requests seen
+        self.resets = 0  # RESET_DEVICE requests seen
         self.connected = threading.Event()
         self.channel_ready = threading.Event()
         threading.Thread(target=self._serve, daemon=True).start()
@@ -127,6 +131,8 @@ class FakeBackend:
             for shmid, sz in self.sizes.items():
                 sizes[shmid] = sz
             self._reply(conn, req, struct.pack("<II256Q", len(self.sizes), 0, *sizes))
+        elif req == RESET_DEVICE:
+            self.resets += 1
         elif req == SET_BACKEND_REQ_FD and fds:
             self.channel = socket.socket(fileno=fds.pop(0))
             self.channel_ready.set()
@@ -254,7 +260,7 @@ def main():
                 for dev in bus["devices"]:
                     if dev["id"]["device"] == 0x1040 + 60:
                         for r in dev["regions"]:
-                            if r["bar"] == 4 and r["address"] not in (0, 0xffffffffffffffff):
+                            if r["bar"] == 4 and r["address"] not in (0, -1, 0xffffffffffffffff):
                                 bar.update(r)
                                 return True
             return False
@@ -277,13 +283,22 @@ def main():
              f"replies={r0},{r3} region0={show(got0)} region3={show(got3)}")
 
         bad = [backend.request(SHMEM_MAP, 0, 0, MIB - PAGE, 2 * PAGE, MAP_RW, fd_a),
-               backend.request(SHMEM_MAP, 0, 0, 16 * PAGE + PAGE, PAGE, MAP_RW, fd_a),
                backend.request(SHMEM_MAP, 7, 0, 0, PAGE, MAP_RW, fd_a),
                backend.request(SHMEM_UNMAP, 0, 0, 0, PAGE, 0)]
         again = backend.request(SHMEM_MAP, 0, 0, 0, PAGE, MAP_RW, fd_a)
         step("reject", all(b != 0 for b in bad) and again == 0,
              f"replies={bad} then a good map={again}")
 
+        # Patch 0007: a map over part of a mapping replaces that part, the rest stays.
+        over = backend.request(SHMEM_MAP, 0, 0, 17 * PAGE, PAGE, MAP_RW, fd_b)
+        head = read_u64(qmp_a, base + 16 * PAGE + 8)
+        mid = read_u64(qmp_a, base + 17 * PAGE + 8)
+        tail = read_u64(qmp_a, base + 18 * PAGE + 8)
+        step("replace", over == 0 and head == 0x5EED0000CAFE0001 and mid == 0x5EED0000CAFE0003
+             and tail == 0x5EED0000CAFE0001,
+             f"reply={over} before={show(head)} replaced={show(mid)} after={show(tail)}")
+
+        # The whole range, now three mappings, goes with one unmap (0007 again).
         u = backend.request(SHMEM_UNMAP, 0, 0, 16 * PAGE, 64 * 1024, 0)
         after = read_u64(qmp_a, base + 16 * PAGE + 8)
         step("unmap", u == 0 and after != 0x5EED0000CAFE0001,
@@ -300,13 +315,16 @@ def main():
              f"reconnected={back} region3={show(gone3)} region0={show(gone0)} map again={remap}")
 
         shown = read_u64(qmp_a, base + MIB) if remap == 0 else None
+        resets = backend.resets
         qmp(qmp_a, "system_reset")
         time.sleep(1)  # the reset happens in QEMU's main loop, after the reply
         bar.clear()
         wait_until(find_bar, 30)
         after_reset = read_u64(qmp_a, bar["address"] + MIB) if bar else 0x5EED0000CAFE0003
-        step("reset", shown == 0x5EED0000CAFE0003 and bar and after_reset != 0x5EED0000CAFE0003,
-             f"before={show(shown)} after={show(after_reset)}")
+        reset_devices = backend.resets - resets
+        step("reset", shown == 0x5EED0000CAFE0003 and bar and after_reset != 0x5EED0000CAFE0003
+             and reset_devices >= 1,
+             f"before={show(shown)} after={show(after_reset)} reset_device={reset_devices}")
     finally:
         qemu.terminate()
         qemu.wait(10)
@@ -319,7 +337,7 @@ def main():
          f"rc={r.returncode} stderr={r.stderr.strip()[-200:]!r}")
 
     print(f"SP-RESULT {'ok' if all(results.values()) else 'FAIL'} (work {work})", flush=True)
-    return 0 if all(results.values()) and len(results) == 8 else 1
+    return 0 if all(results.values()) and len(results) == 9 else 1
 
 
 if __name__ == "__main__":
