@@ -473,8 +473,8 @@ def main():
         # The driver notices the lost backend (its requests time out or the device asks
         # for a reset) and starts the device over; a new process then works.
         rc = None
-        for _ in range(4):
-            rc, out = guest.run("smoke", 180)
+        for _ in range(3):
+            rc, out = guest.run("smoke", 90)
             if rc == 0:
                 break
             time.sleep(5)
