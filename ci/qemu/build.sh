@@ -147,23 +147,48 @@ ORIGVER="$(basename "$SRCDIR")"; ORIGVER="${ORIGVER#src-}"   # as in qemu_<ORIGV
 # only a non-creatable vhost-user-device-pci (0002 makes it creatable); later ones have
 # vhost-user-test-device-pci. 0004 (written against 10.0) makes the generic device wait
 # for its chardev at realize and set the vhost device up again after a reconnect.
+# 0005 and 0006 (written against 10.0, to the spec of QEMU 11.1's series) add vhost-user
+# shared memory: GET_SHMEM_CONFIG, SHMEM_MAP/UNMAP and the device's shared-memory BAR,
+# so that vgpu runs direct under this QEMU (docs/testing/rig.md). 0007 goes past that
+# spec where vgpu-backend needs it: a map over existing mappings replaces them in one
+# memory transaction (shadow switches, read-only views during VRAM moves), a guest store
+# to a read-only mapping waits for its replacement, and the ack follows the commit.
 if grep -q '"vhost-user-test-device-pci"\|vhost-user-test-device-pci' "$SRCDIR"/hw/virtio/*.c; then
     DEVICE=vhost-user-test-device-pci
     PATCHES=(0001 0003)
 else
     DEVICE=vhost-user-device-pci
-    PATCHES=(0001 0002 0003 0004)
+    PATCHES=(0001 0002 0003 0004 0005 0006 0007)
 fi
 PATCH_FILES=()
 for p in "${PATCHES[@]}"; do PATCH_FILES+=("$(ls "$HERE/patches/$p"-*.patch)"); done
 STAMP="$VERSION $(cat "${PATCH_FILES[@]}" "$0" | sha256sum | cut -c1-16)"
-for f in "${PATCH_FILES[@]}"; do
-    if patch -d "$SRCDIR" -p1 -R --dry-run -s -f <"$f" >/dev/null 2>&1; then
-        continue # already applied
-    fi
-    log "patch $(basename "$f")"
-    patch -d "$SRCDIR" -p1 -s -f <"$f" || die "patch $(basename "$f") does not apply to $VERSION"
-done
+# The source keeps copies of the patches applied to it, in order: later patches change
+# code of earlier ones (0006 that of 0004), so a patch alone cannot tell whether it is
+# applied. Another set is taken off, last first, before this one goes on.
+APPLIED="$SRCDIR/.vgpu-patches"
+SERIES="$(cat "${PATCH_FILES[@]}" | sha256sum | cut -c1-16)"
+if [ -d "$APPLIED" ] && [ "$(cat "$APPLIED/series" 2>/dev/null)" != "$SERIES" ]; then
+    for f in $(ls -r "$APPLIED"/*.patch 2>/dev/null); do
+        log "unpatch $(basename "$f")"
+        patch -d "$SRCDIR" -p1 -R -s -f <"$f" \
+            || die "cannot take $(basename "$f") off $SRCDIR (remove it for a fresh source)"
+    done
+    rm -rf "$APPLIED"
+fi
+if [ ! -d "$APPLIED" ]; then
+    mkdir -p "$APPLIED"
+    for f in "${PATCH_FILES[@]}"; do
+        # A source patched before the copies were kept: independent patches only.
+        if ! patch -d "$SRCDIR" -p1 -R --dry-run -s -f <"$f" >/dev/null 2>&1; then
+            log "patch $(basename "$f")"
+            patch -d "$SRCDIR" -p1 -s -f <"$f" || die "patch $(basename "$f") does not apply" \
+                "to $VERSION (a source patched by an older set: remove $SRCDIR)"
+        fi
+        cp "$f" "$APPLIED/"
+    done
+    echo "$SERIES" >"$APPLIED/series"
+fi
 
 BUILD="$CACHE/build"
 BIN="$BUILD/qemu-system-x86_64"

@@ -7,6 +7,7 @@
 #   reload       rmmod vgpu, insmod it again (a driver reset: RESET_DEVICE, vrings
 #                stopped and started again), then vgpu-smoke
 #   throttle S   vgpu-throttle with 1 ms kernels for S seconds (the fairness run)
+#   bench        vgpu-guest-bench --json --submit-only (round trips, submission rate)
 #   halt         power off
 # Every command ends with "QG-END <cmd> rc=<status>".
 export PATH=/bin
@@ -34,6 +35,7 @@ while read -r cmd arg; do
                     echo "QG-RELOADED submission=$(cat /sys/class/misc/vgpu/submission)"
                     vgpu-smoke > /tmp/smoke.log 2>&1; r=$?; busybox tail -n 1 /tmp/smoke.log
                 fi ;;
+        bench) vgpu-guest-bench --json --submit-only --samples 300; r=$? ;;
         throttle) vgpu-throttle --kernel-us 1000 --depth 32 --duration "${arg:-20}"; r=$? ;;
         halt) echo "QG-END halt rc=0"; busybox poweroff -f ;;
         "") continue ;;

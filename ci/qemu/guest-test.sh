@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A Debian guest under QEMU (TCG, built by ci/qemu/build.sh) with vgpu.ko, attached to
-# vgpu-backend through QEMU's generic vhost-user device. That QEMU has no vhost-user SHMEM,
-# so the device runs in forwarded mode (protocol.md §9.1). The same backend serves a
+# vgpu-backend through QEMU's generic vhost-user device, started without vhost-user
+# shared memory (shmem=off, patch 0006), so the device runs in forwarded mode (protocol.md
+# §9.1; --expect-mode direct leaves shared memory on). The same backend serves a
 # loopback VM in direct mode on the host. ci/qemu/guest_test.py then checks: the guest
 # passes the rig's guest checks (vgpu-smoke, hostile, ...); both VMs share the GPU within
 # 3 pp of their entitlement; a guest reboot (QMP system_reset) and a backend restart
@@ -9,17 +10,20 @@
 #
 # Usage: ci/qemu/guest-test.sh [--no-build] [--fair-secs S] [--keep]
 #                              [--qemu BIN --device NAME] [--expect-mode forwarded|direct]
+#                              [--bench]
 #   --no-build   use the binaries, vgpu.ko and QEMU already built
 #   --keep       keep the work directory (logs) even on success
 #   --qemu/--device  another QEMU (and its generic vhost-user device's name) instead of
 #                the one ci/qemu/build.sh builds; --expect-mode direct for one with SHMEM
-#                (ci/qemu/direct-test.sh)
+#                (ci/qemu/direct-test.sh; a second, forwarded QEMU guest joins the
+#                fairness run)
+#   --bench      also time submissions in each QEMU guest (vgpu-guest-bench --submit-only)
 # Env: CARGO_TARGET_DIR (default <repo>/target)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 HERE="$ROOT/ci/qemu"
 RIG="$ROOT/ci/rig"
-BUILD=1 FAIR_SECS=40 KEEP=0 QEMU_OVERRIDE="" DEVICE_OVERRIDE="" EXPECT_MODE=forwarded
+BUILD=1 FAIR_SECS=40 KEEP=0 QEMU_OVERRIDE="" DEVICE_OVERRIDE="" EXPECT_MODE=forwarded BENCH=""
 die() { echo "guest-test: $*" >&2; exit 1; }
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -29,7 +33,8 @@ while [ $# -gt 0 ]; do
         --qemu) QEMU_OVERRIDE="$2"; shift 2 ;;
         --device) DEVICE_OVERRIDE="$2"; shift 2 ;;
         --expect-mode) EXPECT_MODE="$2"; shift 2 ;;
-        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+        --bench) BENCH=--bench; shift ;;
+        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
         *) die "unknown argument: $1" ;;
     esac
 done
@@ -49,12 +54,12 @@ if [ "$BUILD" = 1 ]; then
     musl_build_guest_tools
     (cd "$ROOT" && cargo build --release -p vgpu-backend --bin vgpu-backend --bin vgpuctl >&2)
     (cd "$ROOT" && cargo build --release -p vgpu-guest-tools --features loopback \
-        --bin vgpu-throttle >&2)
+        --bin vgpu-throttle --bin vgpu-smoke >&2)
     build_guest_driver
 fi
 DRIVER="$ROOT/guest-driver/kernel/vgpu.ko"
 modinfo -F vermagic "$DRIVER" | grep -q "^$KVER " || die "$DRIVER is not built for $KVER"
-for b in vgpu-backend vgpuctl vgpu-throttle; do
+for b in vgpu-backend vgpuctl vgpu-throttle vgpu-smoke; do
     [ -x "$HOSTBIN/$b" ] || die "no $HOSTBIN/$b (drop --no-build)"
 done
 
@@ -75,7 +80,7 @@ echo "guest-test: QEMU $QEMU ($QEMU_DEVICE), kernel $KVER, work $WORK (setup $((
 RC=0
 python3 "$HERE/guest_test.py" --qemu "$QEMU" --device "$QEMU_DEVICE" --kernel "$KERNEL" \
     --initrd "$INITRD" --backend "$HOSTBIN/vgpu-backend" --vgpuctl "$HOSTBIN/vgpuctl" \
-    --throttle "$HOSTBIN/vgpu-throttle" --work "$WORK" --log "$WORK/guest.log" \
-    --fair-secs "$FAIR_SECS" --expect-mode "$EXPECT_MODE" || RC=$?
+    --throttle "$HOSTBIN/vgpu-throttle" --smoke "$HOSTBIN/vgpu-smoke" --work "$WORK" --log "$WORK/guest.log" \
+    --fair-secs "$FAIR_SECS" --expect-mode "$EXPECT_MODE" $BENCH || RC=$?
 echo "guest-test: total $(( $(date +%s) - START ))s; logs in $WORK$([ "$RC" = 0 ] && [ "$KEEP" = 0 ] && echo ' (removed)')" >&2
 exit $RC

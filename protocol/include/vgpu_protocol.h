@@ -254,8 +254,8 @@ _Static_assert(sizeof(struct vgpu_timestamp_args) == 8, "timestamp args");
 #define VGPU_SHM_REGION_ID 0
 #define VGPU_CHANNEL_SLOTS 1024
 #define VGPU_APERTURE_OFFSET 0x400000
-#define VGPU_APERTURE_SIZE 0x10000000
-#define VGPU_SHM_SIZE 0x10400000
+#define VGPU_APERTURE_SIZE 0xfc00000
+#define VGPU_SHM_SIZE 0x10000000
 /* Device feature bit: channels without the shared-memory region (forwarded submission). */
 #define VGPU_F_FORWARDED 0
 /* CREATE_CHANNEL's slot for a channel with no page in the region. */

@@ -32,10 +32,13 @@ pub const SHM_REGION_ID: u8 = 0;
 pub const CHANNEL_SLOTS: u32 = 1024;
 /// Offset of the VRAM aperture window in the region (right after the slots).
 pub const APERTURE_OFFSET: u64 = CHANNEL_SLOTS as u64 * crate::PAGE_SIZE;
-/// Size of the VRAM aperture window.
-pub const APERTURE_SIZE: u64 = 256 << 20;
-/// Size of the whole shared-memory region.
-pub const SHM_SIZE: u64 = APERTURE_OFFSET + APERTURE_SIZE;
+/// Size of the whole shared-memory region: 256 MiB. A power of two, because a frontend
+/// that puts the region in a PCI BAR of its own size (QEMU's vhost-user devices) must.
+pub const SHM_SIZE: u64 = 256 << 20;
+/// Size of the VRAM aperture window: the rest of the region after the slots (252 MiB).
+pub const APERTURE_SIZE: u64 = SHM_SIZE - APERTURE_OFFSET;
+
+const _: () = assert!(SHM_SIZE.is_power_of_two() && APERTURE_OFFSET < SHM_SIZE);
 
 /// Byte offset of a control-page slot in the region.
 pub fn slot_offset(slot: u32) -> Option<u64> {

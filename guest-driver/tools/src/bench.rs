@@ -7,7 +7,8 @@
 //!
 //! Round trips are timed with the guest's own clock (submit of an empty kernel until its
 //! fence is seen): a VM's clock and the GPU's are not comparable, so the host-clock
-//! publish→start latency of the `virt` suite does not exist here.
+//! publish→start latency of the `virt` suite does not exist here. The submission rate
+//! (empty kernels published back to back, waited for once) needs no shared clock.
 
 use std::time::{Duration, Instant};
 
@@ -15,7 +16,7 @@ use thiserror::Error;
 use vgpu_guest::workloads::Workload;
 use vgpu_guest::{Context, Device, KernelArgs};
 
-use crate::measure::min;
+use crate::measure::{min, submit_throughput};
 use crate::report::{Better, Figure};
 use crate::stats::percentile;
 
@@ -36,6 +37,10 @@ pub struct GuestOpts {
     pub reps: u32,
     pub small: bool,
     pub latency_samples: u32,
+    /// Submissions in the submission-rate stream.
+    pub throughput_submits: u32,
+    /// Only the submission figures (round trips, rate): no workloads.
+    pub submit_only: bool,
     /// With the in-process sim: its longest idle sleep between GP_PUT polls (µs), to
     /// match a backend started with the same `--sim-idle-sleep-us`.
     pub sim_idle_sleep_us: Option<u64>,
@@ -48,6 +53,8 @@ impl GuestOpts {
             reps: 5,
             small: false,
             latency_samples: 1000,
+            throughput_submits: 20_000,
+            submit_only: false,
             sim_idle_sleep_us: None,
         }
     }
@@ -58,6 +65,8 @@ impl GuestOpts {
             reps: 1,
             small: true,
             latency_samples: 50,
+            throughput_submits: 1000,
+            submit_only: false,
             sim_idle_sleep_us: None,
         }
     }
@@ -80,6 +89,12 @@ pub struct GuestArgs {
     /// backend's --sim-idle-sleep-us for a fair comparison).
     #[arg(long)]
     pub sim_idle_sleep_us: Option<u64>,
+    /// Only the submission figures (round trips and rate), no workloads.
+    #[arg(long)]
+    pub submit_only: bool,
+    /// Round trips timed per figure (default 50 with --quick, else 1000).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub samples: Option<u32>,
 }
 
 impl GuestArgs {
@@ -93,6 +108,8 @@ impl GuestArgs {
         };
         opts.reps = self.reps.unwrap_or(opts.reps);
         opts.sim_idle_sleep_us = self.sim_idle_sleep_us;
+        opts.submit_only = self.submit_only;
+        opts.latency_samples = self.samples.unwrap_or(opts.latency_samples);
         opts
     }
 }
@@ -127,7 +144,12 @@ pub fn run(opts: &GuestOpts) -> Result<Vec<Figure>, GuestSuiteError> {
     let ctx = dev.create_context()?;
     let fig = |name: &str, v: f64, unit: &str, b| Figure::new(SUITE, name, v, unit, b);
     let mut figs = Vec::new();
-    for name in Workload::NAMES {
+    let workloads: &[&str] = if opts.submit_only {
+        &[]
+    } else {
+        &Workload::NAMES
+    };
+    for name in workloads {
         let Some(w) = Workload::by_name(name, opts.small) else {
             continue;
         };
@@ -155,6 +177,13 @@ pub fn run(opts: &GuestOpts) -> Result<Vec<Figure>, GuestSuiteError> {
         p99,
         "us",
         Better::Lower,
+    ));
+    let rate = submit_throughput(&ctx, opts.throughput_submits)?;
+    figs.push(fig(
+        &format!("submit_rate_{side}"),
+        rate,
+        "1/s",
+        Better::Higher,
     ));
     if opts.device.is_some() {
         let (r50, r99) = round_trip(&ctx, opts.latency_samples, true)?;
