@@ -56,3 +56,19 @@ fn stat_ns(task: &std::path::Path) -> u64 {
     );
     ((u + s) * tick_ns) as u64
 }
+
+/// This process's (open fds, threads) once they have held still for 200 ms (at most
+/// 10 s): a backend makes the next listener after a teardown and a reaper joins the last
+/// connection's thread, so a single sample can land in between.
+pub fn steady_fds_threads() -> (u64, u64) {
+    let t0 = std::time::Instant::now();
+    let mut last = (open_fds(), threads());
+    let mut still = 0;
+    while still < 10 && t0.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let now = (open_fds(), threads());
+        still = if now == last { still + 1 } else { 0 };
+        last = now;
+    }
+    last
+}

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use vgpu_backend::VmLimits;
-use vgpu_bench::proc_stats::{open_fds, rss, threads};
+use vgpu_bench::proc_stats::{open_fds, rss, steady_fds_threads, threads};
 use vgpu_guest::{Device, KernelArgs};
 use vgpu_test_support::Host;
 
@@ -29,22 +29,6 @@ fn settle(want: (u64, u64)) -> (u64, u64) {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-}
-
-/// The counts once they have held still for 200 ms (the backend's serve loop makes the
-/// next connection's listener after a teardown, and a reaper thread joins the last
-/// connection's worker: a single sample can land in between).
-fn steady() -> (u64, u64) {
-    let t0 = Instant::now();
-    let mut last = (open_fds(), threads());
-    let mut still = 0;
-    while still < 10 && t0.elapsed() < Duration::from_secs(10) {
-        std::thread::sleep(Duration::from_millis(20));
-        let now = (open_fds(), threads());
-        still = if now == last { still + 1 } else { 0 };
-        last = now;
-    }
-    last
 }
 
 /// Waits until the backend has torn the VM's `n`-th connection down (not merely seen it
@@ -95,7 +79,7 @@ fn connect_disconnect_cycles() {
     let host = Host::new("churn-conn", 256 << 20, VmLimits::default(), &["vm"]);
     // The first connection starts what lives as long as the backend (thread pools).
     one_connection(&host, "vm", 1);
-    let before = steady();
+    let before = steady_fds_threads();
     const CYCLES: u32 = 1_000;
     // The allocator settles over the first cycles; RSS is compared from there.
     for i in 0..WARM_CYCLES {
@@ -131,7 +115,7 @@ fn context_and_channel_churn_in_one_connection() {
         let ctx = dev.create_context().unwrap();
         let _ch = ctx.create_channel().unwrap();
     }
-    let before = steady();
+    let before = steady_fds_threads();
     const CYCLES: u32 = 10_000;
     let cycle = || {
         let ctx = dev.create_context().unwrap();

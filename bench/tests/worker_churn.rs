@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use vgpu_backend::VmLimits;
-use vgpu_bench::proc_stats::{open_fds, threads};
+use vgpu_bench::proc_stats::steady_fds_threads;
 use vgpu_gpu_worker::{PoolConfig, WorkerOptions, WorkerPool, WorkerProgram};
 use vgpu_guest::{Device, KernelArgs};
 use vgpu_host_shim::GpuInfo;
@@ -98,34 +98,20 @@ fn one_connection(host: &Host<WorkerPool>, pid: u32, kill: bool) {
     }
 }
 
-/// Counts once they held still for 200 ms.
-fn steady() -> (u64, u64) {
-    let t0 = Instant::now();
-    let mut last = (open_fds(), threads());
-    let mut still = 0;
-    while still < 10 && t0.elapsed() < Duration::from_secs(10) {
-        std::thread::sleep(Duration::from_millis(20));
-        let now = (open_fds(), threads());
-        still = if now == last { still + 1 } else { 0 };
-        last = now;
-    }
-    last
-}
-
 #[test]
 fn a_thousand_cycles_and_a_hundred_worker_restarts_leave_nothing_behind() {
     let host = host();
     // The first connection starts what lives as long as the backend (the launcher
     // thread, the VM's first worker).
     one_connection(&host, 1, false);
-    let before = steady();
+    let before = steady_fds_threads();
     const CYCLES: u32 = 1_000;
     for i in 1..=CYCLES {
         one_connection(&host, 1 + i, i % 10 == 0);
     }
     // The last cycle killed the worker: one more connection starts the next.
     one_connection(&host, CYCLES + 2, false);
-    let after = steady();
+    let after = steady_fds_threads();
     let st = host.gpu.stats();
     let kids = children();
     println!(
