@@ -62,6 +62,8 @@ RIG_LOG="${RIG_LOG:-info}"
 RIG_LOG_LINES="${RIG_LOG_LINES:-25}"
 # How many lines of each log a failure or the watchdog prints.
 RIG_DUMP_LINES="${RIG_DUMP_LINES:-60}"
+# More cloud-hypervisor options with --ch (e.g. "--seccomp log").
+RIG_CH_ARGS="${RIG_CH_ARGS:-}"
 ADDS=()
 EXTRA=()
 die() { echo "l2-vgpu: $*" >&2; exit 1; }
@@ -339,7 +341,7 @@ for k in \$(seq 0 $((VMS - 1))); do
         if [ -n "$CH" ]; then
             # Shared guest memory (vhost-user maps it); the device's two queues at the
             # size the device offers (protocol/src/device.rs: NUM_QUEUES, QUEUE_SIZE).
-            timeout -s KILL $((TIMEOUT - 60)) cloud-hypervisor -v --kernel /l2/vmlinuz \\
+            timeout -s KILL $((TIMEOUT - 60)) cloud-hypervisor -v $RIG_CH_ARGS --kernel /l2/vmlinuz \\
                 --initramfs /l2/l2.cpio.gz --cmdline "$CH_L2_ARGS vgpu.vm=\$k" \\
                 --cpus boot=$VCPUS --memory size=256M,shared=on \\
                 --generic-vhost-user "socket=/tmp/vgpu/vm\$k.sock,device_type=60,queue_sizes=[256,256],id=vgpu\$k" \\
