@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: unit, integration and property tests of every crate, a bounded
 # cargo-fuzz run of every fuzz target, and a Linux boot under vgpu-vmm in the nested rig.
-# Installs what it needs (idempotent). SKIP_FUZZ=1 / SKIP_RIG=1 / SKIP_QEMU=1 skip those
-# parts. Prints "== step NAME (N s)" after each step and a table of the steps' wall
+# Installs what it needs (idempotent). SKIP_FUZZ=1 / SKIP_RIG=1 / SKIP_QEMU=1 / SKIP_CH=1
+# skip those parts. Prints "== step NAME (N s)" after each step and a table of the steps' wall
 # times at the end (docs/testing.md, "What each step costs").
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -92,5 +92,12 @@ if [ "${SKIP_QEMU:-0}" != "1" ]; then
     # shared-memory probe, then a direct-mode guest next to a forwarded QEMU guest and a
     # loopback VM (uses what guest-test.sh just built, vgpu-smoke with `loopback` among it).
     ci_step "QEMU: the direct path (vhost-user SHMEM)" ci/qemu/direct-test.sh --no-build
+fi
+if [ "${SKIP_CH:-0}" != "1" ]; then
+    # Cloud Hypervisor v53.0 (built from ci/ch/source with ci/ch/patches by ci/ch/build.sh,
+    # cached in ~/.cache/vgpu/ch) in the nested rig's L1: two Debian guests with vgpu.ko
+    # attached through its generic vhost-user device, forwarded mode, the rig's guest checks.
+    ci_step "Cloud Hypervisor: two forwarded-mode guests in the nested rig" \
+        ci/ch/guest-test.sh --vms 2
 fi
 echo "== all tests passed"

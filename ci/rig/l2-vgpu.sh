@@ -21,11 +21,15 @@
 #     --guest the L2 script is then ci/rig/l2-reconnect-checks.sh. --hang-backend S does
 #     the same but SIGSTOPs the backend for S seconds first (a hung backend: requests
 #     time out, vgpu-vmm closes the connection), and checks every VMM logged a timeout.
+#   - --ch BIN: every L2 runs under Cloud Hypervisor (BIN, a glibc build: ci/ch/build.sh;
+#     its libraries ride along) instead of vgpu-vmm, attached with
+#     `--generic-vhost-user device_type=60`; the L2 powers off when done (Cloud
+#     Hypervisor restarts a guest that reboots). Not with --migrate or a backend restart.
 # Each L2 prints "L2-VGPU-RESULT ...", each VM's line "L2-VGPU-CHECK vm=K ..." appears on
 # L1's console, and the backend must exit cleanly on SIGTERM afterwards.
 #
 # Usage: ci/rig/l2-vgpu.sh [--vms N] [--guest] [--restart-backend] [--hang-backend S] [--driver vgpu.ko] [--exit-cost BIN] [--l2-cmd FILE]
-#                          [--add SRC:DST]... [--vcpus N] [--no-build] [--timeout S]
+#                          [--add SRC:DST]... [--vcpus N] [--ch BIN] [--no-build] [--timeout S]
 #                          [-- run-l1.sh args]
 #   --add puts extra files into every L2's initramfs (e.g. guest tools).
 #   --backend-args 'ARGS'  more vgpu-backend options (its API socket is /tmp/vgpu/api.sock)
@@ -50,6 +54,7 @@ RESTART=0
 HANG=0
 MIGRATE=0
 MIGRATE_VIA=unix
+CH=""
 TIMEOUT=420
 # Log filter of the backends and VMMs in L1 (RUST_LOG syntax), and how many of the
 # backends' last log lines the summary shows.
@@ -57,6 +62,8 @@ RIG_LOG="${RIG_LOG:-info}"
 RIG_LOG_LINES="${RIG_LOG_LINES:-25}"
 # How many lines of each log a failure or the watchdog prints.
 RIG_DUMP_LINES="${RIG_DUMP_LINES:-60}"
+# More cloud-hypervisor options with --ch (e.g. "--seccomp log").
+RIG_CH_ARGS="${RIG_CH_ARGS:-}"
 ADDS=()
 EXTRA=()
 die() { echo "l2-vgpu: $*" >&2; exit 1; }
@@ -75,6 +82,7 @@ while [ $# -gt 0 ]; do
         --add) ADDS+=(--add "$2"); shift 2 ;;
         --backend-args) BACKEND_ARGS="$2"; shift 2 ;;
         --l1-monitor) MONITOR="$2"; shift 2 ;;
+        --ch) CH="$2"; shift 2 ;;
         --no-build) BUILD=0; shift ;;
         --timeout) TIMEOUT="$2"; shift 2 ;;
         --) shift; EXTRA+=("$@"); break ;;
@@ -83,6 +91,10 @@ while [ $# -gt 0 ]; do
     esac
 done
 case "$VMS" in [1-8]) ;; *) die "--vms must be 1..8" ;; esac
+if [ -n "$CH" ]; then
+    [ -x "$CH" ] || die "--ch: no such program: $CH"
+    [ "$MIGRATE" = 0 ] && [ "$RESTART" = 0 ] || die "--ch runs neither --migrate nor a backend restart yet"
+fi
 
 . "$ROOT/ci/lib.sh"
 rig_kernel
@@ -103,7 +115,8 @@ WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 if [ "$GUEST" = 1 ]; then
     DRIVER="${DRIVER:-$ROOT/guest-driver/kernel/vgpu.ko}"
-    EXITCOST="${EXITCOST:-$TARGET_DIR/exit-cost}"
+    # (exit-cost knows vgpu-vmm's BAR layout, not Cloud Hypervisor's.)
+    [ -n "$CH" ] || EXITCOST="${EXITCOST:-$TARGET_DIR/exit-cost}"
     if [ "$MIGRATE" = 1 ]; then
         L2CMD="${L2CMD:-$RIG/l2-migrate-checks.sh}"
     elif [ "$RESTART" = 1 ]; then
@@ -123,7 +136,7 @@ add_virtio_mods l2_adds
 [ -z "$L2CMD" ] || l2_adds+=(--add "$L2CMD:/l2-user.sh")
 l2_adds+=(${ADDS[@]+"${ADDS[@]}"})
 
-{ echo "VIRTIO_MODS='$VIRTIO_MODS'"; cat <<'L2'
+{ echo "VIRTIO_MODS='$VIRTIO_MODS' L2_END='$([ -n "$CH" ] && echo poweroff || echo reboot)'"; cat <<'L2'
 pci=0 dev=""
 for d in /sys/bus/pci/devices/*; do
     if [ "$(cat "$d/vendor")" = 0x1af4 ] && [ "$(cat "$d/device")" = 0x107c ]; then
@@ -163,12 +176,18 @@ if [ -f /l2-user.sh ]; then
 fi
 dmesg | busybox grep -i -E 'vgpu|virtio' | busybox tail -20
 echo "L2-VGPU-RESULT pci=$pci virtio=$virtio driver=$driver user=$user"
+# Cloud Hypervisor runs a rebooting guest again: power off instead (ACPI), which ends it.
+[ "$L2_END" != poweroff ] || busybox poweroff -f
 L2
 } > "$WORK/l2-cmd.sh"
 "$RIG/l2-initramfs.sh" --out "$WORK/l2.cpio.gz" "${l2_adds[@]}" >/dev/null
 
 EXPECT="pci=1 virtio=1 driver=$([ -n "$DRIVER" ] && echo ok || echo none) user=$([ -n "$L2CMD" ] && echo ok || echo none)"
 L2_ARGS="console=ttyS0 reboot=k panic=1 pci=conf1 quiet i8042.noaux i8042.nokbd i8042.nomux i8042.nopnp"
+# Under Cloud Hypervisor: its ACPI tables describe the PCI segment; a panic halts (a reboot
+# would run the guest again), the step's watchdog ends it.
+CH_L2_ARGS="console=ttyS0 quiet i8042.noaux i8042.nokbd i8042.nomux i8042.nopnp"
+VMM_NAME=$([ -n "$CH" ] && echo cloud-hypervisor || echo vgpu-vmm)
 
 cat > "$WORK/cmd.sh" <<CMD
 mkdir -p /tmp/vgpu
@@ -176,7 +195,7 @@ mkdir -p /tmp/vgpu
 # step prints them here, on L1's console (which run-l1.sh streams and keeps).
 rig_threads() {
     # Each vgpu process's threads: state, kernel wait channel and stack.
-    for p in \$(pidof vgpu-vmm vgpu-backend 2>/dev/null); do
+    for p in \$(pidof vgpu-vmm cloud-hypervisor vgpu-backend 2>/dev/null); do
         echo "---- pid \$p: \$(tr '\\0' ' ' < /proc/\$p/cmdline 2>/dev/null | cut -c1-160)"
         for t in /proc/\$p/task/*; do
             echo "  tid \${t##*/} \$(cat \$t/comm 2>/dev/null) state=\$(cut -d' ' -f3 \$t/stat 2>/dev/null) wchan=\$(cat \$t/wchan 2>/dev/null)"
@@ -206,7 +225,7 @@ wd=\$(( $((TIMEOUT - 60)) - \${up0%.*} ))
     rig_threads
     rig_dump watchdog
     : > /tmp/rig-failed
-    kill -KILL \$(pidof vgpu-vmm vgpu-backend) 2>/dev/null
+    kill -KILL \$(pidof vgpu-vmm cloud-hypervisor vgpu-backend) 2>/dev/null
     pkill -KILL -f /rig/monitor.sh 2>/dev/null
 ) &
 wdog=\$!
@@ -217,7 +236,7 @@ rig_fail() {
     rig_threads
     rig_dump "\$1"
     : > /tmp/rig-failed
-    kill -KILL \$(pidof vgpu-vmm vgpu-backend) 2>/dev/null
+    kill -KILL \$(pidof vgpu-vmm cloud-hypervisor vgpu-backend) 2>/dev/null
 }
 vms=""
 for k in \$(seq 0 $((VMS - 1))); do vms="\$vms --vm vm\$k"; done
@@ -319,10 +338,21 @@ pids=""
 for k in \$(seq 0 $((VMS - 1))); do
     : > /tmp/l2-\$k.log
     (
-        RUST_LOG=$RIG_LOG vgpu-vmm --vgpu-socket /tmp/vgpu/vm\$k.sock --kernel /l2/vmlinuz \\
-            --initrd /l2/l2.cpio.gz --mem-mib 256 --vcpus $VCPUS --timeout $((TIMEOUT - 60)) \\
-            --cmdline "$L2_ARGS vgpu.vm=\$k" --serial /tmp/l2-\$k.log --api-socket /tmp/vmm-\$k.api \
-            > /tmp/vmm-\$k.log 2>&1
+        if [ -n "$CH" ]; then
+            # Shared guest memory (vhost-user maps it); the device's two queues at the
+            # size the device offers (protocol/src/device.rs: NUM_QUEUES, QUEUE_SIZE).
+            timeout -s KILL $((TIMEOUT - 60)) cloud-hypervisor -v $RIG_CH_ARGS --kernel /l2/vmlinuz \\
+                --initramfs /l2/l2.cpio.gz --cmdline "$CH_L2_ARGS vgpu.vm=\$k" \\
+                --cpus boot=$VCPUS --memory size=256M,shared=on \\
+                --generic-vhost-user "socket=/tmp/vgpu/vm\$k.sock,device_type=60,queue_sizes=[256,256],id=vgpu\$k" \\
+                --serial file=/tmp/l2-\$k.log --console off --api-socket path=/tmp/vmm-\$k.api \\
+                > /tmp/vmm-\$k.log 2>&1
+        else
+            RUST_LOG=$RIG_LOG vgpu-vmm --vgpu-socket /tmp/vgpu/vm\$k.sock --kernel /l2/vmlinuz \\
+                --initrd /l2/l2.cpio.gz --mem-mib 256 --vcpus $VCPUS --timeout $((TIMEOUT - 60)) \\
+                --cmdline "$L2_ARGS vgpu.vm=\$k" --serial /tmp/l2-\$k.log --api-socket /tmp/vmm-\$k.api \
+                > /tmp/vmm-\$k.log 2>&1
+        fi
         r=\$?; echo \$r > /tmp/vmm-\$k.rc; exit \$r
     ) &
     pids="\$pids \$!"
@@ -377,7 +407,7 @@ for p in \$pids; do
     res=\$(grep -a -o 'L2-VGPU-RESULT.*' \$log | tr -d '\r')
     up=\$(grep -a -o 'L2-UP uptime=[0-9.]*' /tmp/l2-\$k.log | cut -d= -f2)
     echo "==== L2 vm\$k serial"; tr -d '\r' < \$log | grep -a -v '^\$'
-    echo "==== vgpu-vmm vm\$k"; tail -n 15 /tmp/vmm-\$k.log
+    echo "==== $VMM_NAME vm\$k"; tail -n 15 /tmp/vmm-\$k.log
     echo "L2-VGPU-CHECK vm=\$k vmm_rc=\$rc l2_uptime_at_init=\${up:-none} done_after=\$(awk -v a=\$t0 -v b=\$t1 'BEGIN{printf "%.1f", b-a}')s \${res:-no result}"
     [ "\$rc" = 0 ] && [ "\$res" = "L2-VGPU-RESULT $EXPECT" ] || ok=0
     if [ "$HANG" != 0 ]; then
@@ -414,6 +444,11 @@ if [ "\$ok" != 1 ] && [ ! -f /tmp/rig-failed ]; then rig_dump "the step failed";
 CMD
 
 l1_adds=()
+if [ -n "$CH" ]; then
+    # A glibc program: its libraries and loader at the paths it names.
+    l1_adds+=(--add "$CH:/bin/cloud-hypervisor")
+    for lib in $(ldd "$CH" | grep -o '/[^ ]*'); do l1_adds+=(--add "$lib:$lib"); done
+fi
 [ -z "$MONITOR" ] || l1_adds+=(--add "$MONITOR:/rig/monitor.sh")
 [ ! -x "$MUSL/vgpuctl" ] || l1_adds+=(--add "$MUSL/vgpuctl:/bin/vgpuctl")
 "$RIG/run-l1.sh" --timeout "$TIMEOUT" --script "$WORK/cmd.sh" ${l1_adds[@]+"${l1_adds[@]}"} \

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# A Debian guest under Cloud Hypervisor with vgpu.ko, attached to vgpu-backend through
+# Cloud Hypervisor's generic vhost-user device (`--generic-vhost-user device_type=60`).
+# Cloud Hypervisor needs a real /dev/kvm, so it runs in the nested rig's L1 (as vgpu-vmm
+# does in ci/rig/l2-vgpu.sh, which this drives with --ch) next to the backend. It has no
+# vhost-user SHMEM, so the device runs forwarded (protocol.md §9.1); the guest must say
+# so, then pass the rig's guest checks (ci/rig/l2-guest-checks.sh: smoke, two processes,
+# hostile, a killed process, the quick bench, nothing left in the backend).
+# Ends with l2-vgpu.sh's verdict (its exit status; "L2-VGPU-CHECK vm=K ..." per VM).
+#
+# Usage: ci/ch/guest-test.sh [--vms N] [--no-build] [--ch BIN] [--timeout S] [-- l2-vgpu.sh args]
+#   --vms N      guests at once, one backend (default 1)
+#   --no-build   use vgpu's binaries and vgpu.ko as built (Cloud Hypervisor still comes
+#                from ci/ch/build.sh, which answers from its store when it can)
+#   --ch BIN     this cloud-hypervisor instead of ci/ch/build.sh's
+# Env: CARGO_TARGET_DIR (default <repo>/target); RIG_LOG (the backend's log filter)
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+HERE="$ROOT/ci/ch"
+VMS=1 BUILD=1 CH="" TIMEOUT=600
+EXTRA=()
+die() { echo "ch-guest-test: $*" >&2; exit 1; }
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --vms) VMS="$2"; shift 2 ;;
+        --no-build) BUILD=0; shift ;;
+        --ch) CH="$2"; shift 2 ;;
+        --timeout) TIMEOUT="$2"; shift 2 ;;
+        --) shift; EXTRA+=("$@"); break ;;
+        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        *) die "unknown argument: $1" ;;
+    esac
+done
+START=$(date +%s)
+if [ -z "$CH" ]; then
+    eval "$("$HERE/build.sh" | grep -E '^CH=')"
+fi
+[ -x "$CH" ] || die "no cloud-hypervisor at $CH"
+echo "ch-guest-test: $("$CH" --version | head -n 1), $VMS VM(s) (setup $(( $(date +%s) - START ))s)" >&2
+"$ROOT/ci/rig/l2-vgpu.sh" --guest --ch "$CH" --vms "$VMS" --timeout "$TIMEOUT" \
+    --l2-cmd "$HERE/guest-checks.sh" --add "$ROOT/ci/rig/l2-guest-checks.sh:/l2-guest-checks.sh" \
+    $([ "$BUILD" = 1 ] || echo --no-build) ${EXTRA[@]+"${EXTRA[@]}"}
