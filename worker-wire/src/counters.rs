@@ -190,16 +190,28 @@ mod tests {
                 publish(record(&p2, 0).unwrap(), &r);
             }
         });
-        let mut seen = 0;
-        for _ in 0..200_000 {
-            if let Ok(r) = read(record(&p, 0).unwrap()) {
+        // Reads while the writer runs: from its first publication (a loaded machine may
+        // start it late) until it has published many more.
+        let rec = record(&p, 0).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        let first = loop {
+            match read(rec) {
+                Ok(r) if r.busy_ns > 0 => break r.busy_ns,
+                _ if std::time::Instant::now() > deadline => panic!("the writer never ran"),
+                _ => std::thread::yield_now(),
+            }
+        };
+        let (mut seen, mut reads) = (first, 0u64);
+        while (seen < first + 10_000 || reads < 100_000) && std::time::Instant::now() < deadline {
+            if let Ok(r) = read(rec) {
                 assert!(r.busy_ns == r.gp_completed && r.kernels == r.copies);
                 assert_eq!(r.busy_ns, r.sem_wait_ns);
                 seen = seen.max(r.busy_ns);
+                reads += 1;
             }
         }
         stop.store(true, Ordering::Relaxed);
         writer.join().unwrap();
-        assert!(seen > 0);
+        assert!(reads >= 100_000, "{reads} consistent reads");
     }
 }

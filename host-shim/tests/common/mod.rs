@@ -295,9 +295,10 @@ impl Chan {
 }
 
 /// The channel's counters once they show `completed` GP entries (at once on an
-/// in-process GPU; a GPU in a worker process publishes them within a millisecond or so).
+/// in-process GPU; a GPU in a worker process publishes them within a millisecond or so,
+/// longer on a loaded machine: up to 10 s).
 pub fn counters_after<G: Gpu + ?Sized>(gpu: &G, ch: ChannelId, completed: u64) -> ChannelCounters {
-    let deadline = Instant::now() + Duration::from_secs(2);
+    let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let c = gpu.channel_counters(ch).unwrap();
         if c.gp_completed >= completed || Instant::now() > deadline {
@@ -308,9 +309,9 @@ pub fn counters_after<G: Gpu + ?Sized>(gpu: &G, ch: ChannelId, completed: u64) -
 }
 
 /// The channel's error once it has one (at once on an in-process GPU; a GPU in a worker
-/// process publishes it within a millisecond or so), or `None` after 2 s.
+/// process publishes it within a millisecond or so), or `None` after 10 s.
 pub fn error_after<G: Gpu + ?Sized>(gpu: &G, ch: ChannelId) -> Option<(ErrorCode, u64)> {
-    let deadline = Instant::now() + Duration::from_secs(2);
+    let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let e = gpu.channel_error(ch).unwrap();
         if e.is_some() || Instant::now() > deadline {
