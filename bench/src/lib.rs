@@ -3,6 +3,7 @@
 //! guest suite, the figures and the statistics come from the guest tools
 //! (`vgpu-guest-tools`), so the same code measures in a VM and on the host.
 
+pub mod churn;
 pub mod proc_stats;
 pub mod sched_rig;
 pub mod suites;

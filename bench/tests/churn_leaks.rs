@@ -7,8 +7,9 @@
 use std::time::{Duration, Instant};
 
 use vgpu_backend::VmLimits;
+use vgpu_bench::churn::one_connection;
 use vgpu_bench::proc_stats::{open_fds, rss, steady_fds_threads, threads};
-use vgpu_guest::{Device, KernelArgs};
+use vgpu_guest::Device;
 use vgpu_test_support::Host;
 
 /// Cycles run before the RSS baseline is taken (10× that for object churn).
@@ -31,42 +32,6 @@ fn settle(want: (u64, u64)) -> (u64, u64) {
     }
 }
 
-/// Waits until the backend has torn the VM's `n`-th connection down (not merely seen it
-/// close: `connected` drops before the teardown runs).
-fn wait_disconnected(host: &Host, vm: &str, n: u64) {
-    let t0 = Instant::now();
-    while host.backend.vm_stats(vm).is_some_and(|s| s.disconnects < n)
-        && t0.elapsed() < Duration::from_secs(10)
-    {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
-/// One connection's life: a process runs a kernel, then the VM goes.
-fn one_connection(host: &Host, vm: &str, pid: u32) {
-    let seen = host.backend.vm_stats(vm).map_or(0, |s| s.disconnects);
-    let lvm = host.connect(vm);
-    {
-        let dev = Device::loopback(lvm.clone(), pid).unwrap();
-        let ctx = dev.create_context().unwrap();
-        let buf = ctx.alloc_vram(4096).unwrap();
-        let mut ch = ctx.create_channel().unwrap();
-        ch.launch(
-            &KernelArgs::Memset {
-                dst: buf.gpu_va(),
-                len: 4096,
-                pattern: pid,
-            },
-            [1, 1, 1],
-        )
-        .unwrap();
-        ch.finish().unwrap();
-    }
-    lvm.disconnect();
-    drop(lvm);
-    wait_disconnected(host, vm, seen + 1);
-}
-
 /// Both churns in one test: fd and thread counts are per process, so nothing else may
 /// run beside them.
 #[test]
@@ -78,16 +43,16 @@ fn churn_leaks_no_fd_no_thread_and_no_object() {
 fn connect_disconnect_cycles() {
     let host = Host::new("churn-conn", 256 << 20, VmLimits::default(), &["vm"]);
     // The first connection starts what lives as long as the backend (thread pools).
-    one_connection(&host, "vm", 1);
+    one_connection(&host, "vm", 1, || ());
     let before = steady_fds_threads();
     const CYCLES: u32 = 1_000;
     // The allocator settles over the first cycles; RSS is compared from there.
     for i in 0..WARM_CYCLES {
-        one_connection(&host, "vm", 2 + i);
+        one_connection(&host, "vm", 2 + i, || ());
     }
     let rss0 = rss();
     for i in WARM_CYCLES..CYCLES {
-        one_connection(&host, "vm", 2 + i);
+        one_connection(&host, "vm", 2 + i, || ());
     }
     let after = settle(before);
     let grown = rss().saturating_sub(rss0);

@@ -4,12 +4,10 @@
 //! worker, no zombie, and no object of the VM in its books. (A test binary of its own:
 //! fd and thread counts are per process.)
 
-use std::time::{Duration, Instant};
-
 use vgpu_backend::VmLimits;
+use vgpu_bench::churn::one_connection;
 use vgpu_bench::proc_stats::steady_fds_threads;
 use vgpu_gpu_worker::{PoolConfig, WorkerOptions, WorkerPool, WorkerProgram};
-use vgpu_guest::{Device, KernelArgs};
 use vgpu_host_shim::GpuInfo;
 use vgpu_test_support::{backend_bin, Host};
 
@@ -63,54 +61,23 @@ fn children() -> (usize, usize) {
     (live, zombies)
 }
 
-fn one_connection(host: &Host<WorkerPool>, pid: u32, kill: bool) {
-    let seen = host.backend.vm_stats("vm").map_or(0, |s| s.disconnects);
-    let lvm = host.connect("vm");
-    {
-        let dev = Device::loopback(lvm.clone(), pid).unwrap();
-        let ctx = dev.create_context().unwrap();
-        let buf = ctx.alloc_vram(4096).unwrap();
-        let mut ch = ctx.create_channel().unwrap();
-        ch.launch(
-            &KernelArgs::Memset {
-                dst: buf.gpu_va(),
-                len: 4096,
-                pattern: pid,
-            },
-            [1, 1, 1],
-        )
-        .unwrap();
-        ch.finish().unwrap();
-        if kill {
-            host.worker("vm").kill();
-        }
-    }
-    lvm.disconnect();
-    drop(lvm);
-    let t0 = Instant::now();
-    while host
-        .backend
-        .vm_stats("vm")
-        .is_some_and(|s| s.disconnects <= seen)
-        && t0.elapsed() < Duration::from_secs(10)
-    {
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
-
 #[test]
 fn a_thousand_cycles_and_a_hundred_worker_restarts_leave_nothing_behind() {
     let host = host();
     // The first connection starts what lives as long as the backend (the launcher
     // thread, the VM's first worker).
-    one_connection(&host, 1, false);
+    one_connection(&host, "vm", 1, || ());
     let before = steady_fds_threads();
     const CYCLES: u32 = 1_000;
     for i in 1..=CYCLES {
-        one_connection(&host, 1 + i, i % 10 == 0);
+        one_connection(&host, "vm", 1 + i, || {
+            if i % 10 == 0 {
+                host.worker("vm").kill();
+            }
+        });
     }
     // The last cycle killed the worker: one more connection starts the next.
-    one_connection(&host, CYCLES + 2, false);
+    one_connection(&host, "vm", CYCLES + 2, || ());
     let after = steady_fds_threads();
     let st = host.gpu.stats();
     let kids = children();

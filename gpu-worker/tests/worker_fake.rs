@@ -144,7 +144,8 @@ fn a_killed_worker_loses_its_gpu_and_no_other() {
         Err(HalError::DeviceLost(_))
     ));
     assert!(
-        t.elapsed() < Duration::from_millis(100),
+        // Far under the 30 s call timeout: a lost GPU does not wait for its worker.
+        t.elapsed() < Duration::from_secs(5),
         "a lost GPU answers at once"
     );
     assert_eq!(a.channel_error(ca.id), Ok(Some((ErrorCode::DeviceLost, 0))));

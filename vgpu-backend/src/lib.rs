@@ -159,6 +159,15 @@ impl VgpuBackend {
         Self::build(pool.clone(), Some((vm_gpus, pool)), defaults)
     }
 
+    /// A backend with a worker process of `pool` per VM, each with the VM's VRAM quota.
+    pub fn with_workers(pool: Arc<vgpu_gpu_worker::WorkerPool>, defaults: VmLimits) -> Arc<Self> {
+        let p = pool.clone();
+        let vm_gpus: VmGpuSource = Arc::new(move |name: &str, limits: &VmLimits| -> Arc<dyn Gpu> {
+            p.vm_gpu(name, limits.vram_bytes)
+        });
+        Self::with_vm_gpus(pool, vm_gpus, defaults)
+    }
+
     fn build(
         gpu: Arc<dyn Gpu>,
         per_vm: Option<(VmGpuSource, Arc<vgpu_gpu_worker::WorkerPool>)>,

@@ -258,13 +258,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
     }
     confine_process(cfg.seccomp, cfg.gpu.model)?;
     if cli.gpu_workers {
-        let pool = worker_pool(&cfg.gpu)?;
-        let p = pool.clone();
-        let vm_gpus: vgpu_backend::VmGpuSource =
-            Arc::new(move |name: &str, limits: &VmLimits| -> Arc<dyn Gpu> {
-                p.vm_gpu(name, limits.vram_bytes)
-            });
-        let backend = VgpuBackend::with_vm_gpus(pool, vm_gpus, VmLimits::default());
+        let backend = VgpuBackend::with_workers(worker_pool(&cfg.gpu)?, VmLimits::default());
         return serve(backend, &cfg, set);
     }
     let gpu: Arc<dyn Gpu> = match cfg.gpu.model {

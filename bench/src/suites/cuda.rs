@@ -233,12 +233,7 @@ impl Rig {
                     gpu: gi,
                     opts: WorkerOptions::default(),
                 });
-                let p = pool.clone();
-                let source: vgpu_backend::VmGpuSource =
-                    Arc::new(move |name: &str, l: &VmLimits| -> Arc<dyn Gpu> {
-                        p.vm_gpu(name, l.vram_bytes)
-                    });
-                VgpuBackend::with_vm_gpus(pool, source, limits)
+                VgpuBackend::with_workers(pool, limits)
             }
         };
         let dir = vgpu_test_support::try_temp_dir("bench-cuda")
