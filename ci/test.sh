@@ -17,7 +17,10 @@ FUZZ_SECONDS="${FUZZ_SECONDS:-30}"
 # injected for VGPU_SOAK_SECS (180 s here, about 3 minutes of wall time) from the seed
 # VGPU_SOAK_SEED (a fixed default; the test prints it for a replay).
 export VGPU_SOAK_SECS="${VGPU_SOAK_SECS:-180}"
-ci_step "cargo test (workspace)" cargo test --workspace --release 2>&1
+# A hung test fails the step after VGPU_TEST_LIMIT seconds (build included; about 15 min
+# on a clean 2-core clone) with every thread's stack, rather than stalling CI in silence.
+ci_step "cargo test (workspace)" \
+    ci/hang-guard.sh "${VGPU_TEST_LIMIT:-2700}" cargo test --workspace --release 2>&1
 
 # One fuzz target: built (a target that no longer builds must fail the suite, not run
 # nothing), run for FUZZ_SECONDS, failed if it left a crash artifact.

@@ -61,7 +61,11 @@ pub struct FakeStream {
 
 impl Drop for FakeStream {
     fn drop(&mut self) {
+        // Set under the queue's lock: the worker checks `stop` under it just before it
+        // waits, so a wake-up sent between its check and its wait cannot be lost.
+        let q = self.sh.q.lock().unwrap_or_else(|e| e.into_inner());
         self.sh.stop.store(true, Ordering::Release);
+        drop(q);
         self.sh.cv.notify_all();
         if let Some(w) = self.worker.take() {
             let _ = w.join();
