@@ -7,7 +7,7 @@
 use vgpu_backend::VmLimits;
 use vgpu_bench::churn::one_connection;
 use vgpu_bench::proc_stats::steady_fds_threads;
-use vgpu_gpu_worker::{PoolConfig, WorkerOptions, WorkerPool, WorkerProgram};
+use vgpu_gpu_worker::{PoolConfig, TurnSlots, WorkerOptions, WorkerPool, WorkerProgram};
 use vgpu_host_shim::GpuInfo;
 use vgpu_test_support::{backend_bin, Host};
 
@@ -28,7 +28,11 @@ fn host() -> Host<WorkerPool> {
             has_busy_counters: true,
         },
         per_worker: (16, 8),
-        opts: WorkerOptions::default(),
+        // The GPU turn, as `vgpu-backend --gpu-workers` runs them by default.
+        opts: WorkerOptions {
+            turn: Some(TurnSlots::new(4000).expect("the GPU turn's page")),
+            ..WorkerOptions::default()
+        },
     });
     let limits = VmLimits {
         vram_bytes: 16 * MIB,

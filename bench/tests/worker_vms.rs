@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vgpu_backend::VmLimits;
-use vgpu_gpu_worker::{PoolConfig, WorkerOptions, WorkerPool, WorkerProgram};
+use vgpu_gpu_worker::{PoolConfig, TurnSlots, WorkerOptions, WorkerPool, WorkerProgram};
 use vgpu_guest::{Context, Device, KernelArgs};
 use vgpu_host_shim::GpuInfo;
 use vgpu_loopback::LoopbackVm;
@@ -32,7 +32,11 @@ fn pool() -> Arc<WorkerPool> {
             has_busy_counters: true,
         },
         per_worker: (32, 16),
-        opts: WorkerOptions::default(),
+        // The GPU turn, as `vgpu-backend --gpu-workers` runs them by default.
+        opts: WorkerOptions {
+            turn: Some(TurnSlots::new(4000).expect("the GPU turn's page")),
+            ..WorkerOptions::default()
+        },
     })
 }
 

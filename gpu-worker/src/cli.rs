@@ -1,6 +1,6 @@
 //! A worker's command line and `main`: `vgpu-gpu-worker` and `vgpu-backend worker` both
-//! run it. Started by the backend with its command socket as fd 3 and its event socket as
-//! fd 4; not meant to be run by hand.
+//! run it. Started by the backend with its command socket as fd 3, its event socket as
+//! fd 4 and the GPU turn's page as fd 5; not meant to be run by hand.
 
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::process::ExitCode;
@@ -10,8 +10,9 @@ use std::time::Duration;
 use clap::Parser;
 use log::error;
 
-use crate::{serve, ServeOptions, COMMAND_FD, EVENT_FD};
+use crate::{serve, ServeOptions, COMMAND_FD, EVENT_FD, TURN_FD};
 use vgpu_host_shim::cuda::{CudaConfig, CudaGpu, FakeCudaGpu, FakeDevice};
+use vgpu_host_shim::gpu_turn::GpuTurn;
 use vgpu_host_shim::{Gpu, SimConfig, SimGpu};
 
 #[derive(Debug, Parser)]
@@ -34,6 +35,25 @@ struct Cli {
     #[arg(long, default_value_t = 1000,
           value_parser = clap::value_parser!(u64).range(100..=100_000))]
     publish_us: u64,
+    /// This worker's slot in the GPU turn, whose page is fd 5 (`cuda` GPUs only; without
+    /// it the GPU time-slices this worker's context with the others').
+    #[arg(long)]
+    turn_slot: Option<u32>,
+    /// How long the worker may keep the turn while others wait, microseconds.
+    #[arg(long, default_value_t = 4000)]
+    turn_quantum_us: u64,
+}
+
+fn turn(cli: &Cli) -> Result<Option<Arc<GpuTurn>>, String> {
+    let Some(slot) = cli.turn_slot else {
+        return Ok(None);
+    };
+    // SAFETY: with `--turn-slot` the backend started this process with the turn page as
+    // fd 5 (see `crate::client::spawn`); nothing else in it owns that fd.
+    let fd = unsafe { OwnedFd::from_raw_fd(TURN_FD) };
+    GpuTurn::open(fd, slot, cli.turn_quantum_us.saturating_mul(1000))
+        .map(Some)
+        .map_err(|e| format!("the GPU turn: {e}"))
 }
 
 fn open(cli: &Cli) -> Result<Arc<dyn Gpu>, String> {
@@ -41,6 +61,7 @@ fn open(cli: &Cli) -> Result<Arc<dyn Gpu>, String> {
         vram_bytes: cli.vram_mib << 20,
         max_channels: cli.max_channels,
         max_contexts: cli.max_contexts,
+        turn: turn(cli)?,
         ..CudaConfig::default()
     };
     let gpu: Arc<dyn Gpu> = match cli.gpu.as_str() {

@@ -16,8 +16,10 @@ mod mapping;
 pub mod pool;
 pub mod server;
 pub mod socket;
+pub mod turn;
 
-pub use client::spawn::{WorkerProgram, COMMAND_FD, EVENT_FD};
+pub use client::spawn::{WorkerProgram, COMMAND_FD, EVENT_FD, TURN_FD};
 pub use client::{Ids, StartError, WorkerGpu, WorkerOptions};
 pub use pool::{PoolConfig, PoolStats, VmWorker, WorkerPool};
 pub use server::{serve, ServeError, ServeOptions};
+pub use turn::TurnSlots;

@@ -11,6 +11,7 @@ pub mod choice;
 pub mod clock;
 pub mod cuda;
 mod fifo;
+pub mod gpu_turn;
 pub mod gpu_view;
 pub mod hal;
 pub mod host_copy_log;

@@ -17,6 +17,8 @@ pub enum SharedMemError {
     Map(u64, std::io::Error),
     #[error("bad region name")]
     Name,
+    #[error("sealing the region's size failed: {0}")]
+    Seal(std::io::Error),
 }
 
 /// A memfd of fixed size mapped `MAP_SHARED` into this process. Pages are committed
@@ -36,9 +38,25 @@ unsafe impl Sync for SharedMem {}
 
 impl SharedMem {
     pub fn new(name: &str, len: u64) -> Result<Self, SharedMemError> {
+        Self::create(name, len, false)
+    }
+
+    /// A region whose size nobody can change once made (sealed against shrinking and
+    /// growing): for a region shared with a less trusted process, which could otherwise
+    /// truncate it and make this process's next access fault (SIGBUS).
+    pub fn new_sealed(name: &str, len: u64) -> Result<Self, SharedMemError> {
+        Self::create(name, len, true)
+    }
+
+    fn create(name: &str, len: u64, sealed: bool) -> Result<Self, SharedMemError> {
         let cname = CString::new(name).map_err(|_| SharedMemError::Name)?;
+        let flags = if sealed {
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING
+        } else {
+            libc::MFD_CLOEXEC
+        };
         // SAFETY: `cname` is a valid NUL-terminated string; the flags are valid.
-        let raw = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+        let raw = unsafe { libc::memfd_create(cname.as_ptr(), flags) };
         if raw < 0 {
             return Err(SharedMemError::Create(
                 name.to_string(),
@@ -54,6 +72,38 @@ impl SharedMem {
                 std::io::Error::last_os_error(),
             ));
         }
+        if sealed {
+            let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+            // SAFETY: fcntl on a memfd we own; it changes no memory.
+            if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+                return Err(SharedMemError::Seal(std::io::Error::last_os_error()));
+            }
+        }
+        Self::map(fd, len)
+    }
+
+    /// Maps the whole of a memfd that another process made (at least `len` bytes; a
+    /// longer file maps only `len`). The caller must trust the file not to shrink, or
+    /// check that it is sealed against it.
+    pub fn from_fd(fd: OwnedFd, len: u64) -> Result<Self, SharedMemError> {
+        // SAFETY: fstat into a zeroed struct of the right type on an fd we own.
+        let size = unsafe {
+            let mut st: libc::stat = std::mem::zeroed();
+            if libc::fstat(fd.as_raw_fd(), &mut st) != 0 {
+                return Err(SharedMemError::Map(len, std::io::Error::last_os_error()));
+            }
+            st.st_size
+        };
+        if u64::try_from(size).unwrap_or(0) < len {
+            return Err(SharedMemError::Map(
+                len,
+                std::io::Error::from(std::io::ErrorKind::UnexpectedEof),
+            ));
+        }
+        Self::map(fd, len)
+    }
+
+    fn map(fd: OwnedFd, len: u64) -> Result<Self, SharedMemError> {
         let ulen = usize::try_from(len).map_err(|_| {
             SharedMemError::Map(len, std::io::Error::from(std::io::ErrorKind::InvalidInput))
         })?;

@@ -96,6 +96,12 @@ struct Cli {
     /// context. Needs `--seccomp off` for now: the sandbox forbids starting processes.
     #[arg(long)]
     gpu_workers: bool,
+    /// With `--gpu-workers`: how long one VM's worker may keep the GPU while others wait,
+    /// microseconds (the GPU turn: workers take the GPU one at a time, so each VM is
+    /// charged only for GPU time it alone used; 0 lets the GPU time-slice them instead,
+    /// which charges both VMs for shared time and breaks the scheduler's shares).
+    #[arg(long, default_value_t = 4000, value_parser = parse_turn_us)]
+    gpu_turn_us: u64,
     #[command(flatten)]
     sched: SchedArgs,
 }
@@ -258,7 +264,8 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
     }
     confine_process(cfg.seccomp, cfg.gpu.model)?;
     if cli.gpu_workers {
-        let backend = VgpuBackend::with_workers(worker_pool(&cfg.gpu)?, VmLimits::default());
+        let backend =
+            VgpuBackend::with_workers(worker_pool(&cfg.gpu, cli.gpu_turn_us)?, VmLimits::default());
         return serve(backend, &cfg, set);
     }
     let gpu: Arc<dyn Gpu> = match cfg.gpu.model {
@@ -285,10 +292,25 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
     serve(VgpuBackend::new(gpu, VmLimits::default()), &cfg, set)
 }
 
+/// `--gpu-turn-us`: 0 (off) or 100 µs ..= 100 ms.
+fn parse_turn_us(s: &str) -> Result<u64, String> {
+    let v: u64 = s.parse().map_err(|e| format!("{e}"))?;
+    if v == 0 || (100..=100_000).contains(&v) {
+        Ok(v)
+    } else {
+        Err("0 (off) or 100..=100000 µs".into())
+    }
+}
+
 /// The workers of `--gpu-workers`: this program run as `vgpu-backend worker`, one per VM.
 fn worker_pool(
     g: &vgpu_backend::config::GpuConfig,
+    turn_us: u64,
 ) -> Result<Arc<vgpu_gpu_worker::WorkerPool>, String> {
+    let turn = (turn_us > 0)
+        .then(|| vgpu_gpu_worker::TurnSlots::new(turn_us))
+        .transpose()
+        .map_err(|e| format!("the GPU turn: {e}"))?;
     let exe = std::env::current_exe().map_err(|e| format!("this program's path: {e}"))?;
     let cfg = vgpu_gpu_worker::PoolConfig {
         program: vgpu_gpu_worker::WorkerProgram {
@@ -304,11 +326,19 @@ fn worker_pool(
             has_busy_counters: true,
         },
         per_worker: (g.max_channels, g.max_contexts),
-        opts: vgpu_gpu_worker::WorkerOptions::default(),
+        opts: vgpu_gpu_worker::WorkerOptions {
+            turn,
+            ..vgpu_gpu_worker::WorkerOptions::default()
+        },
     };
     info!(
-        "GPU workers: one per VM ({})",
-        cfg.program.program.display()
+        "GPU workers: one per VM ({}), GPU turn {}",
+        cfg.program.program.display(),
+        if turn_us > 0 {
+            format!("quantum {turn_us} µs")
+        } else {
+            "off (time-sliced)".to_string()
+        }
     );
     Ok(vgpu_gpu_worker::WorkerPool::new(cfg))
 }

@@ -82,6 +82,10 @@ enum Suite {
         /// worker`, the `vgpu-backend` beside this program (or `$VGPU_BACKEND_BIN`).
         #[arg(long)]
         workers: bool,
+        /// With `--workers`: the GPU turn's quantum, microseconds (0: no turn; the GPU
+        /// time-slices the workers' contexts) [default: 4000].
+        #[arg(long, default_value_t = 4000)]
+        turn_us: u64,
     },
     /// Fair service of control requests: a victim VM's request latency alone and while
     /// another VM floods its control queue, or its event queue, side by side.
@@ -151,6 +155,7 @@ fn main() {
             batch,
             max_inflight,
             workers,
+            turn_us,
         } => match gpu {
             vgpu_host_shim::GpuChoice::Sim => {
                 Err("vgpu-bench cuda needs --gpu cuda[:INDEX]".into())
@@ -176,6 +181,7 @@ fn main() {
                 match workers.then(backend_beside_me).transpose() {
                     Ok(w) => {
                         opts.workers = w;
+                        opts.turn_us = turn_us;
                         cuda::run(&opts).map_err(|e| e.to_string())
                     }
                     Err(e) => Err(e),

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use thiserror::Error;
 use vgpu_backend::{Policy, SchedConfig, VgpuBackend, VmLimits, VramConfig};
-use vgpu_gpu_worker::{PoolConfig, WorkerOptions, WorkerPool, WorkerProgram};
+use vgpu_gpu_worker::{PoolConfig, TurnSlots, WorkerOptions, WorkerPool, WorkerProgram};
 use vgpu_guest::workloads::{
     CopyHeavyConfig, HotspotConfig, ReductionConfig, SaxpyConfig, SgemmConfig, ThrottleConfig,
     Workload,
@@ -73,6 +73,8 @@ pub struct CudaOpts {
     /// run as `PROGRAM worker --gpu ...` (`vgpu-backend`). The native side stays in
     /// process.
     pub workers: Option<PathBuf>,
+    /// With workers: the GPU turn's quantum, µs (0: none, the GPU time-slices them).
+    pub turn_us: u64,
 }
 
 /// A part of the suite (`vgpu-bench cuda --only SECTION,…`; the native baseline program
@@ -130,6 +132,7 @@ impl CudaOpts {
             batch: CudaConfig::default().batch,
             max_inflight: CudaConfig::default().max_inflight,
             workers: None,
+            turn_us: 4000,
         }
     }
 
@@ -213,6 +216,7 @@ struct Rig {
 struct VmGpus {
     gpu: Arc<dyn Gpu>,
     workers: Option<WorkerProgram>,
+    turn_us: u64,
 }
 
 impl Rig {
@@ -227,11 +231,18 @@ impl Rig {
             None => VgpuBackend::new(g.gpu.clone(), limits),
             Some(prog) => {
                 let gi = g.gpu.info();
+                let turn = (g.turn_us > 0)
+                    .then(|| TurnSlots::new(g.turn_us))
+                    .transpose()
+                    .map_err(|e| CudaSuiteError::Backend(format!("the GPU turn: {e}")))?;
                 let pool = WorkerPool::new(PoolConfig {
                     program: prog.clone(),
                     per_worker: (gi.max_channels, gi.max_contexts),
                     gpu: gi,
-                    opts: WorkerOptions::default(),
+                    opts: WorkerOptions {
+                        turn,
+                        ..WorkerOptions::default()
+                    },
                 });
                 VgpuBackend::with_workers(pool, limits)
             }
@@ -368,9 +379,16 @@ fn run_on<D: CudaDeviceTrait>(
                 },
             ],
         }),
+        turn_us: opts.turn_us,
     };
     if vm_gpus.workers.is_some() {
         figs.push(fig("vm_gpu_in_worker_process", 1.0, "bool", Better::Higher));
+        figs.push(fig(
+            "worker_turn_quantum_us",
+            opts.turn_us as f64,
+            "us",
+            Better::Lower,
+        ));
     }
     let vm_sections = [Section::Workloads, Section::Latency, Section::B2b];
     if vm_sections.iter().any(|&s| opts.runs(s)) {

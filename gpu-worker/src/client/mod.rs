@@ -67,6 +67,8 @@ pub struct WorkerOptions {
     pub call_timeout: Duration,
     /// Bytes of the buffer host VRAM reads and writes pass through.
     pub copy_buffer: u64,
+    /// The GPU turn the backend's workers share (`None`: the GPU time-slices them).
+    pub turn: Option<Arc<crate::TurnSlots>>,
 }
 
 impl Default for WorkerOptions {
@@ -76,6 +78,7 @@ impl Default for WorkerOptions {
             ids: Arc::default(),
             call_timeout: Duration::from_secs(30),
             copy_buffer: 8 << 20,
+            turn: None,
         }
     }
 }
@@ -119,6 +122,8 @@ pub(crate) struct Inner {
     shutting_down: AtomicBool,
     channels: Mutex<HashMap<u32, Channel>>,
     timeout: Duration,
+    /// The worker's slot in the GPU turn, cleared when it is lost.
+    turn: Option<crate::turn::TurnLease>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -160,6 +165,10 @@ impl Inner {
         }
         if let Some(c) = lock(&self.child).as_mut() {
             let _ = c.kill();
+        }
+        // Killed: it can no longer touch the turn page; a turn it held passes on now.
+        if let Some(t) = &self.turn {
+            t.clear();
         }
     }
 
@@ -313,8 +322,27 @@ impl WorkerGpu {
         prog: &WorkerProgram,
         opts: &WorkerOptions,
     ) -> std::result::Result<Arc<Self>, StartError> {
-        let started =
-            start(prog).map_err(|e| StartError::Spawn(prog.program.display().to_string(), e))?;
+        let turn = opts.turn.as_ref().and_then(|t| {
+            let l = t.lease();
+            if l.is_none() {
+                warn!(
+                    "GPU worker {}: no turn slot left; it runs time-sliced",
+                    opts.worker
+                );
+            }
+            l
+        });
+        let mut prog = prog.clone();
+        if let Some(t) = &turn {
+            prog.args.extend([
+                "--turn-slot".to_string(),
+                t.slot().to_string(),
+                "--turn-quantum-us".to_string(),
+                t.quantum_us().to_string(),
+            ]);
+        }
+        let started = start(&prog, turn.as_ref().map(|t| t.fd()))
+            .map_err(|e| StartError::Spawn(prog.program.display().to_string(), e))?;
         let pid = started.child.id();
         socket::set_recv_timeout(started.cmd.as_fd(), Some(opts.call_timeout))
             .map_err(StartError::Pages)?;
@@ -331,6 +359,7 @@ impl WorkerGpu {
             shutting_down: AtomicBool::new(false),
             channels: Mutex::new(HashMap::new()),
             timeout: opts.call_timeout,
+            turn,
         });
         // From here on a failure must not leave the process behind.
         let fail = |e: StartError| {

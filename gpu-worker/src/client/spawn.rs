@@ -6,7 +6,7 @@
 //! the VM's disconnect). So every worker is forked by one launcher thread that lives as
 //! long as the process.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -19,6 +19,8 @@ use crate::socket;
 pub const COMMAND_FD: i32 = 3;
 /// The fd a worker sends events on.
 pub const EVENT_FD: i32 = 4;
+/// The GPU turn's page, when the worker has a slot in it (`--turn-slot`).
+pub const TURN_FD: i32 = 5;
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -34,7 +36,11 @@ pub struct Started {
     pub events: OwnedFd,
 }
 
-type Job = (WorkerProgram, Sender<std::io::Result<Started>>);
+type Job = (
+    WorkerProgram,
+    Option<RawFd>,
+    Sender<std::io::Result<Started>>,
+);
 
 /// The launcher thread's queue (`None` if it could not be started).
 static LAUNCHER: OnceLock<Option<Mutex<Sender<Job>>>> = OnceLock::new();
@@ -46,8 +52,8 @@ fn launcher() -> Option<&'static Mutex<Sender<Job>>> {
             let spawned = std::thread::Builder::new()
                 .name("gpu-worker-launcher".into())
                 .spawn(move || {
-                    for (prog, reply) in rx {
-                        let _ = reply.send(start_here(&prog));
+                    for (prog, turn, reply) in rx {
+                        let _ = reply.send(start_here(&prog, turn));
                     }
                 });
             match spawned {
@@ -61,23 +67,24 @@ fn launcher() -> Option<&'static Mutex<Sender<Job>>> {
         .as_ref()
 }
 
-/// Starts `prog` with its command socket as fd 3 and its event socket as fd 4, forked by
-/// the launcher thread.
-pub fn start(prog: &WorkerProgram) -> std::io::Result<Started> {
+/// Starts `prog` with its command socket as fd 3, its event socket as fd 4 and, if given,
+/// the turn page `turn` (which must stay open until this returns) as fd 5, forked by the
+/// launcher thread.
+pub fn start(prog: &WorkerProgram, turn: Option<RawFd>) -> std::io::Result<Started> {
     let Some(l) = launcher() else {
-        return start_here(prog);
+        return start_here(prog, turn);
     };
     let (tx, rx) = channel();
     l.lock()
         .unwrap_or_else(|e| e.into_inner())
-        .send((prog.clone(), tx))
+        .send((prog.clone(), turn, tx))
         .map_err(|_| std::io::Error::other("the launcher thread is gone"))?;
     rx.recv()
         .map_err(|_| std::io::Error::other("the launcher thread is gone"))?
 }
 
 /// Starts `prog` from this thread.
-fn start_here(prog: &WorkerProgram) -> std::io::Result<Started> {
+fn start_here(prog: &WorkerProgram, turn: Option<RawFd>) -> std::io::Result<Started> {
     let (cmd, cmd_child) = socket::pair()?;
     let (events, events_child) = socket::pair()?;
     let (a, b) = (cmd_child.as_raw_fd(), events_child.as_raw_fd());
@@ -87,19 +94,25 @@ fn start_here(prog: &WorkerProgram) -> std::io::Result<Started> {
     // async-signal-safe functions (fcntl, dup2, prctl, getppid) on fds it owns there.
     unsafe {
         c.pre_exec(move || {
-            // Copies above 3 and 4 first, so neither dup2 overwrites the other's source.
+            // Copies above 3..=5 first, so no dup2 overwrites another's source.
             let a2 = libc::fcntl(a, libc::F_DUPFD, 16);
             let b2 = libc::fcntl(b, libc::F_DUPFD, 16);
+            let t2 = turn.map_or(0, |t| libc::fcntl(t, libc::F_DUPFD, 16));
             if a2 < 0
                 || b2 < 0
+                || t2 < 0
                 || libc::dup2(a2, COMMAND_FD) < 0
                 || libc::dup2(b2, EVENT_FD) < 0
+                || (turn.is_some() && libc::dup2(t2, TURN_FD) < 0)
                 || libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0
             {
                 return Err(std::io::Error::last_os_error());
             }
             libc::close(a2);
             libc::close(b2);
+            if turn.is_some() {
+                libc::close(t2);
+            }
             // The parent may have died before the signal was armed.
             if libc::getppid() == 1 {
                 return Err(std::io::Error::from(std::io::ErrorKind::BrokenPipe));

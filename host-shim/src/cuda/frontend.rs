@@ -19,6 +19,7 @@ use super::timeline::Timeline;
 use super::vram::DeviceVram;
 use super::Shared;
 use crate::clock::{now_ns, thread_cpu_ns};
+use crate::gpu_turn::{FrontEndState, TurnUse};
 use crate::gpu_view::GpuView;
 use crate::hal::MapTarget;
 use crate::kernels::{FaultKind, KernelMemory, MemFault};
@@ -139,7 +140,8 @@ impl<D: Device> Translate for std::cell::RefCell<CtxTranslate<'_, D>> {
 }
 
 impl<D: Device> CudaChannel<D> {
-    /// Retires reached entries, then issues new ones. Returns whether anything happened.
+    /// Retires reached entries, then issues new ones (unless `issue` is false: another
+    /// worker has the GPU turn). Returns whether anything happened.
     pub fn step(
         &self,
         dev: &D,
@@ -147,11 +149,15 @@ impl<D: Device> CudaChannel<D> {
         old_scratch: &mut Vec<u64>,
         tl: &mut Option<Timeline<D>>,
         limits: (u32, usize),
+        issue: bool,
     ) -> bool {
         if self.core.is_stopped() {
             return false;
         }
         let mut progress = self.retire(dev, tl);
+        if !issue {
+            return progress;
+        }
         match self.issue_new(dev, mem, old_scratch, limits) {
             Ok(p) => {
                 if p {
@@ -194,7 +200,7 @@ impl<D: Device> CudaChannel<D> {
                         None => st.last_end,
                     };
                     if done.runs {
-                        let ns = tl.charge(start.min(end), end);
+                        let ns = tl.charge(start.min(end), end, done.entries);
                         self.busy_ns.fetch_add(ns, Ordering::Relaxed);
                         charged = ns;
                         log::trace!(
@@ -365,6 +371,15 @@ impl<D: Device> CudaChannel<D> {
             || !self.lock().inflight.is_empty()
     }
 
+    /// Whether GP_PUT is past what the front end fetched (work it could issue).
+    pub fn has_pending(&self) -> bool {
+        if self.core.is_stopped() {
+            return false;
+        }
+        let put = self.core.load(ControlPage::GP_PUT);
+        vgpu_protocol::counter_after(put, self.lock().fetched)
+    }
+
     /// Whether every entry issued so far has completed on the GPU.
     pub fn drained(&self, dev: &D) -> bool {
         let st = self.lock();
@@ -386,6 +401,7 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
     if tl.is_none() {
         log::warn!("cuda: no timeline stream: channels report no busy time");
     }
+    let mut turn = shared.cfg.turn.clone().map(TurnUse::new);
     while !shared.shutdown.load(Ordering::Acquire) {
         let gen = shared.fifo.gen();
         if gen != seen_gen {
@@ -407,10 +423,35 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
             .iter()
             .filter(|c| c.recently_active(now, quiet))
             .count();
-        let batch_limit = if active > 1 {
+        let mut batch_limit = if active > 1 {
             1
         } else {
             shared.cfg.batch.max(1)
+        };
+        let mut max_inflight = shared.cfg.max_inflight.max(1);
+        let mut waiting_for_turn = false;
+        let issue = match turn.as_mut() {
+            None => true,
+            Some(t) => {
+                // With a turn, keep about a quantum of work on the GPU per channel, so
+                // the turn passes on soon after the quantum ends (64 marks of 32 entries
+                // of 10 ms kernels would hold the others off for 20 s): two marks of
+                // half a quantum each, so one runs while the next is issued.
+                let mean = tl.as_ref().map_or(0, |tl| tl.mean_entry_ns()).max(1);
+                let ahead = u32::try_from(t.quantum_ns() / mean).unwrap_or(u32::MAX);
+                let cap = (ahead / 2).max(1);
+                if cap < batch_limit {
+                    batch_limit = cap;
+                    max_inflight = max_inflight.min(2);
+                }
+                let st = FrontEndState {
+                    pending: chans.iter().any(|c| c.has_pending()),
+                    drained: chans.iter().all(|c| c.drained(&*shared.dev)),
+                };
+                let issue = t.may_issue(now, st);
+                waiting_for_turn = st.pending && !issue;
+                issue
+            }
         };
         for ch in &chans {
             progress |= ch.step(
@@ -421,13 +462,15 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
                 },
                 &mut old_scratch,
                 &mut tl,
-                (batch_limit, shared.cfg.max_inflight.max(1)),
+                (batch_limit, max_inflight),
+                issue,
             );
         }
         if !old_scratch.is_empty() {
             shared.retire_scratch(std::mem::take(&mut old_scratch));
         }
-        let busy = chans.iter().any(|c| !c.lock().inflight.is_empty());
+        // Waiting for the turn counts as busy: the turn should not sit idle while we sleep.
+        let busy = waiting_for_turn || chans.iter().any(|c| !c.lock().inflight.is_empty());
         let now = now_ns();
         if progress {
             last_active = now;

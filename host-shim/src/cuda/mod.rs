@@ -78,6 +78,10 @@ pub struct CudaConfig {
     pub batch_quiet_ns: u64,
     /// Most completion marks one channel may have on its stream at once.
     pub max_inflight: usize,
+    /// The GPU turn shared with the other workers of a backend (one VM's GPU work per
+    /// process, [`crate::gpu_turn`]); `None` in process, where one context's streams
+    /// share the GPU without time-slicing.
+    pub turn: Option<Arc<crate::gpu_turn::GpuTurn>>,
 }
 
 impl Default for CudaConfig {
@@ -95,6 +99,7 @@ impl Default for CudaConfig {
             batch: 32,
             batch_quiet_ns: 100_000_000,
             max_inflight: 64,
+            turn: None,
         }
     }
 }

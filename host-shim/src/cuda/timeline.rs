@@ -23,6 +23,8 @@ pub struct Timeline<D: Device> {
     next: Option<D::Mark>,
     /// Recent entry end times.
     ends: BTreeSet<u64>,
+    /// Mean GPU time charged per GP entry (exponentially weighted).
+    mean_entry_ns: u64,
 }
 
 impl<D: Device> Timeline<D> {
@@ -43,6 +45,7 @@ impl<D: Device> Timeline<D> {
             base: (m, 0),
             next: None,
             ends: BTreeSet::new(),
+            mean_entry_ns: 0,
         })
     }
 
@@ -74,15 +77,24 @@ impl<D: Device> Timeline<D> {
         }
     }
 
-    /// Records an entry that ran from no earlier than `start` to `end`; returns the GPU
-    /// time to charge it.
-    pub fn charge(&mut self, start: u64, end: u64) -> u64 {
+    /// Records `entries` GP entries that ran from no earlier than `start` to `end`;
+    /// returns the GPU time to charge them.
+    pub fn charge(&mut self, start: u64, end: u64, entries: u32) -> u64 {
         let others = self.ends.range(..end).next_back().copied().unwrap_or(0);
         self.ends.insert(end);
         while self.ends.len() > KEEP_ENDS {
             self.ends.pop_first();
         }
-        end.saturating_sub(start.max(others))
+        let ns = end.saturating_sub(start.max(others));
+        // Weight 1/8: follows a change of workload within a few dozen marks.
+        let per_entry = ns / u64::from(entries.max(1));
+        self.mean_entry_ns = self.mean_entry_ns - self.mean_entry_ns / 8 + per_entry / 8;
+        ns
+    }
+
+    /// The mean GPU time of a GP entry that ran work, recently.
+    pub fn mean_entry_ns(&self) -> u64 {
+        self.mean_entry_ns
     }
 }
 
@@ -96,9 +108,9 @@ mod tests {
         let dev = FakeDevice::default();
         let mut t = Timeline::new(&dev).unwrap();
         // A runs 0..10 ms; B was issued at 1 ms but waited for A, then ran to 11 ms.
-        assert_eq!(t.charge(0, 10_000_000), 10_000_000);
-        assert_eq!(t.charge(1_000_000, 11_000_000), 1_000_000);
+        assert_eq!(t.charge(0, 10_000_000, 1), 10_000_000);
+        assert_eq!(t.charge(1_000_000, 11_000_000, 1), 1_000_000);
         // Idle gap, then C alone.
-        assert_eq!(t.charge(20_000_000, 21_000_000), 1_000_000);
+        assert_eq!(t.charge(20_000_000, 21_000_000, 1), 1_000_000);
     }
 }
