@@ -162,7 +162,10 @@ impl Guests {
 }
 
 /// Waits until `pred` holds for the backend's view of the VM.
-fn wait_vm(host: &Host, pred: impl Fn(&vgpu_backend::VmStats) -> bool) -> vgpu_backend::VmStats {
+fn wait_vm<G: vgpu_host_shim::Gpu + ?Sized>(
+    host: &Host<G>,
+    pred: impl Fn(&vgpu_backend::VmStats) -> bool,
+) -> vgpu_backend::VmStats {
     let t0 = Instant::now();
     loop {
         let s = host.backend.vm_stats(VM).expect("vm");
@@ -233,6 +236,72 @@ fn a_running_vm_migrates_between_backends_and_every_workload_completes_bit_exact
     assert_eq!(b.backend.vm_paused(VM), Some(false));
     drop(vm);
     assert_gpu_clean(&a, "source after the VM ended");
+}
+
+/// A backend whose VMs' GPUs are worker processes (issue 30) taking the GPU in turn:
+/// `cuda-fake` workers here, `VGPU_WORKER_GPU=cuda` on a GPU.
+fn workers_host(tag: &str) -> Host<vgpu_gpu_worker::WorkerPool> {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let gpu = std::env::var("VGPU_WORKER_GPU").unwrap_or_else(|_| "cuda-fake".into());
+    let pool = vgpu_gpu_worker::WorkerPool::new(vgpu_gpu_worker::PoolConfig {
+        program: vgpu_gpu_worker::WorkerProgram {
+            program: vgpu_test_support::backend_bin(None),
+            args: vec!["worker".into(), "--gpu".into(), gpu.clone()],
+        },
+        gpu: vgpu_host_shim::GpuInfo {
+            name: gpu,
+            vram_bytes: 256 << 20,
+            compute_engines: 1,
+            max_channels: 64,
+            max_contexts: 32,
+            has_busy_counters: true,
+        },
+        per_worker: (32, 16),
+        opts: vgpu_gpu_worker::WorkerOptions {
+            turn: Some(vgpu_gpu_worker::TurnSlots::new(4000).expect("the GPU turn")),
+            ..vgpu_gpu_worker::WorkerOptions::default()
+        },
+    });
+    let limits = VmLimits {
+        vram_bytes: 128 << 20,
+        ..VmLimits::default()
+    };
+    Host::on_workers(&format!("mig-w-{tag}"), pool, limits, &[VM])
+}
+
+#[test]
+fn a_vm_on_gpu_workers_migrates_between_backends_and_every_workload_completes_bit_exactly() {
+    let (a, b) = (workers_host("a"), workers_host("b"));
+    let vm = a.connect(VM);
+    let mut guests = Guests::start(&vm);
+    guests.wait_runs(0, 4);
+    let src_pid = a.worker(VM).pid().expect("the source VM's worker runs");
+
+    let rep = vm.migrate_to(&b.socket(VM)).expect("migration");
+    eprintln!("migration: {rep:?}");
+    assert!(rep.contexts >= 2 && rep.channels >= 2, "{rep:?}");
+    assert!(rep.mems >= 1 && rep.vram_bytes > 0, "{rep:?}");
+    let s = wait_vm(&a, |s| !s.connected && s.contexts == 0);
+    assert_eq!(
+        (s.contexts, s.channels, s.vram_bytes),
+        (0, 0, 0),
+        "the source let the VM go"
+    );
+    let dst_pid = b
+        .worker(VM)
+        .pid()
+        .expect("the destination VM's worker runs");
+    assert_ne!(src_pid, dst_pid, "a worker of the destination's own");
+
+    // Everything continues on the destination's worker, then moves back.
+    let done = guests.runs.load(Ordering::Acquire);
+    guests.wait_runs(done, 6);
+    let back = vm.migrate_to(&a.socket(VM)).expect("migration back");
+    eprintln!("migration back: {back:?}");
+    let done = guests.runs.load(Ordering::Acquire);
+    guests.wait_runs(done, 6);
+    guests.finish();
+    assert_eq!(a.backend.vm_paused(VM), Some(false));
 }
 
 #[test]

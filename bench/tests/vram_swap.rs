@@ -271,6 +271,45 @@ fn three_vms_at_quarter_vram_lose_nothing() {
         limits(32 * MIB, 64 * MIB),
         &["a", "b", "c"],
     );
+    three_vms_stress(&host, vram);
+}
+
+/// The same stress with each VM's GPU in a worker process of its own (issue 30), the
+/// workers taking the GPU in turn: `cuda-fake` workers here, `VGPU_WORKER_GPU=cuda` on a
+/// GPU (the `vgpu-backend` beside the tests, or `$VGPU_BACKEND_BIN`).
+#[test]
+fn three_vms_through_workers_lose_nothing() {
+    let vram = 48 * MIB;
+    let gpu = std::env::var("VGPU_WORKER_GPU").unwrap_or_else(|_| "cuda-fake".into());
+    let pool = vgpu_gpu_worker::WorkerPool::new(vgpu_gpu_worker::PoolConfig {
+        program: vgpu_gpu_worker::WorkerProgram {
+            program: vgpu_test_support::backend_bin(None),
+            args: vec!["worker".into(), "--gpu".into(), gpu.clone()],
+        },
+        gpu: vgpu_host_shim::GpuInfo {
+            name: gpu,
+            vram_bytes: vram,
+            compute_engines: 1,
+            max_channels: 64,
+            max_contexts: 32,
+            has_busy_counters: true,
+        },
+        per_worker: (32, 16),
+        opts: vgpu_gpu_worker::WorkerOptions {
+            turn: Some(vgpu_gpu_worker::TurnSlots::new(4000).expect("the GPU turn")),
+            ..vgpu_gpu_worker::WorkerOptions::default()
+        },
+    });
+    let host = Host::on_workers(
+        "swap-workers",
+        pool,
+        limits(32 * MIB, 64 * MIB),
+        &["a", "b", "c"],
+    );
+    three_vms_stress(&host, vram);
+}
+
+fn three_vms_stress<G: Gpu + ?Sized>(host: &Host<G>, vram: u64) {
     host.backend
         .set_vram_config(VramConfig {
             period_ms: 5,

@@ -244,3 +244,42 @@ fn a_new_memory_table_replaces_the_old_only_when_no_context_uses_it() {
     assert_eq!(new.peek(DATA_OFF, 4096), vec![0x5a; 4096], "the new memory");
     assert_eq!(old.peek(DATA_OFF, 4096), vec![0; 4096], "not the old one");
 }
+
+/// The fds of `pid` above stderr that are pipes, as `pipe:[inode]` (0–2 are shared on
+/// purpose: the worker logs to the backend's stderr).
+fn pipes_of(pid: u32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .parse::<u32>()
+                .is_ok_and(|n| n > 2)
+        })
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .map(|l| l.to_string_lossy().into_owned())
+        .filter(|l| l.starts_with("pipe:"))
+        .collect()
+}
+
+#[test]
+fn a_worker_inherits_no_fd_of_the_backend_but_its_own() {
+    // A pipe opened without close-on-exec, as a migration's state pipe or another VM's
+    // memory might be: a worker started meanwhile must not hold it.
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe(2) into a two-element array.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    let ours = pipes_of(std::process::id());
+    let w = worker();
+    let theirs = pipes_of(w.pid());
+    for p in &theirs {
+        assert!(!ours.contains(p), "the worker inherited {p}");
+    }
+    drop(w);
+    // SAFETY: closing the two fds opened above, once.
+    unsafe {
+        libc::close(fds[0]);
+        libc::close(fds[1]);
+    }
+}

@@ -22,6 +22,11 @@ pub const EVENT_FD: i32 = 4;
 /// The GPU turn's page, when the worker has a slot in it (`--turn-slot`).
 pub const TURN_FD: i32 = 5;
 
+/// `close_range(2)`'s flag that marks the range close-on-exec (Linux 5.11).
+const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
+/// Without `close_range`, the fds below this are marked one by one.
+const FALLBACK_FD_LIMIT: i32 = 65_536;
+
 /// What to run.
 #[derive(Debug, Clone)]
 pub struct WorkerProgram {
@@ -91,7 +96,8 @@ fn start_here(prog: &WorkerProgram, turn: Option<RawFd>) -> std::io::Result<Star
     let mut c = Command::new(&prog.program);
     c.args(&prog.args).stdin(Stdio::null());
     // SAFETY: the closure runs in the child between fork and exec and calls only
-    // async-signal-safe functions (fcntl, dup2, prctl, getppid) on fds it owns there.
+    // async-signal-safe functions (fcntl, dup2, prctl, getppid, close_range) on fds it
+    // owns there.
     unsafe {
         c.pre_exec(move || {
             // Copies above 3..=5 first, so no dup2 overwrites another's source.
@@ -112,6 +118,27 @@ fn start_here(prog: &WorkerProgram, turn: Option<RawFd>) -> std::io::Result<Star
             libc::close(b2);
             if turn.is_some() {
                 libc::close(t2);
+            }
+            // Nothing else of the backend crosses into the worker: another VM's guest
+            // memory, sockets or a migration's state pipe opened without CLOEXEC would
+            // otherwise be inherited (a leaked pipe end also keeps its reader from ever
+            // seeing the end of the stream). Marked close-on-exec rather than closed,
+            // so std's own exec-error pipe still works.
+            let first = if turn.is_some() { TURN_FD + 1 } else { TURN_FD };
+            let from = first as libc::c_uint;
+            if libc::syscall(
+                libc::SYS_close_range,
+                from,
+                libc::c_uint::MAX,
+                CLOSE_RANGE_CLOEXEC,
+            ) != 0
+            {
+                for fd in first..FALLBACK_FD_LIMIT {
+                    let flags = libc::fcntl(fd, libc::F_GETFD);
+                    if flags >= 0 {
+                        libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+                    }
+                }
             }
             // The parent may have died before the signal was armed.
             if libc::getppid() == 1 {
