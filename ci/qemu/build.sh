@@ -152,7 +152,9 @@ ORIGVER="$(basename "$SRCDIR")"; ORIGVER="${ORIGVER#src-}"   # as in qemu_<ORIGV
 # so that vgpu runs direct under this QEMU (docs/testing/rig.md). 0007 goes past that
 # spec where vgpu-backend needs it: a map over existing mappings replaces them in one
 # memory transaction (shadow switches, read-only views during VRAM moves), a guest store
-# to a read-only mapping waits for its replacement, and the ack follows the commit.
+# to a read-only mapping waits for its replacement, the ack follows the commit and every
+# vCPU's TLB flush, and a TCG vCPU reads its TLB entries in the memory map they were
+# filled from (a stale entry read in a newer map lost stores during VRAM moves).
 if grep -q '"vhost-user-test-device-pci"\|vhost-user-test-device-pci' "$SRCDIR"/hw/virtio/*.c; then
     DEVICE=vhost-user-test-device-pci
     PATCHES=(0001 0003)

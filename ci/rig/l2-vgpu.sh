@@ -25,11 +25,16 @@
 #     its libraries ride along) instead of vgpu-vmm, attached with
 #     `--generic-vhost-user device_type=60`; the L2 powers off when done (Cloud
 #     Hypervisor restarts a guest that reboots). Not with --migrate or a backend restart.
+#   - --qemu BIN: every L2 runs under that QEMU (a glibc build with vhost-user shared
+#     memory: ci/qemu/build.sh; its libraries and firmware ride along) with
+#     `-accel kvm`, attached with `vhost-user-device-pci,virtio-id=60`, so the guest
+#     runs direct through QEMU's BAR as under vgpu-vmm. Not with --migrate or a backend
+#     restart.
 # Each L2 prints "L2-VGPU-RESULT ...", each VM's line "L2-VGPU-CHECK vm=K ..." appears on
 # L1's console, and the backend must exit cleanly on SIGTERM afterwards.
 #
 # Usage: ci/rig/l2-vgpu.sh [--vms N] [--guest] [--restart-backend] [--hang-backend S] [--driver vgpu.ko] [--exit-cost BIN] [--l2-cmd FILE]
-#                          [--add SRC:DST]... [--vcpus N] [--ch BIN] [--no-build] [--timeout S]
+#                          [--add SRC:DST]... [--vcpus N] [--ch BIN] [--qemu BIN] [--no-build] [--timeout S]
 #                          [-- run-l1.sh args]
 #   --add puts extra files into every L2's initramfs (e.g. guest tools).
 #   --backend-args 'ARGS'  more vgpu-backend options (its API socket is /tmp/vgpu/api.sock)
@@ -55,6 +60,7 @@ HANG=0
 MIGRATE=0
 MIGRATE_VIA=unix
 CH=""
+QEMU_BIN=""
 TIMEOUT=420
 # Log filter of the backends and VMMs in L1 (RUST_LOG syntax), and how many of the
 # backends' last log lines the summary shows.
@@ -83,6 +89,7 @@ while [ $# -gt 0 ]; do
         --backend-args) BACKEND_ARGS="$2"; shift 2 ;;
         --l1-monitor) MONITOR="$2"; shift 2 ;;
         --ch) CH="$2"; shift 2 ;;
+        --qemu) QEMU_BIN="$2"; shift 2 ;;
         --no-build) BUILD=0; shift ;;
         --timeout) TIMEOUT="$2"; shift 2 ;;
         --) shift; EXTRA+=("$@"); break ;;
@@ -94,6 +101,11 @@ case "$VMS" in [1-8]) ;; *) die "--vms must be 1..8" ;; esac
 if [ -n "$CH" ]; then
     [ -x "$CH" ] || die "--ch: no such program: $CH"
     [ "$MIGRATE" = 0 ] && [ "$RESTART" = 0 ] || die "--ch runs neither --migrate nor a backend restart yet"
+fi
+if [ -n "$QEMU_BIN" ]; then
+    [ -x "$QEMU_BIN" ] || die "--qemu: no such program: $QEMU_BIN"
+    [ -z "$CH" ] || die "--qemu or --ch, not both"
+    [ "$MIGRATE" = 0 ] && [ "$RESTART" = 0 ] || die "--qemu runs neither --migrate nor a backend restart yet"
 fi
 
 . "$ROOT/ci/lib.sh"
@@ -116,7 +128,7 @@ trap 'rm -rf "$WORK"' EXIT
 if [ "$GUEST" = 1 ]; then
     DRIVER="${DRIVER:-$ROOT/guest-driver/kernel/vgpu.ko}"
     # (exit-cost knows vgpu-vmm's BAR layout, not Cloud Hypervisor's.)
-    [ -n "$CH" ] || EXITCOST="${EXITCOST:-$TARGET_DIR/exit-cost}"
+    [ -n "$CH$QEMU_BIN" ] || EXITCOST="${EXITCOST:-$TARGET_DIR/exit-cost}"
     if [ "$MIGRATE" = 1 ]; then
         L2CMD="${L2CMD:-$RIG/l2-migrate-checks.sh}"
     elif [ "$RESTART" = 1 ]; then
@@ -187,7 +199,7 @@ L2_ARGS="console=ttyS0 reboot=k panic=1 pci=conf1 quiet i8042.noaux i8042.nokbd 
 # Under Cloud Hypervisor: its ACPI tables describe the PCI segment; a panic halts (a reboot
 # would run the guest again), the step's watchdog ends it.
 CH_L2_ARGS="console=ttyS0 quiet i8042.noaux i8042.nokbd i8042.nomux i8042.nopnp"
-VMM_NAME=$([ -n "$CH" ] && echo cloud-hypervisor || echo vgpu-vmm)
+VMM_NAME=$([ -n "$CH" ] && echo cloud-hypervisor || { [ -n "$QEMU_BIN" ] && echo qemu-system-x86_64; } || echo vgpu-vmm)
 
 cat > "$WORK/cmd.sh" <<CMD
 mkdir -p /tmp/vgpu
@@ -195,7 +207,7 @@ mkdir -p /tmp/vgpu
 # step prints them here, on L1's console (which run-l1.sh streams and keeps).
 rig_threads() {
     # Each vgpu process's threads: state, kernel wait channel and stack.
-    for p in \$(pidof vgpu-vmm cloud-hypervisor vgpu-backend 2>/dev/null); do
+    for p in \$(pidof vgpu-vmm cloud-hypervisor qemu-system-x86_64 vgpu-backend 2>/dev/null); do
         echo "---- pid \$p: \$(tr '\\0' ' ' < /proc/\$p/cmdline 2>/dev/null | cut -c1-160)"
         for t in /proc/\$p/task/*; do
             echo "  tid \${t##*/} \$(cat \$t/comm 2>/dev/null) state=\$(cut -d' ' -f3 \$t/stat 2>/dev/null) wchan=\$(cat \$t/wchan 2>/dev/null)"
@@ -347,6 +359,18 @@ for k in \$(seq 0 $((VMS - 1))); do
                 --generic-vhost-user "socket=/tmp/vgpu/vm\$k.sock,device_type=60,queue_sizes=[256,256],id=vgpu\$k" \\
                 --serial file=/tmp/l2-\$k.log --console off --api-socket path=/tmp/vmm-\$k.api \\
                 > /tmp/vmm-\$k.log 2>&1
+        elif [ -n "$QEMU_BIN" ]; then
+            # Shared guest memory (vhost-user maps it); -no-reboot: the guest's reboot
+            # ends QEMU, as it ends vgpu-vmm.
+            timeout -s KILL $((TIMEOUT - 60)) qemu-system-x86_64 -accel kvm -cpu host \\
+                -smp $VCPUS -m 256M -machine pc,memory-backend=mem \\
+                -object memory-backend-memfd,id=mem,size=256M,share=on \\
+                -nodefaults -display none -no-reboot -monitor none \\
+                -serial file:/tmp/l2-\$k.log -L /usr/share/seabios -L /usr/share/qemu \\
+                -kernel /l2/vmlinuz -initrd /l2/l2.cpio.gz -append "$L2_ARGS vgpu.vm=\$k" \\
+                -chardev socket,id=c0,path=/tmp/vgpu/vm\$k.sock \\
+                -device vhost-user-device-pci,chardev=c0,virtio-id=60,num_vqs=2,vq_size=256,config_size=32 \\
+                > /tmp/vmm-\$k.log 2>&1
         else
             RUST_LOG=$RIG_LOG vgpu-vmm --vgpu-socket /tmp/vgpu/vm\$k.sock --kernel /l2/vmlinuz \\
                 --initrd /l2/l2.cpio.gz --mem-mib 256 --vcpus $VCPUS --timeout $((TIMEOUT - 60)) \\
@@ -448,6 +472,17 @@ if [ -n "$CH" ]; then
     # A glibc program: its libraries and loader at the paths it names.
     l1_adds+=(--add "$CH:/bin/cloud-hypervisor")
     for lib in $(ldd "$CH" | grep -o '/[^ ]*'); do l1_adds+=(--add "$lib:$lib"); done
+fi
+if [ -n "$QEMU_BIN" ]; then
+    # Likewise (stripped: L1's initramfs is unpacked into its RAM), plus the firmware a
+    # pc machine loads to boot a kernel.
+    strip -o "$WORK/qemu-system-x86_64" "$QEMU_BIN"
+    l1_adds+=(--add "$WORK/qemu-system-x86_64:/bin/qemu-system-x86_64")
+    for lib in $(ldd "$QEMU_BIN" | grep -o '/[^ ]*'); do l1_adds+=(--add "$lib:$lib"); done
+    for f in /usr/share/seabios/bios-256k.bin /usr/share/qemu/linuxboot_dma.bin \
+             /usr/share/qemu/kvmvapic.bin; do
+        l1_adds+=(--add "$f:$f")
+    done
 fi
 [ -z "$MONITOR" ] || l1_adds+=(--add "$MONITOR:/rig/monitor.sh")
 [ ! -x "$MUSL/vgpuctl" ] || l1_adds+=(--add "$MUSL/vgpuctl:/bin/vgpuctl")
