@@ -102,5 +102,11 @@ if [ "${SKIP_CH:-0}" != "1" ]; then
     # attached through its generic vhost-user device, forwarded mode, the rig's guest checks.
     ci_step "Cloud Hypervisor: two forwarded-mode guests in the nested rig" \
         ci/ch/guest-test.sh --vms 2
+    # Live migration between two Cloud Hypervisor instances in L1 (local: guest RAM by fd,
+    # the device state through the one backend): a guest looping verified vgpu-smoke runs
+    # and a throttle moves and goes on verifying; Cloud Hypervisor's downtime is printed
+    # (L2-MIGRATE-CHECK ... downtime_ms=). About 2-4 min on the 2-core machine.
+    ci_step "Cloud Hypervisor: a guest live-migrated between two instances" \
+        ci/ch/guest-test.sh --migrate --no-build --timeout 900
 fi
 echo "== all tests passed"

@@ -13,8 +13,8 @@ use vgpu_backend::{MigrationPhase, PrecopyConfig, SchedConfig, VgpuBackend, VmLi
 use vgpu_guest::workloads::throttle::{self, ThrottleConfig};
 use vgpu_guest::workloads::Workload;
 use vgpu_guest::{Device, KernelArgs};
-use vgpu_loopback::LoopbackVm;
-use vgpu_protocol::migration::{DeviceState, KIND_FULL};
+use vgpu_loopback::{LoopbackVm, StateOrder};
+use vgpu_protocol::migration::{DeviceState, MappingTargetRecord, KIND_FULL};
 use vgpu_test_support::Host;
 
 const VM: &str = "vm";
@@ -733,4 +733,94 @@ fn a_stream_cannot_set_its_own_weight_or_quota_on_the_destination() {
         "fair: the other VM's share {:.1} % (want 50 ± 10)",
         share * 100.0
     );
+}
+
+/// Cloud Hypervisor's order (v53.0): the destination gets the whole device state right
+/// after it connected — before its features and its memory table — so the state's GPU
+/// mappings of guest RAM can only be resolved when the table arrives. A forwarded VM
+/// (Cloud Hypervisor has no vhost-user SHMEM) moves that way with its work verified, then
+/// back in vgpu-vmm's order.
+#[test]
+fn a_forwarded_vm_migrates_with_its_state_sent_before_the_memory_table() {
+    let (a, b) = (host("ch-src"), host("ch-dst"));
+    let vm = a.connect_forwarded(VM);
+    let mut guests = Guests::start(&vm);
+    guests.wait_runs(0, 4);
+
+    let rep = vm
+        .migrate_to_ordered(&b.socket(VM), StateOrder::StateFirst, &mut |_| {})
+        .expect("migration, state before the memory table");
+    eprintln!("migration (state first): {rep:?}");
+    assert!(rep.contexts >= 2 && rep.channels >= 2, "{rep:?}");
+    assert!(
+        rep.guest_mappings > 0,
+        "the state maps guest RAM (what waits for the table): {rep:?}"
+    );
+    let s = wait_vm(&a, |s| !s.connected && s.contexts == 0);
+    assert_eq!((s.contexts, s.channels, s.vram_bytes), (0, 0, 0));
+    assert_gpu_clean(&a, "source after the migration");
+    let st = b.backend.vm_stats(VM).expect("vm");
+    assert!(st.connected && st.forwarded, "{st:?}");
+
+    let done = guests.runs.load(Ordering::Acquire);
+    guests.wait_runs(done, 6);
+    vm.migrate_to(&a.socket(VM)).expect("migration back");
+    let done = guests.runs.load(Ordering::Acquire);
+    guests.wait_runs(done, 6);
+    guests.finish();
+    assert_gpu_clean(&b, "destination after the migration back");
+}
+
+/// A state sent before the memory table whose guest mappings lie outside the table that
+/// then arrives: `CHECK_DEVICE_STATE` accepts it (it decodes), the `SET_MEM_TABLE` is
+/// refused with the reason, nothing of it stays on the destination, and the VM keeps
+/// running on the source — which can then migrate for real.
+#[test]
+fn a_state_whose_guest_mappings_miss_the_memory_table_is_refused_at_the_table() {
+    let (a, b) = (host("ch-bad-src"), host("ch-bad-dst"));
+    let vm = a.connect_forwarded(VM);
+    let mut guests = Guests::start(&vm);
+    guests.wait_runs(0, 3);
+
+    let mut moved = 0;
+    let r = vm.migrate_to_ordered(&b.socket(VM), StateOrder::StateFirst, &mut |f: &mut Vec<
+        u8,
+    >| {
+        if vgpu_protocol::migration::stream_kind(f) != Ok(KIND_FULL) {
+            return;
+        }
+        let mut st = DeviceState::decode(f).expect("a full state");
+        for m in &mut st.mappings {
+            if let MappingTargetRecord::Guest { ranges } = &mut m.target {
+                // 1 TiB up: no RAM there.
+                for r in ranges.iter_mut() {
+                    r.0 += 1 << 40;
+                    moved += 1;
+                }
+            }
+        }
+        *f = st.encode();
+    });
+    assert!(moved > 0, "the state had no guest mapping to move");
+    let e = r.expect_err("a state mapping RAM the VM does not have was accepted");
+    eprintln!("refused: {e}");
+    let p = b.backend.vm_migration(VM).expect("vm");
+    assert_eq!(p.phase, MigrationPhase::Failed, "{p:?}");
+    assert!(
+        p.error.as_deref().is_some_and(|e| e.contains("mapping")),
+        "{p:?}"
+    );
+    let s = wait_vm(&b, |s| !s.connected);
+    assert_eq!((s.connected, s.contexts, s.channels), (false, 0, 0));
+    assert_gpu_clean(&b, "destination after refusing");
+    let done = guests.runs.load(Ordering::Acquire);
+    guests.wait_runs(done, 6);
+    assert_eq!(a.backend.vm_paused(VM), Some(false));
+
+    vm.migrate_to_ordered(&b.socket(VM), StateOrder::StateFirst, &mut |_| {})
+        .expect("migration after the refusal");
+    let done = guests.runs.load(Ordering::Acquire);
+    guests.wait_runs(done, 6);
+    guests.finish();
+    assert_gpu_clean(&a, "source after the migration");
 }

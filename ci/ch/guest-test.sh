@@ -7,9 +7,14 @@
 # so, then pass the rig's guest checks (ci/rig/l2-guest-checks.sh: smoke, two processes,
 # hostile, a killed process, the quick bench, nothing left in the backend).
 # Ends with l2-vgpu.sh's verdict (its exit status; "L2-VGPU-CHECK vm=K ..." per VM).
+# --migrate: instead of the guest checks, the guest runs verified GPU work
+# (ci/rig/l2-migrate-checks.sh: vgpu-smoke back to back, a throttle across the move)
+# while L1 live-migrates it to a second Cloud Hypervisor (local: `ch-remote
+# send-migration local=on`, same backend); "L2-MIGRATE-CHECK vm=K ... downtime_ms=D".
 #
-# Usage: ci/ch/guest-test.sh [--vms N] [--no-build] [--ch BIN] [--timeout S] [-- l2-vgpu.sh args]
+# Usage: ci/ch/guest-test.sh [--vms N] [--migrate] [--no-build] [--ch BIN] [--timeout S] [-- l2-vgpu.sh args]
 #   --vms N      guests at once, one backend (default 1)
+#   --migrate    the live-migration test (ch-remote must be beside the cloud-hypervisor)
 #   --no-build   use vgpu's binaries and vgpu.ko as built (Cloud Hypervisor still comes
 #                from ci/ch/build.sh, which answers from its store when it can)
 #   --ch BIN     this cloud-hypervisor instead of ci/ch/build.sh's
@@ -17,17 +22,18 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 HERE="$ROOT/ci/ch"
-VMS=1 BUILD=1 CH="" TIMEOUT=600
+VMS=1 BUILD=1 CH="" TIMEOUT=600 MIGRATE=0
 EXTRA=()
 die() { echo "ch-guest-test: $*" >&2; exit 1; }
 while [ $# -gt 0 ]; do
     case "$1" in
         --vms) VMS="$2"; shift 2 ;;
+        --migrate) MIGRATE=1; shift ;;
         --no-build) BUILD=0; shift ;;
         --ch) CH="$2"; shift 2 ;;
         --timeout) TIMEOUT="$2"; shift 2 ;;
         --) shift; EXTRA+=("$@"); break ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
         *) die "unknown argument: $1" ;;
     esac
 done
@@ -36,7 +42,13 @@ if [ -z "$CH" ]; then
     eval "$("$HERE/build.sh" | grep -E '^CH=')"
 fi
 [ -x "$CH" ] || die "no cloud-hypervisor at $CH"
-echo "ch-guest-test: $("$CH" --version | head -n 1), $VMS VM(s) (setup $(( $(date +%s) - START ))s)" >&2
-"$ROOT/ci/rig/l2-vgpu.sh" --guest --ch "$CH" --vms "$VMS" --timeout "$TIMEOUT" \
-    --l2-cmd "$HERE/guest-checks.sh" --add "$ROOT/ci/rig/l2-guest-checks.sh:/l2-guest-checks.sh" \
+CHECKS="$ROOT/ci/rig/l2-guest-checks.sh"
+MODE=()
+if [ "$MIGRATE" = 1 ]; then
+    CHECKS="$ROOT/ci/rig/l2-migrate-checks.sh"
+    MODE=(--migrate)
+fi
+echo "ch-guest-test: $("$CH" --version | head -n 1), $VMS VM(s)$([ "$MIGRATE" = 0 ] || echo ", live migration") (setup $(( $(date +%s) - START ))s)" >&2
+"$ROOT/ci/rig/l2-vgpu.sh" --guest --ch "$CH" --vms "$VMS" --timeout "$TIMEOUT" ${MODE[@]+"${MODE[@]}"} \
+    --l2-cmd "$HERE/guest-checks.sh" --add "$CHECKS:/l2-checks.sh" \
     $([ "$BUILD" = 1 ] || echo --no-build) ${EXTRA[@]+"${EXTRA[@]}"}

@@ -24,7 +24,10 @@
 #   - --ch BIN: every L2 runs under Cloud Hypervisor (BIN, a glibc build: ci/ch/build.sh;
 #     its libraries ride along) instead of vgpu-vmm, attached with
 #     `--generic-vhost-user device_type=60`; the L2 powers off when done (Cloud
-#     Hypervisor restarts a guest that reboots). Not with --migrate or a backend restart.
+#     Hypervisor restarts a guest that reboots). Not with a backend restart. With
+#     --migrate: a local live migration (`ch-remote send-migration local=on`, BIN's
+#     ch-remote beside it) to a second cloud-hypervisor in L1 that attaches the same
+#     backend socket (the configuration travels with the VM; no second backend).
 #   - --qemu BIN: every L2 runs under that QEMU (a glibc build with vhost-user shared
 #     memory: ci/qemu/build.sh; its libraries and firmware ride along) with
 #     `-accel kvm`, attached with `vhost-user-device-pci,virtio-id=60`, so the guest
@@ -70,6 +73,9 @@ RIG_LOG_LINES="${RIG_LOG_LINES:-25}"
 RIG_DUMP_LINES="${RIG_DUMP_LINES:-60}"
 # More cloud-hypervisor options with --ch (e.g. "--seccomp log").
 RIG_CH_ARGS="${RIG_CH_ARGS:-}"
+# A probe with --ch --migrate: 1 kills the destination cloud-hypervisor as soon as the
+# source accepted the migration, so that it fails (the step then fails too).
+RIG_CH_MIGRATE_ABORT="${RIG_CH_MIGRATE_ABORT:-0}"
 ADDS=()
 EXTRA=()
 die() { echo "l2-vgpu: $*" >&2; exit 1; }
@@ -100,7 +106,10 @@ done
 case "$VMS" in [1-8]) ;; *) die "--vms must be 1..8" ;; esac
 if [ -n "$CH" ]; then
     [ -x "$CH" ] || die "--ch: no such program: $CH"
-    [ "$MIGRATE" = 0 ] && [ "$RESTART" = 0 ] || die "--ch runs neither --migrate nor a backend restart yet"
+    [ "$RESTART" = 0 ] || die "--ch runs no backend restart yet"
+    CH_REMOTE="$(dirname "$CH")/ch-remote"
+    [ "$MIGRATE" = 0 ] || [ -x "$CH_REMOTE" ] || die "--ch --migrate: no ch-remote beside $CH"
+    [ "$MIGRATE_VIA" = unix ] || die "--ch --migrate: a local migration goes through a unix socket"
 fi
 if [ -n "$QEMU_BIN" ]; then
     [ -x "$QEMU_BIN" ] || die "--qemu: no such program: $QEMU_BIN"
@@ -260,7 +269,65 @@ start_backend
 bp=\$!
 for i in \$(seq 1 100); do [ -S /tmp/vgpu/vm$((VMS - 1)).sock ] && break; sleep 0.1; done
 rs="" mig="" bp2=""
-if [ "$MIGRATE" = 1 ]; then
+if [ "$MIGRATE" = 1 ] && [ -n "$CH" ]; then
+    # Per VM, once the L2 is ready: a second cloud-hypervisor receiving, and the source
+    # sending it the VM locally (guest RAM by fd, the device state through the backend:
+    # SET_DEVICE_STATE_FD at the source's snapshot and in the destination's device
+    # constructor). The destination writes the same serial file (truncating it): the
+    # loops it ran are those past the copy taken when the source said it was done.
+    (
+        for k in \$(seq 0 $((VMS - 1))); do
+            for i in \$(seq 1 $((TIMEOUT * 5))); do
+                grep -a -q L2-MIGRATE-READY /tmp/l2-\$k.log 2>/dev/null && break
+                sleep 0.2
+            done
+            # A few loops on the source first.
+            sleep 5
+            cp /tmp/l2-\$k.log /tmp/l2-\$k.before.log
+            (
+                timeout -s KILL $((TIMEOUT - 60)) cloud-hypervisor -v $RIG_CH_ARGS \
+                    --api-socket path=/tmp/vmm-\$k.dst.api > /tmp/vmm-\$k.dst.log 2>&1
+                # (The abort probe's kill is no failure for the fail-fast monitor.)
+                r=\$?; echo \$r > /tmp/vmm-\$k.dst.rc\$([ "$RIG_CH_MIGRATE_ABORT" = 1 ] && echo .killed); exit \$r
+            ) &
+            echo \$! > /tmp/dst-\$k.pid
+            for i in \$(seq 1 100); do [ -S /tmp/vmm-\$k.dst.api ] && break; sleep 0.1; done
+            ch-remote --api-socket /tmp/vmm-\$k.dst.api receive-migration \
+                receiver_url=unix:/tmp/mig-\$k.sock > /tmp/receive-\$k.out 2>&1 &
+            rp=\$!
+            for i in \$(seq 1 100); do [ -S /tmp/mig-\$k.sock ] && break; sleep 0.1; done
+            read -r m0 _ < /proc/uptime
+            ch-remote --api-socket /tmp/vmm-\$k.api send-migration \
+                destination_url=unix:/tmp/mig-\$k.sock,local=on > /tmp/migrate-\$k.out 2>&1
+            src=\$?
+            if [ "$RIG_CH_MIGRATE_ABORT" = 1 ]; then
+                for p in \$(pidof cloud-hypervisor); do
+                    grep -q dst.api /proc/\$p/cmdline && kill -KILL \$p && echo "L2-MIGRATE vm=\$k destination killed"
+                done
+            fi
+            # The API answers at once; the migration runs on in the source VMM.
+            for i in \$(seq 1 $((TIMEOUT * 5))); do
+                grep -a -q -E "Migration (completed|failed)" /tmp/vmm-\$k.log && break
+                sleep 0.2
+            done
+            read -r m1 _ < /proc/uptime
+            cp /tmp/l2-\$k.log /tmp/l2-\$k.atmove.log
+            wait \$rp; rrc=\$?
+            line=\$(grep -a -o -E "Migration (completed|failed).*" /tmp/vmm-\$k.log | head -n 1)
+            echo "L2-MIGRATE vm=\$k send_rc=\$src receive_rc=\$rrc outcome_after=\$(awk -v a=\$m0 -v b=\$m1 'BEGIN{printf "%.2f", b-a}')s: \$line"
+            grep -a -i -E "device state|migrat" /tmp/backend.log | tail -n 6 | sed "s/^/L2-MIGRATE vm=\$k backend: /"
+            if [ "\$src" = 0 ] && [ "\$rrc" = 0 ] && echo "\$line" | grep -q completed; then
+                echo 0 > /tmp/migrate-\$k.rc
+            else
+                echo 1 > /tmp/migrate-\$k.rc
+            fi
+        done
+        for k in \$(seq 0 $((VMS - 1))); do
+            wait \$(cat /tmp/dst-\$k.pid 2>/dev/null || echo 0); echo \$? > /tmp/dst-\$k.rc
+        done
+    ) &
+    mig=\$!
+elif [ "$MIGRATE" = 1 ]; then
     # The destination's backend, and per VM: once the L2 is ready, a vgpu-vmm waiting on
     # an incoming address, and vgpu-migrate asking the source VMM to send the VM there.
     mkdir -p /tmp/vgpuB
@@ -417,15 +484,27 @@ for p in \$pids; do
         # The source VMM ended (0: the VM moved); the guest goes on in the destination.
         [ -z "\$mig" ] || wait \$mig; mig=""
         mrc=\$(cat /tmp/migrate-\$k.rc 2>/dev/null || echo none)
-        grep -q 'guest ended (MigratedOut)' /tmp/vmm-\$k.log && moved=1 || moved=0
         drc=\$(cat /tmp/dst-\$k.rc 2>/dev/null || echo none)
-        echo "==== L2 vm\$k serial before the move"; tr -d '\r' < /tmp/l2-\$k.log | grep -a -v '^\$' | tail -n 20
-        echo "==== vgpu-vmm vm\$k destination"; head -n 40 /tmp/vmm-\$k.dst.log
-        after=\$(grep -a -c 'L2-LOOP [0-9]* ok' /tmp/l2-\$k.dst.log)
-        echo "L2-MIGRATE-CHECK vm=\$k migrate_rc=\$mrc source_left=\$moved destination_rc=\$drc loops_after_move=\$after"
+        if [ -n "$CH" ]; then
+            grep -a -q 'Migration completed' /tmp/vmm-\$k.log && moved=1 || moved=0
+            echo "==== L2 vm\$k serial before the move"; tr -d '\r' < /tmp/l2-\$k.before.log | grep -a -v '^\$' | tail -n 20
+            echo "==== cloud-hypervisor vm\$k source"; grep -a -v unregistered /tmp/vmm-\$k.log | tail -n 20
+            echo "==== cloud-hypervisor vm\$k destination"; grep -a -v unregistered /tmp/vmm-\$k.dst.log | tail -n 30
+            at=\$(grep -a -c 'L2-LOOP [0-9]* ok' /tmp/l2-\$k.atmove.log 2>/dev/null)
+            after=\$(( \$(grep -a -c 'L2-LOOP [0-9]* ok' /tmp/l2-\$k.log) - \${at:-0} ))
+            down=\$(grep -a -o 'downtime of [0-9]*ms' /tmp/vmm-\$k.log | head -n 1 | grep -o '[0-9]*')
+            log=/tmp/l2-\$k.log
+        else
+            grep -q 'guest ended (MigratedOut)' /tmp/vmm-\$k.log && moved=1 || moved=0
+            echo "==== L2 vm\$k serial before the move"; tr -d '\r' < /tmp/l2-\$k.log | grep -a -v '^\$' | tail -n 20
+            echo "==== vgpu-vmm vm\$k destination"; head -n 40 /tmp/vmm-\$k.dst.log
+            after=\$(grep -a -c 'L2-LOOP [0-9]* ok' /tmp/l2-\$k.dst.log)
+            down=""
+            log=/tmp/l2-\$k.dst.log
+        fi
+        echo "L2-MIGRATE-CHECK vm=\$k migrate_rc=\$mrc source_left=\$moved destination_rc=\$drc loops_after_move=\$after\${down:+ downtime_ms=\$down}"
         [ "\$mrc" = 0 ] && [ "\$moved" = 1 ] && [ "\$drc" = 0 ] && [ "\$after" -gt 0 ] || ok=0
         rc=\$drc
-        log=/tmp/l2-\$k.dst.log
     fi
     read -r t1 _ < /proc/uptime
     res=\$(grep -a -o 'L2-VGPU-RESULT.*' \$log | tr -d '\r')
@@ -471,7 +550,12 @@ l1_adds=()
 if [ -n "$CH" ]; then
     # A glibc program: its libraries and loader at the paths it names.
     l1_adds+=(--add "$CH:/bin/cloud-hypervisor")
-    for lib in $(ldd "$CH" | grep -o '/[^ ]*'); do l1_adds+=(--add "$lib:$lib"); done
+    libs="$(ldd "$CH" | grep -o '/[^ ]*')"
+    if [ "$MIGRATE" = 1 ]; then
+        l1_adds+=(--add "$CH_REMOTE:/bin/ch-remote")
+        libs="$(printf '%s\n' "$libs" $(ldd "$CH_REMOTE" | grep -o '/[^ ]*') | sort -u)"
+    fi
+    for lib in $libs; do l1_adds+=(--add "$lib:$lib"); done
 fi
 if [ -n "$QEMU_BIN" ]; then
     # Likewise (stripped: L1's initramfs is unpacked into its RAM), plus the firmware a

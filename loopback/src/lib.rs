@@ -39,7 +39,7 @@ use ctrl::*;
 use events::*;
 use irq::*;
 use link::Link;
-pub use migrate::{MigrationReport, StreamFilter};
+pub use migrate::{MigrationReport, StateOrder, StreamFilter};
 use setup::*;
 use vgpu_vmm::vgpu_device::vgpu_requirements;
 use vgpu_vmm::virtq::{Buffer, SplitQueue, VirtqError};

@@ -20,6 +20,11 @@
 //! If anything fails before 6, the destination connection is dropped and the source's
 //! rings are restarted: the kick in 6 then resumes the VM on the source, which maps its
 //! pages over the BAR again.
+//!
+//! [`StateOrder::StateFirst`] moves the device as Cloud Hypervisor v53.0 does instead of
+//! 3 and 4: the source's whole save is read first, then loaded into the destination
+//! right after it connected — before its features and its memory table — and only then
+//! the memory table and the rings follow.
 
 use std::io::Write;
 use std::path::Path;
@@ -28,7 +33,9 @@ use std::time::{Duration, Instant};
 use log::{debug, info, warn};
 use vgpu_protocol::device::{CONTROL_QUEUE, EVENT_QUEUE};
 use vgpu_protocol::migration::precopy::{ChunkFrame, PauseRecord};
-use vgpu_protocol::migration::{stream_kind, DeviceState, KIND_CHUNKS, KIND_FULL, KIND_PAUSED};
+use vgpu_protocol::migration::{
+    stream_kind, stream_len, DeviceState, MappingTargetRecord, KIND_CHUNKS, KIND_FULL, KIND_PAUSED,
+};
 
 use super::{lock, loopback_requirements, with_queues, IrqThread, LoopbackError, LoopbackVm};
 use vgpu_vmm::frontend::{read_state_frame, VhostUserDevice};
@@ -57,6 +64,8 @@ pub struct MigrationReport {
     /// Of `vram_bytes`, what was swapped out to system memory on the source.
     pub swapped_bytes: u64,
     pub channels: usize,
+    /// GPU mappings of guest RAM in the state.
+    pub guest_mappings: usize,
     /// GP entries the guest had submitted that had not run when the source paused
     /// (they ran on the destination).
     pub queued_entries: u64,
@@ -127,6 +136,11 @@ impl MigrationReport {
             })
             .sum();
         self.channels = st.channels.len();
+        self.guest_mappings = st
+            .mappings
+            .iter()
+            .filter(|m| matches!(m.target, MappingTargetRecord::Guest { .. }))
+            .count();
         self.queued_entries = st
             .channels
             .iter()
@@ -161,6 +175,19 @@ fn unix_ns() -> u64 {
 /// state), then with the tail, before the destination gets it.
 pub type StreamFilter<'a> = &'a mut dyn FnMut(&mut Vec<u8>);
 
+/// When the destination gets the device state, relative to its memory table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StateOrder {
+    /// Features and memory table first, then the state streamed from the source
+    /// (vgpu-vmm, QEMU).
+    #[default]
+    MemoryFirst,
+    /// The source's whole save first, loaded before the destination's features and
+    /// memory table (Cloud Hypervisor v53.0: the load comes from the device's
+    /// constructor, the table at its activation).
+    StateFirst,
+}
+
 impl LoopbackVm {
     /// Moves this VM's device from its backend to the one listening on `socket`, while
     /// the guest keeps running. On failure the VM keeps running on the current backend
@@ -176,9 +203,19 @@ impl LoopbackVm {
         socket: &Path,
         filter: StreamFilter<'_>,
     ) -> Result<MigrationReport, LoopbackError> {
+        self.migrate_to_ordered(socket, StateOrder::MemoryFirst, filter)
+    }
+
+    /// [`Self::migrate_to_filtered`] with the destination's steps in `order`.
+    pub fn migrate_to_ordered(
+        &self,
+        socket: &Path,
+        order: StateOrder,
+        filter: StreamFilter<'_>,
+    ) -> Result<MigrationReport, LoopbackError> {
         let t0 = Instant::now();
         self.ctrl.freeze()?;
-        let r = self.migrate_frozen(socket, filter);
+        let r = self.migrate_frozen(socket, order, filter);
         // The rings run again: on the destination, or on the source after a rollback
         // (the event queue's kick delivers the events restored with the state).
         self.ctrl.kick();
@@ -198,6 +235,7 @@ impl LoopbackVm {
     fn migrate_frozen(
         &self,
         socket: &Path,
+        order: StateOrder,
         filter: StreamFilter<'_>,
     ) -> Result<MigrationReport, LoopbackError> {
         let mut dev = lock(&self.dev);
@@ -207,7 +245,7 @@ impl LoopbackVm {
         lock(&self.irq).stop();
         self.ctrl.harvest();
         self.events.harvest();
-        let moved = self.move_device(&mut dev, socket, &bases, filter);
+        let moved = self.move_device(&mut dev, socket, &bases, order, filter);
         match moved {
             Ok((dest, report)) => {
                 // The source frees the VM's objects; the BAR shows the destination's pages.
@@ -233,6 +271,7 @@ impl LoopbackVm {
         source: &mut VhostUserDevice,
         socket: &Path,
         bases: &[u16],
+        order: StateOrder,
         filter: StreamFilter<'_>,
     ) -> Result<(VhostUserDevice, MigrationReport), LoopbackError> {
         let mut dest = VhostUserDevice::connect(
@@ -246,16 +285,30 @@ impl LoopbackVm {
             // `boot::receive`): nothing is served from a half-loaded device.
             // The rings go on as they are: with EVENT_IDX exactly where they had it.
             let event_idx = lock(&self.ctrl.st).q.event_idx();
-            dest.prepare(
-                super::driver_features(self.forwarded, event_idx),
-                &self.ram.vhost_regions(),
-            )?;
-            if super::uses_event_idx(&dest, event_idx) != event_idx {
-                return Err(LoopbackError::Config(
-                    "the destination does not offer EVENT_IDX, which the rings use",
-                ));
-            }
-            let mut report = stream_state(source, &mut dest, filter)?;
+            let prepare = |dest: &mut VhostUserDevice| {
+                dest.prepare(
+                    super::driver_features(self.forwarded, event_idx),
+                    &self.ram.vhost_regions(),
+                )?;
+                if super::uses_event_idx(dest, event_idx) != event_idx {
+                    return Err(LoopbackError::Config(
+                        "the destination does not offer EVENT_IDX, which the rings use",
+                    ));
+                }
+                Ok(())
+            };
+            let mut report = match order {
+                StateOrder::MemoryFirst => {
+                    prepare(&mut dest)?;
+                    stream_state(source, &mut dest, filter)?
+                }
+                StateOrder::StateFirst => {
+                    let report = state_before_table(source, &mut dest, filter)?;
+                    // The backend applies the state here, or refuses the table.
+                    prepare(&mut dest)?;
+                    report
+                }
+            };
             let mut tail = source.save_state()?;
             filter(&mut tail);
             dest.load_state(&tail)?;
@@ -293,6 +346,33 @@ impl LoopbackVm {
         *lock(&self.irq) = irq;
         Ok(())
     }
+}
+
+/// Cloud Hypervisor's order: the source's whole save, then one load into the
+/// destination, which has no features or memory table yet.
+fn state_before_table(
+    source: &mut VhostUserDevice,
+    dest: &mut VhostUserDevice,
+    filter: StreamFilter<'_>,
+) -> Result<MigrationReport, LoopbackError> {
+    let mut report = MigrationReport::default();
+    let saved = source.save_state()?;
+    let mut stream = Vec::with_capacity(saved.len());
+    let mut rest = &saved[..];
+    while !rest.is_empty() {
+        // A bad header goes on whole: the destination refuses it.
+        let n = stream_len(rest)
+            .ok()
+            .and_then(|n| usize::try_from(n).ok())
+            .map_or(rest.len(), |n| n.clamp(1, rest.len()));
+        let mut frame = rest[..n].to_vec();
+        rest = &rest[n..];
+        report.note(&frame);
+        filter(&mut frame);
+        stream.extend_from_slice(&frame);
+    }
+    dest.load_state(&stream)?;
+    Ok(report)
 }
 
 /// Pipes the source's save into the destination's load frame by frame, while the

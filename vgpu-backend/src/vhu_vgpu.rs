@@ -519,6 +519,7 @@ impl VhostUserBackend for VhuVgpu {
             "VM {}: device reset, freeing the guest's GPU objects",
             self.vm.name
         );
+        self.transfer.forget_deferred();
         self.vm.lock_session().teardown(self.shm.as_ref());
     }
 
@@ -545,8 +546,19 @@ impl VhostUserBackend for VhuVgpu {
     }
 
     fn update_memory(&self, mem: GuestMemoryAtomicMmap) -> io::Result<()> {
-        *self.mem.write().unwrap_or_else(|e| e.into_inner()) = mem;
-        Ok(())
+        *self.mem.write().unwrap_or_else(|e| e.into_inner()) = mem.clone();
+        // A device state loaded before the table (Cloud Hypervisor's order) goes in now,
+        // before any ring can start; if it does not fit, the table is refused.
+        self.transfer
+            .apply_deferred(&self.vm, &self.shm, &mem)
+            .map_err(|e| {
+                error!(
+                    "VM {}: the device state loaded before the memory table does not fit it: {e} \
+                     (nothing of it was kept)",
+                    self.vm.name
+                );
+                io::Error::other(format!("device state does not fit the memory table: {e}"))
+            })
     }
 
     fn set_backend_req_fd(&self, backend: Backend) {

@@ -11,7 +11,7 @@ use std::collections::BTreeSet;
 use log::{info, warn};
 use vgpu_host_shim::ChannelResume;
 use vgpu_protocol::channel::valid_gp_entries;
-use vgpu_protocol::device::CHANNEL_SLOTS;
+use vgpu_protocol::device::{CHANNEL_SLOTS, NO_SLOT};
 use vgpu_protocol::gp::{GPU_VA_LIMIT, GP_ENTRY_SIZE};
 use vgpu_protocol::migration::{
     ContextRecord, DeviceState, MappingTargetRecord, MemRecord, TailState,
@@ -252,10 +252,16 @@ impl Session {
                 && c.gp_ring_va
                     .checked_add(u64::from(c.gp_entries) * GP_ENTRY_SIZE as u64)
                     .is_some_and(|end| end <= GPU_VA_LIMIT);
+            // A forwarded channel has no slot (`NO_SLOT`), and a VM's channels are
+            // either all forwarded or none (its driver's mode).
+            let slot_ok = if self.shared.forwarded() {
+                c.slot == NO_SLOT
+            } else {
+                c.slot < CHANNEL_SLOTS && slots.insert(c.slot)
+            };
             let ok = c.id != 0
                 && ids.insert(c.id)
-                && c.slot < CHANNEL_SLOTS
-                && slots.insert(c.slot)
+                && slot_ok
                 && ring_ok
                 && self
                     .state

@@ -80,11 +80,20 @@ impl Session {
         }
         // Forwarded (the driver has no shared-memory region): the channel gets no slot and
         // its control page stays the backend's; the guest uses SUBMIT and CHANNEL_STATUS.
-        let forwarded = resume.is_none() && self.shared.forwarded();
+        // A restored channel keeps its mode: slot-less was forwarded, and only a VM whose
+        // driver submits forwarded may have one (and only such a VM lacks slots).
+        let forwarded = match resume {
+            None => self.shared.forwarded(),
+            Some((slot, _)) if (slot == NO_SLOT) != self.shared.forwarded() => {
+                return Err(ErrorCode::InvalidArgument);
+            }
+            Some((slot, _)) => slot == NO_SLOT,
+        };
         let slot = match resume {
             None if forwarded => NO_SLOT,
             None => free_slot(self.state.channels.values().map(|c| c.slot))
                 .ok_or(ErrorCode::LimitExceeded)?,
+            Some(_) if forwarded => NO_SLOT,
             Some((slot, _)) => {
                 if slot >= CHANNEL_SLOTS || self.state.channels.values().any(|c| c.slot == slot) {
                     return Err(ErrorCode::InvalidArgument);
