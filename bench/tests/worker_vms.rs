@@ -150,6 +150,8 @@ fn a_killed_worker_fails_its_vm_only_and_the_vm_comes_back_on_a_new_one() {
     let st = host.gpu.stats();
     assert_eq!((st.started, st.lost, st.running), (3, 1, 2));
     assert_eq!(host.backend.worker_stats(), Some(st), "what /metrics shows");
+    assert_eq!(st.lost_as(vgpu_gpu_worker::LossKind::Killed), 1, "{st:?}");
+    assert_eq!(st.lost_by_kind.iter().sum::<u64>(), 1, "{st:?}");
 
     // A disconnect ends the VM's request threads, not its worker: b reconnects to the
     // same worker (its parent-death signal follows the launcher thread).

@@ -4,7 +4,10 @@
 //! failures and share of the GPU time they used (from the workers' counters), and the
 //! fourth's restarts (start to first verified kernel).
 //!
-//! `cargo run --release -p vgpu-gpu-worker --example worker_faults -- GPU [CYCLES]`
+//! `cargo run --release -p vgpu-gpu-worker --example worker_faults -- GPU [CYCLES] [kill|wild]`
+//! (`wild`: instead of a SIGKILL the fourth worker runs a kernel that writes a wild
+//! address, through the worker's test-only `--test-fault-after-ms`: a real GPU fault,
+//! after which the worker finds its context lost and exits).
 //! (GPU: `cuda`, `cuda:N`, or `cuda-fake` without a GPU; the `vgpu-gpu-worker` binary is
 //! looked for in this example's target directory, or at `$VGPU_GPU_WORKER`).
 
@@ -34,13 +37,17 @@ fn worker_bin() -> PathBuf {
         .join("vgpu-gpu-worker")
 }
 
-fn start(gpu: &str, n: u32, ids: &Arc<Ids>) -> Arc<WorkerGpu> {
-    let prog = WorkerProgram {
+fn start(gpu: &str, n: u32, ids: &Arc<Ids>, fault_after_ms: Option<u64>) -> Arc<WorkerGpu> {
+    let mut prog = WorkerProgram {
         program: worker_bin(),
         args: ["--gpu", gpu, "--vram-mib", "256", "--max-channels", "16"]
             .map(String::from)
             .to_vec(),
     };
+    if let Some(ms) = fault_after_ms {
+        prog.args
+            .extend(["--test-fault-after-ms".to_string(), ms.to_string()]);
+    }
     let opts = WorkerOptions {
         worker: n,
         ids: ids.clone(),
@@ -83,6 +90,11 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let gpu = args.get(1).cloned().unwrap_or_else(|| "cuda".into());
     let cycles: u32 = args.get(2).and_then(|c| c.parse().ok()).unwrap_or(100);
+    let wild = args.get(3).is_some_and(|m| m == "wild");
+    // The wild write lands this long after the worker starts: after its verified round
+    // (a worker's start to its first verified kernel: ~0.3 s on an H100).
+    let fault_after_ms = wild.then_some(if gpu == "cuda-fake" { 300 } else { 700 });
+    let mut gpu_faults = 0u32;
     let ids = Arc::new(Ids::default());
     let stop = Arc::new(AtomicBool::new(false));
     let t0 = Instant::now();
@@ -90,7 +102,7 @@ fn main() {
         .map(|i| {
             let (gpu, ids, stop) = (gpu.clone(), ids.clone(), stop.clone());
             std::thread::spawn(move || {
-                let w = start(&gpu, i, &ids);
+                let w = start(&gpu, i, &ids, None);
                 let p = Proc::new(&w, SYS_BASE);
                 let mut ch = p.channel(0);
                 let (mut ok, mut bad, mut seed) = (0u64, 0u64, 1000 * i);
@@ -114,7 +126,7 @@ fn main() {
     let mut recovered = 0;
     for c in 0..cycles {
         let t = Instant::now();
-        let w = start(&gpu, 100 + c, &ids);
+        let w = start(&gpu, 100 + c, &ids, fault_after_ms);
         let p = Proc::new(&w, SYS_BASE);
         let mut ch = p.channel(0);
         let good = round(&mut ch, &p, 7, 0);
@@ -124,10 +136,22 @@ fn main() {
         let m = ch.launch(&spin(50_000_000));
         ch.submit(&[m]);
         std::thread::sleep(Duration::from_millis(10));
-        w.kill();
+        if !wild {
+            w.kill();
+        }
         let deadline = Instant::now() + Duration::from_secs(5);
         while !w.is_lost() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(1));
+        }
+        if wild {
+            // Its exit status is read when the event thread reaps it.
+            let deadline = Instant::now() + Duration::from_secs(2);
+            while w.loss_kind() != Some(vgpu_gpu_worker::LossKind::GpuFault)
+                && Instant::now() < deadline
+            {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            gpu_faults += u32::from(w.loss_kind() == Some(vgpu_gpu_worker::LossKind::GpuFault));
         }
         drop((ch, p, w));
     }
@@ -135,9 +159,13 @@ fn main() {
     let results: Vec<_> = steady.into_iter().map(|t| t.join().unwrap()).collect();
     let total_busy: u64 = results.iter().map(|r| r.2).sum();
     println!(
-        "worker_faults gpu={gpu} cycles={cycles} seconds={:.1}",
+        "worker_faults gpu={gpu} cycles={cycles} mode={} seconds={:.1}",
+        if wild { "wild" } else { "kill" },
         t0.elapsed().as_secs_f64()
     );
+    if wild {
+        println!("faulting vm: gpu_faults_seen={gpu_faults}/{cycles}");
+    }
     for (i, (ok, bad, busy, lost)) in results.iter().enumerate() {
         println!(
             "steady vm={i} rounds_ok={ok} rounds_failed={bad} gpu_share_pct={:.2} lost={lost}",
@@ -160,7 +188,11 @@ fn main() {
         - shares.iter().cloned().fold(f64::MAX, f64::min);
     println!(
         "RESULT steady_failures={failed} share_spread_pp={spread:.2} recovered={recovered}/{n} {}",
-        if failed == 0 && recovered as usize == n && spread <= 4.0 {
+        if failed == 0
+            && recovered as usize == n
+            && spread <= 4.0
+            && (!wild || gpu_faults == cycles)
+        {
             "PASS"
         } else {
             "FAIL"

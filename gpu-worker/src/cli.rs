@@ -42,6 +42,28 @@ struct Cli {
     /// How long the worker may keep the turn while others wait, microseconds.
     #[arg(long, default_value_t = 4000)]
     turn_quantum_us: u64,
+    /// Test-only fault injection: this long after the start, run a kernel that writes a
+    /// wild address (`cuda`; on `cuda-fake` the device acts one out), as a faulty or
+    /// hostile kernel would. The worker then loses its GPU and exits.
+    #[arg(long, hide = true)]
+    test_fault_after_ms: Option<u64>,
+}
+
+/// Runs `fault` on a thread of its own after `after_ms` (the test-only injection).
+fn fault_later(after_ms: Option<u64>, fault: impl FnOnce() + Send + 'static) {
+    let Some(ms) = after_ms else {
+        return;
+    };
+    log::warn!("test fault injection: a wild write in {ms} ms");
+    let spawned = std::thread::Builder::new()
+        .name("test-fault".into())
+        .spawn(move || {
+            std::thread::sleep(Duration::from_millis(ms));
+            fault();
+        });
+    if let Err(e) = spawned {
+        log::error!("test fault injection: {e}");
+    }
 }
 
 fn turn(cli: &Cli) -> Result<Option<Arc<GpuTurn>>, String> {
@@ -72,8 +94,13 @@ fn open(cli: &Cli) -> Result<Arc<dyn Gpu>, String> {
             ..SimConfig::default()
         })
         .map_err(|e| format!("sim GPU: {e}"))?,
-        "cuda-fake" => FakeCudaGpu::with_device(Arc::new(FakeDevice::default()), cfg)
-            .map_err(|e| format!("fake cuda GPU: {e}"))?,
+        "cuda-fake" => {
+            let dev = Arc::new(FakeDevice::default());
+            let gpu = FakeCudaGpu::with_device(dev.clone(), cfg)
+                .map_err(|e| format!("fake cuda GPU: {e}"))?;
+            fault_later(cli.test_fault_after_ms, move || dev.poison());
+            gpu
+        }
         other => {
             let index = match other.strip_prefix("cuda") {
                 Some("") => 0,
@@ -89,7 +116,14 @@ fn open(cli: &Cli) -> Result<Arc<dyn Gpu>, String> {
                     ))
                 }
             };
-            CudaGpu::open(index, cfg).map_err(|e| format!("cuda GPU {index}: {e}"))?
+            let gpu = CudaGpu::open(index, cfg).map_err(|e| format!("cuda GPU {index}: {e}"))?;
+            let dev = gpu.device().clone();
+            fault_later(cli.test_fault_after_ms, move || {
+                if let Err(e) = dev.inject_wild_write() {
+                    log::error!("test fault injection: {e}");
+                }
+            });
+            gpu
         }
     };
     Ok(gpu)

@@ -19,7 +19,7 @@ pub mod socket;
 pub mod turn;
 
 pub use client::spawn::{WorkerProgram, COMMAND_FD, EVENT_FD, TURN_FD};
-pub use client::{Ids, StartError, WorkerGpu, WorkerOptions};
+pub use client::{Ids, LossKind, StartError, WorkerGpu, WorkerOptions};
 pub use pool::{PoolConfig, PoolStats, VmWorker, WorkerPool};
-pub use server::{serve, ServeError, ServeOptions};
+pub use server::{serve, ServeError, ServeOptions, EXIT_GPU_LOST};
 pub use turn::TurnSlots;

@@ -22,7 +22,7 @@ use vgpu_host_shim::{
 };
 use vgpu_protocol::ErrorCode;
 
-use crate::client::{Ids, WorkerGpu, WorkerOptions};
+use crate::client::{Ids, LossKind, WorkerGpu, WorkerOptions};
 use crate::WorkerProgram;
 
 /// What the pool starts and how the backend sees the whole GPU.
@@ -46,6 +46,18 @@ pub struct PoolStats {
     pub lost: u64,
     /// Workers running now.
     pub running: u64,
+    /// The lost ones by why, in [`LossKind::ALL`]'s order (see [`PoolStats::lost_as`]).
+    pub lost_by_kind: [u64; 6],
+}
+
+impl PoolStats {
+    /// Workers lost for `kind`.
+    pub fn lost_as(&self, kind: LossKind) -> u64 {
+        LossKind::ALL
+            .iter()
+            .position(|k| *k == kind)
+            .map_or(0, |i| self.lost_by_kind[i])
+    }
 }
 
 struct PoolShared {
@@ -91,6 +103,7 @@ impl WorkerPool {
             start_lock: Mutex::new(()),
             state: Mutex::new(VmObjects::default()),
             lost: AtomicU64::new(0),
+            lost_by_kind: Default::default(),
         });
         let mut vms = lock(&self.shared.vms);
         vms.retain(|v| v.strong_count() > 0);
@@ -103,10 +116,17 @@ impl WorkerPool {
             .iter()
             .filter_map(Weak::upgrade)
             .collect();
+        let mut lost_by_kind = [0u64; 6];
+        for v in &vms {
+            for (n, k) in lost_by_kind.iter_mut().zip(v.losses_by_kind()) {
+                *n += k;
+            }
+        }
         PoolStats {
             started: self.shared.started.load(Ordering::Relaxed),
             lost: vms.iter().map(|v| v.losses()).sum(),
             running: vms.iter().filter(|v| v.running()).count() as u64,
+            lost_by_kind,
         }
     }
 
@@ -145,6 +165,8 @@ pub struct VmWorker {
     start_lock: Mutex<()>,
     state: Mutex<VmObjects>,
     lost: AtomicU64,
+    /// Losses by why, in [`LossKind::ALL`]'s order.
+    lost_by_kind: [AtomicU64; 6],
 }
 
 /// A lost worker's teardown calls succeed: what they would undo died with it.
@@ -158,6 +180,14 @@ fn gone_is_done(r: Result<()>) -> Result<()> {
 impl VmWorker {
     fn losses(&self) -> u64 {
         self.lost.load(Ordering::Relaxed)
+    }
+
+    fn losses_by_kind(&self) -> [u64; 6] {
+        let mut out = [0; 6];
+        for (o, n) in out.iter_mut().zip(&self.lost_by_kind) {
+            *o = n.load(Ordering::Relaxed);
+        }
+        out
     }
 
     fn running(&self) -> bool {
@@ -193,9 +223,13 @@ impl VmWorker {
                         self.vm
                     )))
                 }
-                Some(_) => {
+                Some(w) => {
                     st.current = None;
                     self.lost.fetch_add(1, Ordering::Relaxed);
+                    let kind = w.loss_kind().unwrap_or(LossKind::Exited);
+                    if let Some(i) = LossKind::ALL.iter().position(|k| *k == kind) {
+                        self.lost_by_kind[i].fetch_add(1, Ordering::Relaxed);
+                    }
                 }
                 None => {}
             }

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use log::{debug, info, warn};
+use log::{debug, error, info, warn};
 use vgpu_host_shim::{
     ChannelConfig, ChannelId, ChannelResume, ContextId, EventSink, Gpu, GpuEvent, HalError,
     MapFlags, MapTarget,
@@ -421,6 +421,9 @@ impl Worker {
 
 /// Serves `gpu` on `cmd` (commands in, replies out) and `events` (events out) until the
 /// backend says `Shutdown` or goes away.
+/// A worker's exit status when its GPU faulted for good (a sticky CUDA error).
+pub const EXIT_GPU_LOST: i32 = 75;
+
 pub fn serve(
     gpu: Arc<dyn Gpu>,
     cmd: OwnedFd,
@@ -476,6 +479,12 @@ pub fn serve(
         .spawn(move || {
             while !p.stop.load(Ordering::Acquire) {
                 p.publish_all();
+                if let Some(why) = p.gpu.lost() {
+                    // Every context of this process is gone: only a new worker gets a
+                    // working GPU. The backend reads the exit status as a GPU fault.
+                    error!("the GPU is lost ({why}); exiting");
+                    std::process::exit(EXIT_GPU_LOST);
+                }
                 std::thread::sleep(every);
             }
         })

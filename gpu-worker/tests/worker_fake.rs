@@ -173,6 +173,35 @@ fn a_killed_worker_loses_its_gpu_and_no_other() {
     assert!(!process_exists(pid), "the killed worker was reaped");
 }
 
+/// A kernel that faults the GPU for good (acted out by the fake device: every later
+/// call fails with CUDA's sticky `ILLEGAL_ADDRESS`): the worker exits, the backend counts
+/// a GPU fault, the worker's channels get `DeviceLost`, and another worker goes on.
+#[test]
+fn a_worker_whose_gpu_faults_exits_and_counts_as_a_gpu_fault() {
+    let mut prog = program("cuda-fake");
+    prog.args
+        .extend(["--test-fault-after-ms", "300"].map(String::from));
+    let a = WorkerGpu::start(&prog, &WorkerOptions::default()).unwrap();
+    let b = worker();
+    let (pa, pb) = (Proc::new(&a, SYS_BASE), Proc::new(&b, SYS_BASE));
+    let (mut ca, mut cb) = (pa.channel(0), pb.channel(0));
+    let m = ca.launch(&spin(2_000_000_000));
+    ca.submit(&[m]);
+    wait_for("a's DeviceLost event", || {
+        ca.events.0.lock().unwrap().iter().any(|e| {
+            matches!(e, GpuEvent::Error { channel, code: ErrorCode::DeviceLost, .. } if *channel == ca.id)
+        })
+    });
+    assert!(a.is_lost());
+    let pid = a.pid();
+    wait_for("the faulted worker reaped", || !process_exists(pid));
+    assert_eq!(a.loss_kind(), Some(vgpu_gpu_worker::LossKind::GpuFault));
+    let m = cb.launch(&spin(1_000_000));
+    cb.submit(&[m]);
+    cb.wait_idle(T).expect("the other worker goes on");
+    assert!(cb.events.0.lock().unwrap().is_empty(), "b saw no error");
+}
+
 /// A program that is not a worker, or one that answers with garbage, is refused at
 /// start, and its process does not outlive the refusal.
 #[test]

@@ -408,6 +408,12 @@ pub trait Gpu: Send + Sync {
     fn control_pages(&self) -> Option<FdRange> {
         None
     }
+    /// Why the GPU is unusable for good (a kernel faulted the device and every context
+    /// of the process is gone), or `None` (the default) while it works. A process that
+    /// serves this GPU to others exits then, so a new one gets a working GPU.
+    fn lost(&self) -> Option<String> {
+        None
+    }
     /// Optional doorbell: tells the GPU to look at the channel now instead of at its next poll.
     fn doorbell(&self, ch: ChannelId);
     fn channel_counters(&self, ch: ChannelId) -> Result<ChannelCounters>;

@@ -48,11 +48,11 @@ pub(super) fn run(inner: Arc<Inner>) {
     };
     if inner.shutting_down() {
         info!("GPU worker {}: ended", inner.worker);
-        inner.lose(&why);
+        inner.lose(super::LossKind::Exited, &why);
         return;
     }
     warn!("GPU worker {}: lost ({why})", inner.worker);
-    inner.lose(&why);
+    inner.lose(super::LossKind::Exited, &why);
     // No zombie waits for the handle's drop.
     super::reap(&inner);
     for (ch, sink) in inner.take_sinks() {

@@ -83,6 +83,47 @@ impl Default for WorkerOptions {
     }
 }
 
+/// Why a worker was lost, for the API and `/metrics`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LossKind {
+    /// Its GPU faulted for good (a kernel wrote a wild address, an uncorrectable memory
+    /// error): the worker exited with [`crate::EXIT_GPU_LOST`].
+    GpuFault,
+    /// It died of a signal the backend did not send (a crash).
+    Crashed,
+    /// It exited otherwise.
+    Exited,
+    /// A command went unanswered past the call timeout (hung).
+    TimedOut,
+    /// It sent a frame or reply that does not fit the protocol.
+    Protocol,
+    /// The backend killed it (an operator's or a test's request).
+    Killed,
+}
+
+impl LossKind {
+    pub const ALL: [LossKind; 6] = [
+        LossKind::GpuFault,
+        LossKind::Crashed,
+        LossKind::Exited,
+        LossKind::TimedOut,
+        LossKind::Protocol,
+        LossKind::Killed,
+    ];
+
+    /// The name in the API and `/metrics`.
+    pub fn name(self) -> &'static str {
+        match self {
+            LossKind::GpuFault => "gpu_fault",
+            LossKind::Crashed => "crashed",
+            LossKind::Exited => "exited",
+            LossKind::TimedOut => "timed_out",
+            LossKind::Protocol => "protocol",
+            LossKind::Killed => "killed",
+        }
+    }
+}
+
 /// Why a worker could not be started.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -119,6 +160,8 @@ pub(crate) struct Inner {
     child: Mutex<Option<Child>>,
     lost: AtomicBool,
     lost_why: Mutex<String>,
+    /// Why it was lost (refined by its exit status once reaped).
+    lost_kind: Mutex<Option<LossKind>>,
     shutting_down: AtomicBool,
     channels: Mutex<HashMap<u32, Channel>>,
     timeout: Duration,
@@ -159,9 +202,10 @@ impl Inner {
     }
 
     /// Marks the GPU lost (once) and makes sure the process is gone.
-    fn lose(&self, why: &str) {
+    fn lose(&self, kind: LossKind, why: &str) {
         if !self.lost.swap(true, Ordering::AcqRel) {
             *lock(&self.lost_why) = why.to_string();
+            *lock(&self.lost_kind) = Some(kind);
         }
         if let Some(c) = lock(&self.child).as_mut() {
             let _ = c.kill();
@@ -182,21 +226,25 @@ impl Inner {
         let seq = calls.seq;
         let sent = socket::send(calls.sock.as_fd(), &encode_command(seq, c), fds);
         let got = sent.and_then(|()| socket::recv(calls.sock.as_fd()));
-        let why = match got {
+        let (kind, why) = match got {
             Ok(Some(r)) => match decode_reply(&r.frame, r.fds.len() as u8) {
                 Ok((s, rep)) if s == seq => return Ok(rep),
-                Ok((s, _)) => format!("a reply numbered {s} to command {seq}"),
-                Err(e) => format!("a bad reply frame: {e}"),
+                Ok((s, _)) => (
+                    LossKind::Protocol,
+                    format!("a reply numbered {s} to command {seq}"),
+                ),
+                Err(e) => (LossKind::Protocol, format!("a bad reply frame: {e}")),
             },
-            Ok(None) => "the worker exited".to_string(),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                format!("no reply to {c:?} in {:?}", self.timeout)
-            }
-            Err(e) => format!("command socket: {e}"),
+            Ok(None) => (LossKind::Exited, "the worker exited".to_string()),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => (
+                LossKind::TimedOut,
+                format!("no reply to {c:?} in {:?}", self.timeout),
+            ),
+            Err(e) => (LossKind::Exited, format!("command socket: {e}")),
         };
         drop(calls);
         warn!("GPU worker {}: {why}", self.worker);
-        self.lose(&why);
+        self.lose(kind, &why);
         Err(self.lost_error())
     }
 
@@ -222,7 +270,7 @@ impl Inner {
     fn unexpected(&self, c: &Command, r: Reply) -> HalError {
         let why = format!("answered {c:?} with {r:?}");
         warn!("GPU worker {}: {why}", self.worker);
-        self.lose(&why);
+        self.lose(LossKind::Protocol, &why);
         self.lost_error()
     }
 }
@@ -356,6 +404,7 @@ impl WorkerGpu {
             child: Mutex::new(Some(started.child)),
             lost: AtomicBool::new(false),
             lost_why: Mutex::new(String::new()),
+            lost_kind: Mutex::new(None),
             shutting_down: AtomicBool::new(false),
             channels: Mutex::new(HashMap::new()),
             timeout: opts.call_timeout,
@@ -363,7 +412,7 @@ impl WorkerGpu {
         });
         // From here on a failure must not leave the process behind.
         let fail = |e: StartError| {
-            inner.lose("its start failed");
+            inner.lose(LossKind::Exited, "its start failed");
             reap(&inner);
             e
         };
@@ -415,7 +464,12 @@ impl WorkerGpu {
 
     /// Kills the worker (as a fault would end it): the GPU is lost.
     pub fn kill(&self) {
-        self.inner.lose("killed");
+        self.inner.lose(LossKind::Killed, "killed");
+    }
+
+    /// Why the worker was lost, once it is.
+    pub fn loss_kind(&self) -> Option<LossKind> {
+        *lock(&self.inner.lost_kind)
     }
 
     fn channel_slot(&self, ch: ChannelId) -> Result<u32> {
@@ -618,7 +672,10 @@ fn reap(inner: &Inner) {
     let deadline = Instant::now() + Duration::from_secs(2);
     loop {
         match child.try_wait() {
-            Ok(Some(_)) => return,
+            Ok(Some(status)) => {
+                refine_loss(inner, status);
+                return;
+            }
             Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
             _ => {
                 let _ = child.kill();
@@ -626,6 +683,20 @@ fn reap(inner: &Inner) {
                 return;
             }
         }
+    }
+}
+
+/// A worker that "exited" is told apart by its status: a GPU fault, or a crash.
+fn refine_loss(inner: &Inner, status: std::process::ExitStatus) {
+    use std::os::unix::process::ExitStatusExt;
+    let mut kind = lock(&inner.lost_kind);
+    if *kind != Some(LossKind::Exited) {
+        return;
+    }
+    if status.code() == Some(crate::EXIT_GPU_LOST) {
+        *kind = Some(LossKind::GpuFault);
+    } else if status.signal().is_some() {
+        *kind = Some(LossKind::Crashed);
     }
 }
 

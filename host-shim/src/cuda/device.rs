@@ -81,4 +81,7 @@ pub trait Device: Send + Sync + 'static {
     fn reached(&self, m: &Self::Mark) -> Result<bool, DeviceError>;
     /// GPU time between two reached marks of one stream.
     fn elapsed_ns(&self, from: &Self::Mark, to: &Self::Mark) -> Option<u64>;
+    /// Why the context is unusable for good, once a call saw a sticky error
+    /// ([`DeviceError::is_context_lost`]); `None` while it works.
+    fn lost(&self) -> Option<String>;
 }

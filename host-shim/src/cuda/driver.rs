@@ -73,6 +73,8 @@ pub struct CudaDevice {
     /// non-blocking, so they wait for no channel's work.
     host_copies: Mutex<Option<CudaStream>>,
     events: EventPool,
+    /// The first sticky error seen: the context is unusable from then on.
+    lost: std::sync::OnceLock<String>,
 }
 
 // SAFETY: CUDA contexts, functions, streams and events may be used from any thread once
@@ -200,6 +202,7 @@ impl CudaDevice {
                 calib: Mutex::new(None),
                 host_copies: Mutex::new(None),
                 events: Arc::new(Mutex::new(Vec::new())),
+                lost: std::sync::OnceLock::new(),
             };
             d.calibrate_clock()?;
             log::info!(
@@ -601,6 +604,93 @@ unsafe fn get_cubin(prog: nvrtc_sys::nvrtcProgram) -> Result<Vec<u8>, DeviceErro
     Ok(buf)
 }
 
+impl CudaDevice {
+    /// Notes a sticky error (the context is gone) and passes the result on.
+    fn note<T>(&self, r: Result<T, DeviceError>) -> Result<T, DeviceError> {
+        if let Err(e) = &r {
+            if e.is_context_lost() && self.lost.set(e.to_string()).is_ok() {
+                log::error!("cuda: the context is lost: {e}");
+            }
+        }
+        r
+    }
+
+    fn issue_op(&self, s: &CudaStream, op: &Op) -> Result<(), DeviceError> {
+        self.current()?;
+        match *op {
+            Op::Launch(ref args) => {
+                log::trace!("cuda: launch {args:?}");
+                self.launch_args(s, args)
+            }
+            // SAFETY: both ranges were checked by the planner (registered host memory or
+            // device memory, `len` bytes each).
+            Op::Copy { dst, src, len } => check("cuMemcpyAsync", unsafe {
+                sys::cuMemcpyAsync(dst, src, len as usize, s.0)
+            }),
+            Op::Timestamp { ptr } => {
+                if now_ns().saturating_sub(self.calibrated_at.load(Ordering::Relaxed))
+                    > 1_000_000_000
+                {
+                    if let Err(e) = self.calibrate_clock() {
+                        log::warn!("cuda: clock calibration: {e}");
+                    }
+                }
+                let (mut dst, mut off) = (ptr, self.clock_offset.load(Ordering::Relaxed));
+                let mut params = [
+                    &mut dst as *mut u64 as *mut c_void,
+                    &mut off as *mut u64 as *mut c_void,
+                ];
+                self.launch(s, Kern::Timestamp, (1, 1), (1, 1), &mut params)
+            }
+            // SAFETY: `ptr` names 4 writable bytes checked by the planner.
+            Op::WriteValue { ptr, value } => check("cuStreamWriteValue32", unsafe {
+                sys::cuStreamWriteValue32_v2(
+                    s.0,
+                    ptr,
+                    value,
+                    sys::CUstreamWriteValue_flags_enum::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+                )
+            }),
+            Op::WaitValue { ptr, value, mode } => {
+                let flags = match mode {
+                    SemaphoreMode::Equal => {
+                        sys::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_EQ
+                    }
+                    // GEQ is the cyclic compare (int32)(*ptr - value) >= 0, as the protocol's.
+                    SemaphoreMode::AtLeast => {
+                        sys::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_GEQ
+                    }
+                };
+                // SAFETY: `ptr` names 4 readable bytes checked by the planner.
+                check("cuStreamWaitValue32", unsafe {
+                    sys::cuStreamWaitValue32_v2(s.0, ptr, value, flags as u32)
+                })
+            }
+        }
+    }
+
+    /// Test-only fault injection: a kernel that writes a wild address, as a faulty or
+    /// hostile kernel would (the context is lost once the GPU runs it; every later call
+    /// of this process fails).
+    pub fn inject_wild_write(&self) -> Result<(), DeviceError> {
+        let s = self.create_stream()?;
+        let op = Op::Launch(vgpu_protocol::KernelArgs::Memset {
+            dst: 0x10,
+            pattern: 0,
+            len: 1 << 20,
+        });
+        self.issue(&s, &op)?;
+        // The fault shows at the next query of the stream: wait for it, so the context
+        // is known lost even when no channel has work to notice it.
+        let m = self.mark(&s)?;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !self.reached(&m)? && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        Ok(())
+    }
+}
+
 impl Device for CudaDevice {
     type Stream = CudaStream;
     type Mark = CudaMark;
@@ -710,57 +800,12 @@ impl Device for CudaDevice {
     }
 
     fn issue(&self, s: &CudaStream, op: &Op) -> Result<(), DeviceError> {
-        self.current()?;
-        match *op {
-            Op::Launch(ref args) => {
-                log::trace!("cuda: launch {args:?}");
-                self.launch_args(s, args)
-            }
-            // SAFETY: both ranges were checked by the planner (registered host memory or
-            // device memory, `len` bytes each).
-            Op::Copy { dst, src, len } => check("cuMemcpyAsync", unsafe {
-                sys::cuMemcpyAsync(dst, src, len as usize, s.0)
-            }),
-            Op::Timestamp { ptr } => {
-                if now_ns().saturating_sub(self.calibrated_at.load(Ordering::Relaxed))
-                    > 1_000_000_000
-                {
-                    if let Err(e) = self.calibrate_clock() {
-                        log::warn!("cuda: clock calibration: {e}");
-                    }
-                }
-                let (mut dst, mut off) = (ptr, self.clock_offset.load(Ordering::Relaxed));
-                let mut params = [
-                    &mut dst as *mut u64 as *mut c_void,
-                    &mut off as *mut u64 as *mut c_void,
-                ];
-                self.launch(s, Kern::Timestamp, (1, 1), (1, 1), &mut params)
-            }
-            // SAFETY: `ptr` names 4 writable bytes checked by the planner.
-            Op::WriteValue { ptr, value } => check("cuStreamWriteValue32", unsafe {
-                sys::cuStreamWriteValue32_v2(
-                    s.0,
-                    ptr,
-                    value,
-                    sys::CUstreamWriteValue_flags_enum::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
-                )
-            }),
-            Op::WaitValue { ptr, value, mode } => {
-                let flags = match mode {
-                    SemaphoreMode::Equal => {
-                        sys::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_EQ
-                    }
-                    // GEQ is the cyclic compare (int32)(*ptr - value) >= 0, as the protocol's.
-                    SemaphoreMode::AtLeast => {
-                        sys::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_GEQ
-                    }
-                };
-                // SAFETY: `ptr` names 4 readable bytes checked by the planner.
-                check("cuStreamWaitValue32", unsafe {
-                    sys::cuStreamWaitValue32_v2(s.0, ptr, value, flags as u32)
-                })
-            }
-        }
+        let r = self.issue_op(s, op);
+        self.note(r)
+    }
+
+    fn lost(&self) -> Option<String> {
+        self.lost.get().cloned()
     }
 
     fn mark(&self, s: &CudaStream) -> Result<CudaMark, DeviceError> {
@@ -793,7 +838,7 @@ impl Device for CudaDevice {
         match unsafe { sys::cuEventQuery(m.ev) } {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
             sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            r => check("cuEventQuery", r).map(|_| false),
+            r => self.note(check("cuEventQuery", r).map(|_| false)),
         }
     }
 

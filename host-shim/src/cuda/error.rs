@@ -19,7 +19,29 @@ pub enum DeviceError {
     Fake(&'static str),
 }
 
+/// Driver results after which the context is unusable for good ("sticky" errors: every
+/// later call in the process fails the same way).
+const CONTEXT_LOST: &[&str] = &[
+    "ILLEGAL_ADDRESS",
+    "LAUNCH_FAILED",
+    "HARDWARE_STACK_ERROR",
+    "ILLEGAL_INSTRUCTION",
+    "MISALIGNED_ADDRESS",
+    "INVALID_ADDRESS_SPACE",
+    "INVALID_PC",
+    "ECC_UNCORRECTABLE",
+    "CONTEXT_IS_DESTROYED",
+    "ASSERT",
+];
+
 impl DeviceError {
+    /// Whether the failure left the CUDA context unusable (a kernel faulted the GPU, an
+    /// uncorrectable memory error): only a new process gets a working context again.
+    pub fn is_context_lost(&self) -> bool {
+        matches!(self, DeviceError::Driver { code, .. }
+            if CONTEXT_LOST.iter().any(|k| code.contains(k)))
+    }
+
     /// Whether the failure only says that there is no usable GPU here (tests skip then).
     pub fn is_absent(&self) -> bool {
         matches!(

@@ -87,6 +87,26 @@ pub struct FakeDevice {
     /// Device memory handed out (VRAM and staging), freed by `free_device`.
     scratch: Mutex<Vec<Vec<u8>>>,
     pub registered: Mutex<Vec<(usize, usize)>>,
+    /// Set by [`FakeDevice::poison`]: every later stream call fails as after a GPU fault.
+    poisoned: AtomicBool,
+}
+
+impl FakeDevice {
+    /// Acts out a kernel that faulted the GPU (a wild write): the context is lost, and
+    /// every later issue, mark and query fails with the driver's sticky error.
+    pub fn poison(&self) {
+        self.poisoned.store(true, Ordering::Release);
+    }
+
+    fn check_poison(&self) -> Result<(), DeviceError> {
+        if self.poisoned.load(Ordering::Acquire) {
+            return Err(DeviceError::Driver {
+                call: "fake",
+                code: "CUDA_ERROR_ILLEGAL_ADDRESS".into(),
+            });
+        }
+        Ok(())
+    }
 }
 
 fn run_op(op: &Op) {
@@ -249,6 +269,7 @@ impl Device for FakeDevice {
     }
 
     fn issue(&self, s: &FakeStream, op: &Op) -> Result<(), DeviceError> {
+        self.check_poison()?;
         self.log
             .ops
             .lock()
@@ -265,6 +286,7 @@ impl Device for FakeDevice {
     }
 
     fn mark(&self, s: &FakeStream) -> Result<FakeMark, DeviceError> {
+        self.check_poison()?;
         let seq = s.sh.issued.fetch_add(1, Ordering::AcqRel) + 1;
         let at = Arc::new(AtomicU64::new(0));
         s.sh.q
@@ -281,7 +303,12 @@ impl Device for FakeDevice {
     }
 
     fn reached(&self, m: &FakeMark) -> Result<bool, DeviceError> {
+        self.check_poison()?;
         Ok(m.sh.done.load(Ordering::Acquire) >= m.seq)
+    }
+
+    fn lost(&self) -> Option<String> {
+        self.check_poison().err().map(|e| e.to_string())
     }
 
     fn elapsed_ns(&self, from: &FakeMark, to: &FakeMark) -> Option<u64> {

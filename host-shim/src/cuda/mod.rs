@@ -474,6 +474,10 @@ impl<D: Device> Drop for CudaGpuOf<D> {
 }
 
 impl<D: Device> Gpu for CudaGpuOf<D> {
+    fn lost(&self) -> Option<String> {
+        self.shared.dev.lost()
+    }
+
     crate::fifo::table_methods!();
 
     fn info(&self) -> GpuInfo {

@@ -82,6 +82,19 @@ pub fn render(be: &VgpuBackend, shares: &ShareBook, api_requests: &[(u16, u64)])
              the protocol) and replaced.",
         );
         o.value("vgpu_gpu_worker_losses_total", &[], w.lost as f64);
+        o.family(
+            "vgpu_gpu_worker_losses_by_kind_total",
+            "counter",
+            "GPU worker processes lost and replaced, by why: gpu_fault (its GPU faulted \
+             for good), crashed, exited, timed_out, protocol, killed.",
+        );
+        for k in vgpu_gpu_worker::LossKind::ALL {
+            o.value(
+                "vgpu_gpu_worker_losses_by_kind_total",
+                &[("kind", k.name())],
+                w.lost_as(k) as f64,
+            );
+        }
     }
 
     let cap = be.capacity();

@@ -216,6 +216,15 @@ impl ApiState {
             vms: be.vm_names().len() as u32,
             uptime_s: self.started.elapsed().as_secs_f64(),
             capacity: be.capacity().into(),
+            gpu_workers: be.worker_stats().map(|w| GpuWorkersBody {
+                running: w.running,
+                started: w.started,
+                lost: w.lost,
+                lost_by_kind: vgpu_gpu_worker::LossKind::ALL
+                    .iter()
+                    .map(|k| (k.name().to_string(), w.lost_as(*k)))
+                    .collect(),
+            }),
         }
     }
 

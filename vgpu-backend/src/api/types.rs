@@ -22,6 +22,22 @@ pub struct InfoBody {
     pub uptime_s: f64,
     /// The GPU's contexts and channels: what the VMs use, reserve, and what is free.
     pub capacity: CapacityBody,
+    /// With a GPU worker process per VM (`--gpu-workers`): their counts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_workers: Option<GpuWorkersBody>,
+}
+
+/// The GPU worker processes of a backend with `--gpu-workers`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuWorkersBody {
+    pub running: u64,
+    /// Started, restarts after a loss included.
+    pub started: u64,
+    /// Lost and replaced.
+    pub lost: u64,
+    /// The lost ones by why: `gpu_fault`, `crashed`, `exited`, `timed_out`, `protocol`,
+    /// `killed`.
+    pub lost_by_kind: std::collections::BTreeMap<String, u64>,
 }
 
 /// One resource of the GPU shared by the VMs (`vgpu_backend::capacity::Headroom`).
