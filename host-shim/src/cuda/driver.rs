@@ -684,8 +684,19 @@ impl CudaDevice {
         // is known lost even when no channel has work to notice it.
         let m = self.mark(&s)?;
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        while !self.reached(&m)? && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(1));
+        while std::time::Instant::now() < deadline {
+            match self.reached(&m) {
+                Ok(false) => std::thread::sleep(std::time::Duration::from_millis(1)),
+                // The fault it was meant to cause.
+                Err(e) if e.is_context_lost() => return Ok(()),
+                Ok(true) => {
+                    return Err(DeviceError::Driver {
+                        call: "inject_wild_write",
+                        code: "the wild write did not fault".into(),
+                    })
+                }
+                Err(e) => return Err(e),
+            }
         }
         Ok(())
     }
