@@ -242,26 +242,7 @@ fn a_running_vm_migrates_between_backends_and_every_workload_completes_bit_exact
 /// `cuda-fake` workers here, `VGPU_WORKER_GPU=cuda` on a GPU.
 fn workers_host(tag: &str) -> Host<vgpu_gpu_worker::WorkerPool> {
     let _ = env_logger::builder().is_test(true).try_init();
-    let gpu = std::env::var("VGPU_WORKER_GPU").unwrap_or_else(|_| "cuda-fake".into());
-    let pool = vgpu_gpu_worker::WorkerPool::new(vgpu_gpu_worker::PoolConfig {
-        program: vgpu_gpu_worker::WorkerProgram {
-            program: vgpu_test_support::backend_bin(None),
-            args: vec!["worker".into(), "--gpu".into(), gpu.clone()],
-        },
-        gpu: vgpu_host_shim::GpuInfo {
-            name: gpu,
-            vram_bytes: 256 << 20,
-            compute_engines: 1,
-            max_channels: 64,
-            max_contexts: 32,
-            has_busy_counters: true,
-        },
-        per_worker: (32, 16),
-        opts: vgpu_gpu_worker::WorkerOptions {
-            turn: Some(vgpu_gpu_worker::TurnSlots::new(4000).expect("the GPU turn")),
-            ..vgpu_gpu_worker::WorkerOptions::default()
-        },
-    });
+    let pool = vgpu_test_support::worker_pool_from_env(256 << 20);
     let limits = VmLimits {
         vram_bytes: 128 << 20,
         ..VmLimits::default()

@@ -280,26 +280,7 @@ fn three_vms_at_quarter_vram_lose_nothing() {
 #[test]
 fn three_vms_through_workers_lose_nothing() {
     let vram = 48 * MIB;
-    let gpu = std::env::var("VGPU_WORKER_GPU").unwrap_or_else(|_| "cuda-fake".into());
-    let pool = vgpu_gpu_worker::WorkerPool::new(vgpu_gpu_worker::PoolConfig {
-        program: vgpu_gpu_worker::WorkerProgram {
-            program: vgpu_test_support::backend_bin(None),
-            args: vec!["worker".into(), "--gpu".into(), gpu.clone()],
-        },
-        gpu: vgpu_host_shim::GpuInfo {
-            name: gpu,
-            vram_bytes: vram,
-            compute_engines: 1,
-            max_channels: 64,
-            max_contexts: 32,
-            has_busy_counters: true,
-        },
-        per_worker: (32, 16),
-        opts: vgpu_gpu_worker::WorkerOptions {
-            turn: Some(vgpu_gpu_worker::TurnSlots::new(4000).expect("the GPU turn")),
-            ..vgpu_gpu_worker::WorkerOptions::default()
-        },
-    });
+    let pool = vgpu_test_support::worker_pool_from_env(vram);
     let host = Host::on_workers(
         "swap-workers",
         pool,

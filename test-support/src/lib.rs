@@ -144,6 +144,32 @@ impl Host<dyn Gpu> {
     }
 }
 
+/// A worker process per VM (`vgpu-backend worker --gpu GPU`, the `vgpu-backend` beside
+/// the tests or `$VGPU_BACKEND_BIN`), taking the GPU in turn as `--gpu-workers` does: GPU
+/// `$VGPU_WORKER_GPU` (`cuda` on a GPU), else `cuda-fake`, with `vram_bytes` in all.
+pub fn worker_pool_from_env(vram_bytes: u64) -> Arc<WorkerPool> {
+    let gpu = std::env::var("VGPU_WORKER_GPU").unwrap_or_else(|_| "cuda-fake".into());
+    WorkerPool::new(vgpu_gpu_worker::PoolConfig {
+        program: vgpu_gpu_worker::WorkerProgram {
+            program: backend_bin(None),
+            args: vec!["worker".into(), "--gpu".into(), gpu.clone()],
+        },
+        gpu: vgpu_host_shim::GpuInfo {
+            name: gpu,
+            vram_bytes,
+            compute_engines: 1,
+            max_channels: 64,
+            max_contexts: 32,
+            has_busy_counters: true,
+        },
+        per_worker: (32, 16),
+        opts: vgpu_gpu_worker::WorkerOptions {
+            turn: Some(vgpu_gpu_worker::TurnSlots::new(4000).expect("the GPU turn's page")),
+            ..vgpu_gpu_worker::WorkerOptions::default()
+        },
+    })
+}
+
 impl Host<WorkerPool> {
     /// As [`Host::new`], with a GPU worker process per VM from `pool` (each VM's
     /// [`VmWorker`] is kept: [`Host::worker`]).
