@@ -273,6 +273,23 @@ static void b2b(int n) {
     for (int i = 0; i < n; i++) vgpu_empty<<<1, 1, 0, S>>>();
     CK(cudaStreamSynchronize(S));
     printf("b2b_empty_kernels_per_s %.1f kernels/s\n", n / ((now_ns() - t0) / 1e9));
+    // What vgpu's front end issues per GP entry: the launch, then the fence's REF write
+    // (cuStreamWriteValue32 into mapped host memory).
+    u32* ref;
+    CK(cudaHostAlloc(&ref, 4, cudaHostAllocMapped));
+    CUdeviceptr ref_dev;
+    CK(cudaHostGetDevicePointer((void**)&ref_dev, ref, 0));
+    t0 = now_ns();
+    for (int i = 0; i < n; i++) {
+        vgpu_empty<<<1, 1, 0, S>>>();
+        if (cuStreamWriteValue32(S, ref_dev, (cuuint32_t)i, 0) != CUDA_SUCCESS) {
+            fprintf(stderr, "cuStreamWriteValue32 failed\n");
+            exit(1);
+        }
+    }
+    CK(cudaStreamSynchronize(S));
+    printf("b2b_with_ref_write_kernels_per_s %.1f kernels/s\n", n / ((now_ns() - t0) / 1e9));
+    CK(cudaFreeHost(ref));
 }
 
 // Fixed work filling every SM: a spin on the clock would count time its context spends

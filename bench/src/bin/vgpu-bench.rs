@@ -86,6 +86,15 @@ enum Suite {
         /// time-slices the workers' contexts) [default: 4000].
         #[arg(long, default_value_t = 4000)]
         turn_us: u64,
+        /// Rounds of the back-to-back figure, each CUDA native (with `--baseline`), vgpu
+        /// native and the VM one after the other; the median round is reported
+        /// [default: 5, 1 with --quick].
+        #[arg(long)]
+        b2b_rounds: Option<u32>,
+        /// Kernels of grids up to this many blocks write their GP entry's fence
+        /// themselves, in the in-process GPU (0: never) [default: 1].
+        #[arg(long)]
+        signal_max_blocks: Option<u64>,
     },
     /// Fair service of control requests: a victim VM's request latency alone and while
     /// another VM floods its control queue, or its event queue, side by side.
@@ -156,6 +165,8 @@ fn main() {
             max_inflight,
             workers,
             turn_us,
+            b2b_rounds,
+            signal_max_blocks,
         } => match gpu {
             vgpu_host_shim::GpuChoice::Sim => {
                 Err("vgpu-bench cuda needs --gpu cuda[:INDEX]".into())
@@ -178,10 +189,14 @@ fn main() {
                 }
                 opts.batch = batch.unwrap_or(opts.batch);
                 opts.max_inflight = max_inflight.unwrap_or(opts.max_inflight);
+                opts.signal_max_blocks = signal_max_blocks.unwrap_or(opts.signal_max_blocks);
                 match workers.then(backend_beside_me).transpose() {
                     Ok(w) => {
                         opts.workers = w;
                         opts.turn_us = turn_us;
+                        if let Some(r) = b2b_rounds {
+                            opts.b2b_rounds = r;
+                        }
                         cuda::run(&opts).map_err(|e| e.to_string())
                     }
                     Err(e) => Err(e),

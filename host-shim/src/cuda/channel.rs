@@ -3,11 +3,12 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use vgpu_protocol::ControlPage;
 
 use super::device::Device;
+use super::frontend::FrontendStats;
 use super::plan::HostAction;
 use crate::fifo::channel_core::ChannelCore;
 use crate::fifo::tables::FifoChannel;
@@ -35,6 +36,10 @@ pub struct ChanState<D: Device> {
     pub inflight: VecDeque<Inflight<D::Mark>>,
     /// Per-channel staging buffer on the device (pointer, bytes).
     pub scratch: Option<(u64, u64)>,
+    /// The word in device memory on which the blocks of a kernel that writes REF itself
+    /// count themselves done (`kernels.cu`); allocated at the first such kernel. `Some(0)`:
+    /// it could not be had, REF is written by stream writes.
+    pub signal_count: Option<u64>,
     /// Timeline time at which the last retired entry ended.
     pub last_end: u64,
 }
@@ -51,6 +56,8 @@ pub struct CudaChannel<D: Device> {
     /// memory); `None` when the control pages are not registered (the front end then
     /// stores REF when an entry's completion mark is reached).
     pub ref_ptr: Option<u64>,
+    /// The GPU's front-end counters (shared by its channels).
+    pub stats: Arc<FrontendStats>,
 }
 
 impl<D: Device> CudaChannel<D> {
@@ -58,7 +65,7 @@ impl<D: Device> CudaChannel<D> {
     /// (where a migrated channel stopped, else 0). Its core's semaphore-wait clock counts
     /// the time a batch ending in a semaphore wait was in flight, less its kernels' time
     /// (the front end issues nothing behind such a batch; the wait itself runs on the GPU).
-    pub fn new(core: ChannelCore, stream: D::Stream) -> Self {
+    pub fn new(core: ChannelCore, stream: D::Stream, stats: Arc<FrontendStats>) -> Self {
         let ref_ptr = core.gpu_field_addr(ControlPage::REF);
         let fetched = core.start_get();
         CudaChannel {
@@ -68,11 +75,13 @@ impl<D: Device> CudaChannel<D> {
                 fetched,
                 inflight: VecDeque::new(),
                 scratch: None,
+                signal_count: None,
                 last_end: 0,
             }),
             busy_ns: AtomicU64::new(0),
             last_issue_ns: AtomicU64::new(0),
             ref_ptr,
+            stats,
         }
     }
 

@@ -12,10 +12,12 @@ use vgpu_protocol::{KernelArgs, SemaphoreMode};
 
 use super::device::Device;
 use super::error::DeviceError;
-use super::plan::Op;
+use super::plan::{Op, Signal};
 use crate::clock::now_ns;
 
 const KERNELS_CU: &str = include_str!("kernels.cu");
+/// The most parameters of a builtin kernel before its fence signal's three.
+const MAX_PARAMS: usize = 8;
 
 /// The names of the kernels in `kernels.cu`, in [`Kern`] order.
 const KERNEL_NAMES: [&CStr; 9] = [
@@ -67,6 +69,8 @@ pub struct CudaDevice {
     /// the guest's clock readings.
     clock_offset: AtomicU64,
     calibrated_at: AtomicU64,
+    /// Grids up to this many blocks carry their entry's fence signal (`CudaConfig`).
+    signal_max_blocks: AtomicU64,
     /// The calibration's stream and 8-byte device buffer.
     calib: Mutex<Option<(CudaStream, u64)>>,
     /// The stream of host↔VRAM copies (eviction, swap-in, zeroing), created on first use;
@@ -199,6 +203,7 @@ impl CudaDevice {
                 spin_blocks,
                 clock_offset: AtomicU64::new(0),
                 calibrated_at: AtomicU64::new(0),
+                signal_max_blocks: AtomicU64::new(0),
                 calib: Mutex::new(None),
                 host_copies: Mutex::new(None),
                 events: Arc::new(Mutex::new(Vec::new())),
@@ -212,6 +217,11 @@ impl CudaDevice {
             );
             Ok(d)
         }
+    }
+
+    /// Kernels of grids up to `n` blocks write their entry's REF themselves (0: none).
+    pub fn set_signal_max_blocks(&self, n: u64) {
+        self.signal_max_blocks.store(n, Ordering::Relaxed);
     }
 
     /// Bytes of device memory.
@@ -281,7 +291,7 @@ impl CudaDevice {
                 &mut zero as *mut u64 as *mut c_void,
             ];
             let t0 = now_ns();
-            self.launch(s, Kern::Timestamp, (1, 1), (1, 1), &mut params)?;
+            self.launch(s, Kern::Timestamp, (1, 1), (1, 1), &mut params, None)?;
             // SAFETY: `s` is a live stream.
             check("cuStreamSynchronize", unsafe {
                 sys::cuStreamSynchronize(s.0)
@@ -306,6 +316,8 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// Launches kernel `k` with `params` and, if given and the grid is small enough, its
+    /// fence signal (`kernels.cu`); returns whether the kernel carries the signal.
     fn launch(
         &self,
         s: &CudaStream,
@@ -313,10 +325,33 @@ impl CudaDevice {
         grid: (u32, u32),
         block: (u32, u32),
         params: &mut [*mut c_void],
-    ) -> Result<(), DeviceError> {
-        // SAFETY: `params` holds one pointer per kernel parameter, each to a live value of
-        // the parameter's type (built by the caller from the kernel's signature), and every
-        // pointer argument names memory the planner checked against the context's mappings.
+        signal: Option<&Signal>,
+    ) -> Result<bool, DeviceError> {
+        let blocks = u64::from(grid.0) * u64::from(grid.1);
+        // Larger grids run long enough that a stream write after them costs nothing
+        // noticeable, and their blocks need not all count themselves done on one word.
+        let max = self.signal_max_blocks.load(Ordering::Relaxed);
+        let signal = signal.filter(|_| blocks <= max);
+        // Every kernel ends with the signal's three parameters; null: no signal.
+        let (mut ref_ptr, mut value, mut count) =
+            signal.map_or((0u64, 0u32, 0u64), |g| (g.ptr, g.value, g.count));
+        let mut all = [std::ptr::null_mut::<c_void>(); MAX_PARAMS + 3];
+        let n = params.len();
+        if n > MAX_PARAMS {
+            return Err(DeviceError::Driver {
+                call: "launch",
+                code: format!("{n} parameters (at most {MAX_PARAMS})"),
+            });
+        }
+        all[..n].copy_from_slice(params);
+        all[n] = &mut ref_ptr as *mut u64 as *mut c_void;
+        all[n + 1] = &mut value as *mut u32 as *mut c_void;
+        all[n + 2] = &mut count as *mut u64 as *mut c_void;
+        // SAFETY: `all` holds one pointer per kernel parameter, each to a live value of
+        // the parameter's type (built by the caller from the kernel's signature, then the
+        // signal's u32*, u32, u32*), and every pointer argument names memory the planner
+        // checked against the context's mappings (REF: the channel's registered control
+        // page; the count: the channel's own device word).
         check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(
                 self.funcs[k as usize],
@@ -328,22 +363,62 @@ impl CudaDevice {
                 1,
                 0,
                 s.0,
-                params.as_mut_ptr(),
+                all.as_mut_ptr(),
                 std::ptr::null_mut(),
+            )
+        })?;
+        Ok(signal.is_some())
+    }
+
+    /// A stream write of `value` at `ptr`.
+    fn write_value(&self, s: &CudaStream, ptr: u64, value: u32) -> Result<(), DeviceError> {
+        // SAFETY: `ptr` names 4 writable bytes checked by the planner.
+        check("cuStreamWriteValue32", unsafe {
+            sys::cuStreamWriteValue32_v2(
+                s.0,
+                ptr,
+                value,
+                sys::CUstreamWriteValue_flags_enum::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
             )
         })
     }
 
-    fn launch_args(&self, s: &CudaStream, args: &KernelArgs) -> Result<(), DeviceError> {
+    /// Launches a builtin kernel and, with `signal`, writes REF after it: by the kernel
+    /// itself where it can, else by a stream write.
+    fn launch_builtin(
+        &self,
+        s: &CudaStream,
+        args: &KernelArgs,
+        signal: Option<&Signal>,
+    ) -> Result<(), DeviceError> {
+        let signalled = self.launch_args(s, args, signal)?;
+        match signal {
+            Some(g) if !signalled => self.write_value(s, g.ptr, g.value),
+            _ => Ok(()),
+        }
+    }
+
+    /// Launches a builtin kernel; returns whether it carries `signal`.
+    fn launch_args(
+        &self,
+        s: &CudaStream,
+        args: &KernelArgs,
+        signal: Option<&Signal>,
+    ) -> Result<bool, DeviceError> {
         macro_rules! p {
             ($($v:ident),*) => { [$(&mut $v as *mut _ as *mut c_void),*] };
         }
         let blocks = |n: u64| (n.div_ceil(256).clamp(1, 8192)) as u32;
         match *args {
-            KernelArgs::Empty => self.launch(s, Kern::Empty, (1, 1), (1, 1), &mut []),
-            KernelArgs::Spin { mut ns } => {
-                self.launch(s, Kern::Spin, (self.spin_blocks, 1), (1024, 1), &mut p!(ns))
-            }
+            KernelArgs::Empty => self.launch(s, Kern::Empty, (1, 1), (1, 1), &mut [], signal),
+            KernelArgs::Spin { mut ns } => self.launch(
+                s,
+                Kern::Spin,
+                (self.spin_blocks, 1),
+                (1024, 1),
+                &mut p!(ns),
+                signal,
+            ),
             KernelArgs::Memset {
                 mut dst,
                 mut len,
@@ -356,6 +431,7 @@ impl CudaDevice {
                     (g, 1),
                     (256, 1),
                     &mut p!(dst, len, pattern),
+                    signal,
                 )
             }
             KernelArgs::Saxpy {
@@ -369,6 +445,7 @@ impl CudaDevice {
                 (blocks(n), 1),
                 (256, 1),
                 &mut p!(x, y, n, a),
+                signal,
             ),
             KernelArgs::Sgemm {
                 mut a,
@@ -381,7 +458,7 @@ impl CudaDevice {
                 mut beta,
             } => {
                 if m == 0 || n == 0 {
-                    return Ok(());
+                    return Ok(false);
                 }
                 let grid = (n.div_ceil(64), m.div_ceil(64));
                 self.launch(
@@ -390,18 +467,33 @@ impl CudaDevice {
                     grid,
                     (256, 1),
                     &mut p!(a, b, c, m, n, k, alpha, beta),
+                    signal,
                 )
             }
             KernelArgs::ReduceSum {
                 mut src,
                 mut n,
                 mut dst,
-            } => self.launch(s, Kern::Reduce, (1, 1), (1024, 1), &mut p!(src, n, dst)),
+            } => self.launch(
+                s,
+                Kern::Reduce,
+                (1, 1),
+                (1024, 1),
+                &mut p!(src, n, dst),
+                signal,
+            ),
             KernelArgs::Checksum {
                 mut src,
                 mut len,
                 mut dst,
-            } => self.launch(s, Kern::Checksum, (1, 1), (1024, 1), &mut p!(src, len, dst)),
+            } => self.launch(
+                s,
+                Kern::Checksum,
+                (1, 1),
+                (1024, 1),
+                &mut p!(src, len, dst),
+                signal,
+            ),
             KernelArgs::Stencil2d {
                 mut src,
                 mut dst,
@@ -411,7 +503,7 @@ impl CudaDevice {
                 mut c_neighbor,
             } => {
                 if width == 0 || height == 0 {
-                    return Ok(());
+                    return Ok(false);
                 }
                 let grid = (width.div_ceil(32), height.div_ceil(8));
                 self.launch(
@@ -420,6 +512,7 @@ impl CudaDevice {
                     grid,
                     (32, 8),
                     &mut p!(src, dst, width, height, c_center, c_neighbor),
+                    signal,
                 )
             }
             KernelArgs::Memcpy { .. } | KernelArgs::Timestamp { .. } => Err(DeviceError::Driver {
@@ -620,7 +713,11 @@ impl CudaDevice {
         match *op {
             Op::Launch(ref args) => {
                 log::trace!("cuda: launch {args:?}");
-                self.launch_args(s, args)
+                self.launch_builtin(s, args, None)
+            }
+            Op::LaunchSignal(ref args, ref signal) => {
+                log::trace!("cuda: launch {args:?}, then REF {}", signal.value);
+                self.launch_builtin(s, args, Some(signal))
             }
             // SAFETY: both ranges were checked by the planner (registered host memory or
             // device memory, `len` bytes each).
@@ -640,17 +737,10 @@ impl CudaDevice {
                     &mut dst as *mut u64 as *mut c_void,
                     &mut off as *mut u64 as *mut c_void,
                 ];
-                self.launch(s, Kern::Timestamp, (1, 1), (1, 1), &mut params)
+                self.launch(s, Kern::Timestamp, (1, 1), (1, 1), &mut params, None)
+                    .map(|_| ())
             }
-            // SAFETY: `ptr` names 4 writable bytes checked by the planner.
-            Op::WriteValue { ptr, value } => check("cuStreamWriteValue32", unsafe {
-                sys::cuStreamWriteValue32_v2(
-                    s.0,
-                    ptr,
-                    value,
-                    sys::CUstreamWriteValue_flags_enum::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
-                )
-            }),
+            Op::WriteValue { ptr, value } => self.write_value(s, ptr, value),
             Op::WaitValue { ptr, value, mode } => {
                 let flags = match mode {
                     SemaphoreMode::Equal => {

@@ -110,19 +110,12 @@ impl FakeDevice {
 }
 
 fn run_op(op: &Op) {
-    let abort = AtomicBool::new(false);
     match *op {
-        Op::Launch(args) => {
-            if let vgpu_protocol::KernelArgs::Spin { ns } = args {
-                let end = now_ns() + ns;
-                while now_ns() < end {
-                    std::thread::sleep(std::time::Duration::from_micros(50));
-                }
-                return;
-            }
-            if let Err(e) = run_kernel(&args, &mut RawMemory, &abort, &now_ns) {
-                log::warn!("fake device: kernel failed: {e}");
-            }
+        Op::Launch(args) => run_launch(args),
+        Op::LaunchSignal(args, signal) => {
+            run_launch(args);
+            // The kernel's last block writes REF once every block is done.
+            write_value(signal.ptr, signal.value);
         }
         // SAFETY: both ranges were checked by the planner and do not overlap.
         Op::Copy { dst, src, len } => unsafe {
@@ -132,13 +125,30 @@ fn run_op(op: &Op) {
             // SAFETY: `ptr` names 8 writable bytes checked by the planner.
             unsafe { std::ptr::write_unaligned(ptr as *mut u64, now_ns()) }
         }
-        Op::WriteValue { ptr, value } => {
-            // SAFETY: 4 writable bytes, checked; semaphores are 4-byte aligned in practice
-            // and an atomic keeps a concurrent waiter from tearing.
-            let a = unsafe { &*(ptr as *const std::sync::atomic::AtomicU32) };
-            a.store(value, Ordering::Release);
-        }
+        Op::WriteValue { ptr, value } => write_value(ptr, value),
         Op::WaitValue { .. } => {}
+    }
+}
+
+/// A stream write of a 32-bit value.
+fn write_value(ptr: u64, value: u32) {
+    // SAFETY: 4 writable bytes, checked by the planner; semaphores are 4-byte aligned in
+    // practice and an atomic keeps a concurrent waiter from tearing.
+    let a = unsafe { &*(ptr as *const std::sync::atomic::AtomicU32) };
+    a.store(value, Ordering::Release);
+}
+
+fn run_launch(args: vgpu_protocol::KernelArgs) {
+    if let vgpu_protocol::KernelArgs::Spin { ns } = args {
+        let end = now_ns() + ns;
+        while now_ns() < end {
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+        return;
+    }
+    let abort = AtomicBool::new(false);
+    if let Err(e) = run_kernel(&args, &mut RawMemory, &abort, &now_ns) {
+        log::warn!("fake device: kernel failed: {e}");
     }
 }
 

@@ -5,7 +5,7 @@
 //! the marks are reached. Semaphore waits run on the GPU; the front end only stops
 //! issuing behind one until it is satisfied.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,6 +30,8 @@ use crate::mmu::{AddressSpace, TranslateError};
 pub(crate) struct GpuMemory<'a> {
     pub(crate) vram: &'a DeviceVram,
     pub(crate) hostreg: &'a std::sync::Mutex<HostRegistry>,
+    /// Whether kernels may carry their entry's fence signal.
+    pub(crate) signals: bool,
 }
 
 /// GP entries issued since the last mark.
@@ -42,12 +44,48 @@ struct Batch<M> {
     copies: u64,
 }
 
+/// What the front end issued: how many GP entries share a completion mark is what a
+/// small kernel's cost depends on (each mark is a driver call beside the launches).
+#[derive(Debug, Default)]
+pub struct FrontendStats {
+    /// GP entries issued.
+    pub entries: AtomicU64,
+    /// Completion marks recorded after batches of entries.
+    pub end_marks: AtomicU64,
+    /// Start marks recorded before batches that found their stream idle.
+    pub start_marks: AtomicU64,
+}
+
+/// A copy of [`FrontendStats`] at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FrontendCounts {
+    pub entries: u64,
+    pub end_marks: u64,
+    pub start_marks: u64,
+}
+
+impl FrontendStats {
+    pub fn snapshot(&self) -> FrontendCounts {
+        FrontendCounts {
+            entries: self.entries.load(Ordering::Relaxed),
+            end_marks: self.end_marks.load(Ordering::Relaxed),
+            start_marks: self.start_marks.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Bytes allocated for a channel's signal counter (one u32 used; the allocator's alignment).
+const SIGNAL_COUNT_BYTES: u64 = 256;
+
 /// Resolves a context's ranges through its page tables to registered host memory.
 pub(crate) struct CtxTranslate<'a, D: Device> {
     pub(crate) space: &'a AddressSpace,
     pub(crate) mem: GpuMemory<'a>,
     pub(crate) dev: &'a D,
     pub(crate) scratch: &'a mut Option<(u64, u64)>,
+    pub(crate) signal_count: &'a mut Option<u64>,
+    /// Whether kernels may carry their entry's fence signal (`CudaConfig::signal_max_blocks`).
+    pub(crate) signals: bool,
     /// The channel's REF as the device sees it (see `Translate::ref_ptr`).
     pub(crate) ref_ptr: Option<u64>,
 }
@@ -115,6 +153,32 @@ impl<D: Device> Translate for std::cell::RefCell<CtxTranslate<'_, D>> {
 
     fn ref_ptr(&self) -> Option<u64> {
         self.borrow().ref_ptr
+    }
+
+    fn signal_count(&self) -> Option<u64> {
+        let mut me = self.borrow_mut();
+        if !me.signals {
+            return None;
+        }
+        if let Some(p) = *me.signal_count {
+            return (p != 0).then_some(p);
+        }
+        // A word of its own, zeroed before any kernel counts on it.
+        let p = me.dev.alloc_device(SIGNAL_COUNT_BYTES).and_then(|p| {
+            match me.dev.zero_device(p, SIGNAL_COUNT_BYTES as usize) {
+                Ok(()) => Ok(p),
+                Err(e) => {
+                    me.dev.free_device(p);
+                    Err(e)
+                }
+            }
+        });
+        let p = p.unwrap_or_else(|e| {
+            log::warn!("cuda: no signal counter ({e}): REF by stream writes");
+            0
+        });
+        *me.signal_count = Some(p);
+        (p != 0).then_some(p)
     }
 
     fn scratch(&self, len: u64) -> Option<u64> {
@@ -257,6 +321,13 @@ impl<D: Device> CudaChannel<D> {
                 // Nothing is issued behind it until its wait is satisfied.
                 self.core.sem_wait.begin(now_ns());
             }
+            self.stats
+                .entries
+                .fetch_add(u64::from(b.entries), Ordering::Relaxed);
+            self.stats.end_marks.fetch_add(1, Ordering::Relaxed);
+            if b.start.is_some() {
+                self.stats.start_marks.fetch_add(1, Ordering::Relaxed);
+            }
             match dev.mark(&self.stream) {
                 Ok(end) => st.inflight.push_back(Inflight {
                     next_get,
@@ -309,6 +380,8 @@ impl<D: Device> CudaChannel<D> {
                     mem,
                     dev,
                     scratch: &mut st.scratch,
+                    signal_count: &mut st.signal_count,
+                    signals: mem.signals,
                     ref_ptr: self.ref_ptr,
                 });
                 let mut view = GpuView::new(&self.core.space, None);
@@ -459,6 +532,7 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
                 GpuMemory {
                     vram: &shared.vram,
                     hostreg: &shared.hostreg,
+                    signals: shared.cfg.signal_max_blocks > 0,
                 },
                 &mut old_scratch,
                 &mut tl,

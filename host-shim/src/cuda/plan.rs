@@ -19,6 +19,10 @@ use crate::kernels::{FaultKind, MemFault, MAX_RESIDENT_BYTES};
 pub enum Op {
     /// A builtin kernel with pointer fields already translated.
     Launch(KernelArgs),
+    /// A builtin kernel that also writes its GP entry's REF once it has ended (the
+    /// kernel's fence signal, `kernels.cu`): one driver call where a launch and a REF
+    /// write would take two. A device may issue it as the two.
+    LaunchSignal(KernelArgs, Signal),
     /// An asynchronous copy of non-overlapping ranges.
     Copy { dst: u64, src: u64, len: u64 },
     /// Writes the GPU clock (host CLOCK_MONOTONIC scale) as u64 at `ptr`.
@@ -31,6 +35,16 @@ pub enum Op {
         value: u32,
         mode: SemaphoreMode,
     },
+}
+
+/// A kernel's fence signal: `value` into the channel's REF at `ptr` once every block of
+/// the kernel is done, counted on the channel's word `count` (device memory, 0 between
+/// kernels).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Signal {
+    pub ptr: u64,
+    pub value: u32,
+    pub count: u64,
 }
 
 /// What the front end does on the host once the entry's stream work has completed.
@@ -70,6 +84,11 @@ pub trait Translate {
     /// Where the GPU itself may write the channel's REF (its control page, registered
     /// with the device), or `None` for the front end to store it at completion.
     fn ref_ptr(&self) -> Option<u64> {
+        None
+    }
+    /// The channel's block counter for kernels' fence signals (a zeroed word of device
+    /// memory), or `None`: REF is then written by a stream write after the kernel.
+    fn signal_count(&self) -> Option<u64> {
         None
     }
 }
@@ -512,10 +531,18 @@ pub fn plan_entry(
             // share the completion mark (a guest waiting on an entry's fence must not wait
             // for the whole batch).
             Method::SetRef { value } => match t.ref_ptr() {
-                Some(ptr) => {
-                    plan.ops.push(Op::WriteValue { ptr, value });
-                    plan.ref_writes += 1;
-                }
+                // Right after a kernel: the kernel writes it (one driver call fewer).
+                Some(ptr) => match (plan.ops.last().copied(), t.signal_count()) {
+                    (Some(Op::Launch(args)), Some(count)) => {
+                        if let Some(last) = plan.ops.last_mut() {
+                            *last = Op::LaunchSignal(args, Signal { ptr, value, count });
+                        }
+                    }
+                    _ => {
+                        plan.ops.push(Op::WriteValue { ptr, value });
+                        plan.ref_writes += 1;
+                    }
+                },
                 None => plan.host.push(HostAction::SetRef(value)),
             },
             Method::Notify { token } => plan.host.push(HostAction::Notify(token)),
@@ -572,6 +599,8 @@ mod tests {
     struct Fake {
         maps: Vec<(u64, u64, u64, bool)>,
         scratch: Cell<u64>,
+        /// The channel's REF and signal counter as the device sees them.
+        signal: Option<(u64, u64)>,
     }
 
     impl Translate for Fake {
@@ -609,6 +638,12 @@ mod tests {
             self.scratch.set(len);
             Some(0xdead_0000)
         }
+        fn ref_ptr(&self) -> Option<u64> {
+            self.signal.map(|s| s.0)
+        }
+        fn signal_count(&self) -> Option<u64> {
+            self.signal.map(|s| s.1)
+        }
     }
 
     fn fake() -> Fake {
@@ -618,6 +653,7 @@ mod tests {
                 (0x40_0000, 0x1000, 0xb000_0000, true),
             ],
             scratch: Cell::new(0),
+            signal: None,
         }
     }
 
@@ -656,6 +692,59 @@ mod tests {
             })]
         );
         assert_eq!(p.kernels, 1);
+    }
+
+    #[test]
+    fn a_fence_right_after_a_kernel_is_the_kernels_signal() {
+        let args = KernelArgs::Saxpy {
+            x: 0x10_0000,
+            y: 0x10_8000,
+            n: 1024,
+            a: 2.0,
+        };
+        let t = Fake {
+            signal: Some((0xf000_0010, 0xe000_0000)),
+            ..fake()
+        };
+        let resolved = KernelArgs::Saxpy {
+            x: 0xa000_0000,
+            y: 0xa000_8000,
+            n: 1024,
+            a: 2.0,
+        };
+        let launched = Op::Launch(resolved);
+        let fence = Method::SetRef { value: 7 };
+        let p = plan_entry(&[launch_of(args), fence], &t, &mut args_reader(args)).unwrap();
+        let signal = Signal {
+            ptr: 0xf000_0010,
+            value: 7,
+            count: 0xe000_0000,
+        };
+        assert_eq!(p.ops, vec![Op::LaunchSignal(resolved, signal)]);
+        assert_eq!((p.kernels, p.ref_writes), (1, 0));
+        // After a copy (or with nothing before it), REF is a stream write of its own.
+        let copy = Method::Copy {
+            src: 0x10_0000,
+            dst: 0x10_8000,
+            len: 64,
+        };
+        let p = plan_entry(&[copy, fence], &t, &mut args_reader(args)).unwrap();
+        assert_eq!(
+            p.ops.last(),
+            Some(&Op::WriteValue {
+                ptr: 0xf000_0010,
+                value: 7
+            })
+        );
+        assert_eq!(p.ref_writes, 1);
+        // Without a counter the kernel cannot signal: launch, then the write.
+        let t = Fake {
+            signal: None,
+            ..fake()
+        };
+        let p = plan_entry(&[launch_of(args), fence], &t, &mut args_reader(args)).unwrap();
+        assert_eq!(p.ops, vec![launched]);
+        assert_eq!(p.host, vec![HostAction::SetRef(7)]);
     }
 
     #[test]
@@ -873,6 +962,7 @@ mod tests {
                 (0x40_0000, 0x1000, 0xb000_0000, true),
             ],
             scratch: Cell::new(0),
+            signal: None,
         }
     }
 
