@@ -19,11 +19,11 @@
 //! `EACCES` (not a kill: glibc probes a sysfs file the first time malloc wants a new
 //! arena). The `cuda` GPU widens every role by the driver's needs (`cuda.rs`).
 
-mod cuda;
 mod roles;
 
 use vgpu_host_shim::GpuChoice;
 use vgpu_sandbox::blocks::open_refused;
+use vgpu_sandbox::cuda;
 use vgpu_sandbox::{Mode, Plan, Role, Rules, SandboxError};
 
 /// The backend's roles.

@@ -1,7 +1,8 @@
 //! What the NVIDIA driver (libcuda, loaded at run time) may do in any thread that calls
-//! it. With `--gpu cuda` the engine thread, the vring workers (requests become driver
-//! calls), the scheduler (counters), the VRAM manager (copies), the API and the main
-//! thread (teardown) all call the driver, and the driver starts threads of its own.
+//! it. In `vgpu-backend --gpu cuda` (in-process GPU) the engine thread, the vring workers
+//! (requests become driver calls), the scheduler (counters), the VRAM manager (copies),
+//! the API and the main thread (teardown) all call the driver; in a GPU worker
+//! (`--gpu-workers`) every thread of the worker may. The driver starts threads of its own.
 //!
 //! It is the set such drivers are known to use — ioctls and mmaps on `/dev/nvidia*`
 //! (request numbers are the driver's private ABI, so not filtered), opening device nodes
@@ -14,8 +15,8 @@
 //! through the daemon on the GPU is not yet (run `--seccomp log` and read
 //! `dmesg | grep 'type=1326'` when adding a path).
 
-use vgpu_sandbox::blocks::{events, socket_io, unix_connect};
-use vgpu_sandbox::{Arg, Rules};
+use crate::blocks::{events, socket_io, unix_connect};
+use crate::{Arg, Rules};
 
 pub fn driver() -> Rules {
     Rules::new()
