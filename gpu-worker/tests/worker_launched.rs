@@ -11,10 +11,10 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use common::cuda_cases::*;
-use vgpu_host_shim::Gpu;
 use common::*;
 use vgpu_gpu_worker::launcher::start_process_launcher;
 use vgpu_gpu_worker::{LossKind, WorkerGpu, WorkerOptions, WorkerProgram};
+use vgpu_host_shim::Gpu;
 
 const BIN: &str = env!("CARGO_BIN_EXE_vgpu-gpu-worker");
 
@@ -185,10 +185,8 @@ fn a_launched_worker_is_sandboxed_with_only_its_own_fds() {
 fn launched_workers_report_how_they_ended() {
     let crashed = worker();
     // SAFETY: kill(2) of a worker process this test started.
-    assert_eq!(
-        unsafe { libc::kill(crashed.pid() as i32, libc::SIGKILL) },
-        0
-    );
+    let rc = unsafe { libc::kill(crashed.pid() as i32, libc::SIGKILL) };
+    assert_eq!(rc, 0);
     let killed = worker();
     killed.kill();
     let faulted = worker_with(&["--test-fault-after-ms", "100"]);
@@ -214,8 +212,7 @@ fn launched_workers_report_how_they_ended() {
         .iter()
         .map(|w| {
             let t = Instant::now();
-            while w.loss_kind() == Some(LossKind::Exited) && t.elapsed() < Duration::from_secs(3)
-            {
+            while w.loss_kind() == Some(LossKind::Exited) && t.elapsed() < Duration::from_secs(3) {
                 std::thread::sleep(Duration::from_millis(5));
             }
             w.loss_kind()

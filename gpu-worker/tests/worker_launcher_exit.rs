@@ -8,9 +8,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::cuda_cases::*;
-use vgpu_host_shim::Gpu;
 use vgpu_gpu_worker::launcher::{start_process_launcher, stop_process_launcher};
 use vgpu_gpu_worker::{WorkerGpu, WorkerOptions, WorkerProgram};
+use vgpu_host_shim::Gpu;
 
 const BIN: &str = env!("CARGO_BIN_EXE_vgpu-gpu-worker");
 
@@ -63,10 +63,11 @@ fn a_stopped_launcher_takes_its_workers() {
     }
     // Their handles see them gone.
     for w in &workers {
-        assert!(w.create_context(std::sync::Arc::new(common::TestSysMem::new(
-            common::SYS_BASE,
-            common::SYS_LEN
-        )))
-        .is_err());
+        assert!(w
+            .create_context(std::sync::Arc::new(common::TestSysMem::new(
+                common::SYS_BASE,
+                common::SYS_LEN
+            )))
+            .is_err());
     }
 }

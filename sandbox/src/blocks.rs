@@ -149,9 +149,9 @@ pub fn events() -> Rules {
 }
 
 /// Anonymous shared memory: memfds (VRAM swap stores, shadow pages), sized and sealed.
-/// glibc 2.33 and later implement `fstat` as `newfstatat(fd, "", AT_EMPTY_PATH)`; only
-/// that form is allowed (with a path it would still stat by path, which nothing here
-/// needs, but a filter cannot read the path: `AT_EMPTY_PATH` is what it can hold to).
+/// glibc 2.33 and later implement `fstat` as `newfstatat(fd, "", AT_EMPTY_PATH)`, so
+/// `newfstatat` is allowed with `AT_EMPTY_PATH` only (a filter cannot read the path: with
+/// a non-empty one this would still stat by path, which reveals metadata, never data).
 pub fn memfd() -> Rules {
     Rules::new()
         .allow(&[

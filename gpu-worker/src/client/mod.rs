@@ -677,7 +677,10 @@ fn reap(inner: &Inner) {
             }
             Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
             other => {
-                warn!("GPU worker {}: no end seen ({other:?}); killed", inner.worker);
+                warn!(
+                    "GPU worker {}: no end seen ({other:?}); killed",
+                    inner.worker
+                );
                 child.kill();
                 let _ = child.wait();
                 return;

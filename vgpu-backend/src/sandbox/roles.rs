@@ -115,9 +115,10 @@ pub fn sim_rules(role: Role) -> Option<Rules> {
         Role::GpuEngine => gpu_engine(),
         Role::GpuWorker
         | Role::VmmMain
-        | Role::Vcpu | Role::VmmBackendReq | Role::VmmIrq | Role::VmmMigration => {
-            return None
-        }
+        | Role::Vcpu
+        | Role::VmmBackendReq
+        | Role::VmmIrq
+        | Role::VmmMigration => return None,
     };
     Some(r.union(&open_refused()))
 }
