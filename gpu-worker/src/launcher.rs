@@ -346,6 +346,10 @@ pub fn main_with(args: impl IntoIterator<Item = String>) -> ExitCode {
     // Never handed on to a worker.
     // SAFETY: fcntl on the fd just taken.
     unsafe { libc::fcntl(ctrl.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) };
+    // The backend decides when its workers end (a terminal's SIGINT or a service
+    // manager's SIGTERM reaches the whole group): the launcher goes when the backend
+    // does. Workers start with an empty mask (std resets it).
+    block_stop_signals();
     // The launcher needs no capability (a worker opens the GPU's device nodes as this
     // user): none are handed on.
     if let Err(e) = vgpu_sandbox::privileges::drop_all() {
@@ -358,6 +362,18 @@ pub fn main_with(args: impl IntoIterator<Item = String>) -> ExitCode {
             error!("worker-launcher: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+fn block_stop_signals() {
+    // SAFETY: `set` is a local sigset_t initialised by sigemptyset before use; the calls
+    // change only this (single) thread's signal mask.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
     }
 }
 

@@ -225,3 +225,29 @@ fn sandboxed_backend_runs_vms_on_sandboxed_workers_and_leaves_none() {
     let log = d.log();
     assert!(log.contains("seccomp: kill"), "{log}");
 }
+
+/// Running (not gone, not a zombie waiting for whoever inherited it).
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit(')').next().map(|r| r.trim_start().to_string()))
+        .is_some_and(|r| !r.starts_with('Z'))
+}
+
+/// A backend killed outright (no shutdown) takes its launcher and workers with it: the
+/// launcher's parent-death signal, then each worker's.
+#[test]
+fn a_killed_backend_leaves_no_launcher_or_worker_running() {
+    let (d, _launcher) = start("seccomp-workers-kill");
+    let (_lb, dev) = device(&d, "a", 10);
+    let ctx = dev.create_context().expect("ctx");
+    run_workloads(&ctx, &["saxpy"]).expect("a");
+    let launcher = children_of(d.pid())[0];
+    let mut all = children_of(launcher);
+    assert_eq!(all.len(), 1, "{all:?}");
+    all.push(launcher);
+    drop(d); // SIGKILL, reaped.
+    wait_for("no launcher or worker running", || {
+        all.iter().all(|p| !running(*p))
+    });
+}
