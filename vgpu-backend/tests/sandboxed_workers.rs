@@ -1,6 +1,6 @@
 //! `vgpu-backend --gpu-workers` under its default seccomp filters (`--seccomp kill`),
 //! without a GPU: the workers run the `cuda` GPU on its CPU stand-in
-//! (`--test-worker-gpu cuda-fake`). Through the real binary and vhost-user sockets: two
+//! (`--test-worker-gpu cuda-fake`; with `VGPU_WORKER_GPU=cuda` on the GPU itself). Through the real binary and vhost-user sockets: two
 //! loopback VMs run verified work, each on a worker started by the launcher process (the
 //! backend's threads may not start processes), every worker under its own filter with no
 //! privileges; a killed worker fails its VM only, is counted as a crash (its status came
@@ -16,14 +16,21 @@ use vgpu_loopback::LoopbackVm;
 use vgpu_test_support::{BackendLauncher, BackendProcess};
 use vgpu_vmm::reconnect::FaultPolicy;
 
+/// The backend on `cuda` with a worker per VM; the workers run on the fake device unless
+/// `VGPU_WORKER_GPU=cuda` (the same test on a GPU: `ci/device/run.sh run workers`).
 fn start(tag: &str) -> (BackendProcess, BackendLauncher) {
+    let on_gpu = std::env::var("VGPU_WORKER_GPU").is_ok_and(|g| g.starts_with("cuda"));
+    let mut args = vec!["--gpu-workers"];
+    if !on_gpu {
+        args.extend(["--test-worker-gpu", "cuda-fake"]);
+    }
     let launcher = BackendLauncher::new(
         tag,
         "[gpu]\nmodel = \"cuda\"\nvram_mib = 256\n[[vm]]\nname = \"a\"\n[[vm]]\nname = \"b\"\n",
     )
     .bin(env!("CARGO_BIN_EXE_vgpu-backend"))
     .with_api()
-    .args(&["--gpu-workers", "--test-worker-gpu", "cuda-fake"]);
+    .args(&args);
     (launcher.start(), launcher)
 }
 
