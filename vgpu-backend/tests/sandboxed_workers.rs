@@ -4,17 +4,20 @@
 //! loopback VMs run verified work, each on a worker started by the launcher process (the
 //! backend's threads may not start processes), every worker under its own filter with no
 //! privileges; a killed worker fails its VM only, is counted as a crash (its status came
-//! through the launcher), and the VM comes back on a new worker; at the backend's exit no
+//! through the launcher), and the VM comes back on a new worker; VRAM pressure moves a
+//! VM's chunks to its swap store and back through its worker; at the backend's exit no
 //! launcher and no worker is left, not even as a zombie.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vgpu_guest::workloads::Workload;
-use vgpu_guest::{Context, Device};
+use vgpu_guest::{Buffer, Context, Device};
 use vgpu_loopback::LoopbackVm;
 use vgpu_test_support::{BackendLauncher, BackendProcess};
 use vgpu_vmm::reconnect::FaultPolicy;
+
+const MIB: u64 = 1 << 20;
 
 /// The backend on `cuda` with a worker per VM; the workers run on the fake device unless
 /// `VGPU_WORKER_GPU=cuda` (the same test on a GPU: `ci/device/run.sh run workers`).
@@ -26,7 +29,8 @@ fn start(tag: &str) -> (BackendProcess, BackendLauncher) {
     }
     let launcher = BackendLauncher::new(
         tag,
-        "[gpu]\nmodel = \"cuda\"\nvram_mib = 256\n[[vm]]\nname = \"a\"\n[[vm]]\nname = \"b\"\n",
+        "[gpu]\nmodel = \"cuda\"\nvram_mib = 32\n\
+         [[vm]]\nname = \"a\"\nvram_mib = 16\nswap_mib = 32\n[[vm]]\nname = \"b\"\n",
     )
     .bin(env!("CARGO_BIN_EXE_vgpu-backend"))
     .with_api()
@@ -45,6 +49,29 @@ fn run_workloads(ctx: &Context, names: &[&str]) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// `n` VRAM buffers of 4 MiB, buffer `i` filled with `seed + i`.
+fn fill_buffers(ctx: &Context, n: u8, seed: u8) -> Vec<Buffer> {
+    (0..n)
+        .map(|i| {
+            let b = ctx.alloc_vram(4 * MIB).expect("vram");
+            b.fill(0, 4 * MIB, seed + i).expect("fill");
+            b
+        })
+        .collect()
+}
+
+/// Each buffer of [`fill_buffers`] still holds its bytes.
+fn check_buffers(bufs: &[Buffer], seed: u8) {
+    for (i, b) in bufs.iter().enumerate() {
+        let mut got = vec![0u8; b.len() as usize];
+        b.read(0, &mut got).expect("read");
+        assert!(
+            got.iter().all(|&x| x == seed + i as u8),
+            "buffer {i} changed"
+        );
+    }
 }
 
 fn status_of(pid: u32) -> String {
@@ -130,6 +157,30 @@ fn sandboxed_backend_runs_vms_on_sandboxed_workers_and_leaves_none() {
     let ctx_b = dev_b.create_context().expect("ctx b");
     run_workloads(&ctx_a, &["saxpy", "reduction", "copy_heavy"]).expect("a");
     run_workloads(&ctx_b, &["sgemm", "hotspot"]).expect("b");
+    // 24 MiB for a, over its 16 MiB quota: 8 MiB go to its swap store, and come back into
+    // VRAM through a's worker (commands, the swap memfd passed over) once a freed some;
+    // every byte checked.
+    let before = api.vm_stats("a").expect("stats").vram;
+    let mut bufs_a = fill_buffers(&ctx_a, 6, 0x10);
+    let v = api.vm_stats("a").expect("stats").vram;
+    assert!(v.swapped_bytes >= 8 * MIB, "{v:?}");
+    check_buffers(&bufs_a, 0x10);
+    bufs_a.truncate(2);
+    let t = Instant::now();
+    loop {
+        let v = api.vm_stats("a").expect("stats").vram;
+        if v.swapped_bytes == 0 && v.swap_ins > before.swap_ins {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "a never swapped back in: {v:?}\n{}",
+            d.log_tail()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    check_buffers(&bufs_a, 0x10);
+    drop(bufs_a);
 
     // A worker per VM, each the launcher's child, sandboxed in the backend's mode.
     let workers = children_of(launcher);
