@@ -12,8 +12,10 @@
 //!   (`socket_io`); no new socket (not even `AF_UNIX`), no `connect`, no `accept`;
 //! - memfds (the control pages, the counters page) and eventfds/epoll (`memfd`, `events`);
 //! - on `sim` and `cuda-fake`, opening a file fails with `EACCES` (libraries probe files);
-//!   on `cuda` the NVIDIA driver's set (`vgpu_sandbox::cuda`) is added, which opens device
-//!   nodes at any time.
+//!   on `cuda` the NVIDIA driver's calls (`vgpu_sandbox::cuda::driver_calls`: it opens
+//!   device nodes at any time) are added, but not the driver set's `socket`/`connect`:
+//!   the driver connects to its daemon when it opens the GPU, before the filter, and a
+//!   worker able to connect by path could reach the backend's control API.
 //!
 //! Never: `execve`, a new process, `ptrace`, `kill` of another process, sockets of any
 //! family on sim/cuda-fake, `mount`, `bpf`, `perf_event_open`, `io_uring`.
@@ -41,7 +43,7 @@ pub fn worker_rules(gpu: WorkerGpuKind) -> (Rules, Rules) {
         .union(&events());
     match gpu {
         WorkerGpuKind::Cpu => (base.union(&open_refused()), open_refused()),
-        WorkerGpuKind::Cuda => (base.union(&cuda::driver()), Rules::new()),
+        WorkerGpuKind::Cuda => (base.union(&cuda::driver_calls()), Rules::new()),
     }
 }
 
@@ -118,11 +120,14 @@ mod tests {
             // New processes: clone only with CLONE_THREAD.
             assert!(!allow.allows_always(libc::SYS_clone), "{gpu:?}");
         }
-        // Off the driver: no socket at all, no executable memory.
-        let (cpu, _) = worker_rules(WorkerGpuKind::Cpu);
-        for nr in [libc::SYS_socket, libc::SYS_connect] {
-            assert!(!cpu.mentions(nr), "{nr}");
+        // No new socket, on the driver neither; off it no executable memory.
+        for gpu in [WorkerGpuKind::Cpu, WorkerGpuKind::Cuda] {
+            let (allow, _) = worker_rules(gpu);
+            for nr in [libc::SYS_socket, libc::SYS_socketpair, libc::SYS_connect] {
+                assert!(!allow.mentions(nr), "{gpu:?}: {nr}");
+            }
         }
+        let (cpu, _) = worker_rules(WorkerGpuKind::Cpu);
         for nr in [libc::SYS_mmap, libc::SYS_mprotect, libc::SYS_ioctl] {
             assert!(!cpu.allows_always(nr), "{nr}");
         }

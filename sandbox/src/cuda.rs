@@ -18,7 +18,20 @@
 use crate::blocks::{events, socket_io, unix_connect};
 use crate::{Arg, Rules};
 
+/// The driver's set: [`driver_calls`], eventfds/epoll, unix-socket I/O, and connecting to
+/// a unix socket by path (what such drivers are known to use: the persistence daemon's
+/// socket).
 pub fn driver() -> Rules {
+    driver_calls()
+        .union(&events())
+        .union(&socket_io())
+        .union(&unix_connect())
+}
+
+/// What the driver calls besides sockets and events: a GPU worker, which installs its
+/// filter after the driver opened the GPU, does without new sockets (with `connect` by
+/// path it could reach the backend's control API).
+pub fn driver_calls() -> Rules {
     Rules::new()
         .allow(&[
             libc::SYS_ioctl,
@@ -76,7 +89,4 @@ pub fn driver() -> Rules {
         ])
         // Its own limits only (pid 0).
         .allow_if(libc::SYS_prlimit64, vec![Arg::eq32(0, 0)])
-        .union(&events())
-        .union(&socket_io())
-        .union(&unix_connect())
 }
