@@ -179,6 +179,9 @@ suite_workers() {
     # instead of a dead worker; every later step runs them in kill mode.
     dmesg -C 2>/dev/null
     workers_smoke log
+    echo "-- the cuda cases through a worker, seccomp log"
+    VGPU_WORKER_SECCOMP=log VGPU_WORKER_GPU=cuda timeout 300 "$B/worker_cuda" --test-threads=1 2>&1 \
+        | tee "$O/worker_cuda-log.txt" | grep -E "result"
     echo "-- seccomp records in log mode (none expected):"
     seccomp_records | tee "$O/workers-seccomp-log.txt"
     dmesg -C 2>/dev/null

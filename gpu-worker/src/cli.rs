@@ -50,9 +50,21 @@ struct Cli {
     test_fault_after_ms: Option<u64>,
     /// What a syscall outside the worker's seccomp filter does: `kill` the worker, `log`
     /// it and let it run (to find what a driver needs), or `off`. The backend passes its
-    /// own `--seccomp`.
-    #[arg(long, default_value = "kill")]
-    seccomp: vgpu_sandbox::Mode,
+    /// own `--seccomp`; without the flag `$VGPU_WORKER_SECCOMP`, else `kill` (so tests that
+    /// start workers themselves can run them in `log` mode on a GPU).
+    #[arg(long, value_name = "kill|log|off")]
+    seccomp: Option<vgpu_sandbox::Mode>,
+}
+
+/// The seccomp mode: the flag, else `$VGPU_WORKER_SECCOMP`, else kill.
+fn seccomp_mode(cli: &Cli) -> Result<vgpu_sandbox::Mode, String> {
+    if let Some(m) = cli.seccomp {
+        return Ok(m);
+    }
+    match std::env::var("VGPU_WORKER_SECCOMP") {
+        Ok(v) => v.parse().map_err(|e| format!("VGPU_WORKER_SECCOMP: {e}")),
+        Err(_) => Ok(vgpu_sandbox::Mode::Kill),
+    }
 }
 
 /// Runs `fault` on a thread of its own after `after_ms` (the test-only injection).
@@ -143,6 +155,13 @@ pub fn main_with(args: impl IntoIterator<Item = String>) -> ExitCode {
         Ok(c) => c,
         Err(e) => e.exit(),
     };
+    let mode = match seccomp_mode(&cli) {
+        Ok(m) => m,
+        Err(e) => {
+            error!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
     // Off the driver the filter goes on before anything else happens (opening the GPU
     // included); the CUDA driver first opens its device nodes and starts its threads, then
     // every thread takes the filter.
@@ -152,7 +171,7 @@ pub fn main_with(args: impl IntoIterator<Item = String>) -> ExitCode {
         WorkerGpuKind::Cpu
     };
     if kind == WorkerGpuKind::Cpu {
-        if let Err(e) = confine(cli.seccomp, kind) {
+        if let Err(e) = confine(mode, kind) {
             error!("{e}");
             return ExitCode::FAILURE;
         }
@@ -165,7 +184,7 @@ pub fn main_with(args: impl IntoIterator<Item = String>) -> ExitCode {
         }
     };
     if kind == WorkerGpuKind::Cuda {
-        if let Err(e) = confine(cli.seccomp, kind) {
+        if let Err(e) = confine(mode, kind) {
             error!("{e}");
             return ExitCode::FAILURE;
         }
