@@ -28,7 +28,8 @@
 #   workers     GPU   a GPU worker process per VM (issue 30): the cuda cases through a
 #                     worker, two workers time-slicing against one, CYCLES (default 100)
 #                     killed workers beside three verified ones, vgpu-smoke through
-#                     vgpu-backend --gpu-workers
+#                     vgpu-backend --gpu-workers in seccomp log mode (with the kernel's
+#                     records) and kill mode
 #   fuzz        CPU   every cargo-fuzz target at once in libFuzzer's fork mode for SECS
 #                     seconds (default 560); WORKERS="virtqueue=3 session=3 ..." picks the
 #                     targets and worker counts (default: 2 workers each)
@@ -56,6 +57,7 @@ needs() {
         seccomp) echo "bin:vgpu-backend:vgpu-backend bin:vgpu-backend:vgpuctl" ;;
         quiet-sched) echo "bin:vgpu-bench:vgpu-bench bin:vgpu-bench:vgpu-demo" ;;
         workers) echo "test:vgpu-gpu-worker:worker_cuda bin:vgpu-gpu-worker:vgpu-gpu-worker" \
+                      "test:vgpu-backend:sandboxed_workers" \
                       "example:vgpu-gpu-worker:worker_faults example:vgpu-gpu-worker:worker_timeslice" \
                       "bin:vgpu-backend:vgpu-backend bin:vgpu-guest-tools:vgpu-smoke:native,loopback" ;;
         fuzz) echo "fuzz" ;;
@@ -172,6 +174,21 @@ suite_sandboxed() {
 
 suite_workers() {
     export VGPU_GPU_WORKER="$B/vgpu-gpu-worker"
+    # Workers run under their own seccomp filter (the worker's default is kill). First in
+    # log mode, so what the filter lacks on this driver shows as the kernel's records
+    # instead of a dead worker; every later step runs them in kill mode.
+    dmesg -C 2>/dev/null
+    workers_smoke log
+    echo "-- the cuda cases through a worker, seccomp log"
+    VGPU_WORKER_SECCOMP=log VGPU_WORKER_GPU=cuda timeout 300 "$B/worker_cuda" --test-threads=1 2>&1 \
+        | tee "$O/worker_cuda-log.txt" | grep -E "result"
+    echo "-- seccomp records in log mode (none expected):"
+    seccomp_records | tee "$O/workers-seccomp-log.txt"
+    dmesg -C 2>/dev/null
+    echo "-- sandboxed_workers on the GPU (backend and workers under kill)"
+    VGPU_WORKER_GPU=cuda VGPU_BACKEND_BIN="$B/vgpu-backend" timeout 180 "$B/sandboxed_workers" \
+        --test-threads=1 --nocapture 2>&1 | tee "$O/sandboxed_workers-cuda.txt" \
+        | grep -E "^test |result|panicked"
     echo "-- the cuda cases through a worker"
     VGPU_WORKER_GPU=cuda timeout 300 "$B/worker_cuda" --test-threads=1 2>&1 \
         | tee "$O/worker_cuda.txt" | grep -E "^test |result"
@@ -181,19 +198,39 @@ suite_workers() {
     echo "-- ${CYCLES:-100} killed workers beside three verified ones"
     timeout 600 "$B/worker_faults" cuda "${CYCLES:-100}" 2>&1 | grep -v INFO \
         | tee "$O/worker_faults.txt" | tail -6
-    echo "-- vgpu-smoke through vgpu-backend --gpu-workers"
-    local d="$WORK/workers" p s
+    workers_smoke kill
+    echo "-- seccomp kills in kill mode (none expected):"
+    seccomp_records | tee "$O/workers-seccomp-kill.txt"
+}
+
+# The kernel's seccomp records (type=1326) since the last `dmesg -C`, counted by
+# process name and syscall number.
+seccomp_records() {
+    dmesg 2>/dev/null | grep "type=1326" | grep -o "comm=[^ ]* .*syscall=[0-9]*" \
+        | sed 's/ exe=.*syscall/ syscall/' | sort | uniq -c | head -20
+}
+
+# vgpu-smoke through `vgpu-backend --gpu cuda --gpu-workers --seccomp MODE`: the launcher,
+# the workers (their filters), three smoke runs (a reconnect among them), nothing left.
+workers_smoke() {
+    local mode=$1 d="$WORK/workers-$1" p s l w
     mkdir -p "$d"
-    RUST_LOG=info "$B/vgpu-backend" --gpu cuda --gpu-workers --seccomp off --socket-dir "$d" \
-        --vm a --vm b > "$O/backend-workers.log" 2>&1 &
+    echo "-- vgpu-smoke through vgpu-backend --gpu-workers --seccomp $mode"
+    RUST_LOG=info "$B/vgpu-backend" --gpu cuda --gpu-workers --seccomp "$mode" --socket-dir "$d" \
+        --vm a --vm b > "$O/backend-workers-$mode.log" 2>&1 &
     p=$!
     for _ in $(seq 50); do [ -S "$d/b.sock" ] && break; sleep 0.2; done
     for s in a a b; do
         timeout 120 "$B/vgpu-smoke" --loopback "$d/$s.sock" --seed $RANDOM 2>&1 | grep -vE "PASS"
-    done | tee "$O/smoke-workers.txt"
-    ps -o pid,stat,cmd --ppid $p | tee -a "$O/smoke-workers.txt"
+    done | tee "$O/smoke-workers-$mode.txt"
+    l=$(pgrep -P $p -f worker-launcher || true)
+    ps -o pid,ppid,stat,cmd --ppid "$p${l:+,$l}" | tee -a "$O/smoke-workers-$mode.txt"
+    for w in $(pgrep -P "${l:-0}" || true); do
+        echo "worker $w: $(grep -E '^(Seccomp|NoNewPrivs|CapEff):' /proc/$w/status | tr -s '\t\n' '  ')"
+    done | tee -a "$O/smoke-workers-$mode.txt"
+    kill -0 $p 2>/dev/null || echo "backend DIED"
     kill -TERM $p; wait $p; echo "backend exit rc=$?"
-    sleep 1; echo "workers left: $(pgrep -fc 'vgpu-backend worker' || true)"
+    sleep 1; echo "launcher or workers left: $(pgrep -fc 'vgpu-backend worker' || true)"
 }
 
 suite_mps() {

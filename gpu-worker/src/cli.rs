@@ -10,6 +10,7 @@ use std::time::Duration;
 use clap::Parser;
 use log::error;
 
+use crate::sandbox::{confine, WorkerGpuKind};
 use crate::{serve, ServeOptions, COMMAND_FD, EVENT_FD, TURN_FD};
 use vgpu_host_shim::cuda::{CudaConfig, CudaGpu, FakeCudaGpu, FakeDevice};
 use vgpu_host_shim::gpu_turn::GpuTurn;
@@ -47,6 +48,23 @@ struct Cli {
     /// hostile kernel would. The worker then loses its GPU and exits.
     #[arg(long, hide = true)]
     test_fault_after_ms: Option<u64>,
+    /// What a syscall outside the worker's seccomp filter does: `kill` the worker, `log`
+    /// it and let it run (to find what a driver needs), or `off`. The backend passes its
+    /// own `--seccomp`; without the flag `$VGPU_WORKER_SECCOMP`, else `kill` (so tests that
+    /// start workers themselves can run them in `log` mode on a GPU).
+    #[arg(long, value_name = "kill|log|off")]
+    seccomp: Option<vgpu_sandbox::Mode>,
+}
+
+/// The seccomp mode: the flag, else `$VGPU_WORKER_SECCOMP`, else kill.
+fn seccomp_mode(cli: &Cli) -> Result<vgpu_sandbox::Mode, String> {
+    if let Some(m) = cli.seccomp {
+        return Ok(m);
+    }
+    match std::env::var("VGPU_WORKER_SECCOMP") {
+        Ok(v) => v.parse().map_err(|e| format!("VGPU_WORKER_SECCOMP: {e}")),
+        Err(_) => Ok(vgpu_sandbox::Mode::Kill),
+    }
 }
 
 /// Runs `fault` on a thread of its own after `after_ms` (the test-only injection).
@@ -137,6 +155,27 @@ pub fn main_with(args: impl IntoIterator<Item = String>) -> ExitCode {
         Ok(c) => c,
         Err(e) => e.exit(),
     };
+    let mode = match seccomp_mode(&cli) {
+        Ok(m) => m,
+        Err(e) => {
+            error!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    // Off the driver the filter goes on before anything else happens (opening the GPU
+    // included); the CUDA driver first opens its device nodes and starts its threads, then
+    // every thread takes the filter.
+    let kind = if cli.gpu.starts_with("cuda") && cli.gpu != "cuda-fake" {
+        WorkerGpuKind::Cuda
+    } else {
+        WorkerGpuKind::Cpu
+    };
+    if kind == WorkerGpuKind::Cpu {
+        if let Err(e) = confine(mode, kind) {
+            error!("{e}");
+            return ExitCode::FAILURE;
+        }
+    }
     let gpu = match open(&cli) {
         Ok(g) => g,
         Err(e) => {
@@ -144,6 +183,12 @@ pub fn main_with(args: impl IntoIterator<Item = String>) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if kind == WorkerGpuKind::Cuda {
+        if let Err(e) = confine(mode, kind) {
+            error!("{e}");
+            return ExitCode::FAILURE;
+        }
+    }
     // SAFETY: the backend started this process with its sockets as fds 3 and 4 (see
     // `crate::client::spawn`); nothing else in it owns them.
     let (cmd, events) = unsafe {

@@ -12,8 +12,10 @@
 pub mod cli;
 pub mod client;
 mod guest_ram;
+pub mod launcher;
 mod mapping;
 pub mod pool;
+pub mod sandbox;
 pub mod server;
 pub mod socket;
 pub mod turn;

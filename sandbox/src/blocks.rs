@@ -149,6 +149,9 @@ pub fn events() -> Rules {
 }
 
 /// Anonymous shared memory: memfds (VRAM swap stores, shadow pages), sized and sealed.
+/// glibc 2.33 and later implement `fstat` as `newfstatat(fd, "", AT_EMPTY_PATH)`, so
+/// `newfstatat` is allowed with `AT_EMPTY_PATH` only (a filter cannot read the path: with
+/// a non-empty one this would still stat by path, which reveals metadata, never data).
 pub fn memfd() -> Rules {
     Rules::new()
         .allow(&[
@@ -157,6 +160,14 @@ pub fn memfd() -> Rules {
             libc::SYS_fallocate,
             libc::SYS_fstat,
         ])
+        .allow_if(
+            libc::SYS_newfstatat,
+            vec![Arg::masked32(
+                3,
+                libc::AT_EMPTY_PATH as u64,
+                libc::AT_EMPTY_PATH as u64,
+            )],
+        )
         .allow_if(
             libc::SYS_fcntl,
             vec![Arg::eq32(1, libc::F_ADD_SEALS as u64)],

@@ -20,6 +20,7 @@
 
 pub mod blocks;
 pub mod child;
+pub mod cuda;
 mod plan;
 pub mod privileges;
 mod rules;
@@ -124,6 +125,9 @@ pub enum Role {
     VramManager,
     /// A GPU's engine threads (`sim-pfifo`, `sim-copy`, `cuda-pfifo`).
     GpuEngine,
+    /// A GPU worker process (`vgpu-backend worker`, `vgpu-gpu-worker`): every thread of
+    /// it, the CUDA driver's included (installed on all threads at once).
+    GpuWorker,
     /// `vgpu-vmm`'s main thread once the VM is set up: starts and stops the vCPUs.
     VmmMain,
     /// A vCPU thread of `vgpu-vmm` (KVM_RUN, device emulation).

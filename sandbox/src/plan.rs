@@ -59,6 +59,17 @@ impl Plan {
         }
         Ok(())
     }
+
+    /// Installs `role`'s filters on every thread of the process at once
+    /// (`SECCOMP_FILTER_FLAG_TSYNC`): for a process whose threads were started by code it
+    /// does not own (the CUDA driver's, at `cuInit`) before the filters could go on.
+    pub fn apply_all_threads(&self, role: Role) -> Result<(), SandboxError> {
+        for p in self.programs(role) {
+            seccompiler::apply_filter_all_threads(p)
+                .map_err(|source| SandboxError::Install { role, source })?;
+        }
+        Ok(())
+    }
 }
 
 /// Makes `plan` the process's, for [`enter`]. Once per process.

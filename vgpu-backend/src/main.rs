@@ -93,9 +93,14 @@ struct Cli {
     seccomp: Option<vgpu_sandbox::Mode>,
     /// With `--gpu cuda`: run each VM's GPU work in a worker process of its own (its own
     /// CUDA context and fault domain, `vgpu-backend worker`), not in the backend's one
-    /// context. Needs `--seccomp off` for now: the sandbox forbids starting processes.
+    /// context. Workers are started by a launcher process forked before the seccomp
+    /// filters go on, and run under a filter of their own in the backend's seccomp mode.
     #[arg(long)]
     gpu_workers: bool,
+    /// Test-only: the GPU the workers of `--gpu-workers` run instead of the configured
+    /// one (`cuda-fake`: the CUDA GPU on its CPU stand-in, for tests without a GPU).
+    #[arg(long, hide = true, requires = "gpu_workers")]
+    test_worker_gpu: Option<String>,
     /// With `--gpu-workers`: how long one VM's worker may keep the GPU while others wait,
     /// microseconds (the GPU turn: workers take the GPU one at a time, so each VM is
     /// charged only for GPU time it alone used; 0 lets the GPU time-slice them instead,
@@ -256,18 +261,27 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
         if !matches!(cfg.gpu.model, GpuChoice::Cuda { .. }) {
             return Err("--gpu-workers is for --gpu cuda".into());
         }
-        if cfg.seccomp != Mode::Off {
-            return Err(
-                "--gpu-workers needs --seccomp off: the sandbox forbids starting processes".into(),
-            );
-        }
+        let program = worker_program(&cfg, cli.test_worker_gpu.as_deref())?;
+        // Before the filters: no thread of the backend may start a process afterwards.
+        let pid = vgpu_gpu_worker::launcher::start_process_launcher(
+            &program.program,
+            &["worker-launcher".to_string()],
+            &program,
+        )
+        .map_err(|e| format!("the GPU worker launcher: {e}"))?;
+        info!("GPU worker launcher: pid {pid}");
+        // The backend itself never calls the driver with workers: the sim's roles, which
+        // refuse every open.
+        confine_process(cfg.seccomp, GpuChoice::Sim)?;
+        let backend = VgpuBackend::with_workers(
+            worker_pool(&cfg.gpu, program, cli.gpu_turn_us)?,
+            VmLimits::default(),
+        );
+        let served = serve(backend, &cfg, set);
+        vgpu_gpu_worker::launcher::stop_process_launcher();
+        return served;
     }
     confine_process(cfg.seccomp, cfg.gpu.model)?;
-    if cli.gpu_workers {
-        let backend =
-            VgpuBackend::with_workers(worker_pool(&cfg.gpu, cli.gpu_turn_us)?, VmLimits::default());
-        return serve(backend, &cfg, set);
-    }
     let gpu: Arc<dyn Gpu> = match cfg.gpu.model {
         GpuChoice::Sim => SimGpu::new(SimConfig {
             vram_bytes: cfg.gpu.vram_bytes,
@@ -302,21 +316,38 @@ fn parse_turn_us(s: &str) -> Result<u64, String> {
     }
 }
 
-/// The workers of `--gpu-workers`: this program run as `vgpu-backend worker`, one per VM.
+/// The worker of `--gpu-workers`: this program run as `vgpu-backend worker` on the
+/// configured GPU (or `test_gpu`) in the backend's seccomp mode.
+fn worker_program(
+    cfg: &vgpu_backend::config::Config,
+    test_gpu: Option<&str>,
+) -> Result<vgpu_gpu_worker::WorkerProgram, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("this program's path: {e}"))?;
+    let gpu = test_gpu.map_or_else(|| cfg.gpu.model.to_string(), str::to_string);
+    Ok(vgpu_gpu_worker::WorkerProgram {
+        program: exe,
+        args: vec![
+            "worker".into(),
+            "--gpu".into(),
+            gpu,
+            "--seccomp".into(),
+            cfg.seccomp.name().into(),
+        ],
+    })
+}
+
+/// The workers of `--gpu-workers`: `program`, one per VM.
 fn worker_pool(
     g: &vgpu_backend::config::GpuConfig,
+    program: vgpu_gpu_worker::WorkerProgram,
     turn_us: u64,
 ) -> Result<Arc<vgpu_gpu_worker::WorkerPool>, String> {
     let turn = (turn_us > 0)
         .then(|| vgpu_gpu_worker::TurnSlots::new(turn_us))
         .transpose()
         .map_err(|e| format!("the GPU turn: {e}"))?;
-    let exe = std::env::current_exe().map_err(|e| format!("this program's path: {e}"))?;
     let cfg = vgpu_gpu_worker::PoolConfig {
-        program: vgpu_gpu_worker::WorkerProgram {
-            program: exe,
-            args: vec!["worker".into(), "--gpu".into(), g.model.to_string()],
-        },
+        program,
         gpu: vgpu_host_shim::GpuInfo {
             name: g.model.to_string(),
             vram_bytes: g.vram_bytes,
@@ -399,6 +430,10 @@ fn main() -> ExitCode {
     if std::env::args().nth(1).as_deref() == Some("worker") {
         let args = std::env::args().enumerate().filter(|(i, _)| *i != 1);
         return vgpu_gpu_worker::cli::main_with(args.map(|(_, a)| a));
+    }
+    // `vgpu-backend worker-launcher PROGRAM ARGS...`: starts a backend's workers.
+    if std::env::args().nth(1).as_deref() == Some("worker-launcher") {
+        return vgpu_gpu_worker::launcher::main_with(std::env::args().skip(2));
     }
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let matches = Cli::command().get_matches();

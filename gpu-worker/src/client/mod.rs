@@ -17,7 +17,6 @@ pub mod spawn;
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
-use std::process::Child;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -33,7 +32,7 @@ use vgpu_protocol::{ErrorCode, PAGE_SIZE};
 use vgpu_worker_wire::counters;
 use vgpu_worker_wire::{decode_reply, encode_command, Command, Reply, Resume, Target};
 
-use self::spawn::{start, WorkerProgram};
+use self::spawn::{start, WorkerProcess, WorkerProgram};
 use crate::mapping::{file_len, memfd, Mapping};
 use crate::socket;
 
@@ -157,7 +156,7 @@ pub(crate) struct Inner {
     worker: u32,
     calls: Mutex<Calls>,
     events: OwnedFd,
-    child: Mutex<Option<Child>>,
+    child: Mutex<Option<WorkerProcess>>,
     lost: AtomicBool,
     lost_why: Mutex<String>,
     /// Why it was lost (refined by its exit status once reaped).
@@ -208,7 +207,7 @@ impl Inner {
             *lock(&self.lost_kind) = Some(kind);
         }
         if let Some(c) = lock(&self.child).as_mut() {
-            let _ = c.kill();
+            c.kill();
         }
         // Killed: it can no longer touch the turn page; a turn it held passes on now.
         if let Some(t) = &self.turn {
@@ -391,7 +390,7 @@ impl WorkerGpu {
         }
         let started = start(&prog, turn.as_ref().map(|t| t.fd()))
             .map_err(|e| StartError::Spawn(prog.program.display().to_string(), e))?;
-        let pid = started.child.id();
+        let pid = started.process.id();
         socket::set_recv_timeout(started.cmd.as_fd(), Some(opts.call_timeout))
             .map_err(StartError::Pages)?;
         let inner = Arc::new(Inner {
@@ -401,7 +400,7 @@ impl WorkerGpu {
                 seq: 0,
             }),
             events: started.events,
-            child: Mutex::new(Some(started.child)),
+            child: Mutex::new(Some(started.process)),
             lost: AtomicBool::new(false),
             lost_why: Mutex::new(String::new()),
             lost_kind: Mutex::new(None),
@@ -677,8 +676,12 @@ fn reap(inner: &Inner) {
                 return;
             }
             Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
-            _ => {
-                let _ = child.kill();
+            other => {
+                warn!(
+                    "GPU worker {}: no end seen ({other:?}); killed",
+                    inner.worker
+                );
+                child.kill();
                 let _ = child.wait();
                 return;
             }

@@ -1,15 +1,18 @@
 //! Starting a worker process: two socket pairs, the child's ends as fds 3 and 4, and a
-//! parent-death signal so no worker outlives its backend.
+//! parent-death signal so no worker outlives its starter.
 //!
+//! Two ways: a backend under seccomp (none of its threads may start a process) asks the
+//! launcher process it started before its filters went on ([`crate::launcher`]); without
+//! one (in-process tests and benchmarks) workers are forked here by one launcher thread.
 //! Linux sends the parent-death signal when the *thread* that forked the child ends, not
 //! the process: a worker forked by a VM's request thread would die with that thread (at
-//! the VM's disconnect). So every worker is forked by one launcher thread that lives as
-//! long as the process.
+//! the VM's disconnect), hence one thread that lives as long as the process.
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
+use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Mutex, OnceLock};
 
@@ -36,9 +39,56 @@ pub struct WorkerProgram {
 
 /// A started worker: the process and the backend's ends of its sockets.
 pub struct Started {
-    pub child: Child,
+    pub process: WorkerProcess,
     pub cmd: OwnedFd,
     pub events: OwnedFd,
+}
+
+/// A worker process: our child, or the launcher process's (then its end comes as a
+/// message on the worker's status socket, and killing it is a message the other way).
+pub enum WorkerProcess {
+    Child(Child),
+    Launched(crate::launcher::Launched),
+}
+
+impl WorkerProcess {
+    pub fn id(&self) -> u32 {
+        match self {
+            WorkerProcess::Child(c) => c.id(),
+            WorkerProcess::Launched(l) => l.pid(),
+        }
+    }
+
+    /// Sends SIGKILL (no error once it has ended).
+    pub fn kill(&mut self) {
+        match self {
+            WorkerProcess::Child(c) => {
+                let _ = c.kill();
+            }
+            WorkerProcess::Launched(l) => l.kill(),
+        }
+    }
+
+    /// Its status once it has ended (and been reaped).
+    pub fn try_wait(&mut self) -> std::io::Result<Option<ExitStatus>> {
+        match self {
+            WorkerProcess::Child(c) => c.try_wait(),
+            WorkerProcess::Launched(l) => l.try_wait(),
+        }
+    }
+
+    /// Waits for its end.
+    pub fn wait(&mut self) -> std::io::Result<ExitStatus> {
+        match self {
+            WorkerProcess::Child(c) => c.wait(),
+            WorkerProcess::Launched(l) => l.wait(),
+        }
+    }
+}
+
+/// A wait status as the launcher reports it.
+pub(crate) fn status_from_raw(raw: i32) -> ExitStatus {
+    ExitStatus::from_raw(raw)
 }
 
 type Job = (
@@ -74,8 +124,11 @@ fn launcher() -> Option<&'static Mutex<Sender<Job>>> {
 
 /// Starts `prog` with its command socket as fd 3, its event socket as fd 4 and, if given,
 /// the turn page `turn` (which must stay open until this returns) as fd 5, forked by the
-/// launcher thread.
+/// launcher process if this process started one, else by the launcher thread.
 pub fn start(prog: &WorkerProgram, turn: Option<RawFd>) -> std::io::Result<Started> {
+    if let Some(l) = crate::launcher::client() {
+        return l.start(prog, turn);
+    }
     let Some(l) = launcher() else {
         return start_here(prog, turn);
     };
@@ -90,11 +143,27 @@ pub fn start(prog: &WorkerProgram, turn: Option<RawFd>) -> std::io::Result<Start
 
 /// Starts `prog` from this thread.
 fn start_here(prog: &WorkerProgram, turn: Option<RawFd>) -> std::io::Result<Started> {
+    let (child, cmd, events) = fork_worker(&prog.program, &prog.args, turn)?;
+    Ok(Started {
+        process: WorkerProcess::Child(child),
+        cmd,
+        events,
+    })
+}
+
+/// Forks and execs `program` with `args`, its command socket as fd 3, its event socket as
+/// fd 4, `turn` as fd 5, nothing else of ours open, and SIGKILL when the forking thread
+/// ends; returns it and our ends of its sockets.
+pub(crate) fn fork_worker(
+    program: &std::path::Path,
+    args: &[String],
+    turn: Option<RawFd>,
+) -> std::io::Result<(Child, OwnedFd, OwnedFd)> {
     let (cmd, cmd_child) = socket::pair()?;
     let (events, events_child) = socket::pair()?;
     let (a, b) = (cmd_child.as_raw_fd(), events_child.as_raw_fd());
-    let mut c = Command::new(&prog.program);
-    c.args(&prog.args).stdin(Stdio::null());
+    let mut c = Command::new(program);
+    c.args(args).stdin(Stdio::null());
     // SAFETY: the closure runs in the child between fork and exec and calls only
     // async-signal-safe functions (fcntl, dup2, prctl, getppid, close_range) on fds it
     // owns there.
@@ -124,22 +193,7 @@ fn start_here(prog: &WorkerProgram, turn: Option<RawFd>) -> std::io::Result<Star
             // otherwise be inherited (a leaked pipe end also keeps its reader from ever
             // seeing the end of the stream). Marked close-on-exec rather than closed,
             // so std's own exec-error pipe still works.
-            let first = if turn.is_some() { TURN_FD + 1 } else { TURN_FD };
-            let from = first as libc::c_uint;
-            if libc::syscall(
-                libc::SYS_close_range,
-                from,
-                libc::c_uint::MAX,
-                CLOSE_RANGE_CLOEXEC,
-            ) != 0
-            {
-                for fd in first..FALLBACK_FD_LIMIT {
-                    let flags = libc::fcntl(fd, libc::F_GETFD);
-                    if flags >= 0 {
-                        libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
-                    }
-                }
-            }
+            cloexec_from(if turn.is_some() { TURN_FD + 1 } else { TURN_FD });
             // The parent may have died before the signal was armed.
             if libc::getppid() == 1 {
                 return Err(std::io::Error::from(std::io::ErrorKind::BrokenPipe));
@@ -150,5 +204,26 @@ fn start_here(prog: &WorkerProgram, turn: Option<RawFd>) -> std::io::Result<Star
     let child = c.spawn()?;
     // The child's ends live on only in the child: its exit is our end of file.
     drop((cmd_child, events_child));
-    Ok(Started { child, cmd, events })
+    Ok((child, cmd, events))
+}
+
+/// Marks every fd from `first` up close-on-exec (between fork and exec: async-signal-safe).
+pub(crate) fn cloexec_from(first: i32) {
+    // SAFETY: close_range and fcntl with integer arguments; they change only fd flags.
+    unsafe {
+        if libc::syscall(
+            libc::SYS_close_range,
+            first as libc::c_uint,
+            libc::c_uint::MAX,
+            CLOSE_RANGE_CLOEXEC,
+        ) != 0
+        {
+            for fd in first..FALLBACK_FD_LIMIT {
+                let flags = libc::fcntl(fd, libc::F_GETFD);
+                if flags >= 0 {
+                    libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+                }
+            }
+        }
+    }
 }

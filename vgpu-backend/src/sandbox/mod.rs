@@ -10,6 +10,13 @@
 //! | `Scheduler` | `vgpu-sched` | its `thread_main` |
 //! | `VramManager` | `vgpu-vram` | its `thread_main` |
 //! | `GpuEngine` | `sim-pfifo`, `sim-copy`, `cuda-pfifo` | host-shim, first thing in each |
+//! | `GpuWorker` | every thread of a GPU worker process (`vgpu-backend worker`, `--gpu-workers`) | the worker: before it opens the GPU (`sim`, `cuda-fake`), after (`cuda`), on all threads at once; rules in `gpu-worker/src/sandbox.rs` |
+//!
+//! With `--gpu-workers` the backend never calls the CUDA driver itself: its roles are the
+//! `sim` ones (every open refused), and the workers, each with its own filter, are started
+//! by the launcher process (`vgpu_gpu_worker::launcher`), started before the process
+//! filter; no role of the backend allows starting a process. `BackendMain` may `wait4`
+//! (only the caller's children: the launcher, at shutdown).
 //!
 //! Filters stack: a thread is held to the process filter, to those of the thread that
 //! started it, and to its own. So the process filter is the union of every role plus what
@@ -17,13 +24,13 @@
 //! need (`Api` restarts the scheduler). The vhost-user-backend crate starts its threads
 //! itself, so they get `VmServe` by inheritance. Opening files is refused everywhere with
 //! `EACCES` (not a kill: glibc probes a sysfs file the first time malloc wants a new
-//! arena). The `cuda` GPU widens every role by the driver's needs (`cuda.rs`).
+//! arena). The `cuda` GPU widens every role by the driver's needs (`vgpu_sandbox::cuda`).
 
-mod cuda;
 mod roles;
 
 use vgpu_host_shim::GpuChoice;
 use vgpu_sandbox::blocks::open_refused;
+use vgpu_sandbox::cuda;
 use vgpu_sandbox::{Mode, Plan, Role, Rules, SandboxError};
 
 /// The backend's roles.

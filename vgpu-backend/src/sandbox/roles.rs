@@ -51,10 +51,11 @@ pub fn vm_serve() -> Rules {
 
 /// The main thread once serving: waits for SIGINT/SIGTERM, then shuts down — wakes the
 /// listeners by connecting to their sockets, shuts connections down, removes the API
-/// socket, joins the threads and tears the VMs' GPU state down.
+/// socket, joins the threads and tears the VMs' GPU state down — and, with GPU workers,
+/// reaps the worker launcher, its child (`wait4` reaches only the caller's children).
 pub fn backend_main() -> Rules {
     thread_basics()
-        .union(&Rules::new().allow(&[libc::SYS_rt_sigtimedwait]))
+        .union(&Rules::new().allow(&[libc::SYS_rt_sigtimedwait, libc::SYS_wait4]))
         .union(&unix_connect())
         .union(&socket_io())
         .union(&unlink())
@@ -112,9 +113,12 @@ pub fn sim_rules(role: Role) -> Option<Rules> {
         Role::Scheduler => scheduler(),
         Role::VramManager => vram_manager(),
         Role::GpuEngine => gpu_engine(),
-        Role::VmmMain | Role::Vcpu | Role::VmmBackendReq | Role::VmmIrq | Role::VmmMigration => {
-            return None
-        }
+        Role::GpuWorker
+        | Role::VmmMain
+        | Role::Vcpu
+        | Role::VmmBackendReq
+        | Role::VmmIrq
+        | Role::VmmMigration => return None,
     };
     Some(r.union(&open_refused()))
 }

@@ -1,7 +1,8 @@
 //! What the NVIDIA driver (libcuda, loaded at run time) may do in any thread that calls
-//! it. With `--gpu cuda` the engine thread, the vring workers (requests become driver
-//! calls), the scheduler (counters), the VRAM manager (copies), the API and the main
-//! thread (teardown) all call the driver, and the driver starts threads of its own.
+//! it. In `vgpu-backend --gpu cuda` (in-process GPU) the engine thread, the vring workers
+//! (requests become driver calls), the scheduler (counters), the VRAM manager (copies),
+//! the API and the main thread (teardown) all call the driver; in a GPU worker
+//! (`--gpu-workers`) every thread of the worker may. The driver starts threads of its own.
 //!
 //! It is the set such drivers are known to use — ioctls and mmaps on `/dev/nvidia*`
 //! (request numbers are the driver's private ABI, so not filtered), opening device nodes
@@ -14,10 +15,23 @@
 //! through the daemon on the GPU is not yet (run `--seccomp log` and read
 //! `dmesg | grep 'type=1326'` when adding a path).
 
-use vgpu_sandbox::blocks::{events, socket_io, unix_connect};
-use vgpu_sandbox::{Arg, Rules};
+use crate::blocks::{events, socket_io, unix_connect};
+use crate::{Arg, Rules};
 
+/// The driver's set: [`driver_calls`], eventfds/epoll, unix-socket I/O, and connecting to
+/// a unix socket by path (what such drivers are known to use: the persistence daemon's
+/// socket).
 pub fn driver() -> Rules {
+    driver_calls()
+        .union(&events())
+        .union(&socket_io())
+        .union(&unix_connect())
+}
+
+/// What the driver calls besides sockets and events: a GPU worker, which installs its
+/// filter after the driver opened the GPU, does without new sockets (with `connect` by
+/// path it could reach the backend's control API).
+pub fn driver_calls() -> Rules {
     Rules::new()
         .allow(&[
             libc::SYS_ioctl,
@@ -75,7 +89,4 @@ pub fn driver() -> Rules {
         ])
         // Its own limits only (pid 0).
         .allow_if(libc::SYS_prlimit64, vec![Arg::eq32(0, 0)])
-        .union(&events())
-        .union(&socket_io())
-        .union(&unix_connect())
 }

@@ -1,0 +1,311 @@
+//! `vgpu-backend --gpu-workers` under its default seccomp filters (`--seccomp kill`),
+//! without a GPU: the workers run the `cuda` GPU on its CPU stand-in
+//! (`--test-worker-gpu cuda-fake`; with `VGPU_WORKER_GPU=cuda` on the GPU itself). Through the real binary and vhost-user sockets: two
+//! loopback VMs run verified work, each on a worker started by the launcher process (the
+//! backend's threads may not start processes), every worker under its own filter with no
+//! privileges; a killed worker fails its VM only, is counted as a crash (its status came
+//! through the launcher), and the VM comes back on a new worker; VRAM pressure moves a
+//! VM's chunks to its swap store and back through its worker; at the backend's exit no
+//! launcher and no worker is left, not even as a zombie.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vgpu_guest::workloads::Workload;
+use vgpu_guest::{Buffer, Context, Device};
+use vgpu_loopback::LoopbackVm;
+use vgpu_test_support::{BackendLauncher, BackendProcess};
+use vgpu_vmm::reconnect::FaultPolicy;
+
+const MIB: u64 = 1 << 20;
+
+/// The backend on `cuda` with a worker per VM; the workers run on the fake device unless
+/// `VGPU_WORKER_GPU=cuda` (the same test on a GPU: `ci/device/run.sh run workers`).
+fn start(tag: &str) -> (BackendProcess, BackendLauncher) {
+    let on_gpu = std::env::var("VGPU_WORKER_GPU").is_ok_and(|g| g.starts_with("cuda"));
+    let mut args = vec!["--gpu-workers"];
+    if !on_gpu {
+        args.extend(["--test-worker-gpu", "cuda-fake"]);
+    }
+    let launcher = BackendLauncher::new(
+        tag,
+        "[gpu]\nmodel = \"cuda\"\nvram_mib = 32\n\
+         [[vm]]\nname = \"a\"\nvram_mib = 16\nswap_mib = 32\n[[vm]]\nname = \"b\"\n",
+    )
+    .bin(env!("CARGO_BIN_EXE_vgpu-backend"))
+    .with_api()
+    .args(&args);
+    (launcher.start(), launcher)
+}
+
+fn run_workloads(ctx: &Context, names: &[&str]) -> Result<(), String> {
+    for name in names {
+        let r = Workload::by_name(name, true)
+            .ok_or_else(|| format!("no workload {name}"))?
+            .run(ctx)
+            .map_err(|e| format!("{name}: {e}"))?;
+        if !r.verified {
+            return Err(format!("{name}: not verified"));
+        }
+    }
+    Ok(())
+}
+
+/// `n` VRAM buffers of 4 MiB, buffer `i` filled with `seed + i`.
+fn fill_buffers(ctx: &Context, n: u8, seed: u8) -> Vec<Buffer> {
+    (0..n)
+        .map(|i| {
+            let b = ctx.alloc_vram(4 * MIB).expect("vram");
+            b.fill(0, 4 * MIB, seed + i).expect("fill");
+            b
+        })
+        .collect()
+}
+
+/// Each buffer of [`fill_buffers`] still holds its bytes.
+fn check_buffers(bufs: &[Buffer], seed: u8) {
+    for (i, b) in bufs.iter().enumerate() {
+        let mut got = vec![0u8; b.len() as usize];
+        b.read(0, &mut got).expect("read");
+        assert!(
+            got.iter().all(|&x| x == seed + i as u8),
+            "buffer {i} changed"
+        );
+    }
+}
+
+fn status_of(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default()
+}
+
+/// The `key` line of `pid`'s status, whitespace collapsed.
+fn status_line(pid: u32, key: &str) -> String {
+    status_of(pid)
+        .lines()
+        .find(|l| l.starts_with(key))
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+fn parent_of(pid: u32) -> Option<u32> {
+    status_line(pid, "PPid:")
+        .strip_prefix("PPid: ")
+        .and_then(|p| p.parse().ok())
+}
+
+fn cmdline(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+        .unwrap_or_default()
+}
+
+/// The processes whose parent is `pid` (zombies included).
+fn children_of(pid: u32) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+                .filter(|c| parent_of(*c) == Some(pid))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn exists(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(20), "waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The value of the metrics line that starts with `series`.
+fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(series))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+fn device(d: &BackendProcess, vm: &str, pid: u32) -> (Arc<LoopbackVm>, Device) {
+    let lb = d.connect(vm, FaultPolicy::default());
+    let dev = Device::loopback(lb.clone(), pid).expect("device");
+    (lb, dev)
+}
+
+#[test]
+fn sandboxed_backend_runs_vms_on_sandboxed_workers_and_leaves_none() {
+    let (mut d, _launcher) = start("seccomp-workers");
+    let api = d.api();
+    let backend = d.pid();
+    // The launcher: the backend's one child, started before the filters.
+    let launchers = children_of(backend);
+    assert_eq!(launchers.len(), 1, "{launchers:?}\n{}", d.log_tail());
+    let launcher = launchers[0];
+    assert!(
+        cmdline(launcher).contains("worker-launcher"),
+        "{}",
+        cmdline(launcher)
+    );
+
+    let (lb_a, dev_a) = device(&d, "a", 10);
+    let (_lb_b, dev_b) = device(&d, "b", 20);
+    let ctx_a = dev_a.create_context().expect("ctx a");
+    let ctx_b = dev_b.create_context().expect("ctx b");
+    run_workloads(&ctx_a, &["saxpy", "reduction", "copy_heavy"]).expect("a");
+    run_workloads(&ctx_b, &["sgemm", "hotspot"]).expect("b");
+    // 24 MiB for a, over its 16 MiB quota: 8 MiB go to its swap store, and come back into
+    // VRAM through a's worker (commands, the swap memfd passed over) once a freed some;
+    // every byte checked.
+    let before = api.vm_stats("a").expect("stats").vram;
+    let mut bufs_a = fill_buffers(&ctx_a, 6, 0x10);
+    let v = api.vm_stats("a").expect("stats").vram;
+    assert!(v.swapped_bytes >= 8 * MIB, "{v:?}");
+    check_buffers(&bufs_a, 0x10);
+    bufs_a.truncate(2);
+    let t = Instant::now();
+    loop {
+        let v = api.vm_stats("a").expect("stats").vram;
+        if v.swapped_bytes == 0 && v.swap_ins > before.swap_ins {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "a never swapped back in: {v:?}\n{}",
+            d.log_tail()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    check_buffers(&bufs_a, 0x10);
+    drop(bufs_a);
+
+    // A worker per VM, each the launcher's child, sandboxed in the backend's mode.
+    let workers = children_of(launcher);
+    assert_eq!(workers.len(), 2, "{workers:?}\n{}", d.log_tail());
+    for &w in &workers {
+        let cmd = cmdline(w);
+        assert!(
+            cmd.contains(" worker ") && cmd.contains("--seccomp kill"),
+            "{cmd}"
+        );
+        for want in [
+            "Seccomp: 2",
+            "NoNewPrivs: 1",
+            "CapEff: 0000000000000000",
+            "CapPrm: 0000000000000000",
+        ] {
+            let key = want.split(' ').next().unwrap_or_default();
+            assert_eq!(status_line(w, key), want, "worker {w}");
+        }
+    }
+    // The backend's threads are all filtered too.
+    for key in ["Seccomp: 2", "NoNewPrivs: 1"] {
+        assert_eq!(
+            status_line(backend, key.split(' ').next().unwrap_or_default()),
+            key
+        );
+    }
+
+    // Kill the worker of a's VM (not through the backend: a crash). Which worker is a's:
+    // the one whose death fails a's work.
+    let before = api.metrics().expect("metrics");
+    let crashed_before = metric(
+        &before,
+        "vgpu_gpu_worker_losses_by_kind_total{kind=\"crashed\"}",
+    )
+    .unwrap_or(0.0);
+    let victim = workers[0];
+    // SAFETY: kill(2) of a worker process this test's backend started.
+    let rc = unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    assert_eq!(rc, 0);
+    wait_for("the killed worker reaped", || !exists(victim));
+    let (a_failed, b_failed) = (
+        run_workloads(&ctx_a, &["saxpy"]).is_err(),
+        run_workloads(&ctx_b, &["saxpy"]).is_err(),
+    );
+    assert!(a_failed ^ b_failed, "exactly one VM lost its GPU");
+    let (lost_ctx, lost_dev, lost_vm, kept_ctx) = if a_failed {
+        (ctx_a, dev_a, "a", ctx_b)
+    } else {
+        (ctx_b, dev_b, "b", ctx_a)
+    };
+    run_workloads(&kept_ctx, &["saxpy", "reduction"]).expect("the other VM goes on");
+    // The VM resets (reconnects) and runs on a new worker.
+    drop((lost_ctx, lost_dev));
+    if lost_vm == "a" {
+        lb_a.disconnect();
+    } else {
+        _lb_b.disconnect();
+    }
+    let (_lb, dev) = device(&d, lost_vm, 30);
+    let ctx = dev.create_context().expect("ctx after the reset");
+    run_workloads(&ctx, &["saxpy", "reduction", "copy_heavy"]).expect("after the reset");
+    // Counted once replaced, as a crash: its status came through the launcher.
+    let t = Instant::now();
+    let mut m = String::new();
+    while t.elapsed() < Duration::from_secs(20) {
+        m = api.metrics().expect("metrics");
+        if metric(&m, "vgpu_gpu_worker_losses_by_kind_total{kind=\"crashed\"}")
+            == Some(crashed_before + 1.0)
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        metric(&m, "vgpu_gpu_worker_losses_by_kind_total{kind=\"crashed\"}"),
+        Some(crashed_before + 1.0),
+        "the loss counted as a crash: {}",
+        m.lines()
+            .filter(|l| l.starts_with("vgpu_gpu_worker"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let now = children_of(launcher);
+    assert_eq!(now.len(), 2, "{now:?}");
+    assert!(!now.contains(&victim));
+    drop((ctx, dev, kept_ctx));
+    if let Err(e) = d.alive() {
+        panic!("{e}");
+    }
+
+    // The backend's exit takes the launcher and every worker with it, reaped.
+    let mut all = children_of(launcher);
+    all.push(launcher);
+    let status = d.terminate();
+    assert!(status.success(), "{status:?}\n{}", d.log_tail());
+    wait_for("no launcher or worker left", || {
+        all.iter().all(|p| !exists(*p))
+    });
+    let log = d.log();
+    assert!(log.contains("seccomp: kill"), "{log}");
+}
+
+/// Running (not gone, not a zombie waiting for whoever inherited it).
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit(')').next().map(|r| r.trim_start().to_string()))
+        .is_some_and(|r| !r.starts_with('Z'))
+}
+
+/// A backend killed outright (no shutdown) takes its launcher and workers with it: the
+/// launcher's parent-death signal, then each worker's.
+#[test]
+fn a_killed_backend_leaves_no_launcher_or_worker_running() {
+    let (d, _launcher) = start("seccomp-workers-kill");
+    let (_lb, dev) = device(&d, "a", 10);
+    let ctx = dev.create_context().expect("ctx");
+    run_workloads(&ctx, &["saxpy"]).expect("a");
+    let launcher = children_of(d.pid())[0];
+    let mut all = children_of(launcher);
+    assert_eq!(all.len(), 1, "{all:?}");
+    all.push(launcher);
+    drop(d); // SIGKILL, reaped.
+    wait_for("no launcher or worker running", || {
+        all.iter().all(|p| !running(*p))
+    });
+}
