@@ -68,7 +68,10 @@ needs() {
 # --- pack: on the build machine --------------------------------------------------------
 # The path of a test binary cargo builds (from its JSON messages).
 test_binary() {
+    # Only the test target's artifact: binaries the test runs (CARGO_BIN_EXE) are built
+    # and listed too.
     cargo test --release -p "$1" --test "$2" --no-run --message-format=json \
+        | grep '"kind":\["test"\]' | grep "\"name\":\"$2\"" \
         | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | tail -n 1
 }
 

@@ -44,9 +44,10 @@ fn start(gpu: &str, ids: &Arc<Ids>) -> Arc<WorkerGpu> {
     WorkerGpu::start(&prog, &opts).expect("worker")
 }
 
-/// Runs `kernels` saxpys over two VRAM buffers of the worker, in batches, starting
-/// when everyone at `start` is ready; returns the seconds they took.
-fn run(w: &Arc<WorkerGpu>, kernels: u32, start: &Barrier) -> f64 {
+/// A context on worker `w` with two VRAM buffers mapped at `VRAM_VA`, set up once: a
+/// second context would need a new guest memory table, which a worker takes only while
+/// no context lives.
+fn setup(w: &Arc<WorkerGpu>) -> Proc<WorkerGpu> {
     let p = Proc::new(w, SYS_BASE);
     let bytes = 2 * N * 4;
     let buf = w.alloc_vram(bytes, 2 << 20).unwrap();
@@ -59,6 +60,12 @@ fn run(w: &Arc<WorkerGpu>, kernels: u32, start: &Barrier) -> f64 {
         MapFlags::default(),
     )
     .unwrap();
+    p
+}
+
+/// Runs `kernels` saxpys over the two VRAM buffers, in batches, starting when everyone at
+/// `start` is ready; returns the seconds they took.
+fn run(p: &Proc<WorkerGpu>, kernels: u32, start: &Barrier) -> f64 {
     let mut ch = p.channel(0);
     let saxpy = KernelArgs::Saxpy {
         x: VRAM_VA,
@@ -97,6 +104,7 @@ fn main() {
     let kernels: u32 = args.get(2).and_then(|k| k.parse().ok()).unwrap_or(4000);
     let ids = Arc::new(Ids::default());
     let (a, b) = (start(&gpu, &ids), start(&gpu, &ids));
+    let (a, b) = (Arc::new(setup(&a)), Arc::new(setup(&b)));
     let alone = run(&a, kernels, &Barrier::new(1));
     let (a2, b2) = (a.clone(), b.clone());
     let go = Arc::new(Barrier::new(2));
