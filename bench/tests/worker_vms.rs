@@ -164,3 +164,26 @@ fn a_killed_worker_fails_its_vm_only_and_the_vm_comes_back_on_a_new_one() {
     assert_eq!(wb.pid(), Some(pid_b), "b still on its first worker");
     assert_eq!(host.gpu.stats().started, 3);
 }
+
+/// A VM's worker starts when its frontend connects, not at its first context, so neither
+/// the guest's first request nor an incoming live migration's downtime waits for a GPU
+/// context to be made; the first context then lands on that worker.
+#[test]
+fn a_connected_vm_has_its_worker_before_its_first_context() {
+    let host = host("workers-ahead", &["a"]);
+    assert_eq!(host.gpu.stats().running, 0, "no worker before a frontend");
+    let (_lb, dev) = connect(&host, "a", 10);
+    let t = Instant::now();
+    while host.gpu.stats().running == 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "no worker started after the connect"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pid = host.worker("a").pid().expect("the worker's pid");
+    let ctx = dev.create_context().unwrap();
+    assert_eq!(saxpy_round(&ctx, 1 << 12, 5), Ok(true));
+    assert_eq!(host.worker("a").pid(), Some(pid), "the context went to it");
+    assert_eq!(host.gpu.stats().started, 1, "one start, not two");
+}

@@ -328,6 +328,30 @@ impl Drop for VmWorker {
 }
 
 impl Gpu for VmWorker {
+    /// Starts the VM's worker on a thread of its own, if none runs; a first context
+    /// meanwhile waits for that start rather than making a second (the start lock).
+    fn prepare(&self) {
+        let Some(me) = self.me.upgrade() else {
+            return;
+        };
+        if self.running() {
+            return;
+        }
+        let spawned = std::thread::Builder::new()
+            .name(format!("vgpu-prestart-{}", self.vm))
+            .spawn(move || {
+                if let Err(e) = me.worker() {
+                    warn!("VM {}: starting its GPU worker ahead: {e}", me.vm);
+                }
+            });
+        if let Err(e) = spawned {
+            warn!(
+                "VM {}: no thread to start its GPU worker ahead: {e}",
+                self.vm
+            );
+        }
+    }
+
     fn info(&self) -> GpuInfo {
         let cfg = &self.pool.cfg;
         GpuInfo {

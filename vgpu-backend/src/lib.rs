@@ -571,6 +571,7 @@ fn serve_connection(
     vm.connected.store(true, Ordering::Release);
     if !stop.load(Ordering::Acquire) {
         info!("VM {}: frontend connected", vm.name);
+        vm.lock_session().prepare_gpu();
     }
     let result = daemon.wait();
     vm.connected.store(false, Ordering::Release);

@@ -530,6 +530,11 @@ impl Session {
     }
 
     /// A stand-alone session (tests, tools): events go to a detached FIFO.
+    /// A frontend connected: the GPU starts ahead what the VM's first use needs.
+    pub fn prepare_gpu(&self) {
+        self.gpu.prepare();
+    }
+
     pub fn new(gpu: Arc<dyn Gpu>, limits: VmLimits) -> Self {
         let events = Arc::new(EventQueue::detached(EVENT_FIFO_CAPACITY));
         Self::with_shared(
