@@ -82,7 +82,7 @@ pub struct CudaConfig {
     /// Kernels of grids up to this many blocks that end a GP entry write its REF
     /// themselves (`kernels.cu`'s fence signal) instead of a stream write after them;
     /// 0: never. Default 1: on the H100 (2026-11-26) the signal raised back-to-back empty
-    /// kernels from 0.56–0.61 to 0.90–0.93 × native CUDA, but a 256-block sgemm 1024³
+    /// kernels from 0.56–0.68 to a median 0.90 × native CUDA, but a 256-block sgemm 1024³
     /// took 0.41 instead of 0.345 ms with it (its system-scope release after 4 MiB of
     /// output), so grids of several blocks keep the stream write.
     pub signal_max_blocks: u64,
