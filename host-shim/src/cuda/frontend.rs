@@ -56,7 +56,7 @@ pub struct FrontendStats {
     pub start_marks: AtomicU64,
 }
 
-/// A copy of [`FrontendStats`] at one moment.
+/// A copy of the front end's counters (`FrontendStats`) at one moment.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FrontendCounts {
     pub entries: u64,
