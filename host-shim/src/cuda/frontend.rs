@@ -30,6 +30,7 @@ use crate::mmu::{AddressSpace, TranslateError};
 pub(crate) struct GpuMemory<'a> {
     pub(crate) vram: &'a DeviceVram,
     pub(crate) hostreg: &'a std::sync::Mutex<HostRegistry>,
+    pub(crate) functions: &'a std::sync::Mutex<super::modules::FunctionTable>,
 }
 
 /// GP entries issued since the last mark.
@@ -50,6 +51,8 @@ pub(crate) struct CtxTranslate<'a, D: Device> {
     pub(crate) scratch: &'a mut Option<(u64, u64)>,
     /// The channel's REF as the device sees it (see `Translate::ref_ptr`).
     pub(crate) ref_ptr: Option<u64>,
+    /// The issuing context (its bound functions).
+    pub(crate) ctx: crate::hal::ContextId,
 }
 
 fn mem_fault(va: u64, write: bool, kind: FaultKind) -> MemFault {
@@ -115,6 +118,12 @@ impl<D: Device> Translate for std::cell::RefCell<CtxTranslate<'_, D>> {
 
     fn ref_ptr(&self) -> Option<u64> {
         self.borrow().ref_ptr
+    }
+
+    fn function(&self, id: u32) -> Option<super::plan::BoundFunction> {
+        let me = self.borrow();
+        let table = me.mem.functions.lock().unwrap_or_else(|e| e.into_inner());
+        table.get(&(me.ctx, id)).map(|(_, f)| f.clone())
     }
 
     fn scratch(&self, len: u64) -> Option<u64> {
@@ -310,6 +319,7 @@ impl<D: Device> CudaChannel<D> {
                     dev,
                     scratch: &mut st.scratch,
                     ref_ptr: self.ref_ptr,
+                    ctx: self.core.ctx,
                 });
                 let mut view = GpuView::new(&self.core.space, None);
                 let mut read = |va, buf: &mut [u8]| view.read(va, buf);
@@ -349,7 +359,7 @@ impl<D: Device> CudaChannel<D> {
                 // guest's bad argument, not a GPU failure.
                 dev.issue(&self.stream, op).map_err(|e| {
                     log::debug!("cuda channel {:?}: issue {op:?}: {e}", self.core.id);
-                    (ErrorCode::BadKernelArgs, 0)
+                    (e.issue_code(), 0)
                 })?;
             }
             self.core.kernels.fetch_add(plan.kernels, Ordering::Relaxed);
@@ -459,6 +469,7 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
                 GpuMemory {
                     vram: &shared.vram,
                     hostreg: &shared.hostreg,
+                    functions: &shared.functions,
                 },
                 &mut old_scratch,
                 &mut tl,

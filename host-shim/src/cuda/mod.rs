@@ -23,8 +23,10 @@ pub mod device;
 pub mod driver;
 pub mod error;
 pub mod fake;
+pub mod fake_modules;
 mod frontend;
 mod hostreg;
+mod modules;
 pub mod plan;
 pub mod timeline;
 mod vram;
@@ -82,6 +84,10 @@ pub struct CudaConfig {
     /// process, [`crate::gpu_turn`]); `None` in process, where one context's streams
     /// share the GPU without time-slicing.
     pub turn: Option<Arc<crate::gpu_turn::GpuTurn>>,
+    /// Whether guests may load their own modules: only where this GPU serves one VM in a
+    /// process of its own (a GPU worker). In the backend's process every VM shares one
+    /// CUDA context, and MODULE_LOAD is refused with `ModulesNeedWorker`.
+    pub guest_modules: bool,
 }
 
 impl Default for CudaConfig {
@@ -100,6 +106,7 @@ impl Default for CudaConfig {
             batch_quiet_ns: 100_000_000,
             max_inflight: 64,
             turn: None,
+            guest_modules: false,
         }
     }
 }
@@ -118,6 +125,10 @@ pub(crate) struct Shared<D: Device> {
     /// Host memory registered with the driver (the front end splits operands at its
     /// pieces' ends: one driver call must not span two registrations).
     hostreg: Mutex<HostRegistry>,
+    /// Guests' modules by (context, module id).
+    modules: Mutex<std::collections::HashMap<(ContextId, u32), D::Module>>,
+    /// Functions contexts bound for LAUNCH_FUNCTION (read by the front end).
+    functions: Mutex<modules::FunctionTable>,
 }
 
 impl<D: Device> Shared<D> {
@@ -211,6 +222,8 @@ impl<D: Device> CudaGpuOf<D> {
             frontend_cpu_ns: AtomicU64::new(0),
             old_scratch: Mutex::new(Vec::new()),
             hostreg: Mutex::new(HostRegistry::default()),
+            modules: Mutex::new(Default::default()),
+            functions: Mutex::new(Default::default()),
         });
         let s = shared.clone();
         let thread = std::thread::Builder::new()
@@ -511,6 +524,7 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
         // pages) alive rather than let the GPU touch freed memory.
         match self.reap(&removed) {
             Ok(()) => {
+                self.forget_modules(ctx);
                 self.shared
                     .hostreg
                     .lock()
@@ -520,6 +534,9 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
             }
             Err(e) => {
                 log::warn!("cuda: context {ctx:?} destroyed with GPU work in flight: {e}");
+                // Its modules stay loaded (work in flight may run their code); its
+                // functions are unbound, so no new entry finds them.
+                self.unbind_functions(ctx);
                 Ok(())
             }
         }
@@ -658,6 +675,28 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
         self.drain(&self.context_channels(ctx))?;
         self.unregister_released(ctx);
         Ok(())
+    }
+
+    fn module_load(&self, ctx: ContextId, module: u32, image: &[u8]) -> Result<()> {
+        self.load_module(ctx, module, image)
+    }
+
+    fn module_unload(&self, ctx: ContextId, module: u32) -> Result<()> {
+        self.unload_module(ctx, module)
+    }
+
+    fn function_get(
+        &self,
+        ctx: ContextId,
+        module: u32,
+        name: &str,
+        function: u32,
+    ) -> Result<Option<Vec<ParamInfo>>> {
+        self.bind_function(ctx, module, name, function)
+    }
+
+    fn global_get(&self, ctx: ContextId, module: u32, name: &str) -> Result<GlobalInfo> {
+        self.module_global(ctx, module, name)
     }
 
     fn destroy_channel(&self, ch: ChannelId) -> Result<()> {

@@ -6,8 +6,11 @@
 //! this module produced from the issuing context's page tables. An operand that is not
 //! fully mapped (or is read-only but written) faults the channel before anything is issued.
 
+use std::sync::Arc;
+
 use vgpu_protocol::kernel::KernelArgs;
 use vgpu_protocol::method::Method;
+use vgpu_protocol::module::{param_bytes, FunctionLaunch, ParamInfo};
 use vgpu_protocol::{ErrorCode, SemaphoreMode};
 
 use crate::fifo::fetch::launch_args;
@@ -15,7 +18,7 @@ use crate::kernels::{FaultKind, MemFault, MAX_RESIDENT_BYTES};
 
 /// One operation on a channel's stream. Addresses are device pointers (for the real
 /// device: unified virtual addresses of registered host memory or device memory).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Op {
     /// A builtin kernel with pointer fields already translated.
     Launch(KernelArgs),
@@ -31,6 +34,22 @@ pub enum Op {
         value: u32,
         mode: SemaphoreMode,
     },
+    /// A guest module's function (the device's handle), its parameter buffer relocated.
+    LaunchFunction {
+        func: u64,
+        grid: [u32; 3],
+        block: [u32; 3],
+        shared_mem: u32,
+        params: Arc<[u8]>,
+    },
+}
+
+/// A function a context bound for `LAUNCH_FUNCTION`: the device's handle and, when known,
+/// its parameter layout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BoundFunction {
+    pub handle: u64,
+    pub params: Option<Vec<ParamInfo>>,
 }
 
 /// What the front end does on the host once the entry's stream work has completed.
@@ -70,6 +89,11 @@ pub trait Translate {
     /// Where the GPU itself may write the channel's REF (its control page, registered
     /// with the device), or `None` for the front end to store it at completion.
     fn ref_ptr(&self) -> Option<u64> {
+        None
+    }
+    /// The function the issuing context bound to `id` (guest modules), if any.
+    fn function(&self, id: u32) -> Option<BoundFunction> {
+        let _ = id;
         None
     }
 }
@@ -498,6 +522,53 @@ fn resolve(o: &mut Operands<'_>, args: KernelArgs) -> Result<KernelArgs, PlanErr
     })
 }
 
+/// Plans a module function's launch: the function must be bound in the issuing context,
+/// the parameter buffer must match its layout when known, and every relocated pointer is
+/// translated like a builtin kernel's operand and must be one contiguous device piece.
+fn launch_function(
+    t: &dyn Translate,
+    l: &FunctionLaunch,
+    plan: &mut Plan,
+) -> Result<(), PlanError> {
+    let f = t
+        .function(l.function)
+        .ok_or((ErrorCode::BadKernel, l.function.into()))?;
+    let bad_args = (ErrorCode::BadKernelArgs, u64::from(l.function));
+    if let Some(layout) = &f.params {
+        if param_bytes(layout) != l.params.len() as u64 {
+            return Err(bad_args);
+        }
+        // A relocation replaces a whole 8-byte parameter, never part of one.
+        if l.relocs
+            .iter()
+            .any(|r| !layout.iter().any(|p| p.offset == r.offset && p.size == 8))
+        {
+            return Err(bad_args);
+        }
+    }
+    let mut params = l.params.clone();
+    for r in &l.relocs {
+        let at = r.offset as usize;
+        let field = params.get_mut(at..at + 8).ok_or(bad_args)?;
+        let va = u64::from_le_bytes(field.try_into().map_err(|_| bad_args)?);
+        let runs = t.runs(va, r.extent, r.write).map_err(fault)?;
+        match runs[..] {
+            [(ptr, len)] if len == r.extent => field.copy_from_slice(&ptr.to_le_bytes()),
+            // Pieced in device memory: a kernel indexing from one pointer cannot follow.
+            _ => return Err((ErrorCode::BadKernelArgs, va)),
+        }
+    }
+    plan.kernels += 1;
+    plan.ops.push(Op::LaunchFunction {
+        func: f.handle,
+        grid: l.grid,
+        block: l.block,
+        shared_mem: l.shared_mem,
+        params: params.into(),
+    });
+    Ok(())
+}
+
 /// Plans one GP entry. `read_args` fetches a launch's argument block from guest memory.
 pub fn plan_entry(
     methods: &[Method],
@@ -505,9 +576,10 @@ pub fn plan_entry(
     read_args: &mut ArgReader<'_>,
 ) -> Result<Plan, PlanError> {
     let mut plan = Plan::default();
-    for &m in methods {
-        match m {
+    for m in methods {
+        match *m {
             Method::Nop => {}
+            Method::LaunchFunction(ref l) => launch_function(t, l, &mut plan)?,
             // On the GPU, REF moves as soon as the stream gets there, whatever entries
             // share the completion mark (a guest waiting on an entry's fence must not wait
             // for the whole batch).
