@@ -159,7 +159,9 @@ fn fake_module_hostile_inputs() {
 
 #[test]
 fn fake_module_wild_write_loses_the_context() {
-    common::module_cases::module_wild_write_loses_the_context(&module_gpu());
+    let g = module_gpu();
+    let lost = || vgpu_host_shim::Gpu::lost(&*g).is_some();
+    common::module_cases::module_wild_write_loses_the_context(&g, &lost);
 }
 
 #[test]
