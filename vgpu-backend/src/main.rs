@@ -102,6 +102,11 @@ struct Cli {
     /// which charges both VMs for shared time and breaks the scheduler's shares).
     #[arg(long, default_value_t = 4000, value_parser = parse_turn_us)]
     gpu_turn_us: u64,
+    /// Tests only: with `--gpu-workers`, the GPU the workers open instead of `--gpu`'s
+    /// (`cuda-fake`: the CPU test device, for end-to-end tests of the worker path on
+    /// machines without a GPU).
+    #[arg(long, hide = true, value_name = "cuda-fake")]
+    test_worker_gpu: Option<String>,
     #[command(flatten)]
     sched: SchedArgs,
 }
@@ -263,9 +268,18 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
         }
     }
     confine_process(cfg.seccomp, cfg.gpu.model)?;
+    let worker_gpu = match cli.test_worker_gpu.as_deref() {
+        None => cfg.gpu.model.to_string(),
+        Some("cuda-fake") if cli.gpu_workers => "cuda-fake".to_string(),
+        Some(other) => {
+            return Err(format!(
+                "--test-worker-gpu {other}: only cuda-fake, with --gpu-workers"
+            ))
+        }
+    };
     if cli.gpu_workers {
-        let backend =
-            VgpuBackend::with_workers(worker_pool(&cfg.gpu, cli.gpu_turn_us)?, VmLimits::default());
+        let pool = worker_pool(&cfg.gpu, &worker_gpu, cli.gpu_turn_us)?;
+        let backend = VgpuBackend::with_workers(pool, VmLimits::default());
         return serve(backend, &cfg, set);
     }
     let gpu: Arc<dyn Gpu> = match cfg.gpu.model {
@@ -305,6 +319,7 @@ fn parse_turn_us(s: &str) -> Result<u64, String> {
 /// The workers of `--gpu-workers`: this program run as `vgpu-backend worker`, one per VM.
 fn worker_pool(
     g: &vgpu_backend::config::GpuConfig,
+    worker_gpu: &str,
     turn_us: u64,
 ) -> Result<Arc<vgpu_gpu_worker::WorkerPool>, String> {
     let turn = (turn_us > 0)
@@ -315,7 +330,7 @@ fn worker_pool(
     let cfg = vgpu_gpu_worker::PoolConfig {
         program: vgpu_gpu_worker::WorkerProgram {
             program: exe,
-            args: vec!["worker".into(), "--gpu".into(), g.model.to_string()],
+            args: vec!["worker".into(), "--gpu".into(), worker_gpu.to_string()],
         },
         gpu: vgpu_host_shim::GpuInfo {
             name: g.model.to_string(),

@@ -248,6 +248,15 @@ fn worker(sh: Arc<StreamShared>) {
             }
         };
         let (seq, op, at) = next;
+        if sh.poison.load(Ordering::Acquire) {
+            // A faulted context runs nothing more, as a real stream stops at the fault:
+            // nothing after the faulting kernel (a REF write, say) lands.
+            sh.q.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .ops
+                .pop_front();
+            continue;
+        }
         if let Some(at) = at {
             at.store(now_ns(), Ordering::Release);
         }

@@ -552,8 +552,11 @@ fn launch_function(
         let field = params.get_mut(at..at + 8).ok_or(bad_args)?;
         let va = u64::from_le_bytes(field.try_into().map_err(|_| bad_args)?);
         let runs = t.runs(va, r.extent, r.write).map_err(fault)?;
-        match runs[..] {
-            [(ptr, len)] if len == r.extent => field.copy_from_slice(&ptr.to_le_bytes()),
+        // Pieces that follow each other in the device's address space (host memory
+        // registered piece by piece, say) are one range to a kernel.
+        let contiguous = runs.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0);
+        match runs.first() {
+            Some(&(ptr, _)) if contiguous => field.copy_from_slice(&ptr.to_le_bytes()),
             // Pieced in device memory: a kernel indexing from one pointer cannot follow.
             _ => return Err((ErrorCode::BadKernelArgs, va)),
         }
