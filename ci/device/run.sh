@@ -29,6 +29,10 @@
 #                     worker, two workers time-slicing against one, CYCLES (default 100)
 #                     killed workers beside three verified ones, vgpu-smoke through
 #                     vgpu-backend --gpu-workers
+#   modules     GPU   guest modules (issue 31): the module cases through a worker on the GPU
+#                     (PTX JIT-compiled by the driver), and the end-to-end test through
+#                     vgpu-backend --gpu-workers (vector adds, a global, hostile inputs, a
+#                     wild kernel losing its VM's worker beside another VM)
 #   fuzz        CPU   every cargo-fuzz target at once in libFuzzer's fork mode for SECS
 #                     seconds (default 560); WORKERS="virtqueue=3 session=3 ..." picks the
 #                     targets and worker counts (default: 2 workers each)
@@ -40,7 +44,7 @@ ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
 die() { echo "device/run: $*" >&2; exit 1; }
 
-ALL_SUITES="gpu vram large cuda swap sandboxed mps seccomp quiet-sched workers fuzz"
+ALL_SUITES="gpu vram large cuda swap sandboxed mps seccomp quiet-sched workers modules fuzz"
 FUZZ_CRATES="protocol vgpu-backend"
 
 # What each suite needs from the build machine: "bin:CRATE:NAME[:FEATURES]",
@@ -58,6 +62,8 @@ needs() {
         workers) echo "test:vgpu-gpu-worker:worker_cuda bin:vgpu-gpu-worker:vgpu-gpu-worker" \
                       "example:vgpu-gpu-worker:worker_faults example:vgpu-gpu-worker:worker_timeslice" \
                       "bin:vgpu-backend:vgpu-backend bin:vgpu-guest-tools:vgpu-smoke:native,loopback" ;;
+        modules) echo "test:vgpu-gpu-worker:worker_cuda bin:vgpu-gpu-worker:vgpu-gpu-worker" \
+                      "test:vgpu-backend:guest_modules bin:vgpu-backend:vgpu-backend" ;;
         fuzz) echo "fuzz" ;;
         *) die "unknown suite: $1 (one of: $ALL_SUITES)" ;;
     esac
@@ -194,6 +200,16 @@ suite_workers() {
     ps -o pid,stat,cmd --ppid $p | tee -a "$O/smoke-workers.txt"
     kill -TERM $p; wait $p; echo "backend exit rc=$?"
     sleep 1; echo "workers left: $(pgrep -fc 'vgpu-backend worker' || true)"
+}
+
+suite_modules() {
+    export VGPU_GPU_WORKER="$B/vgpu-gpu-worker" VGPU_BACKEND_BIN="$B/vgpu-backend"
+    echo "-- the module cases through a worker"
+    VGPU_WORKER_GPU=cuda timeout 300 "$B/worker_cuda" module --test-threads=1 2>&1 \
+        | tee "$O/worker_cuda_modules.txt" | grep -E "^test |result"
+    echo "-- guest modules end to end through vgpu-backend --gpu-workers"
+    VGPU_WORKER_GPU=cuda timeout 300 "$B/guest_modules" --test-threads=1 2>&1 \
+        | tee "$O/guest_modules.txt" | grep -E "^test |result"
 }
 
 suite_mps() {

@@ -1,6 +1,8 @@
 //! Guest modules end to end (issue 31): the `vgpu-backend` binary as a process with a GPU
 //! worker per VM (`--gpu cuda --gpu-workers`, the workers on the CPU test device
-//! `cuda-fake`: `--test-worker-gpu`), loopback VMs over the real vhost-user socket, guest
+//! `cuda-fake`: `--test-worker-gpu`; on the real GPU with `VGPU_WORKER_GPU=cuda` and
+//! `VGPU_BACKEND_BIN`, as `ci/device/run.sh run modules` does), loopback VMs over the real
+//! vhost-user socket, guest
 //! processes on the runtime's loopback transport. A PTX vector add runs on guest buffers
 //! and is verified; a module global is read back; a kernel writing a wild pointer loses
 //! its VM's worker while another VM keeps running verified work; hostile requests and push
@@ -30,18 +32,16 @@ fn launcher(tag: &str, gpu: &str, args: &[&str]) -> BackendLauncher {
         .args(args)
 }
 
+/// The backend with a worker per VM: on the fake device, or on the real GPU when
+/// `VGPU_WORKER_GPU` says `cuda`.
 fn workers(tag: &str) -> BackendLauncher {
-    launcher(
-        tag,
-        "cuda",
-        &[
-            "--gpu-workers",
-            "--test-worker-gpu",
-            "cuda-fake",
-            "--seccomp",
-            "off",
-        ],
-    )
+    let real =
+        std::env::var("VGPU_WORKER_GPU").is_ok_and(|g| g.starts_with("cuda:") || g == "cuda");
+    let mut args = vec!["--gpu-workers", "--seccomp", "off"];
+    if !real {
+        args.extend(["--test-worker-gpu", "cuda-fake"]);
+    }
+    launcher(tag, "cuda", &args)
 }
 
 /// One raw request: its reply's status and body.
@@ -97,14 +97,11 @@ fn module_kernels_run_on_guest_buffers_through_a_worker() {
         .load_module(PTX.as_bytes())
         .expect("the PTX module loads");
     let vadd = module.function("vgpu_test_vadd_u32").expect("vadd");
-    let layout: Vec<(u32, u32)> = vadd
-        .params
-        .as_ref()
-        .expect("the fake knows the layout")
-        .iter()
-        .map(|p| (p.offset, p.size))
-        .collect();
-    assert_eq!(layout, [(0, 8), (8, 8), (16, 8), (24, 4)]);
+    // The fake always knows the layout; a real driver does from CUDA 12.4.
+    if let Some(params) = &vadd.params {
+        let layout: Vec<(u32, u32)> = params.iter().map(|p| (p.offset, p.size)).collect();
+        assert_eq!(layout, [(0, 8), (8, 8), (16, 8), (24, 4)]);
+    }
     for seed in 1..4 {
         assert!(
             vadd_round(&ctx, &vadd, seed).expect("vadd runs"),
@@ -441,8 +438,8 @@ fn a_wild_module_kernel_loses_its_vms_worker_and_no_other() {
     let (ok, bad) = b_loop.join().unwrap();
     assert!(bad.is_empty(), "b failed {} rounds: {:?}", bad.len(), bad);
     assert!(ok >= 2, "b ran {ok} rounds");
-    let log = backend.log();
-    assert!(log.contains("illegal address"), "the worker's log says why");
+    let log = backend.log().to_lowercase();
+    assert!(log.contains("illegal"), "the worker's log says why");
     drop(ma);
     vm_a.disconnect();
     vm_b.disconnect();
