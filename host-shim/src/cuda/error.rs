@@ -46,6 +46,17 @@ impl DeviceError {
             if CONTEXT_LOST.iter().any(|k| code.contains(k)))
     }
 
+    /// The code a channel faults with when its stream failed so: `DeviceLost` when the
+    /// context is gone for good (a kernel faulted the GPU: in a worker, a guest module's
+    /// wild pointer; the process exits and the VM's GPU with it), else `Internal`.
+    pub fn fault_code(&self) -> vgpu_protocol::ErrorCode {
+        if self.is_context_lost() {
+            vgpu_protocol::ErrorCode::DeviceLost
+        } else {
+            vgpu_protocol::ErrorCode::Internal
+        }
+    }
+
     /// The code a channel faults with when issuing its work failed so: the driver
     /// refusing a launch is the guest's bad argument.
     pub fn issue_code(&self) -> vgpu_protocol::ErrorCode {

@@ -192,7 +192,7 @@ impl<D: Device> CudaChannel<D> {
                 Err(e) => {
                     log::warn!("cuda channel {:?}: {e}", self.core.id);
                     drop(st);
-                    self.core.fault(ErrorCode::Internal, 0);
+                    self.core.fault(e.fault_code(), 0);
                     return true;
                 }
             }
@@ -279,7 +279,7 @@ impl<D: Device> CudaChannel<D> {
                 }),
                 Err(e) => {
                     log::warn!("cuda channel {:?}: {e}", self.core.id);
-                    return Err((ErrorCode::Internal, 0));
+                    return Err((e.fault_code(), 0));
                 }
             }
             return res.map(|_| true);
@@ -340,7 +340,7 @@ impl<D: Device> CudaChannel<D> {
                 let start = if idle {
                     Some(dev.mark(&self.stream).map_err(|e| {
                         log::warn!("cuda channel {:?}: {e}", self.core.id);
-                        (ErrorCode::Internal, 0)
+                        (e.fault_code(), 0)
                     })?)
                 } else {
                     None
