@@ -183,3 +183,62 @@ impl Drop for Module {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f(params: Option<Vec<(u32, u32)>>) -> Function {
+        Function {
+            id: 3,
+            params: params.map(|p| {
+                p.into_iter()
+                    .map(|(offset, size)| ParamInfo { offset, size })
+                    .collect()
+            }),
+        }
+    }
+
+    #[test]
+    fn packed_with_natural_alignment_without_a_layout() {
+        let (buf, relocs) = f(None)
+            .params(&[Arg::U32(1), Arg::U64(2), Arg::F32(1.5)])
+            .unwrap();
+        let mut want = vec![1, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0];
+        want.extend(1.5f32.to_le_bytes());
+        assert_eq!(buf, want);
+        assert!(relocs.is_empty());
+    }
+
+    #[test]
+    fn placed_at_the_layouts_offsets_and_padded_to_its_end() {
+        // A layout with a gap (an aligned struct after a u32) and trailing padding.
+        let g = f(Some(vec![(0, 4), (16, 8)]));
+        let (buf, _) = g.params(&[Arg::U32(7), Arg::U64(9)]).unwrap();
+        assert_eq!(buf.len(), 24);
+        assert_eq!(&buf[..4], &7u32.to_le_bytes());
+        assert_eq!(&buf[16..], &9u64.to_le_bytes());
+        assert!(buf[4..16].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn arguments_that_do_not_fit_the_layout_are_refused() {
+        let g = f(Some(vec![(0, 8), (8, 4)]));
+        assert!(matches!(
+            g.params(&[Arg::U32(1), Arg::U32(2)]),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            g.params(&[Arg::U64(1)]),
+            Err(Error::InvalidArgument(_))
+        ));
+        let launch = g.launch([1, 1, 1], [2048, 1, 1], 0, &[Arg::U64(1), Arg::U32(2)]);
+        assert!(matches!(launch, Err(Error::InvalidArgument("block"))));
+        let Ok(Method::LaunchFunction(l)) =
+            g.launch([2, 1, 1], [32, 1, 1], 0, &[Arg::U64(1), Arg::U32(2)])
+        else {
+            panic!("a launch");
+        };
+        assert_eq!((l.function, l.params.len()), (3, 12));
+    }
+}
