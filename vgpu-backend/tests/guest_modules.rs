@@ -368,6 +368,7 @@ fn hostile_module_requests_get_their_codes_and_the_backend_stays_up() {
     // The VM still runs verified module work, and the backend is up.
     assert!(vadd_round(&c8, &vadd, 9).unwrap());
     backend.alive().expect("the backend is up");
+    assert!(!backend.log().contains("panicked"), "a thread panicked");
     vm.disconnect();
 }
 
