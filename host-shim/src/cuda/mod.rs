@@ -16,7 +16,9 @@
 //! registered with the driver when mapped, so kernels reach them over PCIe/C2C. See
 //! `docs/architecture/gpu.md` ("The `cuda` GPU").
 //!
-//! Isolation: one CUDA context for all tenants, with checked pointer arguments.
+//! Isolation: one CUDA context for all tenants, with checked pointer arguments. A guest's
+//! own module kernel cannot be checked so: modules load only where this GPU serves one
+//! VM in a process of its own ([`CudaConfig::guest_modules`], `modules`).
 
 mod channel;
 pub mod device;
