@@ -70,9 +70,13 @@ needs() {
 }
 
 # --- pack: on the build machine --------------------------------------------------------
-# The path of a test binary cargo builds (from its JSON messages).
+# The path of a test binary cargo builds (from its JSON messages): the artifact of the
+# test target itself, not the last executable cargo reports (a test that runs a binary
+# of its crate, CARGO_BIN_EXE_*, makes cargo build and report that binary too, often
+# last).
 test_binary() {
     cargo test --release -p "$1" --test "$2" --no-run --message-format=json \
+        | grep "\"kind\":\[\"test\"\],\"crate_types\":\[\"bin\"\],\"name\":\"$2\"" \
         | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | tail -n 1
 }
 
