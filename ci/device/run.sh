@@ -30,6 +30,10 @@
 #                     killed workers beside three verified ones, vgpu-smoke through
 #                     vgpu-backend --gpu-workers in seccomp log mode (with the kernel's
 #                     records) and kill mode
+#   modules     GPU   guest modules (issue 31): the module cases through a worker on the GPU
+#                     (PTX JIT-compiled by the driver), and the end-to-end test through
+#                     vgpu-backend --gpu-workers (vector adds, a global, hostile inputs, a
+#                     wild kernel losing its VM's worker beside another VM)
 #   fuzz        CPU   every cargo-fuzz target at once in libFuzzer's fork mode for SECS
 #                     seconds (default 560); WORKERS="virtqueue=3 session=3 ..." picks the
 #                     targets and worker counts (default: 2 workers each)
@@ -41,7 +45,7 @@ ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
 die() { echo "device/run: $*" >&2; exit 1; }
 
-ALL_SUITES="gpu vram large cuda swap sandboxed mps seccomp quiet-sched workers fuzz"
+ALL_SUITES="gpu vram large cuda swap sandboxed mps seccomp quiet-sched workers modules fuzz"
 FUZZ_CRATES="protocol vgpu-backend"
 
 # What each suite needs from the build machine: "bin:CRATE:NAME[:FEATURES]",
@@ -60,13 +64,18 @@ needs() {
                       "test:vgpu-backend:sandboxed_workers" \
                       "example:vgpu-gpu-worker:worker_faults example:vgpu-gpu-worker:worker_timeslice" \
                       "bin:vgpu-backend:vgpu-backend bin:vgpu-guest-tools:vgpu-smoke:native,loopback" ;;
+        modules) echo "test:vgpu-gpu-worker:worker_cuda bin:vgpu-gpu-worker:vgpu-gpu-worker" \
+                      "test:vgpu-backend:guest_modules bin:vgpu-backend:vgpu-backend" ;;
         fuzz) echo "fuzz" ;;
         *) die "unknown suite: $1 (one of: $ALL_SUITES)" ;;
     esac
 }
 
 # --- pack: on the build machine --------------------------------------------------------
-# The path of a test binary cargo builds (from its JSON messages).
+# The path of a test binary cargo builds (from its JSON messages): the artifact of the
+# test target itself, not the last executable cargo reports (a test that runs a binary
+# of its crate, CARGO_BIN_EXE_*, makes cargo build and report that binary too, often
+# last).
 test_binary() {
     # Only the test target's artifact: binaries the test runs (CARGO_BIN_EXE) are built
     # and listed too.
@@ -234,6 +243,16 @@ workers_smoke() {
     kill -0 $p 2>/dev/null || echo "backend DIED"
     kill -TERM $p; wait $p; echo "backend exit rc=$?"
     sleep 1; echo "launcher or workers left: $(pgrep -fc 'vgpu-backend worker' || true)"
+}
+
+suite_modules() {
+    export VGPU_GPU_WORKER="$B/vgpu-gpu-worker" VGPU_BACKEND_BIN="$B/vgpu-backend"
+    echo "-- the module cases through a worker"
+    VGPU_WORKER_GPU=cuda timeout 300 "$B/worker_cuda" module --test-threads=1 2>&1 \
+        | tee "$O/worker_cuda_modules.txt" | grep -E "^test |result"
+    echo "-- guest modules end to end through vgpu-backend --gpu-workers"
+    VGPU_WORKER_GPU=cuda timeout 300 "$B/guest_modules" --test-threads=1 2>&1 \
+        | tee "$O/guest_modules.txt" | grep -E "^test |result"
 }
 
 suite_mps() {

@@ -102,6 +102,8 @@ fn open(cli: &Cli) -> Result<Arc<dyn Gpu>, String> {
         max_channels: cli.max_channels,
         max_contexts: cli.max_contexts,
         turn: turn(cli)?,
+        // This process serves one VM: its guests may run their own modules here.
+        guest_modules: true,
         ..CudaConfig::default()
     };
     let gpu: Arc<dyn Gpu> = match cli.gpu.as_str() {

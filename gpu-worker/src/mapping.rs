@@ -111,3 +111,28 @@ pub fn memfd(name: &str, len: u64) -> io::Result<std::os::fd::OwnedFd> {
     }
     Ok(fd)
 }
+
+/// A sealed memfd holding `bytes`: once sealed, nobody (the backend included) can write,
+/// grow or shrink it, so the worker reads exactly what the backend read from the guest.
+pub fn sealed_memfd(name: &str, bytes: &[u8]) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    use std::os::unix::fs::FileExt;
+    let cname =
+        std::ffi::CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: `cname` is a valid NUL-terminated string; the flags are valid.
+    let raw =
+        unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `raw` is a fresh fd nothing else owns.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
+    let file = std::fs::File::from(fd);
+    file.write_all_at(bytes, 0)?;
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE | libc::F_SEAL_SEAL;
+    // SAFETY: fcntl on a memfd we own; no memory-safety preconditions.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(file.into())
+}

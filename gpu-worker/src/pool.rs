@@ -516,6 +516,33 @@ impl Gpu for VmWorker {
     fn kill_channel(&self, ch: ChannelId, code: ErrorCode) -> Result<()> {
         gone_is_done(self.of_ch(ch)?.kill_channel(ch, code))
     }
+
+    fn module_load(&self, ctx: ContextId, module: u32, image: &[u8]) -> Result<()> {
+        self.of_ctx(ctx)?.module_load(ctx, module, image)
+    }
+
+    fn module_unload(&self, ctx: ContextId, module: u32) -> Result<()> {
+        gone_is_done(self.of_ctx(ctx)?.module_unload(ctx, module))
+    }
+
+    fn function_get(
+        &self,
+        ctx: ContextId,
+        module: u32,
+        name: &str,
+        function: u32,
+    ) -> Result<Option<Vec<vgpu_host_shim::ParamInfo>>> {
+        self.of_ctx(ctx)?.function_get(ctx, module, name, function)
+    }
+
+    fn global_get(
+        &self,
+        ctx: ContextId,
+        module: u32,
+        name: &str,
+    ) -> Result<vgpu_host_shim::GlobalInfo> {
+        self.of_ctx(ctx)?.global_get(ctx, module, name)
+    }
 }
 
 const THROUGH_A_VM: HalError =

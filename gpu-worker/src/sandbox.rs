@@ -38,6 +38,8 @@ pub fn worker_rules(gpu: WorkerGpuKind) -> (Rules, Rules) {
         // glibc installs its internal signal handlers at the first pthread_create, which
         // here comes after the filter.
         .union(&Rules::new().allow(&[libc::SYS_rt_sigaction]))
+        // A guest module's image is read from the sealed memfd the backend sends.
+        .union(&Rules::new().allow(&[libc::SYS_pread64]))
         .union(&socket_io())
         .union(&memfd())
         .union(&events());

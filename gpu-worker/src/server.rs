@@ -158,6 +158,24 @@ struct Worker {
     events: Arc<EventOut>,
 }
 
+/// A module image: `len` bytes of the memfd the backend sent (its one copy of what the
+/// guest wrote; sealed, so it cannot change under the driver's JIT).
+fn read_image(fd: OwnedFd, len: u64) -> Result<Vec<u8>, Refused> {
+    use std::os::unix::fs::FileExt;
+    if file_len(fd.as_fd()).map_or(true, |f| f < len) {
+        return Err(Refused(ErrorCode::InvalidArgument));
+    }
+    let n = usize::try_from(len).map_err(|_| Refused(ErrorCode::InvalidArgument))?;
+    let mut image = vec![0u8; n];
+    std::fs::File::from(fd)
+        .read_exact_at(&mut image, 0)
+        .map_err(|e| {
+            warn!("reading a module image: {e}");
+            Refused(ErrorCode::InvalidArgument)
+        })?;
+    Ok(image)
+}
+
 /// A command refused: the code the backend gets.
 struct Refused(ErrorCode);
 
@@ -361,6 +379,38 @@ impl Worker {
                 Reply::Ok
             }
             Command::Shutdown => Reply::Ok,
+            Command::ModuleLoad { ctx, module, len } => {
+                let id = self.ctx(ctx)?;
+                let fd = fds.pop().ok_or(Refused(ErrorCode::InvalidArgument))?;
+                let image = read_image(fd, len)?;
+                g.module_load(id, module, &image)?;
+                Reply::Ok
+            }
+            Command::ModuleUnload { ctx, module } => {
+                g.module_unload(self.ctx(ctx)?, module)?;
+                Reply::Ok
+            }
+            Command::FunctionGet {
+                ctx,
+                module,
+                function,
+                name,
+            } => {
+                let name =
+                    std::str::from_utf8(&name).map_err(|_| Refused(ErrorCode::InvalidArgument))?;
+                Reply::Function {
+                    params: g.function_get(self.ctx(ctx)?, module, name, function)?,
+                }
+            }
+            Command::GlobalGet { ctx, module, name } => {
+                let name =
+                    std::str::from_utf8(&name).map_err(|_| Refused(ErrorCode::InvalidArgument))?;
+                let gl = g.global_get(self.ctx(ctx)?, module, name)?;
+                Reply::Global {
+                    addr: gl.addr,
+                    size: gl.size,
+                }
+            }
         })
     }
 
@@ -514,13 +564,14 @@ pub fn serve(
             Ok(x) => x,
             Err(e) => break Err(ServeError::Frame(e)),
         };
+        let shutdown = c == Command::Shutdown;
         let reply = w
             .run(c, got.fds)
             .unwrap_or_else(|Refused(code)| Reply::Error { code });
         if let Err(e) = socket::send(cmd.as_fd(), &encode_reply(seq, &reply), &[]) {
             break Err(ServeError::Socket(e));
         }
-        if c == Command::Shutdown {
+        if shutdown {
             info!("worker {worker}: shut down");
             break Ok(());
         }

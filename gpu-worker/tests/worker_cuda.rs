@@ -81,3 +81,36 @@ fn gpu_worker_fence_signals_before_its_batch_ends() {
         fence_signals_before_its_batch_ends(&g);
     }
 }
+
+#[test]
+fn gpu_worker_module_vector_adds() {
+    if let Some(g) = worker() {
+        common::module_cases::module_vector_adds(&g);
+    }
+}
+
+#[test]
+fn gpu_worker_module_global_round_trip() {
+    if let Some(g) = worker() {
+        common::module_cases::module_global_round_trip(&g);
+    }
+}
+
+#[test]
+fn gpu_worker_module_hostile_inputs() {
+    if let Some(g) = worker() {
+        common::module_cases::module_hostile_inputs(&g);
+    }
+}
+
+/// A guest's kernel writing a wild pointer on the real GPU: its worker's context is lost
+/// and the worker exits; another worker keeps running verified module work.
+#[test]
+fn gpu_worker_module_wild_write_loses_its_worker_only() {
+    let (Some(a), Some(b)) = (worker(), worker()) else {
+        return;
+    };
+    let lost = || a.is_lost();
+    common::module_cases::module_wild_write_loses_the_context(&a, &lost);
+    common::module_cases::module_vector_adds(&b);
+}

@@ -192,7 +192,9 @@ fn a_worker_whose_gpu_faults_exits_and_counts_as_a_gpu_fault() {
             matches!(e, GpuEvent::Error { channel, code: ErrorCode::DeviceLost, .. } if *channel == ca.id)
         })
     });
-    assert!(a.is_lost());
+    // The worker's own stream may report the lost context (DeviceLost) before the
+    // backend sees the worker exit.
+    wait_for("a's worker lost", || a.is_lost());
     let pid = a.pid();
     wait_for("the faulted worker reaped", || !process_exists(pid));
     assert_eq!(a.loss_kind(), Some(vgpu_gpu_worker::LossKind::GpuFault));
@@ -311,4 +313,32 @@ fn a_worker_inherits_no_fd_of_the_backend_but_its_own() {
         libc::close(fds[0]);
         libc::close(fds[1]);
     }
+}
+
+#[test]
+fn worker_module_vector_adds() {
+    common::module_cases::module_vector_adds(&worker());
+}
+
+#[test]
+fn worker_module_global_round_trip() {
+    common::module_cases::module_global_round_trip(&worker());
+}
+
+#[test]
+fn worker_module_hostile_inputs() {
+    common::module_cases::module_hostile_inputs(&worker());
+}
+
+/// A guest's module kernel that writes a wild pointer faults its worker's context: the
+/// worker exits (a GPU fault), and another worker keeps running verified work.
+#[test]
+fn worker_module_wild_write_loses_its_worker_only() {
+    let (a, b) = (worker(), worker());
+    let lost = || a.is_lost();
+    common::module_cases::module_wild_write_loses_the_context(&a, &lost);
+    let pid = a.pid();
+    wait_for("the faulted worker reaped", || !process_exists(pid));
+    assert_eq!(a.loss_kind(), Some(vgpu_gpu_worker::LossKind::GpuFault));
+    common::module_cases::module_vector_adds(&b);
 }

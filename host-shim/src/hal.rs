@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use thiserror::Error;
 pub use vgpu_protocol::mem::{MapFlags, PageSize};
+pub use vgpu_protocol::module::ParamInfo;
 use vgpu_protocol::ErrorCode;
 
 /// A GPU address space (one per guest process context).
@@ -213,6 +214,13 @@ pub struct GpuInfo {
     /// Whether [`Gpu::channel_counters`] reports busy time. A scheduler must fall back to
     /// observing GP_GET when it does not.
     pub has_busy_counters: bool,
+}
+
+/// A module global: where it lives in device memory, and its bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GlobalInfo {
+    pub addr: u64,
+    pub size: u64,
 }
 
 /// HAL errors.
@@ -436,4 +444,36 @@ pub trait Gpu: Send + Sync {
     /// Stops a channel with an error (the watchdog's tool): a running kernel is abandoned,
     /// the owner gets an error event, other channels continue.
     fn kill_channel(&self, ch: ChannelId, code: ErrorCode) -> Result<()>;
+
+    /// Loads a guest's module `image` (PTX, cubin or fatbin) into `ctx` as `module`, an id
+    /// the owner chose (unique in `ctx`). A GPU that cannot run a guest's own code safely
+    /// refuses with the code that says which one can (the default: the `sim`).
+    fn module_load(&self, ctx: ContextId, module: u32, image: &[u8]) -> Result<()> {
+        let _ = (ctx, module, image);
+        Err(HalError::Refused(ErrorCode::ModulesNeedCudaGpu))
+    }
+    /// Unloads a module once the context's channels have finished what they were given;
+    /// its functions are forgotten (a later launch of one faults its channel).
+    fn module_unload(&self, ctx: ContextId, module: u32) -> Result<()> {
+        let _ = (ctx, module);
+        Err(HalError::Refused(ErrorCode::ModulesNeedCudaGpu))
+    }
+    /// Binds `function` (an id the owner chose, unique in `ctx`) to the function `name`
+    /// of `module`, for `LAUNCH_FUNCTION`s of `ctx`'s channels; returns its parameter
+    /// layout when the GPU knows it.
+    fn function_get(
+        &self,
+        ctx: ContextId,
+        module: u32,
+        name: &str,
+        function: u32,
+    ) -> Result<Option<Vec<ParamInfo>>> {
+        let _ = (ctx, module, name, function);
+        Err(HalError::Refused(ErrorCode::ModulesNeedCudaGpu))
+    }
+    /// The device address and size of the global `name` of `module`.
+    fn global_get(&self, ctx: ContextId, module: u32, name: &str) -> Result<GlobalInfo> {
+        let _ = (ctx, module, name);
+        Err(HalError::Refused(ErrorCode::ModulesNeedCudaGpu))
+    }
 }

@@ -32,8 +32,8 @@ pub mod vram {
 pub use choice::GpuChoice;
 pub use hal::{
     ActivityCounter, ChannelConfig, ChannelCounters, ChannelId, ChannelResume, ContextId,
-    EventSink, FdRange, Gpu, GpuEvent, GpuInfo, HalError, HostRange, MapFlags, MapTarget, PageSize,
-    SysMemory, SysRegion, VramAlloc,
+    EventSink, FdRange, GlobalInfo, Gpu, GpuEvent, GpuInfo, HalError, HostRange, MapFlags,
+    MapTarget, PageSize, ParamInfo, SysMemory, SysRegion, VramAlloc,
 };
 pub use host_copy_log::{CopyDir, HostCopy, HostCopyLog};
 pub use sim::{SimConfig, SimGpu, SimStats};

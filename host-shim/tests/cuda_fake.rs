@@ -129,3 +129,51 @@ fn fake_resumed_channel_continues_at_its_saved_position() {
 fn fake_activity_counter_counts_the_group_work() {
     activity_counter_counts_the_group_work(&gpu());
 }
+
+fn module_gpu() -> Arc<FakeCudaGpu> {
+    FakeCudaGpu::with_device(
+        Arc::new(FakeDevice::default()),
+        CudaConfig {
+            vram_bytes: 64 << 20,
+            guest_modules: true,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+#[test]
+fn fake_module_vector_adds() {
+    common::module_cases::module_vector_adds(&module_gpu());
+}
+
+#[test]
+fn fake_module_global_round_trip() {
+    common::module_cases::module_global_round_trip(&module_gpu());
+}
+
+#[test]
+fn fake_module_hostile_inputs() {
+    common::module_cases::module_hostile_inputs(&module_gpu());
+}
+
+#[test]
+fn fake_module_wild_write_loses_the_context() {
+    let g = module_gpu();
+    let lost = || vgpu_host_shim::Gpu::lost(&*g).is_some();
+    common::module_cases::module_wild_write_loses_the_context(&g, &lost);
+}
+
+#[test]
+fn in_process_cuda_and_sim_refuse_modules_saying_which_gpu_runs_them() {
+    use vgpu_host_shim::Gpu;
+    let ptx = common::module_cases::TEST_PTX.as_bytes();
+    let g = gpu();
+    let p = common::Proc::new(&g, common::SYS_BASE);
+    let err = g.module_load(p.ctx, 1, ptx).unwrap_err();
+    assert_eq!(err.code(), vgpu_protocol::ErrorCode::ModulesNeedWorker);
+    let sim = common::gpu();
+    let q = common::Proc::new(&sim, common::SYS_BASE);
+    let err = sim.module_load(q.ctx, 1, ptx).unwrap_err();
+    assert_eq!(err.code(), vgpu_protocol::ErrorCode::ModulesNeedCudaGpu);
+}

@@ -121,3 +121,18 @@ fn gpu_second_gpu_after_a_dropped_one_copies_in_batches() {
         batched_host_copies_move_many_chunks_exactly(&g);
     }
 }
+
+/// The `cuda` GPU in a process that serves every VM refuses a guest's module and says
+/// what runs them (modules on a real GPU: `gpu-worker/tests/worker_cuda.rs`).
+#[test]
+fn gpu_in_process_refuses_guest_modules() {
+    if let Some(g) = gpu() {
+        use vgpu_host_shim::Gpu;
+        let p = common::Proc::new(&g, common::SYS_BASE);
+        let err = g
+            .module_load(p.ctx, 1, common::module_cases::TEST_PTX.as_bytes())
+            .unwrap_err();
+        assert_eq!(err.code(), vgpu_protocol::ErrorCode::ModulesNeedWorker);
+        g.destroy_context(p.ctx).unwrap();
+    }
+}

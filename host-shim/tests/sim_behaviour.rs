@@ -264,7 +264,7 @@ fn teardown_mid_kernel_leaks_nothing() {
             len: 1 << 20,
             pattern: 7,
         });
-        busy.submit(&[m, m, m, m]);
+        busy.submit(&[m.clone(), m.clone(), m.clone(), m]);
         std::thread::sleep(Duration::from_micros(200 * round));
         if round % 2 == 0 {
             gpu.destroy_channel(spinning.id).unwrap();

@@ -96,6 +96,18 @@ _Static_assert(sizeof(struct vgpu_gp_entry) == 16, "GP entry size");
 #define VGPU_METHOD_NOTIFY 0x06
 #define VGPU_METHOD_NOTIFY_ARGS 1
 
+/* Launch of a guest-module function: function, grid x/y/z, block x/y/z, dynamic shared
+ * memory bytes, parameter bytes, relocation count; then a data tail of the parameter
+ * buffer (zero-padded to whole words) and the relocations (VGPU_RELOC_WORDS words each:
+ * offset, flags, extent low, extent high). */
+#define VGPU_METHOD_LAUNCH_FUNCTION 0x07
+#define VGPU_METHOD_LAUNCH_FUNCTION_ARGS 10
+#define VGPU_MAX_PARAM_BYTES 4096
+#define VGPU_MAX_RELOCS 64
+#define VGPU_RELOC_WORDS 4
+#define VGPU_RELOC_WRITE 1
+#define VGPU_MAX_SHARED_MEM 262144
+
 /* SEM_RELEASE flag: also write the GPU's u64 nanosecond clock at va + 8 (va 8-aligned). */
 #define VGPU_SEM_RELEASE_TIMESTAMP 1
 /* SEM_ACQUIRE modes. */
@@ -244,7 +256,10 @@ _Static_assert(sizeof(struct vgpu_timestamp_args) == 8, "timestamp args");
 #define VGPU_ERR_VERSION_MISMATCH 15
 #define VGPU_ERR_INTERNAL 16
 #define VGPU_ERR_DEVICE_LOST 17
-#define VGPU_ERR_COUNT 18
+#define VGPU_ERR_MODULES_NEED_CUDA_GPU 18
+#define VGPU_ERR_MODULES_NEED_WORKER 19
+#define VGPU_ERR_BAD_MODULE 20
+#define VGPU_ERR_COUNT 21
 
 /* ---- The virtio device (protocol.md §9-§13): id, queues, config space, shared memory. */
 #define VGPU_VIRTIO_ID 60
@@ -286,12 +301,23 @@ struct vgpu_virtio_config {
 #define VGPU_OP_GET_STATS 13
 #define VGPU_OP_SUBMIT 14
 #define VGPU_OP_CHANNEL_STATUS 15
+#define VGPU_OP_MODULE_LOAD 16
+#define VGPU_OP_MODULE_UNLOAD 17
+#define VGPU_OP_FUNCTION_GET 18
+#define VGPU_OP_GLOBAL_GET 19
+
+/* Guest modules (docs/design/guest-modules.md). */
+#define VGPU_MAX_MODULE_BYTES 0x2000000
+#define VGPU_MAX_MODULES_PER_CONTEXT 64
+#define VGPU_MAX_SYMBOL_LEN 512
+#define VGPU_MAX_FUNCTION_PARAMS 128
+#define VGPU_PARAMS_UNKNOWN 0xffffffffu
 
 #define VGPU_REQ_HEADER_SIZE 16
 #define VGPU_REPLY_HEADER_SIZE 8
 #define VGPU_MAX_SG_ENTRIES 512
 #define VGPU_MAX_REQUEST_SIZE 8232
-#define VGPU_MAX_REPLY_SIZE 72
+#define VGPU_MAX_REPLY_SIZE 1048
 #define VGPU_WIRE_PAGE_4K 0
 #define VGPU_WIRE_MAP_READ_ONLY 1
 

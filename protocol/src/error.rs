@@ -45,11 +45,24 @@ pub enum ErrorCode {
     /// device reset gives the VM a new one.
     #[error("GPU lost")]
     DeviceLost = 17,
+    /// MODULE_LOAD on a GPU that runs builtin kernels only (`sim`): guest modules run on
+    /// the `cuda` GPU with a worker process per VM (`--gpu cuda --gpu-workers`).
+    #[error("guest modules need the cuda GPU (--gpu cuda --gpu-workers)")]
+    ModulesNeedCudaGpu = 18,
+    /// MODULE_LOAD on the `cuda` GPU in the backend's own process, where every VM shares
+    /// one CUDA context: a guest's kernel could reach other VMs' memory. Guest modules
+    /// need a worker process per VM (`--gpu-workers`).
+    #[error("guest modules need a GPU worker per VM (--gpu-workers)")]
+    ModulesNeedWorker = 19,
+    /// The driver refused the module image (not PTX, cubin or fatbin it can load, or
+    /// PTX that does not compile for this GPU).
+    #[error("module image refused by the driver")]
+    BadModule = 20,
 }
 
 impl ErrorCode {
     /// Every code, in numeric order.
-    pub const ALL: [ErrorCode; 18] = [
+    pub const ALL: [ErrorCode; 21] = [
         ErrorCode::Ok,
         ErrorCode::InvalidArgument,
         ErrorCode::NotFound,
@@ -68,6 +81,9 @@ impl ErrorCode {
         ErrorCode::VersionMismatch,
         ErrorCode::Internal,
         ErrorCode::DeviceLost,
+        ErrorCode::ModulesNeedCudaGpu,
+        ErrorCode::ModulesNeedWorker,
+        ErrorCode::BadModule,
     ];
 
     /// Decodes a code received from a peer; unknown values are an error.
@@ -98,6 +114,6 @@ mod tests {
             assert_eq!(c.as_u32() as usize, i);
             assert_eq!(ErrorCode::from_u32(c.as_u32()), Ok(*c));
         }
-        assert_eq!(ErrorCode::from_u32(18), Err(UnknownErrorCode(18)));
+        assert_eq!(ErrorCode::from_u32(21), Err(UnknownErrorCode(21)));
     }
 }

@@ -15,6 +15,7 @@ pub mod kernel;
 pub mod mem;
 pub mod method;
 pub mod migration;
+pub mod module;
 pub mod range;
 pub mod reference;
 pub mod request;

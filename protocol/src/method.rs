@@ -6,6 +6,9 @@
 //! fixed argument count; a header that disagrees is malformed.
 
 use crate::kernel::KernelId;
+use crate::module::{
+    check_launch, FunctionLaunch, Reloc, MAX_PARAM_BYTES, MAX_RELOCS, RELOC_WRITE,
+};
 use thiserror::Error;
 
 /// Opcodes.
@@ -17,7 +20,13 @@ pub mod op {
     pub const SEM_ACQUIRE: u8 = 0x04;
     pub const SET_REF: u8 = 0x05;
     pub const NOTIFY: u8 = 0x06;
+    /// Launch a function of a guest-loaded module (issue 31): fixed arguments, then a
+    /// data tail (the parameter buffer and its relocations) the arguments size.
+    pub const LAUNCH_FUNCTION: u8 = 0x07;
 }
+
+/// Words of one relocation in a `LAUNCH_FUNCTION` tail: offset, flags, extent low, high.
+pub const RELOC_WORDS: usize = 4;
 
 /// `SEM_RELEASE` flag: also write the GPU's 64-bit nanosecond clock at `va + 8`.
 pub const SEM_RELEASE_TIMESTAMP: u32 = 1;
@@ -32,7 +41,7 @@ pub enum SemaphoreMode {
 }
 
 /// A decoded method.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Method {
     Nop,
     /// Run a builtin kernel on a compute engine. `args_va`/`args_len` name the argument
@@ -69,6 +78,9 @@ pub enum Method {
     Notify {
         token: u32,
     },
+    /// Run a function of a module the channel's context loaded (see
+    /// [`crate::module`]); the parameter buffer travels inline.
+    LaunchFunction(Box<FunctionLaunch>),
 }
 
 /// Why a method was rejected. `offset` is the word offset of the header in the segment.
@@ -97,6 +109,8 @@ pub enum MethodError {
     ReservedFlags { offset: usize, flags: u32 },
     #[error("word {offset}: launch grid {grid:?} is empty or too large")]
     BadGrid { offset: usize, grid: [u32; 3] },
+    #[error("word {offset}: function launch: bad {what}")]
+    BadFunctionLaunch { offset: usize, what: &'static str },
 }
 
 impl MethodError {
@@ -110,7 +124,8 @@ impl MethodError {
             | MethodError::UnknownKernel { offset, .. }
             | MethodError::BadSemaphore { offset, .. }
             | MethodError::ReservedFlags { offset, .. }
-            | MethodError::BadGrid { offset, .. } => offset,
+            | MethodError::BadGrid { offset, .. }
+            | MethodError::BadFunctionLaunch { offset, .. } => offset,
         }
     }
 }
@@ -127,6 +142,7 @@ fn arg_count(opcode: u8) -> Option<u8> {
         op::SEM_ACQUIRE => 4,
         op::SET_REF => 1,
         op::NOTIFY => 1,
+        op::LAUNCH_FUNCTION => 10,
         _ => return None,
     })
 }
@@ -198,6 +214,7 @@ impl Method {
             ]),
             Method::SetRef { value } => out.extend_from_slice(&[header(op::SET_REF), value]),
             Method::Notify { token } => out.extend_from_slice(&[header(op::NOTIFY), token]),
+            Method::LaunchFunction(ref l) => encode_function_launch(l, out),
         }
     }
 
@@ -211,6 +228,9 @@ impl Method {
             Method::SemAcquire { .. } => op::SEM_ACQUIRE,
             Method::SetRef { .. } => op::SET_REF,
             Method::Notify { .. } => op::NOTIFY,
+            Method::LaunchFunction(l) => {
+                return 1 + 10 + l.params.len().div_ceil(4) + l.relocs.len() * RELOC_WORDS
+            }
         };
         1 + arg_count(opcode).unwrap_or(0) as usize
     }
@@ -237,6 +257,9 @@ impl Method {
         let a = words
             .get(start..end)
             .ok_or(MethodError::Truncated { offset })?;
+        if opcode == op::LAUNCH_FUNCTION {
+            return decode_function_launch(words, offset, a);
+        }
         let m = match opcode {
             op::NOP => Method::Nop,
             op::LAUNCH => {
@@ -315,6 +338,83 @@ impl Method {
         };
         Ok((m, end))
     }
+}
+
+fn encode_function_launch(l: &FunctionLaunch, out: &mut Vec<u32>) {
+    out.extend_from_slice(&[
+        header(op::LAUNCH_FUNCTION),
+        l.function,
+        l.grid[0],
+        l.grid[1],
+        l.grid[2],
+        l.block[0],
+        l.block[1],
+        l.block[2],
+        l.shared_mem,
+        l.params.len() as u32,
+        l.relocs.len() as u32,
+    ]);
+    for chunk in l.params.chunks(4) {
+        let mut w = [0u8; 4];
+        w[..chunk.len()].copy_from_slice(chunk);
+        out.push(u32::from_le_bytes(w));
+    }
+    for r in &l.relocs {
+        let flags = if r.write { RELOC_WRITE } else { 0 };
+        out.extend_from_slice(&[r.offset, flags, lo(r.extent), hi(r.extent)]);
+    }
+}
+
+/// `LAUNCH_FUNCTION` at `offset`, whose ten fixed arguments are `a`: reads the data tail
+/// and checks the launch's shape. Padding bytes must be zero (one encoding per launch).
+fn decode_function_launch(
+    words: &[u32],
+    offset: usize,
+    a: &[u32],
+) -> Result<(Method, usize), MethodError> {
+    let bad = |what| MethodError::BadFunctionLaunch { offset, what };
+    let (param_len, reloc_count) = (a[8], a[9]);
+    if param_len > MAX_PARAM_BYTES {
+        return Err(bad("parameter bytes"));
+    }
+    if reloc_count > MAX_RELOCS {
+        return Err(bad("relocation count"));
+    }
+    let param_words = (param_len as usize).div_ceil(4);
+    let tail_start = offset + 1 + a.len();
+    let tail_len = param_words + reloc_count as usize * RELOC_WORDS;
+    let tail = words
+        .get(tail_start..tail_start + tail_len)
+        .ok_or(MethodError::Truncated { offset })?;
+    let mut params: Vec<u8> = tail[..param_words]
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .collect();
+    if params[param_len as usize..].iter().any(|&b| b != 0) {
+        return Err(bad("parameter padding"));
+    }
+    params.truncate(param_len as usize);
+    let mut relocs = Vec::with_capacity(reloc_count as usize);
+    for r in tail[param_words..].chunks_exact(RELOC_WORDS) {
+        if r[1] & !RELOC_WRITE != 0 {
+            return Err(bad("relocation flags"));
+        }
+        relocs.push(Reloc {
+            offset: r[0],
+            write: r[1] & RELOC_WRITE != 0,
+            extent: join(r[2], r[3]),
+        });
+    }
+    let l = FunctionLaunch {
+        function: a[0],
+        grid: [a[1], a[2], a[3]],
+        block: [a[4], a[5], a[6]],
+        shared_mem: a[7],
+        params,
+        relocs,
+    };
+    check_launch(&l).map_err(bad)?;
+    Ok((Method::LaunchFunction(Box::new(l)), tail_start + tail_len))
 }
 
 impl SemaphoreMode {
@@ -426,7 +526,40 @@ mod tests {
             }),
             any::<u32>().prop_map(|value| Method::SetRef { value }),
             any::<u32>().prop_map(|token| Method::Notify { token }),
+            any_function_launch(),
         ]
+    }
+
+    pub(crate) fn any_function_launch() -> impl Strategy<Value = Method> {
+        (
+            any::<u32>(),
+            (1u32..70000, 1u32..100, 1u32..100),
+            (1u32..32, 1u32..32, 1u32..2),
+            0..=crate::module::MAX_SHARED_MEM,
+            proptest::collection::vec(any::<u8>(), 0..64),
+            proptest::collection::vec((any::<bool>(), 1u64..u64::MAX), 0..4),
+        )
+            .prop_map(|(function, grid, block, shared_mem, params, relocs)| {
+                // Relocations at the first 8-aligned slots the buffer has.
+                let relocs = relocs
+                    .into_iter()
+                    .enumerate()
+                    .filter(|(i, _)| (i + 1) * 8 <= params.len())
+                    .map(|(i, (write, extent))| Reloc {
+                        offset: i as u32 * 8,
+                        write,
+                        extent,
+                    })
+                    .collect();
+                Method::LaunchFunction(Box::new(FunctionLaunch {
+                    function,
+                    grid: [grid.0, grid.1, grid.2],
+                    block: [block.0, block.1, block.2],
+                    shared_mem,
+                    params,
+                    relocs,
+                }))
+            })
     }
 
     proptest! {
@@ -500,6 +633,64 @@ mod tests {
         ));
         // The error carries the offset of the bad method, not of the first.
         assert_eq!(e(&[0, 0, 0xff]).offset(), 2);
+    }
+
+    #[test]
+    fn function_launch_tails_are_checked() {
+        let head = |params: u32, relocs: u32| vec![0x0a07, 5, 1, 1, 1, 32, 1, 1, 0, params, relocs];
+        let e = |w: &[u32]| decode_all(w).unwrap_err();
+        // Parameters that lie about their size run past the push buffer.
+        assert!(matches!(e(&head(8, 0)), MethodError::Truncated { .. }));
+        let mut w = head(4097, 0);
+        w.extend(std::iter::repeat_n(0, 1025));
+        assert!(matches!(
+            e(&w),
+            MethodError::BadFunctionLaunch {
+                what: "parameter bytes",
+                ..
+            }
+        ));
+        let mut w = head(3, 0);
+        w.push(0xff00_0000);
+        assert!(matches!(
+            e(&w),
+            MethodError::BadFunctionLaunch {
+                what: "parameter padding",
+                ..
+            }
+        ));
+        let mut w = head(8, 1);
+        w.extend([0, 0, 0, 2, 1, 0]);
+        assert!(matches!(
+            e(&w),
+            MethodError::BadFunctionLaunch {
+                what: "relocation flags",
+                ..
+            }
+        ));
+        let mut w = head(8, 1);
+        w.extend([0, 0, 4, 1, 1, 0]);
+        assert!(matches!(
+            e(&w),
+            MethodError::BadFunctionLaunch {
+                what: "relocation",
+                ..
+            }
+        ));
+        let mut w = head(8, 1);
+        w.extend([7, 0, 0, 1, 1, 0]);
+        let (m, next) = Method::decode(&w, 0).unwrap();
+        assert_eq!(next, w.len());
+        let Method::LaunchFunction(l) = m else {
+            panic!("{m:?}")
+        };
+        assert_eq!((l.function, l.params[0], l.relocs[0].write), (5, 7, true));
+        let mut w = head(0, 0);
+        w[5] = 2048;
+        assert!(matches!(
+            e(&w),
+            MethodError::BadFunctionLaunch { what: "block", .. }
+        ));
     }
 
     #[test]

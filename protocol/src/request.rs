@@ -10,6 +10,9 @@
 
 use thiserror::Error;
 
+use crate::module::{
+    valid_symbol, ParamInfo, MAX_FUNCTION_PARAMS, MAX_MODULE_BYTES, PARAMS_UNKNOWN,
+};
 use crate::ErrorCode;
 
 /// Opcodes.
@@ -31,6 +34,13 @@ pub mod op {
     pub const SUBMIT: u32 = 14;
     /// Forwarded mode: the channel's GPU-written control-page fields, read by the host.
     pub const CHANNEL_STATUS: u32 = 15;
+    /// Loads a module image from guest RAM into the context (issue 31).
+    pub const MODULE_LOAD: u32 = 16;
+    pub const MODULE_UNLOAD: u32 = 17;
+    /// A module function by name: its id for `LAUNCH_FUNCTION` and its parameter layout.
+    pub const FUNCTION_GET: u32 = 18;
+    /// A module global by name: its device address and size.
+    pub const GLOBAL_GET: u32 = 19;
 }
 
 pub const HEADER_SIZE: usize = 16;
@@ -39,8 +49,8 @@ pub const REPLY_HEADER_SIZE: usize = 8;
 pub const MAX_SG_ENTRIES: usize = 512;
 /// Largest valid request.
 pub const MAX_REQUEST_SIZE: usize = HEADER_SIZE + 24 + MAX_SG_ENTRIES * 16;
-/// Largest reply payload.
-pub const MAX_REPLY_SIZE: usize = REPLY_HEADER_SIZE + 64;
+/// Largest reply payload: a FUNCTION_GET reply describing every parameter.
+pub const MAX_REPLY_SIZE: usize = REPLY_HEADER_SIZE + 16 + MAX_FUNCTION_PARAMS * 8;
 
 /// Page size codes in requests.
 pub const PAGE_4K: u32 = 0;
@@ -111,6 +121,22 @@ pub enum Op {
     ChannelStatus {
         channel: u32,
     },
+    /// Loads the module image held by `ranges` of guest RAM (read once, at most
+    /// [`MAX_MODULE_BYTES`] in all).
+    ModuleLoad {
+        ranges: Vec<GuestRange>,
+    },
+    ModuleUnload {
+        module: u32,
+    },
+    FunctionGet {
+        module: u32,
+        name: Vec<u8>,
+    },
+    GlobalGet {
+        module: u32,
+        name: Vec<u8>,
+    },
 }
 
 /// A request: who asks (`pid`), in which context (`ctx`, 0 where none applies), what.
@@ -137,12 +163,17 @@ pub enum RequestError {
     BadPage(u32),
     #[error("unknown flags {0:#x}")]
     BadFlags(u32),
+    #[error("module image of {0} bytes is empty or over the limit")]
+    ModuleSize(u64),
+    #[error("bad symbol name")]
+    BadName,
 }
 
 impl RequestError {
     pub fn code(&self) -> ErrorCode {
         match self {
             RequestError::UnknownOp(_) => ErrorCode::Unsupported,
+            RequestError::ModuleSize(n) if *n > 0 => ErrorCode::LimitExceeded,
             _ => ErrorCode::InvalidArgument,
         }
     }
@@ -176,6 +207,54 @@ impl Reader<'_> {
             _ => Err(RequestError::Reserved),
         }
     }
+}
+
+/// Reads `count` scatter-gather ranges (1..=[`MAX_SG_ENTRIES`]).
+fn read_ranges(r: &mut Reader<'_>, count: u32) -> Result<Vec<GuestRange>, RequestError> {
+    if count == 0 || count as usize > MAX_SG_ENTRIES {
+        return Err(RequestError::BadSgCount(count));
+    }
+    let mut ranges = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        ranges.push(GuestRange {
+            gpa: r.u64()?,
+            len: r.u64()?,
+        });
+    }
+    Ok(ranges)
+}
+
+/// Reads a module id and a symbol name (`name_len` then the bytes).
+fn read_symbol(r: &mut Reader<'_>) -> Result<(u32, Vec<u8>), RequestError> {
+    let module = r.u32()?;
+    let len = r.u32()? as usize;
+    if len > crate::module::MAX_SYMBOL_LEN {
+        return Err(RequestError::BadName);
+    }
+    let name =
+        r.b.get(r.at..r.at + len)
+            .ok_or(RequestError::Truncated(r.b.len()))?
+            .to_vec();
+    r.at += len;
+    if !valid_symbol(&name) {
+        return Err(RequestError::BadName);
+    }
+    Ok((module, name))
+}
+
+/// The total length of a module image's ranges, within [`MAX_MODULE_BYTES`].
+pub fn module_len(ranges: &[GuestRange]) -> Result<u64, RequestError> {
+    let mut total = 0u64;
+    for g in ranges {
+        if g.len == 0 {
+            return Err(RequestError::ModuleSize(0));
+        }
+        total = total.saturating_add(g.len);
+    }
+    if total == 0 || total > MAX_MODULE_BYTES {
+        return Err(RequestError::ModuleSize(total));
+    }
+    Ok(total)
 }
 
 fn check_page(page: u32) -> Result<u32, RequestError> {
@@ -212,6 +291,10 @@ impl Request {
             Op::GetStats => op::GET_STATS,
             Op::Submit { .. } => op::SUBMIT,
             Op::ChannelStatus { .. } => op::CHANNEL_STATUS,
+            Op::ModuleLoad { .. } => op::MODULE_LOAD,
+            Op::ModuleUnload { .. } => op::MODULE_UNLOAD,
+            Op::FunctionGet { .. } => op::FUNCTION_GET,
+            Op::GlobalGet { .. } => op::GLOBAL_GET,
         }
     }
 
@@ -278,6 +361,23 @@ impl Request {
                 p32(&mut o, *channel);
                 p32(&mut o, *gp_put);
             }
+            Op::ModuleLoad { ranges } => {
+                p32(&mut o, ranges.len() as u32);
+                p32(&mut o, 0);
+                for r in ranges {
+                    p64(&mut o, r.gpa);
+                    p64(&mut o, r.len);
+                }
+            }
+            Op::ModuleUnload { module } => {
+                p32(&mut o, *module);
+                p32(&mut o, 0);
+            }
+            Op::FunctionGet { module, name } | Op::GlobalGet { module, name } => {
+                p32(&mut o, *module);
+                p32(&mut o, name.len() as u32);
+                o.extend_from_slice(name);
+            }
         }
         o
     }
@@ -330,16 +430,7 @@ impl Request {
                 let flags = check_flags(r.u32()?)?;
                 let count = r.u32()?;
                 r.zero32()?;
-                if count == 0 || count as usize > MAX_SG_ENTRIES {
-                    return Err(RequestError::BadSgCount(count));
-                }
-                let mut ranges = Vec::with_capacity(count as usize);
-                for _ in 0..count {
-                    ranges.push(GuestRange {
-                        gpa: r.u64()?,
-                        len: r.u64()?,
-                    });
-                }
+                let ranges = read_ranges(&mut r, count)?;
                 Op::MapGuest {
                     va,
                     page,
@@ -370,6 +461,26 @@ impl Request {
                 channel: r.u32()?,
                 gp_put: r.u32()?,
             },
+            op::MODULE_LOAD => {
+                let count = r.u32()?;
+                r.zero32()?;
+                let ranges = read_ranges(&mut r, count)?;
+                module_len(&ranges)?;
+                Op::ModuleLoad { ranges }
+            }
+            op::MODULE_UNLOAD => {
+                let module = r.u32()?;
+                r.zero32()?;
+                Op::ModuleUnload { module }
+            }
+            op::FUNCTION_GET => {
+                let (module, name) = read_symbol(&mut r)?;
+                Op::FunctionGet { module, name }
+            }
+            op::GLOBAL_GET => {
+                let (module, name) = read_symbol(&mut r)?;
+                Op::GlobalGet { module, name }
+            }
             other => return Err(RequestError::UnknownOp(other)),
         };
         if r.at != b.len() {
@@ -380,7 +491,7 @@ impl Request {
 }
 
 /// Successful reply payloads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReplyBody {
     Empty,
     Info(InfoReply),
@@ -390,6 +501,18 @@ pub enum ReplyBody {
     Channel { channel: u32, slot: u32 },
     Stats(StatsReply),
     ChannelStatus(ChannelStatusReply),
+    Module { module: u32 },
+    Function(FunctionReply),
+    Global { addr: u64, size: u64 },
+}
+
+/// FUNCTION_GET result: the function's id and, when the GPU knows it, the layout of its
+/// parameter buffer (`params: None` is sent as `param_count` = [`PARAMS_UNKNOWN`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FunctionReply {
+    pub function: u32,
+    /// At most [`MAX_FUNCTION_PARAMS`] entries.
+    pub params: Option<Vec<ParamInfo>>,
 }
 
 /// CHANNEL_STATUS result: the GPU-written fields of the channel's control page
@@ -467,6 +590,32 @@ pub fn encode_reply(result: Result<ReplyBody, ErrorCode>) -> Vec<u8> {
                     put64(&mut body, s.mapped_guest_bytes);
                     put64(&mut body, s.aperture_bytes);
                     put64(&mut body, s.vram_limit);
+                }
+                ReplyBody::Module { module } => {
+                    put32(&mut body, module);
+                    put32(&mut body, 0);
+                }
+                ReplyBody::Function(f) => {
+                    put32(&mut body, f.function);
+                    match &f.params {
+                        Some(p) => {
+                            put32(&mut body, p.len() as u32);
+                            put32(&mut body, crate::module::param_bytes(p) as u32);
+                        }
+                        None => {
+                            put32(&mut body, PARAMS_UNKNOWN);
+                            put32(&mut body, 0);
+                        }
+                    }
+                    put32(&mut body, 0);
+                    for p in f.params.iter().flatten() {
+                        put32(&mut body, p.offset);
+                        put32(&mut body, p.size);
+                    }
+                }
+                ReplyBody::Global { addr, size } => {
+                    put64(&mut body, addr);
+                    put64(&mut body, size);
                 }
                 ReplyBody::ChannelStatus(c) => {
                     put32(&mut body, c.gp_put);
@@ -551,6 +700,37 @@ pub fn decode_reply(opcode: u32, b: &[u8]) -> Result<Result<ReplyBody, ErrorCode
                 error_info: r.u64()?,
             })
         }
+        op::MODULE_LOAD => {
+            let module = r.u32()?;
+            r.u32()?;
+            ReplyBody::Module { module }
+        }
+        op::FUNCTION_GET => {
+            let function = r.u32()?;
+            let count = r.u32()?;
+            r.u32()?;
+            r.u32()?;
+            let params = if count == PARAMS_UNKNOWN {
+                None
+            } else {
+                if count as usize > MAX_FUNCTION_PARAMS {
+                    return Err(RequestError::Reserved);
+                }
+                let mut p = Vec::with_capacity(count as usize);
+                for _ in 0..count {
+                    p.push(ParamInfo {
+                        offset: r.u32()?,
+                        size: r.u32()?,
+                    });
+                }
+                Some(p)
+            };
+            ReplyBody::Function(FunctionReply { function, params })
+        }
+        op::GLOBAL_GET => ReplyBody::Global {
+            addr: r.u64()?,
+            size: r.u64()?,
+        },
         _ => ReplyBody::Empty,
     };
     Ok(Ok(body))
@@ -645,6 +825,20 @@ mod tests {
             (any::<u32>(), any::<u32>())
                 .prop_map(|(channel, gp_put)| Op::Submit { channel, gp_put }),
             any::<u32>().prop_map(|channel| Op::ChannelStatus { channel }),
+            proptest::collection::vec(
+                (any::<u64>(), 1u64..1 << 20).prop_map(|(gpa, len)| GuestRange { gpa, len }),
+                1..8
+            )
+            .prop_map(|ranges| Op::ModuleLoad { ranges }),
+            any::<u32>().prop_map(|module| Op::ModuleUnload { module }),
+            (any::<u32>(), "[!-~]{1,40}").prop_map(|(module, n)| Op::FunctionGet {
+                module,
+                name: n.into_bytes()
+            }),
+            (any::<u32>(), "[!-~]{1,40}").prop_map(|(module, n)| Op::GlobalGet {
+                module,
+                name: n.into_bytes()
+            }),
         ]
     }
 
@@ -666,6 +860,28 @@ mod tests {
         fn replies_round_trip(mem in any::<u32>(), size in any::<u64>()) {
             let b = encode_reply(Ok(ReplyBody::Mem { mem, size }));
             prop_assert_eq!(decode_reply(op::ALLOC_VRAM, &b), Ok(Ok(ReplyBody::Mem { mem, size })));
+        }
+
+        #[test]
+        fn function_replies_round_trip(
+            function in any::<u32>(),
+            params in proptest::option::of(proptest::collection::vec(
+                (0u32..4096, 1u32..16).prop_map(|(offset, size)| ParamInfo { offset, size }),
+                0..=MAX_FUNCTION_PARAMS,
+            )),
+        ) {
+            let f = ReplyBody::Function(FunctionReply { function, params });
+            let b = encode_reply(Ok(f.clone()));
+            prop_assert!(b.len() <= MAX_REPLY_SIZE);
+            prop_assert_eq!(decode_reply(op::FUNCTION_GET, &b), Ok(Ok(f)));
+        }
+
+        #[test]
+        fn arbitrary_replies_never_panic(
+            opcode in 0u32..24,
+            b in proptest::collection::vec(any::<u8>(), 0..256),
+        ) {
+            let _ = decode_reply(opcode, &b);
         }
     }
 
@@ -741,6 +957,62 @@ mod tests {
             Request::decode(&vec![0; MAX_REQUEST_SIZE + 1]),
             Err(RequestError::Trailing(1))
         );
+    }
+
+    #[test]
+    fn module_requests_are_checked() {
+        let load = |ranges: Vec<GuestRange>| {
+            Request::decode(
+                &Request {
+                    pid: 1,
+                    ctx: 1,
+                    op: Op::ModuleLoad { ranges },
+                }
+                .encode(),
+            )
+        };
+        let r = |gpa, len| GuestRange { gpa, len };
+        assert!(load(vec![r(0, 100)]).is_ok());
+        assert_eq!(load(vec![r(0, 0)]), Err(RequestError::ModuleSize(0)));
+        let over = load(vec![r(0, MAX_MODULE_BYTES), r(0, 1)]).unwrap_err();
+        assert_eq!(over, RequestError::ModuleSize(MAX_MODULE_BYTES + 1));
+        assert_eq!(over.code(), ErrorCode::LimitExceeded);
+        assert_eq!(
+            load(vec![r(0, u64::MAX), r(0, u64::MAX)])
+                .unwrap_err()
+                .code(),
+            ErrorCode::LimitExceeded
+        );
+        assert_eq!(load(vec![]), Err(RequestError::BadSgCount(0)));
+        let get = |name: &[u8]| {
+            Request::decode(
+                &Request {
+                    pid: 1,
+                    ctx: 1,
+                    op: Op::FunctionGet {
+                        module: 1,
+                        name: name.to_vec(),
+                    },
+                }
+                .encode(),
+            )
+        };
+        assert!(get(b"vgpu_test_vadd_u32").is_ok());
+        assert_eq!(get(b""), Err(RequestError::BadName));
+        assert_eq!(get(b"a\0b"), Err(RequestError::BadName));
+        assert_eq!(get(&[b'x'; 513]), Err(RequestError::BadName));
+        // A name length that runs past the request.
+        let mut lying = Request {
+            pid: 1,
+            ctx: 1,
+            op: Op::GlobalGet {
+                module: 1,
+                name: b"g".to_vec(),
+            },
+        }
+        .encode();
+        lying[20] = 8;
+        assert_eq!(Request::decode(&lying), Err(RequestError::Truncated(25)));
     }
 
     #[test]

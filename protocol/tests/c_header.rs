@@ -194,6 +194,7 @@ fn expected_defines() -> Vec<(String, u64)> {
         ("SEM_ACQUIRE", op::SEM_ACQUIRE),
         ("SET_REF", op::SET_REF),
         ("NOTIFY", op::NOTIFY),
+        ("LAUNCH_FUNCTION", op::LAUNCH_FUNCTION),
     ];
     let decoded = opcodes_from_decoder();
     assert_eq!(
@@ -261,6 +262,10 @@ fn expected_defines() -> Vec<(String, u64)> {
         ("GET_STATS", req::op::GET_STATS),
         ("SUBMIT", req::op::SUBMIT),
         ("CHANNEL_STATUS", req::op::CHANNEL_STATUS),
+        ("MODULE_LOAD", req::op::MODULE_LOAD),
+        ("MODULE_UNLOAD", req::op::MODULE_UNLOAD),
+        ("FUNCTION_GET", req::op::FUNCTION_GET),
+        ("GLOBAL_GET", req::op::GLOBAL_GET),
     ] {
         add(&format!("VGPU_OP_{name}"), opcode as u64);
     }
@@ -274,6 +279,25 @@ fn expected_defines() -> Vec<(String, u64)> {
     add("VGPU_EVENT_NOTIFY", event::NOTIFY as u64);
     add("VGPU_EVENT_CHANNEL_ERROR", event::CHANNEL_ERROR as u64);
     add("VGPU_EVENT_SIZE", EVENT_SIZE as u64);
+
+    // Guest modules (issue 31).
+    use vgpu_protocol::module as m;
+    add("VGPU_MAX_MODULE_BYTES", m::MAX_MODULE_BYTES);
+    add(
+        "VGPU_MAX_MODULES_PER_CONTEXT",
+        m::MAX_MODULES_PER_CONTEXT as u64,
+    );
+    add("VGPU_MAX_SYMBOL_LEN", m::MAX_SYMBOL_LEN as u64);
+    add("VGPU_MAX_FUNCTION_PARAMS", m::MAX_FUNCTION_PARAMS as u64);
+    add("VGPU_PARAMS_UNKNOWN", m::PARAMS_UNKNOWN.into());
+    add("VGPU_MAX_PARAM_BYTES", m::MAX_PARAM_BYTES.into());
+    add("VGPU_MAX_RELOCS", m::MAX_RELOCS.into());
+    add(
+        "VGPU_RELOC_WORDS",
+        vgpu_protocol::method::RELOC_WORDS as u64,
+    );
+    add("VGPU_RELOC_WRITE", m::RELOC_WRITE.into());
+    add("VGPU_MAX_SHARED_MEM", m::MAX_SHARED_MEM.into());
     t
 }
 

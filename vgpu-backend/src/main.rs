@@ -323,7 +323,11 @@ fn worker_program(
     test_gpu: Option<&str>,
 ) -> Result<vgpu_gpu_worker::WorkerProgram, String> {
     let exe = std::env::current_exe().map_err(|e| format!("this program's path: {e}"))?;
-    let gpu = test_gpu.map_or_else(|| cfg.gpu.model.to_string(), str::to_string);
+    let gpu = match test_gpu {
+        None => cfg.gpu.model.to_string(),
+        Some("cuda-fake") => "cuda-fake".to_string(),
+        Some(other) => return Err(format!("--test-worker-gpu {other}: only cuda-fake")),
+    };
     Ok(vgpu_gpu_worker::WorkerProgram {
         program: exe,
         args: vec![

@@ -77,6 +77,12 @@ impl Writer {
         self.0.extend_from_slice(&v.to_le_bytes());
         self
     }
+    /// A symbol name: its length, then its bytes.
+    fn name(&mut self, n: &[u8]) -> &mut Self {
+        self.u32(n.len() as u32);
+        self.0.extend_from_slice(n);
+        self
+    }
 }
 
 /// Reads fields in order from a payload; `finish` refuses trailing bytes.
@@ -108,6 +114,20 @@ impl<'a> Reader<'a> {
     }
     fn u64(&mut self) -> Result<u64, WireError> {
         Ok(u64::from_le_bytes(self.take()?))
+    }
+    /// A symbol name, checked as the protocol checks a guest's.
+    fn name(&mut self) -> Result<Vec<u8>, WireError> {
+        let len = self.u32()? as usize;
+        if len > vgpu_protocol::module::MAX_SYMBOL_LEN || len > self.rest.len() {
+            return Err(WireError::Field("name"));
+        }
+        let (name, rest) = self.rest.split_at(len);
+        self.rest = rest;
+        self.len += len;
+        if !vgpu_protocol::module::valid_symbol(name) {
+            return Err(WireError::Field("name"));
+        }
+        Ok(name.to_vec())
     }
     fn bool(&mut self, name: &'static str) -> Result<bool, WireError> {
         match self.u8()? {
@@ -151,6 +171,10 @@ const DOORBELL: u16 = 19;
 const COPY: u16 = 20;
 const SHUTDOWN: u16 = 21;
 const CLEAR_GUEST_REGIONS: u16 = 22;
+const MODULE_LOAD: u16 = 23;
+const MODULE_UNLOAD: u16 = 24;
+const FUNCTION_GET: u16 = 25;
+const GLOBAL_GET: u16 = 26;
 
 const REPLY_OK: u16 = 0x100;
 const REPLY_HELLO: u16 = 0x101;
@@ -158,6 +182,8 @@ const REPLY_VRAM: u16 = 0x102;
 const REPLY_BYTES: u16 = 0x103;
 const REPLY_CHANNEL: u16 = 0x104;
 const REPLY_ERROR: u16 = 0x105;
+const REPLY_FUNCTION: u16 = 0x106;
+const REPLY_GLOBAL: u16 = 0x107;
 
 const EVENT_NOTIFY: u16 = 0x200;
 const EVENT_ERROR: u16 = 0x201;
@@ -237,7 +263,7 @@ fn target(r: &mut Reader<'_>) -> Result<Target, WireError> {
 /// The file descriptors a command's frame carries.
 fn command_fds(kind: u16) -> u8 {
     match kind {
-        ADD_GUEST_REGION | COPY_BUFFER => 1,
+        ADD_GUEST_REGION | COPY_BUFFER | MODULE_LOAD => 1,
         _ => 0,
     }
 }
@@ -273,7 +299,7 @@ fn frame(kind: u16, seq: u32, fds: u8, payload: Writer) -> Vec<u8> {
 /// carries (see [`Command`]).
 pub fn encode_command(seq: u32, c: &Command) -> Vec<u8> {
     let mut w = Writer(Vec::new());
-    let kind = match *c {
+    let kind = match c.clone() {
         Command::Hello { worker } => {
             w.u32(worker);
             HELLO
@@ -408,6 +434,27 @@ pub fn encode_command(seq: u32, c: &Command) -> Vec<u8> {
             COPY
         }
         Command::Shutdown => SHUTDOWN,
+        Command::ModuleLoad { ctx, module, len } => {
+            w.u32(ctx).u32(module).u64(len);
+            MODULE_LOAD
+        }
+        Command::ModuleUnload { ctx, module } => {
+            w.u32(ctx).u32(module);
+            MODULE_UNLOAD
+        }
+        Command::FunctionGet {
+            ctx,
+            module,
+            function,
+            name,
+        } => {
+            w.u32(ctx).u32(module).u32(function).name(&name);
+            FUNCTION_GET
+        }
+        Command::GlobalGet { ctx, module, name } => {
+            w.u32(ctx).u32(module).name(&name);
+            GLOBAL_GET
+        }
     };
     frame(kind, seq, command_fds(kind), w)
 }
@@ -606,6 +653,29 @@ pub fn decode_command(frame: &[u8], fds: u8) -> Result<(u32, Command), WireError
             }
         }
         SHUTDOWN => Command::Shutdown,
+        MODULE_LOAD => {
+            let (ctx, module) = (r.u32()?, r.u32()?);
+            let len = r.u64()?;
+            if len == 0 || len > vgpu_protocol::module::MAX_MODULE_BYTES {
+                return Err(WireError::Field("len"));
+            }
+            Command::ModuleLoad { ctx, module, len }
+        }
+        MODULE_UNLOAD => Command::ModuleUnload {
+            ctx: r.u32()?,
+            module: r.u32()?,
+        },
+        FUNCTION_GET => Command::FunctionGet {
+            ctx: r.u32()?,
+            module: r.u32()?,
+            function: r.u32()?,
+            name: r.name()?,
+        },
+        GLOBAL_GET => Command::GlobalGet {
+            ctx: r.u32()?,
+            module: r.u32()?,
+            name: r.name()?,
+        },
         k => return Err(WireError::Kind(k)),
     };
     r.finish()?;
@@ -616,7 +686,7 @@ pub fn decode_command(frame: &[u8], fds: u8) -> Result<(u32, Command), WireError
 /// the control pages' and the counters page's fds.
 pub fn encode_reply(seq: u32, rep: &Reply) -> Vec<u8> {
     let mut w = Writer(Vec::new());
-    let kind = match *rep {
+    let kind = match rep.clone() {
         Reply::Ok => REPLY_OK,
         Reply::Hello {
             vram_bytes,
@@ -649,6 +719,23 @@ pub fn encode_reply(seq: u32, rep: &Reply) -> Vec<u8> {
         Reply::Error { code } => {
             w.u32(code as u32);
             REPLY_ERROR
+        }
+        Reply::Function { params } => {
+            match params {
+                None => w.u32(vgpu_protocol::module::PARAMS_UNKNOWN),
+                Some(p) => {
+                    w.u32(p.len() as u32);
+                    for q in p {
+                        w.u32(q.offset).u32(q.size);
+                    }
+                    &mut w
+                }
+            };
+            REPLY_FUNCTION
+        }
+        Reply::Global { addr, size } => {
+            w.u64(addr).u64(size);
+            REPLY_GLOBAL
         }
     };
     frame(kind, seq, reply_fds(kind), w)
@@ -709,6 +796,32 @@ pub fn decode_reply(frame: &[u8], fds: u8) -> Result<(u32, Reply), WireError> {
         }
         REPLY_ERROR => Reply::Error {
             code: error_code(r.u32()?)?,
+        },
+        REPLY_FUNCTION => {
+            let count = r.u32()?;
+            let params = if count == vgpu_protocol::module::PARAMS_UNKNOWN {
+                None
+            } else {
+                if count as usize > vgpu_protocol::module::MAX_FUNCTION_PARAMS {
+                    return Err(WireError::Field("param_count"));
+                }
+                let mut p = Vec::with_capacity(count as usize);
+                for _ in 0..count {
+                    let (offset, size) = (r.u32()?, r.u32()?);
+                    if u64::from(offset) + u64::from(size)
+                        > u64::from(vgpu_protocol::module::MAX_PARAM_BYTES)
+                    {
+                        return Err(WireError::Field("param"));
+                    }
+                    p.push(vgpu_protocol::module::ParamInfo { offset, size });
+                }
+                Some(p)
+            };
+            Reply::Function { params }
+        }
+        REPLY_GLOBAL => Reply::Global {
+            addr: r.u64()?,
+            size: r.u64()?,
         },
         k => return Err(WireError::Kind(k)),
     };

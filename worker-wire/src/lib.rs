@@ -33,8 +33,9 @@ pub const VERSION: u16 = 1;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 16;
 /// The largest payload of any message (commands and replies are small: bulk data moves
-/// through shared memory, never the socket).
-pub const MAX_PAYLOAD: usize = 256;
+/// through shared memory, never the socket; the largest are a symbol name and a
+/// function's parameter layout).
+pub const MAX_PAYLOAD: usize = 2048;
 /// The most file descriptors one frame may carry.
 pub const MAX_FDS: u8 = 4;
 

@@ -1,6 +1,7 @@
 //! The commands, replies and events, as values.
 
 use vgpu_protocol::mem::PageSize;
+use vgpu_protocol::module::ParamInfo;
 use vgpu_protocol::ErrorCode;
 
 /// What a mapping points at.
@@ -23,8 +24,10 @@ pub struct Resume {
 }
 
 /// The backend's commands. Ids of contexts and channels are the backend's (it keeps
-/// them unique across workers and restarts); the worker maps them to its own.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// them unique across workers and restarts); the worker maps them to its own. Module and
+/// function ids are the backend's too, scoped by their context, and the worker's GPU
+/// uses them as they are (a `LAUNCH_FUNCTION` names the function id the guest was given).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Command {
     /// First message: the version the backend speaks, and this worker's number.
     Hello {
@@ -131,10 +134,34 @@ pub enum Command {
     },
     /// Ends the worker after it released everything.
     Shutdown,
+    /// Loads a guest's module image: `len` bytes of the sealed memfd sent with the
+    /// command (the backend's one copy of the guest's bytes).
+    ModuleLoad {
+        ctx: u32,
+        module: u32,
+        len: u64,
+    },
+    ModuleUnload {
+        ctx: u32,
+        module: u32,
+    },
+    /// Binds `function` to the function `name` of `module` (answered with `Function`).
+    FunctionGet {
+        ctx: u32,
+        module: u32,
+        function: u32,
+        name: Vec<u8>,
+    },
+    /// A global of `module` (answered with `Global`).
+    GlobalGet {
+        ctx: u32,
+        module: u32,
+        name: Vec<u8>,
+    },
 }
 
 /// The worker's replies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reply {
     Ok,
     /// `Hello`'s answer: the GPU's shape, and two fds: the channels' control pages
@@ -164,6 +191,15 @@ pub enum Reply {
     /// Refused or failed, with the code a guest would see.
     Error {
         code: ErrorCode,
+    },
+    /// `FunctionGet`'s answer: the parameter layout, when the GPU knows it.
+    Function {
+        params: Option<Vec<ParamInfo>>,
+    },
+    /// `GlobalGet`'s answer.
+    Global {
+        addr: u64,
+        size: u64,
     },
 }
 

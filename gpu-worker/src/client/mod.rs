@@ -25,15 +25,16 @@ use std::time::{Duration, Instant};
 use log::warn;
 use vgpu_host_shim::hal::Result;
 use vgpu_host_shim::{
-    ChannelConfig, ChannelCounters, ChannelId, ChannelResume, ContextId, EventSink, FdRange, Gpu,
-    GpuInfo, HalError, MapFlags, MapTarget, PageSize, SysMemory, VramAlloc,
+    ChannelConfig, ChannelCounters, ChannelId, ChannelResume, ContextId, EventSink, FdRange,
+    GlobalInfo, Gpu, GpuInfo, HalError, MapFlags, MapTarget, PageSize, ParamInfo, SysMemory,
+    VramAlloc,
 };
 use vgpu_protocol::{ErrorCode, PAGE_SIZE};
 use vgpu_worker_wire::counters;
 use vgpu_worker_wire::{decode_reply, encode_command, Command, Reply, Resume, Target};
 
 use self::spawn::{start, WorkerProcess, WorkerProgram};
-use crate::mapping::{file_len, memfd, Mapping};
+use crate::mapping::{file_len, memfd, sealed_memfd, Mapping};
 use crate::socket;
 
 /// Context and channel ids, unique across every worker that draws from one (the
@@ -276,15 +277,15 @@ impl Inner {
 
 /// The HAL error for a worker's refusal of `c`.
 fn refusal(code: ErrorCode, c: &Command) -> HalError {
-    match (code, *c) {
-        (ErrorCode::NoMemory, Command::AllocVram { size, .. }) => HalError::OutOfVram(size),
-        (ErrorCode::NotFound, Command::FreeVram { offset }) => HalError::NoAllocation(offset),
+    match (code, c) {
+        (ErrorCode::NoMemory, Command::AllocVram { size, .. }) => HalError::OutOfVram(*size),
+        (ErrorCode::NotFound, Command::FreeVram { offset }) => HalError::NoAllocation(*offset),
         (
             ErrorCode::NotFound,
             Command::DestroyChannel { ch }
             | Command::KillChannel { ch, .. }
             | Command::Doorbell { ch },
-        ) => HalError::NoChannel(ChannelId(ch)),
+        ) => HalError::NoChannel(ChannelId(*ch)),
         (
             ErrorCode::NotFound,
             Command::DestroyContext { ctx }
@@ -296,7 +297,7 @@ fn refusal(code: ErrorCode, c: &Command) -> HalError {
             | Command::MapCost { ctx, .. }
             | Command::SysramHint { ctx, .. }
             | Command::CreateChannel { ctx, .. },
-        ) => HalError::NoContext(ContextId(ctx)),
+        ) => HalError::NoContext(ContextId(*ctx)),
         (ErrorCode::DeviceLost, _) => HalError::DeviceLost("the worker's GPU".into()),
         (code, _) => HalError::Refused(code),
     }
@@ -973,5 +974,57 @@ impl Gpu for WorkerGpu {
     fn kill_channel(&self, ch: ChannelId, code: ErrorCode) -> Result<()> {
         self.channel_slot(ch)?;
         self.inner.call_ok(&Command::KillChannel { ch: ch.0, code })
+    }
+
+    fn module_load(&self, ctx: ContextId, module: u32, image: &[u8]) -> Result<()> {
+        let fd = sealed_memfd("vgpu-module", image).map_err(|e| HalError::Os(e.to_string()))?;
+        let c = Command::ModuleLoad {
+            ctx: ctx.0,
+            module,
+            len: image.len() as u64,
+        };
+        match self.inner.call(&c, &[fd.as_raw_fd()])? {
+            Reply::Ok => Ok(()),
+            Reply::Error { code } => Err(refusal(code, &c)),
+            r => Err(self.inner.unexpected(&c, r)),
+        }
+    }
+
+    fn module_unload(&self, ctx: ContextId, module: u32) -> Result<()> {
+        self.inner
+            .call_ok(&Command::ModuleUnload { ctx: ctx.0, module })
+    }
+
+    fn function_get(
+        &self,
+        ctx: ContextId,
+        module: u32,
+        name: &str,
+        function: u32,
+    ) -> Result<Option<Vec<ParamInfo>>> {
+        let c = Command::FunctionGet {
+            ctx: ctx.0,
+            module,
+            function,
+            name: name.as_bytes().to_vec(),
+        };
+        match self.inner.call(&c, &[])? {
+            Reply::Function { params } => Ok(params),
+            Reply::Error { code } => Err(refusal(code, &c)),
+            r => Err(self.inner.unexpected(&c, r)),
+        }
+    }
+
+    fn global_get(&self, ctx: ContextId, module: u32, name: &str) -> Result<GlobalInfo> {
+        let c = Command::GlobalGet {
+            ctx: ctx.0,
+            module,
+            name: name.as_bytes().to_vec(),
+        };
+        match self.inner.call(&c, &[])? {
+            Reply::Global { addr, size } => Ok(GlobalInfo { addr, size }),
+            Reply::Error { code } => Err(refusal(code, &c)),
+            r => Err(self.inner.unexpected(&c, r)),
+        }
     }
 }

@@ -255,6 +255,18 @@ impl Channel {
         })
     }
 
+    /// Records a launch of a module function with `args` (see [`crate::Function::params`]).
+    pub fn launch_function(
+        &mut self,
+        f: &crate::Function,
+        grid: [u32; 3],
+        block: [u32; 3],
+        args: &[crate::Arg<'_>],
+    ) -> Result<()> {
+        let m = f.launch(grid, block, 0, args)?;
+        self.pending.push(&m)
+    }
+
     /// Records a copy-engine DMA of `len` bytes.
     pub fn copy(&mut self, dst_va: u64, src_va: u64, len: u64) -> Result<()> {
         self.pending.push(&Method::Copy {

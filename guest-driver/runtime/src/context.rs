@@ -194,4 +194,11 @@ impl Context {
     pub fn create_channel_with(&self, opts: ChannelOptions) -> Result<Channel> {
         Channel::new(self, opts)
     }
+
+    /// Loads a module image (PTX text, cubin or fatbin) into this context. Only a GPU
+    /// that runs a VM's work in a process of its own loads guest modules; others refuse
+    /// with `ModulesNeedCudaGpu` or `ModulesNeedWorker` (docs/design/guest-modules.md).
+    pub fn load_module(&self, image: &[u8]) -> Result<crate::module::Module> {
+        crate::module::Module::load(&self.inner, image)
+    }
 }

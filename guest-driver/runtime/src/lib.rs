@@ -32,6 +32,7 @@ mod error;
 #[cfg(feature = "loopback")]
 pub mod loopback;
 pub mod mmap;
+mod module;
 #[cfg(feature = "native")]
 mod native;
 mod pushbuf;
@@ -46,6 +47,7 @@ pub use channel::{Channel, ChannelOptions, Fence};
 pub use context::{Context, BIG_PAGE_THRESHOLD, HUGE_PAGE_THRESHOLD};
 pub use device::Device;
 pub use error::{Error, Result};
+pub use module::{Arg, Function, Global, Module};
 #[cfg(feature = "native")]
 pub use native::{HostRegions, NativeTransport};
 pub use transport::{

@@ -452,6 +452,67 @@ impl Transport for LoopbackTransport {
         // No doorbell: ringing one would be an exit. The GPU polls GP_PUT.
     }
 
+    fn module_load(&self, ctx: CtxHandle, image: &[u8]) -> Result<u32> {
+        if image.is_empty() {
+            return Err(Error::InvalidArgument("empty module image"));
+        }
+        // The image goes to the device from guest RAM, as a driver hands it over; the
+        // device reads it once, so the buffer is ours again when the reply comes.
+        let len = image.len() as u64;
+        let alloc = self.vm.alloc_guest(len, 4096).map_err(transport_err)?;
+        // SAFETY: a fresh allocation of at least `len` bytes of guest RAM mapped in this
+        // process; nothing else uses it until it is freed below.
+        unsafe { std::ptr::copy_nonoverlapping(image.as_ptr(), alloc.ptr, image.len()) };
+        let r = self.call(
+            Self::ctx_id(ctx)?,
+            Op::ModuleLoad {
+                ranges: vec![GuestRange {
+                    gpa: alloc.gpa,
+                    len,
+                }],
+            },
+        );
+        if let Err(e) = self.vm.free_guest(alloc.gpa) {
+            log::warn!("freeing a module image's guest memory: {e}");
+        }
+        match r? {
+            ReplyBody::Module { module } => Ok(module),
+            _ => Err(Error::Device(ErrorCode::Internal)),
+        }
+    }
+
+    fn module_unload(&self, ctx: CtxHandle, module: u32) -> Result<()> {
+        self.call(Self::ctx_id(ctx)?, Op::ModuleUnload { module })
+            .map(|_| ())
+    }
+
+    fn function_get(
+        &self,
+        ctx: CtxHandle,
+        module: u32,
+        name: &str,
+    ) -> Result<(u32, Option<Vec<vgpu_protocol::module::ParamInfo>>)> {
+        let op = Op::FunctionGet {
+            module,
+            name: name.as_bytes().to_vec(),
+        };
+        match self.call(Self::ctx_id(ctx)?, op)? {
+            ReplyBody::Function(f) => Ok((f.function, f.params)),
+            _ => Err(Error::Device(ErrorCode::Internal)),
+        }
+    }
+
+    fn global_get(&self, ctx: CtxHandle, module: u32, name: &str) -> Result<(u64, u64)> {
+        let op = Op::GlobalGet {
+            module,
+            name: name.as_bytes().to_vec(),
+        };
+        match self.call(Self::ctx_id(ctx)?, op)? {
+            ReplyBody::Global { addr, size } => Ok((addr, size)),
+            _ => Err(Error::Device(ErrorCode::Internal)),
+        }
+    }
+
     fn remote_submit(&self, ctx: CtxHandle, ch: ChanHandle, gp_put: u32) -> Result<()> {
         let channel = u32::try_from(ch.0).map_err(|_| Error::UnknownHandle("channel"))?;
         self.call(Self::ctx_id(ctx)?, Op::Submit { channel, gp_put })

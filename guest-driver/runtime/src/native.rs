@@ -115,6 +115,9 @@ pub struct NativeTransport {
     gpu: Arc<dyn Gpu>,
     state: Mutex<State>,
     next_mem: AtomicU64,
+    /// Module and function ids this transport hands the GPU (the owner chooses them).
+    next_module: std::sync::atomic::AtomicU32,
+    next_function: std::sync::atomic::AtomicU32,
 }
 
 impl NativeTransport {
@@ -123,6 +126,8 @@ impl NativeTransport {
             gpu,
             state: Mutex::new(State::default()),
             next_mem: AtomicU64::new(1),
+            next_module: std::sync::atomic::AtomicU32::new(1),
+            next_function: std::sync::atomic::AtomicU32::new(1),
         }
     }
 
@@ -182,6 +187,36 @@ fn usize_of(v: u64) -> Result<usize> {
 }
 
 impl Transport for NativeTransport {
+    fn module_load(&self, ctx: CtxHandle, image: &[u8]) -> Result<u32> {
+        let id = Self::ctx_id(&self.state(), ctx)?;
+        let module = self.next_module.fetch_add(1, Ordering::Relaxed);
+        self.gpu.module_load(id, module, image)?;
+        Ok(module)
+    }
+
+    fn module_unload(&self, ctx: CtxHandle, module: u32) -> Result<()> {
+        let id = Self::ctx_id(&self.state(), ctx)?;
+        Ok(self.gpu.module_unload(id, module)?)
+    }
+
+    fn function_get(
+        &self,
+        ctx: CtxHandle,
+        module: u32,
+        name: &str,
+    ) -> Result<(u32, Option<Vec<vgpu_protocol::module::ParamInfo>>)> {
+        let id = Self::ctx_id(&self.state(), ctx)?;
+        let function = self.next_function.fetch_add(1, Ordering::Relaxed);
+        let params = self.gpu.function_get(id, module, name, function)?;
+        Ok((function, params))
+    }
+
+    fn global_get(&self, ctx: CtxHandle, module: u32, name: &str) -> Result<(u64, u64)> {
+        let id = Self::ctx_id(&self.state(), ctx)?;
+        let g = self.gpu.global_get(id, module, name)?;
+        Ok((g.addr, g.size))
+    }
+
     fn info(&self) -> Result<DeviceInfo> {
         let i = self.gpu.info();
         Ok(DeviceInfo {

@@ -11,6 +11,7 @@ use std::ptr::NonNull;
 use std::time::Duration;
 
 use vgpu_protocol::mem::{MapFlags, PageSize};
+use vgpu_protocol::module::ParamInfo;
 
 use crate::error::Result;
 
@@ -179,6 +180,37 @@ pub trait Transport: Send + Sync {
     /// [`ChannelDesc`] (one request). Direct channels need nothing: the page is the GPU's.
     fn refresh_control(&self, _ctx: CtxHandle, _ch: ChanHandle) -> Result<()> {
         Ok(())
+    }
+
+    /// Loads a module image (PTX, cubin or fatbin) into the context; returns its id.
+    /// Transports that cannot carry guest modules refuse.
+    fn module_load(&self, _ctx: CtxHandle, _image: &[u8]) -> Result<u32> {
+        Err(crate::error::Error::Device(
+            vgpu_protocol::ErrorCode::Unsupported,
+        ))
+    }
+    fn module_unload(&self, _ctx: CtxHandle, _module: u32) -> Result<()> {
+        Err(crate::error::Error::Device(
+            vgpu_protocol::ErrorCode::Unsupported,
+        ))
+    }
+    /// Function `name` of `module`: its id for `LAUNCH_FUNCTION` and its parameter
+    /// layout when the GPU knows it.
+    fn function_get(
+        &self,
+        _ctx: CtxHandle,
+        _module: u32,
+        _name: &str,
+    ) -> Result<(u32, Option<Vec<ParamInfo>>)> {
+        Err(crate::error::Error::Device(
+            vgpu_protocol::ErrorCode::Unsupported,
+        ))
+    }
+    /// Global `name` of `module`: its device address and size.
+    fn global_get(&self, _ctx: CtxHandle, _module: u32, _name: &str) -> Result<(u64, u64)> {
+        Err(crate::error::Error::Device(
+            vgpu_protocol::ErrorCode::Unsupported,
+        ))
     }
 
     /// Sleeps in the driver until `what` is reached, the channel faults

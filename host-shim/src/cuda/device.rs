@@ -2,6 +2,10 @@
 //! ([`super::driver::CudaDevice`]) and a CPU fake for GPU-free tests
 //! ([`super::fake::FakeDevice`]) implement it.
 
+use std::ffi::CStr;
+
+use vgpu_protocol::module::ParamInfo;
+
 use super::error::DeviceError;
 use super::plan::Op;
 
@@ -84,4 +88,20 @@ pub trait Device: Send + Sync + 'static {
     /// Why the context is unusable for good, once a call saw a sticky error
     /// ([`DeviceError::is_context_lost`]); `None` while it works.
     fn lost(&self) -> Option<String>;
+
+    /// A guest's module, loaded into the device's context.
+    type Module: Send + Sync;
+    /// Loads a module image (PTX text, cubin or fatbin).
+    fn module_load(&self, image: &[u8]) -> Result<Self::Module, DeviceError>;
+    /// Unloads a module; the caller made sure no queued work uses its functions.
+    fn module_unload(&self, m: Self::Module) -> Result<(), DeviceError>;
+    /// A function of `m`: the handle [`Op::LaunchFunction`] names (valid while `m` is
+    /// loaded) and its parameter layout when the device can tell.
+    fn module_function(
+        &self,
+        m: &Self::Module,
+        name: &CStr,
+    ) -> Result<(u64, Option<Vec<ParamInfo>>), DeviceError>;
+    /// The device address and size of the global `name` of `m`.
+    fn module_global(&self, m: &Self::Module, name: &CStr) -> Result<(u64, u64), DeviceError>;
 }

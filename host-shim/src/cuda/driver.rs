@@ -94,6 +94,13 @@ unsafe impl Send for CudaStream {}
 // SAFETY: as above.
 unsafe impl Sync for CudaStream {}
 
+/// A guest's module, loaded into the device's context.
+pub struct CudaModule(sys::CUmodule);
+// SAFETY: a module handle may be used from any thread with its context current.
+unsafe impl Send for CudaModule {}
+// SAFETY: as above; the driver serialises what it must.
+unsafe impl Sync for CudaModule {}
+
 /// An event handle not in use.
 struct IdleEvent(sys::CUevent);
 // SAFETY: an event handle may be used from any thread with its context current.
@@ -741,6 +748,48 @@ impl CudaDevice {
                     .map(|_| ())
             }
             Op::WriteValue { ptr, value } => self.write_value(s, ptr, value),
+            Op::LaunchFunction {
+                func,
+                grid,
+                block,
+                shared_mem,
+                ref params,
+            } => {
+                log::trace!("cuda: launch function {func:#x} grid {grid:?} block {block:?}");
+                let mut size = params.len();
+                let mut extra = [
+                    sys::CU_LAUNCH_PARAM_BUFFER_POINTER_AS_INT as usize as *mut c_void,
+                    params.as_ptr() as *mut c_void,
+                    sys::CU_LAUNCH_PARAM_BUFFER_SIZE_AS_INT as usize as *mut c_void,
+                    &mut size as *mut usize as *mut c_void,
+                    sys::CU_LAUNCH_PARAM_END_AS_INT as usize as *mut c_void,
+                ];
+                let extra = if params.is_empty() {
+                    std::ptr::null_mut()
+                } else {
+                    extra.as_mut_ptr()
+                };
+                // SAFETY: `func` is a function handle of a module loaded in this context
+                // (the GPU unloads a module only after its context's channels drained);
+                // the parameter buffer lives until the call returns (the driver copies
+                // it); a module kernel may touch anything of this context, which holds
+                // one VM's memory only (guest modules load only in a VM's worker).
+                check("cuLaunchKernel", unsafe {
+                    sys::cuLaunchKernel(
+                        func as sys::CUfunction,
+                        grid[0],
+                        grid[1],
+                        grid[2],
+                        block[0],
+                        block[1],
+                        block[2],
+                        shared_mem,
+                        s.0,
+                        std::ptr::null_mut(),
+                        extra,
+                    )
+                })
+            }
             Op::WaitValue { ptr, value, mode } => {
                 let flags = match mode {
                     SemaphoreMode::Equal => {
@@ -943,6 +992,54 @@ impl Device for CudaDevice {
         }
     }
 
+    type Module = CudaModule;
+
+    fn module_load(&self, image: &[u8]) -> Result<CudaModule, DeviceError> {
+        self.current()?;
+        // PTX must end in a NUL; a cubin or fatbin does not mind one after its end.
+        let mut owned = Vec::with_capacity(image.len() + 1);
+        owned.extend_from_slice(image);
+        owned.push(0);
+        let mut m = std::ptr::null_mut();
+        // SAFETY: `owned` is a complete image buffer the driver reads during the call
+        // only; the driver validates its contents (a bad image is an error, not UB, for
+        // PTX, cubin and fatbin alike).
+        let r = check("cuModuleLoadData", unsafe {
+            sys::cuModuleLoadData(&mut m, owned.as_ptr() as *const c_void)
+        });
+        self.note(r).map(|()| CudaModule(m))
+    }
+
+    fn module_unload(&self, m: CudaModule) -> Result<(), DeviceError> {
+        self.current()?;
+        // SAFETY: a loaded module, unloaded once (it is moved in).
+        self.note(check("cuModuleUnload", unsafe { sys::cuModuleUnload(m.0) }))
+    }
+
+    fn module_function(
+        &self,
+        m: &CudaModule,
+        name: &CStr,
+    ) -> Result<(u64, Option<Vec<vgpu_protocol::module::ParamInfo>>), DeviceError> {
+        self.current()?;
+        let mut f = std::ptr::null_mut();
+        // SAFETY: a loaded module and a NUL-terminated name; `f` is an out-pointer.
+        check("cuModuleGetFunction", unsafe {
+            sys::cuModuleGetFunction(&mut f, m.0, name.as_ptr())
+        })?;
+        Ok((f as u64, param_info(f)))
+    }
+
+    fn module_global(&self, m: &CudaModule, name: &CStr) -> Result<(u64, u64), DeviceError> {
+        self.current()?;
+        let (mut addr, mut size) = (0, 0usize);
+        // SAFETY: a loaded module, a NUL-terminated name, two out-pointers.
+        check("cuModuleGetGlobal", unsafe {
+            sys::cuModuleGetGlobal_v2(&mut addr, &mut size, m.0, name.as_ptr())
+        })?;
+        Ok((addr, size as u64))
+    }
+
     fn elapsed_ns(&self, from: &CudaMark, to: &CudaMark) -> Option<u64> {
         self.current().ok()?;
         let mut ms = 0f32;
@@ -950,6 +1047,35 @@ impl Device for CudaDevice {
         let r = unsafe { sys::cuEventElapsedTime_v2(&mut ms, from.ev, to.ev) };
         (r == sys::CUresult::CUDA_SUCCESS).then(|| (f64::from(ms.max(0.0)) * 1e6) as u64)
     }
+}
+
+/// A function's parameter layout from `cuFuncGetParamInfo` (CUDA 12.4+), or `None` when
+/// the driver lacks the call or cannot say (the guest then sizes the buffer itself).
+fn param_info(f: sys::CUfunction) -> Option<Vec<vgpu_protocol::module::ParamInfo>> {
+    use vgpu_protocol::module::{ParamInfo, MAX_FUNCTION_PARAMS};
+    // SAFETY: looking a symbol up in the loaded driver library has no side effects; the
+    // binding below panics on a missing symbol, so it is called only when present.
+    let present = unsafe { sys::culib().get::<*const c_void>(b"cuFuncGetParamInfo\0") }.is_ok();
+    if !present {
+        return None;
+    }
+    let mut params = Vec::new();
+    // One more than the reply can carry, so a longer list is seen as such.
+    for i in 0..=MAX_FUNCTION_PARAMS {
+        let (mut offset, mut size) = (0usize, 0usize);
+        // SAFETY: a valid function handle and two out-pointers; an index past the last
+        // parameter is answered with CUDA_ERROR_INVALID_VALUE.
+        let r = unsafe { sys::cuFuncGetParamInfo(f, i, &mut offset, &mut size) };
+        match r {
+            sys::CUresult::CUDA_SUCCESS => params.push(ParamInfo {
+                offset: u32::try_from(offset).ok()?,
+                size: u32::try_from(size).ok()?,
+            }),
+            sys::CUresult::CUDA_ERROR_INVALID_VALUE => return Some(params),
+            _ => return None,
+        }
+    }
+    Some(params)
 }
 
 #[cfg(test)]

@@ -17,6 +17,10 @@ pub enum DeviceError {
     Compile(String),
     #[error("fake device: {0}")]
     Fake(&'static str),
+    /// Something this device does not do (the fake's launch of an entry it does not
+    /// implement); the channel faults with `Unsupported`.
+    #[error("not supported: {0}")]
+    Unsupported(&'static str),
 }
 
 /// Driver results after which the context is unusable for good ("sticky" errors: every
@@ -40,6 +44,26 @@ impl DeviceError {
     pub fn is_context_lost(&self) -> bool {
         matches!(self, DeviceError::Driver { code, .. }
             if CONTEXT_LOST.iter().any(|k| code.contains(k)))
+    }
+
+    /// The code a channel faults with when its stream failed so: `DeviceLost` when the
+    /// context is gone for good (a kernel faulted the GPU: in a worker, a guest module's
+    /// wild pointer; the process exits and the VM's GPU with it), else `Internal`.
+    pub fn fault_code(&self) -> vgpu_protocol::ErrorCode {
+        if self.is_context_lost() {
+            vgpu_protocol::ErrorCode::DeviceLost
+        } else {
+            vgpu_protocol::ErrorCode::Internal
+        }
+    }
+
+    /// The code a channel faults with when issuing its work failed so: the driver
+    /// refusing a launch is the guest's bad argument.
+    pub fn issue_code(&self) -> vgpu_protocol::ErrorCode {
+        match self {
+            DeviceError::Unsupported(_) => vgpu_protocol::ErrorCode::Unsupported,
+            _ => vgpu_protocol::ErrorCode::BadKernelArgs,
+        }
     }
 
     /// Whether the failure only says that there is no usable GPU here (tests skip then).

@@ -1,15 +1,20 @@
 //! A CPU stand-in for the CUDA device, for GPU-free tests of the whole `cuda` GPU: every
 //! stream is a thread that runs its operations in order on host memory (device pointers
 //! are host pointers, as with unified addressing), kernels are the sim's own kernels, and
-//! semaphore waits block the stream, not the front end.
+//! semaphore waits block the stream, not the front end. Guest modules: a few test kernels
+//! picked by name from a PTX text (`fake_modules`; a test device, not a GPU).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+use std::ffi::CStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
+use vgpu_protocol::module::ParamInfo;
+
 use super::device::Device;
 use super::error::DeviceError;
+use super::fake_modules::{self, FakeLaunch, TestKernel, TEST_GLOBAL};
 use super::plan::Op;
 use crate::clock::now_ns;
 use crate::kernels::{run_kernel, KernelMemory, MemFault};
@@ -37,9 +42,17 @@ pub struct FakeLog {
     pub ops: Mutex<Vec<Op>>,
 }
 
-/// Queued items: sequence number, the op (None for a mark) and, for a mark, where to
+/// What a stream runs: an op, or a module function resolved when it was issued, with the
+/// device memory (start, length) it may touch.
+#[derive(Clone)]
+enum Work {
+    Op(Op),
+    Function(FakeLaunch, Arc<[(u64, u64)]>),
+}
+
+/// Queued items: sequence number, the work (None for a mark) and, for a mark, where to
 /// record the time it was reached.
-type Item = (u64, Option<Op>, Option<Arc<AtomicU64>>);
+type Item = (u64, Option<Work>, Option<Arc<AtomicU64>>);
 
 struct Queue {
     ops: VecDeque<Item>,
@@ -51,6 +64,8 @@ struct StreamShared {
     issued: AtomicU64,
     done: AtomicU64,
     stop: AtomicBool,
+    /// The device's poison flag: a module kernel's wild pointer sets it.
+    poison: Arc<AtomicBool>,
 }
 
 /// A fake stream: a worker thread and its queue.
@@ -88,7 +103,25 @@ pub struct FakeDevice {
     scratch: Mutex<Vec<Vec<u8>>>,
     pub registered: Mutex<Vec<(usize, usize)>>,
     /// Set by [`FakeDevice::poison`]: every later stream call fails as after a GPU fault.
-    poisoned: AtomicBool,
+    poisoned: Arc<AtomicBool>,
+    /// Loaded modules: their globals (name, address, size) and function handles.
+    modules: Mutex<HashMap<u64, FakeModule>>,
+    /// Function handles: the test kernel behind each (None: not one the fake runs) and
+    /// its module's test global.
+    functions: Mutex<HashMap<u64, FakeFunction>>,
+    next_handle: AtomicU64,
+}
+
+struct FakeModule {
+    ptx: fake_modules::PtxModule,
+    globals: Vec<(String, u64, u64)>,
+    functions: Vec<u64>,
+}
+
+#[derive(Clone, Copy)]
+struct FakeFunction {
+    kernel: Option<TestKernel>,
+    global: Option<(u64, u64)>,
 }
 
 impl FakeDevice {
@@ -109,8 +142,66 @@ impl FakeDevice {
     }
 }
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The driver's answer for a symbol a module lacks.
+fn not_found() -> DeviceError {
+    DeviceError::Driver {
+        call: "fake cuModuleGetFunction",
+        code: "CUDA_ERROR_NOT_FOUND".into(),
+    }
+}
+
+impl FakeDevice {
+    /// A launch of function handle `func`, ready for a stream; an entry the fake does
+    /// not implement is refused here, as a driver refuses a launch it cannot do.
+    fn resolve(
+        &self,
+        func: u64,
+        grid: [u32; 3],
+        block: [u32; 3],
+        params: &Arc<[u8]>,
+    ) -> Result<FakeLaunch, DeviceError> {
+        let f = *lock(&self.functions).get(&func).ok_or(DeviceError::Fake(
+            "launch of a function handle never handed out",
+        ))?;
+        if f.kernel.is_none() {
+            return Err(fake_modules::unsupported());
+        }
+        let threads = grid
+            .iter()
+            .chain(&block)
+            .fold(1u64, |n, &d| n.saturating_mul(d.into()));
+        Ok(FakeLaunch {
+            kernel: f.kernel,
+            params: params.clone(),
+            threads,
+            global: f.global,
+        })
+    }
+
+    /// Every piece of memory a kernel of the fake may touch: device allocations (VRAM,
+    /// staging, globals) and registered host memory.
+    fn memory(&self) -> Arc<[(u64, u64)]> {
+        let mut m: Vec<(u64, u64)> = lock(&self.scratch)
+            .iter()
+            .map(|b| (b.as_ptr() as u64, b.len() as u64))
+            .collect();
+        m.extend(
+            lock(&self.registered)
+                .iter()
+                .map(|&(p, l)| (p as u64, l as u64)),
+        );
+        m.into()
+    }
+}
+
 fn run_op(op: &Op) {
     match *op {
+        // Resolved into `Work::Function` at issue.
+        Op::LaunchFunction { .. } => {}
         Op::Launch(args) => run_launch(args),
         Op::LaunchSignal(args, signal) => {
             run_launch(args);
@@ -167,10 +258,19 @@ fn worker(sh: Arc<StreamShared>) {
             }
         };
         let (seq, op, at) = next;
+        if sh.poison.load(Ordering::Acquire) {
+            // A faulted context runs nothing more, as a real stream stops at the fault:
+            // nothing after the faulting kernel (a REF write, say) lands.
+            sh.q.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .ops
+                .pop_front();
+            continue;
+        }
         if let Some(at) = at {
             at.store(now_ns(), Ordering::Release);
         }
-        if let Some(Op::WaitValue { ptr, value, mode }) = op {
+        if let Some(Work::Op(Op::WaitValue { ptr, value, mode })) = op {
             // SAFETY: 4 readable bytes, checked by the planner.
             let a = unsafe { &*(ptr as *const std::sync::atomic::AtomicU32) };
             while !mode.satisfied(a.load(Ordering::Acquire), value) {
@@ -179,8 +279,17 @@ fn worker(sh: Arc<StreamShared>) {
                 }
                 std::thread::sleep(std::time::Duration::from_micros(50));
             }
-        } else if let Some(op) = op {
+        } else if let Some(Work::Op(op)) = op {
             run_op(&op);
+        } else if let Some(Work::Function(l, mem)) = op {
+            let reachable = |p: u64, n: u64| {
+                mem.iter()
+                    .any(|&(s, len)| p >= s && p.saturating_add(n) <= s + len)
+            };
+            if let Err(at) = fake_modules::run(&l, &reachable) {
+                log::warn!("fake device: a module kernel touched {at:#x}: illegal address");
+                sh.poison.store(true, Ordering::Release);
+            }
         }
         sh.q.lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -266,6 +375,7 @@ impl Device for FakeDevice {
             issued: AtomicU64::new(0),
             done: AtomicU64::new(0),
             stop: AtomicBool::new(false),
+            poison: self.poisoned.clone(),
         });
         let s = sh.clone();
         let worker = std::thread::Builder::new()
@@ -280,17 +390,27 @@ impl Device for FakeDevice {
 
     fn issue(&self, s: &FakeStream, op: &Op) -> Result<(), DeviceError> {
         self.check_poison()?;
+        let work = match op {
+            Op::LaunchFunction {
+                func,
+                grid,
+                block,
+                params,
+                ..
+            } => Work::Function(self.resolve(*func, *grid, *block, params)?, self.memory()),
+            op => Work::Op(op.clone()),
+        };
         self.log
             .ops
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .push(*op);
+            .push(op.clone());
         let seq = s.sh.issued.fetch_add(1, Ordering::AcqRel) + 1;
         s.sh.q
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .ops
-            .push_back((seq, Some(*op), None));
+            .push_back((seq, Some(work), None));
         s.sh.cv.notify_all();
         Ok(())
     }
@@ -319,6 +439,89 @@ impl Device for FakeDevice {
 
     fn lost(&self) -> Option<String> {
         self.check_poison().err().map(|e| e.to_string())
+    }
+
+    type Module = u64;
+
+    fn module_load(&self, image: &[u8]) -> Result<u64, DeviceError> {
+        self.check_poison()?;
+        let ptx = fake_modules::parse_ptx(image).ok_or(DeviceError::Driver {
+            call: "fake cuModuleLoadData",
+            code: "CUDA_ERROR_INVALID_IMAGE".into(),
+        })?;
+        let mut globals = Vec::new();
+        for g in &ptx.globals {
+            let addr = self.alloc_device(g.size)?;
+            globals.push((g.name.clone(), addr, g.size));
+        }
+        let id = self.next_handle.fetch_add(1, Ordering::Relaxed) + 1;
+        lock(&self.modules).insert(
+            id,
+            FakeModule {
+                ptx,
+                globals,
+                functions: Vec::new(),
+            },
+        );
+        Ok(id)
+    }
+
+    fn module_unload(&self, m: u64) -> Result<(), DeviceError> {
+        let module = lock(&self.modules)
+            .remove(&m)
+            .ok_or(DeviceError::Fake("unloading a module never loaded"))?;
+        let mut f = lock(&self.functions);
+        for h in module.functions {
+            f.remove(&h);
+        }
+        drop(f);
+        for (_, addr, _) in module.globals {
+            self.free_device(addr);
+        }
+        Ok(())
+    }
+
+    fn module_function(
+        &self,
+        m: &u64,
+        name: &CStr,
+    ) -> Result<(u64, Option<Vec<ParamInfo>>), DeviceError> {
+        let mut modules = lock(&self.modules);
+        let module = modules
+            .get_mut(m)
+            .ok_or(DeviceError::Fake("no such module"))?;
+        let name = name.to_str().map_err(|_| not_found())?;
+        let entry = module
+            .ptx
+            .entries
+            .iter()
+            .find(|e| e.name == name)
+            .ok_or_else(not_found)?;
+        let function = FakeFunction {
+            kernel: fake_modules::test_kernel(entry),
+            global: module
+                .globals
+                .iter()
+                .find(|g| g.0 == TEST_GLOBAL)
+                .map(|g| (g.1, g.2)),
+        };
+        let params = entry.params.clone();
+        let h = self.next_handle.fetch_add(1, Ordering::Relaxed) + 1;
+        module.functions.push(h);
+        lock(&self.functions).insert(h, function);
+        Ok((h, Some(params)))
+    }
+
+    fn module_global(&self, m: &u64, name: &CStr) -> Result<(u64, u64), DeviceError> {
+        let modules = lock(&self.modules);
+        let module = modules.get(m).ok_or(DeviceError::Fake("no such module"))?;
+        let name = name.to_str().map_err(|_| not_found())?;
+        module
+            .globals
+            .iter()
+            .find(|g| g.0 == name)
+            .map(|g| (g.1, g.2))
+            .ok_or_else(not_found)
     }
 
     fn elapsed_ns(&self, from: &FakeMark, to: &FakeMark) -> Option<u64> {

@@ -32,6 +32,7 @@ pub(crate) struct GpuMemory<'a> {
     pub(crate) hostreg: &'a std::sync::Mutex<HostRegistry>,
     /// Whether kernels may carry their entry's fence signal.
     pub(crate) signals: bool,
+    pub(crate) functions: &'a std::sync::Mutex<super::modules::FunctionTable>,
 }
 
 /// GP entries issued since the last mark.
@@ -88,6 +89,8 @@ pub(crate) struct CtxTranslate<'a, D: Device> {
     pub(crate) signals: bool,
     /// The channel's REF as the device sees it (see `Translate::ref_ptr`).
     pub(crate) ref_ptr: Option<u64>,
+    /// The issuing context (its bound functions).
+    pub(crate) ctx: crate::hal::ContextId,
 }
 
 fn mem_fault(va: u64, write: bool, kind: FaultKind) -> MemFault {
@@ -181,6 +184,12 @@ impl<D: Device> Translate for std::cell::RefCell<CtxTranslate<'_, D>> {
         (p != 0).then_some(p)
     }
 
+    fn function(&self, id: u32) -> Option<super::plan::BoundFunction> {
+        let me = self.borrow();
+        let table = me.mem.functions.lock().unwrap_or_else(|e| e.into_inner());
+        table.get(&(me.ctx, id)).map(|(_, f)| f.clone())
+    }
+
     fn scratch(&self, len: u64) -> Option<u64> {
         let mut me = self.borrow_mut();
         if let Some((p, l)) = *me.scratch {
@@ -247,7 +256,7 @@ impl<D: Device> CudaChannel<D> {
                 Err(e) => {
                     log::warn!("cuda channel {:?}: {e}", self.core.id);
                     drop(st);
-                    self.core.fault(ErrorCode::Internal, 0);
+                    self.core.fault(e.fault_code(), 0);
                     return true;
                 }
             }
@@ -341,7 +350,7 @@ impl<D: Device> CudaChannel<D> {
                 }),
                 Err(e) => {
                     log::warn!("cuda channel {:?}: {e}", self.core.id);
-                    return Err((ErrorCode::Internal, 0));
+                    return Err((e.fault_code(), 0));
                 }
             }
             return res.map(|_| true);
@@ -383,6 +392,7 @@ impl<D: Device> CudaChannel<D> {
                     signal_count: &mut st.signal_count,
                     signals: mem.signals,
                     ref_ptr: self.ref_ptr,
+                    ctx: self.core.ctx,
                 });
                 let mut view = GpuView::new(&self.core.space, None);
                 let mut read = |va, buf: &mut [u8]| view.read(va, buf);
@@ -403,7 +413,7 @@ impl<D: Device> CudaChannel<D> {
                 let start = if idle {
                     Some(dev.mark(&self.stream).map_err(|e| {
                         log::warn!("cuda channel {:?}: {e}", self.core.id);
-                        (ErrorCode::Internal, 0)
+                        (e.fault_code(), 0)
                     })?)
                 } else {
                     None
@@ -422,7 +432,7 @@ impl<D: Device> CudaChannel<D> {
                 // guest's bad argument, not a GPU failure.
                 dev.issue(&self.stream, op).map_err(|e| {
                     log::debug!("cuda channel {:?}: issue {op:?}: {e}", self.core.id);
-                    (ErrorCode::BadKernelArgs, 0)
+                    (e.issue_code(), 0)
                 })?;
             }
             self.core.kernels.fetch_add(plan.kernels, Ordering::Relaxed);
@@ -533,6 +543,7 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
                     vram: &shared.vram,
                     hostreg: &shared.hostreg,
                     signals: shared.cfg.signal_max_blocks > 0,
+                    functions: &shared.functions,
                 },
                 &mut old_scratch,
                 &mut tl,

@@ -16,15 +16,19 @@
 //! registered with the driver when mapped, so kernels reach them over PCIe/C2C. See
 //! `docs/architecture/gpu.md` ("The `cuda` GPU").
 //!
-//! Isolation: one CUDA context for all tenants, with checked pointer arguments.
+//! Isolation: one CUDA context for all tenants, with checked pointer arguments. A guest's
+//! own module kernel cannot be checked so: modules load only where this GPU serves one
+//! VM in a process of its own ([`CudaConfig::guest_modules`], `modules`).
 
 mod channel;
 pub mod device;
 pub mod driver;
 pub mod error;
 pub mod fake;
+pub mod fake_modules;
 mod frontend;
 mod hostreg;
+mod modules;
 pub mod plan;
 pub mod timeline;
 mod vram;
@@ -90,6 +94,10 @@ pub struct CudaConfig {
     /// process, [`crate::gpu_turn`]); `None` in process, where one context's streams
     /// share the GPU without time-slicing.
     pub turn: Option<Arc<crate::gpu_turn::GpuTurn>>,
+    /// Whether guests may load their own modules: only where this GPU serves one VM in a
+    /// process of its own (a GPU worker). In the backend's process every VM shares one
+    /// CUDA context, and MODULE_LOAD is refused with `ModulesNeedWorker`.
+    pub guest_modules: bool,
 }
 
 impl Default for CudaConfig {
@@ -109,6 +117,7 @@ impl Default for CudaConfig {
             max_inflight: 64,
             signal_max_blocks: 1,
             turn: None,
+            guest_modules: false,
         }
     }
 }
@@ -128,6 +137,10 @@ pub(crate) struct Shared<D: Device> {
     /// Host memory registered with the driver (the front end splits operands at its
     /// pieces' ends: one driver call must not span two registrations).
     hostreg: Mutex<HostRegistry>,
+    /// Guests' modules by (context, module id).
+    modules: Mutex<std::collections::HashMap<(ContextId, u32), D::Module>>,
+    /// Functions contexts bound for LAUNCH_FUNCTION (read by the front end).
+    functions: Mutex<modules::FunctionTable>,
 }
 
 impl<D: Device> Shared<D> {
@@ -223,6 +236,8 @@ impl<D: Device> CudaGpuOf<D> {
             stats: Arc::default(),
             old_scratch: Mutex::new(Vec::new()),
             hostreg: Mutex::new(HostRegistry::default()),
+            modules: Mutex::new(Default::default()),
+            functions: Mutex::new(Default::default()),
         });
         let s = shared.clone();
         let thread = std::thread::Builder::new()
@@ -532,6 +547,7 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
         // pages) alive rather than let the GPU touch freed memory.
         match self.reap(&removed) {
             Ok(()) => {
+                self.forget_modules(ctx);
                 self.shared
                     .hostreg
                     .lock()
@@ -541,6 +557,9 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
             }
             Err(e) => {
                 log::warn!("cuda: context {ctx:?} destroyed with GPU work in flight: {e}");
+                // Its modules stay loaded (work in flight may run their code); its
+                // functions are unbound, so no new entry finds them.
+                self.unbind_functions(ctx);
                 Ok(())
             }
         }
@@ -679,6 +698,28 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
         self.drain(&self.context_channels(ctx))?;
         self.unregister_released(ctx);
         Ok(())
+    }
+
+    fn module_load(&self, ctx: ContextId, module: u32, image: &[u8]) -> Result<()> {
+        self.load_module(ctx, module, image)
+    }
+
+    fn module_unload(&self, ctx: ContextId, module: u32) -> Result<()> {
+        self.unload_module(ctx, module)
+    }
+
+    fn function_get(
+        &self,
+        ctx: ContextId,
+        module: u32,
+        name: &str,
+        function: u32,
+    ) -> Result<Option<Vec<ParamInfo>>> {
+        self.bind_function(ctx, module, name, function)
+    }
+
+    fn global_get(&self, ctx: ContextId, module: u32, name: &str) -> Result<GlobalInfo> {
+        self.module_global(ctx, module, name)
     }
 
     fn destroy_channel(&self, ch: ChannelId) -> Result<()> {

@@ -6,8 +6,11 @@
 //! this module produced from the issuing context's page tables. An operand that is not
 //! fully mapped (or is read-only but written) faults the channel before anything is issued.
 
+use std::sync::Arc;
+
 use vgpu_protocol::kernel::KernelArgs;
 use vgpu_protocol::method::Method;
+use vgpu_protocol::module::{param_bytes, FunctionLaunch, ParamInfo};
 use vgpu_protocol::{ErrorCode, SemaphoreMode};
 
 use crate::fifo::fetch::launch_args;
@@ -15,7 +18,7 @@ use crate::kernels::{FaultKind, MemFault, MAX_RESIDENT_BYTES};
 
 /// One operation on a channel's stream. Addresses are device pointers (for the real
 /// device: unified virtual addresses of registered host memory or device memory).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Op {
     /// A builtin kernel with pointer fields already translated.
     Launch(KernelArgs),
@@ -35,6 +38,22 @@ pub enum Op {
         value: u32,
         mode: SemaphoreMode,
     },
+    /// A guest module's function (the device's handle), its parameter buffer relocated.
+    LaunchFunction {
+        func: u64,
+        grid: [u32; 3],
+        block: [u32; 3],
+        shared_mem: u32,
+        params: Arc<[u8]>,
+    },
+}
+
+/// A function a context bound for `LAUNCH_FUNCTION`: the device's handle and, when known,
+/// its parameter layout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BoundFunction {
+    pub handle: u64,
+    pub params: Option<Vec<ParamInfo>>,
 }
 
 /// A kernel's fence signal: `value` into the channel's REF at `ptr` once every block of
@@ -89,6 +108,11 @@ pub trait Translate {
     /// The channel's block counter for kernels' fence signals (a zeroed word of device
     /// memory), or `None`: REF is then written by a stream write after the kernel.
     fn signal_count(&self) -> Option<u64> {
+        None
+    }
+    /// The function the issuing context bound to `id` (guest modules), if any.
+    fn function(&self, id: u32) -> Option<BoundFunction> {
+        let _ = id;
         None
     }
 }
@@ -517,6 +541,56 @@ fn resolve(o: &mut Operands<'_>, args: KernelArgs) -> Result<KernelArgs, PlanErr
     })
 }
 
+/// Plans a module function's launch: the function must be bound in the issuing context,
+/// the parameter buffer must match its layout when known, and every relocated pointer is
+/// translated like a builtin kernel's operand and must be one contiguous device piece.
+fn launch_function(
+    t: &dyn Translate,
+    l: &FunctionLaunch,
+    plan: &mut Plan,
+) -> Result<(), PlanError> {
+    let f = t
+        .function(l.function)
+        .ok_or((ErrorCode::BadKernel, l.function.into()))?;
+    let bad_args = (ErrorCode::BadKernelArgs, u64::from(l.function));
+    if let Some(layout) = &f.params {
+        if param_bytes(layout) != l.params.len() as u64 {
+            return Err(bad_args);
+        }
+        // A relocation replaces a whole 8-byte parameter, never part of one.
+        if l.relocs
+            .iter()
+            .any(|r| !layout.iter().any(|p| p.offset == r.offset && p.size == 8))
+        {
+            return Err(bad_args);
+        }
+    }
+    let mut params = l.params.clone();
+    for r in &l.relocs {
+        let at = r.offset as usize;
+        let field = params.get_mut(at..at + 8).ok_or(bad_args)?;
+        let va = u64::from_le_bytes(field.try_into().map_err(|_| bad_args)?);
+        let runs = t.runs(va, r.extent, r.write).map_err(fault)?;
+        // Pieces that follow each other in the device's address space (host memory
+        // registered piece by piece, say) are one range to a kernel.
+        let contiguous = runs.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0);
+        match runs.first() {
+            Some(&(ptr, _)) if contiguous => field.copy_from_slice(&ptr.to_le_bytes()),
+            // Pieced in device memory: a kernel indexing from one pointer cannot follow.
+            _ => return Err((ErrorCode::BadKernelArgs, va)),
+        }
+    }
+    plan.kernels += 1;
+    plan.ops.push(Op::LaunchFunction {
+        func: f.handle,
+        grid: l.grid,
+        block: l.block,
+        shared_mem: l.shared_mem,
+        params: params.into(),
+    });
+    Ok(())
+}
+
 /// Plans one GP entry. `read_args` fetches a launch's argument block from guest memory.
 pub fn plan_entry(
     methods: &[Method],
@@ -524,25 +598,32 @@ pub fn plan_entry(
     read_args: &mut ArgReader<'_>,
 ) -> Result<Plan, PlanError> {
     let mut plan = Plan::default();
-    for &m in methods {
-        match m {
+    for m in methods {
+        match *m {
             Method::Nop => {}
+            Method::LaunchFunction(ref l) => launch_function(t, l, &mut plan)?,
             // On the GPU, REF moves as soon as the stream gets there, whatever entries
             // share the completion mark (a guest waiting on an entry's fence must not wait
             // for the whole batch).
             Method::SetRef { value } => match t.ref_ptr() {
                 // Right after a kernel: the kernel writes it (one driver call fewer).
-                Some(ptr) => match (plan.ops.last().copied(), t.signal_count()) {
-                    (Some(Op::Launch(args)), Some(count)) => {
-                        if let Some(last) = plan.ops.last_mut() {
-                            *last = Op::LaunchSignal(args, Signal { ptr, value, count });
+                Some(ptr) => {
+                    let after_kernel = match plan.ops.last() {
+                        Some(Op::Launch(args)) => Some(*args),
+                        _ => None,
+                    };
+                    match after_kernel.and_then(|a| t.signal_count().map(|c| (a, c))) {
+                        Some((args, count)) => {
+                            if let Some(last) = plan.ops.last_mut() {
+                                *last = Op::LaunchSignal(args, Signal { ptr, value, count });
+                            }
+                        }
+                        _ => {
+                            plan.ops.push(Op::WriteValue { ptr, value });
+                            plan.ref_writes += 1;
                         }
                     }
-                    _ => {
-                        plan.ops.push(Op::WriteValue { ptr, value });
-                        plan.ref_writes += 1;
-                    }
-                },
+                }
                 None => plan.host.push(HostAction::SetRef(value)),
             },
             Method::Notify { token } => plan.host.push(HostAction::Notify(token)),
@@ -714,7 +795,12 @@ mod tests {
         };
         let launched = Op::Launch(resolved);
         let fence = Method::SetRef { value: 7 };
-        let p = plan_entry(&[launch_of(args), fence], &t, &mut args_reader(args)).unwrap();
+        let p = plan_entry(
+            &[launch_of(args), fence.clone()],
+            &t,
+            &mut args_reader(args),
+        )
+        .unwrap();
         let signal = Signal {
             ptr: 0xf000_0010,
             value: 7,
@@ -728,7 +814,7 @@ mod tests {
             dst: 0x10_8000,
             len: 64,
         };
-        let p = plan_entry(&[copy, fence], &t, &mut args_reader(args)).unwrap();
+        let p = plan_entry(&[copy, fence.clone()], &t, &mut args_reader(args)).unwrap();
         assert_eq!(
             p.ops.last(),
             Some(&Op::WriteValue {

@@ -86,12 +86,17 @@ pub fn host_prefix(ch: &SimChannel, vram: &SharedMem, item: &mut WorkItem) -> St
 /// Runs `item` from its current method until it finishes, stalls, starts a spin or fails.
 pub fn run(ch: &SimChannel, vram: &SharedMem, item: &mut WorkItem, abort: &AtomicBool) -> Step {
     let mut view = GpuView::new(&ch.core.space, Some(vram));
-    while let Some(&m) = item.methods.get(item.pc) {
+    while let Some(m) = item.methods.get(item.pc).cloned() {
         if ch.core.is_stopped() || abort.load(Ordering::Relaxed) {
             return Step::Aborted;
         }
         match m {
             Method::Nop => {}
+            // The sim runs builtin kernels only: a guest's module function cannot exist
+            // here (MODULE_LOAD is refused), and its launch says which GPU runs them.
+            Method::LaunchFunction(l) => {
+                return Step::Fault(ErrorCode::ModulesNeedCudaGpu, l.function.into())
+            }
             Method::SetRef { value } => ch.core.store(ControlPage::REF, value),
             Method::Notify { token } => ch.core.notify(token),
             Method::SemRelease {

@@ -5,6 +5,7 @@
 
 pub mod cuda_cases;
 pub mod kernels;
+pub mod module_cases;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};

@@ -2,7 +2,8 @@
 //! a process's memory (GP ring at its start, push buffers, kernel arguments and data after
 //! it) and GP_PUT; a channel of a fresh context runs them on the real `SimGpu` for at most
 //! `DEADLINE`. It must never panic, only ever fault its own channel with a guest error
-//! (`BadGpEntry`, `BadMethod`, `BadKernelArgs`, `MmuFault`), and never touch memory
+//! (`BadGpEntry`, `BadMethod`, `BadKernelArgs`, `MmuFault`; `ModulesNeedCudaGpu` for a
+//! module function's launch, which the sim refuses), and never touch memory
 //! outside the channel's address space: guard bytes around the process's memory, a
 //! read-only mapping, and another context's system memory and VRAM (mapped at the same
 //! VAs) must come out unchanged.
@@ -254,6 +255,8 @@ fuzz_target!(|data: &[u8]| {
                     | ErrorCode::BadMethod
                     | ErrorCode::BadKernelArgs
                     | ErrorCode::MmuFault
+                    // A module function's launch: the sim runs builtin kernels only.
+                    | ErrorCode::ModulesNeedCudaGpu
             ),
             "channel fault {code:?} is not a guest error"
         );

@@ -82,7 +82,8 @@ fuzz_target!(|data: &[u8]| {
         rest = next;
         let mut req = Vec::with_capacity(16 + n);
         if flags & 2 == 0 {
-            for v in [u32::from(op % 14), u32::from(pid % 4), u32::from(ctx % 6), 0] {
+            // Every opcode (1..=19, the module requests included) and 0, which none is.
+            for v in [u32::from(op % 20), u32::from(pid % 4), u32::from(ctx % 6), 0] {
                 req.extend_from_slice(&v.to_le_bytes());
             }
         } else {

@@ -201,6 +201,28 @@ pub struct SessionState {
     pub last_context: u32,
     pub last_mem: u32,
     pub last_channel: u32,
+    /// Guests' modules and the functions bound from them (issue 31; not migrated: a VM
+    /// with a module refuses to save its state).
+    pub modules: BTreeMap<u32, ModuleState>,
+    pub functions: BTreeMap<u32, FunctionState>,
+    pub last_module: u32,
+    pub last_function: u32,
+}
+
+/// A guest's module: who loaded it, into which context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModuleState {
+    pub pid: u32,
+    pub ctx: u32,
+    pub bytes: u64,
+}
+
+/// A function bound for LAUNCH_FUNCTION: its process, context and module.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FunctionState {
+    pub pid: u32,
+    pub ctx: u32,
+    pub module: u32,
 }
 
 /// HAL handles of a session's objects on this host.
@@ -666,10 +688,14 @@ impl Session {
             self.state.last_mem,
             self.state.last_channel,
         );
+        let (last_module, last_function) = (self.state.last_module, self.state.last_function);
+        // Modules went with their contexts.
         self.state = SessionState {
             last_context,
             last_mem,
             last_channel,
+            last_module,
+            last_function,
             ..SessionState::default()
         };
         self.shared.events.reset();

@@ -97,6 +97,23 @@ fn every_command() -> Vec<Command> {
             to_vram: false,
         },
         Command::Shutdown,
+        Command::ModuleLoad {
+            ctx: 3,
+            module: 1,
+            len: 32 << 20,
+        },
+        Command::ModuleUnload { ctx: 3, module: 1 },
+        Command::FunctionGet {
+            ctx: 3,
+            module: 1,
+            function: 4,
+            name: b"_Z4vaddPjS_S_j".to_vec(),
+        },
+        Command::GlobalGet {
+            ctx: 3,
+            module: 1,
+            name: vec![b'g'; vgpu_protocol::module::MAX_SYMBOL_LEN],
+        },
     ]
 }
 
@@ -108,8 +125,22 @@ fn fds_of(frame: &[u8]) -> u8 {
 fn every_command_round_trips_with_its_fds() {
     for (seq, c) in every_command().into_iter().enumerate() {
         let f = encode_command(seq as u32, &c);
-        assert_eq!(decode_command(&f, fds_of(&f)), Ok((seq as u32, c)), "{c:?}");
+        assert_eq!(
+            decode_command(&f, fds_of(&f)),
+            Ok((seq as u32, c.clone())),
+            "{c:?}"
+        );
     }
+    // A module image comes with its memfd.
+    let f = encode_command(
+        1,
+        &Command::ModuleLoad {
+            ctx: 1,
+            module: 2,
+            len: 100,
+        },
+    );
+    assert_eq!(fds_of(&f), 1);
     // The ones that carry a memfd say so in the header.
     let f = encode_command(1, &Command::CopyBuffer { len: 4096 });
     assert_eq!(fds_of(&f), 1);
@@ -138,10 +169,29 @@ fn every_reply_round_trips() {
         Reply::Error {
             code: ErrorCode::NoMemory,
         },
+        Reply::Function { params: None },
+        Reply::Function {
+            params: Some(
+                (0..vgpu_protocol::module::MAX_FUNCTION_PARAMS as u32)
+                    .map(|i| vgpu_protocol::module::ParamInfo {
+                        offset: i * 8,
+                        size: 8,
+                    })
+                    .collect(),
+            ),
+        },
+        Reply::Global {
+            addr: 0x7f00_0000_1000,
+            size: 4,
+        },
     ];
-    for (seq, r) in replies.into_iter().enumerate() {
-        let f = encode_reply(seq as u32, &r);
-        assert_eq!(decode_reply(&f, fds_of(&f)), Ok((seq as u32, r)), "{r:?}");
+    for (seq, r) in replies.iter().enumerate() {
+        let f = encode_reply(seq as u32, r);
+        assert_eq!(
+            decode_reply(&f, fds_of(&f)),
+            Ok((seq as u32, r.clone())),
+            "{r:?}"
+        );
     }
     // The Hello reply brings the control pages and the counters page.
     assert_eq!(fds_of(&encode_reply(0, &replies[1])), 2);
@@ -328,6 +378,32 @@ fn fields_out_of_range_are_refused() {
             len: 0,
             to_vram: true,
         },
+        Command::ModuleLoad {
+            ctx: 0,
+            module: 1,
+            len: 0,
+        },
+        Command::ModuleLoad {
+            ctx: 0,
+            module: 1,
+            len: (32 << 20) + 1,
+        },
+        Command::FunctionGet {
+            ctx: 0,
+            module: 1,
+            function: 1,
+            name: Vec::new(),
+        },
+        Command::GlobalGet {
+            ctx: 0,
+            module: 1,
+            name: b"with space".to_vec(),
+        },
+        Command::GlobalGet {
+            ctx: 0,
+            module: 1,
+            name: vec![b'g'; vgpu_protocol::module::MAX_SYMBOL_LEN + 1],
+        },
     ];
     for c in bad {
         let f = encode_command(1, &c);
@@ -335,6 +411,25 @@ fn fields_out_of_range_are_refused() {
             matches!(decode_command(&f, fds_of(&f)), Err(WireError::Field(_))),
             "accepted {c:?}"
         );
+    }
+    // A parameter layout past the parameter buffer's limit, or longer than a reply's.
+    for params in [
+        vec![vgpu_protocol::module::ParamInfo {
+            offset: 4092,
+            size: 8,
+        }],
+        vec![vgpu_protocol::module::ParamInfo { offset: 0, size: 1 }; 129],
+    ] {
+        let f = encode_reply(
+            1,
+            &Reply::Function {
+                params: Some(params),
+            },
+        );
+        assert!(matches!(
+            decode_reply(&f, fds_of(&f)),
+            Err(WireError::Field(_))
+        ));
     }
     // An error code or a flag byte no encoder writes.
     let mut f = encode_command(
@@ -380,7 +475,7 @@ proptest! {
     #[test]
     fn a_changed_byte_never_panics(i in 0usize..64, v in any::<u8>(), which in 0usize..21) {
         let cmds = every_command();
-        let c = cmds[which % cmds.len()];
+        let c = cmds[which % cmds.len()].clone();
         let mut f = encode_command(3, &c);
         let n = f.len();
         f[i % n] = v;

@@ -75,4 +75,8 @@ pub enum MigrationError {
     Panicked,
     #[error("pre-copy stream: {0}")]
     Unexpected(&'static str),
+    /// Guest-loaded modules are not migrated yet (docs/design/guest-modules.md): the
+    /// VM stays where it is, running.
+    #[error("the VM has {0} guest module(s) loaded: migrating guest modules is not supported yet")]
+    GuestModules(usize),
 }

@@ -37,6 +37,10 @@ impl Session {
         if !self.hold.paused {
             return Err(MigrationError::NotPaused);
         }
+        // Guests' modules are not part of the device state yet (issue 31).
+        if !self.state.modules.is_empty() {
+            return Err(MigrationError::GuestModules(self.state.modules.len()));
+        }
         let vm = VmRecord {
             last_context: self.state.last_context,
             last_mem: self.state.last_mem,

@@ -91,6 +91,9 @@ impl Session {
         u.page_table_bytes = u.page_table_bytes.saturating_sub(tables);
         self.hal.contexts.remove(&ctx);
         self.state.contexts.remove(&ctx);
+        // Its modules and functions went with the GPU's context.
+        self.state.modules.retain(|_, m| m.ctx != ctx);
+        self.state.functions.retain(|_, f| f.ctx != ctx);
         // 3. Mappings and VRAM objects of the context.
         let keys: Vec<(u32, u64)> = self
             .state

@@ -15,6 +15,7 @@
 mod channels;
 mod contexts;
 mod memory;
+mod modules;
 
 #[cfg(test)]
 pub(in crate::vm) use memory::record_of;
@@ -34,7 +35,7 @@ use vgpu_protocol::{ErrorCode, PAGE_SIZE, PROTOCOL_VERSION};
 
 use crate::capacity::Resource;
 use crate::events::ChannelSink;
-use crate::guest_mem::{GuestMemory, GuestSysMemory};
+use crate::guest_mem::{contains_range, GuestMemory, GuestSysMemory};
 use crate::shadow::Holder;
 use crate::shmem::{aperture_window_free, first_fit_aperture, free_slot, page_round_up, ShmMapper};
 use crate::vm::session::{
@@ -156,6 +157,10 @@ impl Session {
             Op::DestroyChannel { channel } => self.destroy_channel(pid, ctx, *channel, shm),
             Op::Submit { channel, gp_put } => self.submit(pid, ctx, *channel, *gp_put),
             Op::ChannelStatus { channel } => self.channel_status(pid, ctx, *channel),
+            Op::ModuleLoad { ranges } => self.module_load(pid, ctx, ranges, mem),
+            Op::ModuleUnload { module } => self.module_unload(pid, ctx, *module),
+            Op::FunctionGet { module, name } => self.function_get(pid, ctx, *module, name),
+            Op::GlobalGet { module, name } => self.global_get(pid, ctx, *module, name),
         }
     }
 
