@@ -115,8 +115,8 @@ pub fn memfd(name: &str, len: u64) -> io::Result<std::os::fd::OwnedFd> {
 /// A sealed memfd holding `bytes`: once sealed, nobody (the backend included) can write,
 /// grow or shrink it, so the worker reads exactly what the backend read from the guest.
 pub fn sealed_memfd(name: &str, bytes: &[u8]) -> io::Result<std::os::fd::OwnedFd> {
+    use std::io::Write;
     use std::os::fd::FromRawFd;
-    use std::os::unix::fs::FileExt;
     let cname =
         std::ffi::CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: `cname` is a valid NUL-terminated string; the flags are valid.
@@ -127,8 +127,9 @@ pub fn sealed_memfd(name: &str, bytes: &[u8]) -> io::Result<std::os::fd::OwnedFd
     }
     // SAFETY: `raw` is a fresh fd nothing else owns.
     let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
-    let file = std::fs::File::from(fd);
-    file.write_all_at(bytes, 0)?;
+    let mut file = std::fs::File::from(fd);
+    // write(2) at the fresh file's start (what the backend's filters allow; not pwrite).
+    file.write_all(bytes)?;
     let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE | libc::F_SEAL_SEAL;
     // SAFETY: fcntl on a memfd we own; no memory-safety preconditions.
     if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {

@@ -37,7 +37,8 @@ fn launcher(tag: &str, gpu: &str, args: &[&str]) -> BackendLauncher {
 fn workers(tag: &str) -> BackendLauncher {
     let real =
         std::env::var("VGPU_WORKER_GPU").is_ok_and(|g| g.starts_with("cuda:") || g == "cuda");
-    let mut args = vec!["--gpu-workers", "--seccomp", "off"];
+    // The default sandbox: the backend and its workers under `--seccomp kill`.
+    let mut args = vec!["--gpu-workers"];
     if !real {
         args.extend(["--test-worker-gpu", "cuda-fake"]);
     }
