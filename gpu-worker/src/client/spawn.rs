@@ -163,7 +163,12 @@ pub(crate) fn fork_worker(
     let (events, events_child) = socket::pair()?;
     let (a, b) = (cmd_child.as_raw_fd(), events_child.as_raw_fd());
     let mut c = Command::new(program);
-    c.args(args).stdin(Stdio::null());
+    // No JIT cache on the host's disk: a guest module's PTX compiled by the driver would
+    // otherwise be written under $HOME/.nv (a file system the worker's filter keeps it
+    // from creating directories in, and guest bytes that would outlive the VM).
+    c.args(args)
+        .stdin(Stdio::null())
+        .env("CUDA_CACHE_DISABLE", "1");
     // SAFETY: the closure runs in the child between fork and exec and calls only
     // async-signal-safe functions (fcntl, dup2, prctl, getppid, close_range) on fds it
     // owns there.
