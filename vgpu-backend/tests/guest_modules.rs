@@ -53,6 +53,16 @@ fn raw(vm: &LoopbackVm, pid: u32, ctx: u32, op: Op) -> Result<ReplyBody, ErrorCo
 }
 
 /// `c = a + b` over `n` u32 in VRAM through the module's kernel, checked on the CPU.
+/// Submits what `ch` has pending and expects the channel to fault with `code`.
+fn expect_fault(ch: &mut vgpu_guest::Channel, code: ErrorCode) {
+    let f = ch.submit().unwrap();
+    let r = ch.wait_timeout(f, PATIENCE);
+    assert!(
+        matches!(r, Err(Error::ChannelFault { code: c, .. }) if c == code),
+        "{r:?}, expected a {code:?} fault"
+    );
+}
+
 fn vadd_round(ctx: &Context, f: &vgpu_guest::Function, seed: u32) -> Result<bool, Error> {
     let bytes = u64::from(N) * 4;
     let (a, b, c) = (
@@ -284,58 +294,19 @@ fn hostile_module_requests_get_their_codes_and_the_backend_stays_up() {
     let mut ch = c8.create_channel().unwrap();
     ch.launch_function(&bogus, [1, 1, 1], [1, 1, 1], &[Arg::U32(1)])
         .unwrap();
-    let r = {
-        let f = ch.submit().unwrap();
-        ch.wait_timeout(f, PATIENCE)
-    };
-    assert!(
-        matches!(
-            r,
-            Err(Error::ChannelFault {
-                code: ErrorCode::BadKernel,
-                ..
-            })
-        ),
-        "{r:?}"
-    );
+    expect_fault(&mut ch, ErrorCode::BadKernel);
     // Another context's function, on this one's channel.
     let other = c8b.load_module(PTX.as_bytes()).unwrap();
     let theirs = other.function("vgpu_test_set_global").unwrap();
     let mut ch = c8.create_channel().unwrap();
     ch.launch_function(&theirs, [1, 1, 1], [1, 1, 1], &[Arg::U32(1)])
         .unwrap();
-    let r = {
-        let f = ch.submit().unwrap();
-        ch.wait_timeout(f, PATIENCE)
-    };
-    assert!(
-        matches!(
-            r,
-            Err(Error::ChannelFault {
-                code: ErrorCode::BadKernel,
-                ..
-            })
-        ),
-        "{r:?}"
-    );
+    expect_fault(&mut ch, ErrorCode::BadKernel);
     // A parameter buffer that lies about its size: 4 KiB claimed, 8 bytes there.
     let mut ch = c8.create_channel().unwrap();
     ch.push_raw_words(&[0x0a07, vadd.id, 1, 1, 1, 1, 1, 1, 0, 4096, 0, 0, 0])
         .unwrap();
-    let r = {
-        let f = ch.submit().unwrap();
-        ch.wait_timeout(f, PATIENCE)
-    };
-    assert!(
-        matches!(
-            r,
-            Err(Error::ChannelFault {
-                code: ErrorCode::BadMethod,
-                ..
-            })
-        ),
-        "{r:?}"
-    );
+    expect_fault(&mut ch, ErrorCode::BadMethod);
     // A buffer of the wrong size for the function's layout (24 bytes, not 28).
     let buf = c8.alloc_vram(4096).unwrap();
     let mut short = vadd.clone();
@@ -352,20 +323,7 @@ fn hostile_module_requests_get_their_codes_and_the_backend_stays_up() {
         ],
     )
     .unwrap();
-    let r = {
-        let f = ch.submit().unwrap();
-        ch.wait_timeout(f, PATIENCE)
-    };
-    assert!(
-        matches!(
-            r,
-            Err(Error::ChannelFault {
-                code: ErrorCode::BadKernelArgs,
-                ..
-            })
-        ),
-        "{r:?}"
-    );
+    expect_fault(&mut ch, ErrorCode::BadKernelArgs);
     // The VM still runs verified module work, and the backend is up.
     assert!(vadd_round(&c8, &vadd, 9).unwrap());
     backend.alive().expect("the backend is up");
@@ -477,20 +435,7 @@ fn the_sim_refuses_module_loads_saying_which_gpu_runs_them() {
     };
     let mut ch = ctx.create_channel().unwrap();
     ch.launch_function(&f, [1, 1, 1], [1, 1, 1], &[]).unwrap();
-    let r = {
-        let f = ch.submit().unwrap();
-        ch.wait_timeout(f, PATIENCE)
-    };
-    assert!(
-        matches!(
-            r,
-            Err(Error::ChannelFault {
-                code: ErrorCode::ModulesNeedCudaGpu,
-                ..
-            })
-        ),
-        "{r:?}"
-    );
+    expect_fault(&mut ch, ErrorCode::ModulesNeedCudaGpu);
     vm.disconnect();
 }
 
