@@ -179,13 +179,15 @@ fn a_killed_worker_loses_its_gpu_and_no_other() {
 #[test]
 fn a_worker_whose_gpu_faults_exits_and_counts_as_a_gpu_fault() {
     let mut prog = program("cuda-fake");
+    // Late enough that a loaded machine has set the context up first (300 ms was not
+    // always), and inside the spin below.
     prog.args
-        .extend(["--test-fault-after-ms", "300"].map(String::from));
+        .extend(["--test-fault-after-ms", "1500"].map(String::from));
     let a = WorkerGpu::start(&prog, &WorkerOptions::default()).unwrap();
     let b = worker();
     let (pa, pb) = (Proc::new(&a, SYS_BASE), Proc::new(&b, SYS_BASE));
     let (mut ca, mut cb) = (pa.channel(0), pb.channel(0));
-    let m = ca.launch(&spin(2_000_000_000));
+    let m = ca.launch(&spin(10_000_000_000));
     ca.submit(&[m]);
     wait_for("a's DeviceLost event", || {
         ca.events.0.lock().unwrap().iter().any(|e| {
