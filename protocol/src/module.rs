@@ -84,7 +84,10 @@ pub fn check_launch(l: &FunctionLaunch) -> Result<(), &'static str> {
         return Err("grid");
     }
     let [bx, by, bz] = l.block;
-    let threads = u64::from(bx) * u64::from(by) * u64::from(bz);
+    // Three u32s can overflow a u64's product: saturate (the limit refuses it anyway).
+    let threads = u64::from(bx)
+        .saturating_mul(u64::from(by))
+        .saturating_mul(u64::from(bz));
     if threads == 0 || threads > MAX_BLOCK_THREADS || bz > MAX_BLOCK_Z {
         return Err("block");
     }
@@ -139,6 +142,8 @@ mod tests {
         assert_eq!(bad(|l| l.grid = [1, 65536, 1]), "grid");
         assert_eq!(bad(|l| l.block = [1025, 1, 1]), "block");
         assert_eq!(bad(|l| l.block = [1, 1, 65]), "block");
+        // A product past u64 (the fuzzer's find) is refused, not an overflow.
+        assert_eq!(bad(|l| l.block = [u32::MAX; 3]), "block");
         assert_eq!(bad(|l| l.shared_mem = MAX_SHARED_MEM + 1), "shared memory");
         assert_eq!(bad(|l| l.params = vec![0; 4097]), "parameter bytes");
         assert_eq!(bad(|l| l.relocs[0].offset = 4), "relocation");
