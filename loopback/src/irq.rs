@@ -88,10 +88,11 @@ pub(crate) fn irq_loop(
         if fds[3].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
             warn!("backend hung up");
             sock = -1;
+            // The backend has freed what it mapped into the BAR. Cleared before the
+            // requests fail, so whoever sees the device dead sees the window empty too.
+            shm.clear();
             ctrl.kill();
             events.kill();
-            // The backend has freed what it mapped into the BAR.
-            shm.clear();
             ctrl.link.report_lost("the backend hung up");
         }
         let ctrl_irq = fds[1].revents != 0;
