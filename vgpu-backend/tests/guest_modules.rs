@@ -176,20 +176,7 @@ fn module_kernels_run_on_guest_buffers_through_a_worker() {
     let mut ch2 = ctx.create_channel().unwrap();
     ch2.launch_function(&set, [1, 1, 1], [1, 1, 1], &[Arg::U32(1)])
         .unwrap();
-    let r = {
-        let f = ch2.submit().unwrap();
-        ch2.wait_timeout(f, PATIENCE)
-    };
-    assert!(
-        matches!(
-            r,
-            Err(Error::ChannelFault {
-                code: ErrorCode::BadKernel,
-                ..
-            })
-        ),
-        "{r:?}"
-    );
+    expect_fault(&mut ch2, ErrorCode::BadKernel);
     backend.alive().expect("the backend is up");
     vm.disconnect();
 }
