@@ -58,6 +58,20 @@ pub fn backend_bin(built: Option<&Path>) -> PathBuf {
     bin
 }
 
+/// The flags after `--config` of a backend whose `cuda` GPU runs a worker per VM
+/// (`--gpu-workers`): on the CPU test device, or on the real GPU when `VGPU_WORKER_GPU`
+/// says `cuda` (as `ci/device/run.sh` does). The sandbox stays the default
+/// (`--seccomp kill`, backend and workers).
+pub fn gpu_worker_args() -> Vec<&'static str> {
+    let real =
+        std::env::var("VGPU_WORKER_GPU").is_ok_and(|g| g.starts_with("cuda:") || g == "cuda");
+    let mut args = vec!["--gpu-workers"];
+    if !real {
+        args.extend(["--test-worker-gpu", "cuda-fake"]);
+    }
+    args
+}
+
 /// How to start the backend binary, and the directory its processes share.
 pub struct BackendLauncher {
     bin: PathBuf,

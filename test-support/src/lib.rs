@@ -27,7 +27,8 @@ use vgpu_loopback::{LoopbackConfig, LoopbackError, LoopbackVm};
 use vgpu_vmm::reconnect::FaultPolicy;
 
 pub use backend_process::{
-    backend_bin, BackendLauncher, BackendProcess, PROCESS_PATIENCE, TERMINATE_TIMEOUT,
+    backend_bin, gpu_worker_args, BackendLauncher, BackendProcess, PROCESS_PATIENCE,
+    TERMINATE_TIMEOUT,
 };
 
 /// How long [`Host::connect`] keeps trying.

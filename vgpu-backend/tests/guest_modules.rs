@@ -35,14 +35,7 @@ fn launcher(tag: &str, gpu: &str, args: &[&str]) -> BackendLauncher {
 /// The backend with a worker per VM: on the fake device, or on the real GPU when
 /// `VGPU_WORKER_GPU` says `cuda`.
 fn workers(tag: &str) -> BackendLauncher {
-    let real =
-        std::env::var("VGPU_WORKER_GPU").is_ok_and(|g| g.starts_with("cuda:") || g == "cuda");
-    // The default sandbox: the backend and its workers under `--seccomp kill`.
-    let mut args = vec!["--gpu-workers"];
-    if !real {
-        args.extend(["--test-worker-gpu", "cuda-fake"]);
-    }
-    launcher(tag, "cuda", &args)
+    launcher(tag, "cuda", &vgpu_test_support::gpu_worker_args())
 }
 
 /// One raw request: its reply's status and body.

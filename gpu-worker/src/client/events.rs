@@ -55,6 +55,7 @@ pub(super) fn run(inner: Arc<Inner>) {
     inner.lose(super::LossKind::Exited, &why);
     // No zombie waits for the handle's drop.
     super::reap(&inner);
+    inner.fail_pages();
     for (ch, sink) in inner.take_sinks() {
         sink.event(GpuEvent::Error {
             channel: ChannelId(ch),

@@ -17,7 +17,7 @@ pub mod spawn;
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -29,7 +29,7 @@ use vgpu_host_shim::{
     GlobalInfo, Gpu, GpuInfo, HalError, MapFlags, MapTarget, PageSize, ParamInfo, SysMemory,
     VramAlloc,
 };
-use vgpu_protocol::{ErrorCode, PAGE_SIZE};
+use vgpu_protocol::{ControlPage, ErrorCode, PAGE_SIZE};
 use vgpu_worker_wire::counters;
 use vgpu_worker_wire::{decode_reply, encode_command, Command, Reply, Resume, Target};
 
@@ -167,6 +167,10 @@ pub(crate) struct Inner {
     timeout: Duration,
     /// The worker's slot in the GPU turn, cleared when it is lost.
     turn: Option<crate::turn::TurnLease>,
+    /// The channels' control pages, mapped here too: when the worker is lost, this side
+    /// writes each channel's `DeviceLost` into its page as the GPU would have (a guest
+    /// polling its page sees the loss without an event).
+    pages: std::sync::OnceLock<Mapping>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -183,6 +187,33 @@ impl Inner {
             .iter()
             .map(|(ch, c)| (*ch, c.sink.clone()))
             .collect()
+    }
+
+    /// Writes `DeviceLost` into the control page of every channel that shows no error
+    /// yet (the lost worker can no longer write its own).
+    fn fail_pages(&self) {
+        let Some(pages) = self.pages.get() else {
+            return;
+        };
+        for c in lock(&self.channels).values() {
+            let Some(page) = pages.ptr(u64::from(c.slot) * PAGE_SIZE, PAGE_SIZE) else {
+                continue;
+            };
+            // SAFETY: `page` is a 4 KiB page of the mapping, which lives as long as
+            // `self`; ERROR (u32) and ERROR_INFO (u64) are naturally aligned words of it,
+            // which everyone else (the guest, the dead worker) accesses atomically too.
+            let (error, info) = unsafe {
+                (
+                    &*page.add(ControlPage::ERROR).cast::<AtomicU32>(),
+                    &*page.add(ControlPage::ERROR_INFO).cast::<AtomicU64>(),
+                )
+            };
+            if error.load(Ordering::Acquire) == 0 {
+                // As the GPU orders them: ERROR_INFO before ERROR.
+                info.store(0, Ordering::Release);
+                error.store(ErrorCode::DeviceLost as u32, Ordering::Release);
+            }
+        }
     }
 
     fn shutting_down(&self) -> bool {
@@ -409,6 +440,7 @@ impl WorkerGpu {
             channels: Mutex::new(HashMap::new()),
             timeout: opts.call_timeout,
             turn,
+            pages: std::sync::OnceLock::new(),
         });
         // From here on a failure must not leave the process behind.
         let fail = |e: StartError| {
@@ -417,6 +449,9 @@ impl WorkerGpu {
             e
         };
         let (gi, pages, counters) = hello(&inner, opts.worker).map_err(fail)?;
+        let pages_len = u64::from(gi.max_channels) * PAGE_SIZE;
+        let map = Mapping::new(pages.as_fd(), 0, pages_len, true).map_err(StartError::Pages);
+        let _ = inner.pages.set(map.map_err(fail)?);
         let copy_fd = memfd("vgpu-worker-copy", opts.copy_buffer)
             .map_err(|e| fail(StartError::CopyBuffer(e)))?;
         let copy = Mapping::new(copy_fd.as_fd(), 0, opts.copy_buffer, true)

@@ -177,6 +177,13 @@ impl Buffer {
         Ok(Some(unsafe { cpu.as_ptr().add(off) }))
     }
 
+    /// The CPU address of the buffer's first byte, for code that hands the memory to
+    /// others (a C library's pinned host memory); `None` where the CPU has no view of
+    /// it (staged VRAM). Valid while the buffer lives.
+    pub fn cpu_ptr(&self) -> Result<Option<*mut u8>> {
+        self.at(0, 0)
+    }
+
     /// Whether the CPU reaches this buffer through the copy engine (no CPU view).
     pub fn is_staged(&self) -> Result<bool> {
         Ok(matches!(self.access()?, CpuAccess::Staged))

@@ -259,7 +259,16 @@ pub fn semaphores_order_channels<G: Gpu + ?Sized>(gpu: &Arc<G>) {
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(waiter.ctrl.load(vgpu_protocol::ControlPage::GP_GET), 0);
     assert_eq!(p.peek(DATA_OFF + 0x1000, 4), vec![0; 4]);
-    let waited = gpu.channel_counters(waiter.id).unwrap().sem_wait_ns;
+    // Counters may lag (a worker publishes them every millisecond, later on a loaded
+    // machine): wait for the figure rather than read it once.
+    let t = std::time::Instant::now();
+    let waited = loop {
+        let w = gpu.channel_counters(waiter.id).unwrap().sem_wait_ns;
+        if w >= 20_000_000 || t.elapsed() > Duration::from_secs(2) {
+            break w;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    };
     assert!(
         waited >= 20_000_000,
         "waited {waited} ns of 50 ms on the semaphore"
