@@ -34,6 +34,11 @@
 #                     (PTX JIT-compiled by the driver), and the end-to-end test through
 #                     vgpu-backend --gpu-workers (vector adds, a global, hostile inputs, a
 #                     wild kernel losing its VM's worker beside another VM)
+#   libcuda     GPU   the guest libcuda.so.1 (issue 31): the C programs of
+#                     guest-driver/libcuda/tests/c through vgpu-backend --gpu-workers, then
+#                     the same binaries with NVIDIA's libcuda.so.1 and with vgpu's, side by
+#                     side (RUNS rounds, default 3): identical results, the launch rate of
+#                     10,000 small kernels and the time of a large vector add, as ratios
 #   fuzz        CPU   every cargo-fuzz target at once in libFuzzer's fork mode for SECS
 #                     seconds (default 560); WORKERS="virtqueue=3 session=3 ..." picks the
 #                     targets and worker counts (default: 2 workers each)
@@ -45,11 +50,12 @@ ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
 die() { echo "device/run: $*" >&2; exit 1; }
 
-ALL_SUITES="gpu vram large cuda swap sandboxed mps seccomp quiet-sched workers modules fuzz"
+ALL_SUITES="gpu vram large cuda swap sandboxed mps seccomp quiet-sched workers modules libcuda fuzz"
 FUZZ_CRATES="protocol vgpu-backend"
 
 # What each suite needs from the build machine: "bin:CRATE:NAME[:FEATURES]",
-# "test:CRATE:NAME", "example:CRATE:NAME" and "fuzz".
+# "test:CRATE:NAME", "example:CRATE:NAME", "fuzz" and "libcuda" (the guest library as
+# libcuda.so.1 and the C test programs linked against it, in DIR/libcuda).
 needs() {
     case "$1" in
         gpu) echo "test:vgpu-host-shim:cuda_gpu" ;;
@@ -66,6 +72,7 @@ needs() {
                       "bin:vgpu-backend:vgpu-backend bin:vgpu-guest-tools:vgpu-smoke:native,loopback" ;;
         modules) echo "test:vgpu-gpu-worker:worker_cuda bin:vgpu-gpu-worker:vgpu-gpu-worker" \
                       "test:vgpu-backend:guest_modules bin:vgpu-backend:vgpu-backend" ;;
+        libcuda) echo "test:vgpu-libcuda:c_programs bin:vgpu-backend:vgpu-backend libcuda" ;;
         fuzz) echo "fuzz" ;;
         *) die "unknown suite: $1 (one of: $ALL_SUITES)" ;;
     esac
@@ -104,6 +111,16 @@ pack() {
                     exe="$(test_binary "$crate" "$name")" || exe=""
                     [ -n "$exe" ] || die "cargo built no test binary $crate/$name"
                     strip -o "$dir/$name" "$exe" ;;
+                libcuda)
+                    cargo build --release -p vgpu-libcuda >&2
+                    mkdir -p "$dir/libcuda"
+                    strip -o "$dir/libcuda/libcuda.so.1" "$target_dir/release/libcuda.so"
+                    local c prog
+                    for c in guest-driver/libcuda/tests/c/*.c; do
+                        prog="$(basename "$c" .c)"
+                        cc -O2 -Wall -Werror -I guest-driver/libcuda/tests/c "$c" \
+                            -o "$dir/libcuda/$prog" -L"$dir/libcuda" -l:libcuda.so.1
+                    done ;;
                 fuzz)
                     # cargo-fuzz needs nightly flags; RUSTC_BOOTSTRAP lets stable accept them.
                     ci/install-fuzz.sh
@@ -253,6 +270,65 @@ suite_modules() {
     echo "-- guest modules end to end through vgpu-backend --gpu-workers"
     VGPU_WORKER_GPU=cuda timeout 300 "$B/guest_modules" --test-threads=1 2>&1 \
         | tee "$O/guest_modules.txt" | grep -E "^test |result"
+}
+
+# The same program binary with NVIDIA's libcuda.so.1 (native) and with vgpu's through
+# a backend with a worker per VM; prints both outputs' last lines.
+libcuda_pair() {
+    local name=$1; shift
+    local p="$B/libcuda/$name"
+    native_out="$(timeout 120 "$p" "$@" 2>>"$O/libcuda-native.err")" || native_out="FAILED $?"
+    vgpu_out="$(LD_LIBRARY_PATH="$B/libcuda" VGPU_LOOPBACK_SOCKET="$LIBCUDA_SOCK" \
+        VGPU_LOOPBACK_MEM_MIB=1024 timeout 120 "$p" "$@" 2>>"$O/libcuda-vgpu.err")" \
+        || vgpu_out="FAILED $?"
+    echo "native: $native_out" | tee -a "$O/libcuda-bench.txt"
+    echo "vgpu:   $vgpu_out" | tee -a "$O/libcuda-bench.txt"
+}
+
+# A field KEY=VALUE of a program's output line.
+field() { tr ' ' '\n' <<<"$1" | sed -n "s/^$2=//p"; }
+
+suite_libcuda() {
+    export VGPU_BACKEND_BIN="$B/vgpu-backend" VGPU_LIBCUDA_PROGRAMS="$B/libcuda"
+    local ptx=host-shim/tests/data/test_module.ptx d="$WORK/libcuda" p r runs="${RUNS:-3}"
+    echo "-- the C programs through vgpu-backend --gpu-workers (VGPU_WORKER_GPU=cuda)"
+    VGPU_WORKER_GPU=cuda timeout 300 "$B/c_programs" --test-threads=1 2>&1 \
+        | tee "$O/libcuda_programs.txt" | grep -E "^test |result"
+    echo "-- the same binaries: NVIDIA's libcuda.so.1, then vgpu's"
+    mkdir -p "$d"
+    RUST_LOG=info "$B/vgpu-backend" --gpu cuda --gpu-workers --vram-mib 8192 --socket-dir "$d" \
+        --vm a > "$O/libcuda-backend.log" 2>&1 &
+    p=$!
+    LIBCUDA_SOCK="$d/a.sock"
+    for r in $(seq 100); do [ -S "$LIBCUDA_SOCK" ] && break; sleep 0.1; done
+    : > "$O/libcuda-bench.txt"
+    for r in vector_add:1048576 streams_events:262144 device_global:0x5eed; do
+        libcuda_pair "${r%%:*}" "$ptx" "${r#*:}"
+        [ "$native_out" = "$vgpu_out" ] && echo "identical: ${r%%:*}" \
+            || echo "DIFFERENT: ${r%%:*}"
+    done | tee -a "$O/libcuda-bench.txt"
+    local rates="" times="" ratio
+    for r in $(seq "$runs"); do
+        echo "-- round $r"
+        libcuda_pair launch_rate "$ptx" 10000 256
+        ratio=$(awk -v v="$(field "$vgpu_out" rate)" -v n="$(field "$native_out" rate)" \
+            'BEGIN { printf "%.3f", v / n }')
+        rates="$rates $ratio"
+        echo "launch_rate_vm_over_native $ratio" | tee -a "$O/libcuda-bench.txt"
+        libcuda_pair vadd_loop "$ptx" 200 67108864
+        ratio=$(awk -v v="$(field "$vgpu_out" seconds)" -v n="$(field "$native_out" seconds)" \
+            'BEGIN { printf "%.3f", v / n }')
+        times="$times $ratio"
+        echo "vadd_loop_time_vm_over_native $ratio" | tee -a "$O/libcuda-bench.txt"
+    done
+    # The medians of the rounds (each round's two runs one right after the other).
+    median() { tr ' ' '\n' | grep . | sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
+    echo "launch_rate_vm_over_native_median $(median <<<"$rates") of$rates" \
+        | tee -a "$O/libcuda-bench.txt"
+    echo "vadd_loop_time_vm_over_native_median $(median <<<"$times") of$times" \
+        | tee -a "$O/libcuda-bench.txt"
+    kill -TERM $p; wait $p
+    grep -iE "error|panic" "$O/libcuda-backend.log" | head -5
 }
 
 suite_mps() {

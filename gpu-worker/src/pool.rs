@@ -365,8 +365,21 @@ impl Gpu for VmWorker {
     }
 
     fn create_context(&self, sysmem: Arc<dyn SysMemory>) -> Result<ContextId> {
-        let w = self.worker()?;
-        let ctx = w.create_context(sysmem)?;
+        let mut w = self.worker()?;
+        let ctx = match w.create_context(sysmem.clone()) {
+            // The worker died between `worker()`'s look and the call (say it was still
+            // exiting on a fault of the VM's previous guest process). If the VM holds
+            // nothing of it, the new context goes to a fresh worker instead of failing.
+            Err(HalError::DeviceLost(why)) if w.is_lost() && !lock(&self.state).holds(&w) => {
+                info!(
+                    "VM {}: its GPU worker was lost ({why}); starting another",
+                    self.vm
+                );
+                w = self.worker()?;
+                w.create_context(sysmem)?
+            }
+            r => r?,
+        };
         lock(&self.state).ctxs.insert(ctx.0, w);
         Ok(ctx)
     }

@@ -49,10 +49,25 @@ pub fn init_logging() {
     });
 }
 
+/// Launches a stream holds back while its GPU is still busy (one GP entry and one
+/// completion mark for all of them: the host runs a module launch's completion mark as a
+/// driver call of its own, so a mark per launch would halve a launch loop's rate).
+pub const BATCH_MAX: u32 = 32;
+/// How long launches may wait in a batch when no further driver call comes.
+const FLUSH_AFTER: Duration = Duration::from_micros(200);
+
 /// An in-order queue of GPU work: a channel, and the fence of the last work on it.
+///
+/// Launches are batched (see [`Stream::launched`]): a launch onto an idle stream goes to
+/// the GPU at once; one onto a busy stream waits in the channel's pending push buffer
+/// until the GPU catches up, `BATCH_MAX` have gathered, any other call on the stream
+/// submits, or the flusher thread submits it after `FLUSH_AFTER` — so no launch waits
+/// for the program's next call, and the GPU never idles behind a batch for longer.
 pub struct Stream {
     pub ch: Channel,
     pub last: Option<Fence>,
+    /// Launches recorded but not yet submitted.
+    pub batched: u32,
     /// Synchronises with the default stream (a stream created without
     /// `CU_STREAM_NON_BLOCKING`, or the default stream itself).
     pub blocking: bool,
@@ -63,6 +78,7 @@ impl Stream {
         Ok(Stream {
             ch: ctx.create_channel().map_err(|e| from_error(&e))?,
             last: None,
+            batched: 0,
             blocking,
         })
     }
@@ -71,7 +87,20 @@ impl Stream {
     pub fn submit(&mut self) -> CuResult<Fence> {
         let f = self.ch.submit().map_err(|e| from_error(&e))?;
         self.last = Some(f);
+        self.batched = 0;
         Ok(f)
+    }
+
+    /// After a launch was recorded: submits now if the GPU has nothing of this stream
+    /// left to run or the batch is full; else leaves it for the batch (and the flusher).
+    pub fn launched(&mut self) -> CuResult {
+        self.batched += 1;
+        if self.batched >= BATCH_MAX || self.idle()? {
+            self.submit().map(|_| ())
+        } else {
+            wake_flusher();
+            Ok(())
+        }
     }
 
     /// Waits for everything submitted so far.
@@ -88,8 +117,11 @@ impl Stream {
         }
     }
 
-    /// Whether everything submitted has completed.
+    /// Whether everything recorded has completed (a batch not yet submitted has not).
     pub fn idle(&self) -> CuResult<bool> {
+        if self.ch.has_pending() {
+            return Ok(false);
+        }
         match self.last {
             Some(f) => self.ch.is_complete(f).map_err(|e| from_error(&e)),
             None => Ok(true),
@@ -348,6 +380,60 @@ fn open_device() -> CuResult<Device> {
         log::error!("opening {}: {e}", path.display());
         CUDA_ERROR_NO_DEVICE
     })
+}
+
+/// Submits every batch still waiting (the flusher's round).
+fn flush_batches(d: &mut Driver) {
+    for st in d.contexts.values_mut() {
+        if st.sticky.is_some() {
+            continue;
+        }
+        for s in std::iter::once(&mut st.default_stream).chain(st.streams.values_mut()) {
+            if s.batched > 0 {
+                if let Err(c) = s.submit() {
+                    log::debug!("flushing a batch: {c}");
+                }
+            }
+        }
+    }
+}
+
+static FLUSH: (Mutex<bool>, std::sync::Condvar) = (Mutex::new(false), std::sync::Condvar::new());
+
+/// Asks the flusher thread (started on first use) to submit batches in `FLUSH_AFTER`.
+fn wake_flusher() {
+    static START: Once = Once::new();
+    START.call_once(|| {
+        let spawned = std::thread::Builder::new()
+            .name("vgpu-cuda-flush".into())
+            .spawn(flusher);
+        if let Err(e) = spawned {
+            log::warn!("no flusher thread ({e}): batches wait for the next call");
+        }
+    });
+    let (flag, cv) = &FLUSH;
+    let mut f = flag.lock().unwrap_or_else(|p| p.into_inner());
+    if !*f {
+        *f = true;
+        cv.notify_one();
+    }
+}
+
+fn flusher() {
+    let (flag, cv) = &FLUSH;
+    loop {
+        {
+            let mut f = flag.lock().unwrap_or_else(|p| p.into_inner());
+            while !*f {
+                f = cv.wait(f).unwrap_or_else(|p| p.into_inner());
+            }
+            *f = false;
+        }
+        std::thread::sleep(FLUSH_AFTER);
+        if let Some(d) = lock().as_mut() {
+            flush_batches(d);
+        }
+    }
 }
 
 /// The lock, whatever a panicking holder left (each entry point leaves the state whole

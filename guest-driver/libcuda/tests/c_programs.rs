@@ -19,10 +19,26 @@ const PTX: &str = concat!(
     "/../../host-shim/tests/data/test_module.ptx"
 );
 
-/// Where the built programs and the library's soname link live (built once per run).
+/// The test programs, each built from `tests/c/NAME.c`.
+const PROGRAMS: &[&str] = &[
+    "vector_add",
+    "streams_events",
+    "device_global",
+    "wild_write",
+    "api_edges",
+    "launch_rate",
+    "vadd_loop",
+];
+
+/// Where the built programs and the library's soname link live: built once per run, or
+/// `VGPU_LIBCUDA_PROGRAMS` (a directory `ci/device/run.sh pack libcuda` made on another
+/// machine: the programs and `libcuda.so.1`).
 fn bin_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
+        if let Some(d) = std::env::var_os("VGPU_LIBCUDA_PROGRAMS") {
+            return PathBuf::from(d);
+        }
         let dir = std::env::temp_dir().join(format!("vgpu-libcuda-c-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("program directory");
         // `target/<profile>/deps/<test>` → `target/<profile>/deps/libcuda.so`: built
@@ -41,13 +57,7 @@ fn bin_dir() -> &'static Path {
         let _ = std::fs::remove_file(&link);
         std::os::unix::fs::symlink(&lib, &link).expect("soname link");
         let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c");
-        for prog in [
-            "vector_add",
-            "streams_events",
-            "device_global",
-            "wild_write",
-            "api_edges",
-        ] {
+        for prog in PROGRAMS {
             let out = Command::new("cc")
                 .args(["-O1", "-Wall", "-Werror", "-I"])
                 .arg(&src)
@@ -142,6 +152,11 @@ fn programs_run_through_the_library_as_through_the_driver() {
     assert_eq!(out.trim(), "device_global value=19088743");
     let out = run_ok(&backend, "b", "api_edges", &[PTX]);
     assert_eq!(out.trim(), "api_edges modules=loaded");
+    // The benchmark programs, at sizes for a CPU (they check their own results).
+    let out = run_ok(&backend, "a", "launch_rate", &[PTX, "200", "256"]);
+    assert!(out.starts_with("launch_rate kernels=200 n=256 "), "{out}");
+    let out = run_ok(&backend, "b", "vadd_loop", &[PTX, "5", "65536"]);
+    assert!(out.starts_with("vadd_loop iterations=5 n=65536 "), "{out}");
     backend.stop();
 }
 

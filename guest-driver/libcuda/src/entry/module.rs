@@ -325,7 +325,7 @@ pub extern "C" fn cuLaunchKernel(
                     .ch
                     .push_method(&Method::LaunchFunction(Box::new(l)))
                     .map_err(|e| from_error(&e))?;
-                stream.submit().map(|_| ())
+                stream.launched()
             })();
             r.map_err(|c| st.note(c))
         })
