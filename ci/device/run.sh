@@ -38,7 +38,9 @@
 #                     guest-driver/libcuda/tests/c through vgpu-backend --gpu-workers, then
 #                     the same binaries with NVIDIA's libcuda.so.1 and with vgpu's, side by
 #                     side (RUNS rounds, default 3): identical results, the launch rate of
-#                     10,000 small kernels and the time of a large vector add, as ratios
+#                     10,000 small kernels and the time of a large vector add, as ratios;
+#                     a runtime-API matrix multiply (<<<>>>) built here with nvcc -cudart
+#                     shared, with NVIDIA's libraries and with vgpu's libcudart.so.13
 #   fuzz        CPU   every cargo-fuzz target at once in libFuzzer's fork mode for SECS
 #                     seconds (default 560); WORKERS="virtqueue=3 session=3 ..." picks the
 #                     targets and worker counts (default: 2 workers each)
@@ -112,9 +114,10 @@ pack() {
                     [ -n "$exe" ] || die "cargo built no test binary $crate/$name"
                     strip -o "$dir/$name" "$exe" ;;
                 libcuda)
-                    cargo build --release -p vgpu-libcuda >&2
+                    cargo build --release -p vgpu-libcuda -p vgpu-libcudart >&2
                     mkdir -p "$dir/libcuda"
                     strip -o "$dir/libcuda/libcuda.so.1" "$target_dir/release/libcuda.so"
+                    strip -o "$dir/libcuda/libcudart.so.13" "$target_dir/release/libcudart.so"
                     local c prog
                     for c in guest-driver/libcuda/tests/c/*.c; do
                         prog="$(basename "$c" .c)"
@@ -277,7 +280,9 @@ suite_modules() {
 libcuda_pair() {
     local name=$1; shift
     local p="$B/libcuda/$name"
-    native_out="$(timeout 120 "$p" "$@" 2>>"$O/libcuda-native.err")" || native_out="FAILED $?"
+    [ -x "$p" ] || p="$WORK/$name"
+    native_out="$(LD_LIBRARY_PATH="${CUDA_LIB:-/usr/local/cuda/lib64}" timeout 120 "$p" "$@" \
+        2>>"$O/libcuda-native.err")" || native_out="FAILED $?"
     vgpu_out="$(LD_LIBRARY_PATH="$B/libcuda" VGPU_LOOPBACK_SOCKET="$LIBCUDA_SOCK" \
         VGPU_LOOPBACK_MEM_MIB=1024 timeout 120 "$p" "$@" 2>>"$O/libcuda-vgpu.err")" \
         || vgpu_out="FAILED $?"
@@ -321,11 +326,27 @@ suite_libcuda() {
         times="$times $ratio"
         echo "vadd_loop_time_vm_over_native $ratio" | tee -a "$O/libcuda-bench.txt"
     done
+    echo "-- a runtime-API program (<<<>>>) built here with nvcc -cudart shared"
+    nvcc -O2 -cudart shared -o "$WORK/matmul" guest-driver/libcudart/tests/cu/matmul.cu 2>&1 | tail -3
+    nm -D --undefined-only "$WORK/matmul" | grep -i cuda | tee "$O/matmul-symbols.txt"
+    local mm=""
+    for r in $(seq "$runs"); do
+        libcuda_pair matmul 1024 20
+        { [ "${native_out%%$'\n'*}" = "${vgpu_out%%$'\n'*}" ] && echo "identical: matmul" \
+            || echo "DIFFERENT: matmul"; } | tee -a "$O/libcuda-bench.txt"
+        ratio=$(awk -v v="$(field "$(tail -1 <<<"$vgpu_out")" ms_per_kernel)" \
+            -v n="$(field "$(tail -1 <<<"$native_out")" ms_per_kernel)" \
+            'BEGIN { if (n > 0) printf "%.3f", v / n; else print "n/a" }')
+        mm="$mm $ratio"
+        echo "matmul_time_vm_over_native $ratio" | tee -a "$O/libcuda-bench.txt"
+    done
     # The medians of the rounds (each round's two runs one right after the other).
     median() { tr ' ' '\n' | grep . | sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
     echo "launch_rate_vm_over_native_median $(median <<<"$rates") of$rates" \
         | tee -a "$O/libcuda-bench.txt"
     echo "vadd_loop_time_vm_over_native_median $(median <<<"$times") of$times" \
+        | tee -a "$O/libcuda-bench.txt"
+    echo "matmul_time_vm_over_native_median $(median <<<"$mm") of$mm" \
         | tee -a "$O/libcuda-bench.txt"
     kill -TERM $p; wait $p
     grep -iE "error|panic" "$O/libcuda-backend.log" | head -5

@@ -120,10 +120,48 @@ fn declaration(tokens: &[&str]) -> Option<(String, u32, u32)> {
     None
 }
 
-/// Parses the entries and globals of a PTX text; `None` when it is not PTX text the fake
-/// understands (the module load fails then, as the driver's would on garbage).
+/// A fatbin's magic (its first four bytes, little-endian).
+const FATBIN_MAGIC: u32 = 0xba55ed50;
+/// A fatbin entry's kind: PTX text.
+const FATBIN_PTX: u16 = 1;
+
+/// The first uncompressed PTX entry of a fatbin: after the 16-byte header
+/// `{u32 magic, u16 version, u16 header size, u64 body size}`, entries
+/// `{u16 kind, u16 version, u32 header size, u64 payload size, …}` each followed by its
+/// payload. (What the fake reads of the format; a real driver reads all of it.)
+fn fatbin_ptx(image: &[u8]) -> Option<&[u8]> {
+    let u16_at = |o: usize| Some(u16::from_le_bytes(image.get(o..o + 2)?.try_into().ok()?));
+    let u32_at = |o: usize| Some(u32::from_le_bytes(image.get(o..o + 4)?.try_into().ok()?));
+    let u64_at = |o: usize| Some(u64::from_le_bytes(image.get(o..o + 8)?.try_into().ok()?));
+    let mut at = usize::from(u16_at(6)?);
+    let end = at
+        .checked_add(usize::try_from(u64_at(8)?).ok()?)?
+        .min(image.len());
+    while at + 16 <= end {
+        let (kind, header, payload) = (u16_at(at)?, u32_at(at + 4)? as usize, u64_at(at + 8)?);
+        let start = at.checked_add(header)?;
+        let stop = start.checked_add(usize::try_from(payload).ok()?)?;
+        if kind == FATBIN_PTX {
+            return image.get(start..stop);
+        }
+        at = stop;
+    }
+    None
+}
+
+/// Parses the entries and globals of a PTX text (or of a fatbin's PTX entry); `None` when
+/// it is not PTX text the fake understands (the module load fails then, as the driver's
+/// would on garbage).
 pub fn parse_ptx(image: &[u8]) -> Option<PtxModule> {
-    let text = std::str::from_utf8(image.strip_suffix(&[0]).unwrap_or(image)).ok()?;
+    let image = match image.get(..4) {
+        Some(m) if u32::from_le_bytes([m[0], m[1], m[2], m[3]]) == FATBIN_MAGIC => {
+            fatbin_ptx(image)?
+        }
+        _ => image,
+    };
+    // The NUL that ends the text, and a fatbin entry's padding.
+    let len = image.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1);
+    let text = std::str::from_utf8(&image[..len]).ok()?;
     if !text.contains(".version") || !text.contains(".target") {
         return None;
     }
@@ -336,6 +374,43 @@ mod tests {
                 }
             ]
         );
+    }
+
+    /// A fatbin of one ELF entry (ignored) and one PTX entry, each with a 64-byte header
+    /// and padded payload, as nvcc lays them out.
+    fn fatbin(ptx: &[u8]) -> Vec<u8> {
+        let entry = |kind: u16, payload: &[u8]| {
+            let padded = payload.len().next_multiple_of(8) + 8;
+            let mut e = vec![0u8; 64];
+            e[..2].copy_from_slice(&kind.to_le_bytes());
+            e[4..8].copy_from_slice(&64u32.to_le_bytes());
+            e[8..16].copy_from_slice(&(padded as u64).to_le_bytes());
+            e.extend(payload);
+            e.resize(64 + padded, 0);
+            e
+        };
+        let mut body = entry(2, b"\x7fELF not read");
+        body.extend(entry(FATBIN_PTX, ptx));
+        let mut f = Vec::new();
+        f.extend(FATBIN_MAGIC.to_le_bytes());
+        f.extend(1u16.to_le_bytes());
+        f.extend(16u16.to_le_bytes());
+        f.extend((body.len() as u64).to_le_bytes());
+        f.extend(body);
+        f
+    }
+
+    #[test]
+    fn a_fatbins_ptx_entry_is_read() {
+        let m = parse_ptx(&fatbin(PTX.as_bytes())).expect("parses");
+        assert_eq!(m.entries.len(), 2);
+        // A fatbin without PTX, or one whose entry runs past its end, is refused.
+        let mut f = fatbin(PTX.as_bytes());
+        f.truncate(f.len() - 40);
+        assert_eq!(parse_ptx(&f), None);
+        let mut f = fatbin(b"");
+        f[16] = 3;
+        assert_eq!(parse_ptx(&f), None);
     }
 
     #[test]
