@@ -224,6 +224,7 @@ struct VmGpus {
     gpu: Arc<dyn Gpu>,
     workers: Option<WorkerProgram>,
     turn_us: u64,
+    granularity: vgpu_gpu_worker::Granularity,
 }
 
 impl Rig {
@@ -245,6 +246,7 @@ impl Rig {
                 let pool = WorkerPool::new(PoolConfig {
                     program: prog.clone(),
                     per_worker: (gi.max_channels, gi.max_contexts),
+                    granularity: g.granularity,
                     gpu: gi,
                     opts: WorkerOptions {
                         turn,
@@ -516,6 +518,7 @@ fn run_on<D: CudaDeviceTrait>(
             ],
         }),
         turn_us: opts.turn_us,
+        granularity: vgpu_gpu_worker::Granularity::Vm,
     };
     if vm_gpus.workers.is_some() {
         figs.push(fig("vm_gpu_in_worker_process", 1.0, "bool", Better::Higher));
