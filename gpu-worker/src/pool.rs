@@ -160,7 +160,7 @@ impl WorkerPool {
             vram_bytes: vram_bytes.min(self.shared.cfg.gpu.vram_bytes),
             pool: self.shared.clone(),
             me: me.clone(),
-            start_lock: Mutex::new(()),
+            start_locks: Mutex::default(),
             state: Mutex::new(VmObjects::default()),
             started: AtomicU64::new(0),
             lost: AtomicU64::new(0),
@@ -239,7 +239,8 @@ pub struct VmWorker {
     vram_bytes: u64,
     pool: Arc<PoolShared>,
     me: Weak<VmWorker>,
-    start_lock: Mutex<()>,
+    /// One start at a time per owner (the processes of a VM start theirs side by side).
+    start_locks: Mutex<HashMap<u32, Arc<Mutex<()>>>>,
     state: Mutex<VmObjects>,
     started: AtomicU64,
     lost: AtomicU64,
@@ -429,9 +430,15 @@ impl VmWorker {
         if let Some(w) = self.worker_now(key)? {
             return Ok(w);
         }
-        // One start at a time per VM; a running worker of another process is found above
-        // without waiting for it.
-        let _one_start = lock(&self.start_lock);
+        // One start at a time per owner: a start waits for one under way, then finds it.
+        let key_lock = {
+            let mut locks = lock(&self.start_locks);
+            // Forget the locks nobody holds (the map stays as small as the starts under
+            // way; a lock is never dropped while a thread can still take it).
+            locks.retain(|_, l| Arc::strong_count(l) > 1);
+            locks.entry(key).or_default().clone()
+        };
+        let _one_start = lock(&key_lock);
         if let Some(w) = self.worker_now(key)? {
             return Ok(w);
         }
@@ -633,6 +640,39 @@ impl Gpu for VmWorker {
                 "VM {}: no thread to start its GPU worker ahead: {e}",
                 self.vm
             );
+        }
+    }
+
+    /// With a worker per process: starts the owners' workers side by side, each on a
+    /// thread of its own (a migration's restore would otherwise start them one after
+    /// another inside its downtime); their first objects wait for those starts.
+    fn prepare_owners(&self, owners: &[u32]) {
+        if self.granularity() != Granularity::Process {
+            return;
+        }
+        let mut keys: Vec<u32> = owners.iter().map(|&o| self.key(o)).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        for key in keys {
+            if lock(&self.state).workers.contains_key(&key) {
+                continue;
+            }
+            let Some(me) = self.me.upgrade() else {
+                return;
+            };
+            let spawned = std::thread::Builder::new()
+                .name(format!("vgpu-prestart-{}-{key}", self.vm))
+                .spawn(move || {
+                    if let Err(e) = me.make(key, |_, _| Ok(()), |_, _, _, _| {}) {
+                        warn!(
+                            "VM {}: starting process {key}'s GPU worker ahead: {e}",
+                            me.vm
+                        );
+                    }
+                });
+            if let Err(e) = spawned {
+                warn!("VM {}: no thread to start a GPU worker ahead: {e}", self.vm);
+            }
         }
     }
 

@@ -312,6 +312,13 @@ pub trait Gpu: Send + Sync {
         let _ = owner;
         self.alloc_vram(size, align)
     }
+    /// A hint: guest processes `owners` are about to make objects (a live migration's
+    /// restore). A GPU that starts something per owner (a worker process per guest
+    /// process) may start them now, side by side. Returns at once and never fails; the
+    /// default does nothing.
+    fn prepare_owners(&self, owners: &[u32]) {
+        let _ = owners;
+    }
     /// Whether VRAM of different owners lives apart ([`Gpu::alloc_vram_for`]): then one
     /// owner's VRAM cannot be mapped into another owner's contexts, and the owner must not
     /// place pieces of different owners in one allocation. `false` (the default): all of
