@@ -321,7 +321,7 @@ fn a_killed_backend_leaves_no_launcher_or_worker_running() {
 /// only, counted for its VM; each process's last context takes its worker with it.
 #[test]
 fn a_worker_per_guest_process_through_the_sandboxed_backend() {
-    let (mut d, _launcher) = start_with("seccomp-wproc", "--gpu-workers=process");
+    let (mut d, launcher_cfg) = start_with("seccomp-wproc", "--gpu-workers=process");
     let api = d.api();
     let launcher = children_of(d.pid())[0];
     let (lb, dev1) = device(&d, "b", 41);
@@ -344,6 +344,17 @@ fn a_worker_per_guest_process_through_the_sandboxed_backend() {
     assert_eq!(
         metric(&m, "vgpu_vm_gpu_workers_running{vm=\"b\"}"),
         Some(2.0)
+    );
+    let ctl = std::process::Command::new(env!("CARGO_BIN_EXE_vgpuctl"))
+        .arg("--socket")
+        .arg(launcher_cfg.dir().join("api.sock"))
+        .arg("info")
+        .output()
+        .expect("vgpuctl");
+    let text = String::from_utf8_lossy(&ctl.stdout);
+    assert!(
+        text.contains("a worker per guest process: 2 running") && text.contains("vm b"),
+        "vgpuctl info: {text}"
     );
 
     // Either process's worker: exactly one process fails and the other verifies on.
