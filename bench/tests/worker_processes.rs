@@ -201,3 +201,33 @@ fn each_guest_process_gets_a_worker_and_a_killed_one_fails_that_process_only() {
     let st = host.gpu.stats();
     assert_eq!((st.started, st.lost, st.running), (4, 1, 1), "{st:?}");
 }
+
+/// A VM gets at most `max_workers_per_vm` workers (8 here): a further process's first
+/// context is refused with `LIMIT_EXCEEDED` (a guest cannot take a CUDA context and the
+/// VM's VRAM quota in device memory per pid it makes up), and gets one once another
+/// process has let go of its worker.
+#[test]
+fn a_vm_gets_at_most_its_cap_of_workers() {
+    let host = host("wproc-cap", &["a"]);
+    let lb = host.connect("a");
+    let mut held = Vec::new();
+    for pid in 1..=8 {
+        let dev = Device::loopback(lb.clone(), pid).unwrap();
+        let ctx = dev.create_context().unwrap();
+        held.push((ctx, dev));
+    }
+    assert_eq!(host.worker("a").workers().len(), 8);
+    let ninth = Device::loopback(lb.clone(), 9).unwrap();
+    let refused = ninth.create_context().map(|_| ()).unwrap_err();
+    assert_eq!(refused.code(), ErrorCode::LimitExceeded, "{refused}");
+    // A process that has a worker still makes more contexts on it.
+    let more = held[0].1.create_context().unwrap();
+    drop(more);
+    held.remove(1);
+    wait_for("process 2's worker to go", || {
+        host.worker("a").pid_of(2).is_none()
+    });
+    let ctx = ninth.create_context().unwrap();
+    assert_eq!(saxpy_round(&ctx, 1 << 12, 9).ok(), Some(true));
+    assert_eq!(host.worker("a").workers().len(), 8);
+}

@@ -33,6 +33,7 @@ fn pool() -> Arc<WorkerPool> {
         },
         per_worker: (32, 16),
         granularity: vgpu_gpu_worker::Granularity::Vm,
+        max_workers_per_vm: 1,
         // The GPU turn, as `vgpu-backend --gpu-workers` runs them by default.
         opts: WorkerOptions {
             turn: Some(TurnSlots::new(4000).expect("the GPU turn's page")),

@@ -80,6 +80,10 @@ pub struct PoolConfig {
     pub opts: WorkerOptions,
     /// A worker per VM or per guest process.
     pub granularity: Granularity,
+    /// With a worker per process: at most this many workers per VM (each holds a CUDA
+    /// context and the VM's VRAM quota in device memory); a further process's first
+    /// object is refused with `TooMany`.
+    pub max_workers_per_vm: u32,
 }
 
 /// Counts of the pool's life, for the API and `/metrics`.
@@ -443,6 +447,13 @@ impl VmWorker {
             return Ok(w);
         }
         let cfg = &self.pool.cfg;
+        if lock(&self.state).workers.len() >= cfg.max_workers_per_vm.max(1) as usize {
+            warn!(
+                "VM {}: guest process {key} refused a GPU worker: the VM has {} already",
+                self.vm, cfg.max_workers_per_vm
+            );
+            return Err(HalError::TooMany("GPU workers of the VM"));
+        }
         let n = self.pool.next_worker.fetch_add(1, Ordering::Relaxed);
         let mut prog = cfg.program.clone();
         prog.args.extend([

@@ -172,6 +172,7 @@ pub fn worker_pool_from_env_as(
         },
         per_worker: (32, 16),
         granularity,
+        max_workers_per_vm: 8,
         opts: vgpu_gpu_worker::WorkerOptions {
             turn: Some(vgpu_gpu_worker::TurnSlots::new(4000).expect("the GPU turn's page")),
             ..vgpu_gpu_worker::WorkerOptions::default()

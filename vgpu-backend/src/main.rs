@@ -116,6 +116,11 @@ struct Cli {
     /// which charges both VMs for shared time and breaks the scheduler's shares).
     #[arg(long, default_value_t = 4000, value_parser = parse_turn_us)]
     gpu_turn_us: u64,
+    /// With `--gpu-workers=process`: at most this many workers per VM (each holds a CUDA
+    /// context and the VM's VRAM quota in device memory); a further guest process's first
+    /// context is refused with LIMIT_EXCEEDED.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    gpu_workers_per_vm: u32,
     #[command(flatten)]
     sched: SchedArgs,
 }
@@ -283,7 +288,13 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
         // refuse every open.
         confine_process(cfg.seccomp, GpuChoice::Sim)?;
         let backend = VgpuBackend::with_workers(
-            worker_pool(&cfg.gpu, program, cli.gpu_turn_us, granularity)?,
+            worker_pool(
+                &cfg.gpu,
+                program,
+                cli.gpu_turn_us,
+                granularity,
+                cli.gpu_workers_per_vm,
+            )?,
             VmLimits::default(),
         );
         let served = serve(backend, &cfg, set);
@@ -355,6 +366,7 @@ fn worker_pool(
     program: vgpu_gpu_worker::WorkerProgram,
     turn_us: u64,
     granularity: vgpu_gpu_worker::Granularity,
+    max_workers_per_vm: u32,
 ) -> Result<Arc<vgpu_gpu_worker::WorkerPool>, String> {
     let turn = (turn_us > 0)
         .then(|| vgpu_gpu_worker::TurnSlots::new(turn_us))
@@ -372,6 +384,7 @@ fn worker_pool(
         },
         per_worker: (g.max_channels, g.max_contexts),
         granularity,
+        max_workers_per_vm,
         opts: vgpu_gpu_worker::WorkerOptions {
             turn,
             ..vgpu_gpu_worker::WorkerOptions::default()

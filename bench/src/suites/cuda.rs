@@ -259,6 +259,7 @@ impl Rig {
                     program: prog.clone(),
                     per_worker: (gi.max_channels, gi.max_contexts),
                     granularity: g.granularity,
+                    max_workers_per_vm: 64,
                     gpu: gi,
                     opts: WorkerOptions {
                         turn,
