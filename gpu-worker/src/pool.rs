@@ -225,6 +225,9 @@ struct VmObjects {
     chans: HashMap<u32, (u32, Arc<WorkerGpu>)>,
     /// VM offset → size, worker, the worker's VRAM base.
     vram: BTreeMap<u64, (u64, Arc<WorkerGpu>, u64)>,
+    /// Bytes of VRAM allocations under way (with a worker per process: counted against
+    /// the VM's quota before they land in `vram`).
+    vram_pending: u64,
 }
 
 impl VmObjects {
@@ -584,6 +587,30 @@ impl VmWorker {
         }
     }
 
+    /// [`Gpu::alloc_vram_for`] on `owner`'s worker, the offset placed in its window.
+    fn alloc_vram_on(&self, owner: u32, size: u64, align: u64) -> Result<VramAlloc> {
+        self.make(
+            owner,
+            // The worker's offset placed in its window of the VM's offsets.
+            |w, base| {
+                let a = w.alloc_vram(size, align)?;
+                if a.offset.saturating_add(a.size) > self.vram_window() {
+                    let _ = w.free_vram(a.offset);
+                    return Err(HalError::InvalidArgument(
+                        "a GPU worker's VRAM past its window",
+                    ));
+                }
+                Ok(VramAlloc {
+                    offset: base + a.offset,
+                    size: a.size,
+                })
+            },
+            |st, a, w, base| {
+                st.vram.insert(a.offset, (a.size, w, base));
+            },
+        )
+    }
+
     fn allocated(&self) -> u64 {
         lock(&self.state).vram.values().map(|v| v.0).sum()
     }
@@ -727,26 +754,23 @@ impl Gpu for VmWorker {
     }
 
     fn alloc_vram_for(&self, owner: u32, size: u64, align: u64) -> Result<VramAlloc> {
-        self.make(
-            owner,
-            // The worker's offset placed in its window of the VM's offsets.
-            |w, base| {
-                let a = w.alloc_vram(size, align)?;
-                if a.offset.saturating_add(a.size) > self.vram_window() {
-                    let _ = w.free_vram(a.offset);
-                    return Err(HalError::InvalidArgument(
-                        "a GPU worker's VRAM past its window",
-                    ));
-                }
-                Ok(VramAlloc {
-                    offset: base + a.offset,
-                    size: a.size,
-                })
-            },
-            |st, a, w, base| {
-                st.vram.insert(a.offset, (a.size, w, base));
-            },
-        )
+        if self.granularity() == Granularity::Vm {
+            return self.alloc_vram_on(owner, size, align);
+        }
+        // Each process's worker has the VM's whole quota as its VRAM: the VM's quota
+        // holds across them here, as one worker's allocator holds it per VM.
+        {
+            let mut st = lock(&self.state);
+            let used: u64 = st.vram.values().map(|v| v.0).sum::<u64>() + st.vram_pending;
+            if used.saturating_add(size) > self.vram_bytes {
+                return Err(HalError::OutOfVram(size));
+            }
+            st.vram_pending += size;
+        }
+        let made = self.alloc_vram_on(owner, size, align);
+        let mut st = lock(&self.state);
+        st.vram_pending = st.vram_pending.saturating_sub(size);
+        made
     }
 
     fn separates_owners(&self) -> bool {
