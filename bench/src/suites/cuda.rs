@@ -728,7 +728,12 @@ fn run_on<D: CudaDeviceTrait>(
         figs.extend(vram_swap(&vm_gpus, opts.small)?);
     }
     // Asked for by name only: it starts a worker per process, 2 × N CUDA contexts.
-    if opts.only.contains(&Section::Granularity) && vm_gpus.workers.is_some() {
+    if opts.only.contains(&Section::Granularity) {
+        if vm_gpus.workers.is_none() {
+            return Err(CudaSuiteError::Backend(
+                "--only granularity compares worker processes: add --workers".into(),
+            ));
+        }
         figs.extend(granularity(&vm_gpus, opts)?);
     }
     if !opts.runs(Section::Fairness) {
