@@ -241,8 +241,16 @@ fn a_running_vm_migrates_between_backends_and_every_workload_completes_bit_exact
 /// A backend whose VMs' GPUs are worker processes (issue 30) taking the GPU in turn:
 /// `cuda-fake` workers here, `VGPU_WORKER_GPU=cuda` on a GPU.
 fn workers_host(tag: &str) -> Host<vgpu_gpu_worker::WorkerPool> {
+    workers_host_as(tag, vgpu_gpu_worker::Granularity::Vm)
+}
+
+/// As [`workers_host`], with a worker per VM or per guest process.
+fn workers_host_as(
+    tag: &str,
+    granularity: vgpu_gpu_worker::Granularity,
+) -> Host<vgpu_gpu_worker::WorkerPool> {
     let _ = env_logger::builder().is_test(true).try_init();
-    let pool = vgpu_test_support::worker_pool_from_env(256 << 20);
+    let pool = vgpu_test_support::worker_pool_from_env_as(256 << 20, granularity);
     let limits = VmLimits {
         vram_bytes: 128 << 20,
         ..VmLimits::default()
@@ -275,6 +283,54 @@ fn a_vm_on_gpu_workers_migrates_between_backends_and_every_workload_completes_bi
     assert_ne!(src_pid, dst_pid, "a worker of the destination's own");
 
     // Everything continues on the destination's worker, then moves back.
+    let done = guests.runs.load(Ordering::Acquire);
+    guests.wait_runs(done, 6);
+    let back = vm.migrate_to(&a.socket(VM)).expect("migration back");
+    eprintln!("migration back: {back:?}");
+    let done = guests.runs.load(Ordering::Acquire);
+    guests.wait_runs(done, 6);
+    guests.finish();
+    assert_eq!(a.backend.vm_paused(VM), Some(false));
+}
+
+/// With a worker per guest process (`--gpu-workers=process`) each process's state is
+/// saved from its own worker and restored into a new worker of that process on the
+/// destination; the source's workers go with the VM.
+#[test]
+fn a_vm_on_per_process_workers_migrates_between_backends_and_every_workload_completes_bit_exactly()
+{
+    use vgpu_gpu_worker::Granularity;
+    let (a, b) = (
+        workers_host_as("pa", Granularity::Process),
+        workers_host_as("pb", Granularity::Process),
+    );
+    let vm = a.connect(VM);
+    let mut guests = Guests::start(&vm);
+    guests.wait_runs(0, 4);
+    let src = a.worker(VM).workers();
+    assert!(src.len() >= 2, "a worker per guest process: {src:?}");
+
+    let rep = vm.migrate_to(&b.socket(VM)).expect("migration");
+    eprintln!("migration: {rep:?}");
+    assert!(rep.contexts >= 2 && rep.channels >= 2, "{rep:?}");
+    let s = wait_vm(&a, |s| !s.connected && s.contexts == 0);
+    assert_eq!((s.contexts, s.channels, s.vram_bytes), (0, 0, 0));
+    let t = std::time::Instant::now();
+    while !a.worker(VM).workers().is_empty() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the source's workers stay"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The guests' processes come and go; those with objects have a worker each.
+    let dst = b.worker(VM).workers();
+    assert!(dst.len() >= 2, "a worker per guest process: {dst:?}");
+    assert!(
+        dst.iter().all(|d| src.iter().all(|s| s.1 != d.1)),
+        "workers of the destination's own"
+    );
+
     let done = guests.runs.load(Ordering::Acquire);
     guests.wait_runs(done, 6);
     let back = vm.migrate_to(&a.socket(VM)).expect("migration back");

@@ -28,6 +28,8 @@ fn host() -> Host<WorkerPool> {
             has_busy_counters: true,
         },
         per_worker: (16, 8),
+        granularity: vgpu_gpu_worker::Granularity::Vm,
+        max_workers_per_vm: 1,
         // The GPU turn, as `vgpu-backend --gpu-workers` runs them by default.
         opts: WorkerOptions {
             turn: Some(TurnSlots::new(4000).expect("the GPU turn's page")),

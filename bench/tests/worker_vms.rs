@@ -32,6 +32,8 @@ fn pool() -> Arc<WorkerPool> {
             has_busy_counters: true,
         },
         per_worker: (32, 16),
+        granularity: vgpu_gpu_worker::Granularity::Vm,
+        max_workers_per_vm: 1,
         // The GPU turn, as `vgpu-backend --gpu-workers` runs them by default.
         opts: WorkerOptions {
             turn: Some(TurnSlots::new(4000).expect("the GPU turn's page")),
@@ -149,7 +151,11 @@ fn a_killed_worker_fails_its_vm_only_and_the_vm_comes_back_on_a_new_one() {
     );
     let st = host.gpu.stats();
     assert_eq!((st.started, st.lost, st.running), (3, 1, 2));
-    assert_eq!(host.backend.worker_stats(), Some(st), "what /metrics shows");
+    assert_eq!(
+        host.backend.worker_stats(),
+        Some(st.clone()),
+        "what /metrics shows"
+    );
     assert_eq!(st.lost_as(vgpu_gpu_worker::LossKind::Killed), 1, "{st:?}");
     assert_eq!(st.lost_by_kind.iter().sum::<u64>(), 1, "{st:?}");
 

@@ -30,6 +30,10 @@
 #                     killed workers beside three verified ones, vgpu-smoke through
 #                     vgpu-backend --gpu-workers in seccomp log mode (with the kernel's
 #                     records) and kill mode
+#   granularity GPU   a worker per VM against a worker per guest process (issue 30):
+#                     vgpu-bench cuda --workers --only granularity (PROCS processes of one
+#                     VM, default 4: device memory per worker, first-context time, kernel
+#                     time kept), and the per-process worker test on the GPU
 #   modules     GPU   guest modules (issue 31): the module cases through a worker on the GPU
 #                     (PTX JIT-compiled by the driver), and the end-to-end test through
 #                     vgpu-backend --gpu-workers (vector adds, a global, hostile inputs, a
@@ -52,7 +56,7 @@ ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
 die() { echo "device/run: $*" >&2; exit 1; }
 
-ALL_SUITES="gpu vram large cuda swap sandboxed mps seccomp quiet-sched workers modules libcuda fuzz"
+ALL_SUITES="gpu vram large cuda swap sandboxed mps seccomp quiet-sched workers granularity modules libcuda fuzz"
 FUZZ_CRATES="protocol vgpu-backend"
 
 # What each suite needs from the build machine: "bin:CRATE:NAME[:FEATURES]",
@@ -72,6 +76,8 @@ needs() {
                       "test:vgpu-backend:sandboxed_workers" \
                       "example:vgpu-gpu-worker:worker_faults example:vgpu-gpu-worker:worker_timeslice" \
                       "bin:vgpu-backend:vgpu-backend bin:vgpu-guest-tools:vgpu-smoke:native,loopback" ;;
+        granularity) echo "bin:vgpu-bench:vgpu-bench bin:vgpu-backend:vgpu-backend" \
+                          "test:vgpu-bench:worker_processes" ;;
         modules) echo "test:vgpu-gpu-worker:worker_cuda bin:vgpu-gpu-worker:vgpu-gpu-worker" \
                       "test:vgpu-backend:guest_modules bin:vgpu-backend:vgpu-backend" ;;
         libcuda) echo "test:vgpu-libcuda:c_programs bin:vgpu-backend:vgpu-backend libcuda" ;;
@@ -233,6 +239,18 @@ suite_workers() {
     workers_smoke kill
     echo "-- seccomp kills in kill mode (none expected):"
     seccomp_records | tee "$O/workers-seccomp-kill.txt"
+}
+
+suite_granularity() {
+    echo "-- a worker per VM against a worker per guest process, ${PROCS:-4} processes"
+    VGPU_BACKEND_BIN="$B/vgpu-backend" timeout 420 "$B/vgpu-bench" --json cuda --gpu cuda \
+        --workers --only granularity --processes "${PROCS:-4}" --vram-mib 8192 \
+        > "$O/granularity.json" 2> "$O/granularity.log"; echo "rc $?"
+    grep -E "granularity" "$O/granularity.json" | cut -c1-140
+    echo "-- worker_processes on the GPU (a worker per guest process, one killed)"
+    VGPU_WORKER_GPU=cuda VGPU_BACKEND_BIN="$B/vgpu-backend" timeout 180 "$B/worker_processes" \
+        --test-threads=1 --nocapture 2>&1 | tee "$O/worker_processes-cuda.txt" \
+        | grep -E "^test |result|panicked"
 }
 
 # The kernel's seccomp records (type=1326) since the last `dmesg -C`, counted by

@@ -22,6 +22,6 @@ pub mod turn;
 
 pub use client::spawn::{WorkerProgram, COMMAND_FD, EVENT_FD, TURN_FD};
 pub use client::{Ids, LossKind, StartError, WorkerGpu, WorkerOptions};
-pub use pool::{PoolConfig, PoolStats, VmWorker, WorkerPool};
+pub use pool::{Granularity, PoolConfig, PoolStats, VmWorker, VmWorkerStats, WorkerPool};
 pub use server::{serve, ServeError, ServeOptions, EXIT_GPU_LOST};
 pub use turn::TurnSlots;

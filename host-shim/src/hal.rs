@@ -298,6 +298,34 @@ pub trait Gpu: Send + Sync {
 
     /// Allocates VRAM; `align` is a power of two (at least 4 KiB is used).
     fn alloc_vram(&self, size: u64, align: u64) -> Result<VramAlloc>;
+
+    /// [`Gpu::create_context`] for guest process `owner` (its pid in the VM). A GPU that
+    /// gives each guest process an address space and fault domain of its own (a worker
+    /// process per guest process) places the context by it; the default ignores it.
+    fn create_context_for(&self, owner: u32, sysmem: Arc<dyn SysMemory>) -> Result<ContextId> {
+        let _ = owner;
+        self.create_context(sysmem)
+    }
+    /// [`Gpu::alloc_vram`] for guest process `owner`, as [`Gpu::create_context_for`]:
+    /// VRAM for `owner`'s objects, mappable into `owner`'s contexts.
+    fn alloc_vram_for(&self, owner: u32, size: u64, align: u64) -> Result<VramAlloc> {
+        let _ = owner;
+        self.alloc_vram(size, align)
+    }
+    /// A hint: guest processes `owners` are about to make objects (a live migration's
+    /// restore). A GPU that starts something per owner (a worker process per guest
+    /// process) may start them now, side by side. Returns at once and never fails; the
+    /// default does nothing.
+    fn prepare_owners(&self, owners: &[u32]) {
+        let _ = owners;
+    }
+    /// Whether VRAM of different owners lives apart ([`Gpu::alloc_vram_for`]): then one
+    /// owner's VRAM cannot be mapped into another owner's contexts, and the owner must not
+    /// place pieces of different owners in one allocation. `false` (the default): all of
+    /// the GPU's VRAM is one space.
+    fn separates_owners(&self) -> bool {
+        false
+    }
     /// Frees the allocation that starts at `offset`.
     fn free_vram(&self, offset: u64) -> Result<()>;
     /// Bytes of VRAM not allocated.

@@ -149,6 +149,14 @@ impl Host<dyn Gpu> {
 /// the tests or `$VGPU_BACKEND_BIN`), taking the GPU in turn as `--gpu-workers` does: GPU
 /// `$VGPU_WORKER_GPU` (`cuda` on a GPU), else `cuda-fake`, with `vram_bytes` in all.
 pub fn worker_pool_from_env(vram_bytes: u64) -> Arc<WorkerPool> {
+    worker_pool_from_env_as(vram_bytes, vgpu_gpu_worker::Granularity::Vm)
+}
+
+/// As [`worker_pool_from_env`], with a worker per VM or per guest process.
+pub fn worker_pool_from_env_as(
+    vram_bytes: u64,
+    granularity: vgpu_gpu_worker::Granularity,
+) -> Arc<WorkerPool> {
     let gpu = std::env::var("VGPU_WORKER_GPU").unwrap_or_else(|_| "cuda-fake".into());
     WorkerPool::new(vgpu_gpu_worker::PoolConfig {
         program: vgpu_gpu_worker::WorkerProgram {
@@ -164,6 +172,8 @@ pub fn worker_pool_from_env(vram_bytes: u64) -> Arc<WorkerPool> {
             has_busy_counters: true,
         },
         per_worker: (32, 16),
+        granularity,
+        max_workers_per_vm: 8,
         opts: vgpu_gpu_worker::WorkerOptions {
             turn: Some(vgpu_gpu_worker::TurnSlots::new(4000).expect("the GPU turn's page")),
             ..vgpu_gpu_worker::WorkerOptions::default()

@@ -22,8 +22,13 @@ const MIB: u64 = 1 << 20;
 /// The backend on `cuda` with a worker per VM; the workers run on the fake device unless
 /// `VGPU_WORKER_GPU=cuda` (the same test on a GPU: `ci/device/run.sh run workers`).
 fn start(tag: &str) -> (BackendProcess, BackendLauncher) {
+    start_with(tag, "--gpu-workers")
+}
+
+/// As [`start`], with `workers_flag` (`--gpu-workers=process`: a worker per guest process).
+fn start_with(tag: &str, workers_flag: &str) -> (BackendProcess, BackendLauncher) {
     let on_gpu = std::env::var("VGPU_WORKER_GPU").is_ok_and(|g| g.starts_with("cuda"));
-    let mut args = vec!["--gpu-workers"];
+    let mut args = vec![workers_flag];
     if !on_gpu {
         args.extend(["--test-worker-gpu", "cuda-fake"]);
     }
@@ -308,4 +313,111 @@ fn a_killed_backend_leaves_no_launcher_or_worker_running() {
     wait_for("no launcher or worker running", || {
         all.iter().all(|p| !running(*p))
     });
+}
+
+/// `--gpu-workers=process` on the real binary under `kill`: two guest processes of one VM
+/// run verified work on two sandboxed workers of the launcher; the API and `/metrics` show
+/// the granularity and the VM's workers; killing one process's worker fails that process
+/// only, counted for its VM; each process's last context takes its worker with it.
+#[test]
+fn a_worker_per_guest_process_through_the_sandboxed_backend() {
+    let (mut d, launcher_cfg) = start_with("seccomp-wproc", "--gpu-workers=process");
+    let api = d.api();
+    let launcher = children_of(d.pid())[0];
+    let (lb, dev1) = device(&d, "b", 41);
+    let dev2 = Device::loopback(lb.clone(), 42).expect("device");
+    let (ctx1, ctx2) = (
+        dev1.create_context().expect("ctx 41"),
+        dev2.create_context().expect("ctx 42"),
+    );
+    run_workloads(&ctx1, &["saxpy"]).unwrap();
+    run_workloads(&ctx2, &["saxpy"]).unwrap();
+    let workers = children_of(launcher);
+    assert_eq!(workers.len(), 2, "a worker per process: {workers:?}");
+    for w in &workers {
+        assert_eq!(status_line(*w, "Seccomp:"), "Seccomp: 2");
+    }
+    let info = api.info().expect("info").gpu_workers.expect("gpu_workers");
+    assert_eq!(info.granularity, "process");
+    assert_eq!(info.vms.get("b").map(|v| v.running), Some(2), "{info:?}");
+    let m = api.metrics().expect("metrics");
+    assert_eq!(
+        metric(&m, "vgpu_vm_gpu_workers_running{vm=\"b\"}"),
+        Some(2.0)
+    );
+    let ctl = std::process::Command::new(env!("CARGO_BIN_EXE_vgpuctl"))
+        .arg("--socket")
+        .arg(launcher_cfg.dir().join("api.sock"))
+        .arg("info")
+        .output()
+        .expect("vgpuctl");
+    let text = String::from_utf8_lossy(&ctl.stdout);
+    assert!(
+        text.contains("a worker per guest process: 2 running") && text.contains("vm b"),
+        "vgpuctl info: {text}"
+    );
+
+    // Either process's worker: exactly one process fails and the other verifies on.
+    let victim = workers[0];
+    // SAFETY: kill(2) on a pid this test just saw as the launcher's child.
+    assert_eq!(unsafe { libc::kill(victim as i32, libc::SIGKILL) }, 0);
+    wait_for("the loss counted", || {
+        api.info()
+            .ok()
+            .and_then(|i| i.gpu_workers)
+            .is_some_and(|w| w.vms.get("b").is_some_and(|v| v.running == 1))
+    });
+    let r1 = run_workloads(&ctx1, &["saxpy"]);
+    let r2 = run_workloads(&ctx2, &["saxpy"]);
+    assert!(
+        r1.is_err() != r2.is_err(),
+        "one process fails, the other goes on: {r1:?} {r2:?}"
+    );
+    let (failed, ok_ctx) = if r1.is_err() {
+        (ctx1, ctx2)
+    } else {
+        (ctx2, ctx1)
+    };
+    run_workloads(&ok_ctx, &["saxpy", "reduction"]).unwrap();
+    drop(failed);
+    wait_for("the lost worker let go of and counted", || {
+        metric(
+            &api.metrics().unwrap_or_default(),
+            "vgpu_vm_gpu_worker_losses_total{vm=\"b\",kind=\"crashed\"}",
+        ) == Some(1.0)
+    });
+    drop(ok_ctx);
+    wait_for("no worker once no process has a context", || {
+        children_of(launcher).is_empty()
+    });
+    drop((dev1, dev2, lb));
+
+    // VRAM pressure across two processes' workers of VM a (16 MiB quota, 32 MiB swap):
+    // 24 MiB between them, 8 MiB or more in the swap store; once some is freed the rest
+    // comes back into VRAM, each chunk into its own process's worker; every byte checked.
+    let (_lb_a, dev51) = device(&d, "a", 51);
+    let dev52 = Device::loopback(_lb_a.clone(), 52).expect("device");
+    let (ctx51, ctx52) = (
+        dev51.create_context().expect("ctx 51"),
+        dev52.create_context().expect("ctx 52"),
+    );
+    let before = api.vm_stats("a").expect("stats").vram;
+    let mut bufs51 = fill_buffers(&ctx51, 3, 0x20);
+    let bufs52 = fill_buffers(&ctx52, 3, 0x40);
+    let v = api.vm_stats("a").expect("stats").vram;
+    assert!(v.swapped_bytes >= 8 * MIB, "{v:?}");
+    check_buffers(&bufs51, 0x20);
+    check_buffers(&bufs52, 0x40);
+    drop(bufs52);
+    bufs51.truncate(2);
+    wait_for("a's chunks back in VRAM", || {
+        api.vm_stats("a")
+            .is_ok_and(|s| s.vram.swapped_bytes == 0 && s.vram.swap_ins > before.swap_ins)
+    });
+    check_buffers(&bufs51, 0x20);
+    run_workloads(&ctx51, &["saxpy"]).unwrap();
+    run_workloads(&ctx52, &["saxpy"]).unwrap();
+    drop((bufs51, ctx51, ctx52));
+    let status = d.terminate();
+    assert!(status.success(), "{status:?}\n{}", d.log_tail());
 }

@@ -86,6 +86,10 @@ enum Suite {
         /// time-slices the workers' contexts) [default: 4000].
         #[arg(long, default_value_t = 4000)]
         turn_us: u64,
+        /// With `--workers --only granularity`: guest processes of the one VM, each with a
+        /// worker of its own under `--gpu-workers=process` [default: 4].
+        #[arg(long, default_value_t = 4)]
+        processes: u32,
         /// Rounds of the back-to-back figure, each CUDA native (with `--baseline`), vgpu
         /// native and the VM one after the other; the median round is reported
         /// [default: 5, 1 with --quick].
@@ -165,6 +169,7 @@ fn main() {
             max_inflight,
             workers,
             turn_us,
+            processes,
             b2b_rounds,
             signal_max_blocks,
         } => match gpu {
@@ -194,6 +199,7 @@ fn main() {
                     Ok(w) => {
                         opts.workers = w;
                         opts.turn_us = turn_us;
+                        opts.processes = processes;
                         if let Some(r) = b2b_rounds {
                             opts.b2b_rounds = r;
                         }

@@ -77,6 +77,8 @@ pub struct CudaOpts {
     pub workers: Option<PathBuf>,
     /// With workers: the GPU turn's quantum, µs (0: none, the GPU time-slices them).
     pub turn_us: u64,
+    /// Guest processes of one VM in the `granularity` section.
+    pub processes: u32,
     /// Kernels' fence signals (see `CudaConfig::signal_max_blocks`) of the in-process GPU.
     pub signal_max_blocks: u64,
 }
@@ -97,6 +99,10 @@ pub enum Section {
     Swap,
     /// Two VMs' shares under `none` and `fair`, and weights 1:2:4.
     Fairness,
+    /// With `--workers`: a worker per VM against a worker per guest process (device
+    /// memory per worker, a process's first context, N processes' GPU throughput). Not a
+    /// section of the baseline program.
+    Granularity,
 }
 
 impl Section {
@@ -109,6 +115,7 @@ impl Section {
             Section::FrontendCpu => "frontend-cpu",
             Section::Swap => "swap",
             Section::Fairness => "fairness",
+            Section::Granularity => "granularity",
         }
     }
 }
@@ -138,6 +145,7 @@ impl CudaOpts {
             max_inflight: CudaConfig::default().max_inflight,
             workers: None,
             turn_us: 4000,
+            processes: 4,
             signal_max_blocks: CudaConfig::default().signal_max_blocks,
         }
     }
@@ -210,6 +218,10 @@ fn fig(name: &str, value: f64, unit: &str, better: Better) -> Figure {
     Figure::new(SUITE, name, value, unit, better)
 }
 
+/// Each rig VM's VRAM quota (a worker's VRAM: the cuda GPU allocates it in device memory
+/// when it opens).
+const RIG_VM_VRAM: u64 = 4 << 30;
+
 /// A backend on `gpu` serving loopback VMs on private sockets.
 struct Rig {
     backend: Arc<VgpuBackend>,
@@ -224,12 +236,13 @@ struct VmGpus {
     gpu: Arc<dyn Gpu>,
     workers: Option<WorkerProgram>,
     turn_us: u64,
+    granularity: vgpu_gpu_worker::Granularity,
 }
 
 impl Rig {
     fn new(g: &VmGpus, names: &[&str], vm_mem: u64) -> Result<Self, CudaSuiteError> {
         let limits = VmLimits {
-            vram_bytes: 4 << 30,
+            vram_bytes: RIG_VM_VRAM,
             mapped_guest_bytes: 2 << 30,
             swap_bytes: 2 << 30,
             ..VmLimits::default()
@@ -245,6 +258,8 @@ impl Rig {
                 let pool = WorkerPool::new(PoolConfig {
                     program: prog.clone(),
                     per_worker: (gi.max_channels, gi.max_contexts),
+                    granularity: g.granularity,
+                    max_workers_per_vm: 64,
                     gpu: gi,
                     opts: WorkerOptions {
                         turn,
@@ -456,6 +471,167 @@ fn fairness(gpu: &VmGpus, policy: Policy, secs: f64) -> Result<(f64, f64), CudaS
     ))
 }
 
+/// Device memory in use on GPU `index`, MiB, from `nvidia-smi` (`None` without one: the
+/// fake device).
+fn gpu_used_mib(index: u32) -> Option<f64> {
+    let out = Command::new("nvidia-smi")
+        .args([
+            "--query-gpu=memory.used",
+            "--format=csv,noheader,nounits",
+            "-i",
+            &index.to_string(),
+        ])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    String::from_utf8_lossy(&out.stdout).trim().parse().ok()
+}
+
+/// Waits (at most 20 s) until every tenant has completed a kernel: their workers run.
+fn all_running(tenants: &[Tenant]) {
+    let t0 = Instant::now();
+    while tenants.iter().any(|t| t.completed() == 0) && t0.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Kernel time `tenants` of 1 ms kernels complete between them per wall time over
+/// `secs`, %: above 100 where their kernels overlap (one context's streams run one-block
+/// kernels side by side; workers taking the GPU turn do not).
+fn busy_share(tenants: &[Tenant], secs: f64) -> f64 {
+    all_running(tenants);
+    std::thread::sleep(Duration::from_millis(300));
+    let c0: u64 = tenants.iter().map(|t| t.completed()).sum();
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_secs_f64(secs));
+    let c1: u64 = tenants.iter().map(|t| t.completed()).sum();
+    (c1 - c0) as f64 * MS as f64 / t0.elapsed().as_nanos() as f64 * 100.0
+}
+
+/// A worker per VM against a worker per guest process, for one VM of `opts.processes`
+/// guest processes: each process's first `CREATE_CONTEXT` (a worker start with a worker
+/// per process; with one per VM the first waits for the VM's worker started at connect),
+/// device memory per worker (`nvidia-smi`, on a GPU), and the kernel time one process of
+/// 1 ms kernels completes against N processes at once (with a worker per process the GPU
+/// turn hands over between them; with one per VM they share one context).
+fn granularity(gpu: &VmGpus, opts: &CudaOpts) -> Result<Vec<Figure>, CudaSuiteError> {
+    use vgpu_gpu_worker::Granularity;
+    let n = opts.processes.max(2);
+    let be = |e: vgpu_guest::Error| CudaSuiteError::Backend(e.to_string());
+    let mut figs = Vec::new();
+    for g in [Granularity::Vm, Granularity::Process] {
+        let gpus = VmGpus {
+            granularity: g,
+            ..gpu.clone()
+        };
+        let used0 = gpu_used_mib(opts.index);
+        let rig = Rig::new(&gpus, &["g"], 64 << 20)?;
+        let t_connect = Instant::now();
+        let mut firsts = Vec::new();
+        let mut held = Vec::new();
+        for pid in 1..=n {
+            let t = Instant::now();
+            let dev = Device::loopback(rig.vms[0].clone(), pid).map_err(be)?;
+            let ctx = dev.create_context().map_err(be)?;
+            firsts.push(t.elapsed().as_secs_f64() * 1e3);
+            held.push((ctx, dev));
+        }
+        let all_ms = t_connect.elapsed().as_secs_f64() * 1e3;
+        let workers = rig.backend.worker_stats().map_or(0, |s| s.running);
+        let used1 = gpu_used_mib(opts.index);
+        drop(held);
+        let tag = g.name();
+        let mean = firsts.iter().sum::<f64>() / firsts.len() as f64;
+        let max = firsts.iter().cloned().fold(0.0, f64::max);
+        figs.push(fig(
+            &format!("granularity_{tag}_first_context_mean_ms"),
+            mean,
+            "ms",
+            Better::Lower,
+        ));
+        figs.push(fig(
+            &format!("granularity_{tag}_first_context_max_ms"),
+            max,
+            "ms",
+            Better::Lower,
+        ));
+        figs.push(fig(
+            &format!("granularity_{tag}_{n}procs_contexts_from_connect_ms"),
+            all_ms,
+            "ms",
+            Better::Lower,
+        ));
+        figs.push(fig(
+            &format!("granularity_{tag}_{n}procs_workers"),
+            workers as f64,
+            "count",
+            Better::Lower,
+        ));
+        if let (Some(a), Some(b)) = (used0, used1) {
+            figs.push(fig(
+                &format!("granularity_{tag}_{n}procs_device_mib"),
+                b - a,
+                "MiB",
+                Better::Lower,
+            ));
+            let per_worker = (b - a) / workers.max(1) as f64;
+            figs.push(fig(
+                &format!("granularity_{tag}_device_mib_per_worker"),
+                per_worker,
+                "MiB",
+                Better::Lower,
+            ));
+            // Each worker allocates the VM's whole VRAM quota when it starts; the rest is
+            // its CUDA context.
+            let vram_mib = (RIG_VM_VRAM.min(gpu.gpu.info().vram_bytes) >> 20) as f64;
+            figs.push(fig(
+                &format!("granularity_{tag}_device_mib_per_worker_beyond_vram"),
+                per_worker - vram_mib,
+                "MiB",
+                Better::Lower,
+            ));
+        }
+        let spawn = |pid: u32| {
+            Tenant::spawn(rig.vms[0].clone(), TenantSpec::throttle(pid, MS))
+                .map_err(|e| CudaSuiteError::Backend(e.to_string()))
+        };
+        let stop = |t: Tenant| t.stop().map_err(|e| CudaSuiteError::Backend(e.to_string()));
+        let one = vec![spawn(100)?];
+        let alone = busy_share(&one, opts.fairness_secs);
+        for t in one {
+            stop(t)?;
+        }
+        let many = (0..n)
+            .map(|i| spawn(200 + i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let together = busy_share(&many, opts.fairness_secs);
+        for t in many {
+            stop(t)?;
+        }
+        figs.push(fig(
+            &format!("granularity_{tag}_1proc_kernel_time"),
+            alone,
+            "%",
+            Better::Higher,
+        ));
+        figs.push(fig(
+            &format!("granularity_{tag}_{n}procs_kernel_time"),
+            together,
+            "%",
+            Better::Higher,
+        ));
+        figs.push(fig(
+            &format!("granularity_{tag}_{n}procs_over_1proc"),
+            if alone > 0.0 { together / alone } else { 0.0 },
+            "ratio",
+            Better::Higher,
+        ));
+    }
+    Ok(figs)
+}
+
 /// Three VMs with weights 1:2:4, each running 1 ms kernels, under the fair policy: each
 /// VM's share of the wall time.
 fn weighted(gpu: &VmGpus, secs: f64) -> Result<Vec<f64>, CudaSuiteError> {
@@ -516,6 +692,7 @@ fn run_on<D: CudaDeviceTrait>(
             ],
         }),
         turn_us: opts.turn_us,
+        granularity: vgpu_gpu_worker::Granularity::Vm,
     };
     if vm_gpus.workers.is_some() {
         figs.push(fig("vm_gpu_in_worker_process", 1.0, "bool", Better::Higher));
@@ -549,6 +726,15 @@ fn run_on<D: CudaDeviceTrait>(
     }
     if opts.runs(Section::Swap) {
         figs.extend(vram_swap(&vm_gpus, opts.small)?);
+    }
+    // Asked for by name only: it starts a worker per process, 2 × N CUDA contexts.
+    if opts.only.contains(&Section::Granularity) {
+        if vm_gpus.workers.is_none() {
+            return Err(CudaSuiteError::Backend(
+                "--only granularity compares worker processes: add --workers".into(),
+            ));
+        }
+        figs.extend(granularity(&vm_gpus, opts)?);
     }
     if !opts.runs(Section::Fairness) {
         return Ok(figs);
@@ -902,7 +1088,13 @@ fn baseline(path: &PathBuf, opts: &CudaOpts) -> Result<Vec<Figure>, CudaSuiteErr
         cmd.arg("--large");
     }
     if !opts.only.is_empty() {
-        let names: Vec<&str> = opts.only.iter().map(|s| s.arg()).collect();
+        // The baseline has no workers: no granularity section.
+        let names: Vec<&str> = opts
+            .only
+            .iter()
+            .filter(|s| **s != Section::Granularity)
+            .map(|s| s.arg())
+            .collect();
         cmd.arg("--only").arg(names.join(","));
     }
     if !opts.workloads.is_empty() {

@@ -95,6 +95,48 @@ pub fn render(be: &VgpuBackend, shares: &ShareBook, api_requests: &[(u16, u64)])
                 w.lost_as(k) as f64,
             );
         }
+        // Per VM: with a worker per guest process a VM has several, and a loss fails
+        // one process's contexts only.
+        o.family(
+            "vgpu_vm_gpu_workers_running",
+            "gauge",
+            "GPU worker processes running for the VM (one, or one per guest process with \
+             GPU objects with --gpu-workers=process).",
+        );
+        for v in &w.vms {
+            o.value(
+                "vgpu_vm_gpu_workers_running",
+                &[("vm", &v.vm)],
+                v.running as f64,
+            );
+        }
+        o.family(
+            "vgpu_vm_gpu_worker_starts_total",
+            "counter",
+            "GPU worker processes started for the VM, restarts included.",
+        );
+        for v in &w.vms {
+            o.value(
+                "vgpu_vm_gpu_worker_starts_total",
+                &[("vm", &v.vm)],
+                v.started as f64,
+            );
+        }
+        o.family(
+            "vgpu_vm_gpu_worker_losses_total",
+            "counter",
+            "GPU worker processes of the VM lost, by why (as \
+             vgpu_gpu_worker_losses_by_kind_total).",
+        );
+        for v in &w.vms {
+            for (k, n) in vgpu_gpu_worker::LossKind::ALL.iter().zip(v.lost_by_kind) {
+                o.value(
+                    "vgpu_vm_gpu_worker_losses_total",
+                    &[("vm", &v.vm), ("kind", k.name())],
+                    n as f64,
+                );
+            }
+        }
     }
 
     let cap = be.capacity();

@@ -220,9 +220,20 @@ impl ApiState {
                 running: w.running,
                 started: w.started,
                 lost: w.lost,
-                lost_by_kind: vgpu_gpu_worker::LossKind::ALL
+                lost_by_kind: by_kind(&w.lost_by_kind),
+                granularity: w.granularity.name().to_string(),
+                vms: w
+                    .vms
                     .iter()
-                    .map(|k| (k.name().to_string(), w.lost_as(*k)))
+                    .map(|v| {
+                        let body = GpuWorkersVmBody {
+                            running: v.running,
+                            started: v.started,
+                            lost: v.lost,
+                            lost_by_kind: by_kind(&v.lost_by_kind),
+                        };
+                        (v.vm.clone(), body)
+                    })
                     .collect(),
             }),
         }
@@ -614,6 +625,16 @@ fn submission_mode(forwarded: bool) -> &'static str {
     } else {
         "direct"
     }
+}
+
+/// Losses by why, named as in `/metrics` (`counts` in [`vgpu_gpu_worker::LossKind::ALL`]'s
+/// order).
+fn by_kind(counts: &[u64; 6]) -> std::collections::BTreeMap<String, u64> {
+    vgpu_gpu_worker::LossKind::ALL
+        .iter()
+        .zip(counts)
+        .map(|(k, n)| (k.name().to_string(), *n))
+        .collect()
 }
 
 #[cfg(test)]

@@ -38,6 +38,22 @@ pub struct GpuWorkersBody {
     /// The lost ones by why: `gpu_fault`, `crashed`, `exited`, `timed_out`, `protocol`,
     /// `killed`.
     pub lost_by_kind: std::collections::BTreeMap<String, u64>,
+    /// `vm` (a worker per VM) or `process` (a worker per guest process).
+    #[serde(default)]
+    pub granularity: String,
+    /// Per VM, by name: its workers (with a worker per process, one per guest process
+    /// that has GPU objects) and their losses.
+    #[serde(default)]
+    pub vms: std::collections::BTreeMap<String, GpuWorkersVmBody>,
+}
+
+/// One VM's GPU workers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuWorkersVmBody {
+    pub running: u64,
+    pub started: u64,
+    pub lost: u64,
+    pub lost_by_kind: std::collections::BTreeMap<String, u64>,
 }
 
 /// One resource of the GPU shared by the VMs (`vgpu_backend::capacity::Headroom`).

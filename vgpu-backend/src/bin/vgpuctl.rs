@@ -300,7 +300,7 @@ fn run(cli: Cli) -> Result<(), ClientError> {
             if json {
                 return print_json(&i);
             }
-            table(&[
+            let mut rows = vec![
                 vec!["version".into(), i.version],
                 vec!["api".into(), i.api_version],
                 vec!["gpu".into(), i.gpu.model],
@@ -311,7 +311,33 @@ fn run(cli: Cli) -> Result<(), ClientError> {
                 vec!["contexts".into(), headroom(&i.capacity.contexts)],
                 vec!["channels".into(), headroom(&i.capacity.channels)],
                 vec!["uptime".into(), format!("{:.0} s", i.uptime_s)],
-            ]);
+            ];
+            if let Some(w) = &i.gpu_workers {
+                rows.push(vec![
+                    "gpu workers".into(),
+                    format!(
+                        "a worker per {}: {} running, {} started, {} lost",
+                        if w.granularity == "process" {
+                            "guest process"
+                        } else {
+                            "VM"
+                        },
+                        w.running,
+                        w.started,
+                        w.lost
+                    ),
+                ]);
+                for (vm, v) in &w.vms {
+                    rows.push(vec![
+                        format!("  vm {vm}"),
+                        format!(
+                            "{} running, {} started, {} lost",
+                            v.running, v.started, v.lost
+                        ),
+                    ]);
+                }
+            }
+            table(&rows);
         }
         Cmd::Metrics => print!("{}", c.metrics()?),
         Cmd::Vm(VmCmd::List) => {

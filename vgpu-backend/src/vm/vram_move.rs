@@ -233,6 +233,8 @@ impl Session {
         if !self.hal.contexts.contains_key(&ctx) {
             return Err(MoveError::Gone);
         }
+        // A swap-in's VRAM is the object's process's (its worker's, per process).
+        let pid = self.state.contexts.get(&ctx).ok_or(MoveError::Gone)?.pid;
         let mut b: ObjBacking = self.hal.vram.get(&mem).cloned().ok_or(MoveError::Gone)?;
         let mut todo: Vec<usize> = idx
             .iter()
@@ -256,7 +258,7 @@ impl Session {
         let mut new_vram: Vec<(usize, u64)> = Vec::new();
         if dir == Dir::In {
             for (&i, &len) in todo.iter().zip(&lens) {
-                match self.alloc_chunk_vram(len, align) {
+                match self.alloc_chunk_vram(pid, len, align) {
                     Ok(offset) => new_vram.push((i, offset)),
                     Err(_) => break,
                 }

@@ -47,12 +47,20 @@ impl Session {
 
     /// VRAM for a chunk of `len` bytes: a whole chunk straight from the GPU, chunk-aligned
     /// (so the GPU's allocator only ever holds whole aligned chunks), a shorter piece in
-    /// one of the VM's own frames ([`crate::vram::slabs`]) at `align`.
-    pub(crate) fn alloc_chunk_vram(&mut self, len: u64, align: u64) -> Result<u64, HalError> {
+    /// one of the VM's own frames ([`crate::vram::slabs`]) at `align`; VRAM of guest
+    /// process `pid` ([`vgpu_host_shim::Gpu::alloc_vram_for`]).
+    pub(crate) fn alloc_chunk_vram(
+        &mut self,
+        pid: u32,
+        len: u64,
+        align: u64,
+    ) -> Result<u64, HalError> {
         if len >= CHUNK {
-            return self.gpu.alloc_vram(len, CHUNK).map(|a| a.offset);
+            return self.gpu.alloc_vram_for(pid, len, CHUNK).map(|a| a.offset);
         }
-        self.hal.slabs.alloc(self.gpu.as_ref(), len, align)
+        // Pieces of processes whose VRAM lives apart never share a frame.
+        let owner = if self.gpu.separates_owners() { pid } else { 0 };
+        self.hal.slabs.alloc(self.gpu.as_ref(), owner, len, align)
     }
 
     /// Frees VRAM [`Session::alloc_chunk_vram`] gave.
@@ -79,14 +87,20 @@ impl Session {
 
     /// Allocates an object of `size` bytes in chunks: in VRAM while it has room, the rest
     /// in the swap store (the VRAM manager is woken to rebalance) if the VM has a swap
-    /// limit. A VM without one is never given system memory: `NoMemory` instead.
-    pub(crate) fn alloc_object(&mut self, size: u64, align: u64) -> Result<ObjBacking, ErrorCode> {
+    /// limit. A VM without one is never given system memory: `NoMemory` instead. The
+    /// object belongs to guest process `pid`.
+    pub(crate) fn alloc_object(
+        &mut self,
+        pid: u32,
+        size: u64,
+        align: u64,
+    ) -> Result<ObjBacking, ErrorCode> {
         let epoch = self.swap.epoch;
         let mut b = ObjBacking::layout(size, align, epoch);
         let mut spilled = 0u64;
         for i in 0..b.chunks.len() {
             let len = b.chunks[i].len;
-            match self.alloc_chunk_vram(len, b.align) {
+            match self.alloc_chunk_vram(pid, len, b.align) {
                 Ok(offset) => b.chunks[i].loc = Loc::Vram(offset),
                 Err(HalError::OutOfVram(_)) if self.limits.swap_bytes > 0 => spilled += 1,
                 Err(e) => {

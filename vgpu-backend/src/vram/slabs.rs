@@ -20,27 +20,37 @@ static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
 /// The frames of one VM and the pieces placed in them.
 #[derive(Debug, Default)]
 pub struct SlabPool {
-    /// Frame offset in VRAM → the allocator of its `CHUNK` bytes.
-    frames: BTreeMap<u64, RangeAllocator>,
+    /// Frame offset in VRAM → its owner and the allocator of its `CHUNK` bytes. With a GPU
+    /// that keeps owners' VRAM apart (a worker per guest process) the owner is the guest
+    /// process and a frame holds pieces of that owner only; else it is 0 for every frame.
+    frames: BTreeMap<u64, (u32, RangeAllocator)>,
     /// Bytes of pieces placed.
     used: u64,
 }
 
 impl SlabPool {
-    /// Places a piece of `len` bytes (less than a chunk) aligned to `align` in a frame
-    /// with room (first fit), or in a new frame. The piece reads as zero.
-    pub fn alloc(&mut self, gpu: &dyn Gpu, len: u64, align: u64) -> Result<u64, HalError> {
+    /// Places a piece of `len` bytes (less than a chunk) aligned to `align` in one of
+    /// `owner`'s frames with room (first fit), or in a new frame of `owner`'s
+    /// ([`Gpu::alloc_vram_for`]). The piece reads as zero.
+    pub fn alloc(
+        &mut self,
+        gpu: &dyn Gpu,
+        owner: u32,
+        len: u64,
+        align: u64,
+    ) -> Result<u64, HalError> {
         if len == 0 || len >= CHUNK || !align.is_power_of_two() {
             return Err(HalError::InvalidArgument("slab piece size or alignment"));
         }
         let found = self
             .frames
             .values_mut()
-            .find_map(|a| a.alloc(len, align.min(CHUNK)));
+            .filter(|(o, _)| *o == owner)
+            .find_map(|(_, a)| a.alloc(len, align.min(CHUNK)));
         let (off, size) = match found {
             Some(p) => p,
             None => {
-                let frame = gpu.alloc_vram(CHUNK, CHUNK)?;
+                let frame = gpu.alloc_vram_for(owner, CHUNK, CHUNK)?;
                 let mut a =
                     RangeAllocator::with_range(frame.offset, frame.offset + CHUNK, VRAM_GRANULE);
                 let Some(p) = a.alloc(len, align.min(CHUNK)) else {
@@ -49,7 +59,7 @@ impl SlabPool {
                     }
                     return Err(HalError::OutOfVram(len));
                 };
-                self.frames.insert(frame.offset, a);
+                self.frames.insert(frame.offset, (owner, a));
                 // A fresh frame is zeroed by the GPU.
                 self.used += p.1;
                 return Ok(p.0);
@@ -66,7 +76,7 @@ impl SlabPool {
     /// Whether `off` is a piece in one of the frames.
     pub fn contains(&self, off: u64) -> bool {
         self.frame_of(off)
-            .is_some_and(|f| self.frames[&f].allocation(off).is_some())
+            .is_some_and(|f| self.frames[&f].1.allocation(off).is_some())
     }
 
     /// Frees the piece at `off`; a frame left empty goes back to the GPU. `false` if
@@ -75,7 +85,7 @@ impl SlabPool {
         let Some(f) = self.frame_of(off) else {
             return false;
         };
-        let Some(a) = self.frames.get_mut(&f) else {
+        let Some((_, a)) = self.frames.get_mut(&f) else {
             return false;
         };
         let Some(size) = a.free(off) else {
@@ -134,18 +144,18 @@ mod tests {
         .unwrap();
         let free0 = gpu.vram_free_bytes();
         let mut p = SlabPool::default();
-        let a = p.alloc(gpu.as_ref(), 4096, 4096).unwrap();
-        let b = p.alloc(gpu.as_ref(), 4096, 4096).unwrap();
+        let a = p.alloc(gpu.as_ref(), 0, 4096, 4096).unwrap();
+        let b = p.alloc(gpu.as_ref(), 0, 4096, 4096).unwrap();
         assert_eq!(p.frame_bytes(), CHUNK, "both in one frame");
         assert_eq!(p.slack_bytes(), CHUNK - 8192);
         assert!(p.contains(a) && p.contains(b) && !p.contains(a + 8192));
         // A piece that does not fit next to them takes a second frame.
-        let c = p.alloc(gpu.as_ref(), CHUNK - 4096, 4096).unwrap();
+        let c = p.alloc(gpu.as_ref(), 0, CHUNK - 4096, 4096).unwrap();
         assert_eq!(p.frame_bytes(), 2 * CHUNK);
         // A reused piece reads as zero.
         gpu.vram_write(b, &[0xaa; 4096]).unwrap();
         assert!(p.free(gpu.as_ref(), b));
-        let b2 = p.alloc(gpu.as_ref(), 4096, 4096).unwrap();
+        let b2 = p.alloc(gpu.as_ref(), 0, 4096, 4096).unwrap();
         let mut got = [1u8; 4096];
         gpu.vram_read(b2, &mut got).unwrap();
         assert!(got.iter().all(|&x| x == 0));

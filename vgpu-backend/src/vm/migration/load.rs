@@ -113,6 +113,9 @@ impl Session {
         mems: &[MemRecord],
         mem: &GuestMemory,
     ) -> Result<(), MigrationError> {
+        // A GPU with a worker per guest process starts the processes' workers side by side.
+        let owners: Vec<u32> = contexts.iter().map(|c| c.pid).collect();
+        self.gpu.prepare_owners(&owners);
         for c in contexts {
             let e = restore_err("context", u64::from(c.id));
             with_id(&mut self.state.last_context, c.id).map_err(e)?;

@@ -27,7 +27,10 @@ impl Session {
         // The GPU also reaches the VM's swap store (above guest RAM, see crate::vram).
         let store = self.swap_store()?;
         let gpu_sys = Arc::new(crate::vram::store::VmSysMemory::new(sys.clone(), store));
-        let hctx = self.gpu.create_context(gpu_sys).map_err(|e| e.code())?;
+        let hctx = self
+            .gpu
+            .create_context_for(pid, gpu_sys)
+            .map_err(|e| e.code())?;
         self.state.contexts.insert(id, ContextState { pid });
         self.hal.contexts.insert(id, (hctx, sys));
         debug!("pid {pid}: context {id} ({hctx:?})");

@@ -50,7 +50,7 @@ impl Session {
         }
         // Chunks that do not fit in free VRAM go to swap (the VRAM manager rebalances), or
         // fail the request for a VM without a swap limit.
-        let backing = self.alloc_object(rounded, align)?;
+        let backing = self.alloc_object(pid, rounded, align)?;
         // The VM is charged the frames its small pieces pin, not only their bytes: islands
         // of tiny objects count as the VRAM they make unusable.
         let charged = self
