@@ -99,9 +99,14 @@ fi
 if [ "${SKIP_CH:-0}" != "1" ]; then
     # Cloud Hypervisor v53.0 (built from ci/ch/source with ci/ch/patches by ci/ch/build.sh,
     # cached in ~/.cache/vgpu/ch) in the nested rig's L1: two Debian guests with vgpu.ko
-    # attached through its generic vhost-user device, forwarded mode, the rig's guest checks.
+    # attached through its generic vhost-user device, forwarded mode (shmem=off), the rig's
+    # guest checks.
     ci_step "Cloud Hypervisor: two forwarded-mode guests in the nested rig" \
         ci/ch/guest-test.sh --vms 2
+    # Direct mode through our vhost-user SHMEM patches (ci/ch/patches 0004-0006, vhost):
+    # one guest with the backend's region as a BAR, the same guest checks (78-110 s).
+    ci_step "Cloud Hypervisor: a direct-mode guest (vhost-user SHMEM)" \
+        ci/ch/guest-test.sh --direct --no-build
     # Live migration between two Cloud Hypervisor instances in L1 (local: guest RAM by fd,
     # the device state through the one backend): a guest looping verified vgpu-smoke runs
     # and a throttle moves and goes on verifying; Cloud Hypervisor's downtime is printed
