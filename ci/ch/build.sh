@@ -2,7 +2,9 @@
 # Build Cloud Hypervisor (`cloud-hypervisor` and `ch-remote`) from the release source kept
 # in ci/ch/source (upstream `git archive` tarballs, checked against SHA256SUMS) with the
 # patches in ci/ch/patches, and its one git dependency, micro_http, patched in from the
-# tarball beside it, so that only the crate registry is needed.
+# tarball beside it, so that only the crate registry is needed. The `vhost` crate it pins
+# is patched too (ci/ch/patches/vhost: the crate from the registry, checked against
+# Cloud Hypervisor's Cargo.lock, with our patches, patched in from a local path).
 # Cached under ${XDG_CACHE_HOME:-~/.cache}/vgpu/ch: the patched source (unpacked again
 # when the tarballs or patches change), one cargo target directory for every source (a
 # change rebuilds only the crates it touches), and the finished binaries by the hash of
@@ -26,7 +28,7 @@ log() { echo "ch-build: $*" >&2; }
 while [ $# -gt 0 ]; do
     case "$1" in
         --force) FORCE=1; shift ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
         *) die "unknown argument: $1" ;;
     esac
 done
@@ -36,8 +38,9 @@ CH_TAR="$(ls "$SRC"/cloud-hypervisor-v*.tar.xz)"
 HTTP_TAR="$(ls "$SRC"/micro-http-*.tar.xz)"
 VERSION="$(basename "$CH_TAR" .tar.xz)"; VERSION="${VERSION#cloud-hypervisor-}"
 PATCHES=("$HERE"/patches/*.patch)
-SRC_STAMP="$(cat "$SRC/SHA256SUMS" "${PATCHES[@]}" | sha256sum | cut -c1-16)"
-KEY="$VERSION-$(cat "$SRC/SHA256SUMS" "${PATCHES[@]}" "$0" | sha256sum | cut -c1-16)"
+VHOST_PATCHES=("$HERE"/patches/vhost/*.patch)
+SRC_STAMP="$(cat "$SRC/SHA256SUMS" "${PATCHES[@]}" "${VHOST_PATCHES[@]}" | sha256sum | cut -c1-16)"
+KEY="$VERSION-$(cat "$SRC/SHA256SUMS" "${PATCHES[@]}" "${VHOST_PATCHES[@]}" "$0" | sha256sum | cut -c1-16)"
 BIN_DIR="$STORE/bin-$KEY"
 
 print_result() {
@@ -56,7 +59,7 @@ START=$(date +%s)
 WORK="$STORE/src"
 mkdir -p "$STORE"
 if [ "$(cat "$WORK/.stamp" 2>/dev/null)" != "$SRC_STAMP" ]; then
-    log "unpacking $VERSION and applying ${#PATCHES[@]} patch(es)"
+    log "unpacking $VERSION and applying ${#PATCHES[@]} patch(es), ${#VHOST_PATCHES[@]} to vhost"
     rm -rf "$WORK"; mkdir -p "$WORK"
     # -m: every file new, so that cargo rebuilds what a changed patch touches.
     tar -xmf "$CH_TAR" -C "$WORK"
@@ -67,11 +70,36 @@ if [ "$(cat "$WORK/.stamp" 2>/dev/null)" != "$SRC_STAMP" ]; then
         patch -d "$WORK/cloud-hypervisor" -p1 -s -f <"$p" \
             || die "$(basename "$p") does not apply to $VERSION"
     done
+    # vhost: the version Cloud Hypervisor's lock pins, from the registry (cargo fetch
+    # brings it when the cache lacks it), checked against the lock's checksum.
+    lock="$WORK/cloud-hypervisor/Cargo.lock"
+    vhost_ver="$(grep -A1 '^name = "vhost"$' "$lock" | sed -n 's/^version = "\(.*\)"$/\1/p')"
+    vhost_sum="$(grep -A3 '^name = "vhost"$' "$lock" | sed -n 's/^checksum = "\(.*\)"$/\1/p')"
+    [ -n "$vhost_ver" ] && [ -n "$vhost_sum" ] || die "no vhost in $VERSION's Cargo.lock"
+    crate_glob="${CARGO_HOME:-$HOME/.cargo}/registry/cache/*/vhost-$vhost_ver.crate"
+    # shellcheck disable=SC2086
+    crate="$(ls $crate_glob 2>/dev/null | head -n 1)"
+    if [ -z "$crate" ]; then
+        (cd "$WORK/cloud-hypervisor" && cargo fetch >&2) || die "cargo fetch failed"
+        # shellcheck disable=SC2086
+        crate="$(ls $crate_glob 2>/dev/null | head -n 1)"
+    fi
+    [ -n "$crate" ] || die "vhost $vhost_ver is not in cargo's registry cache"
+    echo "$vhost_sum  $crate" | sha256sum --quiet -c - || die "$crate does not match $VERSION's Cargo.lock"
+    tar -xzmf "$crate" -C "$WORK"
+    mv "$WORK/vhost-$vhost_ver" "$WORK/vhost"
+    for p in "${VHOST_PATCHES[@]}"; do
+        patch -d "$WORK/vhost" -p1 -s -f <"$p" \
+            || die "$(basename "$p") does not apply to vhost $vhost_ver"
+    done
     # micro_http is a git dependency upstream: the same commit from a local path.
     cat >>"$WORK/cloud-hypervisor/Cargo.toml" <<'EOF'
 
 [patch."https://github.com/firecracker-microvm/micro-http"]
 micro_http = { path = "../micro-http" }
+
+[patch.crates-io]
+vhost = { path = "../vhost" }
 EOF
     echo "$SRC_STAMP" >"$WORK/.stamp"
 fi

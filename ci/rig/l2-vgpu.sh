@@ -28,6 +28,10 @@
 #     --migrate: a local live migration (`ch-remote send-migration local=on`, BIN's
 #     ch-remote beside it) to a second cloud-hypervisor in L1 that attaches the same
 #     backend socket (the configuration travels with the VM; no second backend).
+#     The device runs forwarded (`shmem=off`) unless --ch-shmem is given.
+#   - --ch-shmem: with --ch, the generic device offers vhost-user shared memory
+#     (`shmem=on`, our ci/ch/patches), so the guest runs direct through its BAR. Not
+#     with --migrate (a device with shared memory does not migrate).
 #   - --qemu BIN: every L2 runs under that QEMU (a glibc build with vhost-user shared
 #     memory: ci/qemu/build.sh; its libraries and firmware ride along) with
 #     `-accel kvm`, attached with `vhost-user-device-pci,virtio-id=60`, so the guest
@@ -37,7 +41,7 @@
 # L1's console, and the backend must exit cleanly on SIGTERM afterwards.
 #
 # Usage: ci/rig/l2-vgpu.sh [--vms N] [--guest] [--restart-backend] [--hang-backend S] [--driver vgpu.ko] [--exit-cost BIN] [--l2-cmd FILE]
-#                          [--add SRC:DST]... [--vcpus N] [--ch BIN] [--qemu BIN] [--no-build] [--timeout S]
+#                          [--add SRC:DST]... [--vcpus N] [--ch BIN [--ch-shmem]] [--qemu BIN] [--no-build] [--timeout S]
 #                          [-- run-l1.sh args]
 #   --add puts extra files into every L2's initramfs (e.g. guest tools).
 #   --backend-args 'ARGS'  more vgpu-backend options (its API socket is /tmp/vgpu/api.sock)
@@ -63,6 +67,7 @@ HANG=0
 MIGRATE=0
 MIGRATE_VIA=unix
 CH=""
+CH_SHMEM=off
 QEMU_BIN=""
 TIMEOUT=420
 # Log filter of the backends and VMMs in L1 (RUST_LOG syntax), and how many of the
@@ -95,6 +100,7 @@ while [ $# -gt 0 ]; do
         --backend-args) BACKEND_ARGS="$2"; shift 2 ;;
         --l1-monitor) MONITOR="$2"; shift 2 ;;
         --ch) CH="$2"; shift 2 ;;
+        --ch-shmem) CH_SHMEM=on; shift ;;
         --qemu) QEMU_BIN="$2"; shift 2 ;;
         --no-build) BUILD=0; shift ;;
         --timeout) TIMEOUT="$2"; shift 2 ;;
@@ -110,6 +116,9 @@ if [ -n "$CH" ]; then
     CH_REMOTE="$(dirname "$CH")/ch-remote"
     [ "$MIGRATE" = 0 ] || [ -x "$CH_REMOTE" ] || die "--ch --migrate: no ch-remote beside $CH"
     [ "$MIGRATE_VIA" = unix ] || die "--ch --migrate: a local migration goes through a unix socket"
+    [ "$CH_SHMEM" = off ] || [ "$MIGRATE" = 0 ] || die "--ch-shmem: a device with shared memory does not migrate"
+else
+    [ "$CH_SHMEM" = off ] || die "--ch-shmem needs --ch"
 fi
 if [ -n "$QEMU_BIN" ]; then
     [ -x "$QEMU_BIN" ] || die "--qemu: no such program: $QEMU_BIN"
@@ -423,7 +432,7 @@ for k in \$(seq 0 $((VMS - 1))); do
             timeout -s KILL $((TIMEOUT - 60)) cloud-hypervisor -v $RIG_CH_ARGS --kernel /l2/vmlinuz \\
                 --initramfs /l2/l2.cpio.gz --cmdline "$CH_L2_ARGS vgpu.vm=\$k" \\
                 --cpus boot=$VCPUS --memory size=256M,shared=on \\
-                --generic-vhost-user "socket=/tmp/vgpu/vm\$k.sock,device_type=60,queue_sizes=[256,256],id=vgpu\$k" \\
+                --generic-vhost-user "socket=/tmp/vgpu/vm\$k.sock,device_type=60,queue_sizes=[256,256],shmem=$CH_SHMEM,id=vgpu\$k" \\
                 --serial file=/tmp/l2-\$k.log --console off --api-socket path=/tmp/vmm-\$k.api \\
                 > /tmp/vmm-\$k.log 2>&1
         elif [ -n "$QEMU_BIN" ]; then
