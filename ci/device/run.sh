@@ -80,7 +80,8 @@ needs() {
                           "test:vgpu-bench:worker_processes" ;;
         modules) echo "test:vgpu-gpu-worker:worker_cuda bin:vgpu-gpu-worker:vgpu-gpu-worker" \
                       "test:vgpu-backend:guest_modules bin:vgpu-backend:vgpu-backend" ;;
-        libcuda) echo "test:vgpu-libcuda:c_programs bin:vgpu-backend:vgpu-backend libcuda" ;;
+        libcuda) echo "test:vgpu-libcuda:c_programs bin:vgpu-backend:vgpu-backend" \
+                      "bin:vgpu-backend:vgpuctl libcuda" ;;
         fuzz) echo "fuzz" ;;
         *) die "unknown suite: $1 (one of: $ALL_SUITES)" ;;
     esac
@@ -311,6 +312,64 @@ libcuda_pair() {
 # A field KEY=VALUE of a program's output line.
 field() { tr ' ' '\n' <<<"$1" | sed -n "s/^$2=//p"; }
 
+# The share of the GPU time VM $2 used in the last 10 s, from `vgpuctl --json vm list`
+# in file $1.
+vm_share() {
+    awk -v vm="$2" '/"name":/ { gsub(/[",]/, "", $2); cur = $2 }
+        /"gpu_share_10s":/ && cur == vm { gsub(/,/, "", $2); print $2 }' "$1"
+}
+
+# Two VMs of weights 1:2 running user programs of different kernel lengths (a vector add
+# of 2^24 and of 2^26 elements, about 75 and 290 us) through vgpu's libcuda, each VM's
+# share of the GPU time read from the API; then one VM oversubscribed 2x with a cold set.
+libcuda_sharing() {
+    local ptx=$1 d="$WORK/libcuda-fair" p r pa pb env
+    mkdir -p "$d"
+    echo "-- two VMs, weights 1:2, kernels of 75 and 290 us"
+    RUST_LOG=info "$B/vgpu-backend" --gpu cuda --gpu-workers --vram-mib 16384 --socket-dir "$d" \
+        --vm a --vm b --vm-weight a=100 --vm-weight b=200 --api-socket "$d/api.sock" \
+        > "$O/libcuda-fair-backend.log" 2>&1 &
+    p=$!
+    for r in $(seq 100); do [ -S "$d/b.sock" ] && [ -S "$d/api.sock" ] && break; sleep 0.1; done
+    env="LD_LIBRARY_PATH=$B/libcuda VGPU_LOOPBACK_MEM_MIB=1024"
+    env $env VGPU_LOOPBACK_SOCKET="$d/a.sock" timeout 60 "$B/libcuda/vadd_loop" "$ptx" 600000 16777216 \
+        > "$O/libcuda-fair-a.txt" 2>&1 &
+    pa=$!
+    env $env VGPU_LOOPBACK_SOCKET="$d/b.sock" timeout 60 "$B/libcuda/vadd_loop" "$ptx" 200000 67108864 \
+        > "$O/libcuda-fair-b.txt" 2>&1 &
+    pb=$!
+    sleep 14
+    for r in 1 2 3; do
+        "$B/vgpuctl" --socket "$d/api.sock" --json vm list > "$O/libcuda-fair-$r.json"
+        echo "weights_1_2_user_programs share a $(vm_share "$O/libcuda-fair-$r.json" a)" \
+            "b $(vm_share "$O/libcuda-fair-$r.json" b) (targets 0.333 0.667)" \
+            | tee -a "$O/libcuda-bench.txt"
+        sleep 3
+    done
+    kill $pa $pb 2>/dev/null; wait $pa $pb 2>/dev/null
+    kill -TERM $p; wait $p
+    echo "-- one VM oversubscribed 2x: a 1 GiB quota, a 192 MiB hot set, 1,856 MiB cold"
+    d="$WORK/libcuda-swap"; mkdir -p "$d"
+    RUST_LOG=info "$B/vgpu-backend" --gpu cuda --gpu-workers --vram-mib 8192 --vm-vram-mib 1024 \
+        --vm-swap-mib 4096 --socket-dir "$d" --vm a > "$O/libcuda-swap-backend.log" 2>&1 &
+    p=$!
+    for r in $(seq 100); do [ -S "$d/a.sock" ] && break; sleep 0.1; done
+    local plain cold
+    for r in 1 2 3; do
+        plain="$(env $env VGPU_LOOPBACK_SOCKET="$d/a.sock" timeout 120 "$B/libcuda/vadd_loop" \
+            "$ptx" 2000 16777216 0 2>>"$O/libcuda-vgpu.err")"
+        cold="$(env $env VGPU_LOOPBACK_SOCKET="$d/a.sock" timeout 120 "$B/libcuda/vadd_loop" \
+            "$ptx" 2000 16777216 1856 2>>"$O/libcuda-vgpu.err")"
+        echo "plain: $plain" | tee -a "$O/libcuda-bench.txt"
+        echo "cold:  $cold" | tee -a "$O/libcuda-bench.txt"
+        echo "oversubscribed_2x_time_over_plain $(awk -v c="$(field "$cold" seconds)" \
+            -v p="$(field "$plain" seconds)" 'BEGIN { if (p > 0) printf "%.3f", c / p; else print "n/a" }')" \
+            | tee -a "$O/libcuda-bench.txt"
+    done
+    kill -TERM $p; wait $p
+    grep -E "evict|swap" "$O/libcuda-swap-backend.log" | tail -3
+}
+
 suite_libcuda() {
     export VGPU_BACKEND_BIN="$B/vgpu-backend" VGPU_LIBCUDA_PROGRAMS="$B/libcuda"
     local ptx=host-shim/tests/data/test_module.ptx d="$WORK/libcuda" p r runs="${RUNS:-3}"
@@ -366,6 +425,7 @@ suite_libcuda() {
         | tee -a "$O/libcuda-bench.txt"
     echo "matmul_time_vm_over_native_median $(median <<<"$mm") of$mm" \
         | tee -a "$O/libcuda-bench.txt"
+    libcuda_sharing "$ptx"
     kill -TERM $p; wait $p
     grep -iE "error|panic" "$O/libcuda-backend.log" | head -5
 }

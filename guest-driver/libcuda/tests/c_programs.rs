@@ -155,8 +155,11 @@ fn programs_run_through_the_library_as_through_the_driver() {
     // The benchmark programs, at sizes for a CPU (they check their own results).
     let out = run_ok(&backend, "a", "launch_rate", &[PTX, "200", "256"]);
     assert!(out.starts_with("launch_rate kernels=200 n=256 "), "{out}");
-    let out = run_ok(&backend, "b", "vadd_loop", &[PTX, "5", "65536"]);
-    assert!(out.starts_with("vadd_loop iterations=5 n=65536 "), "{out}");
+    let out = run_ok(&backend, "b", "vadd_loop", &[PTX, "5", "65536", "8"]);
+    assert!(
+        out.starts_with("vadd_loop iterations=5 n=65536 cold_mib=8 "),
+        "{out}"
+    );
     backend.stop();
 }
 
