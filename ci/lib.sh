@@ -78,6 +78,32 @@ add_guest_tools() {
     done
 }
 
+# build_guest_cuda: the guest libcuda.so.1 as a guest installs it (no loopback VM in it:
+# --no-default-features; in a target directory of its own, so the workspace's libcuda.so
+# keeps its features) and the C program the rig's guests run against it over /dev/vgpu
+# (guest-driver/libcuda/tests/c/devvgpu_program.c), in $TARGET_DIR/guest-cuda.
+build_guest_cuda() {
+    local t="$TARGET_DIR/guest-cuda" c="$ROOT/guest-driver/libcuda/tests/c"
+    CARGO_TARGET_DIR="$t" cargo build --release -p vgpu-libcuda --no-default-features >&2
+    mkdir -p "$t/lib"
+    strip -o "$t/lib/libcuda.so.1" "$t/release/libcuda.so"
+    gcc -O2 -Wall -Werror -I "$c" -o "$t/cuda-program" "$c/devvgpu_program.c" \
+        -L"$t/lib" -l:libcuda.so.1 >&2
+}
+
+# add_guest_cuda ARRAY: the guest libcuda.so.1 (at /lib/vgpu), the C program
+# (/bin/cuda-program) and the C library both need, as --add arguments appended to the
+# array named ARRAY; nothing if build_guest_cuda has not run.
+add_guest_cuda() {
+    local t="$TARGET_DIR/guest-cuda" lib
+    local -n cuda_ref="$1"
+    [ -x "$t/cuda-program" ] || return 0
+    cuda_ref+=(--add "$t/cuda-program:/bin/cuda-program" --add "$t/lib/libcuda.so.1:/lib/vgpu/libcuda.so.1")
+    for lib in $(LD_LIBRARY_PATH="$t/lib" ldd "$t/cuda-program" | grep -o '/[^ ]*' | sort -u); do
+        case "$lib" in "$t"/*) ;; *) cuda_ref+=(--add "$lib:$lib") ;; esac
+    done
+}
+
 # --- step times -----------------------------------------------------------------------
 # ci_steps_begin: the outermost script that calls it (.ci/run, or ci/test.sh run alone)
 # prints a table of every step's wall time when it exits, nested ones' steps included

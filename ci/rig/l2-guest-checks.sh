@@ -35,6 +35,16 @@ else
     bounded vgpu-smoke --swap 30 --swap-buffer-mib 16 --swap-pressure-mib 160 > /tmp/swap.out 2>&1; r=$?; busybox tail -n 3 /tmp/swap.out
     check swap_cpu_stores $(ok $r)
 fi
+# A C program on the guest libcuda.so.1 over /dev/vgpu (when the rig built it): memory,
+# copies, sets, streams, events; its module load gets the GPU's own refusal (the sim runs
+# no guest modules), which the library logs.
+if [ -x /bin/cuda-program ]; then
+    (export LD_LIBRARY_PATH=/lib/vgpu; bounded cuda-program > /tmp/cuda.out 2> /tmp/cuda.err); r=$?
+    busybox tail -n 1 /tmp/cuda.out; busybox tail -n 3 /tmp/cuda.err
+    grep -q "devvgpu_program ok module_load=CUDA_ERROR_NOT_SUPPORTED" /tmp/cuda.out \
+        && grep -q "guest modules need the cuda GPU" /tmp/cuda.err && cuda=1 || cuda=0
+    check "cuda_program(rc=$r)" $([ "$r" = 0 ] && echo $cuda || echo 0)
+fi
 # A process killed mid-submission leaves nothing behind.
 vgpu-throttle --kernel-us 2000 --duration 60 > /tmp/t.out 2>&1 & tp=$!
 sleep 2; kill -9 $tp; wait $tp 2>/dev/null

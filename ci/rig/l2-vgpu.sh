@@ -134,6 +134,7 @@ if [ "$BUILD" = 1 ]; then
     if [ "$GUEST" = 1 ]; then
         musl_build_guest_tools
         build_guest_driver
+        build_guest_cuda
         gcc -O2 -static -o "$TARGET_DIR/exit-cost" "$RIG/exit-cost.c" >&2
     fi
 fi
@@ -155,6 +156,7 @@ if [ "$GUEST" = 1 ]; then
         L2CMD="${L2CMD:-$RIG/l2-guest-checks.sh}"
     fi
     add_guest_tools "$WORK" ADDS
+    add_guest_cuda ADDS
 fi
 [ -z "$DRIVER" ] || modinfo -F vermagic "$DRIVER" | grep -q "^$KVER " \
     || die "$DRIVER is not built for $KVER"

@@ -159,6 +159,8 @@ struct vgpu_file {
 /* vgpu_virtio.c */
 int vgpu_request(struct vgpu_dev *dev, u32 op, u32 pid, u32 ctx, const void *body,
 		 size_t body_len, void *out, size_t out_len);
+int vgpu_request_var(struct vgpu_dev *dev, u32 op, u32 pid, u32 ctx, const void *body,
+		     size_t body_len, void *out, size_t out_max, size_t *got);
 void vgpu_dev_put(struct vgpu_dev *dev);
 void vgpu_dev_get(struct vgpu_dev *dev);
 void vgpu_chan_put(struct vgpu_chan *chan);

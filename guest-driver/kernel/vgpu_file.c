@@ -1035,6 +1035,232 @@ static long ioc_wait(struct vgpu_file *vf, void __user *arg)
 	return err;
 }
 
+/* ---- guest modules ------------------------------------------------------------------ */
+
+#ifdef MAX_PAGE_ORDER
+#define VGPU_MODULE_MAX_ORDER MAX_PAGE_ORDER
+#else
+#define VGPU_MODULE_MAX_ORDER (MAX_ORDER - 1)
+#endif
+
+struct module_chunk {
+	struct page *page;
+	unsigned int order;
+};
+
+/*
+ * MODULE_LOAD: the image is copied from the caller once, into runs of physically
+ * contiguous pages (large orders first, so even 32 MiB fits the request's 512 ranges),
+ * and the device reads it from there before it answers; the pages go right after.
+ */
+static long ioc_module_load(struct vgpu_file *vf, void __user *arg)
+{
+	struct vgpu_ioc_module_load a;
+	struct module_chunk *chunks;
+	struct vgpu_sg_range *r;
+	struct vgpu_ctx *c;
+	unsigned int n = 0, i;
+	u64 done = 0;
+	__le32 reply[2];
+	u8 *body;
+	int err = 0;
+
+	if (copy_from_user(&a, arg, sizeof(a)))
+		return -EFAULT;
+	if (!a.size || a.size > VGPU_IOC_MAX_MODULE_BYTES)
+		return -EINVAL;
+	chunks = kcalloc(VGPU_MAX_SG_ENTRIES, sizeof(*chunks), GFP_KERNEL);
+	body = kzalloc(8 + VGPU_MAX_SG_ENTRIES * sizeof(*r), GFP_KERNEL);
+	if (!chunks || !body) {
+		err = -ENOMEM;
+		goto out;
+	}
+	r = (struct vgpu_sg_range *)(body + 8);
+	while (done < a.size) {
+		u64 left = a.size - done, len;
+		unsigned int order = min_t(unsigned int, get_order(left), VGPU_MODULE_MAX_ORDER);
+		struct page *p = NULL;
+
+		if (n == VGPU_MAX_SG_ENTRIES) {
+			err = -ENOMEM;
+			goto out;
+		}
+		for (;; order--) {
+			p = alloc_pages(GFP_KERNEL | __GFP_NOWARN | (order ? __GFP_NORETRY : 0),
+					order);
+			if (p || !order)
+				break;
+		}
+		if (!p) {
+			err = -ENOMEM;
+			goto out;
+		}
+		chunks[n].page = p;
+		chunks[n].order = order;
+		len = min_t(u64, left, PAGE_SIZE << order);
+		if (copy_from_user(page_address(p), u64_to_user_ptr(a.user_addr + done), len)) {
+			n++;
+			err = -EFAULT;
+			goto out;
+		}
+		r[n].gpa = cpu_to_le64(page_to_phys(p));
+		r[n].len = cpu_to_le64(len);
+		n++;
+		done += len;
+	}
+	*(__le32 *)(body + 0) = cpu_to_le32(n);
+	*(__le32 *)(body + 4) = 0;
+	mutex_lock(&vf->lock);
+	c = own_ctx(vf, a.ctx, &err);
+	if (c)
+		err = vgpu_request(vf->dev, VGPU_OP_MODULE_LOAD, c->pid, c->id, body,
+				   8 + n * sizeof(*r), reply, sizeof(reply));
+	mutex_unlock(&vf->lock);
+	if (!err) {
+		a.module = le32_to_cpu(reply[0]);
+		if (copy_to_user(arg, &a, sizeof(a)))
+			err = -EFAULT;
+	}
+out:
+	for (i = 0; chunks && i < n; i++)
+		__free_pages(chunks[i].page, chunks[i].order);
+	kfree(chunks);
+	kfree(body);
+	return err;
+}
+
+static long ioc_module_unload(struct vgpu_file *vf, void __user *arg)
+{
+	struct vgpu_ioc_module a;
+	struct vgpu_ctx *c;
+	__le32 body[2];
+	int err = 0;
+
+	if (copy_from_user(&a, arg, sizeof(a)))
+		return -EFAULT;
+	body[0] = cpu_to_le32(a.module);
+	body[1] = 0;
+	mutex_lock(&vf->lock);
+	c = own_ctx(vf, a.ctx, &err);
+	if (c)
+		err = vgpu_request(vf->dev, VGPU_OP_MODULE_UNLOAD, c->pid, c->id, body,
+				   sizeof(body), NULL, 0);
+	mutex_unlock(&vf->lock);
+	return err;
+}
+
+/* The body of FUNCTION_GET/GLOBAL_GET: module, name length, the name (from the caller). */
+static int symbol_body(u32 module, u64 name_addr, u32 name_len, u8 **body, size_t *len)
+{
+	if (!name_len || name_len > VGPU_IOC_MAX_SYMBOL_LEN)
+		return -EINVAL;
+	*len = 8 + name_len;
+	*body = kmalloc(*len, GFP_KERNEL);
+	if (!*body)
+		return -ENOMEM;
+	*(__le32 *)(*body + 0) = cpu_to_le32(module);
+	*(__le32 *)(*body + 4) = cpu_to_le32(name_len);
+	if (copy_from_user(*body + 8, u64_to_user_ptr(name_addr), name_len)) {
+		kfree(*body);
+		return -EFAULT;
+	}
+	return 0;
+}
+
+static long ioc_function_get(struct vgpu_file *vf, void __user *arg)
+{
+	struct vgpu_ioc_function_get a;
+	struct vgpu_ctx *c;
+	size_t len, got = 0;
+	u32 count;
+	__le32 *reply;
+	u8 *body;
+	int err;
+
+	if (copy_from_user(&a, arg, sizeof(a)))
+		return -EFAULT;
+	err = symbol_body(a.module, a.name_addr, a.name_len, &body, &len);
+	if (err)
+		return err;
+	/* function, count, param bytes, reserved, then (offset, size) per parameter */
+	reply = kzalloc(VGPU_MAX_REPLY_SIZE, GFP_KERNEL);
+	if (!reply) {
+		kfree(body);
+		return -ENOMEM;
+	}
+	mutex_lock(&vf->lock);
+	c = own_ctx(vf, a.ctx, &err);
+	if (c)
+		err = vgpu_request_var(vf->dev, VGPU_OP_FUNCTION_GET, c->pid, c->id, body, len,
+				       reply, VGPU_MAX_REPLY_SIZE - VGPU_REPLY_HEADER_SIZE, &got);
+	mutex_unlock(&vf->lock);
+	kfree(body);
+	if (err)
+		goto out;
+	if (got < 16) {
+		err = -EIO;
+		goto out;
+	}
+	a.function = le32_to_cpu(reply[0]);
+	count = le32_to_cpu(reply[1]);
+	a.param_count = count;
+	if (count != VGPU_IOC_PARAMS_UNKNOWN) {
+		u32 i, *pairs;
+
+		if (count > a.max_params) {
+			err = -ENOSPC;
+			goto out;
+		}
+		if (got < 16 + (size_t)count * 8) {
+			err = -EIO;
+			goto out;
+		}
+		pairs = (u32 *)(reply + 4);
+		for (i = 0; i < 2 * count; i++)
+			pairs[i] = le32_to_cpu((__force __le32)pairs[i]);
+		if (count && copy_to_user(u64_to_user_ptr(a.params_addr), pairs,
+					  (size_t)count * 8)) {
+			err = -EFAULT;
+			goto out;
+		}
+	}
+	if (copy_to_user(arg, &a, sizeof(a)))
+		err = -EFAULT;
+out:
+	kfree(reply);
+	return err;
+}
+
+static long ioc_global_get(struct vgpu_file *vf, void __user *arg)
+{
+	struct vgpu_ioc_global_get a;
+	struct vgpu_ctx *c;
+	__le64 reply[2];
+	size_t len;
+	u8 *body;
+	int err;
+
+	if (copy_from_user(&a, arg, sizeof(a)))
+		return -EFAULT;
+	if (a.reserved)
+		return -EINVAL;
+	err = symbol_body(a.module, a.name_addr, a.name_len, &body, &len);
+	if (err)
+		return err;
+	mutex_lock(&vf->lock);
+	c = own_ctx(vf, a.ctx, &err);
+	if (c)
+		err = vgpu_request(vf->dev, VGPU_OP_GLOBAL_GET, c->pid, c->id, body, len, reply,
+				   sizeof(reply));
+	mutex_unlock(&vf->lock);
+	kfree(body);
+	if (err)
+		return err;
+	a.addr = le64_to_cpu(reply[0]);
+	a.size = le64_to_cpu(reply[1]);
+	return copy_to_user(arg, &a, sizeof(a)) ? -EFAULT : 0;
+}
+
 static long vgpu_ioctl(struct file *filp, unsigned int cmd, unsigned long arg)
 {
 	struct vgpu_file *vf = filp->private_data;
@@ -1073,6 +1299,14 @@ static long vgpu_ioctl(struct file *filp, unsigned int cmd, unsigned long arg)
 		return ioc_wait(vf, p);
 	case VGPU_IOC_CHANNEL_STATUS:
 		return ioc_channel_status(vf, p);
+	case VGPU_IOC_MODULE_LOAD:
+		return ioc_module_load(vf, p);
+	case VGPU_IOC_MODULE_UNLOAD:
+		return ioc_module_unload(vf, p);
+	case VGPU_IOC_FUNCTION_GET:
+		return ioc_function_get(vf, p);
+	case VGPU_IOC_GLOBAL_GET:
+		return ioc_global_get(vf, p);
 	default:
 		return -ENOTTY;
 	}

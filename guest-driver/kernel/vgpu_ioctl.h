@@ -25,7 +25,7 @@
 #include <linux/ioctl.h>
 #include <linux/types.h>
 
-#define VGPU_IOCTL_ABI_VERSION 2
+#define VGPU_IOCTL_ABI_VERSION 3
 #define VGPU_IOCTL_MAGIC 0xC6
 
 /* GET_INFO: what the device offers. */
@@ -187,6 +187,58 @@ struct vgpu_ioc_channel_status {
 	__u64 error_info; /* out */
 };
 
+/*
+ * Guest modules (ABI 3). MODULE_LOAD: the image (PTX text, cubin or fatbin) of size bytes
+ * at user_addr (1..=VGPU_IOC_MAX_MODULE_BYTES), copied once into driver memory and
+ * handed to the device; module (out) names it. The device's refusals have errnos of their
+ * own: ENOEXEC (this GPU runs no guest modules), EPERM (only a VM's own GPU worker runs
+ * them), EBADMSG (the driver refused the image); ENOSPC: too many modules.
+ */
+#define VGPU_IOC_MAX_MODULE_BYTES (32ULL << 20)
+struct vgpu_ioc_module_load {
+	__u32 ctx;
+	__u32 module; /* out */
+	__u64 user_addr;
+	__u64 size;
+};
+
+/* MODULE_UNLOAD (after the context's channels finished what they were given). */
+struct vgpu_ioc_module {
+	__u32 ctx;
+	__u32 module;
+};
+
+/*
+ * FUNCTION_GET: the function named by name_len (1..=VGPU_IOC_MAX_SYMBOL_LEN) bytes at
+ * name_addr in module: its id for LAUNCH_FUNCTION (function, out) and its parameter
+ * layout: param_count (out) pairs of __u32 {offset, size} written to params_addr, which
+ * has room for max_params pairs (ENOSPC if the function has more); param_count is
+ * VGPU_IOC_PARAMS_UNKNOWN when the GPU cannot say.
+ */
+#define VGPU_IOC_MAX_SYMBOL_LEN 512
+#define VGPU_IOC_PARAMS_UNKNOWN 0xffffffffu
+struct vgpu_ioc_function_get {
+	__u32 ctx;
+	__u32 module;
+	__u64 name_addr;
+	__u32 name_len;
+	__u32 function; /* out */
+	__u64 params_addr;
+	__u32 max_params;
+	__u32 param_count; /* out */
+};
+
+/* GLOBAL_GET: the device address and size of the module global named at name_addr. */
+struct vgpu_ioc_global_get {
+	__u32 ctx;
+	__u32 module;
+	__u64 name_addr;
+	__u32 name_len;
+	__u32 reserved;
+	__u64 addr; /* out */
+	__u64 size; /* out */
+};
+
 #define VGPU_IOC_GET_INFO _IOR(VGPU_IOCTL_MAGIC, 0x00, struct vgpu_ioc_info)
 #define VGPU_IOC_GET_STATS _IOR(VGPU_IOCTL_MAGIC, 0x01, struct vgpu_ioc_stats)
 #define VGPU_IOC_CREATE_CONTEXT _IOR(VGPU_IOCTL_MAGIC, 0x02, struct vgpu_ioc_context)
@@ -203,5 +255,9 @@ struct vgpu_ioc_channel_status {
 #define VGPU_IOC_SUBMIT _IOW(VGPU_IOCTL_MAGIC, 0x0d, struct vgpu_ioc_submit)
 #define VGPU_IOC_WAIT _IOWR(VGPU_IOCTL_MAGIC, 0x0e, struct vgpu_ioc_wait)
 #define VGPU_IOC_CHANNEL_STATUS _IOWR(VGPU_IOCTL_MAGIC, 0x0f, struct vgpu_ioc_channel_status)
+#define VGPU_IOC_MODULE_LOAD _IOWR(VGPU_IOCTL_MAGIC, 0x10, struct vgpu_ioc_module_load)
+#define VGPU_IOC_MODULE_UNLOAD _IOW(VGPU_IOCTL_MAGIC, 0x11, struct vgpu_ioc_module)
+#define VGPU_IOC_FUNCTION_GET _IOWR(VGPU_IOCTL_MAGIC, 0x12, struct vgpu_ioc_function_get)
+#define VGPU_IOC_GLOBAL_GET _IOWR(VGPU_IOCTL_MAGIC, 0x13, struct vgpu_ioc_global_get)
 
 #endif /* VGPU_IOCTL_H */

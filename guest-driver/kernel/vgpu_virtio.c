@@ -96,6 +96,12 @@ static int vgpu_errno(u32 status)
 		return -EBUSY;
 	case VGPU_ERR_UNSUPPORTED:
 		return -EOPNOTSUPP;
+	case VGPU_ERR_MODULES_NEED_CUDA_GPU:
+		return -ENOEXEC;
+	case VGPU_ERR_MODULES_NEED_WORKER:
+		return -EPERM;
+	case VGPU_ERR_BAD_MODULE:
+		return -EBADMSG;
 	default:
 		return -EIO;
 	}
@@ -182,8 +188,25 @@ static void vgpu_ctrl_done(struct virtqueue *vq)
  * answer within request_timeout_ms (the chain is then abandoned: its buffers stay
  * allocated until the device returns them or is removed), -ENODEV once removed.
  */
+static int request(struct vgpu_dev *dev, u32 op, u32 pid, u32 ctx, const void *body,
+		   size_t body_len, void *out, size_t out_len, size_t *got);
+
 int vgpu_request(struct vgpu_dev *dev, u32 op, u32 pid, u32 ctx, const void *body,
 		 size_t body_len, void *out, size_t out_len)
+{
+	return request(dev, op, pid, ctx, body, body_len, out, out_len, NULL);
+}
+
+/* vgpu_request for replies of variable length: copies up to out_max payload bytes and
+ * says how many in *got. */
+int vgpu_request_var(struct vgpu_dev *dev, u32 op, u32 pid, u32 ctx, const void *body,
+		     size_t body_len, void *out, size_t out_max, size_t *got)
+{
+	return request(dev, op, pid, ctx, body, body_len, out, out_max, got);
+}
+
+static int request(struct vgpu_dev *dev, u32 op, u32 pid, u32 ctx, const void *body,
+		   size_t body_len, void *out, size_t out_len, size_t *got)
 {
 	struct scatterlist out_sg, in_sg, *sgs[2];
 	struct vgpu_req_header *hdr;
@@ -267,8 +290,14 @@ int vgpu_request(struct vgpu_dev *dev, u32 op, u32 pid, u32 ctx, const void *bod
 		err = vgpu_errno(le32_to_cpu(rh.status));
 		goto out;
 	}
-	if (le32_to_cpu(rh.len) < out_len ||
-	    le32_to_cpu(rh.len) > req->used_len - sizeof(rh)) {
+	if (le32_to_cpu(rh.len) > req->used_len - sizeof(rh)) {
+		err = -EIO;
+		goto out;
+	}
+	if (got) {
+		*got = min_t(size_t, le32_to_cpu(rh.len), out_len);
+		out_len = *got;
+	} else if (le32_to_cpu(rh.len) < out_len) {
 		err = -EIO;
 		goto out;
 	}

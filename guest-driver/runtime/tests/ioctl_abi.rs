@@ -74,6 +74,19 @@ fn structs() -> Vec<(&'static str, usize, Fields)> {
             "ref" => reference, "notify_seq" => notify_seq, "error" => error,
             "reserved" => reserved, "error_info" => error_info,
         ]),
+        s!("vgpu_ioc_module_load", abi::ModuleLoad, [
+            "ctx" => ctx, "module" => module, "user_addr" => user_addr, "size" => size,
+        ]),
+        s!("vgpu_ioc_module", abi::ModuleArg, ["ctx" => ctx, "module" => module]),
+        s!("vgpu_ioc_function_get", abi::FunctionGet, [
+            "ctx" => ctx, "module" => module, "name_addr" => name_addr,
+            "name_len" => name_len, "function" => function, "params_addr" => params_addr,
+            "max_params" => max_params, "param_count" => param_count,
+        ]),
+        s!("vgpu_ioc_global_get", abi::GlobalGet, [
+            "ctx" => ctx, "module" => module, "name_addr" => name_addr,
+            "name_len" => name_len, "reserved" => reserved, "addr" => addr, "size" => size,
+        ]),
     ]
 }
 
@@ -90,6 +103,22 @@ fn constants() -> Vec<(&'static str, u64)> {
         ("VGPU_WAIT_FENCE", abi::WAIT_FENCE as u64),
         ("VGPU_WAIT_NOTIFY", abi::WAIT_NOTIFY as u64),
         ("VGPU_INFO_FORWARDED", abi::INFO_FORWARDED as u64),
+        ("VGPU_IOC_MAX_MODULE_BYTES", abi::MAX_MODULE_BYTES),
+        ("VGPU_IOC_MAX_SYMBOL_LEN", abi::MAX_SYMBOL_LEN as u64),
+        ("VGPU_IOC_PARAMS_UNKNOWN", abi::PARAMS_UNKNOWN as u64),
+        // The ioctl limits are the protocol's.
+        (
+            "VGPU_IOC_MAX_MODULE_BYTES",
+            vgpu_protocol::module::MAX_MODULE_BYTES,
+        ),
+        (
+            "VGPU_IOC_MAX_SYMBOL_LEN",
+            vgpu_protocol::module::MAX_SYMBOL_LEN as u64,
+        ),
+        (
+            "VGPU_IOC_PARAMS_UNKNOWN",
+            vgpu_protocol::module::PARAMS_UNKNOWN as u64,
+        ),
         // The ioctl page codes are the protocol's.
         ("VGPU_IOC_PAGE_4K", PAGE_4K as u64),
         ("VGPU_IOC_PAGE_64K", PAGE_64K as u64),

@@ -22,7 +22,12 @@ fn load(image: &[u8]) -> CuResult<u64> {
     driver::with(|d| {
         let (ctx, st) = d.current()?;
         st.alive()?;
-        let m = st.ctx.load_module(image).map_err(|e| from_error(&e))?;
+        let m = st.ctx.load_module(image).map_err(|e| {
+            // The device's reason (say, a GPU that runs no guest modules) is worth more
+            // than the CUresult it maps to.
+            log::warn!("loading a module: {e}");
+            from_error(&e)
+        })?;
         let id = driver::next_id();
         d.modules.insert(id, (ctx, m));
         Ok(id)

@@ -3,7 +3,7 @@
 //! here against it.
 
 /// ABI version the driver reports in `GET_INFO`.
-pub const ABI_VERSION: u32 = 2;
+pub const ABI_VERSION: u32 = 3;
 pub const IOCTL_MAGIC: u32 = 0xC6;
 
 pub const PAGE_4K: u32 = 0;
@@ -15,6 +15,50 @@ pub const WAIT_FENCE: u32 = 0;
 pub const WAIT_NOTIFY: u32 = 1;
 /// `Info::flags`: the device has no shared-memory region (forwarded submission).
 pub const INFO_FORWARDED: u32 = 1;
+pub const MAX_MODULE_BYTES: u64 = 32 << 20;
+pub const MAX_SYMBOL_LEN: u32 = 512;
+pub const PARAMS_UNKNOWN: u32 = 0xffff_ffff;
+
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ModuleLoad {
+    pub ctx: u32,
+    pub module: u32,
+    pub user_addr: u64,
+    pub size: u64,
+}
+
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ModuleArg {
+    pub ctx: u32,
+    pub module: u32,
+}
+
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct FunctionGet {
+    pub ctx: u32,
+    pub module: u32,
+    pub name_addr: u64,
+    pub name_len: u32,
+    pub function: u32,
+    pub params_addr: u64,
+    pub max_params: u32,
+    pub param_count: u32,
+}
+
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct GlobalGet {
+    pub ctx: u32,
+    pub module: u32,
+    pub name_addr: u64,
+    pub name_len: u32,
+    pub reserved: u32,
+    pub addr: u64,
+    pub size: u64,
+}
 
 #[repr(C)]
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -195,6 +239,10 @@ pub const DESTROY_CHANNEL: u32 = iow::<ChannelArg>(0x0c);
 pub const SUBMIT: u32 = iow::<Submit>(0x0d);
 pub const WAIT: u32 = iowr::<Wait>(0x0e);
 pub const CHANNEL_STATUS: u32 = iowr::<ChannelStatus>(0x0f);
+pub const MODULE_LOAD: u32 = iowr::<ModuleLoad>(0x10);
+pub const MODULE_UNLOAD: u32 = iow::<ModuleArg>(0x11);
+pub const FUNCTION_GET: u32 = iowr::<FunctionGet>(0x12);
+pub const GLOBAL_GET: u32 = iowr::<GlobalGet>(0x13);
 
 /// Every ioctl with its C name (for the ABI test).
 pub const IOCTLS: &[(&str, u32)] = &[
@@ -214,4 +262,8 @@ pub const IOCTLS: &[(&str, u32)] = &[
     ("VGPU_IOC_SUBMIT", SUBMIT),
     ("VGPU_IOC_WAIT", WAIT),
     ("VGPU_IOC_CHANNEL_STATUS", CHANNEL_STATUS),
+    ("VGPU_IOC_MODULE_LOAD", MODULE_LOAD),
+    ("VGPU_IOC_MODULE_UNLOAD", MODULE_UNLOAD),
+    ("VGPU_IOC_FUNCTION_GET", FUNCTION_GET),
+    ("VGPU_IOC_GLOBAL_GET", GLOBAL_GET),
 ];

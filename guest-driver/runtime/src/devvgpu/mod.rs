@@ -16,6 +16,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use vgpu_protocol::mem::{MapFlags, PageSize};
+use vgpu_protocol::module::ParamInfo;
 use vgpu_protocol::ErrorCode;
 
 use crate::error::{Error, Result};
@@ -80,6 +81,10 @@ fn ioctl_error(what: &'static str, e: std::io::Error) -> Error {
         Some(libc::ENOSPC) => Some(ErrorCode::LimitExceeded),
         Some(libc::EBUSY) => Some(ErrorCode::Busy),
         Some(libc::EOPNOTSUPP) => Some(ErrorCode::Unsupported),
+        // The device's refusals of guest modules (vgpu_ioctl.h, MODULE_LOAD).
+        Some(libc::ENOEXEC) => Some(ErrorCode::ModulesNeedCudaGpu),
+        Some(libc::EPERM) => Some(ErrorCode::ModulesNeedWorker),
+        Some(libc::EBADMSG) => Some(ErrorCode::BadModule),
         Some(libc::ETIMEDOUT) => return Error::Timeout,
         // The driver reset the device under this file (its backend was lost).
         Some(libc::ENODEV) => return Error::DeviceLost,
@@ -456,6 +461,69 @@ impl Transport for DevVgpuTransport {
         self.ioctl("VGPU_IOC_SUBMIT", abi::SUBMIT, &mut a)
     }
 
+    fn module_load(&self, ctx: CtxHandle, image: &[u8]) -> Result<u32> {
+        if image.is_empty() || image.len() as u64 > abi::MAX_MODULE_BYTES {
+            return Err(Error::InvalidArgument("module image size"));
+        }
+        // The driver copies the image once (into its own pages) before the device reads it.
+        let mut a = abi::ModuleLoad {
+            ctx: ctx_id(ctx)?,
+            user_addr: image.as_ptr() as u64,
+            size: image.len() as u64,
+            ..Default::default()
+        };
+        self.ioctl("VGPU_IOC_MODULE_LOAD", abi::MODULE_LOAD, &mut a)?;
+        Ok(a.module)
+    }
+
+    fn module_unload(&self, ctx: CtxHandle, module: u32) -> Result<()> {
+        let mut a = abi::ModuleArg {
+            ctx: ctx_id(ctx)?,
+            module,
+        };
+        self.ioctl("VGPU_IOC_MODULE_UNLOAD", abi::MODULE_UNLOAD, &mut a)
+    }
+
+    fn function_get(
+        &self,
+        ctx: CtxHandle,
+        module: u32,
+        name: &str,
+    ) -> Result<(u32, Option<Vec<ParamInfo>>)> {
+        let mut pairs = vec![[0u32; 2]; vgpu_protocol::module::MAX_FUNCTION_PARAMS];
+        let mut a = abi::FunctionGet {
+            ctx: ctx_id(ctx)?,
+            module,
+            name_addr: name.as_ptr() as u64,
+            name_len: u32::try_from(name.len()).map_err(|_| Error::InvalidArgument("name"))?,
+            params_addr: pairs.as_mut_ptr() as u64,
+            max_params: pairs.len() as u32,
+            ..Default::default()
+        };
+        self.ioctl("VGPU_IOC_FUNCTION_GET", abi::FUNCTION_GET, &mut a)?;
+        if a.param_count == abi::PARAMS_UNKNOWN {
+            return Ok((a.function, None));
+        }
+        let n = (a.param_count as usize).min(pairs.len());
+        let params = pairs[..n]
+            .iter()
+            .map(|&[offset, size]| ParamInfo { offset, size })
+            .collect();
+        Ok((a.function, Some(params)))
+    }
+
+    fn global_get(&self, ctx: CtxHandle, module: u32, name: &str) -> Result<(u64, u64)> {
+        let mut a = abi::GlobalGet {
+            ctx: ctx_id(ctx)?,
+            module,
+            name_addr: name.as_ptr() as u64,
+            name_len: u32::try_from(name.len()).map_err(|_| Error::InvalidArgument("name"))?,
+            ..Default::default()
+        };
+        self.ioctl("VGPU_IOC_GLOBAL_GET", abi::GLOBAL_GET, &mut a)?;
+        Ok((a.addr, a.size))
+    }
+
     fn block_on(
         &self,
         ctx: CtxHandle,
@@ -505,6 +573,19 @@ mod tests {
         ));
         assert!(matches!(e(libc::ETIMEDOUT), Error::Timeout));
         assert!(matches!(e(libc::EFAULT), Error::Os { .. }));
+        // The device's refusals of guest modules (vgpu_virtio.c's vgpu_errno).
+        assert!(matches!(
+            e(libc::ENOEXEC),
+            Error::Device(ErrorCode::ModulesNeedCudaGpu)
+        ));
+        assert!(matches!(
+            e(libc::EPERM),
+            Error::Device(ErrorCode::ModulesNeedWorker)
+        ));
+        assert!(matches!(
+            e(libc::EBADMSG),
+            Error::Device(ErrorCode::BadModule)
+        ));
     }
 
     #[test]
