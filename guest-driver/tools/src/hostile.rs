@@ -88,6 +88,72 @@ fn forwarded(fd: RawFd) -> bool {
     ioctl(fd, abi::GET_INFO, &mut i) == 0 && i.flags & abi::INFO_FORWARDED != 0
 }
 
+/// The module ioctls' own checks: sizes, names and user pointers the driver refuses
+/// before it asks the device, and a forged context.
+fn module_ioctls(fd: RawFd, out: &mut Vec<Check>) {
+    let image = b".version 8.0\n.target sm_90\n";
+    let mut m = abi::ModuleLoad {
+        ctx: 0xdead,
+        user_addr: image.as_ptr() as u64,
+        size: 0,
+        ..Default::default()
+    };
+    let mut case = |name, m: &mut abi::ModuleLoad, errno| {
+        expect(out, name, ioctl(fd, abi::MODULE_LOAD, m), errno);
+    };
+    case("module_load_empty", &mut m, libc::EINVAL);
+    m.size = abi::MAX_MODULE_BYTES + 1;
+    case("module_load_over_32_mib", &mut m, libc::EINVAL);
+    // Read from the caller before the context is looked up: a bad pointer faults first.
+    m.size = 4096;
+    m.user_addr = 0x10;
+    case("module_load_bad_pointer", &mut m, libc::EFAULT);
+    m.user_addr = image.as_ptr() as u64;
+    m.size = image.len() as u64;
+    case("module_load_forged_ctx", &mut m, libc::ENOENT);
+    let name = b"f";
+    let mut f = abi::FunctionGet {
+        ctx: 0xdead,
+        module: 1,
+        name_addr: name.as_ptr() as u64,
+        name_len: 0,
+        ..Default::default()
+    };
+    expect(
+        out,
+        "function_get_empty_name",
+        ioctl(fd, abi::FUNCTION_GET, &mut f),
+        libc::EINVAL,
+    );
+    f.name_len = abi::MAX_SYMBOL_LEN + 1;
+    expect(
+        out,
+        "function_get_long_name",
+        ioctl(fd, abi::FUNCTION_GET, &mut f),
+        libc::EINVAL,
+    );
+    f.name_len = 1;
+    expect(
+        out,
+        "function_get_forged_ctx",
+        ioctl(fd, abi::FUNCTION_GET, &mut f),
+        libc::ENOENT,
+    );
+    let mut g = abi::GlobalGet {
+        ctx: 0xdead,
+        module: 1,
+        name_addr: 0x10,
+        name_len: 4,
+        ..Default::default()
+    };
+    expect(
+        out,
+        "global_get_bad_name_pointer",
+        ioctl(fd, abi::GLOBAL_GET, &mut g),
+        libc::EFAULT,
+    );
+}
+
 /// Checks the driver answers without asking the device.
 fn driver_only(fd: RawFd, out: &mut Vec<Check>) {
     let mut junk = [0u8; 64];
@@ -132,6 +198,7 @@ fn driver_only(fd: RawFd, out: &mut Vec<Check>) {
         ioctl(fd, abi::ALLOC_VRAM, &mut a),
         libc::ENOENT,
     );
+    module_ioctls(fd, out);
     let mut u = abi::MapUser {
         ctx: 1,
         flags: 0,
