@@ -28,6 +28,7 @@ const PROGRAMS: &[&str] = &[
     "api_edges",
     "launch_rate",
     "vadd_loop",
+    "devvgpu_program",
 ];
 
 /// Where the built programs and the library's soname link live: built once per run, or
@@ -200,6 +201,22 @@ fn on_the_sim_module_loads_are_refused_clearly() {
     assert_eq!(
         out.trim(),
         "api_edges modules=refused (CUDA_ERROR_NOT_SUPPORTED)"
+    );
+    // The program the rig's guests run over /dev/vgpu, here over the loopback transport:
+    // the library logs the device's own reason for the refused module.
+    let out = run(&backend, "b", "devvgpu_program", &[]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(
+        stdout.trim(),
+        "devvgpu_program ok module_load=CUDA_ERROR_NOT_SUPPORTED"
+    );
+    assert!(
+        stderr.contains("guest modules need the cuda GPU"),
+        "{stderr}"
     );
     backend.stop();
 }

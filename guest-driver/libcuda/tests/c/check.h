@@ -3,6 +3,7 @@
 #define VGPU_CHECK_H
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 #ifdef USE_CUDA_H
 #include <cuda.h>
 #else
@@ -35,6 +36,13 @@ static inline const char *err_name(CUresult r) {
             exit(1);                                                                   \
         }                                                                              \
     } while (0)
+
+/* CLOCK_MONOTONIC in seconds (the benchmark programs' timer). */
+static inline double now_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
 
 /* The first device's primary context, current on this thread. */
 static inline CUcontext setup(void) {

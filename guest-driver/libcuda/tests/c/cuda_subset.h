@@ -43,6 +43,7 @@ typedef struct CUgraph_st *CUgraph;
 #define cuMemcpyDtoD cuMemcpyDtoD_v2
 #define cuMemcpyHtoDAsync cuMemcpyHtoDAsync_v2
 #define cuMemcpyDtoHAsync cuMemcpyDtoHAsync_v2
+#define cuMemcpyDtoDAsync cuMemcpyDtoDAsync_v2
 #define cuMemsetD8 cuMemsetD8_v2
 #define cuMemsetD32 cuMemsetD32_v2
 #define cuModuleGetGlobal cuModuleGetGlobal_v2
@@ -75,6 +76,7 @@ CUresult cuMemcpyDtoH(void *dst, CUdeviceptr src, size_t n);
 CUresult cuMemcpyDtoD(CUdeviceptr dst, CUdeviceptr src, size_t n);
 CUresult cuMemcpyHtoDAsync(CUdeviceptr dst, const void *src, size_t n, CUstream s);
 CUresult cuMemcpyDtoHAsync(void *dst, CUdeviceptr src, size_t n, CUstream s);
+CUresult cuMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s);
 CUresult cuMemsetD8(CUdeviceptr dst, unsigned char v, size_t n);
 CUresult cuMemsetD32(CUdeviceptr dst, unsigned int v, size_t n);
 CUresult cuModuleLoad(CUmodule *m, const char *path);

@@ -2,14 +2,7 @@
  * loops issue them; prints the rate. The last launch's result is checked.
  * usage: launch_rate MODULE.ptx [KERNELS] [N] */
 #include <stdint.h>
-#include <time.h>
 #include "check.h"
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
 
 int main(int argc, char **argv) {
     if (argc < 2) {
@@ -36,12 +29,12 @@ int main(int argc, char **argv) {
     for (int i = 0; i < 100; i++)
         CHECK(cuLaunchKernel(vadd, blocks, 1, 1, 256, 1, 1, 0, 0, params, 0));
     CHECK(cuCtxSynchronize());
-    double t0 = now();
+    double t0 = now_seconds();
     for (unsigned int i = 0; i < kernels; i++)
         CHECK(cuLaunchKernel(vadd, blocks, 1, 1, 256, 1, 1, 0, 0, params, 0));
-    double issued = now() - t0;
+    double issued = now_seconds() - t0;
     CHECK(cuCtxSynchronize());
-    double secs = now() - t0;
+    double secs = now_seconds() - t0;
     uint32_t last;
     CHECK(cuMemcpyDtoH(&last, c + bytes - 4, 4));
     if (last != 7) {

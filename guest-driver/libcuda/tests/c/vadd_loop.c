@@ -4,14 +4,7 @@
  * set: on an oversubscribed VM it is what should be swapped out).
  * usage: vadd_loop MODULE.ptx [ITERATIONS] [N] [COLD_MIB] */
 #include <stdint.h>
-#include <time.h>
 #include "check.h"
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
 
 int main(int argc, char **argv) {
     if (argc < 2) {
@@ -47,13 +40,13 @@ int main(int argc, char **argv) {
     unsigned int blocks = (n + 255) / 256;
     CHECK(cuLaunchKernel(vadd, blocks, 1, 1, 256, 1, 1, 0, 0, params, 0));
     CHECK(cuCtxSynchronize());
-    double t0 = now();
+    double t0 = now_seconds();
     CHECK(cuEventRecord(start, 0));
     for (unsigned int i = 0; i < iters; i++)
         CHECK(cuLaunchKernel(vadd, blocks, 1, 1, 256, 1, 1, 0, 0, params, 0));
     CHECK(cuEventRecord(stop, 0));
     CHECK(cuEventSynchronize(stop));
-    double secs = now() - t0;
+    double secs = now_seconds() - t0;
     float ms;
     CHECK(cuEventElapsedTime(&ms, start, stop));
     uint32_t last;
