@@ -38,6 +38,12 @@ pub fn one_connection<G: Gpu + ?Sized>(
     lvm.disconnect();
     drop(lvm);
     // Torn down, not merely seen closing: `connected` drops before the teardown runs.
+    wait_torn_down(host, vm, seen);
+}
+
+/// Waits (up to 10 s) until the backend has torn down `vm`'s connection: its disconnect
+/// count has passed `seen`, the count from before the connection.
+pub fn wait_torn_down<G: Gpu + ?Sized>(host: &Host<G>, vm: &str, seen: u64) {
     let t0 = Instant::now();
     while host
         .backend

@@ -72,3 +72,27 @@ pub fn steady_fds_threads() -> (u64, u64) {
     }
     last
 }
+
+/// This process's children: (live, zombies).
+pub fn children() -> (usize, usize) {
+    let me = std::process::id().to_string();
+    let (mut live, mut zombies) = (0, 0);
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid ...: comm may hold spaces, so split after its ')'.
+        let Some(rest) = stat.rsplit_once(')').map(|r| r.1) else {
+            continue;
+        };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        if f.get(1) == Some(&me.as_str()) {
+            if f[0] == "Z" {
+                zombies += 1;
+            } else {
+                live += 1;
+            }
+        }
+    }
+    (live, zombies)
+}

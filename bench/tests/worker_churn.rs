@@ -6,7 +6,7 @@
 
 use vgpu_backend::VmLimits;
 use vgpu_bench::churn::one_connection;
-use vgpu_bench::proc_stats::steady_fds_threads;
+use vgpu_bench::proc_stats::{children, steady_fds_threads};
 use vgpu_gpu_worker::{PoolConfig, TurnSlots, WorkerOptions, WorkerPool, WorkerProgram};
 use vgpu_host_shim::GpuInfo;
 use vgpu_test_support::{backend_bin, Host};
@@ -41,30 +41,6 @@ fn host() -> Host<WorkerPool> {
         ..VmLimits::default()
     };
     Host::on_workers("worker-churn", pool, limits, &["vm"]).with_vm_mem(64 * MIB)
-}
-
-/// This process's children: (live, zombies).
-fn children() -> (usize, usize) {
-    let me = std::process::id().to_string();
-    let (mut live, mut zombies) = (0, 0);
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
-            continue;
-        };
-        // pid (comm) state ppid ...: comm may hold spaces, so split after its ')'.
-        let Some(rest) = stat.rsplit_once(')').map(|r| r.1) else {
-            continue;
-        };
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        if f.get(1) == Some(&me.as_str()) {
-            if f[0] == "Z" {
-                zombies += 1;
-            } else {
-                live += 1;
-            }
-        }
-    }
-    (live, zombies)
 }
 
 #[test]

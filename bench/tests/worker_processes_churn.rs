@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use vgpu_backend::VmLimits;
-use vgpu_bench::proc_stats::steady_fds_threads;
+use vgpu_bench::proc_stats::{children, steady_fds_threads};
 use vgpu_gpu_worker::{Granularity, LossKind, WorkerPool};
 use vgpu_guest::{Context, Device, KernelArgs};
 use vgpu_test_support::{worker_pool_from_env_as, Host};
@@ -33,30 +33,6 @@ fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-}
-
-/// This process's children: (live, zombies).
-fn children() -> (usize, usize) {
-    let me = std::process::id().to_string();
-    let (mut live, mut zombies) = (0, 0);
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
-            continue;
-        };
-        // pid (comm) state ppid ...: comm may hold spaces, so split after its ')'.
-        let Some(rest) = stat.rsplit_once(')').map(|r| r.1) else {
-            continue;
-        };
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        if f.get(1) == Some(&me.as_str()) {
-            if f[0] == "Z" {
-                zombies += 1;
-            } else {
-                live += 1;
-            }
-        }
-    }
-    (live, zombies)
 }
 
 /// One connection of VM `vm` with two guest processes, each with a context, VRAM and a
@@ -88,15 +64,7 @@ fn two_process_connection(host: &Host<WorkerPool>, vm: &str, pid: u32, kill: boo
         host.worker(vm).kill_owner(pid);
     }
     lvm.disconnect();
-    let t0 = Instant::now();
-    while host
-        .backend
-        .vm_stats(vm)
-        .is_some_and(|s| s.disconnects <= seen)
-        && t0.elapsed() < Duration::from_secs(10)
-    {
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    vgpu_bench::churn::wait_torn_down(host, vm, seen);
     drop((held, ctxs, devs));
     drop(lvm);
 }
