@@ -311,6 +311,78 @@ fn hostile_module_requests_get_their_codes_and_the_backend_stays_up() {
     vm.disconnect();
 }
 
+/// Verified vector adds on `ctx` until `stop`: (rounds verified, what failed).
+fn verify_until(
+    ctx: Context,
+    module: vgpu_guest::Module,
+    stop: Arc<AtomicBool>,
+    first_seed: u32,
+) -> std::thread::JoinHandle<(u32, Vec<String>)> {
+    std::thread::spawn(move || {
+        let f = module.function("vgpu_test_vadd_u32").unwrap();
+        let (mut ok, mut bad) = (0u32, Vec::new());
+        let mut seed = first_seed;
+        while !stop.load(Ordering::Relaxed) {
+            match vadd_round(&ctx, &f, seed) {
+                Ok(true) => ok += 1,
+                other => bad.push(format!("{other:?}")),
+            }
+            seed += 1;
+        }
+        (ok, bad)
+    })
+}
+
+/// Launches the module's wild write on `ctx` and expects its context lost for good: the
+/// channel says so (whoever notices first: the worker's stream, or the backend when the
+/// worker exits), and then its requests fail with DeviceLost.
+fn wild_write_loses(ctx: &Context, module: &vgpu_guest::Module) {
+    let wild = module.function("vgpu_test_wild_write").unwrap();
+    let mut ch = ctx.create_channel().unwrap();
+    ch.launch_function(&wild, [1, 1, 1], [1, 1, 1], &[Arg::U64(0x10)])
+        .unwrap();
+    let r = {
+        let f = ch.submit().unwrap();
+        ch.wait_timeout(f, PATIENCE)
+    };
+    assert!(
+        matches!(
+            r,
+            Err(Error::ChannelFault {
+                code: ErrorCode::DeviceLost,
+                ..
+            }) | Err(Error::DeviceLost)
+        ),
+        "the wild write faults: {r:?}"
+    );
+    let t = Instant::now();
+    loop {
+        match ctx.alloc_vram(4096) {
+            Err(Error::Device(ErrorCode::DeviceLost)) | Err(Error::DeviceLost) => break,
+            other => {
+                assert!(
+                    t.elapsed() < PATIENCE,
+                    "the faulted worker still answers: {other:?}"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+/// Stops a [`verify_until`] loop and expects it clean, with at least `min` rounds.
+fn expect_clean(who: &str, stop: &AtomicBool, run: std::thread::JoinHandle<(u32, Vec<String>)>) {
+    stop.store(true, Ordering::Relaxed);
+    let (ok, bad) = run.join().unwrap();
+    assert!(
+        bad.is_empty(),
+        "{who} failed {} rounds: {:?}",
+        bad.len(),
+        bad
+    );
+    assert!(ok >= 2, "{who} ran {ok} rounds");
+}
+
 #[test]
 fn a_wild_module_kernel_loses_its_vms_worker_and_no_other() {
     let l = workers("modules-wild");
@@ -336,62 +408,69 @@ fn a_wild_module_kernel_loses_its_vms_worker_and_no_other() {
 
     // b keeps verifying while a's kernel writes a wild pointer.
     let stop = Arc::new(AtomicBool::new(false));
-    let s = stop.clone();
-    let b_loop = std::thread::spawn(move || {
-        let (mut ok, mut bad) = (0u32, Vec::new());
-        let mut seed = 2;
-        while !s.load(Ordering::Relaxed) {
-            match vadd_round(&ctx_b, &vadd_b, seed) {
-                Ok(true) => ok += 1,
-                other => bad.push(format!("{other:?}")),
-            }
-            seed += 1;
-        }
-        (ok, bad)
-    });
+    let b_loop = verify_until(ctx_b, mb, stop.clone(), 2);
     std::thread::sleep(Duration::from_millis(200));
-    let wild = ma.function("vgpu_test_wild_write").unwrap();
-    let mut ch = ctx_a.create_channel().unwrap();
-    ch.launch_function(&wild, [1, 1, 1], [1, 1, 1], &[Arg::U64(0x10)])
-        .unwrap();
-    let r = {
-        let f = ch.submit().unwrap();
-        ch.wait_timeout(f, PATIENCE)
-    };
-    // The context is lost for good: the channel says so, whoever notices first (the
-    // worker's stream, or the backend when the worker exits).
-    assert!(
-        matches!(
-            r,
-            Err(Error::ChannelFault {
-                code: ErrorCode::DeviceLost,
-                ..
-            }) | Err(Error::DeviceLost)
-        ),
-        "the wild write faults: {r:?}"
-    );
-    // a's GPU is gone: its requests fail with DeviceLost.
-    let t = Instant::now();
-    loop {
-        match ctx_a.alloc_vram(4096) {
-            Err(Error::Device(ErrorCode::DeviceLost)) | Err(Error::DeviceLost) => break,
-            other => {
-                assert!(
-                    t.elapsed() < PATIENCE,
-                    "a's worker still answers: {other:?}"
-                );
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
-    }
+    wild_write_loses(&ctx_a, &ma);
     std::thread::sleep(Duration::from_millis(300));
-    stop.store(true, Ordering::Relaxed);
-    let (ok, bad) = b_loop.join().unwrap();
-    assert!(bad.is_empty(), "b failed {} rounds: {:?}", bad.len(), bad);
-    assert!(ok >= 2, "b ran {ok} rounds");
+    expect_clean("VM b", &stop, b_loop);
     let log = backend.log().to_lowercase();
     assert!(log.contains("illegal"), "the worker's log says why");
     drop(ma);
+    vm_a.disconnect();
+    vm_b.disconnect();
+}
+
+/// With a worker per guest process (`--gpu-workers=process`), a wild kernel costs only
+/// its own process: another process of the same VM, verifying module kernels the whole
+/// time, runs on (as another VM does), and the faulting process's next context works.
+#[test]
+fn with_a_worker_per_process_a_wild_kernel_spares_its_vms_other_process() {
+    let args: Vec<&str> = vgpu_test_support::gpu_worker_args()
+        .into_iter()
+        .map(|a| match a {
+            "--gpu-workers" => "--gpu-workers=process",
+            other => other,
+        })
+        .collect();
+    let l = launcher("modules-wild-proc", "cuda", &args);
+    let backend = l.start();
+    let (vm_a, vm_b) = (
+        backend.connect("a", FaultPolicy::default()),
+        backend.connect("b", FaultPolicy::default()),
+    );
+    let (a10, a11, b20) = (
+        Device::loopback(vm_a.clone(), 10).unwrap(),
+        Device::loopback(vm_a.clone(), 11).unwrap(),
+        Device::loopback(vm_b.clone(), 20).unwrap(),
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut loops = Vec::new();
+    for (who, dev, seed) in [("VM a process 11", &a11, 3), ("VM b", &b20, 4)] {
+        let ctx = dev.create_context().unwrap();
+        let m = ctx.load_module(PTX.as_bytes()).unwrap();
+        let f = m.function("vgpu_test_vadd_u32").unwrap();
+        assert!(vadd_round(&ctx, &f, seed).unwrap(), "{who}'s first round");
+        loops.push((who, verify_until(ctx, m, stop.clone(), seed + 1)));
+    }
+    let ctx10 = a10.create_context().unwrap();
+    let m10 = ctx10.load_module(PTX.as_bytes()).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    wild_write_loses(&ctx10, &m10);
+    drop(m10);
+    drop(ctx10);
+    // The faulting process goes on with a new context, on a new worker.
+    let ctx10 = a10.create_context().unwrap();
+    let m10 = ctx10.load_module(PTX.as_bytes()).unwrap();
+    let f10 = m10.function("vgpu_test_vadd_u32").unwrap();
+    assert!(
+        vadd_round(&ctx10, &f10, 9).unwrap(),
+        "process 10 after its fault"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    for (who, run) in loops {
+        expect_clean(who, &stop, run);
+    }
+    drop(m10);
     vm_a.disconnect();
     vm_b.disconnect();
 }
