@@ -403,6 +403,19 @@ suite_libcuda() {
         times="$times $ratio"
         echo "vadd_loop_time_vm_over_native $ratio" | tee -a "$O/libcuda-bench.txt"
     done
+    echo "-- the device's attributes and properties: the lines that differ (native < > vgpu)"
+    libcuda_pair device_attributes >/dev/null
+    diff <(echo "$native_out") <(echo "$vgpu_out") | grep '^[<>]' \
+        | tee "$O/libcuda-attributes-diff.txt" | head -80
+    echo "attributes_differing $(grep -c '^<' "$O/libcuda-attributes-diff.txt")" \
+        | tee -a "$O/libcuda-bench.txt"
+    nvcc -O2 -cudart shared -o "$WORK/device_props" guest-driver/libcudart/tests/cu/device_props.cu \
+        2>&1 | tail -3
+    libcuda_pair device_props >/dev/null
+    diff <(echo "$native_out") <(echo "$vgpu_out") | grep '^[<>]' \
+        | tee "$O/libcudart-props-diff.txt" | head -60
+    echo "properties_differing $(grep -c '^<' "$O/libcudart-props-diff.txt")" \
+        | tee -a "$O/libcuda-bench.txt"
     echo "-- a runtime-API program (<<<>>>) built here with nvcc -cudart shared"
     nvcc -O2 -cudart shared -o "$WORK/matmul" guest-driver/libcudart/tests/cu/matmul.cu 2>&1 | tail -3
     nm -D --undefined-only "$WORK/matmul" | grep -i cuda | tee "$O/matmul-symbols.txt"

@@ -132,6 +132,9 @@ struct PoolShared {
     /// Channel id → the VM that owns it.
     directory: Mutex<HashMap<u32, Weak<VmWorker>>>,
     vms: Mutex<Vec<Weak<VmWorker>>>,
+    /// The GPU's device attributes, from the first worker asked (every worker runs on
+    /// the same GPU).
+    attributes: std::sync::OnceLock<Vec<(u32, i32)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -153,6 +156,7 @@ impl WorkerPool {
                 started: AtomicU64::new(0),
                 directory: Mutex::new(HashMap::new()),
                 vms: Mutex::new(Vec::new()),
+                attributes: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -724,6 +728,16 @@ impl Gpu for VmWorker {
             max_contexts: cfg.per_worker.1,
             has_busy_counters: true,
         }
+    }
+
+    fn device_attributes(&self, owner: u32) -> Result<Vec<(u32, i32)>> {
+        if let Some(a) = self.pool.attributes.get() {
+            return Ok(a.clone());
+        }
+        // Asked before any worker ran: the asking process's worker answers (its first
+        // context follows soon in every program that asks).
+        let a = self.make(owner, |w, _| w.device_attributes(0), |_, _, _, _| {})?;
+        Ok(self.pool.attributes.get_or_init(|| a).clone())
     }
 
     fn create_context(&self, sysmem: Arc<dyn SysMemory>) -> Result<ContextId> {

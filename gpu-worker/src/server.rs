@@ -503,6 +503,7 @@ pub fn serve(
         compute_engines: gi.compute_engines,
         control_pages_len: pages.len,
         counters_len,
+        attributes: gpu.device_attributes(0).unwrap_or_default(),
     };
     socket::send(
         cmd.as_fd(),

@@ -1231,6 +1231,47 @@ out:
 	return err;
 }
 
+static long ioc_get_attributes(struct vgpu_file *vf, void __user *arg)
+{
+	struct vgpu_ioc_attributes a;
+	size_t got = 0;
+	__le32 *reply;
+	u32 count, i;
+	int err;
+
+	if (copy_from_user(&a, arg, sizeof(a)))
+		return -EFAULT;
+	/* count, reserved, then (attribute, value) per attribute */
+	reply = kzalloc(VGPU_MAX_REPLY_SIZE, GFP_KERNEL);
+	if (!reply)
+		return -ENOMEM;
+	err = vgpu_request_var(vf->dev, VGPU_OP_GET_ATTRIBUTES, vgpu_tgid(), 0, NULL, 0, reply,
+			       VGPU_MAX_REPLY_SIZE - VGPU_REPLY_HEADER_SIZE, &got);
+	if (err)
+		goto out;
+	count = got >= 8 ? le32_to_cpu(reply[0]) : 0;
+	if (got < 8 || count > VGPU_MAX_ATTRIBUTES || got < 8 + (size_t)count * 8) {
+		err = -EIO;
+		goto out;
+	}
+	a.count = count;
+	if (count > a.max_pairs) {
+		err = -ENOSPC;
+		goto out;
+	}
+	for (i = 0; i < 2 * count; i++)
+		reply[2 + i] = (__force __le32)le32_to_cpu(reply[2 + i]);
+	if (count && copy_to_user(u64_to_user_ptr(a.pairs_addr), reply + 2, (size_t)count * 8)) {
+		err = -EFAULT;
+		goto out;
+	}
+	if (copy_to_user(arg, &a, sizeof(a)))
+		err = -EFAULT;
+out:
+	kfree(reply);
+	return err;
+}
+
 static long ioc_global_get(struct vgpu_file *vf, void __user *arg)
 {
 	struct vgpu_ioc_global_get a;
@@ -1305,6 +1346,8 @@ static long vgpu_ioctl(struct file *filp, unsigned int cmd, unsigned long arg)
 		return ioc_module_unload(vf, p);
 	case VGPU_IOC_FUNCTION_GET:
 		return ioc_function_get(vf, p);
+	case VGPU_IOC_GET_ATTRIBUTES:
+		return ioc_get_attributes(vf, p);
 	case VGPU_IOC_GLOBAL_GET:
 		return ioc_global_get(vf, p);
 	default:

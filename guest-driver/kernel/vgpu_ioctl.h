@@ -228,6 +228,17 @@ struct vgpu_ioc_function_get {
 	__u32 param_count; /* out */
 };
 
+/*
+ * GET_ATTRIBUTES: the real GPU's device attributes, (attribute, value) pairs in CUDA's
+ * CUdevice_attribute numbering, written to pairs_addr (room for max_pairs); count says
+ * how many the device has (ENOSPC when more than max_pairs). None on the sim.
+ */
+struct vgpu_ioc_attributes {
+	__u64 pairs_addr;
+	__u32 max_pairs;
+	__u32 count; /* out */
+};
+
 /* GLOBAL_GET: the device address and size of the module global named at name_addr. */
 struct vgpu_ioc_global_get {
 	__u32 ctx;
@@ -259,5 +270,6 @@ struct vgpu_ioc_global_get {
 #define VGPU_IOC_MODULE_UNLOAD _IOW(VGPU_IOCTL_MAGIC, 0x11, struct vgpu_ioc_module)
 #define VGPU_IOC_FUNCTION_GET _IOWR(VGPU_IOCTL_MAGIC, 0x12, struct vgpu_ioc_function_get)
 #define VGPU_IOC_GLOBAL_GET _IOWR(VGPU_IOCTL_MAGIC, 0x13, struct vgpu_ioc_global_get)
+#define VGPU_IOC_GET_ATTRIBUTES _IOWR(VGPU_IOCTL_MAGIC, 0x14, struct vgpu_ioc_attributes)
 
 #endif /* VGPU_IOCTL_H */

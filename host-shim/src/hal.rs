@@ -283,6 +283,14 @@ pub type Result<T> = std::result::Result<T, HalError>;
 pub trait Gpu: Send + Sync {
     fn info(&self) -> GpuInfo;
 
+    /// The real GPU's device attributes as guests are told them (GET_ATTRIBUTES):
+    /// `(CUdevice_attribute, value)` pairs, at most `request::MAX_ATTRIBUTES`. `owner`
+    /// is the asking guest process (a GPU with a worker per process may have to start
+    /// one to ask). The default: none (the `sim` is no CUDA GPU).
+    fn device_attributes(&self, _owner: u32) -> Result<Vec<(u32, i32)>> {
+        Ok(Vec::new())
+    }
+
     /// A frontend has connected and will use this GPU: start ahead what its first use
     /// would otherwise wait for (a worker process: a CUDA context takes 0.2–0.35 s on the
     /// H100, inside a live migration's downtime on a destination). Returns at once and

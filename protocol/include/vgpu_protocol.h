@@ -305,6 +305,8 @@ struct vgpu_virtio_config {
 #define VGPU_OP_MODULE_UNLOAD 17
 #define VGPU_OP_FUNCTION_GET 18
 #define VGPU_OP_GLOBAL_GET 19
+#define VGPU_OP_GET_ATTRIBUTES 20
+#define VGPU_MAX_ATTRIBUTES 128
 
 /* Guest modules (docs/design/guest-modules.md). */
 #define VGPU_MAX_MODULE_BYTES 0x2000000

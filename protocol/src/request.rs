@@ -41,7 +41,12 @@ pub mod op {
     pub const FUNCTION_GET: u32 = 18;
     /// A module global by name: its device address and size.
     pub const GLOBAL_GET: u32 = 19;
+    /// The real GPU's device attributes (CUDA's numbering), as the host reports them.
+    pub const GET_ATTRIBUTES: u32 = 20;
 }
+
+/// Most attributes one GET_ATTRIBUTES reply carries.
+pub const MAX_ATTRIBUTES: usize = 128;
 
 pub const HEADER_SIZE: usize = 16;
 pub const REPLY_HEADER_SIZE: usize = 8;
@@ -109,6 +114,9 @@ pub enum Op {
         channel: u32,
     },
     GetStats,
+    /// The GPU's device attributes: `(attribute, value)` pairs, CUDA's
+    /// `CUdevice_attribute` numbering.
+    GetAttributes,
     /// The API-remoting baseline: the device stores `gp_put` into the channel's control
     /// page on the guest's behalf. The direct path (a plain store) is what vgpu is for;
     /// this exists so benchmarks can measure what it saves.
@@ -289,6 +297,7 @@ impl Request {
             Op::CreateChannel { .. } => op::CREATE_CHANNEL,
             Op::DestroyChannel { .. } => op::DESTROY_CHANNEL,
             Op::GetStats => op::GET_STATS,
+            Op::GetAttributes => op::GET_ATTRIBUTES,
             Op::Submit { .. } => op::SUBMIT,
             Op::ChannelStatus { .. } => op::CHANNEL_STATUS,
             Op::ModuleLoad { .. } => op::MODULE_LOAD,
@@ -307,7 +316,11 @@ impl Request {
         p32(&mut o, self.ctx);
         p32(&mut o, 0);
         match &self.op {
-            Op::GetInfo | Op::CreateContext | Op::DestroyContext | Op::GetStats => {}
+            Op::GetInfo
+            | Op::CreateContext
+            | Op::DestroyContext
+            | Op::GetStats
+            | Op::GetAttributes => {}
             Op::AllocVram { size, align } => {
                 p64(&mut o, *size);
                 p64(&mut o, *align);
@@ -398,6 +411,7 @@ impl Request {
             op::CREATE_CONTEXT => Op::CreateContext,
             op::DESTROY_CONTEXT => Op::DestroyContext,
             op::GET_STATS => Op::GetStats,
+            op::GET_ATTRIBUTES => Op::GetAttributes,
             op::ALLOC_VRAM => Op::AllocVram {
                 size: r.u64()?,
                 align: r.u64()?,
@@ -495,15 +509,32 @@ impl Request {
 pub enum ReplyBody {
     Empty,
     Info(InfoReply),
-    Context { ctx: u32 },
-    Mem { mem: u32, size: u64 },
-    Aperture { offset: u64 },
-    Channel { channel: u32, slot: u32 },
+    Context {
+        ctx: u32,
+    },
+    Mem {
+        mem: u32,
+        size: u64,
+    },
+    Aperture {
+        offset: u64,
+    },
+    Channel {
+        channel: u32,
+        slot: u32,
+    },
     Stats(StatsReply),
     ChannelStatus(ChannelStatusReply),
-    Module { module: u32 },
+    Module {
+        module: u32,
+    },
     Function(FunctionReply),
-    Global { addr: u64, size: u64 },
+    Global {
+        addr: u64,
+        size: u64,
+    },
+    /// GET_ATTRIBUTES: at most [`MAX_ATTRIBUTES`] `(attribute, value)` pairs.
+    Attributes(Vec<(u32, i32)>),
 }
 
 /// FUNCTION_GET result: the function's id and, when the GPU knows it, the layout of its
@@ -616,6 +647,15 @@ pub fn encode_reply(result: Result<ReplyBody, ErrorCode>) -> Vec<u8> {
                 ReplyBody::Global { addr, size } => {
                     put64(&mut body, addr);
                     put64(&mut body, size);
+                }
+                ReplyBody::Attributes(pairs) => {
+                    let n = pairs.len().min(MAX_ATTRIBUTES);
+                    put32(&mut body, n as u32);
+                    put32(&mut body, 0);
+                    for (attr, value) in &pairs[..n] {
+                        put32(&mut body, *attr);
+                        put32(&mut body, *value as u32);
+                    }
                 }
                 ReplyBody::ChannelStatus(c) => {
                     put32(&mut body, c.gp_put);
@@ -731,6 +771,18 @@ pub fn decode_reply(opcode: u32, b: &[u8]) -> Result<Result<ReplyBody, ErrorCode
             addr: r.u64()?,
             size: r.u64()?,
         },
+        op::GET_ATTRIBUTES => {
+            let count = r.u32()? as usize;
+            r.u32()?;
+            if count > MAX_ATTRIBUTES {
+                return Err(RequestError::Reserved);
+            }
+            let mut pairs = Vec::with_capacity(count);
+            for _ in 0..count {
+                pairs.push((r.u32()?, r.u32()? as i32));
+            }
+            ReplyBody::Attributes(pairs)
+        }
         _ => ReplyBody::Empty,
     };
     Ok(Ok(body))
@@ -792,6 +844,7 @@ mod tests {
             Just(Op::CreateContext),
             Just(Op::DestroyContext),
             Just(Op::GetStats),
+            Just(Op::GetAttributes),
             (any::<u64>(), any::<u64>()).prop_map(|(size, align)| Op::AllocVram { size, align }),
             any::<u32>().prop_map(|mem| Op::FreeMem { mem }),
             any::<u32>().prop_map(|mem| Op::MapAperture { mem }),
@@ -874,6 +927,16 @@ mod tests {
             let b = encode_reply(Ok(f.clone()));
             prop_assert!(b.len() <= MAX_REPLY_SIZE);
             prop_assert_eq!(decode_reply(op::FUNCTION_GET, &b), Ok(Ok(f)));
+        }
+
+        #[test]
+        fn attribute_replies_round_trip(
+            pairs in proptest::collection::vec((any::<u32>(), any::<i32>()), 0..=MAX_ATTRIBUTES),
+        ) {
+            let a = ReplyBody::Attributes(pairs);
+            let b = encode_reply(Ok(a.clone()));
+            prop_assert!(b.len() <= MAX_REPLY_SIZE);
+            prop_assert_eq!(decode_reply(op::GET_ATTRIBUTES, &b), Ok(Ok(a)));
         }
 
         #[test]

@@ -266,6 +266,7 @@ fn expected_defines() -> Vec<(String, u64)> {
         ("MODULE_UNLOAD", req::op::MODULE_UNLOAD),
         ("FUNCTION_GET", req::op::FUNCTION_GET),
         ("GLOBAL_GET", req::op::GLOBAL_GET),
+        ("GET_ATTRIBUTES", req::op::GET_ATTRIBUTES),
     ] {
         add(&format!("VGPU_OP_{name}"), opcode as u64);
     }
@@ -289,6 +290,7 @@ fn expected_defines() -> Vec<(String, u64)> {
     );
     add("VGPU_MAX_SYMBOL_LEN", m::MAX_SYMBOL_LEN as u64);
     add("VGPU_MAX_FUNCTION_PARAMS", m::MAX_FUNCTION_PARAMS as u64);
+    add("VGPU_MAX_ATTRIBUTES", req::MAX_ATTRIBUTES as u64);
     add("VGPU_PARAMS_UNKNOWN", m::PARAMS_UNKNOWN.into());
     add("VGPU_MAX_PARAM_BYTES", m::MAX_PARAM_BYTES.into());
     add("VGPU_MAX_RELOCS", m::MAX_RELOCS.into());

@@ -3,6 +3,7 @@
 use vgpu_protocol::channel::valid_gp_entries;
 use vgpu_protocol::gp::GPU_VA_LIMIT;
 use vgpu_protocol::mem::PageSize;
+use vgpu_protocol::request::MAX_ATTRIBUTES;
 use vgpu_protocol::{ErrorCode, PAGE_SIZE};
 
 use crate::message::{Command, Event, Reply, Resume, Target};
@@ -695,13 +696,19 @@ pub fn encode_reply(seq: u32, rep: &Reply) -> Vec<u8> {
             compute_engines,
             control_pages_len,
             counters_len,
+            attributes,
         } => {
+            let n = attributes.len().min(MAX_ATTRIBUTES);
             w.u64(vram_bytes)
                 .u32(max_channels)
                 .u32(max_contexts)
                 .u32(compute_engines)
                 .u64(control_pages_len)
-                .u64(counters_len);
+                .u64(counters_len)
+                .u32(n as u32);
+            for (attr, value) in &attributes[..n] {
+                w.u32(*attr).u32(*value as u32);
+            }
             REPLY_HELLO
         }
         Reply::Vram { offset, len } => {
@@ -769,6 +776,14 @@ pub fn decode_reply(frame: &[u8], fds: u8) -> Result<(u32, Reply), WireError> {
             {
                 return Err(WireError::Field("pages"));
             }
+            let n = r.u32()? as usize;
+            if n > MAX_ATTRIBUTES {
+                return Err(WireError::Field("attributes"));
+            }
+            let mut attributes = Vec::with_capacity(n);
+            for _ in 0..n {
+                attributes.push((r.u32()?, r.u32()? as i32));
+            }
             Reply::Hello {
                 vram_bytes,
                 max_channels,
@@ -776,6 +791,7 @@ pub fn decode_reply(frame: &[u8], fds: u8) -> Result<(u32, Reply), WireError> {
                 compute_engines,
                 control_pages_len,
                 counters_len,
+                attributes,
             }
         }
         REPLY_VRAM => {

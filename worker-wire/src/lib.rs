@@ -29,7 +29,7 @@ use thiserror::Error;
 /// The first word of every frame: "VGWK".
 pub const MAGIC: u32 = u32::from_le_bytes(*b"VGWK");
 /// The wire version this build speaks; a worker of another version is refused.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 16;
 /// The largest payload of any message (commands and replies are small: bulk data moves

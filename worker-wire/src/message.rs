@@ -174,6 +174,9 @@ pub enum Reply {
         compute_engines: u32,
         control_pages_len: u64,
         counters_len: u64,
+        /// The GPU's device attributes for guests (`Gpu::device_attributes`), at most
+        /// `vgpu_protocol::request::MAX_ATTRIBUTES`.
+        attributes: Vec<(u32, i32)>,
     },
     /// `AllocVram`'s answer.
     Vram {

@@ -383,6 +383,8 @@ struct Regions {
 pub struct WorkerGpu {
     inner: Arc<Inner>,
     info: GpuInfo,
+    /// The GPU's device attributes, as the worker greeted with them.
+    attributes: Vec<(u32, i32)>,
     pid: u32,
     control_pages: OwnedFd,
     counters: Mapping,
@@ -448,7 +450,7 @@ impl WorkerGpu {
             reap(&inner);
             e
         };
-        let (gi, pages, counters) = hello(&inner, opts.worker).map_err(fail)?;
+        let (gi, attributes, pages, counters) = hello(&inner, opts.worker).map_err(fail)?;
         let pages_len = u64::from(gi.max_channels) * PAGE_SIZE;
         let map = Mapping::new(pages.as_fd(), 0, pages_len, true).map_err(StartError::Pages);
         let _ = inner.pages.set(map.map_err(fail)?);
@@ -476,6 +478,7 @@ impl WorkerGpu {
         Ok(Arc::new(WorkerGpu {
             inner,
             info: gi,
+            attributes,
             pid,
             control_pages: pages,
             counters,
@@ -647,11 +650,15 @@ impl WorkerGpu {
     }
 }
 
+/// A worker's greeting: its GPU's shape and attributes, the control pages' file and the
+/// counters page.
+type Greeting = (GpuInfo, Vec<(u32, i32)>, OwnedFd, Mapping);
+
 /// Greets the worker: its GPU's shape and the two shared pages.
 fn hello(
     inner: &Inner,
     worker: u32,
-) -> std::result::Result<(GpuInfo, OwnedFd, Mapping), StartError> {
+) -> std::result::Result<Greeting, StartError> {
     let calls = lock(&inner.calls);
     let c = Command::Hello { worker };
     socket::send(calls.sock.as_fd(), &encode_command(0, &c), &[])
@@ -669,6 +676,7 @@ fn hello(
         compute_engines,
         control_pages_len,
         counters_len,
+        attributes,
     } = rep
     else {
         return Err(bad(format!("greeted with {rep:?}")));
@@ -696,7 +704,7 @@ fn hello(
         max_contexts,
         has_busy_counters: true,
     };
-    Ok((gi, pages, counters))
+    Ok((gi, attributes, pages, counters))
 }
 
 /// Waits for the process (killing it if it lingers).
@@ -757,6 +765,10 @@ impl Drop for WorkerGpu {
 impl Gpu for WorkerGpu {
     fn info(&self) -> GpuInfo {
         self.info.clone()
+    }
+
+    fn device_attributes(&self, _owner: u32) -> Result<Vec<(u32, i32)>> {
+        Ok(self.attributes.clone())
     }
 
     fn create_context(&self, sysmem: Arc<dyn SysMemory>) -> Result<ContextId> {

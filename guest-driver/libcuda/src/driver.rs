@@ -292,9 +292,26 @@ pub struct Driver {
     pub modules: HashMap<u64, (u64, Module)>,
     pub functions: HashMap<u64, (u64, Func)>,
     pub events: HashMap<u64, Event>,
+    /// The real GPU's device attributes, asked once (empty where the GPU has none).
+    pub host_attributes: Option<HashMap<u32, i32>>,
 }
 
 impl Driver {
+    /// The host GPU's value of attribute `attr`, asking the device the first time.
+    pub fn host_attribute(&mut self, attr: u32) -> Option<i32> {
+        let device = &self.device;
+        self.host_attributes
+            .get_or_insert_with(|| match device.transport().device_attributes() {
+                Ok(pairs) => pairs.into_iter().collect(),
+                Err(e) => {
+                    log::info!("the device tells no attributes: {e}");
+                    HashMap::new()
+                }
+            })
+            .get(&attr)
+            .copied()
+    }
+
     fn open() -> CuResult<Self> {
         let device = open_device()?;
         let info = device.info().clone();
@@ -312,6 +329,7 @@ impl Driver {
             modules: HashMap::new(),
             functions: HashMap::new(),
             events: HashMap::new(),
+            host_attributes: None,
         })
     }
 

@@ -29,7 +29,16 @@ const PROGRAMS: &[&str] = &[
     "launch_rate",
     "vadd_loop",
     "devvgpu_program",
+    "device_attributes",
 ];
+
+/// `device_attributes`'s output as `name → value` ("cc", "attr N").
+fn attributes(out: &str) -> std::collections::HashMap<String, String> {
+    out.lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
 
 /// Where the built programs and the library's soname link live: built once per run, or
 /// `VGPU_LIBCUDA_PROGRAMS` (a directory `ci/device/run.sh pack libcuda` made on another
@@ -153,6 +162,24 @@ fn programs_run_through_the_library_as_through_the_driver() {
     assert_eq!(out.trim(), "device_global value=19088743");
     let out = run_ok(&backend, "b", "api_edges", &[PTX]);
     assert_eq!(out.trim(), "api_edges modules=loaded");
+    // The GPU's attributes as the worker's device reports them (the fake device's: an
+    // H100's compute capability, SMs and limits), the virtual device's own features.
+    let a = attributes(&run_ok(&backend, "a", "device_attributes", &[]));
+    for (k, want) in [
+        ("cc", "9.0"),
+        ("attr 75", "9"),
+        ("attr 16", "132"),
+        ("attr 38", "52428800"),
+        ("attr 97", "232448"),
+        ("attr 1", "1024"),
+        ("attr 10", "32"),
+        ("attr 41", "0"),
+        ("attr 19", "0"),
+        ("attr 33", "0"),
+        ("attr 24", "unsupported"),
+    ] {
+        assert_eq!(a.get(k).map(String::as_str), Some(want), "{k}: {a:?}");
+    }
     // The benchmark programs, at sizes for a CPU (they check their own results).
     let out = run_ok(&backend, "a", "launch_rate", &[PTX, "200", "256"]);
     assert!(out.starts_with("launch_rate kernels=200 n=256 "), "{out}");
@@ -202,6 +229,16 @@ fn on_the_sim_module_loads_are_refused_clearly() {
         out.trim(),
         "api_edges modules=refused (CUDA_ERROR_NOT_SUPPORTED)"
     );
+    // The sim tells no GPU attributes: what holds without one, and no more.
+    let a = attributes(&run_ok(&backend, "a", "device_attributes", &[]));
+    for (k, want) in [
+        ("cc", "unsupported"),
+        ("attr 16", "unsupported"),
+        ("attr 10", "32"),
+        ("attr 41", "0"),
+    ] {
+        assert_eq!(a.get(k).map(String::as_str), Some(want), "{k}: {a:?}");
+    }
     // The program the rig's guests run over /dev/vgpu, here over the loopback transport:
     // the library logs the device's own reason for the refused module.
     let out = run(&backend, "b", "devvgpu_program", &[]);

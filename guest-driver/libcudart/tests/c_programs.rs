@@ -96,7 +96,8 @@ fn a_runtime_program_runs_through_the_guest_libraries() {
     let sum: u64 = (0..n).map(|i| i * 7 + 1_000_000 - i).sum();
     assert_eq!(
         stdout.trim(),
-        format!("runtime_program n={n} sum={sum} global=4242")
+        // The fake device's compute capability and SMs, through cudaGetDeviceProperties.
+        format!("runtime_program n={n} sum={sum} global=4242 cc=9.0 sms=132")
     );
     backend.stop();
 

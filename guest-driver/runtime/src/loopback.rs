@@ -202,6 +202,13 @@ impl Transport for LoopbackTransport {
         }
     }
 
+    fn device_attributes(&self) -> Result<Vec<(u32, i32)>> {
+        match self.call(0, Op::GetAttributes)? {
+            ReplyBody::Attributes(pairs) => Ok(pairs),
+            _ => Err(Error::Device(ErrorCode::Internal)),
+        }
+    }
+
     fn create_context(&self) -> Result<CtxHandle> {
         match self.call(0, Op::CreateContext)? {
             ReplyBody::Context { ctx } => Ok(CtxHandle(ctx as u64)),

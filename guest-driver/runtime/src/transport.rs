@@ -206,6 +206,13 @@ pub trait Transport: Send + Sync {
             vgpu_protocol::ErrorCode::Unsupported,
         ))
     }
+    /// The real GPU's device attributes (`(CUdevice_attribute, value)`; none on the
+    /// sim). Transports without them refuse.
+    fn device_attributes(&self) -> Result<Vec<(u32, i32)>> {
+        Err(crate::error::Error::Device(
+            vgpu_protocol::ErrorCode::Unsupported,
+        ))
+    }
     /// Global `name` of `module`: its device address and size.
     fn global_get(&self, _ctx: CtxHandle, _module: u32, _name: &str) -> Result<(u64, u64)> {
         Err(crate::error::Error::Device(

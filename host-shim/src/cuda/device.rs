@@ -20,6 +20,8 @@ pub trait Device: Send + Sync + 'static {
     type Mark: Send + Sync;
 
     fn name(&self) -> String;
+    /// The device attributes guests are told (`(CUdevice_attribute, value)`).
+    fn attributes(&self) -> Vec<(u32, i32)>;
     /// Makes host memory reachable by the device at the same address.
     fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), DeviceError>;
     fn unregister_host(&self, ptr: *mut u8) -> Result<(), DeviceError>;

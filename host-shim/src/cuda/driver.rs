@@ -60,6 +60,8 @@ fn check(call: &'static str, r: sys::CUresult) -> Result<(), DeviceError> {
 pub struct CudaDevice {
     ctx: sys::CUcontext,
     name: String,
+    /// The attributes guests are told ([`super::attributes::REPORTED`]).
+    attrs: Vec<(u32, i32)>,
     total_mem: u64,
     funcs: [sys::CUfunction; 9],
     /// Blocks of 1024 threads that fill every SM (a spin kernel occupies the whole GPU,
@@ -194,6 +196,11 @@ impl CudaDevice {
             let threads =
                 attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR)?;
             let spin_blocks = (sms.max(1) * (threads / 1024).max(1)) as u32;
+            // What this driver cannot answer is left out, not failed on.
+            let attrs = super::attributes::REPORTED
+                .iter()
+                .filter_map(|a| attr(*a).ok().map(|v| (*a as u32, v)))
+                .collect();
             let module = load_kernels(major, minor)?;
             let mut funcs = [std::ptr::null_mut(); 9];
             for (f, name) in funcs.iter_mut().zip(KERNEL_NAMES) {
@@ -205,6 +212,7 @@ impl CudaDevice {
             let d = CudaDevice {
                 ctx,
                 name,
+                attrs,
                 total_mem: total as u64,
                 funcs,
                 spin_blocks,
@@ -847,6 +855,10 @@ impl Device for CudaDevice {
 
     fn name(&self) -> String {
         self.name.clone()
+    }
+
+    fn attributes(&self) -> Vec<(u32, i32)> {
+        self.attrs.clone()
     }
 
     fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), DeviceError> {

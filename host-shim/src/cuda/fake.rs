@@ -16,6 +16,21 @@ use super::device::Device;
 use super::error::DeviceError;
 use super::fake_modules::{self, FakeLaunch, TestKernel, TEST_GLOBAL};
 use super::plan::Op;
+
+/// The fake device's attributes: an H100 SXM's figures for a few that programs size
+/// their work by (compute capability, SMs, limits), so the guest path has values to carry.
+pub const FAKE_ATTRIBUTES: &[(u32, i32)] = &[
+    (1, 1024),      // MAX_THREADS_PER_BLOCK
+    (8, 49152),     // MAX_SHARED_MEMORY_PER_BLOCK
+    (10, 32),       // WARP_SIZE
+    (12, 65536),    // MAX_REGISTERS_PER_BLOCK
+    (16, 132),      // MULTIPROCESSOR_COUNT
+    (38, 52428800), // L2_CACHE_SIZE
+    (39, 2048),     // MAX_THREADS_PER_MULTIPROCESSOR
+    (75, 9),        // COMPUTE_CAPABILITY_MAJOR
+    (76, 0),        // COMPUTE_CAPABILITY_MINOR
+    (97, 232448),   // MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+];
 use crate::clock::now_ns;
 use crate::kernels::{run_kernel, KernelMemory, MemFault};
 
@@ -305,6 +320,10 @@ impl Device for FakeDevice {
 
     fn name(&self) -> String {
         "fake".into()
+    }
+
+    fn attributes(&self) -> Vec<(u32, i32)> {
+        FAKE_ATTRIBUTES.to_vec()
     }
 
     fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), DeviceError> {

@@ -20,6 +20,7 @@
 //! own module kernel cannot be checked so: modules load only where this GPU serves one
 //! VM in a process of its own ([`CudaConfig::guest_modules`], `modules`).
 
+mod attributes;
 mod channel;
 pub mod device;
 pub mod driver;
@@ -515,6 +516,10 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
     }
 
     crate::fifo::table_methods!();
+
+    fn device_attributes(&self, _owner: u32) -> Result<Vec<(u32, i32)>> {
+        Ok(self.shared.dev.attributes())
+    }
 
     fn info(&self) -> GpuInfo {
         let cfg = &self.shared.cfg;

@@ -159,6 +159,7 @@ fn every_reply_round_trips() {
             compute_engines: 1,
             control_pages_len: 256 * 4096,
             counters_len: crate::counters::page_len(256),
+            attributes: vec![(75, 9), (16, 132), (8, -1)],
         },
         Reply::Vram {
             offset: 4 << 20,
@@ -235,6 +236,7 @@ fn a_hello_whose_pages_do_not_fit_its_slots_is_refused() {
         compute_engines: 1,
         control_pages_len,
         counters_len,
+        attributes: Vec::new(),
     };
     for r in [
         lie(256, 4096, crate::counters::page_len(256)),

@@ -44,6 +44,7 @@ fn covered() -> &'static [(&'static str, *const c_void)] {
         "cuDeviceGetName" => cuDeviceGetName,
         "cuDeviceTotalMem" => cuDeviceTotalMem_v2,
         "cuDeviceGetAttribute" => cuDeviceGetAttribute,
+        "cuDeviceComputeCapability" => cuDeviceComputeCapability,
         "cuCtxCreate" => cuCtxCreate_v2,
         "cuCtxDestroy" => cuCtxDestroy_v2,
         "cuCtxSetCurrent" => cuCtxSetCurrent,

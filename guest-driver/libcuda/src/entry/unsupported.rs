@@ -24,7 +24,6 @@ macro_rules! unsupported_entries {
 }
 
 unsupported_entries!(
-    cuDeviceComputeCapability,
     cuDeviceGetProperties,
     cuDeviceGetUuid,
     cuDeviceGetUuid_v2,

@@ -59,6 +59,7 @@ CUresult cuDeviceGet(CUdevice *dev, int ordinal);
 CUresult cuDeviceGetName(char *name, int len, CUdevice dev);
 CUresult cuDeviceTotalMem(size_t *bytes, CUdevice dev);
 CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice dev);
+CUresult cuDeviceComputeCapability(int *major, int *minor, CUdevice dev);
 CUresult cuCtxCreate(CUcontext *ctx, unsigned int flags, CUdevice dev);
 CUresult cuCtxDestroy(CUcontext ctx);
 CUresult cuCtxSetCurrent(CUcontext ctx);

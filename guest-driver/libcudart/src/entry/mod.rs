@@ -8,6 +8,7 @@
 pub mod device;
 pub mod launch;
 pub mod memory;
+pub mod properties;
 pub mod register;
 pub mod stream;
 pub mod unsupported;

@@ -16,8 +16,6 @@ macro_rules! unsupported_entries {
 }
 
 unsupported_entries!(
-    cudaGetDeviceProperties,
-    cudaGetDeviceProperties_v2,
     cudaDeviceGetLimit,
     cudaDeviceSetLimit,
     cudaDeviceGetCacheConfig,

@@ -193,10 +193,20 @@ int main(int argc, char **argv) {
         return 1;
     if (cudaGetLastError() != cudaErrorInvalidDeviceFunction)
         return 1;
-    char props[4096];
-    if (cudaGetDeviceProperties_v2(props, 0) != cudaErrorNotSupported)
-        return 1;
-    cudaGetLastError();
+    /* CUDA 13's cudaDeviceProp: major at byte 360, minor at 364, multiProcessorCount at
+     * 384, 1008 bytes in all (nothing may be written beyond). */
+    unsigned char props[4096];
+    int major, minor, sms;
+    memset(props, 0xa5, sizeof props);
+    CHECK(cudaGetDeviceProperties_v2(props, 0));
+    memcpy(&major, props + 360, 4);
+    memcpy(&minor, props + 364, 4);
+    memcpy(&sms, props + 384, 4);
+    for (unsigned int i = 1008; i < sizeof props; i++)
+        if (props[i] != 0xa5) {
+            fprintf(stderr, "cudaGetDeviceProperties wrote byte %u\n", i);
+            return 1;
+        }
 
     CHECK(cudaEventDestroy(start));
     CHECK(cudaEventDestroy(stop));
@@ -207,6 +217,7 @@ int main(int argc, char **argv) {
     CHECK(cudaFreeHost(ha));
     CHECK(cudaDeviceReset());
     __cudaUnregisterFatBinary(fatbin_handle);
-    printf("runtime_program n=%u sum=%llu global=%u\n", n, sum, got);
+    printf("runtime_program n=%u sum=%llu global=%u cc=%d.%d sms=%d\n", n, sum, got, major,
+           minor, sms);
     return 0;
 }

@@ -50,6 +50,14 @@ pub struct FunctionGet {
 
 #[repr(C)]
 #[derive(Debug, Default, Clone, Copy)]
+pub struct Attributes {
+    pub pairs_addr: u64,
+    pub max_pairs: u32,
+    pub count: u32,
+}
+
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
 pub struct GlobalGet {
     pub ctx: u32,
     pub module: u32,
@@ -243,6 +251,7 @@ pub const MODULE_LOAD: u32 = iowr::<ModuleLoad>(0x10);
 pub const MODULE_UNLOAD: u32 = iow::<ModuleArg>(0x11);
 pub const FUNCTION_GET: u32 = iowr::<FunctionGet>(0x12);
 pub const GLOBAL_GET: u32 = iowr::<GlobalGet>(0x13);
+pub const GET_ATTRIBUTES: u32 = iowr::<Attributes>(0x14);
 
 /// Every ioctl with its C name (for the ABI test).
 pub const IOCTLS: &[(&str, u32)] = &[
@@ -266,4 +275,5 @@ pub const IOCTLS: &[(&str, u32)] = &[
     ("VGPU_IOC_MODULE_UNLOAD", MODULE_UNLOAD),
     ("VGPU_IOC_FUNCTION_GET", FUNCTION_GET),
     ("VGPU_IOC_GLOBAL_GET", GLOBAL_GET),
+    ("VGPU_IOC_GET_ATTRIBUTES", GET_ATTRIBUTES),
 ];

@@ -512,6 +512,24 @@ impl Transport for DevVgpuTransport {
         Ok((a.function, Some(params)))
     }
 
+    fn device_attributes(&self) -> Result<Vec<(u32, i32)>> {
+        let mut pairs = vec![[0u32; 2]; vgpu_protocol::request::MAX_ATTRIBUTES];
+        let mut a = abi::Attributes {
+            pairs_addr: pairs.as_mut_ptr() as u64,
+            max_pairs: pairs.len() as u32,
+            ..Default::default()
+        };
+        match self.ioctl("VGPU_IOC_GET_ATTRIBUTES", abi::GET_ATTRIBUTES, &mut a) {
+            // A driver older than the ioctl: no attributes to tell.
+            Err(Error::Os { source, .. }) if source.raw_os_error() == Some(libc::ENOTTY) => {
+                return Err(Error::Device(ErrorCode::Unsupported))
+            }
+            r => r?,
+        }
+        let n = (a.count as usize).min(pairs.len());
+        Ok(pairs[..n].iter().map(|&[k, v]| (k, v as i32)).collect())
+    }
+
     fn global_get(&self, ctx: CtxHandle, module: u32, name: &str) -> Result<(u64, u64)> {
         let mut a = abi::GlobalGet {
             ctx: ctx_id(ctx)?,

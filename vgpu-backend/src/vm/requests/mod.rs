@@ -131,6 +131,13 @@ impl Session {
         match &r.op {
             Op::GetInfo => Ok(ReplyBody::Info(self.info())),
             Op::GetStats => Ok(ReplyBody::Stats(self.stats_reply())),
+            // The real GPU's, unchanged (none on the sim); what the guest may use of them
+            // is the guest library's to say.
+            Op::GetAttributes => self
+                .gpu
+                .device_attributes(pid)
+                .map(ReplyBody::Attributes)
+                .map_err(|e| e.code()),
             Op::CreateContext => self.create_context(pid, mem),
             Op::DestroyContext => self.destroy_context(pid, ctx, shm),
             Op::AllocVram { size, align } => self.alloc_vram(pid, ctx, *size, *align),
