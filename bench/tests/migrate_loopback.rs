@@ -341,6 +341,104 @@ fn a_vm_on_per_process_workers_migrates_between_backends_and_every_workload_comp
     assert_eq!(a.backend.vm_paused(VM), Some(false));
 }
 
+/// A guest process's own module moves with its VM (issue 31): the image, the value a
+/// kernel left in its `__device__` variable, and the function handles, which launch on
+/// the destination as before; there and back, beside the shared workloads.
+#[test]
+fn a_vms_own_module_and_its_variable_move_with_it() {
+    use vgpu_guest::{Arg, Context, Function, Module};
+    const PTX: &str = include_str!("../../host-shim/tests/data/test_module.ptx");
+    const N: u32 = 4096;
+    let patience = Duration::from_secs(60);
+    let run = |ch: &mut vgpu_guest::Channel| {
+        let f = ch.submit().expect("submit");
+        ch.wait_timeout(f, patience)
+            .expect("the module's kernels run");
+    };
+    // The variable as a kernel reads it, through the address the GPU gives now (a
+    // global's device address is the loaded module's: it changes with the move).
+    let variable = |ctx: &Context, m: &Module, copy: &Function| -> u32 {
+        let g = m.global("vgpu_test_counter").expect("the variable");
+        let out = ctx.alloc_vram(4096).expect("a buffer");
+        let mut ch = ctx.create_channel().expect("a channel");
+        let args = [Arg::Buffer(&out, true), Arg::U64(g.addr), Arg::U32(1)];
+        ch.launch_function(copy, [1, 1, 1], [1, 1, 1], &args)
+            .expect("copy");
+        run(&mut ch);
+        out.read_u32_vec(0, 1).expect("read")[0]
+    };
+    let vadd_ok = |ctx: &Context, vadd: &Function, seed: u32| -> bool {
+        let bytes = u64::from(N) * 4;
+        let (x, y, z) = (
+            ctx.alloc_vram(bytes).unwrap(),
+            ctx.alloc_vram(bytes).unwrap(),
+            ctx.alloc_vram(bytes).unwrap(),
+        );
+        let vx: Vec<u32> = (0..N).map(|i| i.wrapping_mul(seed)).collect();
+        let vy: Vec<u32> = (0..N).map(|i| i ^ seed).collect();
+        x.write_u32(0, &vx).unwrap();
+        y.write_u32(0, &vy).unwrap();
+        let mut ch = ctx.create_channel().unwrap();
+        let args = [
+            Arg::Buffer(&x, false),
+            Arg::Buffer(&y, false),
+            Arg::Buffer(&z, true),
+            Arg::U32(N),
+        ];
+        ch.launch_function(vadd, [N.div_ceil(256), 1, 1], [256, 1, 1], &args)
+            .unwrap();
+        run(&mut ch);
+        let got = z.read_u32_vec(0, N as usize).unwrap();
+        got.iter()
+            .zip(vx.iter().zip(&vy))
+            .all(|(z, (x, y))| *z == x.wrapping_add(*y))
+    };
+
+    // Guest RAM for the shared workloads' buffers and this process's beside them.
+    let mem = 256 << 20;
+    let (a, b) = (
+        workers_host("ma").with_vm_mem(mem),
+        workers_host("mb").with_vm_mem(mem),
+    );
+    let vm = a.connect(VM);
+    let mut guests = Guests::start(&vm);
+    let dev = Device::loopback(vm.clone(), 400).expect("device");
+    let ctx = dev.create_context().expect("context");
+    let module = ctx.load_module(PTX.as_bytes()).expect("the module loads");
+    let set = module.function("vgpu_test_set_global").unwrap();
+    let copy = module.function("vgpu_test_copy_u32").unwrap();
+    let vadd = module.function("vgpu_test_vadd_u32").unwrap();
+    let mut ch = ctx.create_channel().unwrap();
+    ch.launch_function(&set, [1, 1, 1], [1, 1, 1], &[Arg::U32(0x5eed)])
+        .unwrap();
+    run(&mut ch);
+    assert_eq!(variable(&ctx, &module, &copy), 0x5eed);
+    assert!(vadd_ok(&ctx, &vadd, 3));
+    guests.wait_runs(0, 2);
+
+    let rep = vm.migrate_to(&b.socket(VM)).expect("migration");
+    eprintln!("migration: {rep:?}");
+    assert_eq!(variable(&ctx, &module, &copy), 0x5eed, "the variable moved");
+    assert!(vadd_ok(&ctx, &vadd, 5), "the bound function runs there");
+    // A new value there, and back.
+    ch.launch_function(&set, [1, 1, 1], [1, 1, 1], &[Arg::U32(0xbac)])
+        .unwrap();
+    run(&mut ch);
+    let back = vm.migrate_to(&a.socket(VM)).expect("migration back");
+    eprintln!("migration back: {back:?}");
+    assert_eq!(
+        variable(&ctx, &module, &copy),
+        0xbac,
+        "the new value moved back"
+    );
+    assert!(vadd_ok(&ctx, &vadd, 7));
+    let done = guests.runs.load(Ordering::Acquire);
+    guests.wait_runs(done, 2);
+    guests.finish();
+    drop(ch);
+    module.unload().expect("unload");
+}
+
 #[test]
 fn a_cut_or_corrupt_state_is_refused_and_the_vm_keeps_running_on_the_source() {
     let (a, b) = (host("src"), host("dst"));

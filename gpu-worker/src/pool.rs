@@ -962,6 +962,30 @@ impl Gpu for VmWorker {
     ) -> Result<vgpu_host_shim::GlobalInfo> {
         self.of_ctx(ctx)?.global_get(ctx, module, name)
     }
+
+    fn global_read(
+        &self,
+        ctx: ContextId,
+        module: u32,
+        name: &str,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        self.of_ctx(ctx)?
+            .global_read(ctx, module, name, offset, buf)
+    }
+
+    fn global_write(
+        &self,
+        ctx: ContextId,
+        module: u32,
+        name: &str,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<()> {
+        self.of_ctx(ctx)?
+            .global_write(ctx, module, name, offset, data)
+    }
 }
 
 const THROUGH_A_VM: HalError =

@@ -411,6 +411,35 @@ impl Worker {
                     size: gl.size,
                 }
             }
+            Command::VariableCopy {
+                ctx,
+                module,
+                name,
+                offset,
+                len,
+                to_variable,
+            } => {
+                let name =
+                    std::str::from_utf8(&name).map_err(|_| Refused(ErrorCode::InvalidArgument))?;
+                let id = self.ctx(ctx)?;
+                let buf = self
+                    .copy_buf
+                    .as_ref()
+                    .and_then(|b| b.ptr(0, len))
+                    .ok_or(Refused(ErrorCode::InvalidArgument))?;
+                let n = usize::try_from(len).map_err(|_| Refused(ErrorCode::InvalidArgument))?;
+                if to_variable {
+                    // SAFETY: `buf..buf+n` lies inside the copy buffer's mapping (checked
+                    // by `ptr`); the backend does not touch it while this command runs.
+                    let src = unsafe { std::slice::from_raw_parts(buf, n) };
+                    g.global_write(id, module, name, offset, src)?;
+                } else {
+                    // SAFETY: as above.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(buf, n) };
+                    g.global_read(id, module, name, offset, dst)?;
+                }
+                Reply::Ok
+            }
         })
     }
 

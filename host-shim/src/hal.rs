@@ -512,4 +512,30 @@ pub trait Gpu: Send + Sync {
         let _ = (ctx, module, name);
         Err(HalError::Refused(ErrorCode::ModulesNeedCudaGpu))
     }
+    /// Reads `buf.len()` bytes at `offset` of `module`'s variable `name` (a live
+    /// migration saving a paused VM: nothing of the context runs).
+    fn global_read(
+        &self,
+        ctx: ContextId,
+        module: u32,
+        name: &str,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        let _ = (ctx, module, name, offset, buf);
+        Err(HalError::Refused(ErrorCode::ModulesNeedCudaGpu))
+    }
+    /// Writes `data` at `offset` of `module`'s variable `name` (a migration's
+    /// destination restoring it).
+    fn global_write(
+        &self,
+        ctx: ContextId,
+        module: u32,
+        name: &str,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<()> {
+        let _ = (ctx, module, name, offset, data);
+        Err(HalError::Refused(ErrorCode::ModulesNeedCudaGpu))
+    }
 }

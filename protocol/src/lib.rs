@@ -16,6 +16,7 @@ pub mod mem;
 pub mod method;
 pub mod migration;
 pub mod module;
+pub mod module_image;
 pub mod range;
 pub mod reference;
 pub mod request;

@@ -176,6 +176,7 @@ const MODULE_LOAD: u16 = 23;
 const MODULE_UNLOAD: u16 = 24;
 const FUNCTION_GET: u16 = 25;
 const GLOBAL_GET: u16 = 26;
+const VARIABLE_COPY: u16 = 27;
 
 const REPLY_OK: u16 = 0x100;
 const REPLY_HELLO: u16 = 0x101;
@@ -456,6 +457,22 @@ pub fn encode_command(seq: u32, c: &Command) -> Vec<u8> {
             w.u32(ctx).u32(module).name(&name);
             GLOBAL_GET
         }
+        Command::VariableCopy {
+            ctx,
+            module,
+            name,
+            offset,
+            len,
+            to_variable,
+        } => {
+            w.u32(ctx)
+                .u32(module)
+                .u64(offset)
+                .u64(len)
+                .u8(u8::from(to_variable))
+                .name(&name);
+            VARIABLE_COPY
+        }
     };
     frame(kind, seq, command_fds(kind), w)
 }
@@ -677,6 +694,21 @@ pub fn decode_command(frame: &[u8], fds: u8) -> Result<(u32, Command), WireError
             module: r.u32()?,
             name: r.name()?,
         },
+        VARIABLE_COPY => {
+            let (ctx, module) = (r.u32()?, r.u32()?);
+            let (offset, len) = (r.u64()?, r.u64()?);
+            if offset.checked_add(len).is_none_or(|e| e > MAX_BYTES) {
+                return Err(WireError::Field("len"));
+            }
+            Command::VariableCopy {
+                ctx,
+                module,
+                offset,
+                len,
+                to_variable: r.bool("to_variable")?,
+                name: r.name()?,
+            }
+        }
         k => return Err(WireError::Kind(k)),
     };
     r.finish()?;

@@ -158,6 +158,16 @@ pub enum Command {
         module: u32,
         name: Vec<u8>,
     },
+    /// Copies `len` bytes at `offset` of `module`'s variable `name` into the copy
+    /// buffer's start (a migration saving it), or back (`to_variable`: restoring it).
+    VariableCopy {
+        ctx: u32,
+        module: u32,
+        name: Vec<u8>,
+        offset: u64,
+        len: u64,
+        to_variable: bool,
+    },
 }
 
 /// The worker's replies.

@@ -572,6 +572,26 @@ impl WorkerGpu {
         offset: u64,
         len: usize,
         to_vram: bool,
+        each: impl FnMut(*mut u8, usize, usize),
+    ) -> Result<()> {
+        let copy = |vram_offset, len| Command::Copy {
+            vram_offset,
+            buf_offset: 0,
+            len,
+            to_vram,
+        };
+        self.in_pieces(offset, len, to_vram, copy, each)
+    }
+
+    /// Moves `len` bytes from `offset` on through the copy buffer's start, a piece at a
+    /// time: `command(offset, n)` has the worker copy a piece, `each(buffer, done, n)`
+    /// fills the buffer before it (`inbound`: towards the worker) or empties it after.
+    fn in_pieces(
+        &self,
+        offset: u64,
+        len: usize,
+        inbound: bool,
+        command: impl Fn(u64, u64) -> Command,
         mut each: impl FnMut(*mut u8, usize, usize),
     ) -> Result<()> {
         let buf = lock(&self.copy);
@@ -579,22 +599,17 @@ impl WorkerGpu {
         let mut done = 0usize;
         while done < len {
             let n = piece.min(len - done);
-            let vram_offset = offset
+            let at = offset
                 .checked_add(done as u64)
-                .ok_or(HalError::InvalidArgument("VRAM range"))?;
+                .ok_or(HalError::InvalidArgument("copy range"))?;
             let p = buf
                 .ptr(0, n as u64)
                 .ok_or(HalError::InvalidArgument("copy piece"))?;
-            if to_vram {
+            if inbound {
                 each(p, done, n);
             }
-            self.inner.call_ok(&Command::Copy {
-                vram_offset,
-                buf_offset: 0,
-                len: n as u64,
-                to_vram,
-            })?;
-            if !to_vram {
+            self.inner.call_ok(&command(at, n as u64))?;
+            if !inbound {
                 each(p, done, n);
             }
             done += n;
@@ -650,15 +665,29 @@ impl WorkerGpu {
     }
 }
 
+/// The command copying a piece of `module`'s variable `name` through the copy buffer.
+fn variable_copy(
+    ctx: ContextId,
+    module: u32,
+    name: &str,
+    to_variable: bool,
+) -> impl Fn(u64, u64) -> Command + '_ {
+    move |offset, len| Command::VariableCopy {
+        ctx: ctx.0,
+        module,
+        name: name.as_bytes().to_vec(),
+        offset,
+        len,
+        to_variable,
+    }
+}
+
 /// A worker's greeting: its GPU's shape and attributes, the control pages' file and the
 /// counters page.
 type Greeting = (GpuInfo, Vec<(u32, i32)>, OwnedFd, Mapping);
 
 /// Greets the worker: its GPU's shape and the two shared pages.
-fn hello(
-    inner: &Inner,
-    worker: u32,
-) -> std::result::Result<Greeting, StartError> {
+fn hello(inner: &Inner, worker: u32) -> std::result::Result<Greeting, StartError> {
     let calls = lock(&inner.calls);
     let c = Command::Hello { worker };
     socket::send(calls.sock.as_fd(), &encode_command(0, &c), &[])
@@ -1060,6 +1089,39 @@ impl Gpu for WorkerGpu {
             Reply::Error { code } => Err(refusal(code, &c)),
             r => Err(self.inner.unexpected(&c, r)),
         }
+    }
+
+    fn global_read(
+        &self,
+        ctx: ContextId,
+        module: u32,
+        name: &str,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        let out = buf.as_mut_ptr();
+        let copy = variable_copy(ctx, module, name, false);
+        self.in_pieces(offset, buf.len(), false, copy, |p, at, n| {
+            // SAFETY: `p` holds `n` bytes the worker just copied (the buffer is locked);
+            // `out + at .. + n` lies inside the caller's slice.
+            unsafe { std::ptr::copy_nonoverlapping(p, out.add(at), n) }
+        })
+    }
+
+    fn global_write(
+        &self,
+        ctx: ContextId,
+        module: u32,
+        name: &str,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<()> {
+        let src = data.as_ptr();
+        let copy = variable_copy(ctx, module, name, true);
+        self.in_pieces(offset, data.len(), true, copy, |p, at, n| {
+            // SAFETY: as in `global_read`, the other way.
+            unsafe { std::ptr::copy_nonoverlapping(src.add(at), p, n) }
+        })
     }
 
     fn global_get(&self, ctx: ContextId, module: u32, name: &str) -> Result<GlobalInfo> {

@@ -8,6 +8,7 @@
 //! (docs/design/guest-modules.md, "Test device").
 
 use vgpu_protocol::module::ParamInfo;
+use vgpu_protocol::module_image::{fatbin_ptx, FATBIN_MAGIC};
 
 use super::error::DeviceError;
 
@@ -116,35 +117,6 @@ fn declaration(tokens: &[&str]) -> Option<(String, u32, u32)> {
             return (!name.is_empty()).then(|| (name.to_string(), size, align));
         }
         i += 1;
-    }
-    None
-}
-
-/// A fatbin's magic (its first four bytes, little-endian).
-const FATBIN_MAGIC: u32 = 0xba55ed50;
-/// A fatbin entry's kind: PTX text.
-const FATBIN_PTX: u16 = 1;
-
-/// The first uncompressed PTX entry of a fatbin: after the 16-byte header
-/// `{u32 magic, u16 version, u16 header size, u64 body size}`, entries
-/// `{u16 kind, u16 version, u32 header size, u64 payload size, …}` each followed by its
-/// payload. (What the fake reads of the format; a real driver reads all of it.)
-fn fatbin_ptx(image: &[u8]) -> Option<&[u8]> {
-    let u16_at = |o: usize| Some(u16::from_le_bytes(image.get(o..o + 2)?.try_into().ok()?));
-    let u32_at = |o: usize| Some(u32::from_le_bytes(image.get(o..o + 4)?.try_into().ok()?));
-    let u64_at = |o: usize| Some(u64::from_le_bytes(image.get(o..o + 8)?.try_into().ok()?));
-    let mut at = usize::from(u16_at(6)?);
-    let end = at
-        .checked_add(usize::try_from(u64_at(8)?).ok()?)?
-        .min(image.len());
-    while at + 16 <= end {
-        let (kind, header, payload) = (u16_at(at)?, u32_at(at + 4)? as usize, u64_at(at + 8)?);
-        let start = at.checked_add(header)?;
-        let stop = start.checked_add(usize::try_from(payload).ok()?)?;
-        if kind == FATBIN_PTX {
-            return image.get(start..stop);
-        }
-        at = stop;
     }
     None
 }
@@ -390,7 +362,7 @@ mod tests {
             e
         };
         let mut body = entry(2, b"\x7fELF not read");
-        body.extend(entry(FATBIN_PTX, ptx));
+        body.extend(entry(vgpu_protocol::module_image::FATBIN_PTX, ptx));
         let mut f = Vec::new();
         f.extend(FATBIN_MAGIC.to_le_bytes());
         f.extend(1u16.to_le_bytes());

@@ -723,6 +723,30 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
         self.bind_function(ctx, module, name, function)
     }
 
+    fn global_read(
+        &self,
+        ctx: ContextId,
+        module: u32,
+        name: &str,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        let copy = modules::VariableCopy::Out(buf);
+        self.module_variable(ctx, module, name, offset, copy)
+    }
+
+    fn global_write(
+        &self,
+        ctx: ContextId,
+        module: u32,
+        name: &str,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<()> {
+        let copy = modules::VariableCopy::In(data);
+        self.module_variable(ctx, module, name, offset, copy)
+    }
+
     fn global_get(&self, ctx: ContextId, module: u32, name: &str) -> Result<GlobalInfo> {
         self.module_global(ctx, module, name)
     }

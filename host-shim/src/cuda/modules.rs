@@ -164,4 +164,56 @@ impl<D: Device> CudaGpuOf<D> {
             .map_err(|e| module_err(e, false))?;
         Ok(GlobalInfo { addr, size })
     }
+
+    /// Copies `buf.len()` bytes at `offset` of `module`'s variable `name` out, or
+    /// `data` in, in pieces as VRAM copies go.
+    pub(super) fn module_variable(
+        &self,
+        ctx: ContextId,
+        module: u32,
+        name: &str,
+        offset: u64,
+        copy: VariableCopy<'_>,
+    ) -> Result<()> {
+        let g = self.module_global(ctx, module, name)?;
+        let len = match &copy {
+            VariableCopy::Out(b) => b.len(),
+            VariableCopy::In(d) => d.len(),
+        };
+        if offset
+            .checked_add(len as u64)
+            .is_none_or(|end| end > g.size)
+        {
+            return Err(HalError::InvalidArgument("range outside the variable"));
+        }
+        let dev = &self.shared.dev;
+        let err = |e: DeviceError| module_err(e, false);
+        const PIECE: usize = 64 << 20;
+        let base = g.addr + offset;
+        match copy {
+            VariableCopy::Out(buf) => {
+                for (i, piece) in buf.chunks_mut(PIECE).enumerate() {
+                    let at = base + (i * PIECE) as u64;
+                    // SAFETY: `piece` is a live mutable slice; `at..at+len` lies in the
+                    // variable the driver reported (checked against `g.size` above).
+                    unsafe { dev.copy_to_host(piece.as_mut_ptr(), at, piece.len()) }
+                        .map_err(err)?;
+                }
+            }
+            VariableCopy::In(data) => {
+                for (i, piece) in data.chunks(PIECE).enumerate() {
+                    let at = base + (i * PIECE) as u64;
+                    // SAFETY: `piece` is a live slice; `at..at+len` lies in the variable.
+                    unsafe { dev.copy_from_host(at, piece.as_ptr(), piece.len()) }.map_err(err)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Which way [`CudaGpuOf::module_variable`] copies.
+pub(super) enum VariableCopy<'a> {
+    Out(&'a mut [u8]),
+    In(&'a [u8]),
 }

@@ -11,7 +11,7 @@ fuzz_target!(|data: &[u8]| {
     let Some((&selector, rest)) = data.split_first() else {
         return;
     };
-    match selector % 7 {
+    match selector % 8 {
         0 => {
             if let Ok(e) = GpEntry::decode(rest) {
                 assert_eq!(&e.encode()[..], &rest[..16]);
@@ -43,6 +43,14 @@ fuzz_target!(|data: &[u8]| {
         }
         5 => {
             let _ = Event::decode(rest);
+        }
+        6 => {
+            // A guest's module image, as a migration lists its variables.
+            if let Ok(names) = vgpu_protocol::module_image::module_variables(rest) {
+                assert!(names
+                    .iter()
+                    .all(|n| vgpu_protocol::module::valid_symbol(n.as_bytes())));
+            }
         }
         _ => {
             if rest.len() >= 4 {

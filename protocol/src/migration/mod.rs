@@ -28,8 +28,9 @@ use crate::request::{Event, EVENT_SIZE};
 /// Magic at the start of every device-state stream.
 pub const STATE_MAGIC: [u8; 8] = *b"VGPUSTAT";
 /// The format version this crate writes: 2 added pre-copy ([`precopy`]: kinds 3 to 5,
-/// VRAM contents delivered in chunk frames before the full state).
-pub const STATE_VERSION: u32 = 2;
+/// VRAM contents delivered in chunk frames before the full state); 3 added guests'
+/// modules to the full state ([`Section::Modules`]).
+pub const STATE_VERSION: u32 = 3;
 /// The oldest version this crate reads (1: a single full state with inline contents).
 pub const STATE_VERSION_MIN: u32 = 1;
 /// Header size in bytes.
@@ -66,6 +67,8 @@ pub enum Section {
     Channels = 5,
     /// Full: events the GPU raised that the guest has not received yet.
     Events = 6,
+    /// Full (v3): guests' modules (images and variables) and their function bindings.
+    Modules = 7,
     /// Tail: the final guest GP_PUT of each channel.
     Puts = 16,
     /// Chunks (v2): the round this piece belongs to.
@@ -181,6 +184,36 @@ pub struct ChannelRecord {
     pub error: Option<(u32, u64)>,
 }
 
+/// A guest's module: its image as loaded, and its variables' contents by name.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ModuleRecord {
+    pub id: u32,
+    pub pid: u32,
+    pub ctx: u32,
+    /// At most `module::MAX_MODULE_BYTES`.
+    pub image: Vec<u8>,
+    pub variables: Vec<(String, Vec<u8>)>,
+}
+
+/// A function binding (LAUNCH_FUNCTION's id) by its module and name.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FunctionRecord {
+    pub id: u32,
+    pub pid: u32,
+    pub ctx: u32,
+    pub module: u32,
+    pub name: String,
+}
+
+/// The modules section: the last ids handed out, the modules, the bindings.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ModulesRecord {
+    pub last_module: u32,
+    pub last_function: u32,
+    pub modules: Vec<ModuleRecord>,
+    pub functions: Vec<FunctionRecord>,
+}
+
 /// A full device state.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DeviceState {
@@ -190,6 +223,8 @@ pub struct DeviceState {
     pub mappings: Vec<MappingRecord>,
     pub channels: Vec<ChannelRecord>,
     pub events: Vec<Event>,
+    /// Empty in streams before version 3.
+    pub modules: ModulesRecord,
 }
 
 /// A tail: the guest's final GP_PUT per channel, read by the source after the destination
@@ -367,6 +402,7 @@ impl DeviceState {
             w.buf.extend_from_slice(&e.encode());
         }
         w.end();
+        encode_modules(&mut w, &self.modules);
         w.finish(KIND_FULL)
     }
 
@@ -462,6 +498,11 @@ impl DeviceState {
             events.push(Event::decode(b).ok_or(invalid(Section::Events, "bad event"))?);
         }
         s.done(Section::Events)?;
+        let modules = if version >= 3 {
+            decode_modules(&mut r)?
+        } else {
+            ModulesRecord::default()
+        };
         r.end()?;
         Ok(DeviceState {
             vm,
@@ -470,6 +511,7 @@ impl DeviceState {
             mappings,
             channels,
             events,
+            modules,
         })
     }
 }
@@ -526,6 +568,100 @@ fn decode_mems(r: &mut Reader<'_>, version: u32) -> Result<Vec<MemRecord>, State
     }
     s.done(Section::Mems)?;
     Ok(mems)
+}
+
+/// A name as `len: u32` and its bytes.
+fn put_name(w: &mut Writer, name: &str) {
+    w.u32(name.len() as u32);
+    w.buf.extend_from_slice(name.as_bytes());
+}
+
+fn encode_modules(w: &mut Writer, m: &ModulesRecord) {
+    w.begin(Section::Modules);
+    w.u32(m.last_module);
+    w.u32(m.last_function);
+    w.u32(m.modules.len() as u32);
+    for r in &m.modules {
+        w.u32(r.id);
+        w.u32(r.pid);
+        w.u32(r.ctx);
+        w.u64(r.image.len() as u64);
+        w.buf.extend_from_slice(&r.image);
+        w.u32(r.variables.len() as u32);
+        for (name, data) in &r.variables {
+            put_name(w, name);
+            w.u64(data.len() as u64);
+            w.buf.extend_from_slice(data);
+        }
+    }
+    w.u32(m.functions.len() as u32);
+    for f in &m.functions {
+        w.u32(f.id);
+        w.u32(f.pid);
+        w.u32(f.ctx);
+        w.u32(f.module);
+        put_name(w, &f.name);
+    }
+    w.end();
+}
+
+/// A name written by [`put_name`]: a valid symbol.
+fn name(s: &mut Reader<'_>) -> Result<String, StateError> {
+    let len = s.u32()?;
+    let b = s.bytes(u64::from(len))?;
+    if !crate::module::valid_symbol(b) {
+        return Err(invalid(Section::Modules, "bad symbol name"));
+    }
+    // valid_symbol admits printable ASCII only.
+    Ok(b.iter().map(|&c| char::from(c)).collect())
+}
+
+fn decode_modules(r: &mut Reader<'_>) -> Result<ModulesRecord, StateError> {
+    let mut s = r.section(Section::Modules)?;
+    let (last_module, last_function) = (s.u32()?, s.u32()?);
+    let n = s.count(24)?;
+    let mut modules = Vec::with_capacity(n);
+    for _ in 0..n {
+        let (id, pid, ctx) = (s.u32()?, s.u32()?, s.u32()?);
+        let len = s.u64()?;
+        if len == 0 || len > crate::module::MAX_MODULE_BYTES {
+            return Err(invalid(Section::Modules, "module image size"));
+        }
+        let image = s.bytes(len)?.to_vec();
+        let k = s.count(12)?;
+        let mut variables = Vec::with_capacity(k);
+        for _ in 0..k {
+            let name = name(&mut s)?;
+            let len = s.u64()?;
+            variables.push((name, s.bytes(len)?.to_vec()));
+        }
+        modules.push(ModuleRecord {
+            id,
+            pid,
+            ctx,
+            image,
+            variables,
+        });
+    }
+    let n = s.count(20)?;
+    let mut functions = Vec::with_capacity(n);
+    for _ in 0..n {
+        let (id, pid, ctx, module) = (s.u32()?, s.u32()?, s.u32()?, s.u32()?);
+        functions.push(FunctionRecord {
+            id,
+            pid,
+            ctx,
+            module,
+            name: name(&mut s)?,
+        });
+    }
+    s.done(Section::Modules)?;
+    Ok(ModulesRecord {
+        last_module,
+        last_function,
+        modules,
+        functions,
+    })
 }
 
 fn encode_contexts(w: &mut Writer, contexts: &[ContextRecord]) {
@@ -853,7 +989,43 @@ mod tests {
                 value: 9,
                 info: 0,
             }],
+            modules: ModulesRecord {
+                last_module: 2,
+                last_function: 5,
+                modules: vec![ModuleRecord {
+                    id: 2,
+                    pid: 77,
+                    ctx: 1,
+                    image: b".version 8.0\n.target sm_90\n".to_vec(),
+                    variables: vec![("calls".into(), vec![1, 0, 0, 0]), ("t".into(), vec![])],
+                }],
+                functions: vec![FunctionRecord {
+                    id: 5,
+                    pid: 77,
+                    ctx: 1,
+                    module: 2,
+                    name: "_Z4vaddPjS_S_j".into(),
+                }],
+            },
         }
+    }
+
+    /// A version 2 stream (no modules section) decodes with no modules.
+    #[test]
+    fn a_version_2_stream_has_no_modules() {
+        let st = DeviceState {
+            modules: ModulesRecord::default(),
+            ..sample()
+        };
+        let mut b = st.encode();
+        // The empty modules section is the body's last 28 bytes: tag, length, 16 bytes.
+        b.truncate(b.len() - 28);
+        b[8..12].copy_from_slice(&2u32.to_le_bytes());
+        let body_len = (b.len() - HEADER_SIZE) as u64;
+        b[16..24].copy_from_slice(&body_len.to_le_bytes());
+        let crc = crc32(&b[HEADER_SIZE..]);
+        b[24..28].copy_from_slice(&crc.to_le_bytes());
+        assert_eq!(DeviceState::decode(&b), Ok(st));
     }
 
     #[test]
@@ -933,8 +1105,8 @@ mod tests {
         b[0] = b'X';
         assert_eq!(DeviceState::decode(&b), Err(StateError::BadMagic));
         let mut b = bytes.clone();
-        b[8] = 3;
-        assert_eq!(DeviceState::decode(&b), Err(StateError::Version(3)));
+        b[8] = 4;
+        assert_eq!(DeviceState::decode(&b), Err(StateError::Version(4)));
         let mut b = bytes.clone();
         b[12] = 9;
         assert_eq!(Stream::decode(&b), Err(StateError::Kind(9)));

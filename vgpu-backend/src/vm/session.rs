@@ -201,28 +201,30 @@ pub struct SessionState {
     pub last_context: u32,
     pub last_mem: u32,
     pub last_channel: u32,
-    /// Guests' modules and the functions bound from them (issue 31; not migrated: a VM
-    /// with a module refuses to save its state).
+    /// Guests' modules and the functions bound from them (issue 31; migrated with their
+    /// images and variables, `vm::migration`).
     pub modules: BTreeMap<u32, ModuleState>,
     pub functions: BTreeMap<u32, FunctionState>,
     pub last_module: u32,
     pub last_function: u32,
 }
 
-/// A guest's module: who loaded it, into which context.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A guest's module: who loaded it, into which context, and the image as loaded (kept
+/// for a live migration, which loads it again on the destination).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModuleState {
     pub pid: u32,
     pub ctx: u32,
-    pub bytes: u64,
+    pub image: std::sync::Arc<[u8]>,
 }
 
-/// A function bound for LAUNCH_FUNCTION: its process, context and module.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A function bound for LAUNCH_FUNCTION: its process, context, module and name.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FunctionState {
     pub pid: u32,
     pub ctx: u32,
     pub module: u32,
+    pub name: String,
 }
 
 /// HAL handles of a session's objects on this host.

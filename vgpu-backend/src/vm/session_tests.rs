@@ -1573,10 +1573,10 @@ fn a_hostile_state_is_refused_and_leaves_the_destination_empty() {
 
 /// The module requests on a GPU that loads guest modules (the fake cuda GPU as a worker
 /// sets it up), one request at a time: the image is read from guest RAM, ids are fresh,
-/// ownership and limits are checked, a destroyed context takes its modules, and a VM with
-/// a module refuses to save its state.
+/// ownership and limits are checked, a destroyed context takes its modules, and a live
+/// migration carries the modules, their variables and bindings.
 #[test]
-fn module_requests_check_everything_and_block_migration() {
+fn module_requests_check_everything_and_migrate() {
     use vgpu_host_shim::cuda::{CudaConfig, FakeCudaGpu, FakeDevice};
     use vgpu_protocol::migration::VmRecord;
     let gpu = FakeCudaGpu::with_device(
@@ -1670,13 +1670,52 @@ fn module_requests_check_everything_and_block_migration() {
         panic!("global g");
     };
     assert_eq!(size, 4);
-    // Migration refuses while a module is loaded.
+    // A migration carries the module, its variable's contents and the binding: the
+    // destination has them at the same ids.
+    let hctx = s.hal.contexts[&ctx].0;
+    s.gpu
+        .global_write(hctx, module, "g", 0, &0x1234_5678u32.to_le_bytes())
+        .unwrap();
     s.hold.paused = true;
-    assert!(matches!(
-        s.save_device_state(VmRecord::default()),
-        Err(crate::vm::migration::MigrationError::GuestModules(1))
-    ));
+    let st = s.save_device_state(VmRecord::default()).unwrap();
+    let st = vgpu_protocol::migration::DeviceState::decode(&st.encode()).unwrap();
+    assert_eq!(st.modules.modules.len(), 1);
+    assert_eq!(
+        st.modules.modules[0].variables,
+        [("g".to_string(), 0x1234_5678u32.to_le_bytes().to_vec())]
+    );
+    assert_eq!(st.modules.functions[0].name, "k");
     s.hold.paused = false;
+    let dst_gpu = FakeCudaGpu::with_device(
+        Arc::new(FakeDevice::default()),
+        CudaConfig {
+            vram_bytes: 64 * MIB,
+            guest_modules: true,
+            ..CudaConfig::default()
+        },
+    )
+    .unwrap();
+    let mut d = Session::new(dst_gpu, limits());
+    d.load_device_state(&st, &mem, &shm).unwrap();
+    assert_eq!(
+        d.state.modules.keys().copied().collect::<Vec<_>>(),
+        [module]
+    );
+    assert_eq!(
+        d.state.modules[&module].image,
+        s.state.modules[&module].image
+    );
+    assert_eq!(d.state.functions, s.state.functions);
+    let dctx = d.hal.contexts[&ctx].0;
+    let mut got = [0u8; 4];
+    d.gpu.global_read(dctx, module, "g", 0, &mut got).unwrap();
+    assert_eq!(u32::from_le_bytes(got), 0x1234_5678);
+    // Fresh ids on the destination continue after the source's.
+    d.hold.paused = false;
+    let Ok(ReplyBody::Function(f2)) = req(&mut d, 7, ctx, get(module, b"k")) else {
+        panic!("k again on the destination");
+    };
+    assert!(f2.function > st.modules.functions[0].id);
     // Unload, then again: gone.
     assert_eq!(
         req(&mut s, 7, ctx, Op::ModuleUnload { module }),

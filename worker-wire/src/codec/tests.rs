@@ -114,6 +114,14 @@ fn every_command() -> Vec<Command> {
             module: 1,
             name: vec![b'g'; vgpu_protocol::module::MAX_SYMBOL_LEN],
         },
+        Command::VariableCopy {
+            ctx: 3,
+            module: 1,
+            name: b"table".to_vec(),
+            offset: 8 << 20,
+            len: 4096,
+            to_variable: true,
+        },
     ]
 }
 
@@ -405,6 +413,14 @@ fn fields_out_of_range_are_refused() {
             ctx: 0,
             module: 1,
             name: vec![b'g'; vgpu_protocol::module::MAX_SYMBOL_LEN + 1],
+        },
+        Command::VariableCopy {
+            ctx: 0,
+            module: 1,
+            name: b"g".to_vec(),
+            offset: u64::MAX,
+            len: 2,
+            to_variable: false,
         },
     ];
     for c in bad {

@@ -143,6 +143,8 @@ impl Session {
         st: &DeviceState,
         shm: &dyn ShmMapper,
     ) -> Result<(), MigrationError> {
+        // Before anything of the guest's BAR changes (modules touch none of it).
+        self.restore_modules(&st.modules)?;
         for m in &st.mappings {
             let e = restore_err("mapping at VA", m.va);
             let r = match &m.target {

@@ -31,6 +31,7 @@
 
 pub(crate) mod chunks;
 pub mod load;
+mod modules;
 pub mod policy;
 pub(crate) mod progress;
 pub mod save;
@@ -75,8 +76,11 @@ pub enum MigrationError {
     Panicked,
     #[error("pre-copy stream: {0}")]
     Unexpected(&'static str),
-    /// Guest-loaded modules are not migrated yet (docs/design/guest-modules.md): the
-    /// VM stays where it is, running.
-    #[error("the VM has {0} guest module(s) loaded: migrating guest modules is not supported yet")]
-    GuestModules(usize),
+    /// A guest module whose variables cannot be listed (docs/design/guest-modules.md):
+    /// the VM stays where it is, running.
+    #[error("guest module {module}: {why}: its variables could not be carried")]
+    ModuleVariables {
+        module: u32,
+        why: vgpu_protocol::module_image::ImageError,
+    },
 }

@@ -37,10 +37,7 @@ impl Session {
         if !self.hold.paused {
             return Err(MigrationError::NotPaused);
         }
-        // Guests' modules are not part of the device state yet (issue 31).
-        if !self.state.modules.is_empty() {
-            return Err(MigrationError::GuestModules(self.state.modules.len()));
-        }
+        let modules = self.save_modules()?;
         let vm = VmRecord {
             last_context: self.state.last_context,
             last_mem: self.state.last_mem,
@@ -114,6 +111,7 @@ impl Session {
             mappings,
             channels,
             events,
+            modules,
         })
     }
 

@@ -198,7 +198,11 @@ impl Session {
     // ---- ownership checks -------------------------------------------------------------
 
     /// The HAL context and sysmem of `ctx`, if `pid` owns it.
-    fn owned_ctx(&self, pid: u32, ctx: u32) -> Result<(ContextId, Arc<GuestSysMemory>), ErrorCode> {
+    pub(in crate::vm) fn owned_ctx(
+        &self,
+        pid: u32,
+        ctx: u32,
+    ) -> Result<(ContextId, Arc<GuestSysMemory>), ErrorCode> {
         let c = self.state.contexts.get(&ctx).ok_or(ErrorCode::NotFound)?;
         if c.pid != pid {
             return Err(ErrorCode::PermissionDenied);

@@ -7,6 +7,10 @@
 //! `ModulesNeedWorker` from the in-process `cuda` GPU).
 
 use vgpu_protocol::module::{MAX_FUNCTION_PARAMS, MAX_MODULES_PER_CONTEXT};
+
+/// The most bytes of module images one VM may hold loaded at once: the backend keeps
+/// each image (a live migration loads it again on the destination).
+pub const MAX_MODULE_BYTES_PER_VM: u64 = 256 << 20;
 use vgpu_protocol::request::{module_len, FunctionReply};
 use vm_memory::{Bytes, GuestAddress};
 
@@ -23,7 +27,7 @@ impl Session {
         if m.ctx != ctx {
             return Err(ErrorCode::NotFound);
         }
-        Ok(*m)
+        Ok(m.clone())
     }
 
     pub(super) fn module_load(
@@ -46,6 +50,15 @@ impl Session {
         }
         // The one read of the image: whatever the guest writes there afterwards, the GPU
         // compiles this copy.
+        let held: u64 = self
+            .state
+            .modules
+            .values()
+            .map(|m| m.image.len() as u64)
+            .sum();
+        if held + len > MAX_MODULE_BYTES_PER_VM {
+            return Err(ErrorCode::LimitExceeded);
+        }
         let mut image = vec![0u8; len as usize];
         let mut at = 0usize;
         for r in ranges {
@@ -54,19 +67,26 @@ impl Session {
                 .map_err(|_| ErrorCode::InvalidArgument)?;
             at = end;
         }
+        self.load_image(pid, ctx, hctx, image.into())
+    }
+
+    /// Loads `image` for (pid, ctx) under a fresh module id (checked by the caller).
+    pub(in crate::vm) fn load_image(
+        &mut self,
+        pid: u32,
+        ctx: u32,
+        hctx: vgpu_host_shim::ContextId,
+        image: std::sync::Arc<[u8]>,
+    ) -> Reply {
         let modules = &self.state.modules;
         let id = fresh_id(&mut self.state.last_module, |i| modules.contains_key(&i));
         self.gpu
             .module_load(hctx, id, &image)
             .map_err(|e| e.code())?;
-        self.state.modules.insert(
-            id,
-            ModuleState {
-                pid,
-                ctx,
-                bytes: len,
-            },
-        );
+        let len = image.len();
+        self.state
+            .modules
+            .insert(id, ModuleState { pid, ctx, image });
         debug!("pid {pid}: context {ctx} loaded module {id} ({len} bytes)");
         Ok(ReplyBody::Module { module: id })
     }
@@ -80,7 +100,13 @@ impl Session {
         Ok(ReplyBody::Empty)
     }
 
-    pub(super) fn function_get(&mut self, pid: u32, ctx: u32, module: u32, name: &[u8]) -> Reply {
+    pub(in crate::vm) fn function_get(
+        &mut self,
+        pid: u32,
+        ctx: u32,
+        module: u32,
+        name: &[u8],
+    ) -> Reply {
         let name = std::str::from_utf8(name).map_err(|_| ErrorCode::InvalidArgument)?;
         self.owned_module(pid, ctx, module)?;
         let (hctx, _) = self.owned_ctx(pid, ctx)?;
@@ -100,9 +126,15 @@ impl Session {
             // module.
             return Err(ErrorCode::LimitExceeded);
         }
-        self.state
-            .functions
-            .insert(id, FunctionState { pid, ctx, module });
+        self.state.functions.insert(
+            id,
+            FunctionState {
+                pid,
+                ctx,
+                module,
+                name: name.to_string(),
+            },
+        );
         Ok(ReplyBody::Function(FunctionReply {
             function: id,
             params,
