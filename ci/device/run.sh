@@ -45,6 +45,10 @@
 #                     10,000 small kernels and the time of a large vector add, as ratios;
 #                     a runtime-API matrix multiply (<<<>>>) built here with nvcc -cudart
 #                     shared, with NVIDIA's libraries and with vgpu's libcudart.so.13
+#   migration   GPU   migrate_loopback's cases through GPU workers (a VM per worker, a
+#                     worker per guest process, a VM's own module and its variable moving
+#                     with it), and the module variables a migration would carry for an
+#                     nvcc-built program's fatbin
 #   fuzz        CPU   every cargo-fuzz target at once in libFuzzer's fork mode for SECS
 #                     seconds (default 560); WORKERS="virtqueue=3 session=3 ..." picks the
 #                     targets and worker counts (default: 2 workers each)
@@ -56,7 +60,7 @@ ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
 die() { echo "device/run: $*" >&2; exit 1; }
 
-ALL_SUITES="gpu vram large cuda swap sandboxed mps seccomp quiet-sched workers granularity modules libcuda fuzz"
+ALL_SUITES="gpu vram large cuda swap sandboxed mps seccomp quiet-sched workers granularity modules libcuda migration fuzz"
 FUZZ_CRATES="protocol vgpu-backend"
 
 # What each suite needs from the build machine: "bin:CRATE:NAME[:FEATURES]",
@@ -82,6 +86,8 @@ needs() {
                       "test:vgpu-backend:guest_modules bin:vgpu-backend:vgpu-backend" ;;
         libcuda) echo "test:vgpu-libcuda:c_programs bin:vgpu-backend:vgpu-backend" \
                       "bin:vgpu-backend:vgpuctl libcuda" ;;
+        migration) echo "test:vgpu-bench:migrate_loopback bin:vgpu-backend:vgpu-backend" \
+                        "example:vgpu-protocol:module_variables" ;;
         fuzz) echo "fuzz" ;;
         *) die "unknown suite: $1 (one of: $ALL_SUITES)" ;;
     esac
@@ -441,6 +447,23 @@ suite_libcuda() {
     libcuda_sharing "$ptx"
     kill -TERM $p; wait $p
     grep -iE "error|panic" "$O/libcuda-backend.log" | head -5
+}
+
+# Live migration between two backends on the GPU with a worker per VM (and per guest
+# process), and a VM's own module moving with its variable; then which variables of an
+# nvcc-built program's fatbin a migration would carry.
+suite_migration() {
+    export VGPU_BACKEND_BIN="$B/vgpu-backend"
+    echo "-- migrate_loopback through GPU workers (VGPU_WORKER_GPU=cuda)"
+    VGPU_WORKER_GPU=cuda timeout 400 "$B/migrate_loopback" --test-threads=1 workers own_module \
+        2>&1 | tee "$O/migrate_loopback.txt" | grep -E "^test |result|^migration"
+    echo "-- the variables of nvcc-built fatbins"
+    nvcc -O2 -cudart shared -o "$WORK/matmul" guest-driver/libcudart/tests/cu/matmul.cu 2>&1 | tail -3
+    objcopy -O binary --only-section=.nv_fatbin "$WORK/matmul" "$WORK/matmul.fatbin"
+    "$B/module_variables" "$WORK/matmul.fatbin" 2>&1 | tee "$O/module_variables.txt"
+    nvcc -O2 -cudart shared -arch=sm_90 -o "$WORK/matmul90" guest-driver/libcudart/tests/cu/matmul.cu 2>&1 | tail -3
+    objcopy -O binary --only-section=.nv_fatbin "$WORK/matmul90" "$WORK/matmul90.fatbin"
+    "$B/module_variables" "$WORK/matmul90.fatbin" 2>&1 | tee -a "$O/module_variables.txt"
 }
 
 suite_mps() {

@@ -4,9 +4,11 @@
 //! lists them). Images are guest input: any byte string gives an answer or an error,
 //! never a panic.
 //!
-//! Read: PTX text, and a fatbin's first uncompressed PTX entry (nvcc puts the PTX of
-//! the same source beside the cubins, so it names the same variables). Not read: a bare
-//! cubin, and a fatbin whose PTX is compressed or absent.
+//! Read: PTX text (its `.global`/`.const` declarations at module scope), a cubin (the
+//! `OBJECT` symbols of its ELF symbol table in `.nv.global*` and user `.nv.constant*`
+//! sections), and a fatbin through its first uncompressed PTX entry, else its first
+//! uncompressed cubin (nvcc compresses the PTX of a fatbin by default since CUDA 12.8 and
+//! leaves the cubins as they are). Not read: a fatbin whose every entry is compressed.
 
 /// A fatbin's magic (its first four bytes, little-endian).
 pub const FATBIN_MAGIC: u32 = 0xba55ed50;
@@ -16,19 +18,24 @@ pub const FATBIN_PTX: u16 = 1;
 /// Why an image's variables cannot be listed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum ImageError {
-    #[error("a cubin's variables cannot be listed (only PTX, or a fatbin holding PTX)")]
-    Cubin,
-    #[error("the fatbin holds no uncompressed PTX")]
+    #[error("a malformed cubin (ELF): {0}")]
+    BadElf(&'static str),
+    #[error("the fatbin holds no uncompressed PTX or cubin")]
     NoPtx,
     #[error("not PTX text")]
     NotPtx,
 }
 
-/// The first uncompressed PTX entry of a fatbin: after the 16-byte header
-/// `{u32 magic, u16 version, u16 header size, u64 body size}`, entries
-/// `{u16 kind, u16 version, u32 header size, u64 payload size, …}` each followed by its
-/// payload. A payload that is not text (compressed) is for [`ptx_text`] to refuse.
-pub fn fatbin_ptx(image: &[u8]) -> Option<&[u8]> {
+/// A fatbin entry's kind: a cubin (ELF).
+const FATBIN_ELF: u16 = 2;
+/// A fatbin entry's flag (in the header's word at 40): the payload is compressed.
+const FATBIN_COMPRESSED: u32 = 0x8000;
+
+/// The payload of the first uncompressed entry of `kind` in a fatbin: after the 16-byte
+/// header `{u32 magic, u16 version, u16 header size, u64 body size}`, entries
+/// `{u16 kind, u16 version, u32 header size, u64 payload size, …, u64 flags at 40, …}`
+/// each followed by its payload.
+fn fatbin_entry(image: &[u8], want: u16) -> Option<&[u8]> {
     let u16_at = |o: usize| Some(u16::from_le_bytes(image.get(o..o + 2)?.try_into().ok()?));
     let u32_at = |o: usize| Some(u32::from_le_bytes(image.get(o..o + 4)?.try_into().ok()?));
     let u64_at = |o: usize| Some(u64::from_le_bytes(image.get(o..o + 8)?.try_into().ok()?));
@@ -40,7 +47,8 @@ pub fn fatbin_ptx(image: &[u8]) -> Option<&[u8]> {
         let (kind, header, payload) = (u16_at(at)?, u32_at(at + 4)? as usize, u64_at(at + 8)?);
         let start = at.checked_add(header)?;
         let stop = start.checked_add(usize::try_from(payload).ok()?)?;
-        if kind == FATBIN_PTX {
+        let compressed = header >= 48 && u32_at(at + 40)? & FATBIN_COMPRESSED != 0;
+        if kind == want && !compressed {
             return image.get(start..stop);
         }
         if stop <= at {
@@ -51,14 +59,18 @@ pub fn fatbin_ptx(image: &[u8]) -> Option<&[u8]> {
     None
 }
 
+/// The first uncompressed PTX entry of a fatbin (a PTX entry the fake device reads
+/// without looking at the flags: for it, see [`fatbin_entry`]).
+pub fn fatbin_ptx(image: &[u8]) -> Option<&[u8]> {
+    fatbin_entry(image, FATBIN_PTX)
+}
+
 /// The PTX text of an image (a PTX module, or a fatbin's PTX entry), without its NULs.
 pub fn ptx_text(image: &[u8]) -> Result<&str, ImageError> {
-    let text = match image.get(..4) {
-        Some(m) if u32::from_le_bytes([m[0], m[1], m[2], m[3]]) == FATBIN_MAGIC => {
-            fatbin_ptx(image).ok_or(ImageError::NoPtx)?
-        }
-        Some(b"\x7fELF") => return Err(ImageError::Cubin),
-        _ => image,
+    let text = if is_fatbin(image) {
+        fatbin_ptx(image).ok_or(ImageError::NoPtx)?
+    } else {
+        image
     };
     // The NUL that ends the text, and a fatbin entry's padding.
     let len = text.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1);
@@ -69,9 +81,26 @@ pub fn ptx_text(image: &[u8]) -> Result<&str, ImageError> {
     Ok(text)
 }
 
+fn is_fatbin(image: &[u8]) -> bool {
+    image
+        .get(..4)
+        .is_some_and(|m| u32::from_le_bytes([m[0], m[1], m[2], m[3]]) == FATBIN_MAGIC)
+}
+
+fn is_elf(image: &[u8]) -> bool {
+    image.starts_with(b"\x7fELF")
+}
+
 /// The names of the variables an image defines at module scope in the global and
 /// constant state spaces (`.extern` declarations are defined elsewhere: left out).
 pub fn module_variables(image: &[u8]) -> Result<Vec<String>, ImageError> {
+    if is_elf(image) {
+        return elf_variables(image);
+    }
+    if is_fatbin(image) && fatbin_ptx(image).is_none() {
+        let cubin = fatbin_entry(image, FATBIN_ELF).ok_or(ImageError::NoPtx)?;
+        return elf_variables(cubin);
+    }
     let text = ptx_text(image)?;
     let mut names = Vec::new();
     let mut depth = 0usize;
@@ -90,6 +119,101 @@ pub fn module_variables(image: &[u8]) -> Result<Vec<String>, ImageError> {
                 b'{' => depth += 1,
                 b'}' => depth = depth.saturating_sub(1),
                 _ => {}
+            }
+        }
+    }
+    Ok(names)
+}
+
+/// The variables of a cubin: `OBJECT` symbols in sections holding device variables
+/// (`.nv.global`, `.nv.global.init`) or user constants (`.nv.constant*` but bank 0, the
+/// kernels' parameters).
+fn elf_variables(elf: &[u8]) -> Result<Vec<String>, ImageError> {
+    let bad = ImageError::BadElf;
+    let u16_at = |o: usize| -> Result<u16, ImageError> {
+        Ok(u16::from_le_bytes(
+            elf.get(o..o + 2)
+                .ok_or(bad("truncated"))?
+                .try_into()
+                .map_err(|_| bad("u16"))?,
+        ))
+    };
+    let u32_at = |o: usize| -> Result<u32, ImageError> {
+        Ok(u32::from_le_bytes(
+            elf.get(o..o + 4)
+                .ok_or(bad("truncated"))?
+                .try_into()
+                .map_err(|_| bad("u32"))?,
+        ))
+    };
+    let u64_at = |o: usize| -> Result<usize, ImageError> {
+        let v = u64::from_le_bytes(
+            elf.get(o..o + 8)
+                .ok_or(bad("truncated"))?
+                .try_into()
+                .map_err(|_| bad("u64"))?,
+        );
+        usize::try_from(v).map_err(|_| bad("offset"))
+    };
+    // ELF64, little-endian.
+    if elf.get(4) != Some(&2) || elf.get(5) != Some(&1) {
+        return Err(bad("not a little-endian ELF64"));
+    }
+    let (shoff, shentsize) = (u64_at(0x28)?, usize::from(u16_at(0x3a)?));
+    let (shnum, shstrndx) = (usize::from(u16_at(0x3c)?), usize::from(u16_at(0x3e)?));
+    if shentsize < 64 {
+        return Err(bad("section header size"));
+    }
+    let section = |i: usize| -> Result<usize, ImageError> {
+        if i >= shnum {
+            return Err(bad("section index"));
+        }
+        shoff
+            .checked_add(i.checked_mul(shentsize).ok_or(bad("section index"))?)
+            .ok_or(bad("section offset"))
+    };
+    // A NUL-terminated name at `off` of the string table of section `strtab`.
+    let name_in = |strtab: usize, off: usize| -> Result<&str, ImageError> {
+        let h = section(strtab)?;
+        let (start, size) = (u64_at(h + 24)?, u64_at(h + 32)?);
+        let table = start
+            .checked_add(size)
+            .and_then(|end| elf.get(start..end))
+            .ok_or(bad("string table"))?;
+        let s = table.get(off..).ok_or(bad("name offset"))?;
+        let end = s
+            .iter()
+            .position(|&b| b == 0)
+            .ok_or(bad("unterminated name"))?;
+        std::str::from_utf8(&s[..end]).map_err(|_| bad("name"))
+    };
+    let mut names = Vec::new();
+    for i in 0..shnum {
+        let h = section(i)?;
+        if u32_at(h + 4)? != 2 {
+            continue; // not SHT_SYMTAB
+        }
+        let (start, size, link) = (u64_at(h + 24)?, u64_at(h + 32)?, u32_at(h + 40)? as usize);
+        let syms = start
+            .checked_add(size)
+            .and_then(|end| elf.get(start..end))
+            .ok_or(bad("symbol table"))?;
+        for sym in syms.chunks_exact(24) {
+            let (st_name, info) = (u32::from_le_bytes([sym[0], sym[1], sym[2], sym[3]]), sym[4]);
+            let shndx = usize::from(u16::from_le_bytes([sym[6], sym[7]]));
+            if info & 0xf != 1 || shndx == 0 || shndx >= shnum {
+                continue; // not an OBJECT defined in a section
+            }
+            let sh_name = u32_at(section(shndx)?)? as usize;
+            let holder = name_in(shstrndx, sh_name)?;
+            let variable = holder.starts_with(".nv.global")
+                || (holder.starts_with(".nv.constant") && !holder.starts_with(".nv.constant0"));
+            if !variable {
+                continue;
+            }
+            let name = name_in(link, st_name as usize)?;
+            if crate::module::valid_symbol(name.as_bytes()) && !names.iter().any(|n| n == name) {
+                names.push(name.to_string());
             }
         }
     }
@@ -169,14 +293,35 @@ mod tests {
             module_variables(&fatbin(&[0x9c, 0xff, 0x00, 0x13])),
             Err(ImageError::NotPtx)
         );
-        assert_eq!(module_variables(b"\x7fELF\x02\x01"), Err(ImageError::Cubin));
+        assert!(matches!(
+            module_variables(b"\x7fELF\x02\x01"),
+            Err(ImageError::BadElf(_))
+        ));
         assert_eq!(module_variables(b"garbage"), Err(ImageError::NotPtx));
+    }
+
+    /// nvcc 13.0's fatbin of `guest-driver/libcudart/tests/cu/matmul.cu` (its default:
+    /// the PTX compressed, the sm_75 cubin not): the variable comes from the cubin.
+    #[test]
+    fn lists_an_nvcc_fatbins_variables_from_its_cubin() {
+        let f = include_bytes!("../tests/data/matmul_sm75.fatbin");
+        assert!(fatbin_ptx(f).is_none(), "its PTX is compressed");
+        assert_eq!(module_variables(f).unwrap(), ["calls"]);
+        let cubin = fatbin_entry(f, FATBIN_ELF).unwrap();
+        assert_eq!(module_variables(cubin).unwrap(), ["calls"]);
+        // Every truncation of the cubin gives an answer, not a panic.
+        for n in 0..cubin.len() {
+            let _ = module_variables(&cubin[..n]);
+        }
     }
 
     proptest::proptest! {
         #[test]
         fn any_bytes_give_an_answer(b in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)) {
             let _ = module_variables(&b);
+            let mut elf = b"\x7fELF\x02\x01".to_vec();
+            elf.extend_from_slice(&b);
+            let _ = module_variables(&elf);
             let mut f = fatbin(&b);
             f.truncate(b.len() / 2 + 8);
             let _ = module_variables(&f);
