@@ -59,8 +59,7 @@ fn fatbin_entry(image: &[u8], want: u16) -> Option<&[u8]> {
     None
 }
 
-/// The first uncompressed PTX entry of a fatbin (a PTX entry the fake device reads
-/// without looking at the flags: for it, see [`fatbin_entry`]).
+/// The first uncompressed PTX entry of a fatbin.
 pub fn fatbin_ptx(image: &[u8]) -> Option<&[u8]> {
     fatbin_entry(image, FATBIN_PTX)
 }
