@@ -104,13 +104,15 @@ if [ "${SKIP_CH:-0}" != "1" ]; then
     ci_step "Cloud Hypervisor: two forwarded-mode guests in the nested rig" \
         ci/ch/guest-test.sh --vms 2
     # Direct mode through our vhost-user SHMEM patches (ci/ch/patches 0004-0006, vhost):
-    # a guest with the backend's region as a BAR, the same guest checks. One VM: its quota
-    # is all VRAM, so no chunk moves under its aperture stores. With two VMs chunks move,
-    # and a guest store into a chunk held read-only can outlast patch 0005's 10 s retry and
-    # end the VM (seen once in CI, 2026-11-27: docs/design/cloud-hypervisor.md); that case
-    # stays out of CI until it is fixed. 78-110 s on the 2-core machine.
-    ci_step "Cloud Hypervisor: a direct-mode guest (vhost-user SHMEM)" \
-        ci/ch/guest-test.sh --direct --vms 1 --no-build
+    # two guests with the backend's region as a BAR, the same guest checks; with two VMs
+    # the backend moves VRAM chunks under the guests' aperture stores (one VM's quota is
+    # all VRAM: no move). The backend holds each moving chunk read-only 100 ms longer
+    # (test-only), so that stores do meet moving chunks in every run and wait in
+    # patch 0005 (without the hold they rarely do; with 0005's first form, which counted
+    # 10 s from a vCPU's first EFAULT, such a run ended a VM: docs/design/cloud-hypervisor.md).
+    # 106-132 s on the 2-core machine (7 runs, 2026-11-27).
+    ci_step "Cloud Hypervisor: two direct-mode guests (vhost-user SHMEM)" \
+        ci/ch/guest-test.sh --direct --vms 2 --no-build -- --backend-args "--test-hold-read-only-ms 100"
     # Live migration between two Cloud Hypervisor instances in L1 (local: guest RAM by fd,
     # the device state through the one backend): a guest looping verified vgpu-smoke runs
     # and a throttle moves and goes on verifying; Cloud Hypervisor's downtime is printed

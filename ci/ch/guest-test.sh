@@ -11,7 +11,10 @@
 # backend's region 0 is a BAR, and the guest must run direct and pass the same checks
 # plus CPU stores through the aperture while the backend moves VRAM under them
 # (swap_cpu_stores: each move holds a chunk read-only, the vCPU waits in KVM_RUN's
-# EFAULT retry of patch 0005).
+# EFAULT retry of patch 0005, which gives up only after 10 s with no change of the
+# guest's shared-memory mappings; "L2-CH-EFAULT vm=K waits=N" counts the waits). Stores
+# rarely meet a moving chunk unless the backend holds them read-only longer:
+# `-- --backend-args "--test-hold-read-only-ms 100"` (test-only; ci/test.sh does that).
 # Ends with l2-vgpu.sh's verdict (its exit status; "L2-VGPU-CHECK vm=K ..." per VM).
 # --migrate: instead of the guest checks, the guest runs verified GPU work
 # (ci/rig/l2-migrate-checks.sh: vgpu-smoke back to back, a throttle across the move)

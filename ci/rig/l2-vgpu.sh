@@ -38,7 +38,10 @@
 #     runs direct through QEMU's BAR as under vgpu-vmm. Not with --migrate or a backend
 #     restart.
 # Each L2 prints "L2-VGPU-RESULT ...", each VM's line "L2-VGPU-CHECK vm=K ..." appears on
-# L1's console, and the backend must exit cleanly on SIGTERM afterwards.
+# L1's console, and the backend must exit cleanly on SIGTERM afterwards. For information:
+# "L2-VGPU-READONLY spells=N longest_ms=M past_1s=K" (how long the backend held moving VRAM
+# chunks read-only under the guests' CPU views) and, with --ch, "L2-CH-EFAULT vm=K waits=N
+# past_1s=K" (guest stores that met such a chunk and waited in Cloud Hypervisor).
 #
 # Usage: ci/rig/l2-vgpu.sh [--vms N] [--guest] [--restart-backend] [--hang-backend S] [--driver vgpu.ko] [--exit-cost BIN] [--l2-cmd FILE]
 #                          [--add SRC:DST]... [--vcpus N] [--ch BIN [--ch-shmem]] [--qemu BIN] [--no-build] [--timeout S]
@@ -522,6 +525,10 @@ for p in \$pids; do
     up=\$(grep -a -o 'L2-UP uptime=[0-9.]*' /tmp/l2-\$k.log | cut -d= -f2)
     echo "==== L2 vm\$k serial"; tr -d '\r' < \$log | grep -a -v '^\$'
     echo "==== $VMM_NAME vm\$k"; tail -n 15 /tmp/vmm-\$k.log
+    if [ -n "$CH" ]; then
+        # Patch 0005's waits: a guest store that met a chunk the backend held read-only.
+        echo "L2-CH-EFAULT vm=\$k waits=\$(grep -a -c 'vCPU access waited' /tmp/vmm-\$k.log) past_1s=\$(grep -a -c 'vCPU access faulting' /tmp/vmm-\$k.log)"
+    fi
     echo "L2-VGPU-CHECK vm=\$k vmm_rc=\$rc l2_uptime_at_init=\${up:-none} done_after=\$(awk -v a=\$t0 -v b=\$t1 'BEGIN{printf "%.1f", b-a}')s \${res:-no result}"
     [ "\$rc" = 0 ] && [ "\$res" = "L2-VGPU-RESULT $EXPECT" ] || ok=0
     if [ "$HANG" != 0 ]; then
@@ -550,6 +557,8 @@ if [ -n "\$bp2" ]; then
     [ "\$b2" = 0 ] || ok=0
 fi
 echo "==== vgpu-backend"; tail -n $RIG_LOG_LINES /tmp/backend.log
+# How long the backend held moving chunks' CPU views read-only (each spell is logged).
+echo "L2-VGPU-READONLY spells=\$(grep -a -c 'read-only for the move' /tmp/backend.log) longest_ms=\$(grep -a -o 'after [0-9]* ms read-only' /tmp/backend.log | awk '\$2 > m { m = \$2 } END { print m + 0 }') past_1s=\$(grep -a 'writable again' /tmp/backend.log | grep -a -c WARN)"
 echo "L2-VGPU-BACKEND rc=\$brc"
 [ "\$brc" = 0 ] || ok=0
 kill \$wdog 2>/dev/null

@@ -110,6 +110,12 @@ struct Cli {
     /// one (`cuda-fake`: the CUDA GPU on its CPU stand-in, for tests without a GPU).
     #[arg(long, hide = true, requires = "gpu_workers")]
     test_worker_gpu: Option<String>,
+    /// Test-only: each moving VRAM chunk's CPU view stays read-only this much longer
+    /// before its copy, so guest stores through the aperture hit moving chunks and wait in
+    /// their VMM (the nested rig's way to exercise that wait).
+    #[arg(long, hide = true, value_name = "MS", default_value_t = 0,
+          value_parser = clap::value_parser!(u64).range(0..=5000))]
+    test_hold_read_only_ms: u64,
     /// With `--gpu-workers`: how long one VM's worker may keep the GPU while others wait,
     /// microseconds (the GPU turn: workers take the GPU one at a time, so each VM is
     /// charged only for GPU time it alone used; 0 lets the GPU time-slice them instead,
@@ -473,6 +479,15 @@ fn main() -> ExitCode {
         Ok(c) => c,
         Err(e) => e.exit(),
     };
+    if cli.test_hold_read_only_ms > 0 {
+        warn!(
+            "test-only: moving VRAM chunks stay read-only {} ms longer",
+            cli.test_hold_read_only_ms
+        );
+        vgpu_backend::vm::vram_move::set_test_read_only_hold(std::time::Duration::from_millis(
+            cli.test_hold_read_only_ms,
+        ));
+    }
     match run(cli, &matches) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

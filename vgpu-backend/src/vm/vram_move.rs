@@ -29,6 +29,7 @@
 //! by the batch size) runs under the lock, so no request of this VM (FREE_MEM, UNMAP,
 //! DESTROY_*) interleaves with it.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use log::{debug, error, warn};
@@ -48,6 +49,22 @@ mod batch_tests;
 mod copy;
 
 use copy::{CopyJob, StepTimes};
+
+/// Test-only: how long each group of chunks stays read-only before its copy, beyond the
+/// copy itself (`vgpu-backend --test-hold-read-only-ms`), microseconds; 0 in service.
+static TEST_READ_ONLY_HOLD_US: AtomicU64 = AtomicU64::new(0);
+
+/// Test-only: holds every moving chunk's CPU view read-only `hold` longer before its copy,
+/// so that guest stores through the aperture reliably hit moving chunks and wait in their
+/// VMM (the rig's way to exercise that wait; a hold is a stall of the move, not a fault).
+pub fn set_test_read_only_hold(hold: Duration) {
+    let us = u64::try_from(hold.as_micros()).unwrap_or(u64::MAX);
+    TEST_READ_ONLY_HOLD_US.store(us, Ordering::Relaxed);
+}
+
+fn test_read_only_hold() -> Duration {
+    Duration::from_micros(TEST_READ_ONLY_HOLD_US.load(Ordering::Relaxed))
+}
 
 /// A move between its preparation and its copy ([`Session::prepare_move`]).
 pub(crate) struct MovePlan {
@@ -209,12 +226,23 @@ impl Session {
             .map_err(|e| e.to_string())
     }
 
-    /// Gives chunk `i` its writable view back on its current backing. A failure leaves
-    /// the guest's stores to it waiting until its VMM gives up; nothing better can be done
-    /// with a frontend that refuses maps, so it is logged loudly.
-    fn unprotect(&mut self, ap: u64, mem: u32, b: &ObjBacking, i: usize, shm: &dyn ShmMapper) {
-        if let Err(e) = self.map_chunk_view(ap, b, i, true, shm) {
-            error!("VRAM manager: object {mem}: the aperture stays read-only: {e}");
+    /// Gives chunk `i` its writable view back on its current backing; whether it did. A
+    /// failure leaves the guest's stores to it waiting until its VMM gives up; nothing
+    /// better can be done with a frontend that refuses maps, so it is logged loudly.
+    fn unprotect(
+        &mut self,
+        ap: u64,
+        mem: u32,
+        b: &ObjBacking,
+        i: usize,
+        shm: &dyn ShmMapper,
+    ) -> bool {
+        match self.map_chunk_view(ap, b, i, true, shm) {
+            Ok(()) => true,
+            Err(e) => {
+                error!("VRAM manager: object {mem}: the aperture stays read-only: {e}");
+                false
+            }
         }
     }
 
@@ -639,6 +667,21 @@ mod tests {
             ]
         );
         assert_eq!(s.vram_report().vm.swapped_bytes, 4 * MIB);
+    }
+
+    #[test]
+    fn the_test_hold_keeps_each_moving_chunk_read_only_longer() {
+        let shm = Recorder::default();
+        let (mut s, obj, _) = object_with_aperture(&shm);
+        let hold = Duration::from_millis(40);
+        set_test_read_only_hold(hold);
+        let t0 = Instant::now();
+        let r = s.move_chunks(obj, &[0, 1], Dir::Out, &shm, Duration::from_millis(100));
+        let took = t0.elapsed();
+        set_test_read_only_hold(Duration::ZERO);
+        assert_eq!(r.unwrap().chunks, 2);
+        // One hold per chunk: each is protected, held, copied and unprotected in turn.
+        assert!(took >= hold * 2, "{took:?}");
     }
 
     #[test]

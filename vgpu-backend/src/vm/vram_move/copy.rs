@@ -12,9 +12,9 @@
 //! [`Gpu::vram_read_many`]: vgpu_host_shim::Gpu::vram_read_many
 //! [`Gpu::vram_write_many`]: vgpu_host_shim::Gpu::vram_write_many
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use log::warn;
+use log::{info, warn};
 use vgpu_host_shim::ContextId;
 
 use crate::shmem::ShmMapper;
@@ -80,6 +80,8 @@ struct Step {
     ptr: *mut u8,
     /// Its VRAM: the old for an eviction, the new for a swap-in.
     vram: u64,
+    /// When its CPU view went read-only (None without a view).
+    protected_at: Option<Instant>,
 }
 
 impl Step {
@@ -120,6 +122,7 @@ impl Session {
                 return Err(MoveError::NoSwap);
             };
             // From here the guest's CPU stores into this chunk wait (see the parent doc).
+            let mut protected_at = None;
             if let Some(ap) = job.aperture {
                 if let Err(e) = self.map_chunk_view(ap, job.b, i, false, shm) {
                     // A failed map may have left a hole where the old view was.
@@ -127,6 +130,11 @@ impl Session {
                     self.unprotect_steps(job, &steps, shm);
                     return Err(MoveError::Aperture(e));
                 }
+                protected_at = Some(Instant::now());
+                info!(
+                    "VRAM manager: object {} chunk {i} ({:?}): CPU view read-only for the move",
+                    job.mem, job.dir
+                );
             }
             steps.push(Step {
                 i,
@@ -134,7 +142,12 @@ impl Session {
                 swap_off,
                 ptr,
                 vram,
+                protected_at,
             });
+        }
+        let hold = super::test_read_only_hold();
+        if !hold.is_zero() && steps.iter().any(|s| s.protected_at.is_some()) {
+            std::thread::sleep(hold);
         }
         times.protect += since(t);
         let t = Instant::now();
@@ -150,6 +163,7 @@ impl Session {
                 self.unprotect_steps(job, &steps[n + 1..], shm);
                 return Err(e);
             }
+            note_writable(job, s, "on its new copy");
             moved.push((s.i, s.moved_to(job.dir).0));
         }
         times.retarget += since(t);
@@ -235,7 +249,9 @@ impl Session {
                 }
             }
             if let Some(ap) = job.aperture {
-                self.unprotect(ap, mem, job.b, s.i, shm);
+                if self.unprotect(ap, mem, job.b, s.i, shm) {
+                    note_writable(job, s, "on its old copy (the move failed)");
+                }
             }
             // (New VRAM of a swap-in is freed by the caller: the chunk is not in `moved`.)
             return Err(e);
@@ -247,8 +263,38 @@ impl Session {
     fn unprotect_steps(&mut self, job: &CopyJob<'_>, steps: &[Step], shm: &dyn ShmMapper) {
         if let Some(ap) = job.aperture {
             for s in steps {
-                self.unprotect(ap, job.mem, job.b, s.i, shm);
+                if self.unprotect(ap, job.mem, job.b, s.i, shm) {
+                    note_writable(job, s, "on its old copy (the move failed)");
+                }
             }
         }
+    }
+}
+
+/// A chunk's CPU view longer read-only than this is logged as a warning: guest stores into
+/// it waited that long in their VMM (which gives up after 10 s).
+const LONG_READ_ONLY: Duration = Duration::from_secs(1);
+
+/// Logs the end of a chunk's read-only spell (a guest store into it waited at most that
+/// long), pairing with the line logged when it began.
+fn note_writable(job: &CopyJob<'_>, s: &Step, outcome: &str) {
+    let Some(t) = s.protected_at else { return };
+    let held = t.elapsed();
+    if held > LONG_READ_ONLY {
+        warn!(
+            "VRAM manager: object {} chunk {} ({:?}): CPU view writable again {outcome} after {} ms read-only",
+            job.mem,
+            s.i,
+            job.dir,
+            held.as_millis()
+        );
+    } else {
+        info!(
+            "VRAM manager: object {} chunk {} ({:?}): CPU view writable again {outcome} after {} ms read-only",
+            job.mem,
+            s.i,
+            job.dir,
+            held.as_millis()
+        );
     }
 }
