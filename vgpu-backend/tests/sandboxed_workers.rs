@@ -170,7 +170,12 @@ fn sandboxed_backend_runs_vms_on_sandboxed_workers_and_leaves_none() {
     let v = api.vm_stats("a").expect("stats").vram;
     assert!(v.swapped_bytes >= 8 * MIB, "{v:?}");
     check_buffers(&bufs_a, 0x10);
-    bufs_a.truncate(2);
+    // Keep the last two: the ones that spilled at allocation, unless the VRAM manager
+    // already swapped them in for the older ones (then those go, swapped). Either way
+    // what is kept must come (or has come) back into VRAM: keeping the first two instead
+    // passed only when the manager's rebalance beat the checks (a CI flake).
+    let kept = bufs_a.split_off(4);
+    drop(bufs_a);
     let t = Instant::now();
     loop {
         let v = api.vm_stats("a").expect("stats").vram;
@@ -184,8 +189,8 @@ fn sandboxed_backend_runs_vms_on_sandboxed_workers_and_leaves_none() {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    check_buffers(&bufs_a, 0x10);
-    drop(bufs_a);
+    check_buffers(&kept, 0x14);
+    drop(kept);
 
     // A worker per VM, each the launcher's child, sandboxed in the backend's mode.
     let workers = children_of(launcher);
