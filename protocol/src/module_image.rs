@@ -129,37 +129,31 @@ pub fn module_variables(image: &[u8]) -> Result<Vec<String>, ImageError> {
 /// kernels' parameters).
 fn elf_variables(elf: &[u8]) -> Result<Vec<String>, ImageError> {
     let bad = ImageError::BadElf;
-    let u16_at = |o: usize| -> Result<u16, ImageError> {
-        Ok(u16::from_le_bytes(
-            elf.get(o..o + 2)
-                .ok_or(bad("truncated"))?
-                .try_into()
-                .map_err(|_| bad("u16"))?,
-        ))
+    // `n` bytes at `base + off`, every offset checked (they come from the image).
+    let bytes = |base: usize, off: usize, n: usize| -> Result<&[u8], ImageError> {
+        let start = base.checked_add(off).ok_or(bad("offset"))?;
+        let end = start.checked_add(n).ok_or(bad("offset"))?;
+        elf.get(start..end).ok_or(bad("truncated"))
     };
-    let u32_at = |o: usize| -> Result<u32, ImageError> {
-        Ok(u32::from_le_bytes(
-            elf.get(o..o + 4)
-                .ok_or(bad("truncated"))?
-                .try_into()
-                .map_err(|_| bad("u32"))?,
-        ))
+    let u16_at = |base: usize, off: usize| -> Result<u16, ImageError> {
+        let b = bytes(base, off, 2)?;
+        Ok(u16::from_le_bytes([b[0], b[1]]))
     };
-    let u64_at = |o: usize| -> Result<usize, ImageError> {
-        let v = u64::from_le_bytes(
-            elf.get(o..o + 8)
-                .ok_or(bad("truncated"))?
-                .try_into()
-                .map_err(|_| bad("u64"))?,
-        );
+    let u32_at = |base: usize, off: usize| -> Result<u32, ImageError> {
+        let b = bytes(base, off, 4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    let u64_at = |base: usize, off: usize| -> Result<usize, ImageError> {
+        let b = bytes(base, off, 8)?;
+        let v = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
         usize::try_from(v).map_err(|_| bad("offset"))
     };
     // ELF64, little-endian.
     if elf.get(4) != Some(&2) || elf.get(5) != Some(&1) {
         return Err(bad("not a little-endian ELF64"));
     }
-    let (shoff, shentsize) = (u64_at(0x28)?, usize::from(u16_at(0x3a)?));
-    let (shnum, shstrndx) = (usize::from(u16_at(0x3c)?), usize::from(u16_at(0x3e)?));
+    let (shoff, shentsize) = (u64_at(0, 0x28)?, usize::from(u16_at(0, 0x3a)?));
+    let (shnum, shstrndx) = (usize::from(u16_at(0, 0x3c)?), usize::from(u16_at(0, 0x3e)?));
     if shentsize < 64 {
         return Err(bad("section header size"));
     }
@@ -174,7 +168,7 @@ fn elf_variables(elf: &[u8]) -> Result<Vec<String>, ImageError> {
     // A NUL-terminated name at `off` of the string table of section `strtab`.
     let name_in = |strtab: usize, off: usize| -> Result<&str, ImageError> {
         let h = section(strtab)?;
-        let (start, size) = (u64_at(h + 24)?, u64_at(h + 32)?);
+        let (start, size) = (u64_at(h, 24)?, u64_at(h, 32)?);
         let table = start
             .checked_add(size)
             .and_then(|end| elf.get(start..end))
@@ -189,10 +183,10 @@ fn elf_variables(elf: &[u8]) -> Result<Vec<String>, ImageError> {
     let mut names = Vec::new();
     for i in 0..shnum {
         let h = section(i)?;
-        if u32_at(h + 4)? != 2 {
+        if u32_at(h, 4)? != 2 {
             continue; // not SHT_SYMTAB
         }
-        let (start, size, link) = (u64_at(h + 24)?, u64_at(h + 32)?, u32_at(h + 40)? as usize);
+        let (start, size, link) = (u64_at(h, 24)?, u64_at(h, 32)?, u32_at(h, 40)? as usize);
         let syms = start
             .checked_add(size)
             .and_then(|end| elf.get(start..end))
@@ -203,7 +197,7 @@ fn elf_variables(elf: &[u8]) -> Result<Vec<String>, ImageError> {
             if info & 0xf != 1 || shndx == 0 || shndx >= shnum {
                 continue; // not an OBJECT defined in a section
             }
-            let sh_name = u32_at(section(shndx)?)? as usize;
+            let sh_name = u32_at(section(shndx)?, 0)? as usize;
             let holder = name_in(shstrndx, sh_name)?;
             let variable = holder.starts_with(".nv.global")
                 || (holder.starts_with(".nv.constant") && !holder.starts_with(".nv.constant0"));
@@ -312,6 +306,14 @@ mod tests {
         for n in 0..cubin.len() {
             let _ = module_variables(&cubin[..n]);
         }
+    }
+
+    /// Found by the fuzzer: section offsets near the top of the address space.
+    #[test]
+    fn section_offsets_that_overflow_are_refused() {
+        let mut b = b"\x7fELF\x02\x01\x7fEL".to_vec();
+        b.resize(135, 0xff);
+        assert!(matches!(module_variables(&b), Err(ImageError::BadElf(_))));
     }
 
     proptest::proptest! {
