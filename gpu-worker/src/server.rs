@@ -194,6 +194,23 @@ fn target(t: Target) -> MapTarget {
 }
 
 impl Worker {
+    /// `len` bytes of the copy buffer at `offset`, for one command's copy (the backend
+    /// does not touch them while the command runs). Mutable from `&self`: the buffer is
+    /// shared memory reached through the mapping's pointer, and the worker serves one
+    /// command at a time, so no two pieces are alive at once.
+    #[allow(clippy::mut_from_ref)]
+    fn copy_piece(&self, offset: u64, len: u64) -> Result<&mut [u8], Refused> {
+        let buf = self
+            .copy_buf
+            .as_ref()
+            .and_then(|b| b.ptr(offset, len))
+            .ok_or(Refused(ErrorCode::InvalidArgument))?;
+        let n = usize::try_from(len).map_err(|_| Refused(ErrorCode::InvalidArgument))?;
+        // SAFETY: `buf..buf+n` lies inside the copy buffer's mapping (checked by `ptr`),
+        // which lives as long as `self`; only the command being served uses it.
+        Ok(unsafe { std::slice::from_raw_parts_mut(buf, n) })
+    }
+
     fn ctx(&self, ctx: u32) -> Result<ContextId, Refused> {
         self.contexts
             .get(&ctx)
@@ -360,21 +377,11 @@ impl Worker {
                 len,
                 to_vram,
             } => {
-                let buf = self
-                    .copy_buf
-                    .as_ref()
-                    .and_then(|b| b.ptr(buf_offset, len))
-                    .ok_or(Refused(ErrorCode::InvalidArgument))?;
-                let n = usize::try_from(len).map_err(|_| Refused(ErrorCode::InvalidArgument))?;
+                let piece = self.copy_piece(buf_offset, len)?;
                 if to_vram {
-                    // SAFETY: `buf..buf+n` lies inside the copy buffer's mapping (checked
-                    // by `ptr`); the backend does not touch it while this command runs.
-                    let src = unsafe { std::slice::from_raw_parts(buf, n) };
-                    g.vram_write(vram_offset, src)?;
+                    g.vram_write(vram_offset, piece)?;
                 } else {
-                    // SAFETY: as above.
-                    let dst = unsafe { std::slice::from_raw_parts_mut(buf, n) };
-                    g.vram_read(vram_offset, dst)?;
+                    g.vram_read(vram_offset, piece)?;
                 }
                 Reply::Ok
             }
@@ -422,21 +429,11 @@ impl Worker {
                 let name =
                     std::str::from_utf8(&name).map_err(|_| Refused(ErrorCode::InvalidArgument))?;
                 let id = self.ctx(ctx)?;
-                let buf = self
-                    .copy_buf
-                    .as_ref()
-                    .and_then(|b| b.ptr(0, len))
-                    .ok_or(Refused(ErrorCode::InvalidArgument))?;
-                let n = usize::try_from(len).map_err(|_| Refused(ErrorCode::InvalidArgument))?;
+                let piece = self.copy_piece(0, len)?;
                 if to_variable {
-                    // SAFETY: `buf..buf+n` lies inside the copy buffer's mapping (checked
-                    // by `ptr`); the backend does not touch it while this command runs.
-                    let src = unsafe { std::slice::from_raw_parts(buf, n) };
-                    g.global_write(id, module, name, offset, src)?;
+                    g.global_write(id, module, name, offset, piece)?;
                 } else {
-                    // SAFETY: as above.
-                    let dst = unsafe { std::slice::from_raw_parts_mut(buf, n) };
-                    g.global_read(id, module, name, offset, dst)?;
+                    g.global_read(id, module, name, offset, piece)?;
                 }
                 Reply::Ok
             }

@@ -1571,15 +1571,10 @@ fn a_hostile_state_is_refused_and_leaves_the_destination_empty() {
     ));
 }
 
-/// The module requests on a GPU that loads guest modules (the fake cuda GPU as a worker
-/// sets it up), one request at a time: the image is read from guest RAM, ids are fresh,
-/// ownership and limits are checked, a destroyed context takes its modules, and a live
-/// migration carries the modules, their variables and bindings.
-#[test]
-fn module_requests_check_everything_and_migrate() {
+/// The fake cuda GPU set up as a worker sets it up: guest modules load.
+fn module_gpu() -> Arc<vgpu_host_shim::cuda::FakeCudaGpu> {
     use vgpu_host_shim::cuda::{CudaConfig, FakeCudaGpu, FakeDevice};
-    use vgpu_protocol::migration::VmRecord;
-    let gpu = FakeCudaGpu::with_device(
+    FakeCudaGpu::with_device(
         Arc::new(FakeDevice::default()),
         CudaConfig {
             vram_bytes: 64 * MIB,
@@ -1587,8 +1582,17 @@ fn module_requests_check_everything_and_migrate() {
             ..CudaConfig::default()
         },
     )
-    .unwrap();
-    let mut s = Session::new(gpu, limits());
+    .unwrap()
+}
+
+/// The module requests on a GPU that loads guest modules (the fake cuda GPU as a worker
+/// sets it up), one request at a time: the image is read from guest RAM, ids are fresh,
+/// ownership and limits are checked, a destroyed context takes its modules, and a live
+/// migration carries the modules, their variables and bindings.
+#[test]
+fn module_requests_check_everything_and_migrate() {
+    use vgpu_protocol::migration::VmRecord;
+    let mut s = Session::new(module_gpu(), limits());
     let (mem, shm) = (guest_mem(), FakeShm::default());
     let req = |s: &mut Session, pid, ctx, op| {
         let r = Request { pid, ctx, op };
@@ -1686,16 +1690,7 @@ fn module_requests_check_everything_and_migrate() {
     );
     assert_eq!(st.modules.functions[0].name, "k");
     s.hold.paused = false;
-    let dst_gpu = FakeCudaGpu::with_device(
-        Arc::new(FakeDevice::default()),
-        CudaConfig {
-            vram_bytes: 64 * MIB,
-            guest_modules: true,
-            ..CudaConfig::default()
-        },
-    )
-    .unwrap();
-    let mut d = Session::new(dst_gpu, limits());
+    let mut d = Session::new(module_gpu(), limits());
     d.load_device_state(&st, &mem, &shm).unwrap();
     assert_eq!(
         d.state.modules.keys().copied().collect::<Vec<_>>(),

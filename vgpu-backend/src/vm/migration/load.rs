@@ -32,7 +32,7 @@ fn restore_err(what: &'static str, id: u64) -> impl FnOnce(ErrorCode) -> Migrati
 
 /// Runs `f` with the session's id counter `last` set so that the next fresh id is `id`,
 /// and checks that it was.
-fn with_id(last: &mut u32, id: u32) -> Result<(), ErrorCode> {
+pub(super) fn with_id(last: &mut u32, id: u32) -> Result<(), ErrorCode> {
     if id == 0 {
         return Err(ErrorCode::InvalidArgument);
     }

@@ -11,6 +11,7 @@ use vgpu_protocol::module_image::module_variables;
 use vgpu_protocol::request::ReplyBody;
 use vgpu_protocol::ErrorCode;
 
+use super::load::with_id;
 use super::MigrationError;
 use crate::vm::session::Session;
 
@@ -101,10 +102,10 @@ impl Session {
                 return Err(e()(ErrorCode::InvalidArgument));
             }
             let (hctx, _) = self.owned_ctx(m.pid, m.ctx).map_err(e())?;
-            if m.id == 0 || self.state.modules.contains_key(&m.id) {
+            if self.state.modules.contains_key(&m.id) {
                 return Err(e()(ErrorCode::InvalidArgument));
             }
-            self.state.last_module = m.id - 1;
+            with_id(&mut self.state.last_module, m.id).map_err(e())?;
             match self.load_image(m.pid, m.ctx, hctx, m.image.as_slice().into()) {
                 Ok(ReplyBody::Module { module }) if module == m.id => {}
                 Ok(_) => return Err(e()(ErrorCode::InvalidArgument)),
@@ -125,10 +126,10 @@ impl Session {
         }
         for f in &rec.functions {
             let e = || restore_err("function", f.id);
-            if f.id == 0 || self.state.functions.contains_key(&f.id) {
+            if self.state.functions.contains_key(&f.id) {
                 return Err(e()(ErrorCode::InvalidArgument));
             }
-            self.state.last_function = f.id - 1;
+            with_id(&mut self.state.last_function, f.id).map_err(e())?;
             match self.function_get(f.pid, f.ctx, f.module, f.name.as_bytes()) {
                 Ok(ReplyBody::Function(r)) if r.function == f.id => {}
                 Ok(_) => return Err(e()(ErrorCode::InvalidArgument)),
