@@ -238,15 +238,6 @@ pub struct TurnUse {
     pub forced: u64,
 }
 
-/// What the front end sees of its own state when it asks the turn.
-#[derive(Debug, Clone, Copy)]
-pub struct FrontEndState {
-    /// Some channel has GP entries it could issue.
-    pub pending: bool,
-    /// Everything issued has completed on the GPU.
-    pub drained: bool,
-}
-
 impl TurnUse {
     pub fn new(turn: Arc<GpuTurn>) -> Self {
         TurnUse {
@@ -265,8 +256,10 @@ impl TurnUse {
     }
 
     /// Whether the front end may issue new work now; takes and gives back the turn as
-    /// the module's doc says.
-    pub fn may_issue(&mut self, now: u64, st: FrontEndState) -> bool {
+    /// the module's doc says. `pending`: some channel has GP entries it could issue;
+    /// `drained`: whether everything issued has completed on the GPU, asked only when the
+    /// answer matters (it costs a driver query per channel, on the submission path).
+    pub fn may_issue(&mut self, now: u64, pending: bool, drained: impl FnOnce() -> bool) -> bool {
         if self.holding && !self.turn.held() {
             // Taken from us (we kept it too long): wait like anyone else.
             self.holding = false;
@@ -275,16 +268,16 @@ impl TurnUse {
             let held = now.saturating_sub(self.since);
             let expired = held >= self.turn.quantum_ns && self.turn.others_waiting();
             let stuck = expired && held >= self.turn.quantum_ns + MAX_DRAIN_NS;
-            if (st.drained && (!st.pending || expired)) || stuck {
-                if stuck && !st.drained {
+            // Holding with work to issue and quantum left: keep it, whatever has drained.
+            let drained = (stuck || !pending || expired) && drained();
+            if (drained && (!pending || expired)) || stuck {
+                if stuck && !drained {
                     log::debug!("gpu turn: given up undrained after {} ms", held / 1_000_000);
                 }
                 log::debug!(
-                    "gpu turn: slot {} gives it back after {} us (drained {}, pending {}, expired {expired})",
+                    "gpu turn: slot {} gives it back after {} us (drained {drained}, pending {pending}, expired {expired})",
                     self.turn.slot,
                     held / 1000,
-                    st.drained,
-                    st.pending
                 );
                 self.turn.release();
                 self.holding = false;
@@ -293,7 +286,7 @@ impl TurnUse {
             }
             return !expired;
         }
-        if !st.pending {
+        if !pending {
             self.stop_waiting();
             return false;
         }
@@ -368,32 +361,49 @@ mod tests {
     }
 
     const Q: u64 = 1_000_000;
-    const IDLE: FrontEndState = FrontEndState {
-        pending: false,
-        drained: true,
-    };
-    const WORK: FrontEndState = FrontEndState {
-        pending: true,
-        drained: false,
-    };
-    const DRAINED_WORK: FrontEndState = FrontEndState {
-        pending: true,
-        drained: true,
-    };
+    /// What the front end would answer: (work pending, everything issued drained).
+    type State = (bool, bool);
+    const IDLE: State = (false, true);
+    const WORK: State = (true, false);
+    const DRAINED_WORK: State = (true, true);
+
+    fn ask(t: &mut TurnUse, now: u64, (pending, drained): State) -> bool {
+        t.may_issue(now, pending, || drained)
+    }
+
+    #[test]
+    fn a_holder_with_work_and_quantum_left_is_not_asked_whether_it_drained() {
+        let page = GpuTurnPage::new().unwrap();
+        let mut a = open(&page, 0, Q);
+        let asked = std::cell::Cell::new(0);
+        let drained = || {
+            asked.set(asked.get() + 1);
+            false
+        };
+        assert!(!a.may_issue(0, false, drained), "idle, not holding");
+        assert!(a.may_issue(10, true, drained), "takes the turn");
+        assert!(a.may_issue(20, true, drained), "keeps it");
+        assert_eq!(asked.get(), 0, "no driver query on the submission path");
+        assert!(
+            a.may_issue(30, false, drained),
+            "nothing pending: asks; undrained, keeps it"
+        );
+        assert_eq!(asked.get(), 1);
+    }
 
     #[test]
     fn one_holder_at_a_time_and_given_back_when_idle() {
         let page = GpuTurnPage::new().unwrap();
         let (mut a, mut b) = (open(&page, 0, Q), open(&page, 1, Q));
-        assert!(!a.may_issue(10, IDLE), "nothing to issue: no turn taken");
-        assert!(a.may_issue(20, WORK));
-        assert!(!b.may_issue(30, WORK), "b waits while a holds the turn");
-        assert!(a.may_issue(40, WORK), "a's quantum has not run out");
+        assert!(!ask(&mut a, 10, IDLE), "nothing to issue: no turn taken");
+        assert!(ask(&mut a, 20, WORK));
+        assert!(!ask(&mut b, 30, WORK), "b waits while a holds the turn");
+        assert!(ask(&mut a, 40, WORK), "a's quantum has not run out");
         assert!(
-            !a.may_issue(50, IDLE),
+            !ask(&mut a, 50, IDLE),
             "a drained with nothing pending: gives it back"
         );
-        assert!(b.may_issue(60, WORK));
+        assert!(ask(&mut b, 60, WORK));
         assert_eq!(page.takes(), 2);
     }
 
@@ -401,30 +411,30 @@ mod tests {
     fn a_holder_yields_after_its_quantum_once_drained_and_waiters_go_first() {
         let page = GpuTurnPage::new().unwrap();
         let (mut a, mut b) = (open(&page, 0, Q), open(&page, 1, Q));
-        assert!(a.may_issue(0, WORK));
-        assert!(!b.may_issue(1, WORK));
+        assert!(ask(&mut a, 0, WORK));
+        assert!(!ask(&mut b, 1, WORK));
         // Quantum over, b waits: a stops issuing but keeps the turn until drained.
-        assert!(!a.may_issue(Q + 1, WORK));
-        assert!(!b.may_issue(Q + 2, WORK));
+        assert!(!ask(&mut a, Q + 1, WORK));
+        assert!(!ask(&mut b, Q + 2, WORK));
         assert!(
-            !a.may_issue(Q + 3, DRAINED_WORK),
+            !ask(&mut a, Q + 3, DRAINED_WORK),
             "drained: a gives the turn up"
         );
         // a must not take it back before b did.
-        assert!(!a.may_issue(Q + 4, DRAINED_WORK));
-        assert!(b.may_issue(Q + 5, WORK));
-        assert!(!a.may_issue(Q + 6, DRAINED_WORK), "b holds it now");
-        assert!(!b.may_issue(2 * Q + 7, IDLE));
-        assert!(a.may_issue(2 * Q + 8, DRAINED_WORK));
+        assert!(!ask(&mut a, Q + 4, DRAINED_WORK));
+        assert!(ask(&mut b, Q + 5, WORK));
+        assert!(!ask(&mut a, Q + 6, DRAINED_WORK), "b holds it now");
+        assert!(!ask(&mut b, 2 * Q + 7, IDLE));
+        assert!(ask(&mut a, 2 * Q + 8, DRAINED_WORK));
     }
 
     #[test]
     fn without_waiters_a_holder_keeps_the_turn_past_its_quantum() {
         let page = GpuTurnPage::new().unwrap();
         let mut a = open(&page, 0, Q);
-        assert!(a.may_issue(0, WORK));
-        assert!(a.may_issue(10 * Q, WORK));
-        assert!(a.may_issue(10 * Q, DRAINED_WORK));
+        assert!(ask(&mut a, 0, WORK));
+        assert!(ask(&mut a, 10 * Q, WORK));
+        assert!(ask(&mut a, 10 * Q, DRAINED_WORK));
         assert_eq!(page.takes(), 1);
     }
 
@@ -432,38 +442,38 @@ mod tests {
     fn an_undrained_holder_gives_up_after_max_drain() {
         let page = GpuTurnPage::new().unwrap();
         let (mut a, mut b) = (open(&page, 0, Q), open(&page, 1, Q));
-        assert!(a.may_issue(0, WORK));
-        assert!(!b.may_issue(1, WORK));
-        assert!(!a.may_issue(Q + MAX_DRAIN_NS - 1, WORK), "still draining");
-        assert!(!b.may_issue(Q + MAX_DRAIN_NS, WORK));
+        assert!(ask(&mut a, 0, WORK));
+        assert!(!ask(&mut b, 1, WORK));
+        assert!(!ask(&mut a, Q + MAX_DRAIN_NS - 1, WORK), "still draining");
+        assert!(!ask(&mut b, Q + MAX_DRAIN_NS, WORK));
         assert!(
-            !a.may_issue(Q + MAX_DRAIN_NS + 1, WORK),
+            !ask(&mut a, Q + MAX_DRAIN_NS + 1, WORK),
             "gives up undrained"
         );
-        assert!(b.may_issue(Q + MAX_DRAIN_NS + 2, WORK));
+        assert!(ask(&mut b, Q + MAX_DRAIN_NS + 2, WORK));
     }
 
     #[test]
     fn a_holder_that_never_comes_back_is_taken_from_and_a_dead_slot_is_cleared() {
         let page = GpuTurnPage::new().unwrap();
         let (mut a, mut b) = (open(&page, 0, Q), open(&page, 1, Q));
-        assert!(a.may_issue(0, WORK));
+        assert!(ask(&mut a, 0, WORK));
         // a's front end stops calling (hung, or hostile and writing the page).
-        assert!(!b.may_issue(1, WORK));
-        assert!(!b.may_issue(Q + MAX_WAIT_NS, WORK));
+        assert!(!ask(&mut b, 1, WORK));
+        assert!(!ask(&mut b, Q + MAX_WAIT_NS, WORK));
         assert!(
-            b.may_issue(Q + MAX_WAIT_NS + 2, WORK),
+            ask(&mut b, Q + MAX_WAIT_NS + 2, WORK),
             "taken after the longest wait"
         );
         assert_eq!(b.forced, 1);
         assert!(
-            !a.may_issue(Q + MAX_WAIT_NS + 3, WORK),
+            !ask(&mut a, Q + MAX_WAIT_NS + 3, WORK),
             "a learns it lost the turn"
         );
         std::mem::forget(b);
         // b dies holding the turn: the backend clears its slot and a goes on.
         page.clear_slot(1);
-        assert!(a.may_issue(Q + MAX_WAIT_NS + 4, WORK));
+        assert!(ask(&mut a, Q + MAX_WAIT_NS + 4, WORK));
     }
 
     #[test]
@@ -473,18 +483,18 @@ mod tests {
         let b = open(&page, 1, Q);
         b.turn.set_waiting(true);
         std::mem::forget(b); // dies waiting; nobody cleared its flag yet
-        assert!(a.may_issue(0, WORK));
+        assert!(ask(&mut a, 0, WORK));
         assert!(
-            !a.may_issue(Q, DRAINED_WORK),
+            !ask(&mut a, Q, DRAINED_WORK),
             "quantum over, a waiter: yield"
         );
-        assert!(!a.may_issue(Q + YIELD_GRACE_NS - 1, DRAINED_WORK));
+        assert!(!ask(&mut a, Q + YIELD_GRACE_NS - 1, DRAINED_WORK));
         assert!(
-            a.may_issue(Q + YIELD_GRACE_NS, DRAINED_WORK),
+            ask(&mut a, Q + YIELD_GRACE_NS, DRAINED_WORK),
             "nobody took it"
         );
         page.clear_slot(1);
-        assert!(a.may_issue(10 * Q, WORK), "no waiter: keeps the turn");
+        assert!(ask(&mut a, 10 * Q, WORK), "no waiter: keeps the turn");
     }
 
     #[test]
