@@ -205,7 +205,7 @@ suite_sandboxed() {
     echo "-- vgpu-smoke through vgpu-backend --gpu cuda --seccomp kill"
     local d="$WORK/sandboxed" p i
     mkdir -p "$d"
-    "$B/vgpu-backend" --gpu cuda --vram-mib 4096 --socket-dir "$d" --vm a --vm b --seccomp kill \
+    "$B/vgpu-backend" --gpu cuda --gpu-workers=off --vram-mib 4096 --socket-dir "$d" --vm a --vm b --seccomp kill \
         > "$O/backend-smoke.log" 2>&1 &
     p=$!
     for i in $(seq 50); do [ -S "$d/a.sock" ] && break; sleep 0.2; done
@@ -487,7 +487,7 @@ seccomp_mode() {
     local mode=$1 d="$WORK/seccomp-$1" p t
     mkdir -p "$d"
     echo "-- --seccomp $mode"
-    RUST_LOG=info "$B/vgpu-backend" --gpu cuda --vram-mib 2048 --socket-dir "$d" --vm a --vm b \
+    RUST_LOG=info "$B/vgpu-backend" --gpu cuda --gpu-workers=off --vram-mib 2048 --socket-dir "$d" --vm a --vm b \
         --api-socket "$d/api.sock" --seccomp "$mode" > "$O/backend-$mode.log" 2>&1 &
     p=$!
     sleep 8

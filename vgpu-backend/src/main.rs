@@ -91,24 +91,26 @@ struct Cli {
     /// file's `sandbox.seccomp`, else kill].
     #[arg(long, value_name = "kill|log|off")]
     seccomp: Option<vgpu_sandbox::Mode>,
-    /// With `--gpu cuda`: run each VM's GPU work in a worker process of its own (its own
-    /// CUDA context and fault domain, `vgpu-backend worker`), not in the backend's one
-    /// context. Workers are started by a launcher process forked before the seccomp
-    /// filters go on, and run under a filter of their own in the backend's seccomp mode.
-    /// `--gpu-workers=process` gives each guest process a worker of its own instead (its
-    /// own GPU address space and fault domain, as on a real GPU), at a CUDA context per
-    /// guest process (about 0.5 GiB of device memory and 160 ms to start on an H100).
+    /// With `--gpu cuda`, each VM's GPU work runs in a worker process of its own (its own
+    /// CUDA context and fault domain, `vgpu-backend worker`): `vm`, the default with
+    /// `--gpu cuda` (`--gpu-workers` alone means it too). Workers are started by a
+    /// launcher process forked before the seccomp filters go on, and run under a filter
+    /// of their own in the backend's seccomp mode. `process` gives each guest process a
+    /// worker of its own instead (its own GPU address space and fault domain, as on a
+    /// real GPU), at a CUDA context per guest process (about 0.5 GiB of device memory and
+    /// 160 ms to start on an H100). `off` runs every VM in the backend's one CUDA context:
+    /// one GPU address space and one fault domain for all of them, no guest modules.
     #[arg(
         long,
-        value_name = "vm|process",
+        value_name = "vm|process|off",
         num_args = 0..=1,
         require_equals = true,
         default_missing_value = "vm"
     )]
-    gpu_workers: Option<vgpu_gpu_worker::Granularity>,
-    /// Test-only: the GPU the workers of `--gpu-workers` run instead of the configured
+    gpu_workers: Option<WorkersFlag>,
+    /// Test-only: the GPU the workers (`--gpu-workers`) run instead of the configured
     /// one (`cuda-fake`: the CUDA GPU on its CPU stand-in, for tests without a GPU).
-    #[arg(long, hide = true, requires = "gpu_workers")]
+    #[arg(long, hide = true)]
     test_worker_gpu: Option<String>,
     /// Test-only: each moving VRAM chunk's CPU view stays read-only this much longer
     /// before its copy, so guest stores through the aperture hit moving chunks and wait in
@@ -277,10 +279,16 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
         return Err("no VM to serve: give --vm NAME or [[vm]] in the config file".into());
     }
     let set = block_signals().map_err(|e| format!("blocking signals: {e}"))?;
-    if let Some(granularity) = cli.gpu_workers {
-        if !matches!(cfg.gpu.model, GpuChoice::Cuda { .. }) {
+    let cuda = matches!(cfg.gpu.model, GpuChoice::Cuda { .. });
+    let workers = match cli.gpu_workers {
+        Some(WorkersFlag::Off) => None,
+        Some(WorkersFlag::On(_)) if !cuda => {
             return Err("--gpu-workers is for --gpu cuda".into());
         }
+        Some(WorkersFlag::On(g)) => Some(g),
+        None => cuda.then_some(vgpu_gpu_worker::Granularity::Vm),
+    };
+    if let Some(granularity) = workers {
         let program = worker_program(&cfg, cli.test_worker_gpu.as_deref())?;
         // Before the filters: no thread of the backend may start a process afterwards.
         let pid = vgpu_gpu_worker::launcher::start_process_launcher(
@@ -330,6 +338,26 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
         .map_err(|e| format!("cuda GPU {index}: {e}"))?,
     };
     serve(VgpuBackend::new(gpu, VmLimits::default()), &cfg, set)
+}
+
+/// `--gpu-workers`: a worker per VM or per guest process, or none.
+#[derive(Debug, Clone, Copy)]
+enum WorkersFlag {
+    On(vgpu_gpu_worker::Granularity),
+    Off,
+}
+
+impl std::str::FromStr for WorkersFlag {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "off" => Ok(WorkersFlag::Off),
+            other => other
+                .parse()
+                .map(WorkersFlag::On)
+                .map_err(|_| format!("{other}: `vm`, `process` or `off`")),
+        }
+    }
 }
 
 /// `--gpu-turn-us`: 0 (off) or 100 µs ..= 100 ms.

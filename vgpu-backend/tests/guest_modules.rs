@@ -498,15 +498,20 @@ fn the_sim_refuses_module_loads_saying_which_gpu_runs_them() {
     vm.disconnect();
 }
 
-/// On a real GPU (`VGPU_WORKER_GPU=cuda`): the `cuda` GPU in the backend's own process,
-/// one CUDA context for every VM, refuses module loads and says what would run them.
+/// On a real GPU (`VGPU_WORKER_GPU=cuda`): the `cuda` GPU in the backend's own process
+/// (`--gpu-workers=off`), one CUDA context for every VM, refuses module loads and says
+/// what would run them.
 #[test]
 fn the_in_process_cuda_gpu_refuses_module_loads() {
     if !std::env::var("VGPU_WORKER_GPU").is_ok_and(|g| g == "cuda" || g.starts_with("cuda:")) {
         eprintln!("SKIPPED: VGPU_WORKER_GPU does not name a real GPU");
         return;
     }
-    let l = launcher("modules-inproc", "cuda", &["--seccomp", "off"]);
+    let l = launcher(
+        "modules-inproc",
+        "cuda",
+        &["--gpu-workers=off", "--seccomp", "off"],
+    );
     let backend = l.start();
     let vm = backend.connect("a", FaultPolicy::default());
     let dev = Device::loopback(vm.clone(), 1).unwrap();

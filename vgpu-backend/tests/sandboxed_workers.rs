@@ -1,6 +1,7 @@
-//! `vgpu-backend --gpu-workers` under its default seccomp filters (`--seccomp kill`),
-//! without a GPU: the workers run the `cuda` GPU on its CPU stand-in
-//! (`--test-worker-gpu cuda-fake`; with `VGPU_WORKER_GPU=cuda` on the GPU itself). Through the real binary and vhost-user sockets: two
+//! `vgpu-backend --gpu cuda` with its default GPU workers under its default seccomp
+//! filters (`--seccomp kill`), without a GPU: the workers run the `cuda` GPU on its CPU
+//! stand-in (`--test-worker-gpu cuda-fake`; with `VGPU_WORKER_GPU=cuda` on the GPU
+//! itself). Through the real binary and vhost-user sockets: two
 //! loopback VMs run verified work, each on a worker started by the launcher process (the
 //! backend's threads may not start processes), every worker under its own filter with no
 //! privileges; a killed worker fails its VM only, is counted as a crash (its status came
@@ -19,16 +20,17 @@ use vgpu_vmm::reconnect::FaultPolicy;
 
 const MIB: u64 = 1 << 20;
 
-/// The backend on `cuda` with a worker per VM; the workers run on the fake device unless
-/// `VGPU_WORKER_GPU=cuda` (the same test on a GPU: `ci/device/run.sh run workers`).
+/// The backend on `cuda` as it starts by default: a worker per VM, with no flag asking for
+/// it. The workers run on the fake device unless `VGPU_WORKER_GPU=cuda` (the same test on
+/// a GPU: `ci/device/run.sh run workers`).
 fn start(tag: &str) -> (BackendProcess, BackendLauncher) {
-    start_with(tag, "--gpu-workers")
+    start_with(tag, None)
 }
 
 /// As [`start`], with `workers_flag` (`--gpu-workers=process`: a worker per guest process).
-fn start_with(tag: &str, workers_flag: &str) -> (BackendProcess, BackendLauncher) {
+fn start_with(tag: &str, workers_flag: Option<&str>) -> (BackendProcess, BackendLauncher) {
     let on_gpu = std::env::var("VGPU_WORKER_GPU").is_ok_and(|g| g.starts_with("cuda"));
-    let mut args = vec![workers_flag];
+    let mut args: Vec<&str> = workers_flag.into_iter().collect();
     if !on_gpu {
         args.extend(["--test-worker-gpu", "cuda-fake"]);
     }
@@ -326,7 +328,7 @@ fn a_killed_backend_leaves_no_launcher_or_worker_running() {
 /// only, counted for its VM; each process's last context takes its worker with it.
 #[test]
 fn a_worker_per_guest_process_through_the_sandboxed_backend() {
-    let (mut d, launcher_cfg) = start_with("seccomp-wproc", "--gpu-workers=process");
+    let (mut d, launcher_cfg) = start_with("seccomp-wproc", Some("--gpu-workers=process"));
     let api = d.api();
     let launcher = children_of(d.pid())[0];
     let (lb, dev1) = device(&d, "b", 41);
