@@ -79,7 +79,8 @@ needs() {
         workers) echo "test:vgpu-gpu-worker:worker_cuda bin:vgpu-gpu-worker:vgpu-gpu-worker" \
                       "test:vgpu-backend:sandboxed_workers" \
                       "example:vgpu-gpu-worker:worker_faults example:vgpu-gpu-worker:worker_timeslice" \
-                      "bin:vgpu-backend:vgpu-backend bin:vgpu-guest-tools:vgpu-smoke:native,loopback" ;;
+                      "bin:vgpu-backend:vgpu-backend bin:vgpu-backend:vgpuctl" \
+                      "bin:vgpu-guest-tools:vgpu-smoke:native,loopback" ;;
         granularity) echo "bin:vgpu-bench:vgpu-bench bin:vgpu-backend:vgpu-backend" \
                           "test:vgpu-bench:worker_processes" ;;
         modules) echo "test:vgpu-gpu-worker:worker_cuda bin:vgpu-gpu-worker:vgpu-gpu-worker" \
@@ -231,7 +232,8 @@ suite_workers() {
     seccomp_records | tee "$O/workers-seccomp-log.txt"
     dmesg -C 2>/dev/null
     echo "-- sandboxed_workers on the GPU (backend and workers under kill)"
-    VGPU_WORKER_GPU=cuda VGPU_BACKEND_BIN="$B/vgpu-backend" timeout 180 "$B/sandboxed_workers" \
+    VGPU_WORKER_GPU=cuda VGPU_BACKEND_BIN="$B/vgpu-backend" VGPUCTL_BIN="$B/vgpuctl" \
+        timeout 180 "$B/sandboxed_workers" \
         --test-threads=1 --nocapture 2>&1 | tee "$O/sandboxed_workers-cuda.txt" \
         | grep -E "^test |result|panicked"
     echo "-- the cuda cases through a worker"

@@ -32,6 +32,14 @@ impl Daemon {
     /// the static (musl) binary the nested rig uses.
     fn start(tag: &str, extra: &[&str]) -> Daemon {
         let model = std::env::var("VGPU_TEST_GPU").unwrap_or_else(|_| "sim".into());
+        // On `cuda`: the backend's own context (its roles are what this test checks;
+        // `sandboxed_workers.rs` checks the workers, `cuda`'s default).
+        let mut args = if model.starts_with("cuda") {
+            vec!["--gpu-workers=off"]
+        } else {
+            Vec::new()
+        };
+        args.extend_from_slice(extra);
         let launcher = BackendLauncher::new(
             tag,
             &format!(
@@ -42,7 +50,7 @@ impl Daemon {
         )
         .bin(env!("CARGO_BIN_EXE_vgpu-backend"))
         .with_api()
-        .args(extra);
+        .args(&args);
         Daemon {
             process: launcher.start(),
             _launcher: launcher,

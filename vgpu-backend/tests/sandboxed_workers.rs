@@ -352,7 +352,10 @@ fn a_worker_per_guest_process_through_the_sandboxed_backend() {
         metric(&m, "vgpu_vm_gpu_workers_running{vm=\"b\"}"),
         Some(2.0)
     );
-    let ctl = std::process::Command::new(env!("CARGO_BIN_EXE_vgpuctl"))
+    // `VGPUCTL_BIN`: the binary beside the backend on a machine without this build tree.
+    let vgpuctl =
+        std::env::var_os("VGPUCTL_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_vgpuctl").into());
+    let ctl = std::process::Command::new(vgpuctl)
         .arg("--socket")
         .arg(launcher_cfg.dir().join("api.sock"))
         .arg("info")
