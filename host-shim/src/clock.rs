@@ -38,3 +38,15 @@ pub fn sleep_until(deadline_ns: u64, spin_window_ns: u64) {
         }
     }
 }
+
+/// Asks that the calling thread's timed sleeps end within about a microsecond of their
+/// time instead of Linux's default 50 µs of slack: a poller that naps 10 µs would
+/// otherwise nap 60 (measured: the slack was most of a small kernel's loop overhead).
+pub fn tight_timer_slack() {
+    const SLACK_NS: libc::c_ulong = 1_000;
+    // SAFETY: prctl with integer arguments only; it changes this thread's timer slack.
+    let rc = unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, SLACK_NS, 0, 0, 0) };
+    if rc != 0 {
+        log::debug!("PR_SET_TIMERSLACK: {}", std::io::Error::last_os_error());
+    }
+}

@@ -14,6 +14,8 @@ pub const TIOCGWINSZ: u64 = 0x5413;
 
 /// `PR_SET_NAME`: a thread naming itself (std does at start).
 const PR_SET_NAME: u64 = 15;
+/// `PR_SET_TIMERSLACK`: a polling thread asking for its short sleeps to end on time.
+const PR_SET_TIMERSLACK: u64 = 29;
 /// `PR_SET_NO_NEW_PRIVS`, which seccompiler sets before each filter it installs.
 const PR_SET_NO_NEW_PRIVS: u64 = 38;
 /// `SECCOMP_SET_MODE_FILTER`: adding a filter (which can only take permissions away).
@@ -84,6 +86,7 @@ pub fn thread_basics() -> Rules {
             )],
         )
         .allow_if(libc::SYS_prctl, vec![Arg::eq32(0, PR_SET_NAME)])
+        .allow_if(libc::SYS_prctl, vec![Arg::eq32(0, PR_SET_TIMERSLACK)])
         // A thread entering its role stacks its filters over those it inherited.
         .allow_if(libc::SYS_prctl, vec![Arg::eq32(0, PR_SET_NO_NEW_PRIVS)])
         .allow_if(

@@ -20,7 +20,7 @@ use crate::control::ControlView;
 use crate::error::{Error, Result};
 use crate::pushbuf::PushBuffer;
 use crate::transport::{ChanHandle, MemKind};
-use crate::wait::poll_until;
+use crate::wait::{poll_until, poll_until_expecting};
 
 /// Sizes of a channel's ring and arenas.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,6 +90,9 @@ pub struct Channel {
     /// Record the host clock just before each publish (for latency measurements).
     stamp_publish: bool,
     last_publish_ns: u64,
+    /// How long recent fence waits took, ns (a 1/4-weighted average): a loop's next wait
+    /// keeps the core through about that long instead of napping past its end.
+    expected_wait_ns: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Channel {
@@ -214,6 +217,7 @@ impl Channel {
             pb: RingArena::new(opts.pushbuf_bytes),
             args: RingArena::new(opts.arg_bytes),
             submitted: 0,
+            expected_wait_ns: std::sync::atomic::AtomicU64::new(0),
             forwarded: desc.forwarded,
             api_remoting: desc.forwarded,
             stamp_publish: false,
@@ -454,7 +458,17 @@ impl Channel {
     }
 
     fn wait_deadline(&self, fence: Fence, deadline: Option<Instant>) -> Result<()> {
-        poll_until(deadline, || Ok(self.reached(fence)?.then_some(())))
+        use std::sync::atomic::Ordering::Relaxed;
+        let start = Instant::now();
+        let expected = Duration::from_nanos(self.expected_wait_ns.load(Relaxed));
+        poll_until_expecting(deadline, expected, || {
+            Ok(self.reached(fence)?.then_some(()))
+        })?;
+        let took = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let old = self.expected_wait_ns.load(Relaxed);
+        self.expected_wait_ns
+            .store(old - old / 4 + took / 4, Relaxed);
+        Ok(())
     }
 
     /// Like [`Channel::wait_timeout`], but sleeps in the driver (woken by notify events,

@@ -492,6 +492,7 @@ const YIELD_EVERY_SPINS: u32 = 32;
 
 /// The front-end thread.
 pub fn run<D: Device>(shared: Arc<Shared<D>>) {
+    crate::clock::tight_timer_slack();
     let mut chans: Vec<Arc<CudaChannel<D>>> = Vec::new();
     let mut seen_gen = u64::MAX;
     let mut last_active = now_ns();
@@ -573,14 +574,23 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
             shared.retire_scratch(std::mem::take(&mut old_scratch));
         }
         // Waiting for the turn counts as busy: the turn should not sit idle while we sleep.
-        let busy = waiting_for_turn || chans.iter().any(|c| !c.lock().inflight.is_empty());
+        let on_gpu = chans.iter().any(|c| !c.lock().inflight.is_empty());
+        let busy = waiting_for_turn || on_gpu;
         let now = now_ns();
         if progress {
             last_active = now;
             sleep_ns = shared.cfg.min_idle_sleep_ns;
             continue;
         }
-        if now - last_active < shared.cfg.busy_poll_ns {
+        let spin_for = if on_gpu {
+            shared
+                .cfg
+                .busy_poll_inflight_ns
+                .max(shared.cfg.busy_poll_ns)
+        } else {
+            shared.cfg.busy_poll_ns
+        };
+        if now - last_active < spin_for {
             // Spin; yield the core only now and then: a yield is a system call on every
             // sweep, and the submission it delays is what the busy poll is for (measured
             // on the H100, 2026-11-27: about 1 µs of submit → start).

@@ -64,6 +64,10 @@ pub struct CudaConfig {
     pub max_contexts: u32,
     /// After activity, the front end busy-polls this long before it starts sleeping.
     pub busy_poll_ns: u64,
+    /// ... and this long while its own work is on the GPU: a small kernel's completion and
+    /// the guest's next submission are seen at once, not after a nap (the front end costs
+    /// a core while it spins; with the GPU turn only the holder has work on the GPU).
+    pub busy_poll_inflight_ns: u64,
     /// Shortest and longest sleep between polls when idle (doubling).
     pub min_idle_sleep_ns: u64,
     pub max_idle_sleep_ns: u64,
@@ -108,6 +112,7 @@ impl Default for CudaConfig {
             max_channels: 256,
             max_contexts: 256,
             busy_poll_ns: 200_000,
+            busy_poll_inflight_ns: 2_000_000,
             min_idle_sleep_ns: 10_000,
             max_idle_sleep_ns: 1_000_000,
             warm_ns: 2_000_000_000,
