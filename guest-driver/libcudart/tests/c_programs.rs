@@ -15,9 +15,9 @@ const PTX: &str = concat!(
     "/../../host-shim/tests/data/test_module.ptx"
 );
 
-/// A directory with the program and both libraries under their sonames.
-fn bin_dir() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("vgpu-libcudart-c-{}", std::process::id()));
+/// A directory of the test `tag` with the programs and both libraries under their sonames.
+fn bin_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("vgpu-libcudart-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("program directory");
     let exe = std::env::current_exe().expect("test executable");
     let deps = exe.parent().expect("target/<profile>/deps");
@@ -32,21 +32,23 @@ fn bin_dir() -> PathBuf {
         std::os::unix::fs::symlink(&lib, &link).expect("soname link");
     }
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c");
-    let out = Command::new("cc")
-        .args(["-O1", "-Wall", "-Werror", "-I"])
-        .arg(&src)
-        .arg(src.join("runtime_program.c"))
-        .arg("-o")
-        .arg(dir.join("runtime_program"))
-        .arg(format!("-L{}", dir.display()))
-        .arg("-l:libcudart.so.13")
-        .output()
-        .expect("cc");
-    assert!(
-        out.status.success(),
-        "cc: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    for program in ["runtime_program", "devvgpu_runtime"] {
+        let out = Command::new("cc")
+            .args(["-O1", "-Wall", "-Werror", "-I"])
+            .arg(&src)
+            .arg(src.join(format!("{program}.c")))
+            .arg("-o")
+            .arg(dir.join(program))
+            .arg(format!("-L{}", dir.display()))
+            .arg("-l:libcudart.so.13")
+            .output()
+            .expect("cc");
+        assert!(
+            out.status.success(),
+            "cc {program}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
     dir
 }
 
@@ -56,6 +58,10 @@ fn launcher(tag: &str, gpu: &str, args: &[&str]) -> BackendLauncher {
 }
 
 fn run(backend: &BackendProcess, dir: &Path, args: &[&str]) -> Output {
+    run_program(backend, dir, "runtime_program", args)
+}
+
+fn run_program(backend: &BackendProcess, dir: &Path, program: &str, args: &[&str]) -> Output {
     let sock = backend.socket("a");
     let t = std::time::Instant::now();
     while !sock.exists() {
@@ -66,17 +72,17 @@ fn run(backend: &BackendProcess, dir: &Path, args: &[&str]) -> Output {
         );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    Command::new(dir.join("runtime_program"))
+    Command::new(dir.join(program))
         .args(args)
         .env("LD_LIBRARY_PATH", dir)
         .env("VGPU_LOOPBACK_SOCKET", &sock)
         .output()
-        .expect("runtime_program")
+        .expect(program)
 }
 
 #[test]
 fn a_runtime_program_runs_through_the_guest_libraries() {
-    let dir = bin_dir();
+    let dir = bin_dir("program");
     let l = launcher(
         "libcudart-program",
         "cuda",
@@ -108,5 +114,26 @@ fn a_runtime_program_runs_through_the_guest_libraries() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "ran on the sim: {stderr}");
     assert!(stderr.contains("cudaErrorNotSupported"), "{stderr}");
+    backend.stop();
+}
+
+/// The program the nested rig's L2 guests run over `/dev/vgpu` (`devvgpu_runtime.c`: the
+/// runtime API without kernels), here over the loopback transport on the sim, as the
+/// rig's backend runs: what it prints is what `ci/rig/l2-guest-checks.sh` looks for.
+#[test]
+fn the_rigs_runtime_program_runs_on_the_sim() {
+    let dir = bin_dir("devvgpu");
+    let l = launcher("libcudart-devvgpu", "sim", &["--seccomp", "off"]);
+    let backend = l.start();
+    let out = run_program(&backend, &dir, "devvgpu_runtime", &[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}\nstderr: {}\nbackend: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr),
+        backend.log_tail()
+    );
+    assert_eq!(stdout.trim(), "devvgpu_runtime ok mib=256 bytes=1048576");
     backend.stop();
 }
