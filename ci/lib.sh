@@ -78,30 +78,44 @@ add_guest_tools() {
     done
 }
 
-# build_guest_cuda: the guest libcuda.so.1 as a guest installs it (no loopback VM in it:
-# --no-default-features; in a target directory of its own, so the workspace's libcuda.so
-# keeps its features) and the C program the rig's guests run against it over /dev/vgpu
-# (guest-driver/libcuda/tests/c/devvgpu_program.c), in $TARGET_DIR/guest-cuda.
+# build_guest_cuda: the guest libcuda.so.1 and libcudart.so.13 as a guest installs them
+# (no loopback VM in them: --no-default-features; in a target directory of their own, so
+# the workspace's libraries keep their features) and the C programs the rig's guests run
+# against them over /dev/vgpu (guest-driver/libcuda/tests/c/devvgpu_program.c, the
+# driver API; guest-driver/libcudart/tests/c/devvgpu_runtime.c, the runtime API), in
+# $TARGET_DIR/guest-cuda.
 build_guest_cuda() {
     local t="$TARGET_DIR/guest-cuda" c="$ROOT/guest-driver/libcuda/tests/c"
+    local rt="$ROOT/guest-driver/libcudart/tests/c"
     CARGO_TARGET_DIR="$t" cargo build --release -p vgpu-libcuda --no-default-features >&2
+    CARGO_TARGET_DIR="$t" cargo build --release -p vgpu-libcudart >&2
     mkdir -p "$t/lib"
     strip -o "$t/lib/libcuda.so.1" "$t/release/libcuda.so"
+    strip -o "$t/lib/libcudart.so.13" "$t/release/libcudart.so"
     gcc -O2 -Wall -Werror -I "$c" -o "$t/cuda-program" "$c/devvgpu_program.c" \
         -L"$t/lib" -l:libcuda.so.1 >&2
+    gcc -O2 -Wall -Werror -I "$rt" -o "$t/cuda-runtime-program" "$rt/devvgpu_runtime.c" \
+        -L"$t/lib" -l:libcudart.so.13 >&2
 }
 
-# add_guest_cuda ARRAY: the guest libcuda.so.1 (at /lib/vgpu), the C program
-# (/bin/cuda-program) and the C library both need, as --add arguments appended to the
-# array named ARRAY; nothing if build_guest_cuda has not run.
+# add_guest_cuda ARRAY: the guest libraries (at /lib/vgpu), the C programs
+# (/bin/cuda-program, /bin/cuda-runtime-program) and the C libraries they need, as --add
+# arguments appended to the array named ARRAY; nothing if build_guest_cuda has not run.
 add_guest_cuda() {
-    local t="$TARGET_DIR/guest-cuda" lib
+    local t="$TARGET_DIR/guest-cuda" lib prog
     local -n cuda_ref="$1"
     [ -x "$t/cuda-program" ] || return 0
     cuda_ref+=(--add "$t/cuda-program:/bin/cuda-program" --add "$t/lib/libcuda.so.1:/lib/vgpu/libcuda.so.1")
-    for lib in $(LD_LIBRARY_PATH="$t/lib" ldd "$t/cuda-program" | grep -o '/[^ ]*' | sort -u); do
+    if [ -x "$t/cuda-runtime-program" ]; then
+        cuda_ref+=(--add "$t/cuda-runtime-program:/bin/cuda-runtime-program"
+                   --add "$t/lib/libcudart.so.13:/lib/vgpu/libcudart.so.13")
+    fi
+    for prog in "$t/cuda-program" "$t/cuda-runtime-program"; do
+        [ -x "$prog" ] && LD_LIBRARY_PATH="$t/lib" ldd "$prog"
+    done | grep -o '/[^ ]*' | sort -u > "$t/needed"
+    while read -r lib; do
         case "$lib" in "$t"/*) ;; *) cuda_ref+=(--add "$lib:$lib") ;; esac
-    done
+    done < "$t/needed"
 }
 
 # --- step times -----------------------------------------------------------------------

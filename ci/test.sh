@@ -11,7 +11,7 @@ die() { echo "test: $*" >&2; exit 1; }
 . ci/lib.sh
 ci_steps_begin
 
-FUZZ_SECONDS="${FUZZ_SECONDS:-30}"
+FUZZ_SECONDS="${FUZZ_SECONDS:-20}"
 
 # Includes the loopback fault soak (bench/tests/fault_soak.rs, docs/testing.md): faults
 # injected for VGPU_SOAK_SECS (180 s here, about 3 minutes of wall time) from the seed

@@ -45,6 +45,15 @@ if [ -x /bin/cuda-program ]; then
         && grep -q "guest modules need the cuda GPU" /tmp/cuda.err && cuda=1 || cuda=0
     check "cuda_program(rc=$r)" $([ "$r" = 0 ] && echo $cuda || echo 0)
 fi
+# The runtime API (vgpu's libcudart.so.13 over its libcuda.so.1, nothing else on the
+# library path): device, properties, memory, copies, a set, pinned memory, a stream with
+# events.
+if [ -x /bin/cuda-runtime-program ]; then
+    (export LD_LIBRARY_PATH=/lib/vgpu; bounded cuda-runtime-program > /tmp/cudart.out 2> /tmp/cudart.err); r=$?
+    busybox tail -n 1 /tmp/cudart.out; busybox tail -n 3 /tmp/cudart.err
+    grep -q "devvgpu_runtime ok" /tmp/cudart.out && cudart=1 || cudart=0
+    check "cuda_runtime_program(rc=$r)" $([ "$r" = 0 ] && echo $cudart || echo 0)
+fi
 # A process killed mid-submission leaves nothing behind.
 vgpu-throttle --kernel-us 2000 --duration 60 > /tmp/t.out 2>&1 & tp=$!
 sleep 2; kill -9 $tp; wait $tp 2>/dev/null
