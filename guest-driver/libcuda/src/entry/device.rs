@@ -35,6 +35,12 @@ fn virtual_device(attr: c_int) -> Option<c_int> {
         102..=105 | 110 | 128 => 0,       // the VMM API and its handle types
         112..=119 | 121 | 124 | 125 => 0, // arrays, interop, pools, RDMA, IPC
         132 | 133 => 0,                   // MULTICAST_SUPPORTED, MPS_ENABLED
+        130 => 0,                         // NUMA_CONFIG: none
+        131 | 134 => -1,                  // NUMA_ID, HOST_NUMA_ID: no NUMA node
+        135 | 138 => 0,                   // D3D12 / Vulkan CIG
+        136 | 137 => 0,                   // memory decompression
+        139 | 140 => 0,                   // GPU_PCI_DEVICE_ID, GPU_PCI_SUBSYSTEM_ID
+        141..=147 => 0,                   // host NUMA / host memory pools, VMM, dma_buf, atomics
         _ => return None,
     };
     Some(v)
@@ -153,7 +159,13 @@ pub extern "C" fn cuDeviceGetAttribute(value: *mut c_int, attr: c_int, dev: CUde
         device_ok(dev)?;
         match driver::with(|d| Ok(attribute(d, attr)))? {
             Some(v) => out(value, v),
-            None => Err(unsupported(&format!("cuDeviceGetAttribute({attr})"))),
+            // An attribute this device cannot tell (the sim has no GPU's clocks or
+            // caches): the entry point is covered, so no warning — the runtime's
+            // cudaGetDeviceProperties asks every attribute it fills.
+            None => {
+                log::debug!("cuDeviceGetAttribute({attr}): not known for this device");
+                Err(CUDA_ERROR_NOT_SUPPORTED)
+            }
         }
     })
 }
