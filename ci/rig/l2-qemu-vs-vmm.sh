@@ -259,24 +259,25 @@ rc=0
 python3 - "$LOG" <<'PY' || rc=1
 import json, re, statistics, sys
 runs, boots, clocks, cpu, kvm, hists = [], {}, {}, {}, {}, {}
+
+def numbers(text):
+    """`key=value ...` as a dict of floats."""
+    return {k: float(v) for k, v in (kv.split("=") for kv in text.split())}
+
 for line in open(sys.argv[1], errors="replace"):
     line = line.strip("\r\n")
     m = re.search(r"QV-BOOT round=(\d+) vmm=(\w+) vmm_rc=\d+ secs=([\d.]+)", line)
     if m:
         boots.setdefault(m[2], []).append(float(m[3]))
-    m = re.search(r"QV-CPU round=\d+ vmm=(\w+) (.*)", line)
-    if m:
-        f = dict(kv.split("=") for kv in m[2].split())
-        cpu.setdefault(m[1], []).append({k: float(v) for k, v in f.items()})
+    for tag, into in (("QV-CPU", cpu), ("QV-KVM", kvm)):
+        m = re.search(tag + r" round=\d+ vmm=(\w+) (.*)", line)
+        if m:
+            into.setdefault(m[1], []).append(numbers(m[2]))
     m = re.search(r"QV-HIST round=\d+ vmm=(\w+) (\w+) \{ (.*) \} hitcount: (\d+)", line)
     if m:
         h = hists.setdefault(m[1], {}).setdefault(m[2], {})
         key = re.sub(r"\[\s*\d+\]", "", m[3])  # a process's pid differs per boot
         h[key] = h.get(key, 0) + int(m[4])
-    m = re.search(r"QV-KVM round=\d+ vmm=(\w+) (.*)", line)
-    if m:
-        f = dict(kv.split("=") for kv in m[2].split())
-        kvm.setdefault(m[1], []).append({k: float(v) for k, v in f.items()})
     m = re.search(r"QV round=\d+ vmm=(\w+) QV-CLOCK (\S*)", line)
     if m:
         clocks.setdefault(m[1], set()).add(m[2])

@@ -332,7 +332,7 @@ fn b2b<D: CudaDeviceTrait>(
 ) -> Result<Vec<Figure>, CudaSuiteError> {
     let rounds = opts.b2b_rounds.max(1);
     let (mut rn, mut rg, mut rc, mut ratios) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let (mut entries, mut marks, mut starts) = (0, 0, 0);
+    let (mut entries, mut marks) = (0, 0);
     for _ in 0..rounds {
         let cuda = match &opts.baseline {
             Some(path) => baseline_b2b(path, opts)?,
@@ -344,7 +344,6 @@ fn b2b<D: CudaDeviceTrait>(
         let c1 = gpu.frontend_counts();
         entries += c1.entries - c0.entries;
         marks += c1.end_marks - c0.end_marks;
-        starts += c1.start_marks - c0.start_marks;
         let vm = b2b_rate(gctx, opts.b2b_kernels, 1)?;
         rg.push(vm);
         if let Some(c) = cuda {
@@ -379,12 +378,6 @@ fn b2b<D: CudaDeviceTrait>(
             entries as f64 / marks.max(1) as f64,
             "entries",
             Better::Higher,
-        ),
-        fig(
-            "b2b_vgpu_native_start_marks_per_entry",
-            starts as f64 / entries.max(1) as f64,
-            "marks",
-            Better::Lower,
         ),
     ];
     if !ratios.is_empty() {

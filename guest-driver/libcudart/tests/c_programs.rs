@@ -15,9 +15,10 @@ const PTX: &str = concat!(
     "/../../host-shim/tests/data/test_module.ptx"
 );
 
-/// A directory of the test `tag` with the programs and both libraries under their sonames.
-fn bin_dir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("vgpu-libcudart-{tag}-{}", std::process::id()));
+/// A directory with `program` (from `tests/c/<program>.c`) and both libraries under
+/// their sonames.
+fn bin_dir(program: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("vgpu-libcudart-{program}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("program directory");
     let exe = std::env::current_exe().expect("test executable");
     let deps = exe.parent().expect("target/<profile>/deps");
@@ -32,23 +33,21 @@ fn bin_dir(tag: &str) -> PathBuf {
         std::os::unix::fs::symlink(&lib, &link).expect("soname link");
     }
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c");
-    for program in ["runtime_program", "devvgpu_runtime"] {
-        let out = Command::new("cc")
-            .args(["-O1", "-Wall", "-Werror", "-I"])
-            .arg(&src)
-            .arg(src.join(format!("{program}.c")))
-            .arg("-o")
-            .arg(dir.join(program))
-            .arg(format!("-L{}", dir.display()))
-            .arg("-l:libcudart.so.13")
-            .output()
-            .expect("cc");
-        assert!(
-            out.status.success(),
-            "cc {program}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    let out = Command::new("cc")
+        .args(["-O1", "-Wall", "-Werror", "-I"])
+        .arg(&src)
+        .arg(src.join(format!("{program}.c")))
+        .arg("-o")
+        .arg(dir.join(program))
+        .arg(format!("-L{}", dir.display()))
+        .arg("-l:libcudart.so.13")
+        .output()
+        .expect("cc");
+    assert!(
+        out.status.success(),
+        "cc {program}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     dir
 }
 
@@ -59,6 +58,19 @@ fn launcher(tag: &str, gpu: &str, args: &[&str]) -> BackendLauncher {
 
 fn run(backend: &BackendProcess, dir: &Path, args: &[&str]) -> Output {
     run_program(backend, dir, "runtime_program", args)
+}
+
+/// `out`'s stdout, after checking the program exited 0 (else its stderr and the
+/// backend's log tail say why).
+fn succeeded(out: &Output, backend: &BackendProcess) -> String {
+    assert!(
+        out.status.success(),
+        "{}\nstderr: {}\nbackend: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr),
+        backend.log_tail()
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 fn run_program(backend: &BackendProcess, dir: &Path, program: &str, args: &[&str]) -> Output {
@@ -82,7 +94,7 @@ fn run_program(backend: &BackendProcess, dir: &Path, program: &str, args: &[&str
 
 #[test]
 fn a_runtime_program_runs_through_the_guest_libraries() {
-    let dir = bin_dir("program");
+    let dir = bin_dir("runtime_program");
     let l = launcher(
         "libcudart-program",
         "cuda",
@@ -90,14 +102,7 @@ fn a_runtime_program_runs_through_the_guest_libraries() {
     );
     let backend = l.start();
     let out = run(&backend, &dir, &[PTX, "65536"]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}\nstderr: {}\nbackend: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr),
-        backend.log_tail()
-    );
+    let stdout = succeeded(&out, &backend);
     let n: u64 = 65536;
     let sum: u64 = (0..n).map(|i| i * 7 + 1_000_000 - i).sum();
     assert_eq!(
@@ -122,18 +127,11 @@ fn a_runtime_program_runs_through_the_guest_libraries() {
 /// rig's backend runs: what it prints is what `ci/rig/l2-guest-checks.sh` looks for.
 #[test]
 fn the_rigs_runtime_program_runs_on_the_sim() {
-    let dir = bin_dir("devvgpu");
+    let dir = bin_dir("devvgpu_runtime");
     let l = launcher("libcudart-devvgpu", "sim", &["--seccomp", "off"]);
     let backend = l.start();
     let out = run_program(&backend, &dir, "devvgpu_runtime", &[]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}\nstderr: {}\nbackend: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr),
-        backend.log_tail()
-    );
+    let stdout = succeeded(&out, &backend);
     assert_eq!(stdout.trim(), "devvgpu_runtime ok mib=256 bytes=1048576");
     // cudaGetDeviceProperties asks every attribute it fills: none may be unknown.
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -20,26 +20,15 @@ pub struct Inflight<M> {
     pub entries: u32,
     /// GP_GET after the batch completes.
     pub next_get: u32,
-    pub start: BatchStart<M>,
+    /// Host time the batch was issued: it is charged from then (mapped onto the GPU
+    /// timeline), or from its stream's previous entry's end if that came later.
+    pub issued_ns: u64,
     pub end: M,
     /// Whether the entry put work on the stream (only then is it charged).
     pub runs: bool,
     pub host: Vec<HostAction>,
     pub waits: bool,
     pub copies: u64,
-}
-
-/// From when a batch is charged.
-#[derive(Debug)]
-pub enum BatchStart<M> {
-    /// Queued behind the stream's previous entry: it starts when that one ends.
-    Queued,
-    /// A mark recorded on the idle stream in front of it.
-    Mark(M),
-    /// The host time it was issued, mapped onto the timeline when it retires (no driver
-    /// call in front of the launch); it starts no earlier than its stream's previous
-    /// entry ended.
-    Issued(u64),
 }
 
 /// Front-end state of a channel (touched by the front end and by drains).

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use vgpu_protocol::{ControlPage, ErrorCode};
 
-use super::channel::{BatchStart, CudaChannel, Inflight};
+use super::channel::{CudaChannel, Inflight};
 use super::device::Device;
 use super::hostreg::HostRegistry;
 use super::plan::{plan_entry, HostAction, Translate};
@@ -36,8 +36,8 @@ pub(crate) struct GpuMemory<'a> {
 }
 
 /// GP entries issued since the last mark.
-struct Batch<M> {
-    start: BatchStart<M>,
+struct Batch {
+    issued_ns: u64,
     entries: u32,
     runs: bool,
     host: Vec<HostAction>,
@@ -53,8 +53,6 @@ pub struct FrontendStats {
     pub entries: AtomicU64,
     /// Completion marks recorded after batches of entries.
     pub end_marks: AtomicU64,
-    /// Start marks recorded before batches that found their stream idle.
-    pub start_marks: AtomicU64,
 }
 
 /// A copy of the front end's counters (`FrontendStats`) at one moment.
@@ -62,7 +60,6 @@ pub struct FrontendStats {
 pub struct FrontendCounts {
     pub entries: u64,
     pub end_marks: u64,
-    pub start_marks: u64,
 }
 
 impl FrontendStats {
@@ -70,7 +67,6 @@ impl FrontendStats {
         FrontendCounts {
             entries: self.entries.load(Ordering::Relaxed),
             end_marks: self.end_marks.load(Ordering::Relaxed),
-            start_marks: self.start_marks.load(Ordering::Relaxed),
         }
     }
 }
@@ -231,8 +227,7 @@ impl<D: Device> CudaChannel<D> {
         if !issue {
             return progress;
         }
-        let host_start = tl.as_ref().is_some_and(Timeline::maps_host_clock);
-        match self.issue_new(dev, mem, old_scratch, limits, host_start) {
+        match self.issue_new(dev, mem, old_scratch, limits) {
             Ok(p) => {
                 if p {
                     self.last_issue_ns.store(now_ns(), Ordering::Relaxed);
@@ -267,15 +262,11 @@ impl<D: Device> CudaChannel<D> {
             let mut charged = 0;
             if let Some(tl) = tl.as_mut() {
                 if let Some(end) = tl.at(dev, &done.end) {
-                    // Queued behind its own stream's previous entry: it started no earlier
-                    // than that one's end.
-                    let start = match &done.start {
-                        BatchStart::Mark(s) => tl.at(dev, s).unwrap_or(end),
-                        BatchStart::Queued => st.last_end,
-                        BatchStart::Issued(t) => {
-                            tl.from_host(*t).map_or(st.last_end, |t| t.max(st.last_end))
-                        }
-                    };
+                    // From its host issue time; queued behind its own stream's previous
+                    // entry, no earlier than that one's end.
+                    let start = tl
+                        .from_host(done.issued_ns)
+                        .map_or(st.last_end, |t| t.max(st.last_end));
                     if done.runs {
                         let ns = tl.charge(start.min(end), end, done.entries);
                         self.busy_ns.fetch_add(ns, Ordering::Relaxed);
@@ -313,29 +304,20 @@ impl<D: Device> CudaChannel<D> {
 
     /// Issues new GP entries. Entries issued in one sweep share one completion mark (up
     /// to `batch_limit`): GP_GET then moves by the batch, as a GPU's may, and the front end
-    /// spends one event per batch instead of one per entry. With `host_start` (the
-    /// timeline maps the host clock) a batch's start is the host time it was issued.
+    /// spends one event per batch instead of one per entry.
     fn issue_new(
         &self,
         dev: &D,
         mem: GpuMemory<'_>,
         old_scratch: &mut Vec<u64>,
         (batch_limit, max_inflight): (u32, usize),
-        host_start: bool,
     ) -> Result<bool, (ErrorCode, u64)> {
         let mut st = self.lock();
         if st.inflight.len() >= max_inflight || st.inflight.iter().any(|i| i.waits) {
             return Ok(false);
         }
-        let mut batch: Option<Batch<D::Mark>> = None;
-        let res = self.issue_batch(
-            dev,
-            mem,
-            old_scratch,
-            &mut st,
-            &mut batch,
-            (batch_limit, host_start),
-        );
+        let mut batch: Option<Batch> = None;
+        let res = self.issue_batch(dev, mem, old_scratch, &mut st, &mut batch, batch_limit);
         if let Some(b) = batch {
             // Whatever was issued is tracked, even when a later entry faulted.
             let next_get = st.fetched;
@@ -347,13 +329,10 @@ impl<D: Device> CudaChannel<D> {
                 .entries
                 .fetch_add(u64::from(b.entries), Ordering::Relaxed);
             self.stats.end_marks.fetch_add(1, Ordering::Relaxed);
-            if matches!(b.start, BatchStart::Mark(_)) {
-                self.stats.start_marks.fetch_add(1, Ordering::Relaxed);
-            }
             match dev.mark(&self.stream) {
                 Ok(end) => st.inflight.push_back(Inflight {
                     next_get,
-                    start: b.start,
+                    issued_ns: b.issued_ns,
                     end,
                     entries: b.entries,
                     runs: b.runs,
@@ -377,8 +356,8 @@ impl<D: Device> CudaChannel<D> {
         mem: GpuMemory<'_>,
         old_scratch: &mut Vec<u64>,
         st: &mut super::channel::ChanState<D>,
-        batch: &mut Option<Batch<D::Mark>>,
-        (batch_limit, host_start): (u32, bool),
+        batch: &mut Option<Batch>,
+        batch_limit: u32,
     ) -> Result<bool, (ErrorCode, u64)> {
         loop {
             if batch
@@ -417,24 +396,10 @@ impl<D: Device> CudaChannel<D> {
                 }
             }
             if batch.is_none() {
-                let start = if host_start {
-                    BatchStart::Issued(now_ns())
-                } else if st
-                    .inflight
-                    .back()
-                    .is_none_or(|last| dev.reached(&last.end).unwrap_or(true))
-                {
-                    // A start mark only when the stream is idle: queued behind its own
-                    // previous entry, the batch starts when that one ends.
-                    BatchStart::Mark(dev.mark(&self.stream).map_err(|e| {
-                        log::warn!("cuda channel {:?}: {e}", self.core.id);
-                        (e.fault_code(), 0)
-                    })?)
-                } else {
-                    BatchStart::Queued
-                };
+                // No start event in front of the launch: the host clock, which the
+                // timeline maps (timeline.rs), says when the batch could start.
                 *batch = Some(Batch {
-                    start,
+                    issued_ns: now_ns(),
                     entries: 0,
                     runs: false,
                     host: Vec::new(),

@@ -99,11 +99,13 @@ impl<D: Device> Timeline<D> {
     }
 
     /// Whether host times can be mapped onto the timeline ([`Timeline::from_host`]).
+    #[cfg(test)]
     pub fn maps_host_clock(&self) -> bool {
-        self.host.calibrated()
+        !self.host.offsets.is_empty()
     }
 
-    /// The timeline time of host time `host_ns` (`None` before the first calibration).
+    /// The timeline time of host time `host_ns` (`None` only if no calibration was ever
+    /// recorded; `new` takes the first ones).
     pub fn from_host(&self, host_ns: u64) -> Option<u64> {
         self.host.to_timeline(host_ns)
     }
@@ -192,10 +194,6 @@ impl HostClock {
             self.offsets.pop_front();
         }
         self.offsets.push_back(off);
-    }
-
-    fn calibrated(&self) -> bool {
-        !self.offsets.is_empty()
     }
 
     /// A mark reached late gives a smaller offset: the largest is the best.

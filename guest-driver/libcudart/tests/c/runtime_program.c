@@ -9,17 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include "cuda_runtime_subset.h"
-
-#define CHECK(call)                                                                    \
-    do {                                                                               \
-        cudaError_t r_ = (call);                                                       \
-        if (r_ != cudaSuccess) {                                                       \
-            fprintf(stderr, "%s:%d: %s: %s (%s)\n", __FILE__, __LINE__, #call,          \
-                    cudaGetErrorName(r_), cudaGetErrorString(r_));                     \
-            exit(1);                                                                   \
-        }                                                                              \
-    } while (0)
+#include "check.h"
 
 /* --- what nvcc generates ---------------------------------------------------------- */
 static struct { unsigned magic, version; const void *data; void *filename; } fatbin_wrapper;
