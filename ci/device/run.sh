@@ -392,7 +392,8 @@ suite_libcuda() {
     LIBCUDA_SOCK="$d/a.sock"
     for r in $(seq 100); do [ -S "$LIBCUDA_SOCK" ] && break; sleep 0.1; done
     : > "$O/libcuda-bench.txt"
-    for r in vector_add:1048576 streams_events:262144 device_global:0x5eed; do
+    for r in vector_add:1048576 streams_events:262144 device_global:0x5eed \
+            pointer_chase:131072; do
         libcuda_pair "${r%%:*}" "$ptx" "${r#*:}"
         [ "$native_out" = "$vgpu_out" ] && echo "identical: ${r%%:*}" \
             || echo "DIFFERENT: ${r%%:*}"
@@ -424,6 +425,12 @@ suite_libcuda() {
         | tee "$O/libcudart-props-diff.txt" | head -60
     echo "properties_differing $(grep -c '^<' "$O/libcudart-props-diff.txt")" \
         | tee -a "$O/libcuda-bench.txt"
+    echo "-- a runtime-API program whose kernels store and follow pointers (identity addressing)"
+    nvcc -O2 -cudart shared -o "$WORK/linked_list" guest-driver/libcudart/tests/cu/linked_list.cu \
+        2>&1 | tail -3
+    libcuda_pair linked_list 1048576
+    [ "$native_out" = "$vgpu_out" ] && echo "identical: linked_list" \
+        || echo "DIFFERENT: linked_list"
     echo "-- a runtime-API program (<<<>>>) built here with nvcc -cudart shared"
     nvcc -O2 -cudart shared -o "$WORK/matmul" guest-driver/libcudart/tests/cu/matmul.cu 2>&1 | tail -3
     nm -D --undefined-only "$WORK/matmul" | grep -i cuda | tee "$O/matmul-symbols.txt"

@@ -30,6 +30,7 @@ const PROGRAMS: &[&str] = &[
     "vadd_loop",
     "devvgpu_program",
     "device_attributes",
+    "pointer_chase",
 ];
 
 /// `device_attributes`'s output as `name → value` ("cc", "attr N").
@@ -179,6 +180,22 @@ fn programs_run_through_the_library_as_through_the_driver() {
         ("attr 24", "unsupported"),
     ] {
         assert_eq!(a.get(k).map(String::as_str), Some(want), "{k}: {a:?}");
+    }
+    // Identity addressing: a kernel follows pointers the program stored in device
+    // memory (guest addresses of 2 MiB-page buffers are the device's own), in two VMs
+    // at once.
+    let chase = |vm: &'static str| {
+        let b = &backend;
+        move || run_ok(b, vm, "pointer_chase", &[PTX, "20000"])
+    };
+    let (x, y) = std::thread::scope(|s| {
+        let x = s.spawn(chase("a"));
+        let y = s.spawn(chase("b"));
+        (x.join(), y.join())
+    });
+    for out in [x, y] {
+        let out = out.expect("pointer_chase thread");
+        assert!(out.starts_with("pointer_chase nodes=20000 sum="), "{out}");
     }
     // The benchmark programs, at sizes for a CPU (they check their own results).
     let out = run_ok(&backend, "a", "launch_rate", &[PTX, "200", "256"]);

@@ -53,6 +53,6 @@ pub use native::{HostRegions, NativeTransport};
 pub use transport::{
     BlockOn, ChanHandle, ChannelDesc, CpuPtr, CtxHandle, DeviceInfo, MemHandle, MemKind, Transport,
 };
-pub use va::{BIG_BASE, HUGE_BASE, SMALL_BASE, VA_END};
+pub use va::{BIG_BASE, HUGE_BASE, HUGE_SLOTS, HUGE_SLOT_BYTES, SMALL_BASE, VA_END};
 pub use vgpu_protocol::mem::{MapFlags, PageSize};
 pub use vgpu_protocol::{ErrorCode, KernelArgs, KernelId, Method, SemaphoreMode};

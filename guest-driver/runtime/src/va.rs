@@ -4,6 +4,13 @@
 //! buffers come from separate, 2 MiB-aligned arenas. Every buffer is followed by an
 //! unmapped guard gap of one page, so running off its end faults instead of silently
 //! touching a neighbour.
+//!
+//! Huge-page (2 MiB) buffers are where the `cuda` GPU makes the guest's address the
+//! device's own, so kernels can follow pointers stored in memory (docs/design/
+//! guest-modules.md, "Identity addressing"). The host does that per context in its GPU
+//! worker's one address space, so each context starts its huge-page buffers in a
+//! terabyte slot of its own choosing ([`HUGE_SLOTS`] of them, picked at random): two
+//! processes of one VM then rarely want the same device addresses.
 
 use vgpu_protocol::mem::PageSize;
 use vgpu_protocol::range::RangeAllocator;
@@ -17,6 +24,18 @@ pub const BIG_BASE: u64 = 0x40_0000_0000;
 pub const HUGE_BASE: u64 = 0x400_0000_0000;
 /// End of the runtime's part of the address space.
 pub const VA_END: u64 = 0x8000_0000_0000;
+/// How many 1 TiB slots a context's huge-page buffers may start in, from [`HUGE_BASE`].
+pub const HUGE_SLOTS: u64 = 96;
+/// The span of one slot.
+pub const HUGE_SLOT_BYTES: u64 = 1 << 40;
+
+/// A slot for a new context: random (std's per-process random keys, varied per call).
+fn random_huge_slot() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.finish() % HUGE_SLOTS
+}
 
 /// The VA space of one context.
 #[derive(Debug)]
@@ -28,15 +47,21 @@ pub struct VaSpace {
 
 impl Default for VaSpace {
     fn default() -> Self {
-        VaSpace {
-            small: RangeAllocator::with_range(SMALL_BASE, BIG_BASE, 4 << 10),
-            big: RangeAllocator::with_range(BIG_BASE, HUGE_BASE, 64 << 10),
-            huge: RangeAllocator::with_range(HUGE_BASE, VA_END, 2 << 20),
-        }
+        VaSpace::with_huge_slot(random_huge_slot())
     }
 }
 
 impl VaSpace {
+    /// A space whose huge-page buffers start in slot `slot` (below [`HUGE_SLOTS`]).
+    pub fn with_huge_slot(slot: u64) -> Self {
+        let huge_start = HUGE_BASE + (slot % HUGE_SLOTS) * HUGE_SLOT_BYTES;
+        VaSpace {
+            small: RangeAllocator::with_range(SMALL_BASE, BIG_BASE, 4 << 10),
+            big: RangeAllocator::with_range(BIG_BASE, HUGE_BASE, 64 << 10),
+            huge: RangeAllocator::with_range(huge_start, VA_END, 2 << 20),
+        }
+    }
+
     fn arena(&mut self, page: PageSize) -> &mut RangeAllocator {
         match page {
             PageSize::Small4K => &mut self.small,
@@ -64,7 +89,7 @@ mod tests {
 
     #[test]
     fn guard_gaps_and_reuse() {
-        let mut v = VaSpace::default();
+        let mut v = VaSpace::with_huge_slot(0);
         let a = v.alloc(0x1000, PageSize::Small4K).unwrap();
         let b = v.alloc(0x2000, PageSize::Small4K).unwrap();
         assert_eq!(a, SMALL_BASE);
@@ -82,6 +107,24 @@ mod tests {
         // Coalesced back into one range: the next allocation starts at the base again.
         assert_eq!(v.alloc(0x4000, PageSize::Small4K), Some(SMALL_BASE));
         assert_eq!(v.small.allocations(), 1);
+    }
+
+    #[test]
+    fn contexts_start_their_huge_buffers_in_slots_of_their_own() {
+        let mut v = VaSpace::with_huge_slot(5);
+        assert_eq!(
+            v.alloc(2 << 20, PageSize::Huge2M),
+            Some(HUGE_BASE + 5 * HUGE_SLOT_BYTES)
+        );
+        let slots: std::collections::HashSet<u64> = (0..64)
+            .filter_map(|_| VaSpace::default().alloc(2 << 20, PageSize::Huge2M))
+            .collect();
+        assert!(
+            slots.len() > 16,
+            "random slots: {} distinct of 64",
+            slots.len()
+        );
+        assert!(slots.iter().all(|&va| (HUGE_BASE..VA_END).contains(&va)));
     }
 
     #[test]

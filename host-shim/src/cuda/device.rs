@@ -9,6 +9,10 @@ use vgpu_protocol::module::ParamInfo;
 use super::error::DeviceError;
 use super::plan::Op;
 
+/// The granule of the VMM API calls ([`Device::create_physical`] and friends): 2 MiB,
+/// the H100's allocation granularity and the GPU MMU's huge page.
+pub const VM_GRANULE: u64 = 2 << 20;
+
 /// A stream-ordered GPU: streams of operations and completion marks on them.
 ///
 /// Pointers in ops are device pointers the front end obtained from [`Device::register_host`]
@@ -28,6 +32,30 @@ pub trait Device: Send + Sync + 'static {
     /// Device memory: the VRAM pool and channels' staging buffers.
     fn alloc_device(&self, len: u64) -> Result<u64, DeviceError>;
     fn free_device(&self, ptr: u64);
+    /// Physical memory (the VMM API: `cuMemCreate`): `len` bytes (a multiple of
+    /// [`VM_GRANULE`]) of device memory with no address yet; returns its handle.
+    fn create_physical(&self, len: u64) -> Result<u64, DeviceError>;
+    /// Releases a handle of [`Device::create_physical`]; its memory goes once no mapping
+    /// holds it.
+    fn release_physical(&self, handle: u64);
+    /// Reserves `len` bytes of device address space (a multiple of [`VM_GRANULE`]), at
+    /// `hint` when that range is free (0: anywhere); returns where it lies, which callers
+    /// compare with `hint`.
+    fn reserve_va(&self, hint: u64, len: u64) -> Result<u64, DeviceError>;
+    /// Returns a reservation of [`Device::reserve_va`]; nothing may be mapped in it.
+    fn free_va(&self, ptr: u64, len: u64);
+    /// Maps the whole of physical `handle` (`len` bytes) at `ptr`, inside a reservation,
+    /// readable and, if `writable`, writable by the device.
+    fn map_physical(
+        &self,
+        ptr: u64,
+        len: u64,
+        handle: u64,
+        writable: bool,
+    ) -> Result<(), DeviceError>;
+    /// Unmaps `ptr..ptr+len` (whole mappings of [`Device::map_physical`]); device work
+    /// touching the range afterwards faults.
+    fn unmap_va(&self, ptr: u64, len: u64) -> Result<(), DeviceError>;
     /// Copies `len` bytes of device memory at `src` to host memory at `dst`, and returns
     /// when they have arrived. Ordered after nothing: callers make sure no stream writes
     /// the range meanwhile.

@@ -10,7 +10,7 @@ use cudarc::driver::sys;
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use vgpu_protocol::{KernelArgs, SemaphoreMode};
 
-use super::device::Device;
+use super::device::{Device, VM_GRANULE};
 use super::error::DeviceError;
 use super::plan::{Op, Signal};
 use crate::clock::now_ns;
@@ -59,6 +59,8 @@ fn check(call: &'static str, r: sys::CUresult) -> Result<(), DeviceError> {
 /// One CUDA GPU: its primary context, the compiled kernels and the clock offset.
 pub struct CudaDevice {
     ctx: sys::CUcontext,
+    /// The device's ordinal: where physical allocations live and who may access them.
+    ordinal: i32,
     name: String,
     /// The attributes guests are told ([`super::attributes::REPORTED`]).
     attrs: Vec<(u32, i32)>,
@@ -211,6 +213,7 @@ impl CudaDevice {
             }
             let d = CudaDevice {
                 ctx,
+                ordinal: index as i32,
                 name,
                 attrs,
                 total_mem: total as u64,
@@ -242,6 +245,16 @@ impl CudaDevice {
     /// Bytes of device memory.
     pub fn total_mem(&self) -> u64 {
         self.total_mem
+    }
+
+    /// Pinned device memory on this GPU, for `cuMemCreate` and access descriptors.
+    fn device_location_prop(&self) -> sys::CUmemAllocationProp {
+        // SAFETY: a plain C struct for which all-zero bytes are valid (no flags set).
+        let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        p.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        p.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        p.location.id = self.ordinal;
+        p
     }
 
     fn current(&self) -> Result<(), DeviceError> {
@@ -895,6 +908,78 @@ impl Device for CudaDevice {
             // (callers free scratch only after draining the stream that used it).
             unsafe { sys::cuMemFree_v2(ptr) };
         }
+    }
+
+    fn create_physical(&self, len: u64) -> Result<u64, DeviceError> {
+        self.current()?;
+        let mut h = 0;
+        // SAFETY: a valid out-pointer and a fully initialised property block.
+        check("cuMemCreate", unsafe {
+            sys::cuMemCreate(&mut h, len as usize, &self.device_location_prop(), 0)
+        })?;
+        Ok(h)
+    }
+
+    fn release_physical(&self, handle: u64) {
+        if self.current().is_ok() {
+            // SAFETY: `handle` came from cuMemCreate; mappings keep the memory alive.
+            unsafe { sys::cuMemRelease(handle) };
+        }
+    }
+
+    fn reserve_va(&self, hint: u64, len: u64) -> Result<u64, DeviceError> {
+        self.current()?;
+        let mut p = 0;
+        // SAFETY: a valid out-pointer; the hint is only a wish.
+        check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut p, len as usize, VM_GRANULE as usize, hint, 0)
+        })?;
+        Ok(p)
+    }
+
+    fn free_va(&self, ptr: u64, len: u64) {
+        if self.current().is_ok() {
+            // SAFETY: a whole reservation of `reserve_va` with nothing mapped in it.
+            unsafe { sys::cuMemAddressFree(ptr, len as usize) };
+        }
+    }
+
+    fn map_physical(
+        &self,
+        ptr: u64,
+        len: u64,
+        handle: u64,
+        writable: bool,
+    ) -> Result<(), DeviceError> {
+        self.current()?;
+        // SAFETY: `ptr..ptr+len` lies in a reservation and maps nothing yet; `handle` is
+        // `len` bytes of physical memory.
+        check("cuMemMap", unsafe {
+            sys::cuMemMap(ptr, len as usize, 0, handle, 0)
+        })?;
+        let access = sys::CUmemAccessDesc {
+            location: self.device_location_prop().location,
+            flags: if writable {
+                sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            } else {
+                sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ
+            },
+        };
+        // SAFETY: the range was just mapped; one valid descriptor.
+        let r = check("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(ptr, len as usize, &access, 1)
+        });
+        if r.is_err() {
+            // SAFETY: the mapping made above, with nothing using it yet.
+            unsafe { sys::cuMemUnmap(ptr, len as usize) };
+        }
+        r
+    }
+
+    fn unmap_va(&self, ptr: u64, len: u64) -> Result<(), DeviceError> {
+        self.current()?;
+        // SAFETY: whole mappings of `map_physical`; the caller drained work using them.
+        check("cuMemUnmap", unsafe { sys::cuMemUnmap(ptr, len as usize) })
     }
 
     unsafe fn copy_to_host(&self, dst: *mut u8, src: u64, len: usize) -> Result<(), DeviceError> {

@@ -125,6 +125,8 @@ pub struct FakeDevice {
     /// its module's test global.
     functions: Mutex<HashMap<u64, FakeFunction>>,
     next_handle: AtomicU64,
+    /// Physical allocations, reservations and mappings (the VMM API).
+    vmm: super::fake_vmm::FakeVmm,
 }
 
 struct FakeModule {
@@ -204,6 +206,7 @@ impl FakeDevice {
             .iter()
             .map(|b| (b.as_ptr() as u64, b.len() as u64))
             .collect();
+        m.extend(self.vmm.mapped());
         m.extend(
             lock(&self.registered)
                 .iter()
@@ -359,6 +362,36 @@ impl Device for FakeDevice {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .retain(|b| b.as_ptr() as u64 != ptr);
+    }
+
+    fn create_physical(&self, len: u64) -> Result<u64, DeviceError> {
+        self.vmm.create_physical(len)
+    }
+
+    fn release_physical(&self, handle: u64) {
+        self.vmm.release_physical(handle)
+    }
+
+    fn reserve_va(&self, hint: u64, len: u64) -> Result<u64, DeviceError> {
+        self.vmm.reserve_va(hint, len)
+    }
+
+    fn free_va(&self, ptr: u64, len: u64) {
+        self.vmm.free_va(ptr, len)
+    }
+
+    fn map_physical(
+        &self,
+        ptr: u64,
+        len: u64,
+        handle: u64,
+        writable: bool,
+    ) -> Result<(), DeviceError> {
+        self.vmm.map_physical(ptr, len, handle, writable)
+    }
+
+    fn unmap_va(&self, ptr: u64, len: u64) -> Result<(), DeviceError> {
+        self.vmm.unmap_va(ptr, len)
     }
 
     unsafe fn copy_to_host(&self, dst: *mut u8, src: u64, len: usize) -> Result<(), DeviceError> {

@@ -25,6 +25,10 @@ pub enum TestKernel {
     CopyU32,
     /// `(u32* p)`: writes `0xdead` at `p` (tests aim it at nothing).
     WildWrite,
+    /// `(node* head, u32* out, u32 n)`: follows `n` nodes of a linked list from `head`
+    /// (a node: the next node's address, then a `u32` value) and writes the values' sum
+    /// at `out`: pointers read from memory, as identity addressing must serve.
+    Chase,
 }
 
 impl TestKernel {
@@ -35,6 +39,7 @@ impl TestKernel {
             "vgpu_test_set_global" => TestKernel::SetGlobal,
             "vgpu_test_copy_u32" => TestKernel::CopyU32,
             "vgpu_test_wild_write" => TestKernel::WildWrite,
+            "vgpu_test_chase" => TestKernel::Chase,
             _ => return None,
         })
     }
@@ -46,6 +51,7 @@ impl TestKernel {
             TestKernel::SetGlobal => &[4],
             TestKernel::CopyU32 => &[8, 8, 4],
             TestKernel::WildWrite => &[8],
+            TestKernel::Chase => &[8, 8, 4],
         }
     }
 }
@@ -271,6 +277,25 @@ pub fn run(l: &FakeLaunch, reachable: &Reachable<'_>) -> Result<(), u64> {
             check(ptr, 4)?;
             // SAFETY: checked above (tests aim it at nothing, so this rarely runs).
             unsafe { std::ptr::write_unaligned(ptr as *mut u32, 0xdead) };
+        }
+        TestKernel::Chase => {
+            let (mut node, out) = (param_u64(p, 0), param_u64(p, 8));
+            check(out, 4)?;
+            let mut sum = 0u32;
+            for _ in 0..param_u32(p, 16) {
+                check(node, 12)?;
+                // SAFETY: the node's 12 bytes were checked just above.
+                let (next, value) = unsafe {
+                    (
+                        std::ptr::read_unaligned(node as *const u64),
+                        std::ptr::read_unaligned((node + 8) as *const u32),
+                    )
+                };
+                sum = sum.wrapping_add(value);
+                node = next;
+            }
+            // SAFETY: checked at the start.
+            unsafe { std::ptr::write_unaligned(out as *mut u32, sum) };
         }
     }
     Ok(())

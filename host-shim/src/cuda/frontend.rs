@@ -33,6 +33,8 @@ pub(crate) struct GpuMemory<'a> {
     /// Whether kernels may carry their entry's fence signal.
     pub(crate) signals: bool,
     pub(crate) functions: &'a std::sync::Mutex<super::modules::FunctionTable>,
+    /// Guest addresses that are device addresses (module launches pass them as they are).
+    pub(crate) identity: &'a std::sync::Mutex<super::identity::Mirrors>,
 }
 
 /// GP entries issued since the last mark.
@@ -178,6 +180,12 @@ impl<D: Device> Translate for std::cell::RefCell<CtxTranslate<'_, D>> {
         });
         *me.signal_count = Some(p);
         (p != 0).then_some(p)
+    }
+
+    fn identity(&self, va: u64, len: u64, write: bool) -> bool {
+        let me = self.borrow();
+        let mirrors = me.mem.identity.lock().unwrap_or_else(|e| e.into_inner());
+        mirrors.covers(me.ctx, va, len, write)
     }
 
     fn function(&self, id: u32) -> Option<super::plan::BoundFunction> {
@@ -528,6 +536,7 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
                     hostreg: &shared.hostreg,
                     signals: shared.cfg.signal_max_blocks > 0,
                     functions: &shared.functions,
+                    identity: &shared.identity,
                 },
                 &mut old_scratch,
                 &mut tl,

@@ -27,8 +27,10 @@ pub mod driver;
 pub mod error;
 pub mod fake;
 pub mod fake_modules;
+mod fake_vmm;
 mod frontend;
 mod hostreg;
+mod identity;
 mod modules;
 pub mod plan;
 pub mod timeline;
@@ -147,6 +149,8 @@ pub(crate) struct Shared<D: Device> {
     modules: Mutex<std::collections::HashMap<(ContextId, u32), D::Module>>,
     /// Functions contexts bound for LAUNCH_FUNCTION (read by the front end).
     functions: Mutex<modules::FunctionTable>,
+    /// Guest addresses mapped as device addresses (only where guests load modules).
+    identity: Mutex<identity::Mirrors>,
 }
 
 impl<D: Device> Shared<D> {
@@ -244,6 +248,7 @@ impl<D: Device> CudaGpuOf<D> {
             hostreg: Mutex::new(HostRegistry::default()),
             modules: Mutex::new(Default::default()),
             functions: Mutex::new(Default::default()),
+            identity: Mutex::new(Default::default()),
         });
         let s = shared.clone();
         let thread = std::thread::Builder::new()
@@ -298,6 +303,42 @@ impl<D: Device> CudaGpuOf<D> {
     /// Every live channel with its context and counters.
     pub fn channels(&self) -> Vec<(ChannelId, ContextId, ChannelCounters)> {
         self.shared.fifo.channel_list()
+    }
+
+    fn lock_identity(&self) -> std::sync::MutexGuard<'_, identity::Mirrors> {
+        self.shared
+            .identity
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Drops `ctx`'s mirrors of `va..va+size` before its page table changes there (after
+    /// the context's work is done with them), re-adding them for a remap to VRAM
+    /// (`retarget`: `Some(Some(offset))`; `Some(None)` host memory; `None` an unmap).
+    fn unmirror(
+        &self,
+        ctx: ContextId,
+        va: u64,
+        size: u64,
+        retarget: Option<Option<u64>>,
+    ) -> Result<()> {
+        let (listed, mapped) = {
+            let m = self.lock_identity();
+            (m.has_pages(ctx, va, size), m.touches(ctx, va, size))
+        };
+        if !listed {
+            return Ok(());
+        }
+        if mapped {
+            self.drain(&self.context_channels(ctx))?;
+        }
+        let dev = &*self.shared.dev;
+        let mut mirrors = self.lock_identity();
+        match retarget {
+            None => mirrors.unmap(dev, ctx, va, size),
+            Some(offset) => mirrors.remap(dev, &self.shared.vram, ctx, va, size, offset),
+        }
+        Ok(())
     }
 
     fn lock_vram(&self) -> std::sync::MutexGuard<'_, VramAllocator> {
@@ -511,6 +552,7 @@ impl<D: Device> Drop for CudaGpuOf<D> {
                 }
             }
         }
+        self.lock_identity().forget_all(&*self.shared.dev);
         self.shared.vram.free(&*self.shared.dev);
     }
 }
@@ -555,7 +597,11 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
         // Only once the GPU is done with the context's memory may it be unregistered (and
         // the owner free it). A stuck semaphore wait keeps the registration (and so the
         // pages) alive rather than let the GPU touch freed memory.
-        match self.reap(&removed) {
+        let reaped = self.reap(&removed);
+        // Mirrors go either way: a stuck kernel following a pointer then faults rather
+        // than reach VRAM the pool hands out again.
+        self.lock_identity().forget(&*self.shared.dev, ctx);
+        match reaped {
             Ok(()) => {
                 self.forget_modules(ctx);
                 self.shared
@@ -658,20 +704,40 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
                 return Ok(());
             }
         }
-        self.space(ctx)?.map(va, size, target, page, flags)
+        self.space(ctx)?.map(va, size, target, page, flags)?;
+        if let (MapTarget::Vram { offset }, PageSize::Huge2M, true) =
+            (target, page, self.shared.cfg.guest_modules)
+        {
+            self.lock_identity().map(
+                &*self.shared.dev,
+                &self.shared.vram,
+                ctx,
+                va,
+                size,
+                offset,
+                !flags.read_only,
+            );
+        }
+        Ok(())
     }
 
     fn unmap(&self, ctx: ContextId, va: u64, size: u64) -> Result<()> {
-        self.space(ctx)?.unmap(va, size)?;
+        let space = self.space(ctx)?;
+        self.unmirror(ctx, va, size, None)?;
+        space.unmap(va, size)?;
         self.release_sysram(ctx, va, size);
         Ok(())
     }
 
     fn remap(&self, ctx: ContextId, va: u64, size: u64, target: MapTarget) -> Result<()> {
         match target {
-            MapTarget::Vram { .. } => self.shared.fifo.check_vram_target(target, size)?,
+            MapTarget::Vram { offset } => {
+                self.shared.fifo.check_vram_target(target, size)?;
+                self.unmirror(ctx, va, size, Some(Some(offset)))?;
+            }
             MapTarget::Sysram { addr } => {
                 let space = self.space(ctx)?;
+                self.unmirror(ctx, va, size, Some(None))?;
                 // A new key for the retargeted range; whatever it replaces is released.
                 self.release_sysram(ctx, va, size);
                 self.register_sysram(ctx, va, addr, size)?;

@@ -110,6 +110,12 @@ pub trait Translate {
     fn signal_count(&self) -> Option<u64> {
         None
     }
+    /// Whether `va..va+len` is mapped in the device's own address space at the guest's
+    /// address (`super::identity`): a module launch's pointer then passes unchanged.
+    fn identity(&self, va: u64, len: u64, write: bool) -> bool {
+        let _ = (va, len, write);
+        false
+    }
     /// The function the issuing context bound to `id` (guest modules), if any.
     fn function(&self, id: u32) -> Option<BoundFunction> {
         let _ = id;
@@ -570,7 +576,11 @@ fn launch_function(
         let at = r.offset as usize;
         let field = params.get_mut(at..at + 8).ok_or(bad_args)?;
         let va = u64::from_le_bytes(field.try_into().map_err(|_| bad_args)?);
+        // Checked through the page tables either way (a fault names the guest's address).
         let runs = t.runs(va, r.extent, r.write).map_err(fault)?;
+        if t.identity(va, r.extent, r.write) {
+            continue;
+        }
         // Pieces that follow each other in the device's address space (host memory
         // registered piece by piece, say) are one range to a kernel.
         let contiguous = runs.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0);

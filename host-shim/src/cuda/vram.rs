@@ -1,17 +1,18 @@
-//! The `cuda` GPU's VRAM: one block of device memory, addressed by VRAM offset.
+//! The `cuda` GPU's VRAM: device memory addressed by VRAM offset, one physical 2 MiB
+//! allocation per granule (the VMM API: `cuMemCreate`), mapped back to back in one
+//! reserved range so that VRAM offset `o` is device address `base + o`.
 //!
 //! vgpu's GPU virtual addresses are its own (the software MMU in [`crate::mmu`] translates
-//! them when an entry is planned), so a chunk's *device* address never needs to stay
-//! fixed: an eviction copies the chunk out and retargets vgpu's page table to the host
-//! copy, and later entries get the new pointer. One `cuMemAlloc` block therefore serves
-//! where the CUDA VMM API (`cuMemCreate`/`cuMemMap` per 2 MiB) would add a driver call per
-//! chunk and nothing guests could observe.
+//! them when an entry is planned), so builtin kernels and copies use these addresses. A
+//! granule's physical handle can also be mapped a second time, at the guest's own virtual
+//! address, for kernels that follow pointers stored in memory ([`super::identity`]); that
+//! is why VRAM is made of handles rather than one `cuMemAlloc` block.
 //!
 //! The CPU cannot map this memory (no BAR1 mapping for user space): host access is by
 //! copies on a stream of its own ([`Device::copy_to_host`] and friends), and the HAL
 //! reports no CPU view ([`crate::hal::Gpu::vram_fd`] is `None`).
 
-use super::device::Device;
+use super::device::{Device, VM_GRANULE};
 use crate::hal::HalError;
 
 type Result<T> = std::result::Result<T, HalError>;
@@ -19,11 +20,13 @@ type Result<T> = std::result::Result<T, HalError>;
 /// Copies are split so one call never pins a huge host range at once.
 const PIECE: usize = 64 << 20;
 
-/// A block of device memory standing for VRAM offsets `0..len`.
+/// Device memory standing for VRAM offsets `0..len`.
 #[derive(Debug)]
 pub(crate) struct DeviceVram {
     base: u64,
     len: u64,
+    /// The physical allocation of each granule, in offset order.
+    granules: Vec<u64>,
 }
 
 fn dev_err(e: impl std::fmt::Display) -> HalError {
@@ -31,15 +34,39 @@ fn dev_err(e: impl std::fmt::Display) -> HalError {
 }
 
 impl DeviceVram {
-    /// Allocates and zeroes `len` bytes of device memory.
+    /// Allocates and zeroes `len` bytes of device memory (rounded up to whole granules).
     pub(crate) fn new<D: Device>(dev: &D, len: u64) -> Result<Self> {
-        let base = dev.alloc_device(len).map_err(dev_err)?;
-        let vram = DeviceVram { base, len };
-        if let Err(e) = vram.zero(dev, 0, len) {
-            dev.free_device(base);
+        let len = len
+            .checked_next_multiple_of(VM_GRANULE)
+            .ok_or(HalError::InvalidArgument("VRAM size"))?;
+        let base = dev.reserve_va(0, len).map_err(dev_err)?;
+        let mut vram = DeviceVram {
+            base,
+            len,
+            granules: Vec::with_capacity((len / VM_GRANULE) as usize),
+        };
+        let filled = (0..len / VM_GRANULE).try_for_each(|i| {
+            let h = dev.create_physical(VM_GRANULE).map_err(dev_err)?;
+            if let Err(e) = dev.map_physical(base + i * VM_GRANULE, VM_GRANULE, h, true) {
+                dev.release_physical(h);
+                return Err(dev_err(e));
+            }
+            vram.granules.push(h);
+            Ok(())
+        });
+        if let Err(e) = filled.and_then(|()| vram.zero(dev, 0, len)) {
+            vram.free(dev);
             return Err(e);
         }
         Ok(vram)
+    }
+
+    /// The physical allocation of the granule at `offset` (granule-aligned).
+    pub(crate) fn granule(&self, offset: u64) -> Option<u64> {
+        if !offset.is_multiple_of(VM_GRANULE) {
+            return None;
+        }
+        self.granules.get((offset / VM_GRANULE) as usize).copied()
     }
 
     pub(crate) fn len(&self) -> u64 {
@@ -120,8 +147,15 @@ impl DeviceVram {
         dev.zero_device(dst, n).map_err(dev_err)
     }
 
-    /// Returns the block to the driver; no GPU work may use it any more.
+    /// Returns the memory to the driver; no GPU work may use it any more.
     pub(crate) fn free<D: Device>(&self, dev: &D) {
-        dev.free_device(self.base);
+        for (i, &h) in self.granules.iter().enumerate() {
+            let at = self.base + i as u64 * VM_GRANULE;
+            if let Err(e) = dev.unmap_va(at, VM_GRANULE) {
+                log::warn!("cuda: unmapping VRAM at {at:#x}: {e}");
+            }
+            dev.release_physical(h);
+        }
+        dev.free_va(self.base, self.len);
     }
 }
