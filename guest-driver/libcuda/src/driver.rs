@@ -7,7 +7,7 @@
 //! docs/guest-cuda.md: a second thread's calls queue behind a synchronize).
 
 use std::cell::RefCell;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, Once};
 use std::time::Duration;
@@ -150,7 +150,7 @@ pub struct Event {
 pub struct CtxState {
     pub ctx: Context,
     /// Allocations by GPU address.
-    pub allocs: BTreeMap<u64, Buffer>,
+    pub allocs: crate::allocs::Allocs,
     /// `cuMemAllocHost` memory: CPU address → GPU address.
     pub host: HashMap<usize, u64>,
     pub default_stream: Stream,
@@ -170,7 +170,7 @@ impl CtxState {
         let default_stream = Stream::new(&ctx, true)?;
         Ok(CtxState {
             ctx,
-            allocs: BTreeMap::new(),
+            allocs: Default::default(),
             host: HashMap::new(),
             default_stream,
             streams: HashMap::new(),
@@ -242,18 +242,9 @@ impl CtxState {
         first.map_err(|c| self.note(c))
     }
 
-    /// The allocation holding `len` bytes at `ptr`, and the offset of `ptr` in it.
-    pub fn find(&self, ptr: u64, len: u64) -> CuResult<(&Buffer, u64)> {
-        let (va, b) = self
-            .allocs
-            .range(..=ptr)
-            .next_back()
-            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        let off = ptr - va;
-        match off.checked_add(len) {
-            Some(end) if end <= b.len() => Ok((b, off)),
-            _ => Err(CUDA_ERROR_INVALID_VALUE),
-        }
+    /// The allocation holding `len` bytes at `ptr`, and where `ptr` lies in it.
+    pub fn find(&self, ptr: u64, len: u64) -> CuResult<crate::allocs::Found<'_>> {
+        self.allocs.find(ptr, len)
     }
 
     /// A free event slot: its index (its GPU address is `event_va(slot)`).

@@ -9,6 +9,7 @@
 //! link that is not covered exists and returns `CUDA_ERROR_NOT_SUPPORTED`, logging its
 //! name once (`VGPU_CUDA_LOG` sets the log level).
 
+mod allocs;
 mod driver;
 pub mod entry;
 mod errors;

@@ -182,8 +182,8 @@ fn programs_run_through_the_library_as_through_the_driver() {
         assert_eq!(a.get(k).map(String::as_str), Some(want), "{k}: {a:?}");
     }
     // Identity addressing: a kernel follows pointers the program stored in device
-    // memory (guest addresses of 2 MiB-page buffers are the device's own), in two VMs
-    // at once.
+    // memory (guest addresses of 2 MiB-page buffers are the device's own, and small
+    // allocations are pieces of such buffers), in two VMs at once.
     let chase = |vm: &'static str| {
         let b = &backend;
         move || run_ok(b, vm, "pointer_chase", &[PTX, "20000"])
@@ -196,6 +196,7 @@ fn programs_run_through_the_library_as_through_the_driver() {
     for out in [x, y] {
         let out = out.expect("pointer_chase thread");
         assert!(out.starts_with("pointer_chase nodes=20000 sum="), "{out}");
+        assert!(out.trim_end().ends_with(" small=300"), "{out}");
     }
     // The benchmark programs, at sizes for a CPU (they check their own results).
     let out = run_ok(&backend, "a", "launch_rate", &[PTX, "200", "256"]);

@@ -43,15 +43,7 @@ pub extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytes: usize) -> CUresul
         if dptr.is_null() || bytes == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let va = driver::with_current(|st| {
-            let b = st
-                .ctx
-                .alloc_vram(bytes as u64)
-                .map_err(|e| from_error(&e))?;
-            let va = b.gpu_va();
-            st.allocs.insert(va, b);
-            Ok(va)
-        })?;
+        let va = driver::with_current(|st| st.allocs.alloc_device(&st.ctx, bytes as u64))?;
         out(dptr, va)
     })
 }
@@ -61,14 +53,14 @@ pub extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     guard("cuMemFree", || {
         driver::with(|d| {
             let (_, st) = d.current()?;
-            if !st.allocs.contains_key(&dptr) || st.host.values().any(|&v| v == dptr) {
+            if !st.allocs.contains(dptr) || st.host.values().any(|&v| v == dptr) {
                 return Err(CUDA_ERROR_INVALID_VALUE);
             }
             // Work still using the memory finishes first (cuMemFree synchronises).
             if st.sticky.is_none() {
                 st.sync_all()?;
             }
-            st.allocs.remove(&dptr);
+            st.allocs.remove(dptr);
             Ok(())
         })
     })
@@ -79,13 +71,7 @@ pub extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresu
     guard("cuMemGetInfo", || {
         let (used, all) = driver::with(|d| {
             d.current()?;
-            let used: u64 = d
-                .contexts
-                .values()
-                .flat_map(|c| c.allocs.values())
-                .filter(|b| b.kind() == vgpu_guest::MemKind::Vram)
-                .map(|b| b.len())
-                .sum();
+            let used: u64 = d.contexts.values().map(|c| c.allocs.vram_bytes()).sum();
             Ok((used, d.info.vram_bytes))
         })?;
         out(free, all.saturating_sub(used) as usize)?;
@@ -109,7 +95,7 @@ pub extern "C" fn cuMemAllocHost_v2(pp: *mut *mut c_void, bytes: usize) -> CUres
                 .map_err(|e| from_error(&e))?
                 .ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
             st.host.insert(p as usize, b.gpu_va());
-            st.allocs.insert(b.gpu_va(), b);
+            st.allocs.insert(b);
             Ok(p)
         })?;
         out(pp, p.cast::<c_void>())
@@ -137,7 +123,7 @@ pub extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
                 st.sync_all()?;
             }
             st.host.remove(&(p as usize));
-            st.allocs.remove(&va);
+            st.allocs.remove(va);
             Ok(())
         })
     })
@@ -162,8 +148,7 @@ pub extern "C" fn cuMemHostGetDevicePointer_v2(
                 .max_by_key(|(&c, _)| c)
                 .ok_or(CUDA_ERROR_INVALID_VALUE)?;
             let off = (p as usize - cpu) as u64;
-            let (b, _) = st.find(va, 0)?;
-            if off >= b.len() {
+            if off >= st.find(va, 0)?.len {
                 return Err(CUDA_ERROR_INVALID_VALUE);
             }
             Ok(va + off)
@@ -184,8 +169,8 @@ fn htod(dst: CUdeviceptr, src: *const c_void, n: usize, on: On) -> CuResult {
     let data = unsafe { std::slice::from_raw_parts(src.cast::<u8>(), n) };
     driver::with_current(|st| {
         settle(st, on)?;
-        let (b, off) = st.find(dst, n as u64)?;
-        b.write(off, data).map_err(|e| from_error(&e))
+        let f = st.find(dst, n as u64)?;
+        f.buf.write(f.offset, data).map_err(|e| from_error(&e))
     })
 }
 
@@ -201,8 +186,8 @@ fn dtoh(dst: *mut c_void, src: CUdeviceptr, n: usize, on: On) -> CuResult {
     let data = unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), n) };
     driver::with_current(|st| {
         settle(st, on)?;
-        let (b, off) = st.find(src, n as u64)?;
-        b.read(off, data).map_err(|e| from_error(&e))
+        let f = st.find(src, n as u64)?;
+        f.buf.read(f.offset, data).map_err(|e| from_error(&e))
     })
 }
 
@@ -346,8 +331,8 @@ pub extern "C" fn cuMemGetAddressRange_v2(
 ) -> CUresult {
     guard("cuMemGetAddressRange", || {
         let (va, len) = driver::with_current(|st| {
-            let (b, _) = st.find(dptr, 0)?;
-            Ok((b.gpu_va(), b.len()))
+            let f = st.find(dptr, 0)?;
+            Ok((f.base, f.len))
         })?;
         if !base.is_null() {
             out(base, va)?;

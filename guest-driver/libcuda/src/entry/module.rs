@@ -174,11 +174,11 @@ fn relocs(st: &CtxState, params: &[u8], offsets: &[usize]) -> CuResult<Vec<Reloc
         let mut b = [0u8; 8];
         b.copy_from_slice(field);
         let ptr = u64::from_le_bytes(b);
-        if let Ok((buf, off)) = st.find(ptr, 1) {
+        if let Ok(f) = st.find(ptr, 1) {
             out.push(Reloc {
                 offset: at as u32,
                 write: true,
-                extent: buf.len() - off,
+                extent: f.len - (ptr - f.base),
             });
         }
     }

@@ -2,7 +2,8 @@
  * list is laid out over two allocations, nodes in a shuffled order, each node's next
  * pointer the device address cuMemAlloc returned plus an offset, as a user builds it;
  * one thread walks it and sums the nodes' values. A second walk starts from a copy of
- * the head the GPU made (cuMemcpyDtoD): pointers copied on the device stay valid.
+ * the head the GPU made (cuMemcpyDtoD): pointers copied on the device stay valid. A
+ * third walks a list whose every node is a cuMemAlloc of its own.
  * usage: pointer_chase MODULE.ptx [NODES] */
 #include <stdint.h>
 #include <string.h>
@@ -85,6 +86,28 @@ int main(int argc, char **argv) {
         fprintf(stderr, "walk from the copy: sum %#x, expected %#x\n", again, want);
         return 1;
     }
-    printf("pointer_chase nodes=%u sum=%#x\n", n, got);
+    /* A textbook list: every node its own cuMemAlloc of 16 bytes. */
+    unsigned int m = 300;
+    CUdeviceptr *own = malloc(sizeof *own * m);
+    for (unsigned int i = 0; i < m; i++)
+        CHECK(cuMemAlloc(&own[i], sizeof(struct node)));
+    uint32_t want3 = 0;
+    for (unsigned int i = 0; i < m; i++) {
+        struct node nd = {own[(i + 1) % m], i * 3 + 1, 0};
+        CHECK(cuMemcpyHtoD(own[i], &nd, sizeof nd));
+        want3 += nd.value;
+    }
+    void *params3[] = {&own[0], &out, &m};
+    CHECK(cuLaunchKernel(chase, 1, 1, 1, 1, 1, 1, 0, 0, params3, 0));
+    CHECK(cuCtxSynchronize());
+    uint32_t small = 0;
+    CHECK(cuMemcpyDtoH(&small, out, 4));
+    if (small != want3) {
+        fprintf(stderr, "walk of %u small nodes: sum %#x, expected %#x\n", m, small, want3);
+        return 1;
+    }
+    for (unsigned int i = 0; i < m; i++)
+        CHECK(cuMemFree(own[i]));
+    printf("pointer_chase nodes=%u sum=%#x small=%u\n", n, got, m);
     return 0;
 }
