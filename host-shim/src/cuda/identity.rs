@@ -108,8 +108,10 @@ impl Mirrors {
         true
     }
 
-    /// Mirrors a new mapping of VRAM `offset..offset+size` at `va` in 2 MiB pages. Best
-    /// effort: a mapping that cannot be mirrored whole is not mirrored at all.
+    /// Mirrors a new 2 MiB-page mapping at `va`: of VRAM at `offset` (`Some`), or of host
+    /// memory (`None`: a VRAM buffer placed in host memory at allocation, whose pages are
+    /// listed as evicted so that they are mirrored when they move to VRAM). Best effort:
+    /// a mapping that cannot be mirrored whole is not mirrored at all.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn map<D: Device>(
         &mut self,
@@ -118,10 +120,10 @@ impl Mirrors {
         ctx: ContextId,
         va: u64,
         size: u64,
-        offset: u64,
+        offset: Option<u64>,
         writable: bool,
     ) {
-        let aligned = [va, size, offset]
+        let aligned = [va, size, offset.unwrap_or(0)]
             .iter()
             .all(|v| v.is_multiple_of(VM_GRANULE));
         if !aligned || size == 0 || va.checked_add(size).is_none() {
@@ -130,6 +132,18 @@ impl Mirrors {
         if !self.windows_for(dev, ctx, va, size) {
             return;
         }
+        let Some(offset) = offset else {
+            let mut at = va;
+            while at < va + size {
+                self.pages.entry(at).or_insert(Page {
+                    ctx,
+                    writable,
+                    present: false,
+                });
+                at += VM_GRANULE;
+            }
+            return;
+        };
         if let Err(e) = self.place(dev, vram, ctx, va, size, offset, writable) {
             log::warn!("cuda: context {ctx:?}: mirroring {va:#x}+{size:#x}: {e}");
         }
@@ -350,7 +364,7 @@ mod tests {
         let mut m = Mirrors::default();
         let (a, va) = (ContextId(1), slot(0) + 4 * G);
         vram.write(&dev, 2 * G + 16, &7u64.to_le_bytes()).unwrap();
-        m.map(&dev, &vram, a, va, 2 * G, 2 * G, true);
+        m.map(&dev, &vram, a, va, 2 * G, Some(2 * G), true);
         assert!(m.covers(a, va, 2 * G, true));
         assert!(
             !m.covers(ContextId(2), va, 8, false),
@@ -377,24 +391,43 @@ mod tests {
     }
 
     #[test]
+    fn a_buffer_placed_in_host_memory_is_mirrored_when_it_moves_to_vram() {
+        let dev = FakeDevice::default();
+        let vram = DeviceVram::new(&dev, 8 * G).unwrap();
+        let mut m = Mirrors::default();
+        let (a, va) = (ContextId(1), slot(3));
+        m.map(&dev, &vram, a, va, 2 * G, None, true);
+        assert_eq!(m.pages(), 0);
+        assert!(!m.covers(a, va, 1, false) && !m.touches(a, va, 2 * G));
+        assert!(m.has_pages(a, va, 2 * G));
+        vram.write(&dev, 4 * G, &5u64.to_le_bytes()).unwrap();
+        m.remap(&dev, &vram, a, va, G, Some(4 * G));
+        assert!(m.covers(a, va, G, true) && !m.covers(a, va + G, 1, false));
+        assert_eq!(read(&dev, va), 5);
+        m.forget(&dev, a);
+        assert!(!m.has_pages(a, va, 2 * G));
+        vram.free(&dev);
+    }
+
+    #[test]
     fn what_cannot_be_mirrored_whole_is_not_mirrored() {
         let dev = FakeDevice::default();
         let vram = DeviceVram::new(&dev, 8 * G).unwrap();
         let mut m = Mirrors::default();
         let (a, b, va) = (ContextId(1), ContextId(2), slot(1));
-        m.map(&dev, &vram, a, va + 4096, G, 0, true);
-        m.map(&dev, &vram, a, va, G, 4096, true);
-        m.map(&dev, &vram, a, va, 4 * G, 6 * G, true);
+        m.map(&dev, &vram, a, va + 4096, G, Some(0), true);
+        m.map(&dev, &vram, a, va, G, Some(4096), true);
+        m.map(&dev, &vram, a, va, 4 * G, Some(6 * G), true);
         assert_eq!(m.pages(), 0, "unaligned, or reaching past VRAM: nothing");
-        m.map(&dev, &vram, a, va, G, 0, false);
+        m.map(&dev, &vram, a, va, G, Some(0), false);
         assert!(m.covers(a, va, G, false) && !m.covers(a, va, G, true));
         // The window is `a`'s: `b` mapping there is translated only.
-        m.map(&dev, &vram, b, va + 8 * G, G, G, true);
+        m.map(&dev, &vram, b, va + 8 * G, G, Some(G), true);
         assert!(!m.covers(b, va + 8 * G, 1, false));
         // An address the driver will not reserve (taken by someone else) is refused.
         let taken = dev.reserve_va(slot(2), G).unwrap();
         assert_eq!(taken, slot(2));
-        m.map(&dev, &vram, b, slot(2), G, 2 * G, true);
+        m.map(&dev, &vram, b, slot(2), G, Some(2 * G), true);
         assert!(!m.covers(b, slot(2), 1, false));
         assert_eq!(m.windows.get(&slot(2)), Some(&Window::Refused(b)));
         m.forget(&dev, b);

@@ -312,6 +312,30 @@ impl<D: Device> CudaGpuOf<D> {
             .unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Mirrors a new 2 MiB-page mapping at the guest's address (identity addressing),
+    /// where guests load modules: VRAM at `offset`, or host memory for now (`None`).
+    fn mirror(
+        &self,
+        ctx: ContextId,
+        va: u64,
+        size: u64,
+        offset: Option<u64>,
+        page: PageSize,
+        flags: MapFlags,
+    ) {
+        if page == PageSize::Huge2M && self.shared.cfg.guest_modules {
+            self.lock_identity().map(
+                &*self.shared.dev,
+                &self.shared.vram,
+                ctx,
+                va,
+                size,
+                offset,
+                !flags.read_only,
+            );
+        }
+    }
+
     /// Drops `ctx`'s mirrors of `va..va+size` before its page table changes there (after
     /// the context's work is done with them), re-adding them for a remap to VRAM
     /// (`retarget`: `Some(Some(offset))`; `Some(None)` host memory; `None` an unmap).
@@ -706,22 +730,13 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
                     return Err(e);
                 }
                 self.note_sysram(ctx, va, size);
+                self.mirror(ctx, va, size, None, page, flags);
                 return Ok(());
             }
         }
         self.space(ctx)?.map(va, size, target, page, flags)?;
-        if let (MapTarget::Vram { offset }, PageSize::Huge2M, true) =
-            (target, page, self.shared.cfg.guest_modules)
-        {
-            self.lock_identity().map(
-                &*self.shared.dev,
-                &self.shared.vram,
-                ctx,
-                va,
-                size,
-                offset,
-                !flags.read_only,
-            );
+        if let MapTarget::Vram { offset } = target {
+            self.mirror(ctx, va, size, Some(offset), page, flags);
         }
         Ok(())
     }
