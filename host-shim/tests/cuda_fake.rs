@@ -177,3 +177,59 @@ fn in_process_cuda_and_sim_refuse_modules_saying_which_gpu_runs_them() {
     let err = sim.module_load(q.ctx, 1, ptx).unwrap_err();
     assert_eq!(err.code(), vgpu_protocol::ErrorCode::ModulesNeedCudaGpu);
 }
+
+/// Identity addressing through the `Gpu` interface: a 2 MiB-page VRAM mapping is
+/// mapped at the guest's own address (the fake's device addresses are host addresses,
+/// so the test reads it there), counts as used for VRAM swapping though no translation
+/// touched it, and is gone once unmapped.
+#[test]
+fn a_huge_vram_mapping_is_reachable_at_the_guests_own_address() {
+    use vgpu_host_shim::hal::{MapFlags, MapTarget, PageSize};
+    use vgpu_host_shim::Gpu;
+    const G: u64 = 2 << 20;
+    let g = module_gpu();
+    let p = common::Proc::new(&g, common::SYS_BASE);
+    let a = g.alloc_vram(2 * G, G).unwrap();
+    g.vram_write(a.offset + 24, &0x5eed_u64.to_le_bytes())
+        .unwrap();
+    let va = 0x5100_0000_0000;
+    let target = MapTarget::Vram { offset: a.offset };
+    g.map(
+        p.ctx,
+        va,
+        2 * G,
+        target,
+        PageSize::Huge2M,
+        MapFlags::default(),
+    )
+    .unwrap();
+    // SAFETY: on the fake, the mirror is host memory mapped at `va` (checked by the read).
+    let seen = unsafe { std::ptr::read_volatile((va + 24) as *const u64) };
+    assert_eq!(seen, 0x5eed);
+    let counts = g.access_counts(p.ctx, va, 2 * G, true).unwrap();
+    assert_eq!(
+        counts,
+        vec![(va, 1), (va + G, 1)],
+        "mirrored pages count as used"
+    );
+    // A buffer outside VRAM's 2 MiB pages is not mirrored: no use is invented.
+    let small = g.alloc_vram(64 << 10, 64 << 10).unwrap();
+    let small_va = 0x5200_0000_0000;
+    let t = MapTarget::Vram {
+        offset: small.offset,
+    };
+    g.map(
+        p.ctx,
+        small_va,
+        64 << 10,
+        t,
+        PageSize::Big64K,
+        MapFlags::default(),
+    )
+    .unwrap();
+    let counts = g.access_counts(p.ctx, small_va, 64 << 10, true).unwrap();
+    assert!(counts.iter().all(|&(_, n)| n == 0), "{counts:?}");
+    g.unmap(p.ctx, va, 2 * G).unwrap();
+    let counts = g.access_counts(p.ctx, va, 2 * G, true).unwrap();
+    assert!(counts.is_empty(), "{counts:?}");
+}

@@ -786,6 +786,26 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
             .release(&*self.shared.dev, |k| *k == (ctx, HINT_KEY | addr));
     }
 
+    fn access_counts(
+        &self,
+        ctx: ContextId,
+        va: u64,
+        size: u64,
+        reset: bool,
+    ) -> Result<Vec<(u64, u32)>> {
+        let mut counts = self.space(ctx)?.access_counts(va, size, reset)?;
+        // Kernels reach mirrored pages through stored pointers, which no translation
+        // counts: such pages count as used, so VRAM swapping evicts them last (a
+        // kernel following a pointer into an evicted page faults).
+        let mirrors = self.lock_identity();
+        for (at, n) in &mut counts {
+            if mirrors.covers(ctx, *at, 1, false) {
+                *n = (*n).max(1);
+            }
+        }
+        Ok(counts)
+    }
+
     fn invalidate_tlb(&self, ctx: ContextId) -> Result<()> {
         let space = self.space(ctx)?;
         space.invalidate_tlb();

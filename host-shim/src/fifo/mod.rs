@@ -42,16 +42,6 @@ macro_rules! table_methods {
             Ok(self.space(ctx)?.map_cost(va, size, page))
         }
 
-        fn access_counts(
-            &self,
-            ctx: $crate::hal::ContextId,
-            va: u64,
-            size: u64,
-            reset: bool,
-        ) -> $crate::hal::Result<Vec<(u64, u32)>> {
-            self.space(ctx)?.access_counts(va, size, reset)
-        }
-
         fn create_channel(
             &self,
             ctx: $crate::hal::ContextId,

@@ -366,6 +366,16 @@ impl Gpu for SimGpu {
         self.space(ctx)?.remap(va, size, target)
     }
 
+    fn access_counts(
+        &self,
+        ctx: ContextId,
+        va: u64,
+        size: u64,
+        reset: bool,
+    ) -> Result<Vec<(u64, u32)>> {
+        self.space(ctx)?.access_counts(va, size, reset)
+    }
+
     fn invalidate_tlb(&self, ctx: ContextId) -> Result<()> {
         self.space(ctx)?.invalidate_tlb();
         Ok(())
