@@ -393,6 +393,24 @@ fn a_vms_own_module_and_its_variable_move_with_it() {
             .zip(vx.iter().zip(&vy))
             .all(|(z, (x, y))| *z == x.wrapping_add(*y))
     };
+    // A linked list in one 4 MiB buffer (2 MiB pages: its guest addresses are the
+    // device's own), walked by a kernel handed its head as a plain number: the walk
+    // follows pointers stored in memory, so it needs identity addressing on whichever
+    // backend holds the VM.
+    let list_sum = |ctx: &Context, list: &vgpu_guest::Buffer, chase: &Function| -> u32 {
+        let out = ctx.alloc_vram(4096).expect("a buffer");
+        let mut ch = ctx.create_channel().expect("a channel");
+        let args = [
+            Arg::U64(list.gpu_va()),
+            Arg::Buffer(&out, true),
+            Arg::U32(LIST_NODES),
+        ];
+        ch.launch_function(chase, [1, 1, 1], [1, 1, 1], &args)
+            .expect("chase");
+        run(&mut ch);
+        out.read_u32_vec(0, 1).expect("read")[0]
+    };
+    const LIST_NODES: u32 = 5000;
 
     // Guest RAM for the shared workloads' buffers and this process's beside them.
     let mem = 256 << 20;
@@ -414,12 +432,34 @@ fn a_vms_own_module_and_its_variable_move_with_it() {
     run(&mut ch);
     assert_eq!(variable(&ctx, &module, &copy), 0x5eed);
     assert!(vadd_ok(&ctx, &vadd, 3));
+    let chase = module.function("vgpu_test_chase").unwrap();
+    let list = ctx.alloc_vram(4 << 20).expect("the list's buffer");
+    // Node i at 16·((i·97) mod n): next pointer, then value i + 1.
+    let at = |i: u32| list.gpu_va() + 16 * u64::from(i.wrapping_mul(97) % LIST_NODES);
+    let mut nodes = vec![0u8; 16 * LIST_NODES as usize];
+    for i in 0..LIST_NODES {
+        let o = (at(i) - list.gpu_va()) as usize;
+        nodes[o..o + 8].copy_from_slice(&at((i + 1) % LIST_NODES).to_le_bytes());
+        nodes[o + 8..o + 12].copy_from_slice(&(i + 1).to_le_bytes());
+    }
+    list.write(0, &nodes).expect("the list");
+    let want: u32 = (1..=LIST_NODES).sum();
+    assert_eq!(
+        list_sum(&ctx, &list, &chase),
+        want,
+        "a walk through stored pointers"
+    );
     guests.wait_runs(0, 2);
 
     let rep = vm.migrate_to(&b.socket(VM)).expect("migration");
     eprintln!("migration: {rep:?}");
     assert_eq!(variable(&ctx, &module, &copy), 0x5eed, "the variable moved");
     assert!(vadd_ok(&ctx, &vadd, 5), "the bound function runs there");
+    assert_eq!(
+        list_sum(&ctx, &list, &chase),
+        want,
+        "stored pointers still lead through the list there"
+    );
     // A new value there, and back.
     ch.launch_function(&set, [1, 1, 1], [1, 1, 1], &[Arg::U32(0xbac)])
         .unwrap();
@@ -432,6 +472,7 @@ fn a_vms_own_module_and_its_variable_move_with_it() {
         "the new value moved back"
     );
     assert!(vadd_ok(&ctx, &vadd, 7));
+    assert_eq!(list_sum(&ctx, &list, &chase), want, "and back");
     let done = guests.runs.load(Ordering::Acquire);
     guests.wait_runs(done, 2);
     guests.finish();
