@@ -91,7 +91,7 @@ if [ "${SKIP_QEMU:-0}" != "1" ]; then
     # hostile), fair shares, driver reload, guest reboot and a backend restart.
     ci_step "QEMU: a forwarded-mode guest next to a direct loopback VM" \
         ci/qemu/guest-test.sh
-    # The direct path under our QEMU with vhost-user SHMEM (patches 0005-0007): the
+    # The direct path under our QEMU with vhost-user SHMEM (patches 0005-0008): the
     # shared-memory probe, then a direct-mode guest next to a forwarded QEMU guest and a
     # loopback VM (uses what guest-test.sh just built, vgpu-smoke with `loopback` among it).
     ci_step "QEMU: the direct path (vhost-user SHMEM)" ci/qemu/direct-test.sh --no-build

@@ -155,12 +155,16 @@ ORIGVER="$(basename "$SRCDIR")"; ORIGVER="${ORIGVER#src-}"   # as in qemu_<ORIGV
 # to a read-only mapping waits for its replacement, the ack follows the commit and every
 # vCPU's TLB flush, and a TCG vCPU reads its TLB entries in the memory map they were
 # filled from (a stale entry read in a newer map lost stores during VRAM moves).
+# 0008 serves each region as vgpu-vmm does: one RAM region (one KVM memory slot) over a
+# reserved window in which SHMEM_MAP places the backend's pages with mmap(MAP_FIXED) and
+# SHMEM_UNMAP puts zero-page holes back, so that no map or unmap deletes a memory slot
+# (on x86 KVM then drops all of the VM's page tables; docs/benchmarks/virt.md).
 if grep -q '"vhost-user-test-device-pci"\|vhost-user-test-device-pci' "$SRCDIR"/hw/virtio/*.c; then
     DEVICE=vhost-user-test-device-pci
     PATCHES=(0001 0003)
 else
     DEVICE=vhost-user-device-pci
-    PATCHES=(0001 0002 0003 0004 0005 0006 0007)
+    PATCHES=(0001 0002 0003 0004 0005 0006 0007 0008)
 fi
 PATCH_FILES=()
 for p in "${PATCHES[@]}"; do PATCH_FILES+=("$(ls "$HERE/patches/$p"-*.patch)"); done

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The direct path under QEMU. Our QEMU (ci/qemu/build.sh) has vhost-user shared memory
 # (GET_SHMEM_CONFIG, SHMEM_MAP/UNMAP and the generic device's shared-memory BAR: patches
-# 0005/0006, the numbers of QEMU 11.1's series), so vgpu.ko can find the region and
-# submit directly. Three parts:
+# 0005/0006, the numbers of QEMU 11.1's series; 0007 for map-over and held stores; 0008
+# serves each region as one memory slot with the backend's pages placed by
+# mmap(MAP_FIXED)), so vgpu.ko can find the region and submit directly. Three parts:
 #   1. QEMU's half, without a guest: ci/qemu/shmem_probe.py (a fake backend: negotiation,
 #      the BAR, map/unmap read back through the BAR, refusals, reconnect, reset).
 #      A failure fails the test.

@@ -11,6 +11,10 @@ checked end to end. Steps, each printing "SP-STEP <name> ok|FAIL <detail>":
   bar        BAR 4 is 64-bit, prefetchable, as large as the regions together
   map        SHMEM_MAP of a memfd into region 0 and into the second region: acked, and
              the BAR reads the memfd's bytes at the region's offset
+  one-slot   (patch 0008) the writable mapping is no memory region of its own: each
+             region is one RAM region over a reserved window (one KVM memory slot) in
+             which the backend's pages are placed with mmap(MAP_FIXED); the read-only
+             mapping overlays it
   reject     a mapping past its region's end, an unknown region and an unmap of
              nothing are each answered with a failure, and the channel still works
   replace    (patch 0007) a map over one page inside a mapping: the BAR shows the new
@@ -32,6 +36,7 @@ import argparse
 import array
 import json
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -282,6 +287,14 @@ def main():
              and got3 == 0x5EED0000CAFE0003,
              f"replies={r0},{r3} region0={show(got0)} region3={show(got3)}")
 
+        # Patch 0008: a writable mapping is placed in the region's window (one RAM
+        # region, one KVM memory slot), not a memory region of its own; a read-only
+        # one still overlays the window (a store to it waits for its replacement).
+        mtree = hmp(qmp_a, "info mtree")
+        step("one-slot", "virtio-shmem-0-window" in mtree and "virtio-shmem-3-window" in mtree
+             and "virtio-shmem-0@" not in mtree and "virtio-shmem-3@0x0" in mtree,
+             "regions: " + " ".join(sorted(set(re.findall(r"virtio-shmem-[0-9@x-]+\w*", mtree)))))
+
         bad = [backend.request(SHMEM_MAP, 0, 0, MIB - PAGE, 2 * PAGE, MAP_RW, fd_a),
                backend.request(SHMEM_MAP, 7, 0, 0, PAGE, MAP_RW, fd_a),
                backend.request(SHMEM_UNMAP, 0, 0, 0, PAGE, 0)]
@@ -337,7 +350,7 @@ def main():
          f"rc={r.returncode} stderr={r.stderr.strip()[-200:]!r}")
 
     print(f"SP-RESULT {'ok' if all(results.values()) else 'FAIL'} (work {work})", flush=True)
-    return 0 if all(results.values()) and len(results) == 9 else 1
+    return 0 if all(results.values()) and len(results) == 10 else 1
 
 
 if __name__ == "__main__":
