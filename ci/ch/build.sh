@@ -77,12 +77,23 @@ if [ "$(cat "$WORK/.stamp" 2>/dev/null)" != "$SRC_STAMP" ]; then
     vhost_sum="$(grep -A3 '^name = "vhost"$' "$lock" | sed -n 's/^checksum = "\(.*\)"$/\1/p')"
     [ -n "$vhost_ver" ] && [ -n "$vhost_sum" ] || die "no vhost in $VERSION's Cargo.lock"
     crate_glob="${CARGO_HOME:-$HOME/.cargo}/registry/cache/*/vhost-$vhost_ver.crate"
+    # `|| true`: no match is an answer here, not an error (pipefail would end the script
+    # without a word on a machine whose registry cache lacks the crate).
     # shellcheck disable=SC2086
-    crate="$(ls $crate_glob 2>/dev/null | head -n 1)"
+    crate="$(ls $crate_glob 2>/dev/null | head -n 1 || true)"
     if [ -z "$crate" ]; then
-        (cd "$WORK/cloud-hypervisor" && cargo fetch >&2) || die "cargo fetch failed"
+        # Fetched through a scratch package that needs only it: Cloud Hypervisor's own
+        # workspace cannot resolve before its git dependency is patched to a local path.
+        log "fetching vhost $vhost_ver (not in cargo's cache)"
+        scratch="$(mktemp -d)"
+        mkdir -p "$scratch/src"
+        : >"$scratch/src/lib.rs"
+        printf '[package]\nname = "fetch-vhost"\nversion = "0.0.0"\nedition = "2021"\n\n[dependencies]\nvhost = "=%s"\n' \
+            "$vhost_ver" >"$scratch/Cargo.toml"
+        (cd "$scratch" && cargo fetch >&2) || { rm -rf "$scratch"; die "cargo fetch of vhost $vhost_ver failed"; }
+        rm -rf "$scratch"
         # shellcheck disable=SC2086
-        crate="$(ls $crate_glob 2>/dev/null | head -n 1)"
+        crate="$(ls $crate_glob 2>/dev/null | head -n 1 || true)"
     fi
     [ -n "$crate" ] || die "vhost $vhost_ver is not in cargo's registry cache"
     echo "$vhost_sum  $crate" | sha256sum --quiet -c - || die "$crate does not match $VERSION's Cargo.lock"
