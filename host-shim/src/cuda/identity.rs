@@ -204,10 +204,9 @@ impl Mirrors {
         keep: bool,
     ) -> Vec<(u64, bool)> {
         let from = va - va % VM_GRANULE;
-        let end = va.saturating_add(size);
         let hit: Vec<(u64, Page)> = self
             .pages
-            .range(from..end)
+            .range(from..va.saturating_add(size))
             .filter(|(_, p)| p.ctx == ctx)
             .map(|(&at, p)| (at, *p))
             .collect();
@@ -232,21 +231,24 @@ impl Mirrors {
         hit.into_iter().map(|(at, p)| (at, p.writable)).collect()
     }
 
-    /// Whether `ctx` has pages mapped on the device overlapping `va..va+size` (the caller
-    /// then drains the context's work before [`Mirrors::unmap`] or [`Mirrors::remap`]).
-    pub(crate) fn touches(&self, ctx: ContextId, va: u64, size: u64) -> bool {
+    /// `ctx`'s listed pages (present or evicted) overlapping `va..va+size`.
+    fn overlapping(&self, ctx: ContextId, va: u64, size: u64) -> impl Iterator<Item = &Page> {
         let from = va - va % VM_GRANULE;
         self.pages
             .range(from..va.saturating_add(size))
-            .any(|(_, p)| p.ctx == ctx && p.present)
+            .map(|(_, p)| p)
+            .filter(move |p| p.ctx == ctx)
+    }
+
+    /// Whether `ctx` has pages mapped on the device overlapping `va..va+size` (the caller
+    /// then drains the context's work before [`Mirrors::unmap`] or [`Mirrors::remap`]).
+    pub(crate) fn touches(&self, ctx: ContextId, va: u64, size: u64) -> bool {
+        self.overlapping(ctx, va, size).any(|p| p.present)
     }
 
     /// Whether `ctx` has mirrored pages, present or evicted, overlapping `va..va+size`.
     pub(crate) fn has_pages(&self, ctx: ContextId, va: u64, size: u64) -> bool {
-        let from = va - va % VM_GRANULE;
-        self.pages
-            .range(from..va.saturating_add(size))
-            .any(|(_, p)| p.ctx == ctx)
+        self.overlapping(ctx, va, size).next().is_some()
     }
 
     /// The mapping at `va..va+size` is gone.
