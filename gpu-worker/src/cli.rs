@@ -43,6 +43,11 @@ struct Cli {
     /// How long the worker may keep the turn while others wait, microseconds.
     #[arg(long, default_value_t = 4000)]
     turn_quantum_us: u64,
+    /// Longest sleep of the idle front end with the doorbell armed, microseconds; 0: no
+    /// doorbell (the backend's `--doorbell-sleep-us`).
+    #[arg(long, default_value_t = 10_000,
+          value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    doorbell_sleep_us: u64,
     /// Test-only fault injection: this long after the start, run a kernel that writes a
     /// wild address (`cuda`; on `cuda-fake` the device acts one out), as a faulty or
     /// hostile kernel would. The worker then loses its GPU and exits.
@@ -104,6 +109,7 @@ fn open(cli: &Cli) -> Result<Arc<dyn Gpu>, String> {
         turn: turn(cli)?,
         // This process serves one VM: its guests may run their own modules here.
         guest_modules: true,
+        doorbell_sleep_ns: cli.doorbell_sleep_us * 1000,
         ..CudaConfig::default()
     };
     let gpu: Arc<dyn Gpu> = match cli.gpu.as_str() {
@@ -111,6 +117,7 @@ fn open(cli: &Cli) -> Result<Arc<dyn Gpu>, String> {
             vram_bytes: cli.vram_mib << 20,
             max_channels: cli.max_channels,
             max_contexts: cli.max_contexts,
+            doorbell_sleep_ns: cli.doorbell_sleep_us * 1000,
             ..SimConfig::default()
         })
         .map_err(|e| format!("sim GPU: {e}"))?,

@@ -1302,6 +1302,26 @@ static long ioc_global_get(struct vgpu_file *vf, void __user *arg)
 	return copy_to_user(arg, &a, sizeof(a)) ? -EFAULT : 0;
 }
 
+/*
+ * A control-queue notification with no request on it: the device wakes its front end.
+ * Under ctrl_lock, which remove takes to mark the device dead before it deletes the
+ * queues. No ownership check: ringing only wakes this VM's own front end.
+ */
+static long ioc_doorbell(struct vgpu_file *vf)
+{
+	struct vgpu_dev *dev = vf->dev;
+	unsigned long flags;
+	long err = 0;
+
+	spin_lock_irqsave(&dev->ctrl_lock, flags);
+	if (dev->dead)
+		err = -ENODEV;
+	else
+		virtqueue_notify(dev->ctrl_vq);
+	spin_unlock_irqrestore(&dev->ctrl_lock, flags);
+	return err;
+}
+
 static long vgpu_ioctl(struct file *filp, unsigned int cmd, unsigned long arg)
 {
 	struct vgpu_file *vf = filp->private_data;
@@ -1350,6 +1370,8 @@ static long vgpu_ioctl(struct file *filp, unsigned int cmd, unsigned long arg)
 		return ioc_get_attributes(vf, p);
 	case VGPU_IOC_GLOBAL_GET:
 		return ioc_global_get(vf, p);
+	case VGPU_IOC_DOORBELL:
+		return ioc_doorbell(vf);
 	default:
 		return -ENOTTY;
 	}

@@ -250,6 +250,13 @@ struct vgpu_ioc_global_get {
 	__u64 size; /* out */
 };
 
+/*
+ * DOORBELL (no argument): wakes the device's front end. A process that advanced a
+ * channel's GP_PUT and then, after a full fence, finds WANT_DOORBELL set in the channel's
+ * page (the front end sleeps instead of polling) rings it; the driver notifies the
+ * control queue without a request on it (protocol.md, "Doorbell").
+ */
+
 #define VGPU_IOC_GET_INFO _IOR(VGPU_IOCTL_MAGIC, 0x00, struct vgpu_ioc_info)
 #define VGPU_IOC_GET_STATS _IOR(VGPU_IOCTL_MAGIC, 0x01, struct vgpu_ioc_stats)
 #define VGPU_IOC_CREATE_CONTEXT _IOR(VGPU_IOCTL_MAGIC, 0x02, struct vgpu_ioc_context)
@@ -271,5 +278,6 @@ struct vgpu_ioc_global_get {
 #define VGPU_IOC_FUNCTION_GET _IOWR(VGPU_IOCTL_MAGIC, 0x12, struct vgpu_ioc_function_get)
 #define VGPU_IOC_GLOBAL_GET _IOWR(VGPU_IOCTL_MAGIC, 0x13, struct vgpu_ioc_global_get)
 #define VGPU_IOC_GET_ATTRIBUTES _IOWR(VGPU_IOCTL_MAGIC, 0x14, struct vgpu_ioc_attributes)
+#define VGPU_IOC_DOORBELL _IO(VGPU_IOCTL_MAGIC, 0x15)
 
 #endif /* VGPU_IOCTL_H */

@@ -30,6 +30,8 @@ pub mod vram {
 }
 
 pub use choice::GpuChoice;
+/// Both GPUs' default longest sleep of an idle front end with the doorbell armed.
+pub use fifo::doze::DEFAULT_SLEEP_NS as DEFAULT_DOORBELL_SLEEP_NS;
 pub use hal::{
     ActivityCounter, ChannelConfig, ChannelCounters, ChannelId, ChannelResume, ContextId,
     EventSink, FdRange, GlobalInfo, Gpu, GpuEvent, GpuInfo, HalError, HostRange, MapFlags,

@@ -410,7 +410,7 @@ fn ring_and_push_buffers_mutated_while_decoded() {
 
 /// The overrun check (GP_PUT more than a ring ahead of what ran) uses the GPU's own count
 /// of completed entries, not the page's GP_GET, which the guest can write too.
-fn forged_gp_get_does_not_hide_a_ring_overrun<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+fn forged_gp_get_does_not_hide_a_ring_overrun<G: Gpu + ?Sized + 'static>(gpu: &Arc<G>) {
     let p = Proc::new(gpu, SYS_BASE);
     let mut ch = p.channel(0);
     // A full ring of valid entries that have not run (GP_PUT still 0).

@@ -39,6 +39,8 @@ pub(crate) struct Ctrl {
     /// The generation while the device works, `DOWN` while it does not: read without the
     /// lock by guest threads polling their channels.
     pub(crate) live_epoch: AtomicU64,
+    /// Doorbells rung ([`crate::LoopbackVm::ring_doorbell`]).
+    pub(crate) doorbells: AtomicU64,
 }
 
 /// `Ctrl::live_epoch` of a device that does not work.

@@ -196,6 +196,7 @@ impl LoopbackVm {
             timeout: faults.request_timeout,
             link: link.clone(),
             live_epoch: AtomicU64::new(0),
+            doorbells: AtomicU64::new(0),
         });
 
         // Event queue: one writable buffer per descriptor, all posted up front.
@@ -305,6 +306,22 @@ impl LoopbackVm {
     /// Whether the rings run with `VIRTIO_RING_F_EVENT_IDX` (asked for and offered).
     pub fn event_idx(&self) -> bool {
         lock(&self.ctrl.st).q.event_idx()
+    }
+
+    /// Rings the doorbell: a control-queue kick with no request on it, which the device
+    /// takes as "look at the channels now" (protocol.md, "Doorbell"), as the guest
+    /// driver's `VGPU_IOC_DOORBELL` does. Not while the rings are frozen for a migration.
+    pub fn ring_doorbell(&self) {
+        if lock(&self.ctrl.st).frozen {
+            return;
+        }
+        self.ctrl.doorbells.fetch_add(1, Ordering::Relaxed);
+        kick(&self.ctrl.kick);
+    }
+
+    /// Doorbells rung so far (not counted among the control queue's kicks).
+    pub fn doorbells(&self) -> u64 {
+        self.ctrl.doorbells.load(Ordering::Relaxed)
     }
 
     /// Kicks sent and interrupts seen so far, per queue.

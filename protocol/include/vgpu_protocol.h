@@ -46,6 +46,7 @@ typedef uint64_t vgpu_le64;
 #define VGPU_CTRL_VERSION 0x10    /* GPU: VGPU_PROTOCOL_VERSION, at creation         */
 #define VGPU_CTRL_GP_ENTRIES 0x14 /* GPU: ring size in entries (informational)       */
 #define VGPU_CTRL_NOTIFY_SEQ 0x18 /* GPU: NOTIFY methods executed (wrapping)         */
+#define VGPU_CTRL_WANT_DOORBELL 0x1c /* GPU: nonzero while the front end sleeps      */
 #define VGPU_CTRL_ERROR_INFO 0x20 /* GPU: u64 detail for ERROR                       */
 #define VGPU_CTRL_USED_BYTES 0x28 /* bytes that carry state; the rest reads as zero  */
 

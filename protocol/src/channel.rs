@@ -26,6 +26,10 @@ impl ControlPage {
     pub const GP_ENTRIES: usize = 0x14;
     /// Count of `NOTIFY` methods executed (wrapping).
     pub const NOTIFY_SEQ: usize = 0x18;
+    /// Nonzero while the GPU's front end sleeps rather than polls: an application that
+    /// advanced `GP_PUT` and then (after a full fence) reads nonzero here rings the
+    /// doorbell (docs/protocol.md, "Doorbell"). Written by the GPU only.
+    pub const WANT_DOORBELL: usize = 0x1c;
     /// `u64`: detail for `ERROR`: the faulting GPU virtual address, or the GPU address of
     /// the malformed GP entry or method header.
     pub const ERROR_INFO: usize = 0x20;
@@ -56,6 +60,7 @@ mod tests {
             (ControlPage::VERSION, 4),
             (ControlPage::GP_ENTRIES, 4),
             (ControlPage::NOTIFY_SEQ, 4),
+            (ControlPage::WANT_DOORBELL, 4),
             (ControlPage::ERROR_INFO, 8),
         ];
         fields.sort();

@@ -159,6 +159,7 @@ fn expected_defines() -> Vec<(String, u64)> {
         ("VERSION", ControlPage::VERSION),
         ("GP_ENTRIES", ControlPage::GP_ENTRIES),
         ("NOTIFY_SEQ", ControlPage::NOTIFY_SEQ),
+        ("WANT_DOORBELL", ControlPage::WANT_DOORBELL),
         ("ERROR_INFO", ControlPage::ERROR_INFO),
         ("USED_BYTES", ControlPage::USED_BYTES),
     ] {

@@ -90,9 +90,20 @@ pub fn gpu_from_env(vram_bytes: u64) -> Arc<dyn Gpu> {
         .ok()
         .map(|s| s.parse().unwrap_or_else(|e| panic!("VGPU_TEST_GPU: {e}")))
         .unwrap_or_default();
+    // `VGPU_TEST_DOORBELL_US`: the front end's sleep with the doorbell armed (0: none),
+    // to compare a test's behaviour with and without the doorbell.
+    let doorbell_sleep_ns = std::env::var("VGPU_TEST_DOORBELL_US")
+        .ok()
+        .map(|s| {
+            s.parse::<u64>()
+                .unwrap_or_else(|e| panic!("VGPU_TEST_DOORBELL_US: {e}"))
+                .saturating_mul(1000)
+        })
+        .unwrap_or(vgpu_host_shim::DEFAULT_DOORBELL_SLEEP_NS);
     match choice {
         GpuChoice::Sim => SimGpu::new(SimConfig {
             vram_bytes,
+            doorbell_sleep_ns,
             ..Default::default()
         })
         .expect("sim GPU"),
@@ -100,6 +111,7 @@ pub fn gpu_from_env(vram_bytes: u64) -> Arc<dyn Gpu> {
             index,
             CudaConfig {
                 vram_bytes,
+                doorbell_sleep_ns,
                 ..Default::default()
             },
         )

@@ -56,6 +56,13 @@ struct Cli {
     #[arg(long, value_name = "US", default_value_t = 250,
           value_parser = clap::value_parser!(u64).range(10..=100_000))]
     sim_idle_sleep_us: u64,
+    /// Longest sleep of an idle GPU front end with the doorbell armed, microseconds
+    /// (sim and cuda, in this process and in GPU workers): guests ring the doorbell when
+    /// they submit to a sleeping front end, so this only bounds the wait of one that does
+    /// not. 0: no doorbell; idle front ends poll GP_PUT at growing intervals.
+    #[arg(long, value_name = "US", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    doorbell_sleep_us: u64,
     /// Per-VM limit: VRAM, MiB (default: the GPU's VRAM).
     #[arg(long)]
     vm_vram_mib: Option<u64>,
@@ -289,7 +296,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
         None => cuda.then_some(vgpu_gpu_worker::Granularity::Vm),
     };
     if let Some(granularity) = workers {
-        let program = worker_program(&cfg, cli.test_worker_gpu.as_deref())?;
+        let program = worker_program(&cfg, cli.test_worker_gpu.as_deref(), cli.doorbell_sleep_us)?;
         // Before the filters: no thread of the backend may start a process afterwards.
         let pid = vgpu_gpu_worker::launcher::start_process_launcher(
             &program.program,
@@ -323,6 +330,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             max_channels: cfg.gpu.max_channels,
             max_contexts: cfg.gpu.max_contexts,
             max_idle_sleep_ns: cli.sim_idle_sleep_us * 1000,
+            doorbell_sleep_ns: cli.doorbell_sleep_us * 1000,
             ..SimConfig::default()
         })
         .map_err(|e| format!("sim GPU: {e}"))?,
@@ -332,6 +340,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
                 vram_bytes: cfg.gpu.vram_bytes,
                 max_channels: cfg.gpu.max_channels,
                 max_contexts: cfg.gpu.max_contexts,
+                doorbell_sleep_ns: cli.doorbell_sleep_us * 1000,
                 ..CudaConfig::default()
             },
         )
@@ -375,6 +384,7 @@ fn parse_turn_us(s: &str) -> Result<u64, String> {
 fn worker_program(
     cfg: &vgpu_backend::config::Config,
     test_gpu: Option<&str>,
+    doorbell_sleep_us: u64,
 ) -> Result<vgpu_gpu_worker::WorkerProgram, String> {
     let exe = std::env::current_exe().map_err(|e| format!("this program's path: {e}"))?;
     let gpu = match test_gpu {
@@ -390,6 +400,8 @@ fn worker_program(
             gpu,
             "--seccomp".into(),
             cfg.seccomp.name().into(),
+            "--doorbell-sleep-us".into(),
+            doorbell_sleep_us.to_string(),
         ],
     })
 }

@@ -633,6 +633,11 @@ impl VhostUserBackend for VhuVgpu {
     ) -> io::Result<()> {
         match u64::from(device_event) {
             t if t == u64::from(CONTROL_QUEUE) => {
+                // A kick is a request or a doorbell (no request on the ring): either way
+                // the front end looks now, before the requests are served.
+                if self.serving() {
+                    self.vm.ring_doorbell();
+                }
                 if let Some(v) = vrings.get(CONTROL_QUEUE as usize) {
                     self.process_control(v);
                 }

@@ -99,6 +99,10 @@ enum Suite {
         /// themselves, in the in-process GPU (0: never) [default: 1].
         #[arg(long)]
         signal_max_blocks: Option<u64>,
+        /// Longest sleep of the idle front end with the doorbell armed, µs, in the
+        /// in-process GPU and the workers (0: no doorbell, idle polls) [default: 10000].
+        #[arg(long)]
+        doorbell_sleep_us: Option<u64>,
     },
     /// Fair service of control requests: a victim VM's request latency alone and while
     /// another VM floods its control queue, or its event queue, side by side.
@@ -172,6 +176,7 @@ fn main() {
             processes,
             b2b_rounds,
             signal_max_blocks,
+            doorbell_sleep_us,
         } => match gpu {
             vgpu_host_shim::GpuChoice::Sim => {
                 Err("vgpu-bench cuda needs --gpu cuda[:INDEX]".into())
@@ -195,6 +200,8 @@ fn main() {
                 opts.batch = batch.unwrap_or(opts.batch);
                 opts.max_inflight = max_inflight.unwrap_or(opts.max_inflight);
                 opts.signal_max_blocks = signal_max_blocks.unwrap_or(opts.signal_max_blocks);
+                opts.doorbell_sleep_ns =
+                    doorbell_sleep_us.map_or(opts.doorbell_sleep_ns, |us| us.saturating_mul(1000));
                 match workers.then(backend_beside_me).transpose() {
                     Ok(w) => {
                         opts.workers = w;

@@ -350,7 +350,9 @@ impl Channel {
             // Never store into a page that belongs to another generation of the device.
             self.control.check_device()?;
             self.control.set_gp_put(seq);
-            self.ctx.transport.doorbell(self.handle);
+            if self.control.doorbell_wanted() {
+                self.ctx.transport.doorbell(self.handle);
+            }
         }
         self.put = seq;
         self.submitted += 1;

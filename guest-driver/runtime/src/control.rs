@@ -96,6 +96,17 @@ impl ControlView {
         self.u32_at(ControlPage::GP_PUT).store(v, Ordering::Release);
     }
 
+    /// Whether the GPU's front end sleeps and wants the doorbell rung for the GP_PUT just
+    /// published. The full fence orders that store before this load, as the front end
+    /// orders its flag store before its GP_PUT loads (protocol.md, "Doorbell"): one of
+    /// the two sees the other.
+    pub(crate) fn doorbell_wanted(&self) -> bool {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.u32_at(ControlPage::WANT_DOORBELL)
+            .load(Ordering::Relaxed)
+            != 0
+    }
+
     pub(crate) fn gp_get(&self) -> u32 {
         let page = self.u32_at(ControlPage::GP_GET).load(Ordering::Acquire);
         monotonic(&self.seen_get, page)

@@ -456,7 +456,7 @@ impl Transport for LoopbackTransport {
     }
 
     fn doorbell(&self, _ch: ChanHandle) {
-        // No doorbell: ringing one would be an exit. The GPU polls GP_PUT.
+        self.vm.ring_doorbell();
     }
 
     fn module_load(&self, ctx: CtxHandle, image: &[u8]) -> Result<u32> {

@@ -415,10 +415,12 @@ impl Transport for NativeTransport {
         Ok(())
     }
 
-    fn doorbell(&self, _ch: ChanHandle) {
-        // Like the hardware it models, the GPU notices GP_PUT stores by itself; ringing
-        // the HAL's doorbell here would give the native baseline a wake-up that a guest
-        // (for which a doorbell is a VM exit) does not get, and skew every comparison.
+    fn doorbell(&self, ch: ChanHandle) {
+        // Rung only when the front end asked (as a guest's is), so the native baseline
+        // gets no wake-up a guest does not.
+        if let Ok(id) = u32::try_from(ch.0) {
+            self.gpu.doorbell(ChannelId(id));
+        }
     }
 }
 

@@ -164,7 +164,9 @@ pub trait Transport: Send + Sync {
     fn lost_probe(&self) -> Option<LostProbe> {
         None
     }
-    /// Hints the GPU to look at the channel now. Optional for correctness: the GPU polls.
+    /// Rings the doorbell: the GPU's front end, asleep (the channel's `WANT_DOORBELL`),
+    /// looks at its channels now instead of at the end of its sleep (protocol.md,
+    /// "Doorbell"). Best effort: a ring that cannot be delivered only delays the work.
     fn doorbell(&self, ch: ChanHandle);
 
     /// Has the host store `gp_put` into the channel's control page: the API-remoting

@@ -581,18 +581,27 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
             .frontend_cpu_ns
             .fetch_add(t - cpu_mark, Ordering::Relaxed);
         cpu_mark = t;
-        // Work on the GPU: poll at the short interval so completions are seen promptly;
-        // idle: back off up to the longest sleep (a doorbell wakes us).
-        let cap = if now - last_active < shared.cfg.warm_ns {
-            shared.cfg.warm_max_sleep_ns
-        } else {
-            shared.cfg.max_idle_sleep_ns
-        };
+        // Work on the GPU: poll at the short interval so completions are seen promptly.
+        // Idle: sleep until a doorbell (or, without one, back off up to the longest nap).
+        if !busy && shared.cfg.doorbell_sleep_ns > 0 {
+            crate::fifo::doze::sleep_with_doorbell(
+                &chans,
+                |c| &c.core,
+                |c| c.has_pending(),
+                Duration::from_nanos(shared.cfg.doorbell_sleep_ns),
+            );
+            continue;
+        }
         let wait = if busy {
             shared.cfg.min_idle_sleep_ns
         } else {
-            let w = sleep_ns.min(cap);
-            sleep_ns = (sleep_ns * 2).min(cap.max(shared.cfg.min_idle_sleep_ns));
+            let w = sleep_ns.min(shared.cfg.max_idle_sleep_ns);
+            sleep_ns = (sleep_ns * 2).min(
+                shared
+                    .cfg
+                    .max_idle_sleep_ns
+                    .max(shared.cfg.min_idle_sleep_ns),
+            );
             w
         };
         std::thread::park_timeout(Duration::from_nanos(wait));

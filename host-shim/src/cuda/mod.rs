@@ -70,15 +70,17 @@ pub struct CudaConfig {
     /// the guest's next submission are seen at once, not after a nap (the front end costs
     /// a core while it spins; with the GPU turn only the holder has work on the GPU).
     pub busy_poll_inflight_ns: u64,
-    /// Shortest and longest sleep between polls when idle (doubling).
+    /// Sleep between polls while the front end's own work is on the GPU (completions are
+    /// found by polling), and the shortest sleep when idle without the doorbell.
     pub min_idle_sleep_ns: u64,
+    /// Longest sleep between polls when idle without the doorbell (doubling from
+    /// `min_idle_sleep_ns`).
     pub max_idle_sleep_ns: u64,
-    /// For this long after the last activity, sleeps stay at most `warm_max_sleep_ns`:
-    /// guests cannot ring a doorbell (a store to GP_PUT causes no exit), so the first
-    /// submission after a pause waits for the next poll, and an application between two
-    /// bursts of work should not pay the long idle sleep.
-    pub warm_ns: u64,
-    pub warm_max_sleep_ns: u64,
+    /// Idle with the doorbell armed ([`crate::fifo::doze`]): the front end sleeps until a
+    /// doorbell, or for at most this long. 0: no doorbell; idle sleeps double from
+    /// `min_idle_sleep_ns` to `max_idle_sleep_ns` and a submission waits for the next
+    /// poll (the comparison baseline).
+    pub doorbell_sleep_ns: u64,
     /// How long `invalidate_tlb`/`destroy_context` wait for a context's GPU work.
     pub drain_timeout: Duration,
     /// Most GP entries sharing one completion mark while the GPU has a single active
@@ -117,8 +119,7 @@ impl Default for CudaConfig {
             busy_poll_inflight_ns: 2_000_000,
             min_idle_sleep_ns: 10_000,
             max_idle_sleep_ns: 1_000_000,
-            warm_ns: 2_000_000_000,
-            warm_max_sleep_ns: 50_000,
+            doorbell_sleep_ns: crate::fifo::doze::DEFAULT_SLEEP_NS,
             drain_timeout: Duration::from_secs(10),
             batch: 32,
             batch_quiet_ns: 100_000_000,

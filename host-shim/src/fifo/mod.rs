@@ -5,6 +5,7 @@
 //! channel's address space. What does not depend on how the entries then run lives here:
 //! - [`control_pages`]: the memfd holding every channel's control page;
 //! - [`channel_core`]: [`channel_core::ChannelCore`], which each GPU's channel contains;
+//! - [`doze`]: the front end's sleep with the doorbell armed;
 //! - [`fetch`]: GP fetch/decode and a LAUNCH's argument block;
 //! - [`tables`]: the contexts and channels, the front end's wake-up, the VRAM bounds check,
 //!   and ([`table_methods!`]) the `Gpu` methods answered from them alone.
@@ -14,6 +15,7 @@
 
 pub mod channel_core;
 pub mod control_pages;
+pub mod doze;
 pub mod fetch;
 pub mod tables;
 

@@ -38,6 +38,10 @@ pub struct SimConfig {
     /// Shortest and longest sleep between polls when idle (the sleep doubles each time).
     pub min_idle_sleep_ns: u64,
     pub max_idle_sleep_ns: u64,
+    /// With nothing running, copying or stalled, the PFIFO sleeps until a doorbell or for
+    /// at most this long ([`crate::fifo::doze`]); 0: no doorbell, it naps as above and a
+    /// submission waits for the next poll.
+    pub doorbell_sleep_ns: u64,
     /// Spin kernels are timed by sleeping, then spinning for this last stretch.
     pub spin_window_ns: u64,
     /// A GPU without per-channel accounting: `has_busy_counters` is false and channel
@@ -60,6 +64,7 @@ impl Default for SimConfig {
             busy_poll_ns: 200_000,
             min_idle_sleep_ns: 10_000,
             max_idle_sleep_ns: 250_000,
+            doorbell_sleep_ns: crate::fifo::doze::DEFAULT_SLEEP_NS,
             spin_window_ns: 20_000,
             hide_busy_counters: false,
             hide_vram_view: false,

@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
 
-use vgpu_protocol::{ControlPage, ErrorCode};
+use vgpu_protocol::{counter_after, ControlPage, ErrorCode};
 
 use super::channel::SimChannel;
 use super::exec::{self, EngineKind, Step, WorkItem};
@@ -276,7 +276,8 @@ impl Pfifo {
 
     /// Waits for work without burning a core: spins briefly after activity (so
     /// back-to-back submissions see microsecond latency), then sleeps with growing
-    /// intervals; a doorbell or a finishing copy unparks the thread.
+    /// intervals, or with nothing to do until a doorbell ([`crate::fifo::doze`]); a
+    /// doorbell or a finishing copy unparks the thread.
     fn idle(&mut self) {
         let cfg = &self.shared.cfg;
         let now = now_ns();
@@ -297,6 +298,21 @@ impl Pfifo {
         let all_compute_busy = self.slots.iter().all(|s| !matches!(s, Slot::Idle));
         if !all_compute_busy && now.saturating_sub(self.last_activity) < cfg.busy_poll_ns {
             std::hint::spin_loop();
+            return;
+        }
+        // Nothing running, copying or stalled (a stalled entry polls its semaphore): sleep
+        // until a doorbell.
+        let quiet = next_deadline.is_none()
+            && !self.copy_busy
+            && self.chans.iter().all(|e| e.item.is_none());
+        if quiet && cfg.doorbell_sleep_ns > 0 {
+            self.publish_cpu();
+            crate::fifo::doze::sleep_with_doorbell(
+                &self.chans,
+                |e| &e.ch.core,
+                |e| counter_after(e.ch.core.load(ControlPage::GP_PUT), e.get),
+                std::time::Duration::from_nanos(cfg.doorbell_sleep_ns),
+            );
             return;
         }
         self.idle_sleep_ns =

@@ -11,7 +11,7 @@ use vgpu_protocol::{ControlPage, ErrorCode, KernelArgs, Method, SemaphoreMode};
 
 pub const VRAM_VA: u64 = 0x30_0000_0000;
 
-pub fn every_kernel_on_system_memory<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+pub fn every_kernel_on_system_memory<G: Gpu + ?Sized + 'static>(gpu: &Arc<G>) {
     let p = Proc::new(gpu, SYS_BASE);
     let mut ch = p.channel(0);
     let mem = Mem {
@@ -22,7 +22,7 @@ pub fn every_kernel_on_system_memory<G: Gpu + ?Sized>(gpu: &Arc<G>) {
     run_all(&mem, &mut ch);
 }
 
-pub fn every_kernel_on_vram<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+pub fn every_kernel_on_vram<G: Gpu + ?Sized + 'static>(gpu: &Arc<G>) {
     let p = Proc::new(gpu, SYS_BASE);
     let buf = gpu.alloc_vram(2 << 20, 2 << 20).unwrap();
     gpu.map(
@@ -47,7 +47,7 @@ pub fn every_kernel_on_vram<G: Gpu + ?Sized>(gpu: &Arc<G>) {
 /// host's copies (`vram_write`/`vram_read`, what swapping and the copy engine use) and the
 /// kernels agree both ways. A fresh allocation reads as zero even where an earlier
 /// owner left data.
-pub fn host_copies_and_kernels_agree_on_vram<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+pub fn host_copies_and_kernels_agree_on_vram<G: Gpu + ?Sized + 'static>(gpu: &Arc<G>) {
     assert!(
         gpu.vram_fd().is_none(),
         "cuda VRAM must not offer a CPU view"
@@ -94,7 +94,7 @@ pub fn host_copies_and_kernels_agree_on_vram<G: Gpu + ?Sized>(gpu: &Arc<G>) {
 /// waited for once) land exactly where single ones would: chunks written with
 /// `vram_write_many` read back bit-exactly with `vram_read_many` and with `vram_read`, a
 /// kernel sees them, and a batch naming a range outside VRAM fails.
-pub fn batched_host_copies_move_many_chunks_exactly<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+pub fn batched_host_copies_move_many_chunks_exactly<G: Gpu + ?Sized + 'static>(gpu: &Arc<G>) {
     const CH: usize = 2 << 20;
     let p = Proc::new(gpu, SYS_BASE);
     // Chunks apart from each other, the last one short.
@@ -175,7 +175,7 @@ pub fn batched_host_copies_move_many_chunks_exactly<G: Gpu + ?Sized>(gpu: &Arc<G
 
 /// A launch or copy naming another tenant's address faults the channel with an MMU
 /// error and changes nothing in the other tenant's memory.
-pub fn hostile_pointers_fault_and_change_nothing<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+pub fn hostile_pointers_fault_and_change_nothing<G: Gpu + ?Sized + 'static>(gpu: &Arc<G>) {
     let victim = Proc::new(gpu, SYS_BASE);
     let attacker = Proc::new(gpu, SYS_BASE + (64 << 20));
     let vbuf = gpu.alloc_vram(2 << 20, 2 << 20).unwrap();
@@ -234,7 +234,7 @@ pub fn hostile_pointers_fault_and_change_nothing<G: Gpu + ?Sized>(gpu: &Arc<G>) 
 /// SEM_ACQUIRE blocks its channel until another channel's SEM_RELEASE; REF, NOTIFY and
 /// GP_GET follow completion. The waiter's `sem_wait_ns` counts the wait and stops when it
 /// is satisfied; the releaser never waited.
-pub fn semaphores_order_channels<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+pub fn semaphores_order_channels<G: Gpu + ?Sized + 'static>(gpu: &Arc<G>) {
     let p = Proc::new(gpu, SYS_BASE);
     let sem = SYS_VA + DATA_OFF;
     let out = SYS_VA + DATA_OFF + 0x1000;
@@ -307,7 +307,7 @@ pub fn semaphores_order_channels<G: Gpu + ?Sized>(gpu: &Arc<G>) {
 
 /// Destroying a context with channels leaves no channel, and a busy channel's counters
 /// show its kernels.
-pub fn counters_and_teardown<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+pub fn counters_and_teardown<G: Gpu + ?Sized + 'static>(gpu: &Arc<G>) {
     let p = Proc::new(gpu, SYS_BASE);
     let mut ch = p.channel(0);
     let x = data(1 << 16, 3);
@@ -339,7 +339,7 @@ pub fn counters_and_teardown<G: Gpu + ?Sized>(gpu: &Arc<G>) {
 /// A channel created at a saved position (live migration) continues there: control page
 /// fields as saved, the next entry fetched is the saved GP_GET, a saved error comes back
 /// without a new event.
-pub fn resumed_channel_continues_at_its_saved_position<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+pub fn resumed_channel_continues_at_its_saved_position<G: Gpu + ?Sized + 'static>(gpu: &Arc<G>) {
     let p = Proc::new(gpu, SYS_BASE);
     let mut ch = p.channel(0);
     for r in 0..3u32 {
@@ -398,14 +398,14 @@ pub fn resumed_channel_continues_at_its_saved_position<G: Gpu + ?Sized>(gpu: &Ar
 /// completion mark is: two entries published together (one batch on the front end), a
 /// short spin with REF 1 and a long one with REF 2; REF shows 1 while the long spin still
 /// runs (GP_GET, which moves by the batch, has not moved yet).
-pub fn fence_signals_before_its_batch_ends<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+pub fn fence_signals_before_its_batch_ends<G: Gpu + ?Sized + 'static>(gpu: &Arc<G>) {
     let p = Proc::new(gpu, SYS_BASE);
     let mut ch = p.channel(0);
     let short = ch.launch(&KernelArgs::Spin { ns: 1_000_000 });
     ch.stage(&[short, Method::SetRef { value: 1 }]);
     let long = ch.launch(&KernelArgs::Spin { ns: 1_500_000_000 });
     ch.stage(&[long, Method::SetRef { value: 2 }]);
-    ch.ctrl.store(vgpu_protocol::ControlPage::GP_PUT, ch.put);
+    ch.publish();
     let t0 = std::time::Instant::now();
     let seen = loop {
         let r = ch.ctrl.load(vgpu_protocol::ControlPage::REF);
@@ -423,7 +423,7 @@ pub fn fence_signals_before_its_batch_ends<G: Gpu + ?Sized>(gpu: &Arc<G>) {
 /// The activity count of a group of channels (issue 15): it moves when one of them
 /// fetches and completes work, stays put while they are idle, and a channel counts into
 /// one group only.
-pub fn activity_counter_counts_the_group_work<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+pub fn activity_counter_counts_the_group_work<G: Gpu + ?Sized + 'static>(gpu: &Arc<G>) {
     let p = Proc::new(gpu, SYS_BASE);
     let mut a = p.channel(0);
     let b = p.channel(1);

@@ -63,7 +63,7 @@ impl<G: Gpu + ?Sized> Mem<'_, G> {
     }
 }
 
-pub fn run_all<G: Gpu + ?Sized>(mem: &Mem<G>, ch: &mut Chan) {
+pub fn run_all<G: Gpu + ?Sized + 'static>(mem: &Mem<G>, ch: &mut Chan) {
     let go = |ch: &mut Chan, a: KernelArgs| {
         let m = ch.launch(&a);
         ch.submit(&[m]);
@@ -194,6 +194,6 @@ pub fn run_all<G: Gpu + ?Sized>(mem: &Mem<G>, ch: &mut Chan) {
     assert!(counters.busy_ns >= 3_000_000);
 }
 
-pub fn ch_counters<G: Gpu + ?Sized>(p: &Proc<G>, ch: &Chan) -> ChannelCounters {
+pub fn ch_counters<G: Gpu + ?Sized + 'static>(p: &Proc<G>, ch: &Chan) -> ChannelCounters {
     super::counters_after(&*p.gpu, ch.id, u64::from(ch.put))
 }

@@ -169,7 +169,10 @@ impl<G: Gpu + ?Sized> Proc<G> {
 
     /// A channel whose ring, push buffers and args live in this process's memory; each
     /// channel gets its own 256 KiB piece of the ring/pb/args areas.
-    pub fn channel(&self, index: u64) -> Chan {
+    pub fn channel(&self, index: u64) -> Chan
+    where
+        G: 'static,
+    {
         let events = Arc::new(Events::default());
         let ring_off = RING_OFF + index * 0x4000;
         let id = self
@@ -184,9 +187,11 @@ impl<G: Gpu + ?Sized> Proc<G> {
             )
             .unwrap();
         let ctrl = CtrlMap::new(self.gpu.control_page(id).unwrap());
+        let gpu = self.gpu.clone();
         Chan {
             id,
             ctrl,
+            bell: Arc::new(move || gpu.doorbell(id)),
             events,
             sys: self.sys.clone(),
             ring_off,
@@ -202,6 +207,8 @@ impl<G: Gpu + ?Sized> Proc<G> {
 pub struct Chan {
     pub id: ChannelId,
     pub ctrl: CtrlMap,
+    /// Rings the GPU's doorbell for this channel.
+    bell: Arc<dyn Fn() + Send + Sync>,
     pub events: Arc<Events>,
     sys: Arc<TestSysMem>,
     ring_off: u64,
@@ -250,7 +257,16 @@ impl Chan {
     /// Writes a raw 16-byte entry into the next ring slot and publishes it.
     pub fn write_entry(&mut self, raw: &[u8; 16]) {
         self.stage_entry(raw);
+        self.publish();
+    }
+
+    /// Stores GP_PUT and rings the doorbell if the front end sleeps, as a guest does.
+    pub fn publish(&self) {
         self.ctrl.store(ControlPage::GP_PUT, self.put);
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        if self.ctrl.load(ControlPage::WANT_DOORBELL) != 0 {
+            (self.bell)();
+        }
     }
 
     /// Writes a raw entry into the next ring slot without storing GP_PUT.
@@ -298,7 +314,11 @@ impl Chan {
 /// The channel's counters once they show `completed` GP entries (at once on an
 /// in-process GPU; a GPU in a worker process publishes them within a millisecond or so,
 /// longer on a loaded machine: up to 10 s).
-pub fn counters_after<G: Gpu + ?Sized>(gpu: &G, ch: ChannelId, completed: u64) -> ChannelCounters {
+pub fn counters_after<G: Gpu + ?Sized + 'static>(
+    gpu: &G,
+    ch: ChannelId,
+    completed: u64,
+) -> ChannelCounters {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let c = gpu.channel_counters(ch).unwrap();
@@ -311,7 +331,7 @@ pub fn counters_after<G: Gpu + ?Sized>(gpu: &G, ch: ChannelId, completed: u64) -
 
 /// The channel's error once it has one (at once on an in-process GPU; a GPU in a worker
 /// process publishes it within a millisecond or so), or `None` after 10 s.
-pub fn error_after<G: Gpu + ?Sized>(gpu: &G, ch: ChannelId) -> Option<(ErrorCode, u64)> {
+pub fn error_after<G: Gpu + ?Sized + 'static>(gpu: &G, ch: ChannelId) -> Option<(ErrorCode, u64)> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let e = gpu.channel_error(ch).unwrap();

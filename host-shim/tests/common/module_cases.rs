@@ -60,14 +60,14 @@ fn u32s(b: &[u8]) -> Vec<u32> {
 }
 
 /// Loads the test module into `p`'s context as module 1.
-pub fn load<G: Gpu + ?Sized>(p: &Proc<G>) {
+pub fn load<G: Gpu + ?Sized + 'static>(p: &Proc<G>) {
     p.gpu
         .module_load(p.ctx, 1, TEST_PTX.as_bytes())
         .expect("the test module loads");
 }
 
 /// Vector adds over u32 and f32 in guest memory, through relocated pointers.
-pub fn module_vector_adds<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+pub fn module_vector_adds<G: Gpu + ?Sized + 'static>(gpu: &Arc<G>) {
     let p = Proc::new(gpu, SYS_BASE);
     load(&p);
     let layout = gpu
@@ -124,7 +124,7 @@ pub fn module_vector_adds<G: Gpu + ?Sized>(gpu: &Arc<G>) {
 
 /// A module global: its address and size, written by one kernel and read back by another
 /// through its raw device address (no relocation: it is a device address already).
-pub fn module_global_round_trip<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+pub fn module_global_round_trip<G: Gpu + ?Sized + 'static>(gpu: &Arc<G>) {
     let p = Proc::new(gpu, SYS_BASE);
     load(&p);
     let g = gpu
@@ -155,7 +155,7 @@ pub fn module_global_round_trip<G: Gpu + ?Sized>(gpu: &Arc<G>) {
 }
 
 /// Hostile uses: each gets its code, nothing runs, and the GPU keeps working.
-pub fn module_hostile_inputs<G: Gpu + ?Sized>(gpu: &Arc<G>) {
+pub fn module_hostile_inputs<G: Gpu + ?Sized + 'static>(gpu: &Arc<G>) {
     let p = Proc::new(gpu, SYS_BASE);
     let code = |r: Result<(), HalError>| r.unwrap_err().code();
     assert_eq!(
@@ -230,7 +230,10 @@ pub fn module_hostile_inputs<G: Gpu + ?Sized>(gpu: &Arc<G>) {
 /// A kernel that writes a wild pointer (passed raw, no relocation) loses the GPU's
 /// context: the channel stops with an error and `lost` says the GPU is gone (in process:
 /// `Gpu::lost`; a worker exits then, and its VM gets `DeviceLost`).
-pub fn module_wild_write_loses_the_context<G: Gpu + ?Sized>(gpu: &Arc<G>, lost: &dyn Fn() -> bool) {
+pub fn module_wild_write_loses_the_context<G: Gpu + ?Sized + 'static>(
+    gpu: &Arc<G>,
+    lost: &dyn Fn() -> bool,
+) {
     let p = Proc::new(gpu, SYS_BASE);
     load(&p);
     gpu.function_get(p.ctx, 1, "vgpu_test_wild_write", 1)

@@ -47,6 +47,8 @@ pub(crate) struct VmState {
     pub(crate) socket: PathBuf,
     pub(crate) limits: VmLimits,
     pub(crate) gpu_vram: u64,
+    /// The session's GPU, for doorbells rung without the session's lock.
+    gpu: Arc<dyn vgpu_host_shim::Gpu>,
     pub(crate) shared: Arc<SessionShared>,
     pub(crate) session: Mutex<Session>,
     pub(crate) connected: AtomicBool,
@@ -80,6 +82,7 @@ impl VmState {
             socket,
             limits,
             gpu_vram: gpu.info().vram_bytes,
+            gpu: gpu.clone(),
             session: Mutex::new(Session::with_capacity(
                 gpu,
                 limits,
@@ -95,6 +98,13 @@ impl VmState {
             progress: Default::default(),
             precopy_cfg: Default::default(),
         }
+    }
+
+    /// The guest rang the doorbell (a control-queue kick): its GPU's front end looks at
+    /// the VM's channels now (protocol.md, "Doorbell"). Takes no session lock, so a ring
+    /// never waits behind a long request.
+    pub(crate) fn ring_doorbell(&self) {
+        self.shared.ring_doorbell(self.gpu.as_ref());
     }
 
     pub(crate) fn lock_session(&self) -> MutexGuard<'_, Session> {

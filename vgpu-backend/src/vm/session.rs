@@ -265,6 +265,9 @@ pub(crate) struct LiveChannel {
     /// The count when the scheduler last found it quiet (`None`: not quiet then): while
     /// the count stays there, the channel did nothing since.
     pub quiet_at: Option<u64>,
+    /// Its control page, where the GPU's front end says it sleeps (`WANT_DOORBELL`);
+    /// `None` if it could not be mapped (doorbells then always ring).
+    pub page: Option<crate::shadow::PageMap>,
 }
 
 /// Destroyed channels kept for the scheduler between two of its readings; beyond that
@@ -335,6 +338,18 @@ impl SessionShared {
             aperture_bytes: AtomicU64::new(0),
             mappings: AtomicU64::new(0),
             page_table_bytes: AtomicU64::new(0),
+        }
+    }
+
+    /// Rings the VM's doorbell on `gpu` if its front end sleeps: after anything but the
+    /// guest moved a GP_PUT the front end reads (protocol.md, "Doorbell").
+    pub(crate) fn ring_doorbell(&self, gpu: &dyn Gpu) {
+        // Orders the caller's GP_PUT store before the look at WANT_DOORBELL, as the
+        // guest's fence does.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let target = self.busy().doorbell_target();
+        if let Some(ch) = target {
+            gpu.doorbell(ch);
         }
     }
 
@@ -460,12 +475,26 @@ impl BusyBook {
         self.recent.drain(..).collect()
     }
 
+    /// Where a doorbell for the whole VM goes, if its GPU's front end sleeps: some live
+    /// channel (the GPU routes a doorbell by channel to the VM's front end, which then
+    /// looks at all of them), whose page shows the front end's `WANT_DOORBELL` (it arms
+    /// every channel's page before it sleeps).
+    pub(crate) fn doorbell_target(&self) -> Option<ChannelId> {
+        let c = self.live.values().next()?;
+        let wanted = c
+            .page
+            .as_ref()
+            .is_none_or(|p| p.load(vgpu_protocol::ControlPage::WANT_DOORBELL) != 0);
+        wanted.then_some(c.hal)
+    }
+
     pub(crate) fn add_live(
         &mut self,
         guest_ch: u32,
         pid: u32,
         hal: ChannelId,
         activity: Arc<ActivityCounter>,
+        page: Option<crate::shadow::PageMap>,
     ) {
         self.live.insert(
             guest_ch,
@@ -474,6 +503,7 @@ impl BusyBook {
                 hal,
                 activity,
                 quiet_at: None,
+                page,
             },
         );
         self.activity.bump();

@@ -56,7 +56,12 @@ impl Session {
         // The scheduler looks at a VM whose count moved: a dormant VM's new hold (and any
         // failed unshadow to retry) is seen at the next tick.
         self.shared.note_change();
-        self.shadows.set_hold(t, who, on, shm)
+        let switch = self.shadows.set_hold(t, who, on, shm)?;
+        if !on && switch.changed {
+            // The unshadow raised the real GP_PUT to what the guest stored meanwhile.
+            self.shared.ring_doorbell(self.gpu.as_ref());
+        }
+        Ok(switch)
     }
 
     /// Who holds channel `ch` shadowed.
@@ -72,9 +77,12 @@ impl Session {
             let done = self
                 .shadow_target(ch)
                 .and_then(|t| self.shadows.unshadow_orphan(t, shm));
-            if let Err(e) = done {
-                debug!("channel {ch}: unshadow retry: {e}");
-                left += 1;
+            match done {
+                Err(e) => {
+                    debug!("channel {ch}: unshadow retry: {e}");
+                    left += 1;
+                }
+                Ok(_) => self.shared.ring_doorbell(self.gpu.as_ref()),
             }
         }
         left
@@ -85,7 +93,11 @@ impl Session {
         if !self.state.channels.contains_key(&ch) {
             return Err(ShadowError::NoChannel(ch));
         }
-        self.shadows.release_capped(ch, n)
+        let released = self.shadows.release_capped(ch, n)?;
+        if released > 0 {
+            self.shared.ring_doorbell(self.gpu.as_ref());
+        }
+        Ok(released)
     }
 
     /// See [`Shadows::peek`]. While the operator has the VM paused this fails with

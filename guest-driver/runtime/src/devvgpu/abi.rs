@@ -252,6 +252,7 @@ pub const MODULE_UNLOAD: u32 = iow::<ModuleArg>(0x11);
 pub const FUNCTION_GET: u32 = iowr::<FunctionGet>(0x12);
 pub const GLOBAL_GET: u32 = iowr::<GlobalGet>(0x13);
 pub const GET_ATTRIBUTES: u32 = iowr::<Attributes>(0x14);
+pub const DOORBELL: u32 = ioc(0, 0x15, 0);
 
 /// Every ioctl with its C name (for the ABI test).
 pub const IOCTLS: &[(&str, u32)] = &[
@@ -276,4 +277,5 @@ pub const IOCTLS: &[(&str, u32)] = &[
     ("VGPU_IOC_FUNCTION_GET", FUNCTION_GET),
     ("VGPU_IOC_GLOBAL_GET", GLOBAL_GET),
     ("VGPU_IOC_GET_ATTRIBUTES", GET_ATTRIBUTES),
+    ("VGPU_IOC_DOORBELL", DOORBELL),
 ];

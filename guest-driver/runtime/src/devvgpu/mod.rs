@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -60,6 +61,8 @@ pub struct DevVgpuTransport {
     state: Mutex<State>,
     /// Whether the device is forwarded (`VGPU_INFO_FORWARDED`), asked once.
     forwarded: std::sync::OnceLock<bool>,
+    /// Whether a failed DOORBELL was logged (once is enough).
+    doorbell_warned: AtomicBool,
 }
 
 fn page_code(page: PageSize) -> u32 {
@@ -119,6 +122,7 @@ impl DevVgpuTransport {
             file,
             state: Mutex::new(State::default()),
             forwarded: std::sync::OnceLock::new(),
+            doorbell_warned: AtomicBool::new(false),
         })
     }
 
@@ -441,7 +445,15 @@ impl Transport for DevVgpuTransport {
     }
 
     fn doorbell(&self, _ch: ChanHandle) {
-        // No doorbell: the GPU polls GP_PUT, a doorbell would be an exit.
+        // SAFETY: DOORBELL takes no argument and touches no user memory.
+        let rc = unsafe { libc::ioctl(self.raw_fd(), abi::DOORBELL as _, 0usize) };
+        if rc < 0 && !self.doorbell_warned.swap(true, Ordering::Relaxed) {
+            // A driver without the ioctl: the front end's sleep ends by itself.
+            log::warn!(
+                "VGPU_IOC_DOORBELL: {}: submissions wait for the GPU's next poll",
+                std::io::Error::last_os_error()
+            );
+        }
     }
 
     fn refresh_control(&self, ctx: CtxHandle, ch: ChanHandle) -> Result<()> {

@@ -158,7 +158,13 @@ impl Session {
         );
         self.hal.channels.insert(id, hch);
         let activity = self.shared.count_activity(self.gpu.as_ref(), hch);
-        self.shared.busy().add_live(id, pid, hch, activity);
+        let page = match self.gpu.control_page(hch) {
+            Ok(p) => crate::shadow::PageMap::new(p).map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        }
+        .inspect_err(|e| warn!("channel {id}: mapping its control page: {e}"))
+        .ok();
+        self.shared.busy().add_live(id, pid, hch, activity, page);
         // Born into its owners' holds: shadowed before the guest learns of the slot, so
         // a new channel cannot run ahead of a hold on its VM, process or context.
         let born = self.hold.at_birth(pid, ctx);
@@ -208,6 +214,7 @@ impl Session {
         }
         let map = self.control_map(channel)?;
         map.store(vgpu_protocol::ControlPage::GP_PUT, gp_put);
+        self.shared.ring_doorbell(self.gpu.as_ref());
         Ok(ReplyBody::Empty)
     }
 
