@@ -263,6 +263,8 @@ fn guest_process(vm: Arc<LoopbackVm>, pid: u32, budget: u64, stop: Arc<AtomicBoo
 /// `VGPU_TEST_GPU` names (default the sim).
 #[test]
 fn three_vms_at_quarter_vram_lose_nothing() {
+    // `RUST_LOG=warn` (with `--nocapture`) shows what a failing run's GPU said.
+    let _ = env_logger::builder().is_test(true).try_init();
     let vram = 48 * MIB;
     // `VGPU_TEST_GPU=cuda` runs the same stress on a real GPU (docs/testing.md).
     let host = Host::on_gpu(

@@ -120,6 +120,62 @@ fn fake_unmapped_system_memory_is_unregistered_at_invalidate() {
     );
 }
 
+/// A run of swapped chunks mapped as one piece keeps its host memory registered while
+/// its first chunk moves to VRAM, back to host memory elsewhere and to VRAM again, each
+/// time at the run's own first address: registry keys are the mappings' own, so the
+/// chunk's releases do not end the run's registration (which the GPU still reads the
+/// other chunks through; on the H100 its loss was an illegal address in the VRAM stress).
+#[test]
+fn fake_a_runs_first_chunk_moving_keeps_the_runs_registration() {
+    use vgpu_host_shim::*;
+    const C: u64 = 0x1_0000;
+    let g = gpu();
+    let p = common::Proc::new(&g, common::SYS_BASE);
+    // Only the run's own mappings register host memory.
+    g.unmap(p.ctx, common::SYS_VA, common::SYS_LEN as u64)
+        .unwrap();
+    g.invalidate_tlb(p.ctx).unwrap();
+    let va = 0x50_0000_0000;
+    let run = MapTarget::Sysram {
+        addr: common::SYS_BASE,
+    };
+    g.map(p.ctx, va, 3 * C, run, PageSize::Big64K, MapFlags::default())
+        .unwrap();
+    let chunk_elsewhere = MapTarget::Sysram {
+        addr: common::SYS_BASE + 4 * C,
+    };
+    for target in [
+        MapTarget::Vram { offset: 0 },
+        chunk_elsewhere,
+        MapTarget::Vram { offset: 0 },
+    ] {
+        g.remap(p.ctx, va, C, target).unwrap();
+        g.invalidate_tlb(p.ctx).unwrap();
+    }
+    let (from, to) = (
+        p.sys.ptr(common::SYS_BASE + C) as usize,
+        p.sys.ptr(common::SYS_BASE + 3 * C) as usize,
+    );
+    let covered = g
+        .device()
+        .registered
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|&(ptr, len)| ptr <= from && to <= ptr + len);
+    assert!(
+        covered,
+        "the run's other chunks are still mapped to host memory: it stays registered"
+    );
+    g.unmap(p.ctx, va, 3 * C).unwrap();
+    g.invalidate_tlb(p.ctx).unwrap();
+    assert_eq!(
+        *g.device().registered.lock().unwrap(),
+        control_pages(&g),
+        "the run's unmap ends its registration"
+    );
+}
+
 #[test]
 fn fake_resumed_channel_continues_at_its_saved_position() {
     resumed_channel_continues_at_its_saved_position(&gpu());

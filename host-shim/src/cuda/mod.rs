@@ -146,6 +146,8 @@ pub(crate) struct Shared<D: Device> {
     /// Host memory registered with the driver (the front end splits operands at its
     /// pieces' ends: one driver call must not span two registrations).
     hostreg: Mutex<HostRegistry>,
+    /// The registry key of the next system-memory mapping (from 1; below [`HINT_KEY`]).
+    next_sys_map: AtomicU64,
     /// Guests' modules by (context, module id).
     modules: Mutex<std::collections::HashMap<(ContextId, u32), D::Module>>,
     /// Functions contexts bound for LAUNCH_FUNCTION (read by the front end).
@@ -166,10 +168,14 @@ impl<D: Device> Shared<D> {
 /// What `cuda` keeps with a context besides its address space.
 struct CudaContext {
     sysmem: Arc<dyn SysMemory>,
-    /// System-memory mappings (GPU VA → size) whose host memory is registered.
-    sys_maps: BTreeMap<u64, u64>,
-    /// Mappings unmapped or retargeted since the last `invalidate_tlb`: their host memory
-    /// stays registered until the GPU is done with the old translations.
+    /// System-memory mappings whose host memory is registered: (GPU VA, registry key) →
+    /// size. A key is the mapping's own, never reused: a retargeted part of a mapping may
+    /// start at the same VA as the mapping (a run of swapped chunks whose first chunk
+    /// moves), and releasing one must not end the other's registration while the GPU
+    /// still reads through it.
+    sys_maps: BTreeMap<(u64, u64), u64>,
+    /// Keys of mappings unmapped or retargeted since the last `invalidate_tlb`: their host
+    /// memory stays registered until the GPU is done with the old translations.
     released: Vec<u64>,
 }
 
@@ -185,8 +191,8 @@ pub type CudaGpu = CudaGpuOf<CudaDevice>;
 /// The `cuda` GPU on the CPU fake device (GPU-free tests).
 pub type FakeCudaGpu = CudaGpuOf<FakeDevice>;
 
-/// Registry keys of [`Gpu::prepare_sysram_hint`] holds: above every GPU virtual address,
-/// so they never collide with a mapping's key.
+/// Registry keys of [`Gpu::prepare_sysram_hint`] holds: above every mapping's key (a
+/// counter from 1), so they never collide with one.
 const HINT_KEY: u64 = 1 << 63;
 
 fn os_err(e: impl std::fmt::Display) -> HalError {
@@ -247,6 +253,7 @@ impl<D: Device> CudaGpuOf<D> {
             stats: Arc::default(),
             old_scratch: Mutex::new(Vec::new()),
             hostreg: Mutex::new(HostRegistry::default()),
+            next_sys_map: AtomicU64::new(1),
             modules: Mutex::new(Default::default()),
             functions: Mutex::new(Default::default()),
             identity: Mutex::new(Default::default()),
@@ -435,8 +442,14 @@ impl<D: Device> CudaGpuOf<D> {
         self.shared.fifo.insert_channel(ch)
     }
 
-    /// Registers the host memory behind a system-memory mapping at `va` with the device.
-    fn register_sysram(&self, ctx: ContextId, va: u64, addr: u64, size: u64) -> Result<()> {
+    /// A registry key for a new system-memory mapping.
+    fn new_sys_key(&self) -> u64 {
+        self.shared.next_sys_map.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Registers the host memory at `addr` (a system-memory mapping's, or a hint's) with
+    /// the device for registry key `key`.
+    fn register_sysram(&self, ctx: ContextId, key: u64, addr: u64, size: u64) -> Result<()> {
         let sysmem = self
             .shared
             .fifo
@@ -456,13 +469,23 @@ impl<D: Device> CudaGpuOf<D> {
                 .translate(a, size - done)
                 .filter(|r| r.len > 0 && !r.ptr.is_null())
                 .ok_or(HalError::NotMapped { va: a, size })?;
-            if let Err(e) = reg.register(&*self.shared.dev, (ctx, va), r.ptr, r.len) {
-                reg.release(&*self.shared.dev, |k| *k == (ctx, va));
+            if let Err(e) = reg.register(&*self.shared.dev, (ctx, key), r.ptr, r.len) {
+                reg.release(&*self.shared.dev, |k| *k == (ctx, key));
                 return Err(os_err(e));
             }
             done += r.len as u64;
         }
         Ok(())
+    }
+
+    /// Ends registry key `key`'s hold on host memory at once (a registration no
+    /// translation uses yet).
+    fn release_key(&self, ctx: ContextId, key: u64) {
+        self.shared
+            .hostreg
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .release(&*self.shared.dev, |k| *k == (ctx, key));
     }
 
     /// Marks the registered mappings wholly inside `va..va+size` as released (their
@@ -471,15 +494,15 @@ impl<D: Device> CudaGpuOf<D> {
         let end = va.saturating_add(size);
         if let Some(c) = self.shared.fifo.write_contexts().get_mut(&ctx) {
             let c = &mut c.gpu;
-            let gone: Vec<u64> = c
+            let gone: Vec<(u64, u64)> = c
                 .sys_maps
-                .range(va..end)
-                .filter(|(&s, &l)| s.saturating_add(l) <= end)
-                .map(|(&s, _)| s)
+                .range((va, 0)..(end, 0))
+                .filter(|(&(s, _), &l)| s.saturating_add(l) <= end)
+                .map(|(&k, _)| k)
                 .collect();
-            for s in gone {
-                c.sys_maps.remove(&s);
-                c.released.push(s);
+            for k in gone {
+                c.sys_maps.remove(&k);
+                c.released.push(k.1);
             }
         }
     }
@@ -496,22 +519,11 @@ impl<D: Device> CudaGpuOf<D> {
         if gone.is_empty() {
             return;
         }
-        let c = self
-            .shared
-            .fifo
-            .read_contexts()
-            .get(&ctx)
-            .map(|c| c.gpu.sys_maps.clone());
         self.shared
             .hostreg
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .release(&*self.shared.dev, |k| {
-                // A mapping re-made at the same VA since its release keeps its registration.
-                k.0 == ctx
-                    && gone.contains(&k.1)
-                    && !c.as_ref().is_some_and(|m| m.contains_key(&k.1))
-            });
+            .release(&*self.shared.dev, |k| k.0 == ctx && gone.contains(&k.1));
     }
 
     /// Logs a batched host copy: its size, rate, and how much of its host memory was
@@ -533,10 +545,10 @@ impl<D: Device> CudaGpuOf<D> {
         );
     }
 
-    /// Records a registered system-memory mapping.
-    fn note_sysram(&self, ctx: ContextId, va: u64, size: u64) {
+    /// Records a registered system-memory mapping (its registry key `key`).
+    fn note_sysram(&self, ctx: ContextId, va: u64, size: u64, key: u64) {
         if let Some(c) = self.shared.fifo.write_contexts().get_mut(&ctx) {
-            c.gpu.sys_maps.insert(va, size);
+            c.gpu.sys_maps.insert((va, key), size);
         }
     }
 }
@@ -716,16 +728,13 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
             MapTarget::Vram { .. } => self.shared.fifo.check_vram_target(target, size)?,
             MapTarget::Sysram { addr } => {
                 let space = self.space(ctx)?;
-                self.register_sysram(ctx, va, addr, size)?;
+                let key = self.new_sys_key();
+                self.register_sysram(ctx, key, addr, size)?;
                 if let Err(e) = space.map(va, size, target, page, flags) {
-                    self.shared
-                        .hostreg
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .release(&*self.shared.dev, |k| *k == (ctx, va));
+                    self.release_key(ctx, key);
                     return Err(e);
                 }
-                self.note_sysram(ctx, va, size);
+                self.note_sysram(ctx, va, size, key);
                 self.mirror(ctx, va, size, None, page, flags);
                 return Ok(());
             }
@@ -756,9 +765,13 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
                 self.unmirror(ctx, va, size, Some(None))?;
                 // A new key for the retargeted range; whatever it replaces is released.
                 self.release_sysram(ctx, va, size);
-                self.register_sysram(ctx, va, addr, size)?;
-                space.remap(va, size, target)?;
-                self.note_sysram(ctx, va, size);
+                let key = self.new_sys_key();
+                self.register_sysram(ctx, key, addr, size)?;
+                if let Err(e) = space.remap(va, size, target) {
+                    self.release_key(ctx, key);
+                    return Err(e);
+                }
+                self.note_sysram(ctx, va, size, key);
                 return Ok(());
             }
         }
@@ -775,11 +788,7 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
     }
 
     fn release_sysram_hint(&self, ctx: ContextId, addr: u64, _len: u64) {
-        self.shared
-            .hostreg
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .release(&*self.shared.dev, |k| *k == (ctx, HINT_KEY | addr));
+        self.release_key(ctx, HINT_KEY | addr);
     }
 
     fn access_counts(
