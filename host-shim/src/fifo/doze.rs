@@ -42,15 +42,18 @@ pub fn sleep_with_doorbell<T>(
     pending: impl Fn(&T) -> bool,
     timeout: Duration,
 ) -> bool {
-    for c in chans {
+    // Stopped channels (faulted, or removed: their slot may soon be another channel's)
+    // fetch nothing and get no flag.
+    let live = || chans.iter().filter(|c| !core(c).is_stopped());
+    for c in live() {
         core(c).store(ControlPage::WANT_DOORBELL, 1);
     }
     fence(Ordering::SeqCst);
-    let sleep = !chans.iter().any(|c| !core(c).is_stopped() && pending(c));
+    let sleep = !live().any(&pending);
     if sleep {
         std::thread::park_timeout(timeout);
     }
-    for c in chans {
+    for c in live() {
         core(c).store(ControlPage::WANT_DOORBELL, 0);
     }
     sleep
