@@ -76,7 +76,7 @@ pub struct CudaConfig {
     /// Longest sleep between polls when idle without the doorbell (doubling from
     /// `min_idle_sleep_ns`).
     pub max_idle_sleep_ns: u64,
-    /// Idle with the doorbell armed ([`crate::fifo::doze`]): the front end sleeps until a
+    /// Idle with the doorbell armed (protocol.md §2.1): the front end sleeps until a
     /// doorbell, or for at most this long. 0: no doorbell; idle sleeps double from
     /// `min_idle_sleep_ns` to `max_idle_sleep_ns` and a submission waits for the next
     /// poll (the comparison baseline).

@@ -39,7 +39,7 @@ pub struct SimConfig {
     pub min_idle_sleep_ns: u64,
     pub max_idle_sleep_ns: u64,
     /// With nothing running, copying or stalled, the PFIFO sleeps until a doorbell or for
-    /// at most this long ([`crate::fifo::doze`]); 0: no doorbell, it naps as above and a
+    /// at most this long (protocol.md §2.1); 0: no doorbell, it naps as above and a
     /// submission waits for the next poll.
     pub doorbell_sleep_ns: u64,
     /// Spin kernels are timed by sleeping, then spinning for this last stretch.
