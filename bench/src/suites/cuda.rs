@@ -29,6 +29,8 @@ use crate::report::{Better, Figure};
 use crate::sched_rig::{Tenant, TenantSpec};
 use crate::suites::measure::{min, submit_latency, Publish};
 
+mod loop_overhead;
+
 const SUITE: &str = "cuda";
 const MS: u64 = 1_000_000;
 
@@ -106,6 +108,9 @@ pub enum Section {
     /// memory per worker, a process's first context, N processes' GPU throughput). Not a
     /// section of the baseline program.
     Granularity,
+    /// Where a short loop's time goes, in the VM and vgpu native (asked for by name
+    /// only; not a section of the baseline program).
+    LoopOverhead,
 }
 
 impl Section {
@@ -119,6 +124,7 @@ impl Section {
             Section::Swap => "swap",
             Section::Fairness => "fairness",
             Section::Granularity => "granularity",
+            Section::LoopOverhead => "loop-overhead",
         }
     }
 }
@@ -703,7 +709,8 @@ fn run_on<D: CudaDeviceTrait>(
         ));
     }
     let vm_sections = [Section::Workloads, Section::Latency, Section::B2b];
-    if vm_sections.iter().any(|&s| opts.runs(s)) {
+    let loops = opts.only.contains(&Section::LoopOverhead);
+    if loops || vm_sections.iter().any(|&s| opts.runs(s)) {
         let rig = Rig::new(&vm_gpus, &["bench"], 768 << 20)?;
         let native = Device::native(dyn_gpu.clone())?;
         let guest = Device::loopback(rig.vms[0].clone(), 1000)?;
@@ -717,6 +724,14 @@ fn run_on<D: CudaDeviceTrait>(
         }
         if opts.runs(Section::B2b) {
             figs.extend(b2b(&gpu, &nctx, &gctx, opts)?);
+        }
+        if loops {
+            figs.extend(loop_overhead::loop_overhead(
+                &nctx,
+                "vgpu_native",
+                opts.small,
+            )?);
+            figs.extend(loop_overhead::loop_overhead(&gctx, "vm", opts.small)?);
         }
     }
     // The in-process front end's CPU: not the VMs' with workers.

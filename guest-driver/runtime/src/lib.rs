@@ -23,7 +23,7 @@
 mod arena;
 mod buffer;
 mod channel;
-mod clock;
+pub mod clock;
 mod context;
 mod control;
 mod device;

@@ -39,8 +39,9 @@ pub struct ChanState<D: Device> {
     /// Per-channel staging buffer on the device (pointer, bytes).
     pub scratch: Option<(u64, u64)>,
     /// The word in device memory on which the blocks of a kernel that writes REF itself
-    /// count themselves done (`kernels.cu`); allocated at the first such kernel. `Some(0)`:
-    /// it could not be had, REF is written by stream writes.
+    /// count themselves done (`kernels.cu`); made with the channel, outside the guest's
+    /// first timed submission (`None` when kernels do not signal). `Some(0)`: it could
+    /// not be had, REF is written by stream writes.
     pub signal_count: Option<u64>,
     /// Timeline time at which the last retired entry ended.
     pub last_end: u64,

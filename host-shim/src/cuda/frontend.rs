@@ -82,13 +82,33 @@ pub(crate) struct CtxTranslate<'a, D: Device> {
     pub(crate) mem: GpuMemory<'a>,
     pub(crate) dev: &'a D,
     pub(crate) scratch: &'a mut Option<(u64, u64)>,
-    pub(crate) signal_count: &'a mut Option<u64>,
+    /// The channel's fence-signal counter, made with it.
+    pub(crate) signal_count: Option<u64>,
     /// Whether kernels may carry their entry's fence signal (`CudaConfig::signal_max_blocks`).
     pub(crate) signals: bool,
     /// The channel's REF as the device sees it (see `Translate::ref_ptr`).
     pub(crate) ref_ptr: Option<u64>,
     /// The issuing context (its bound functions).
     pub(crate) ctx: crate::hal::ContextId,
+}
+
+/// A channel's block counter for kernels' fence signals: a word of device memory of its
+/// own, zeroed before any kernel counts on it; 0 if none can be had (REF is then written
+/// by stream writes).
+pub(crate) fn new_signal_count<D: Device>(dev: &D) -> u64 {
+    let p = dev.alloc_device(SIGNAL_COUNT_BYTES).and_then(|p| {
+        match dev.zero_device(p, SIGNAL_COUNT_BYTES as usize) {
+            Ok(()) => Ok(p),
+            Err(e) => {
+                dev.free_device(p);
+                Err(e)
+            }
+        }
+    });
+    p.unwrap_or_else(|e| {
+        log::warn!("cuda: no signal counter ({e}): REF by stream writes");
+        0
+    })
 }
 
 fn mem_fault(va: u64, write: bool, kind: FaultKind) -> MemFault {
@@ -157,29 +177,9 @@ impl<D: Device> Translate for std::cell::RefCell<CtxTranslate<'_, D>> {
     }
 
     fn signal_count(&self) -> Option<u64> {
-        let mut me = self.borrow_mut();
-        if !me.signals {
-            return None;
-        }
-        if let Some(p) = *me.signal_count {
-            return (p != 0).then_some(p);
-        }
-        // A word of its own, zeroed before any kernel counts on it.
-        let p = me.dev.alloc_device(SIGNAL_COUNT_BYTES).and_then(|p| {
-            match me.dev.zero_device(p, SIGNAL_COUNT_BYTES as usize) {
-                Ok(()) => Ok(p),
-                Err(e) => {
-                    me.dev.free_device(p);
-                    Err(e)
-                }
-            }
-        });
-        let p = p.unwrap_or_else(|e| {
-            log::warn!("cuda: no signal counter ({e}): REF by stream writes");
-            0
-        });
-        *me.signal_count = Some(p);
-        (p != 0).then_some(p)
+        let me = self.borrow();
+        // Made with the channel (0: the device had none to give).
+        me.signal_count.filter(|&p| me.signals && p != 0)
     }
 
     fn identity(&self, va: u64, len: u64, write: bool) -> bool {
@@ -389,7 +389,7 @@ impl<D: Device> CudaChannel<D> {
                     mem,
                     dev,
                     scratch: &mut st.scratch,
-                    signal_count: &mut st.signal_count,
+                    signal_count: st.signal_count,
                     signals: mem.signals,
                     ref_ptr: self.ref_ptr,
                     ctx: self.core.ctx,

@@ -439,6 +439,11 @@ impl<D: Device> CudaGpuOf<D> {
         let (core, ()) = self.shared.fifo.new_core(ctx, cfg, sink, at, |_| ())?;
         let stream = self.shared.dev.create_stream().map_err(os_err)?;
         let ch = Arc::new(CudaChannel::new(core, stream, self.shared.stats.clone()));
+        if self.shared.cfg.signal_max_blocks > 0 {
+            // The fence-signal counter now, not at the channel's first kernel: a driver
+            // allocation and a synchronous zeroing there cost a short timed loop ~0.1 ms.
+            ch.lock().signal_count = Some(frontend::new_signal_count(&*self.shared.dev));
+        }
         self.shared.fifo.insert_channel(ch)
     }
 

@@ -1,0 +1,156 @@
+//! Where a short loop's time goes (`vgpu-bench cuda --only loop-overhead`): the standard
+//! sgemm loop (1024³ × 2, 0.3 ms of kernels on the H100, where VM ÷ native CUDA is
+//! furthest from 1) timed in the VM in three ways, with `TIMESTAMP` kernels before the
+//! first and after the last sgemm. From them: publish → first kernel start (the front
+//! end's wake and launch), the GPU span, and last kernel end → the guest seeing its
+//! fence. The three ways tell apart what a loop pays always (`warm`: the same channel,
+//! loops back to back), after the GPU and the front end idled (`idle`: 200 ms asleep
+//! before each loop, as the workloads' CPU reference idles them), and for a channel of
+//! its own (`fresh`: a new channel per loop, as each workload run makes one).
+
+use std::time::Duration;
+
+use vgpu_guest::clock::now_ns;
+use vgpu_guest::{Context, KernelArgs};
+
+use super::{fig, CudaSuiteError};
+use crate::report::{Better, Figure};
+use crate::suites::measure::median;
+
+/// The loop's size, loops per way and the idle way's sleep: the standard ones, or
+/// small ones (`--quick`, the fake device in tests).
+fn sizes(small: bool) -> (u32, usize, Duration) {
+    if small {
+        (48, 4, Duration::from_millis(20))
+    } else {
+        (1024, 15, Duration::from_millis(200))
+    }
+}
+
+/// One loop's parts, in µs.
+struct Parts {
+    wall: f64,
+    start_lag: f64,
+    gpu_span: f64,
+    seen_lag: f64,
+}
+
+fn one_loop(
+    ch: &mut vgpu_guest::Channel,
+    args: &KernelArgs,
+    side: u32,
+    ts: &vgpu_guest::Buffer,
+) -> Result<Parts, CudaSuiteError> {
+    let grid = [side.div_ceil(16), side.div_ceil(16), 1];
+    ch.set_stamp_publish(true);
+    let t0 = now_ns();
+    ch.launch(&KernelArgs::Timestamp { dst: ts.gpu_va() }, [1, 1, 1])?;
+    ch.launch(args, grid)?;
+    ch.submit()?;
+    let published = ch.last_publish_ns();
+    ch.launch(args, grid)?;
+    ch.launch(
+        &KernelArgs::Timestamp {
+            dst: ts.gpu_va() + 8,
+        },
+        [1, 1, 1],
+    )?;
+    let f = ch.submit()?;
+    ch.wait(f)?;
+    let seen = now_ns();
+    let (first, last) = (ts.read_u64(0)?, ts.read_u64(8)?);
+    let us = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1e3;
+    Ok(Parts {
+        wall: us(t0, seen),
+        start_lag: us(published, first),
+        gpu_span: us(first, last),
+        seen_lag: us(last, seen),
+    })
+}
+
+/// The figures of the three ways, each the median over its loops.
+pub(super) fn loop_overhead(
+    ctx: &Context,
+    tag: &str,
+    small: bool,
+) -> Result<Vec<Figure>, CudaSuiteError> {
+    let (side, loops, idle) = sizes(small);
+    let n = u64::from(side) * u64::from(side);
+    let bufs = (0..3)
+        .map(|_| ctx.alloc_vram(n * 4))
+        .collect::<Result<Vec<_>, _>>()?;
+    for b in &bufs {
+        b.write_f32(0, &vec![0.5; n as usize])?;
+    }
+    let ts = ctx.alloc_host(4096)?;
+    let args = KernelArgs::Sgemm {
+        a: bufs[0].gpu_va(),
+        b: bufs[1].gpu_va(),
+        c: bufs[2].gpu_va(),
+        m: side,
+        n: side,
+        k: side,
+        alpha: 1.0,
+        beta: 0.5,
+    };
+    let mut figs = Vec::new();
+    for way in ["warm", "idle", "fresh"] {
+        let mut ch = ctx.create_channel()?;
+        one_loop(&mut ch, &args, side, &ts)?;
+        let mut parts = Vec::new();
+        for _ in 0..loops {
+            match way {
+                "idle" => std::thread::sleep(idle),
+                "fresh" => ch = ctx.create_channel()?,
+                _ => {}
+            }
+            parts.push(one_loop(&mut ch, &args, side, &ts)?);
+        }
+        let mut put = |part: &str, get: fn(&Parts) -> f64| {
+            let mut v: Vec<f64> = parts.iter().map(get).collect();
+            figs.push(fig(
+                &format!("loop_{tag}_{way}_{part}_us"),
+                median(&mut v),
+                "us",
+                Better::Lower,
+            ));
+        };
+        put("wall", |p| p.wall);
+        put("start_lag", |p| p.start_lag);
+        put("gpu_span", |p| p.gpu_span);
+        put("seen_lag", |p| p.seen_lag);
+    }
+    Ok(figs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{run, CudaOpts, Section};
+
+    /// On the fake device: every part of every way is there, and each loop's wall time
+    /// holds its GPU span (the timestamps were read back, not left at zero).
+    #[test]
+    fn splits_the_loop_on_the_fake_device() {
+        let opts = CudaOpts {
+            fake: true,
+            only: vec![Section::LoopOverhead],
+            ..CudaOpts::quick(0)
+        };
+        let figs = run(&opts).expect("loop-overhead on the fake device");
+        let get = |n: &str| {
+            figs.iter()
+                .find(|f| f.name == n)
+                .map(|f| f.value)
+                .unwrap_or_else(|| panic!("no figure {n}"))
+        };
+        for tag in ["vgpu_native", "vm"] {
+            for way in ["warm", "idle", "fresh"] {
+                let p = |part: &str| get(&format!("loop_{tag}_{way}_{part}_us"));
+                let (wall, span) = (p("wall"), p("gpu_span"));
+                assert!(span > 0.0, "{tag} {way}: no GPU span");
+                assert!(wall >= span, "{tag} {way}: wall {wall} < span {span}");
+                assert!(p("start_lag").is_finite() && p("seen_lag").is_finite());
+            }
+        }
+    }
+}
