@@ -92,7 +92,7 @@ fn hostile_requests_get_errors_and_touch_nothing() {
     let mut vctx = 0;
     for _ in 0..3 {
         vctx = match call(&victim, 7, 0, Op::CreateContext).unwrap() {
-            ReplyBody::Context { ctx } => ctx,
+            ReplyBody::Context { ctx, .. } => ctx,
             r => panic!("{r:?}"),
         };
     }
@@ -154,7 +154,7 @@ fn hostile_requests_get_errors_and_touch_nothing() {
 
     // The attacker's own context.
     let actx = match call(&attacker, 9, 0, Op::CreateContext).unwrap() {
-        ReplyBody::Context { ctx } => ctx,
+        ReplyBody::Context { ctx, .. } => ctx,
         r => panic!("{r:?}"),
     };
     let mem_end = 128u64 << 20;

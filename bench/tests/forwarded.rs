@@ -81,7 +81,7 @@ fn forwarded_requests_are_checked_like_any_other() {
     let host = Host::new("fwd-hostile", 64 << 20, VmLimits::default(), &["fwd"]);
     let vm = host.connect_forwarded("fwd");
     let ctx = match call(&vm, 7, 0, Op::CreateContext).unwrap() {
-        ReplyBody::Context { ctx } => ctx,
+        ReplyBody::Context { ctx, .. } => ctx,
         r => panic!("{r:?}"),
     };
     let (channel, slot) = match call(
@@ -108,7 +108,7 @@ fn forwarded_requests_are_checked_like_any_other() {
     }
     // Another process, another context, an unknown channel.
     let other = call(&vm, 8, 0, Op::CreateContext).unwrap();
-    let ReplyBody::Context { ctx: octx } = other else {
+    let ReplyBody::Context { ctx: octx, .. } = other else {
         panic!("{other:?}")
     };
     assert_eq!(
@@ -129,7 +129,7 @@ fn forwarded_requests_are_checked_like_any_other() {
     );
     // Its own context, but the channel lives in another one.
     let ctx2 = match call(&vm, 7, 0, Op::CreateContext).unwrap() {
-        ReplyBody::Context { ctx } => ctx,
+        ReplyBody::Context { ctx, .. } => ctx,
         r => panic!("{r:?}"),
     };
     assert_eq!(

@@ -25,7 +25,7 @@ fn take_contexts(vm: &LoopbackVm, pid: u32) -> (Vec<u32>, ErrorCode) {
     let mut got = Vec::new();
     loop {
         match call(vm, pid, 0, Op::CreateContext).expect("request") {
-            Ok(ReplyBody::Context { ctx }) => got.push(ctx),
+            Ok(ReplyBody::Context { ctx, .. }) => got.push(ctx),
             Ok(other) => panic!("CREATE_CONTEXT: {other:?}"),
             Err(code) => return (got, code),
         }

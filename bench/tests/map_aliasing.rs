@@ -48,7 +48,7 @@ fn aliasing_one_object_stops_at_the_page_table_bound() {
     let vm = host.connect("vm");
     let pid = 9;
     let ctx = match call(&vm, pid, 0, Op::CreateContext).expect("request") {
-        Ok(ReplyBody::Context { ctx }) => ctx,
+        Ok(ReplyBody::Context { ctx, .. }) => ctx,
         other => panic!("CREATE_CONTEXT: {other:?}"),
     };
     let alloc = |size: u64| match call(&vm, pid, ctx, Op::AllocVram { size, align: 4096 })

@@ -33,7 +33,7 @@ fn call(vm: &LoopbackVm, pid: u32, ctx: u32, op: Op) -> Result<ReplyBody, ErrorC
 
 fn context(vm: &LoopbackVm, pid: u32) -> u32 {
     match call(vm, pid, 0, Op::CreateContext) {
-        Ok(ReplyBody::Context { ctx }) => ctx,
+        Ok(ReplyBody::Context { ctx, .. }) => ctx,
         other => panic!("context: {other:?}"),
     }
 }

@@ -441,6 +441,7 @@ static long ioc_create_context(struct vgpu_file *vf, void __user *arg)
 		return err;
 	}
 	a.ctx = c->id;
+	a.huge_slot = le32_to_cpu(r[1]);
 	if (copy_to_user(arg, &a, sizeof(a)))
 		return -EFAULT; /* the context stays; closing the file destroys it */
 	return 0;
@@ -455,7 +456,7 @@ static long ioc_destroy_context(struct vgpu_file *vf, void __user *arg)
 
 	if (copy_from_user(&a, arg, sizeof(a)))
 		return -EFAULT;
-	if (a.reserved)
+	if (a.huge_slot)
 		return -EINVAL;
 	batch_init(&b);
 	mutex_lock(&vf->lock);

@@ -60,10 +60,12 @@ struct vgpu_ioc_stats {
 	__u64 vram_limit;
 };
 
-/* CREATE_CONTEXT (ctx out), DESTROY_CONTEXT (ctx in). */
+/* CREATE_CONTEXT (ctx and huge_slot out), DESTROY_CONTEXT (ctx in, huge_slot 0).
+ * huge_slot: the device's huge-page slot for the context's 2 MiB-page buffers + 1
+ * (0: none; protocol.md, CREATE_CONTEXT). */
 struct vgpu_ioc_context {
 	__u32 ctx;
-	__u32 reserved;
+	__u32 huge_slot;
 };
 
 /* ALLOC_VRAM: size > 0; align a power of two in 4 KiB ..= 1 GiB. */

@@ -44,7 +44,7 @@ fn get_info_and_aperture_through_real_backend() {
     assert!(info.channel_slots >= 1 && info.channel_slots <= CHANNEL_SLOTS);
 
     // VRAM through the BAR aperture: a real SHMEM_MAP round trip.
-    let ReplyBody::Context { ctx } = call(&vm, 100, 0, Op::CreateContext) else {
+    let ReplyBody::Context { ctx, .. } = call(&vm, 100, 0, Op::CreateContext) else {
         panic!("not a context reply");
     };
     let ReplyBody::Mem { mem, .. } = call(

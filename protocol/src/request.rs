@@ -511,6 +511,10 @@ pub enum ReplyBody {
     Info(InfoReply),
     Context {
         ctx: u32,
+        /// The huge-page slot the context's runtime should start its 2 MiB-page buffers
+        /// in ([`crate::mem::HUGE_SLOTS`]); `None`: no preference (the runtime picks one
+        /// at random). On the wire: slot + 1, 0 for none.
+        huge_slot: Option<u32>,
     },
     Mem {
         mem: u32,
@@ -600,9 +604,9 @@ pub fn encode_reply(result: Result<ReplyBody, ErrorCode>) -> Vec<u8> {
                     put32(&mut body, i.channel_slots);
                     put32(&mut body, i.max_contexts);
                 }
-                ReplyBody::Context { ctx } => {
+                ReplyBody::Context { ctx, huge_slot } => {
                     put32(&mut body, ctx);
-                    put32(&mut body, 0);
+                    put32(&mut body, huge_slot.map_or(0, |s| s.saturating_add(1)));
                 }
                 ReplyBody::Mem { mem, size } => {
                     put32(&mut body, mem);
@@ -700,8 +704,12 @@ pub fn decode_reply(opcode: u32, b: &[u8]) -> Result<Result<ReplyBody, ErrorCode
         }),
         op::CREATE_CONTEXT => {
             let ctx = r.u32()?;
-            r.u32()?;
-            ReplyBody::Context { ctx }
+            // A slot out of range (an older host's reserved word is 0: none) is no slot.
+            let huge_slot = r
+                .u32()?
+                .checked_sub(1)
+                .filter(|&s| s < crate::mem::HUGE_SLOTS);
+            ReplyBody::Context { ctx, huge_slot }
         }
         op::ALLOC_VRAM => {
             let mem = r.u32()?;

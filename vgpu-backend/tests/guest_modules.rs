@@ -179,7 +179,7 @@ fn hostile_module_requests_get_their_codes_and_the_backend_stays_up() {
     let l = workers("modules-hostile");
     let mut backend = l.start();
     let vm = backend.connect("a", FaultPolicy::default());
-    let ReplyBody::Context { ctx } = raw(&vm, 7, 0, Op::CreateContext).unwrap() else {
+    let ReplyBody::Context { ctx, .. } = raw(&vm, 7, 0, Op::CreateContext).unwrap() else {
         panic!("no context");
     };
     let load = |ranges| raw(&vm, 7, ctx, Op::ModuleLoad { ranges });
@@ -522,4 +522,71 @@ fn the_in_process_cuda_gpu_refuses_module_loads() {
         "{r:?}"
     );
     vm.disconnect();
+}
+
+/// A linked list of `nodes` in a 4 MiB buffer (2 MiB pages: identity-addressed), walked
+/// by a kernel handed its head as a plain number; returns the values' sum.
+fn chase_sum(ctx: &Context, chase: &vgpu_guest::Function, nodes: u32) -> (u64, u32) {
+    let list = ctx.alloc_vram(4 << 20).expect("the list's buffer");
+    let at = |i: u32| list.gpu_va() + 16 * u64::from(i.wrapping_mul(97) % nodes);
+    let mut bytes = vec![0u8; 16 * nodes as usize];
+    for i in 0..nodes {
+        let o = (at(i) - list.gpu_va()) as usize;
+        bytes[o..o + 8].copy_from_slice(&at((i + 1) % nodes).to_le_bytes());
+        bytes[o + 8..o + 12].copy_from_slice(&(i + 1).to_le_bytes());
+    }
+    list.write(0, &bytes).expect("the list");
+    let out = ctx.alloc_vram(4096).expect("a buffer");
+    let mut ch = ctx.create_channel().expect("a channel");
+    let args = [
+        Arg::U64(list.gpu_va()),
+        Arg::Buffer(&out, true),
+        Arg::U32(nodes),
+    ];
+    ch.launch_function(chase, [1, 1, 1], [1, 1, 1], &args)
+        .expect("chase");
+    let f = ch.submit().expect("submit");
+    ch.wait_timeout(f, PATIENCE).expect("the walk ends");
+    (list.gpu_va(), out.read_u32_vec(0, 1).expect("read")[0])
+}
+
+/// Identity addressing for several contexts of one VM (one worker, one device address
+/// space): the backend names each context a huge-page slot none of the VM's others
+/// uses, so the processes' 2 MiB-page buffers never want the same device addresses and
+/// stored pointers work in every one of them (with slots picked at random, 1 pair in
+/// 96 collided and the later context's buffers were translated only).
+#[test]
+fn a_vms_contexts_get_huge_slots_of_their_own_and_all_chase_pointers() {
+    use vgpu_protocol::mem::huge_slot_of;
+    const NODES: u32 = 3000;
+    let want: u32 = (1..=NODES).sum();
+    let l = workers("modules-slots");
+    let backend = l.start();
+    let vm = backend.connect("a", FaultPolicy::default());
+    let dev = Device::loopback(vm.clone(), 300).expect("device");
+    let mut ctxs: Vec<Context> = (0..3)
+        .map(|_| dev.create_context().expect("context"))
+        .collect();
+    let mut slots = Vec::new();
+    for ctx in &ctxs {
+        let module = ctx.load_module(PTX.as_bytes()).expect("the module loads");
+        let chase = module.function("vgpu_test_chase").expect("chase");
+        let (va, sum) = chase_sum(ctx, &chase, NODES);
+        assert_eq!(sum, want, "a walk through stored pointers at {va:#x}");
+        slots.push(huge_slot_of(va).expect("a huge-page address"));
+    }
+    assert_eq!(slots, [0, 1, 2], "one slot per context, none shared");
+    // A destroyed context's slot is handed out again; other VMs count their own.
+    drop(ctxs.remove(1));
+    let again = dev.create_context().expect("context");
+    let buf = again.alloc_vram(2 << 20).expect("a huge-page buffer");
+    assert_eq!(huge_slot_of(buf.gpu_va()), Some(1));
+    let vm_b = backend.connect("b", FaultPolicy::default());
+    assert!(matches!(
+        raw(&vm_b, 9, 0, Op::CreateContext),
+        Ok(ReplyBody::Context {
+            huge_slot: Some(0),
+            ..
+        })
+    ));
 }

@@ -370,7 +370,7 @@ fn end_to_end_over_vhost_user() {
         other => panic!("{other:?}"),
     }
     let ctx = match vm.request(7, 0, Op::CreateContext).unwrap() {
-        ReplyBody::Context { ctx } => ctx,
+        ReplyBody::Context { ctx, .. } => ctx,
         other => panic!("{other:?}"),
     };
     // A malformed request gets an error reply, the connection stays.
@@ -485,7 +485,7 @@ fn end_to_end_over_vhost_user() {
         ));
     }
     let ctx = match vm.request(1, 0, Op::CreateContext) {
-        Ok(ReplyBody::Context { ctx }) => ctx,
+        Ok(ReplyBody::Context { ctx, .. }) => ctx,
         other => panic!("{other:?}"),
     };
     assert_eq!(
@@ -495,7 +495,7 @@ fn end_to_end_over_vhost_user() {
     );
     // RESET_DEVICE frees the guest's objects, with SHMEM_UNMAP of their BAR views.
     let ctx = match vm.request(2, 0, Op::CreateContext).unwrap() {
-        ReplyBody::Context { ctx } => ctx,
+        ReplyBody::Context { ctx, .. } => ctx,
         other => panic!("{other:?}"),
     };
     vm.request(
@@ -547,7 +547,7 @@ fn a_broken_avail_index_ends_the_connection_and_the_socket_serves_again() {
     for (round, queue) in [CONTROL_QUEUE, EVENT_QUEUE].into_iter().enumerate() {
         let mut vm = Vm::connect(&sock, true);
         let ctx = match vm.request(3, 0, Op::CreateContext).unwrap() {
-            ReplyBody::Context { ctx } => ctx,
+            ReplyBody::Context { ctx, .. } => ctx,
             other => panic!("{other:?}"),
         };
         vm.request(
@@ -626,7 +626,7 @@ fn stopping_the_control_ring_waits_for_the_requests_already_taken() {
     backend.serve_vm("vms", &sock).unwrap();
     let mut vm = Vm::connect(&sock, false);
     let ctx = match vm.request(3, 0, Op::CreateContext).unwrap() {
-        ReplyBody::Context { ctx } => ctx,
+        ReplyBody::Context { ctx, .. } => ctx,
         other => panic!("{other:?}"),
     };
     let q = CONTROL_QUEUE as usize;

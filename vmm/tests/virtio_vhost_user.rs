@@ -259,7 +259,7 @@ fn linux_style_bring_up_requests_shmem_map_and_reset() {
     };
     assert_eq!(info.version, PROTOCOL_VERSION);
 
-    let Ok(ReplyBody::Context { ctx }) = request(&mut dev, &mut g, Op::CreateContext) else {
+    let Ok(ReplyBody::Context { ctx, .. }) = request(&mut dev, &mut g, Op::CreateContext) else {
         panic!("CREATE_CONTEXT failed");
     };
     let req = Request {
@@ -478,7 +478,7 @@ fn a_restarted_backend_is_reconnected_and_the_driver_starts_over() {
 
     let slot_page = with_dev(&bus, slot, |dev| {
         assert_eq!(bring_up(dev, &g, true) & STATUS_DEVICE_NEEDS_RESET, 0);
-        let Ok(ReplyBody::Context { ctx }) = request(dev, &mut g, Op::CreateContext) else {
+        let Ok(ReplyBody::Context { ctx, .. }) = request(dev, &mut g, Op::CreateContext) else {
             panic!("CREATE_CONTEXT failed");
         };
         let req = Request {

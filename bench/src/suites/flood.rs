@@ -116,7 +116,7 @@ fn must(
 
 fn create_context(vm: &LoopbackVm, pid: u32) -> Result<u32, FloodError> {
     match must(vm, pid, 0, Op::CreateContext, "CREATE_CONTEXT")? {
-        ReplyBody::Context { ctx } => Ok(ctx),
+        ReplyBody::Context { ctx, .. } => Ok(ctx),
         _ => Err(FloodError::Unexpected("CREATE_CONTEXT")),
     }
 }
@@ -387,7 +387,7 @@ impl Loop {
             }
             Loop::Churn => {
                 while !stop.load(Ordering::Relaxed) {
-                    let Some(ReplyBody::Context { ctx }) = req(0, Op::CreateContext)? else {
+                    let Some(ReplyBody::Context { ctx, .. }) = req(0, Op::CreateContext)? else {
                         continue;
                     };
                     let op = Op::CreateChannel {

@@ -134,12 +134,17 @@ impl Context {
     }
 
     pub(crate) fn new(transport: Arc<dyn Transport>) -> Result<Self> {
-        let handle = transport.create_context()?;
+        let made = transport.create_context()?;
+        // The host's slot keeps the VM's contexts apart (identity addressing); without
+        // one (the native transport, an older host) a random one makes a clash rare.
+        let va = made
+            .huge_slot
+            .map_or_else(VaSpace::default, |s| VaSpace::with_huge_slot(u64::from(s)));
         Ok(Context {
             inner: Arc::new(CtxInner {
                 transport,
-                handle,
-                va: Mutex::new(VaSpace::default()),
+                handle: made.handle,
+                va: Mutex::new(va),
                 stager: Mutex::new(None),
             }),
         })

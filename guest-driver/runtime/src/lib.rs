@@ -51,7 +51,8 @@ pub use module::{Arg, Function, Global, Module};
 #[cfg(feature = "native")]
 pub use native::{HostRegions, NativeTransport};
 pub use transport::{
-    BlockOn, ChanHandle, ChannelDesc, CpuPtr, CtxHandle, DeviceInfo, MemHandle, MemKind, Transport,
+    BlockOn, ChanHandle, ChannelDesc, CpuPtr, CtxHandle, DeviceInfo, MemHandle, MemKind,
+    NewContext, Transport,
 };
 pub use va::{BIG_BASE, HUGE_BASE, HUGE_SLOTS, HUGE_SLOT_BYTES, SMALL_BASE, VA_END};
 pub use vgpu_protocol::mem::{MapFlags, PageSize};

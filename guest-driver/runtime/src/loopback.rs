@@ -26,7 +26,8 @@ use vgpu_protocol::ErrorCode;
 
 use crate::error::{Error, Result};
 use crate::transport::{
-    ChanHandle, ChannelDesc, CpuPtr, CtxHandle, DeviceInfo, LostProbe, MemHandle, Transport,
+    ChanHandle, ChannelDesc, CpuPtr, CtxHandle, DeviceInfo, LostProbe, MemHandle, NewContext,
+    Transport,
 };
 
 enum Backing {
@@ -209,9 +210,12 @@ impl Transport for LoopbackTransport {
         }
     }
 
-    fn create_context(&self) -> Result<CtxHandle> {
+    fn create_context(&self) -> Result<NewContext> {
         match self.call(0, Op::CreateContext)? {
-            ReplyBody::Context { ctx } => Ok(CtxHandle(ctx as u64)),
+            ReplyBody::Context { ctx, huge_slot } => Ok(NewContext {
+                handle: CtxHandle(ctx as u64),
+                huge_slot,
+            }),
             _ => Err(Error::Device(ErrorCode::Internal)),
         }
     }

@@ -18,7 +18,7 @@ use vgpu_protocol::{ErrorCode, PAGE_SIZE};
 use crate::error::{Error, Result};
 use crate::mmap::Mmap;
 use crate::transport::{
-    ChanHandle, ChannelDesc, CpuPtr, CtxHandle, DeviceInfo, MemHandle, Transport,
+    ChanHandle, ChannelDesc, CpuPtr, CtxHandle, DeviceInfo, MemHandle, NewContext, Transport,
 };
 
 /// The host memory a context's GPU mappings may reach: start address → length.
@@ -230,12 +230,15 @@ impl Transport for NativeTransport {
         })
     }
 
-    fn create_context(&self) -> Result<CtxHandle> {
+    fn create_context(&self) -> Result<NewContext> {
         let sysmem = Arc::new(HostRegions::default());
         let id = self.gpu.create_context(sysmem.clone())?;
         let h = CtxHandle(id.0 as u64);
         self.state().contexts.insert(h, Ctx { id, sysmem });
-        Ok(h)
+        Ok(NewContext {
+            handle: h,
+            huge_slot: None,
+        })
     }
 
     fn destroy_context(&self, ctx: CtxHandle) -> Result<()> {

@@ -110,13 +110,21 @@ pub enum BlockOn {
     Notify(u32),
 }
 
+/// A context the device made: its handle, and the huge-page slot the host asked its
+/// 2 MiB-page buffers to start in (`CREATE_CONTEXT`'s reply; `None`: the runtime picks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NewContext {
+    pub handle: CtxHandle,
+    pub huge_slot: Option<u32>,
+}
+
 /// The resource-management half of the device interface. Object safe; implementations
 /// must be callable from any thread. Sizes and addresses passed in are already aligned
 /// to the page size the caller chose.
 pub trait Transport: Send + Sync {
     fn info(&self) -> Result<DeviceInfo>;
 
-    fn create_context(&self) -> Result<CtxHandle>;
+    fn create_context(&self) -> Result<NewContext>;
     /// Destroys the address space and anything of it still alive (channels first).
     fn destroy_context(&self, ctx: CtxHandle) -> Result<()>;
 

@@ -9,8 +9,9 @@
 //! device's own, so kernels can follow pointers stored in memory (docs/design/
 //! guest-modules.md, "Identity addressing"). The host does that per context in its GPU
 //! worker's one address space, so each context starts its huge-page buffers in a
-//! terabyte slot of its own choosing ([`HUGE_SLOTS`] of them, picked at random): two
-//! processes of one VM then rarely want the same device addresses.
+//! terabyte slot of its own ([`HUGE_SLOTS`] of them): the one the host names in
+//! `CREATE_CONTEXT`'s reply, none of the VM's other contexts' (else, from a host that
+//! names none, one picked at random).
 
 use vgpu_protocol::mem::PageSize;
 use vgpu_protocol::range::RangeAllocator;
@@ -21,13 +22,13 @@ pub const SMALL_BASE: u64 = 0x1_0000_0000;
 /// Where big-page buffers start (and small-page ones end).
 pub const BIG_BASE: u64 = 0x40_0000_0000;
 /// Where huge-page buffers start (and big-page ones end).
-pub const HUGE_BASE: u64 = 0x400_0000_0000;
+pub const HUGE_BASE: u64 = vgpu_protocol::mem::HUGE_BASE;
 /// End of the runtime's part of the address space.
 pub const VA_END: u64 = 0x8000_0000_0000;
 /// How many 1 TiB slots a context's huge-page buffers may start in, from [`HUGE_BASE`].
-pub const HUGE_SLOTS: u64 = 96;
+pub const HUGE_SLOTS: u64 = vgpu_protocol::mem::HUGE_SLOTS as u64;
 /// The span of one slot.
-pub const HUGE_SLOT_BYTES: u64 = 1 << 40;
+pub const HUGE_SLOT_BYTES: u64 = vgpu_protocol::mem::HUGE_SLOT_BYTES;
 
 /// A slot for a new context: random (std's per-process random keys, varied per call).
 fn random_huge_slot() -> u64 {

@@ -39,7 +39,7 @@ fn structs() -> Vec<(&'static str, usize, Fields)> {
             "mapped_guest_bytes" => mapped_guest_bytes, "aperture_bytes" => aperture_bytes,
             "vram_limit" => vram_limit,
         ]),
-        s!("vgpu_ioc_context", abi::ContextArg, ["ctx" => ctx, "reserved" => reserved]),
+        s!("vgpu_ioc_context", abi::ContextArg, ["ctx" => ctx, "huge_slot" => huge_slot]),
         s!("vgpu_ioc_alloc_vram", abi::AllocVram, [
             "ctx" => ctx, "mem" => mem, "size" => size, "align" => align,
             "alloc_size" => alloc_size,

@@ -268,7 +268,7 @@ fn driver_only(fd: RawFd, out: &mut Vec<Check>) {
     );
     let mut x = abi::ContextArg {
         ctx: 1,
-        reserved: 5,
+        huge_slot: 5,
     };
     expect(
         out,

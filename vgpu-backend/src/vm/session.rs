@@ -231,6 +231,9 @@ pub struct FunctionState {
 #[derive(Default)]
 pub struct HalHandles {
     pub contexts: BTreeMap<u32, (ContextId, Arc<GuestSysMemory>)>,
+    /// The huge-page slot each context was told to use (`CREATE_CONTEXT`; not migrated:
+    /// a restored context's slot is read from its mappings).
+    pub huge_slots: BTreeMap<u32, u32>,
     /// VRAM objects in chunks (in VRAM or swapped, see [`crate::vram`]).
     pub vram: BTreeMap<u32, crate::vram::backing::ObjBacking>,
     /// The VM's frames for pieces smaller than a chunk ([`crate::vram::slabs`]).

@@ -194,7 +194,7 @@ impl T {
     }
     fn ctx(&mut self, pid: u32) -> u32 {
         match self.req(pid, 0, Op::CreateContext) {
-            Ok(ReplyBody::Context { ctx }) => ctx,
+            Ok(ReplyBody::Context { ctx, .. }) => ctx,
             other => panic!("create context: {other:?}"),
         }
     }
@@ -1608,7 +1608,7 @@ fn module_requests_check_everything_and_migrate() {
         range(R0.0 + 0x1000, head.len() as u64),
         range(R1.0, tail.len() as u64),
     ];
-    let Ok(ReplyBody::Context { ctx }) = req(&mut s, 7, 0, Op::CreateContext) else {
+    let Ok(ReplyBody::Context { ctx, .. }) = req(&mut s, 7, 0, Op::CreateContext) else {
         panic!("no context");
     };
     // Ownership before anything is read: another process, an unknown context.

@@ -625,7 +625,7 @@ mod tests {
         let req = |s: &mut Session, ctx: u32, op: Op| {
             s.execute(&Request { pid: 7, ctx, op }, &mem, shm).unwrap()
         };
-        let ReplyBody::Context { ctx } = req(&mut s, 0, Op::CreateContext) else {
+        let ReplyBody::Context { ctx, .. } = req(&mut s, 0, Op::CreateContext) else {
             panic!("context");
         };
         let ReplyBody::Mem { mem: obj, .. } = req(

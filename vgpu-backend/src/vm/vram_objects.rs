@@ -244,7 +244,7 @@ mod tests {
         let req = |s: &mut Session, ctx: u32, op: Op| {
             s.execute(&Request { pid: 7, ctx, op }, &mem, &NullShm)
         };
-        let Ok(ReplyBody::Context { ctx }) = req(&mut s, 0, Op::CreateContext) else {
+        let Ok(ReplyBody::Context { ctx, .. }) = req(&mut s, 0, Op::CreateContext) else {
             panic!("context");
         };
         let alloc = |s: &mut Session, size: u64| {

@@ -98,7 +98,8 @@ pub struct Stats {
 #[derive(Debug, Default, Clone, Copy)]
 pub struct ContextArg {
     pub ctx: u32,
-    pub reserved: u32,
+    /// CREATE_CONTEXT: the device's huge-page slot + 1 (0: none); 0 in DESTROY_CONTEXT.
+    pub huge_slot: u32,
 }
 
 #[repr(C)]

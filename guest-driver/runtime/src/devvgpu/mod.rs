@@ -23,7 +23,8 @@ use vgpu_protocol::ErrorCode;
 use crate::error::{Error, Result};
 use crate::mmap::Mmap;
 use crate::transport::{
-    BlockOn, ChanHandle, ChannelDesc, CpuPtr, CtxHandle, DeviceInfo, MemHandle, Transport,
+    BlockOn, ChanHandle, ChannelDesc, CpuPtr, CtxHandle, DeviceInfo, MemHandle, NewContext,
+    Transport,
 };
 
 /// Where the driver's device node lives.
@@ -205,16 +206,23 @@ impl Transport for DevVgpuTransport {
         })
     }
 
-    fn create_context(&self) -> Result<CtxHandle> {
+    fn create_context(&self) -> Result<NewContext> {
         let mut a = abi::ContextArg::default();
         self.ioctl("VGPU_IOC_CREATE_CONTEXT", abi::CREATE_CONTEXT, &mut a)?;
-        Ok(CtxHandle(a.ctx as u64))
+        Ok(NewContext {
+            handle: CtxHandle(a.ctx as u64),
+            // The device's word as it sent it: slot + 1, 0 for none.
+            huge_slot: a
+                .huge_slot
+                .checked_sub(1)
+                .filter(|&s| s < vgpu_protocol::mem::HUGE_SLOTS),
+        })
     }
 
     fn destroy_context(&self, ctx: CtxHandle) -> Result<()> {
         let mut a = abi::ContextArg {
             ctx: ctx_id(ctx)?,
-            reserved: 0,
+            huge_slot: 0,
         };
         self.ioctl("VGPU_IOC_DESTROY_CONTEXT", abi::DESTROY_CONTEXT, &mut a)?;
         // The driver destroyed everything of the context; drop our views of it.

@@ -414,7 +414,7 @@ mod tests {
             s.execute(&Request { pid: 7, ctx, op }, &mem, &Accept)
                 .unwrap()
         };
-        let ReplyBody::Context { ctx } = req(&mut s, 0, Op::CreateContext) else {
+        let ReplyBody::Context { ctx, .. } = req(&mut s, 0, Op::CreateContext) else {
             panic!("context");
         };
         let alloc = Op::AllocVram {

@@ -43,7 +43,7 @@ pub(super) fn with_id(last: &mut u32, id: u32) -> Result<(), ErrorCode> {
 fn expect_id(r: Reply, id: u32) -> Result<ReplyBody, ErrorCode> {
     let body = r?;
     let got = match body {
-        ReplyBody::Context { ctx } => ctx,
+        ReplyBody::Context { ctx, .. } => ctx,
         ReplyBody::Mem { mem, .. } => mem,
         ReplyBody::Channel { channel, .. } => channel,
         _ => return Ok(body),

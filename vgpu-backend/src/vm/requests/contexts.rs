@@ -31,10 +31,36 @@ impl Session {
             .gpu
             .create_context_for(pid, gpu_sys)
             .map_err(|e| e.code())?;
+        let huge_slot = self.free_huge_slot();
         self.state.contexts.insert(id, ContextState { pid });
         self.hal.contexts.insert(id, (hctx, sys));
-        debug!("pid {pid}: context {id} ({hctx:?})");
-        Ok(ReplyBody::Context { ctx: id })
+        if let Some(s) = huge_slot {
+            self.hal.huge_slots.insert(id, s);
+        }
+        debug!("pid {pid}: context {id} ({hctx:?}), huge slot {huge_slot:?}");
+        Ok(ReplyBody::Context { ctx: id, huge_slot })
+    }
+
+    /// The lowest huge-page slot no context of this VM uses (one it was told to use, or
+    /// one its mappings lie in), so that two of the VM's contexts never want the same
+    /// device addresses for identity addressing (they share one device address space
+    /// in the VM's GPU worker). `None` when every slot is taken: the runtime then picks.
+    fn free_huge_slot(&self) -> Option<u32> {
+        let contexts = &self.state.contexts;
+        let mut used: std::collections::BTreeSet<u32> = self
+            .hal
+            .huge_slots
+            .iter()
+            .filter(|(c, _)| contexts.contains_key(c))
+            .map(|(_, &s)| s)
+            .collect();
+        used.extend(
+            self.state
+                .mappings
+                .keys()
+                .filter_map(|&(_, va)| vgpu_protocol::mem::huge_slot_of(va)),
+        );
+        (0..vgpu_protocol::mem::HUGE_SLOTS).find(|s| !used.contains(s))
     }
 
     pub(super) fn destroy_context(&mut self, pid: u32, ctx: u32, shm: &dyn ShmMapper) -> Reply {
@@ -93,6 +119,7 @@ impl Session {
         let u = &mut self.state.usage;
         u.page_table_bytes = u.page_table_bytes.saturating_sub(tables);
         self.hal.contexts.remove(&ctx);
+        self.hal.huge_slots.remove(&ctx);
         self.state.contexts.remove(&ctx);
         // Its modules and functions went with the GPU's context.
         self.state.modules.retain(|_, m| m.ctx != ctx);

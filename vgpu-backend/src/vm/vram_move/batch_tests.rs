@@ -68,7 +68,7 @@ fn a_move_without_a_cpu_view_copies_every_chunk_in_one_batch_exactly() {
     let req = |s: &mut Session, ctx: u32, op: Op| {
         s.execute(&Request { pid: 7, ctx, op }, &mem, &shm).unwrap()
     };
-    let ReplyBody::Context { ctx } = req(&mut s, 0, Op::CreateContext) else {
+    let ReplyBody::Context { ctx, .. } = req(&mut s, 0, Op::CreateContext) else {
         panic!("context");
     };
     // Three chunks, the last one short.
