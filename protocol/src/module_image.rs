@@ -7,8 +7,14 @@
 //! Read: PTX text (its `.global`/`.const` declarations at module scope), a cubin (the
 //! `OBJECT` symbols of its ELF symbol table in `.nv.global*` and user `.nv.constant*`
 //! sections), and a fatbin through its first uncompressed PTX entry, else its first
-//! uncompressed cubin (nvcc compresses the PTX of a fatbin by default since CUDA 12.8 and
-//! leaves the cubins as they are). Not read: a fatbin whose every entry is compressed.
+//! uncompressed cubin, else the same compressed (nvcc compresses the PTX of a fatbin with
+//! zstd by default since CUDA 12.8 and leaves the cubins as they are; `-compress-all`
+//! compresses them too). A compressed entry is unpacked by a memory-safe decoder to at most
+//! the size its header states, and at most [`MAX_UNPACKED`] bytes. Not read: entries
+//! compressed otherwise than with zstd (LZ4, from older nvcc).
+
+use std::borrow::Cow;
+use std::io::Read;
 
 /// A fatbin's magic (its first four bytes, little-endian).
 pub const FATBIN_MAGIC: u32 = 0xba55ed50;
@@ -20,7 +26,7 @@ pub const FATBIN_PTX: u16 = 1;
 pub enum ImageError {
     #[error("a malformed cubin (ELF): {0}")]
     BadElf(&'static str),
-    #[error("the fatbin holds no uncompressed PTX or cubin")]
+    #[error("the fatbin holds no PTX or cubin that can be read (or unpacked)")]
     NoPtx,
     #[error("not PTX text")]
     NotPtx,
@@ -30,12 +36,33 @@ pub enum ImageError {
 const FATBIN_ELF: u16 = 2;
 /// A fatbin entry's flag (in the header's word at 40): the payload is compressed.
 const FATBIN_COMPRESSED: u32 = 0x8000;
+/// Where a compressed entry's header states the payload's unpacked size (u64).
+const FATBIN_UNPACKED_SIZE_AT: usize = 56;
+/// A zstd frame's first bytes.
+const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
+/// Most bytes a compressed entry may unpack to (a VM's images are bounded by the same).
+pub const MAX_UNPACKED: u64 = 256 << 20;
 
-/// The payload of the first uncompressed entry of `kind` in a fatbin: after the 16-byte
-/// header `{u32 magic, u16 version, u16 header size, u64 body size}`, entries
-/// `{u16 kind, u16 version, u32 header size, u64 payload size, …, u64 flags at 40, …}`
-/// each followed by its payload.
-fn fatbin_entry(image: &[u8], want: u16) -> Option<&[u8]> {
+/// A compressed entry's payload unpacked: exactly `size` bytes from one zstd frame, or
+/// nothing (another compression, a size over [`MAX_UNPACKED`], a corrupt or short frame).
+fn unpack(payload: &[u8], size: u64) -> Option<Vec<u8>> {
+    if size == 0 || size > MAX_UNPACKED || !payload.starts_with(&ZSTD_MAGIC) {
+        return None;
+    }
+    let mut input = payload;
+    let decoder = ruzstd::decoding::StreamingDecoder::new(&mut input).ok()?;
+    let mut out = Vec::with_capacity(usize::try_from(size).ok()?);
+    // One byte more than stated: a frame that unpacks to more than its header says is refused.
+    decoder.take(size + 1).read_to_end(&mut out).ok()?;
+    (out.len() as u64 == size).then_some(out)
+}
+
+/// The payload of the first entry of `kind` in a fatbin, uncompressed (`packed` false) or
+/// compressed and unpacked (`packed` true): after the 16-byte header `{u32 magic, u16
+/// version, u16 header size, u64 body size}`, entries `{u16 kind, u16 version, u32 header
+/// size, u64 payload size, …, u64 flags at 40, …, u64 unpacked size at 56, …}` each
+/// followed by its payload.
+fn fatbin_entry(image: &[u8], want: u16, packed: bool) -> Option<Cow<'_, [u8]>> {
     let u16_at = |o: usize| Some(u16::from_le_bytes(image.get(o..o + 2)?.try_into().ok()?));
     let u32_at = |o: usize| Some(u32::from_le_bytes(image.get(o..o + 4)?.try_into().ok()?));
     let u64_at = |o: usize| Some(u64::from_le_bytes(image.get(o..o + 8)?.try_into().ok()?));
@@ -48,8 +75,19 @@ fn fatbin_entry(image: &[u8], want: u16) -> Option<&[u8]> {
         let start = at.checked_add(header)?;
         let stop = start.checked_add(usize::try_from(payload).ok()?)?;
         let compressed = header >= 48 && u32_at(at + 40)? & FATBIN_COMPRESSED != 0;
-        if kind == want && !compressed {
-            return image.get(start..stop);
+        if kind == want && compressed == packed {
+            let payload = image.get(start..stop)?;
+            if !packed {
+                return Some(Cow::Borrowed(payload));
+            }
+            let size = if header >= FATBIN_UNPACKED_SIZE_AT + 8 {
+                u64_at(at + FATBIN_UNPACKED_SIZE_AT)?
+            } else {
+                0
+            };
+            if let Some(v) = unpack(payload, size) {
+                return Some(Cow::Owned(v));
+            }
         }
         if stop <= at {
             return None;
@@ -59,18 +97,24 @@ fn fatbin_entry(image: &[u8], want: u16) -> Option<&[u8]> {
     None
 }
 
-/// The first uncompressed PTX entry of a fatbin.
-pub fn fatbin_ptx(image: &[u8]) -> Option<&[u8]> {
-    fatbin_entry(image, FATBIN_PTX)
+/// The first uncompressed PTX entry of a fatbin, else its first compressed one unpacked.
+pub fn fatbin_ptx(image: &[u8]) -> Option<Cow<'_, [u8]>> {
+    fatbin_entry(image, FATBIN_PTX, false).or_else(|| fatbin_entry(image, FATBIN_PTX, true))
 }
 
 /// The PTX text of an image (a PTX module, or a fatbin's PTX entry), without its NULs.
-pub fn ptx_text(image: &[u8]) -> Result<&str, ImageError> {
-    let text = if is_fatbin(image) {
-        fatbin_ptx(image).ok_or(ImageError::NoPtx)?
-    } else {
-        image
-    };
+pub fn ptx_text(image: &[u8]) -> Result<Cow<'_, str>, ImageError> {
+    if !is_fatbin(image) {
+        return ptx_str(image).map(Cow::Borrowed);
+    }
+    match fatbin_ptx(image).ok_or(ImageError::NoPtx)? {
+        Cow::Borrowed(b) => ptx_str(b).map(Cow::Borrowed),
+        Cow::Owned(v) => ptx_str(&v).map(|t| Cow::Owned(t.to_owned())),
+    }
+}
+
+/// Bytes as PTX text: UTF-8 with `.version` and `.target`, less trailing NULs.
+fn ptx_str(text: &[u8]) -> Result<&str, ImageError> {
     // The NUL that ends the text, and a fatbin entry's padding.
     let len = text.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1);
     let text = std::str::from_utf8(&text[..len]).map_err(|_| ImageError::NotPtx)?;
@@ -96,11 +140,23 @@ pub fn module_variables(image: &[u8]) -> Result<Vec<String>, ImageError> {
     if is_elf(image) {
         return elf_variables(image);
     }
-    if is_fatbin(image) && fatbin_ptx(image).is_none() {
-        let cubin = fatbin_entry(image, FATBIN_ELF).ok_or(ImageError::NoPtx)?;
-        return elf_variables(cubin);
+    if is_fatbin(image) {
+        // Whatever can be read without unpacking first.
+        for packed in [false, true] {
+            if let Some(ptx) = fatbin_entry(image, FATBIN_PTX, packed) {
+                return ptx_variables(ptx_str(&ptx)?);
+            }
+            if let Some(cubin) = fatbin_entry(image, FATBIN_ELF, packed) {
+                return elf_variables(&cubin);
+            }
+        }
+        return Err(ImageError::NoPtx);
     }
-    let text = ptx_text(image)?;
+    ptx_variables(ptx_str(image)?)
+}
+
+/// The variables PTX text declares at module scope.
+fn ptx_variables(text: &str) -> Result<Vec<String>, ImageError> {
     let mut names = Vec::new();
     let mut depth = 0usize;
     for line in text.lines() {
@@ -294,18 +350,75 @@ mod tests {
     }
 
     /// nvcc 13.0's fatbin of `guest-driver/libcudart/tests/cu/matmul.cu` (its default:
-    /// the PTX compressed, the sm_75 cubin not): the variable comes from the cubin.
+    /// the PTX compressed with zstd, the sm_75 cubin not): the variable comes from the
+    /// cubin; the PTX unpacks to the size its header states and declares the same.
     #[test]
-    fn lists_an_nvcc_fatbins_variables_from_its_cubin() {
+    fn lists_an_nvcc_fatbins_variables_from_its_cubin_and_its_packed_ptx() {
         let f = include_bytes!("../tests/data/matmul_sm75.fatbin");
-        assert!(fatbin_ptx(f).is_none(), "its PTX is compressed");
+        assert!(
+            fatbin_entry(f, FATBIN_PTX, false).is_none(),
+            "its PTX is compressed"
+        );
         assert_eq!(module_variables(f).unwrap(), ["calls"]);
-        let cubin = fatbin_entry(f, FATBIN_ELF).unwrap();
-        assert_eq!(module_variables(cubin).unwrap(), ["calls"]);
+        let cubin = fatbin_entry(f, FATBIN_ELF, false).unwrap();
+        assert_eq!(module_variables(&cubin).unwrap(), ["calls"]);
         // Every truncation of the cubin gives an answer, not a panic.
         for n in 0..cubin.len() {
             let _ = module_variables(&cubin[..n]);
         }
+        let ptx = fatbin_ptx(f).expect("the PTX unpacks");
+        assert!(matches!(ptx, Cow::Owned(_)));
+        assert_eq!(ptx.len(), 3091, "the size its entry's header states");
+        let text = ptx_text(f).unwrap();
+        assert!(text.contains(".visible .entry"), "{text}");
+        assert_eq!(ptx_variables(&text).unwrap(), ["calls"]);
+    }
+
+    /// The fatbin above with its cubin entry taken out: every entry compressed (as
+    /// `nvcc -Xfatbin -compress-all` writes it), its variables come from the unpacked
+    /// PTX. A stated size that is off, a frame cut short or flipped bits are refused, and
+    /// no size over the cap is believed.
+    #[test]
+    fn an_all_compressed_fatbin_is_read_through_its_unpacked_ptx() {
+        let f = include_bytes!("../tests/data/matmul_sm75.fatbin");
+        let packed = ptx_only(f);
+        assert_eq!(module_variables(&packed).unwrap(), ["calls"]);
+        // The PTX entry's header is at 16 (the cubin is gone); its unpacked size at 56.
+        let size_at = 16 + FATBIN_UNPACKED_SIZE_AT;
+        for wrong in [0u64, 3090, 3092, MAX_UNPACKED + 1, u64::MAX] {
+            let mut b = packed.clone();
+            b[size_at..size_at + 8].copy_from_slice(&wrong.to_le_bytes());
+            assert_eq!(module_variables(&b), Err(ImageError::NoPtx), "size {wrong}");
+        }
+        let body = 16 + 80;
+        for cut in [body, body + 4, body + 100, packed.len() - 8] {
+            let mut b = packed.clone();
+            b.truncate(cut);
+            assert!(module_variables(&b).is_err(), "cut at {cut}");
+        }
+        for i in (body + 4..packed.len()).step_by(37) {
+            let mut b = packed.clone();
+            b[i] ^= 0x5a;
+            let _ = module_variables(&b);
+        }
+    }
+
+    /// `image` with only its PTX entries, the fatbin header's body size to match.
+    fn ptx_only(image: &[u8]) -> Vec<u8> {
+        let u32_at = |o: usize| u32::from_le_bytes(image[o..o + 4].try_into().unwrap());
+        let u64_at = |o: usize| u64::from_le_bytes(image[o..o + 8].try_into().unwrap());
+        let mut out = image[..16].to_vec();
+        let mut at = 16;
+        while at + 16 <= image.len() {
+            let stop = at + u32_at(at + 4) as usize + u64_at(at + 8) as usize;
+            if u16::from_le_bytes([image[at], image[at + 1]]) == FATBIN_PTX {
+                out.extend_from_slice(&image[at..stop.min(image.len())]);
+            }
+            at = stop;
+        }
+        let body = (out.len() - 16) as u64;
+        out[8..16].copy_from_slice(&body.to_le_bytes());
+        out
     }
 
     /// Found by the fuzzer: section offsets near the top of the address space.

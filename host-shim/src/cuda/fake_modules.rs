@@ -135,7 +135,7 @@ pub fn parse_ptx(image: &[u8]) -> Option<PtxModule> {
         Some(m) if u32::from_le_bytes([m[0], m[1], m[2], m[3]]) == FATBIN_MAGIC => {
             fatbin_ptx(image)?
         }
-        _ => image,
+        _ => std::borrow::Cow::Borrowed(image),
     };
     // The NUL that ends the text, and a fatbin entry's padding.
     let len = image.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1);

@@ -45,8 +45,16 @@ fuzz_target!(|data: &[u8]| {
             let _ = Event::decode(rest);
         }
         6 => {
-            // A guest's module image, as a migration lists its variables.
-            if let Ok(names) = vgpu_protocol::module_image::module_variables(rest) {
+            // A guest's module image, as a migration lists its variables; with the top
+            // bit, the bytes as the zstd frame of a fatbin's one compressed PTX entry.
+            let wrapped;
+            let image = if selector & 0x80 != 0 {
+                wrapped = packed_fatbin(rest);
+                &wrapped[..]
+            } else {
+                rest
+            };
+            if let Ok(names) = vgpu_protocol::module_image::module_variables(image) {
                 assert!(names
                     .iter()
                     .all(|n| vgpu_protocol::module::valid_symbol(n.as_bytes())));
@@ -62,3 +70,27 @@ fuzz_target!(|data: &[u8]| {
         }
     }
 });
+
+/// A fatbin whose one entry is compressed PTX: its payload zstd's magic and `rest` after
+/// the first two bytes, which give the unpacked size the header states.
+fn packed_fatbin(rest: &[u8]) -> Vec<u8> {
+    let (size, frame) = match rest {
+        [a, b, frame @ ..] => (u64::from(u16::from_le_bytes([*a, *b])), frame),
+        _ => (0, rest),
+    };
+    let mut payload = vec![0x28, 0xb5, 0x2f, 0xfd];
+    payload.extend_from_slice(frame);
+    let mut entry = vec![0u8; 64];
+    entry[0..2].copy_from_slice(&1u16.to_le_bytes()); // PTX
+    entry[4..8].copy_from_slice(&64u32.to_le_bytes());
+    entry[8..16].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    entry[40..44].copy_from_slice(&0x8000u32.to_le_bytes()); // compressed
+    entry[56..64].copy_from_slice(&size.to_le_bytes());
+    let mut out = vec![0u8; 16];
+    out[0..4].copy_from_slice(&0xba55_ed50u32.to_le_bytes());
+    out[6..8].copy_from_slice(&16u16.to_le_bytes());
+    out[8..16].copy_from_slice(&((entry.len() + payload.len()) as u64).to_le_bytes());
+    out.extend(entry);
+    out.extend(payload);
+    out
+}
