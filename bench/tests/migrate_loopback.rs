@@ -434,16 +434,12 @@ fn a_vms_own_module_and_its_variable_move_with_it() {
     assert!(vadd_ok(&ctx, &vadd, 3));
     let chase = module.function("vgpu_test_chase").unwrap();
     let list = ctx.alloc_vram(4 << 20).expect("the list's buffer");
-    // Node i at 16·((i·97) mod n): next pointer, then value i + 1.
-    let at = |i: u32| list.gpu_va() + 16 * u64::from(i.wrapping_mul(97) % LIST_NODES);
-    let mut nodes = vec![0u8; 16 * LIST_NODES as usize];
-    for i in 0..LIST_NODES {
-        let o = (at(i) - list.gpu_va()) as usize;
-        nodes[o..o + 8].copy_from_slice(&at((i + 1) % LIST_NODES).to_le_bytes());
-        nodes[o + 8..o + 12].copy_from_slice(&(i + 1).to_le_bytes());
-    }
-    list.write(0, &nodes).expect("the list");
-    let want: u32 = (1..=LIST_NODES).sum();
+    list.write(
+        0,
+        &vgpu_test_support::pointer_list(list.gpu_va(), LIST_NODES),
+    )
+    .expect("the list");
+    let want = vgpu_test_support::pointer_list_sum(LIST_NODES);
     assert_eq!(
         list_sum(&ctx, &list, &chase),
         want,

@@ -8,11 +8,13 @@
 //!   bound yet;
 //! - [`BackendLauncher`] / [`BackendProcess`]: the `vgpu-backend` binary as a child
 //!   process (config, sockets and log in a private directory; restart, SIGSTOP, SIGKILL,
-//!   SIGTERM), for tests of the daemon itself.
+//!   SIGTERM), for tests of the daemon itself;
+//! - [`pointer_list`]: a linked list for kernels that follow stored pointers.
 //!
 //! Fixtures panic on setup failures: a test that cannot set up has failed.
 
 mod backend_process;
+mod pointer_list;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -30,6 +32,7 @@ pub use backend_process::{
     backend_bin, gpu_worker_args, BackendLauncher, BackendProcess, PROCESS_PATIENCE,
     TERMINATE_TIMEOUT,
 };
+pub use pointer_list::{pointer_list, pointer_list_sum};
 
 /// How long [`Host::connect`] keeps trying.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);

@@ -528,14 +528,8 @@ fn the_in_process_cuda_gpu_refuses_module_loads() {
 /// by a kernel handed its head as a plain number; returns the values' sum.
 fn chase_sum(ctx: &Context, chase: &vgpu_guest::Function, nodes: u32) -> (u64, u32) {
     let list = ctx.alloc_vram(4 << 20).expect("the list's buffer");
-    let at = |i: u32| list.gpu_va() + 16 * u64::from(i.wrapping_mul(97) % nodes);
-    let mut bytes = vec![0u8; 16 * nodes as usize];
-    for i in 0..nodes {
-        let o = (at(i) - list.gpu_va()) as usize;
-        bytes[o..o + 8].copy_from_slice(&at((i + 1) % nodes).to_le_bytes());
-        bytes[o + 8..o + 12].copy_from_slice(&(i + 1).to_le_bytes());
-    }
-    list.write(0, &bytes).expect("the list");
+    list.write(0, &vgpu_test_support::pointer_list(list.gpu_va(), nodes))
+        .expect("the list");
     let out = ctx.alloc_vram(4096).expect("a buffer");
     let mut ch = ctx.create_channel().expect("a channel");
     let args = [
@@ -559,7 +553,7 @@ fn chase_sum(ctx: &Context, chase: &vgpu_guest::Function, nodes: u32) -> (u64, u
 fn a_vms_contexts_get_huge_slots_of_their_own_and_all_chase_pointers() {
     use vgpu_protocol::mem::huge_slot_of;
     const NODES: u32 = 3000;
-    let want: u32 = (1..=NODES).sum();
+    let want = vgpu_test_support::pointer_list_sum(NODES);
     let l = workers("modules-slots");
     let backend = l.start();
     let vm = backend.connect("a", FaultPolicy::default());
