@@ -444,7 +444,14 @@ impl<D: Device> CudaGpuOf<D> {
             // allocation and a synchronous zeroing there cost a short timed loop ~0.1 ms.
             ch.lock().signal_count = Some(frontend::new_signal_count(&*self.shared.dev));
         }
-        self.shared.fifo.insert_channel(ch)
+        let id = self.shared.fifo.insert_channel(ch.clone());
+        if id.is_err() {
+            // Its context went away meanwhile: nothing ran on the counter.
+            if let Some(p) = ch.lock().signal_count.take().filter(|&p| p != 0) {
+                self.shared.dev.free_device(p);
+            }
+        }
+        id
     }
 
     /// A registry key for a new system-memory mapping.
