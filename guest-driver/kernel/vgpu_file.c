@@ -454,10 +454,9 @@ static long ioc_destroy_context(struct vgpu_file *vf, void __user *arg)
 	struct vgpu_ctx *c;
 	int err = 0;
 
+	/* huge_slot is CREATE_CONTEXT's output: ignored, so its struct may come back. */
 	if (copy_from_user(&a, arg, sizeof(a)))
 		return -EFAULT;
-	if (a.huge_slot)
-		return -EINVAL;
 	batch_init(&b);
 	mutex_lock(&vf->lock);
 	c = own_ctx(vf, a.ctx, &err);

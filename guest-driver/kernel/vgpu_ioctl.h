@@ -60,7 +60,7 @@ struct vgpu_ioc_stats {
 	__u64 vram_limit;
 };
 
-/* CREATE_CONTEXT (ctx and huge_slot out), DESTROY_CONTEXT (ctx in, huge_slot 0).
+/* CREATE_CONTEXT (ctx and huge_slot out), DESTROY_CONTEXT (ctx in, huge_slot ignored).
  * huge_slot: the device's huge-page slot for the context's 2 MiB-page buffers + 1
  * (0: none; protocol.md, CREATE_CONTEXT). */
 struct vgpu_ioc_context {

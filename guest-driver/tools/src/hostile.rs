@@ -266,14 +266,15 @@ fn driver_only(fd: RawFd, out: &mut Vec<Check>) {
         ioctl(fd, abi::WAIT, &mut w),
         libc::EINVAL,
     );
-    let mut x = abi::ContextArg {
+    let mut x = abi::Unmap {
         ctx: 1,
-        huge_slot: 5,
+        reserved: 5,
+        va: 0,
     };
     expect(
         out,
         "reserved_nonzero",
-        ioctl(fd, abi::DESTROY_CONTEXT, &mut x),
+        ioctl(fd, abi::UNMAP, &mut x),
         libc::EINVAL,
     );
     // Slots and windows this file does not own: every slot, the aperture, the region end.

@@ -98,7 +98,7 @@ pub struct Stats {
 #[derive(Debug, Default, Clone, Copy)]
 pub struct ContextArg {
     pub ctx: u32,
-    /// CREATE_CONTEXT: the device's huge-page slot + 1 (0: none); 0 in DESTROY_CONTEXT.
+    /// CREATE_CONTEXT: the device's huge-page slot + 1 (0: none); DESTROY_CONTEXT ignores it.
     pub huge_slot: u32,
 }
 
