@@ -38,6 +38,17 @@ pub const HUGE_SLOTS: u32 = 96;
 /// The span of one slot.
 pub const HUGE_SLOT_BYTES: u64 = 1 << 40;
 
+/// A huge-page slot as `CREATE_CONTEXT`'s reply carries it: slot + 1, 0 for none.
+pub fn huge_slot_to_wire(slot: Option<u32>) -> u32 {
+    slot.map_or(0, |s| s.saturating_add(1))
+}
+
+/// The slot a reply's word names: none for 0 (an older device's reserved word) or a value
+/// out of range.
+pub fn huge_slot_from_wire(word: u32) -> Option<u32> {
+    word.checked_sub(1).filter(|&s| s < HUGE_SLOTS)
+}
+
 /// The slot a huge-page address lies in, if it lies in one.
 pub fn huge_slot_of(va: u64) -> Option<u32> {
     let slot = va.checked_sub(HUGE_BASE)? / HUGE_SLOT_BYTES;

@@ -606,7 +606,7 @@ pub fn encode_reply(result: Result<ReplyBody, ErrorCode>) -> Vec<u8> {
                 }
                 ReplyBody::Context { ctx, huge_slot } => {
                     put32(&mut body, ctx);
-                    put32(&mut body, huge_slot.map_or(0, |s| s.saturating_add(1)));
+                    put32(&mut body, crate::mem::huge_slot_to_wire(huge_slot));
                 }
                 ReplyBody::Mem { mem, size } => {
                     put32(&mut body, mem);
@@ -704,11 +704,7 @@ pub fn decode_reply(opcode: u32, b: &[u8]) -> Result<Result<ReplyBody, ErrorCode
         }),
         op::CREATE_CONTEXT => {
             let ctx = r.u32()?;
-            // A slot out of range (an older host's reserved word is 0: none) is no slot.
-            let huge_slot = r
-                .u32()?
-                .checked_sub(1)
-                .filter(|&s| s < crate::mem::HUGE_SLOTS);
+            let huge_slot = crate::mem::huge_slot_from_wire(r.u32()?);
             ReplyBody::Context { ctx, huge_slot }
         }
         op::ALLOC_VRAM => {

@@ -211,11 +211,8 @@ impl Transport for DevVgpuTransport {
         self.ioctl("VGPU_IOC_CREATE_CONTEXT", abi::CREATE_CONTEXT, &mut a)?;
         Ok(NewContext {
             handle: CtxHandle(a.ctx as u64),
-            // The device's word as it sent it: slot + 1, 0 for none.
-            huge_slot: a
-                .huge_slot
-                .checked_sub(1)
-                .filter(|&s| s < vgpu_protocol::mem::HUGE_SLOTS),
+            // The device's word as it sent it.
+            huge_slot: vgpu_protocol::mem::huge_slot_from_wire(a.huge_slot),
         })
     }
 
