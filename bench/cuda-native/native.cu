@@ -4,8 +4,11 @@
 // in device memory ("device") and in mapped pinned host memory ("pinned", where vgpu's
 // cuda GPU keeps guest VRAM). Prints `name value unit` lines.
 //
-// Build (on the device machine): nvcc -O2 -o cuda-native native.cu -lcuda
+// Build (on the device machine): nvcc -O2 -fmad=false -o cuda-native native.cu -lcuda
 // (host-located VMM allocations need the driver API; the rest uses the runtime API).
+// -fmad=false as vgpu's NVRTC build of kernels.cu (bit-exact results), so both sides run
+// the same machine code; nvcc's default fuses multiplies and adds (at the standard sizes
+// the H100 timed both builds alike: 2026-11-27, docs/bench-logs/cuda-ref-fmad-pause-*).
 // The fairness baseline forks two processes before CUDA is initialised.
 
 // -DVGPU_KERNELS_CU='"path"' when the file is not in its place in the tree.

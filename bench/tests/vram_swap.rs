@@ -23,6 +23,15 @@ fn start_host(tag: &str, vram: u64, limits: VmLimits, vms: &[&str]) -> Host {
     Host::new(&format!("swap-{tag}"), vram, limits, vms)
 }
 
+/// No VRAM manager: chunks move only when the test evicts them.
+fn manager_off(be: &VgpuBackend) {
+    be.set_vram_config(VramConfig {
+        enabled: false,
+        ..VramConfig::default()
+    })
+    .unwrap();
+}
+
 fn limits(quota: u64, swap: u64) -> VmLimits {
     VmLimits {
         vram_bytes: quota,
@@ -44,6 +53,17 @@ struct Tracked {
 }
 
 impl Tracked {
+    /// A new VRAM buffer of `bytes` (whole blocks), modelled as zeros until written.
+    fn alloc(ctx: &Context, bytes: u64) -> Tracked {
+        let buf = ctx.alloc_vram(bytes).unwrap();
+        let va = buf.gpu_va();
+        Tracked {
+            buf,
+            blocks: vec![0; (bytes / BLOCK) as usize],
+            va,
+        }
+    }
+
     fn bytes(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.blocks.len() * BLOCK as usize);
         for w in &self.blocks {
@@ -73,23 +93,35 @@ fn verify(t: &Tracked, ch: &mut Channel, sum: &Buffer) {
             t.blocks.len()
         );
     }
-    ch.launch(
-        &KernelArgs::Checksum {
-            src: t.va,
-            len: want.len() as u64,
-            dst: sum.gpu_va(),
-        },
-        [1, 1, 1],
-    )
-    .unwrap();
-    let f = ch.submit().unwrap();
-    ch.wait(f).unwrap();
-    assert_eq!(
-        sum.read_u64(0).unwrap(),
-        reference::checksum(&want),
-        "GPU view of buffer at {:#x} differs",
-        t.va
-    );
+    // A checksum kernel and a GP entry per 64 KiB block: the hash is one thread's
+    // byte-by-byte loop, and over a whole buffer of up to 3 MiB one kernel ran 12-42 ms on
+    // the H100, which every pause of the channel then waited for (issue 34); a block's
+    // runs under a millisecond, and a pause waits for the front end's queue-ahead.
+    assert!(t.blocks.len() as u64 * 8 <= sum.len(), "checksum slots");
+    let mut last = None;
+    for i in 0..t.blocks.len() as u64 {
+        ch.launch(
+            &KernelArgs::Checksum {
+                src: t.va + i * BLOCK,
+                len: BLOCK,
+                dst: sum.gpu_va() + i * 8,
+            },
+            [1, 1, 1],
+        )
+        .unwrap();
+        last = Some(ch.submit().unwrap());
+    }
+    if let Some(f) = last {
+        ch.wait(f).unwrap();
+    }
+    for (i, block) in want.chunks(BLOCK as usize).enumerate() {
+        assert_eq!(
+            sum.read_u64(i as u64 * 8).unwrap(),
+            reference::checksum(block),
+            "GPU view of buffer at {:#x} differs in block {i}",
+            t.va
+        );
+    }
 }
 
 fn memset(ch: &mut Channel, t: &mut Tracked, first: usize, n: usize, v: u32) {
@@ -396,12 +428,7 @@ fn three_vms_stress<G: Gpu + ?Sized>(host: &Host<G>, vram: u64) {
 #[test]
 fn evict_and_swap_in_keep_bytes_and_pause_only_the_owner() {
     let host = start_host("basic", 32 * MIB, limits(32 * MIB, 32 * MIB), &["a"]);
-    host.backend
-        .set_vram_config(VramConfig {
-            enabled: false,
-            ..VramConfig::default()
-        })
-        .unwrap();
+    manager_off(&host.backend);
     let vm = host.connect("a");
     let dev_a = Device::loopback(vm.clone(), 10).unwrap();
     let dev_b = Device::loopback(vm, 20).unwrap();
@@ -410,13 +437,7 @@ fn evict_and_swap_in_keep_bytes_and_pause_only_the_owner() {
     let mut ch_a = ctx_a.create_channel().unwrap();
     let mut ch_b = ctx_b.create_channel().unwrap();
     let sum = ctx_a.alloc_host(4096).unwrap();
-    let buf = ctx_a.alloc_vram(6 * MIB).unwrap();
-    let va = buf.gpu_va();
-    let mut t = Tracked {
-        buf,
-        blocks: vec![0; (6 * MIB / BLOCK) as usize],
-        va,
-    };
+    let mut t = Tracked::alloc(&ctx_a, 6 * MIB);
     memset(&mut ch_a, &mut t, 0, 96, 7);
     memset(&mut ch_a, &mut t, 10, 20, 9);
     let f = ch_a.submit().unwrap();
@@ -570,4 +591,58 @@ fn smoke_swap_check_moves_the_buffer_and_loses_no_store() {
         .map_or(0, |p| p.evictions);
     assert!(proc_out > 0, "the pressure moved nothing: {st:?}");
     assert!(st.vm.swap_ins > 0, "nothing came back: {st:?}");
+}
+
+/// A move pauses its owner's channel for what the GPU fetched, not for every entry the
+/// guest published (issue 34): the `cuda` GPU (its fake device here) holds the front
+/// end's fetch, and the entries behind run after the move, on its translations.
+#[test]
+fn a_move_waits_for_the_fetched_entries_only() {
+    use vgpu_host_shim::cuda::{CudaConfig, FakeCudaGpu, FakeDevice};
+    let gpu = FakeCudaGpu::with_device(
+        Arc::new(FakeDevice::default()),
+        CudaConfig {
+            vram_bytes: 32 * MIB,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let host = Host::on_gpu("fetch-hold", gpu, limits(32 * MIB, 32 * MIB), &["a"]);
+    manager_off(&host.backend);
+    let vm = host.connect("a");
+    let dev = Device::loopback(vm, 10).unwrap();
+    let ctx = dev.create_context().unwrap();
+    let mut ch = ctx.create_channel().unwrap();
+    let sum = ctx.alloc_host(4096).unwrap();
+    let mut t = Tracked::alloc(&ctx, 4 * MIB);
+    let spin = KernelArgs::Spin { ns: 20_000_000 };
+    // The front end learns how long this channel's entries run.
+    ch.launch(&spin, [1, 1, 1]).unwrap();
+    let f = ch.submit().unwrap();
+    ch.wait(f).unwrap();
+    let queued = 20;
+    let mut last = None;
+    for _ in 0..queued {
+        ch.launch(&spin, [1, 1, 1]).unwrap();
+        last = Some(ch.submit().unwrap());
+    }
+    // Then the buffer is written: this entry runs after the move.
+    let blocks = t.blocks.len();
+    memset(&mut ch, &mut t, 0, blocks, 5);
+    let tail = ch.submit().unwrap();
+    let first = ch.reference();
+    let r = host.backend.vram_evict("a", 4 * MIB).unwrap();
+    let after = ch.reference();
+    assert_eq!(r.channels_paused, 1, "{r:?}");
+    assert!(r.bytes >= 4 * MIB, "{r:?}");
+    // The front end had about its queue-ahead (two of these) issued; a move that waited
+    // for the ring would see all 20 run (or time out its drain).
+    let ran = after.wrapping_sub(first);
+    assert!(
+        ran < 8,
+        "{ran} of {queued} queued entries ran during the move: {r:?}"
+    );
+    ch.wait(last.unwrap()).unwrap();
+    ch.wait(tail).unwrap();
+    verify(&t, &mut ch, &sum);
 }

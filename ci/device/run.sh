@@ -164,7 +164,7 @@ pack() {
 # --- run: on the GPU machine -----------------------------------------------------------
 native_baseline() {
     [ -x "$WORK/cuda-native" ] && return
-    nvcc -O2 -o "$WORK/cuda-native" bench/cuda-native/native.cu -lcuda 2>&1 | tail -3
+    nvcc -O2 -fmad=false -o "$WORK/cuda-native" bench/cuda-native/native.cu -lcuda 2>&1 | tail -3
 }
 
 suite_gpu() {

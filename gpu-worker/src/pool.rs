@@ -936,6 +936,14 @@ impl Gpu for VmWorker {
         gone_is_done(self.of_ch(ch)?.kill_channel(ch, code))
     }
 
+    fn hold_fetch(&self, ch: ChannelId, hold: bool) -> Result<bool> {
+        self.of_ch(ch)?.hold_fetch(ch, hold)
+    }
+
+    fn fetched_done(&self, ch: ChannelId) -> Result<Option<bool>> {
+        self.of_ch(ch)?.fetched_done(ch)
+    }
+
     fn module_load(&self, ctx: ContextId, module: u32, image: &[u8]) -> Result<()> {
         self.of_ctx(ctx)?.module_load(ctx, module, image)
     }
@@ -1119,5 +1127,13 @@ impl Gpu for WorkerPool {
 
     fn kill_channel(&self, ch: ChannelId, code: ErrorCode) -> Result<()> {
         self.owner(ch)?.kill_channel(ch, code)
+    }
+
+    fn hold_fetch(&self, ch: ChannelId, hold: bool) -> Result<bool> {
+        self.owner(ch)?.hold_fetch(ch, hold)
+    }
+
+    fn fetched_done(&self, ch: ChannelId) -> Result<Option<bool>> {
+        self.owner(ch)?.fetched_done(ch)
     }
 }

@@ -371,6 +371,16 @@ impl Worker {
                 g.doorbell(self.channel(ch)?.id);
                 Reply::Ok
             }
+            Command::HoldFetch { ch, hold } => Reply::Bytes {
+                n: u64::from(g.hold_fetch(self.channel(ch)?.id, hold)?),
+            },
+            Command::FetchedDone { ch } => Reply::Bytes {
+                n: match g.fetched_done(self.channel(ch)?.id)? {
+                    None => 0,
+                    Some(false) => 1,
+                    Some(true) => 2,
+                },
+            },
             Command::Copy {
                 vram_offset,
                 buf_offset,

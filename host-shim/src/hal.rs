@@ -401,6 +401,21 @@ pub trait Gpu: Send + Sync {
     /// returns, no engine still uses memory reached through a dropped translation, so the
     /// owner may free memory it unmapped (or removed from the context's `SysMemory`).
     fn invalidate_tlb(&self, ctx: ContextId) -> Result<()>;
+
+    /// Stops (`hold`) or resumes fetching channel `ch`'s new GP entries; entries already
+    /// fetched run on. False: this GPU cannot, and a pause must wait for the channel's
+    /// whole ring instead. While held, the entries published but not fetched run later,
+    /// planned on the translations of that time.
+    fn hold_fetch(&self, _ch: ChannelId, _hold: bool) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// With `ch`'s fetch held ([`Gpu::hold_fetch`]), whether everything it fetched has
+    /// completed; `None` when its fetch is not held (or this GPU cannot hold it).
+    fn fetched_done(&self, _ch: ChannelId) -> Result<Option<bool>> {
+        Ok(None)
+    }
+
     /// Starts (`on`, clearing the record) or stops recording which memory the engines
     /// write through `ctx`'s address space (live migration's pre-copy). Returns whether
     /// this GPU records writes; one that does not (the default) reports every range as

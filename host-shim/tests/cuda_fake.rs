@@ -289,3 +289,51 @@ fn a_huge_vram_mapping_is_reachable_at_the_guests_own_address() {
     let counts = g.access_counts(p.ctx, va, 2 * G, true).unwrap();
     assert!(counts.is_empty(), "{counts:?}");
 }
+
+/// The front end queues about `queue_ahead_ns` of a channel's work on the GPU, not all it
+/// could: pausing the channel (a VRAM move) waits for what is queued (issue 34).
+#[test]
+fn fake_front_end_queues_about_its_queue_ahead_of_a_channels_work() {
+    use std::time::{Duration, Instant};
+    use vgpu_protocol::{ControlPage, KernelArgs, Method};
+    const T: Duration = Duration::from_secs(20);
+    let g = FakeCudaGpu::with_device(
+        Arc::new(FakeDevice::default()),
+        CudaConfig {
+            vram_bytes: 64 << 20,
+            queue_ahead_ns: 2_000_000,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let p = common::Proc::new(&g, common::SYS_BASE);
+    let mut ch = p.channel(0);
+    let spin = |ch: &mut common::Chan| ch.launch(&KernelArgs::Spin { ns: 20_000_000 });
+    // One entry first: the front end learns how long the channel's entries run.
+    let m = spin(&mut ch);
+    ch.stage(&[m, Method::SetRef { value: 1 }]);
+    ch.publish();
+    ch.wait_idle(T).unwrap();
+    let entries = 16u32;
+    for i in 0..entries {
+        let m = spin(&mut ch);
+        ch.stage(&[m, Method::SetRef { value: 2 + i }]);
+    }
+    let before = g.frontend_counts().entries;
+    ch.publish();
+    let t0 = Instant::now();
+    let mut most_ahead = 0;
+    while ch.ctrl.load(ControlPage::REF) != 1 + entries && t0.elapsed() < T {
+        let issued = g.frontend_counts().entries - before;
+        let done = u64::from(ch.ctrl.load(ControlPage::REF) - 1);
+        most_ahead = most_ahead.max(issued.saturating_sub(done));
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(ch.ctrl.load(ControlPage::REF), 1 + entries, "all ran");
+    // 20 ms entries against 2 ms ahead: two at a time (one runs, one waits); REF lags
+    // the front end's count by the poll, so allow one more.
+    assert!(
+        (2..=3).contains(&most_ahead),
+        "{most_ahead} entries ahead of the GPU"
+    );
+}

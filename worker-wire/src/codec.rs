@@ -177,6 +177,8 @@ const MODULE_UNLOAD: u16 = 24;
 const FUNCTION_GET: u16 = 25;
 const GLOBAL_GET: u16 = 26;
 const VARIABLE_COPY: u16 = 27;
+const HOLD_FETCH: u16 = 28;
+const FETCHED_DONE: u16 = 29;
 
 const REPLY_OK: u16 = 0x100;
 const REPLY_HELLO: u16 = 0x101;
@@ -423,6 +425,14 @@ pub fn encode_command(seq: u32, c: &Command) -> Vec<u8> {
             w.u32(ch);
             DOORBELL
         }
+        Command::HoldFetch { ch, hold } => {
+            w.u32(ch).u8(u8::from(hold));
+            HOLD_FETCH
+        }
+        Command::FetchedDone { ch } => {
+            w.u32(ch);
+            FETCHED_DONE
+        }
         Command::Copy {
             vram_offset,
             buf_offset,
@@ -653,6 +663,11 @@ pub fn decode_command(frame: &[u8], fds: u8) -> Result<(u32, Command), WireError
             code: error_code(r.u32()?)?,
         },
         DOORBELL => Command::Doorbell { ch: r.u32()? },
+        HOLD_FETCH => Command::HoldFetch {
+            ch: r.u32()?,
+            hold: r.bool("hold")?,
+        },
+        FETCHED_DONE => Command::FetchedDone { ch: r.u32()? },
         COPY => {
             let vram_offset = r.u64()?;
             let buf_offset = r.u64()?;

@@ -124,6 +124,17 @@ pub enum Command {
     Doorbell {
         ch: u32,
     },
+    /// Stop (`hold`) or resume fetching the channel's new GP entries (`Gpu::hold_fetch`);
+    /// answered with `Bytes`: 1 if the worker's GPU can, else 0.
+    HoldFetch {
+        ch: u32,
+        hold: bool,
+    },
+    /// With the channel's fetch held, whether what it fetched has completed
+    /// (`Gpu::fetched_done`); answered with `Bytes`: 0 not held, 1 not yet, 2 done.
+    FetchedDone {
+        ch: u32,
+    },
     /// Copies `len` bytes from VRAM at `vram_offset` into the copy buffer at
     /// `buf_offset` (a host read), or back (`to_vram`, a host write).
     Copy {

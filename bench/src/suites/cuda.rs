@@ -831,11 +831,26 @@ fn run_workloads<D: CudaDeviceTrait>(
         // Every run verifies its result bit-exactly against the CPU reference.
         w.run(nctx)?;
         w.run(gctx)?;
+        let (mut entries, mut marks) = (0, 0);
         for _ in 0..opts.reps {
             n.push(w.run(nctx)?.elapsed.as_secs_f64());
+            let c0 = gpu.frontend_counts();
             g.push(w.run(gctx)?.elapsed.as_secs_f64());
+            let c1 = gpu.frontend_counts();
+            entries += c1.entries - c0.entries;
+            marks += c1.end_marks - c0.end_marks;
         }
         let (n, g) = (min(&n), min(&g));
+        if opts.workers.is_none() && marks > 0 {
+            // How many GP entries shared a completion mark (each mark is a stream op
+            // between kernels): the VM's runs, on this process's front end.
+            figs.push(fig(
+                &format!("{name}_vm_entries_per_mark"),
+                entries as f64 / marks as f64,
+                "entries",
+                Better::Higher,
+            ));
+        }
         log::info!("{name}: native {:.3} ms, VM {:.3} ms", n * 1e3, g * 1e3);
         figs.push(fig(
             &format!("{name}_vgpu_native_ms"),

@@ -315,7 +315,9 @@ fn refusal(code: ErrorCode, c: &Command) -> HalError {
             ErrorCode::NotFound,
             Command::DestroyChannel { ch }
             | Command::KillChannel { ch, .. }
-            | Command::Doorbell { ch },
+            | Command::Doorbell { ch }
+            | Command::HoldFetch { ch, .. }
+            | Command::FetchedDone { ch },
         ) => HalError::NoChannel(ChannelId(*ch)),
         (
             ErrorCode::NotFound,
@@ -1050,6 +1052,28 @@ impl Gpu for WorkerGpu {
     fn kill_channel(&self, ch: ChannelId, code: ErrorCode) -> Result<()> {
         self.channel_slot(ch)?;
         self.inner.call_ok(&Command::KillChannel { ch: ch.0, code })
+    }
+
+    fn hold_fetch(&self, ch: ChannelId, hold: bool) -> Result<bool> {
+        self.channel_slot(ch)?;
+        let n = self
+            .inner
+            .call_bytes(&Command::HoldFetch { ch: ch.0, hold })?;
+        Ok(n == 1)
+    }
+
+    fn fetched_done(&self, ch: ChannelId) -> Result<Option<bool>> {
+        self.channel_slot(ch)?;
+        if self.inner.is_lost() {
+            return Ok(None);
+        }
+        let c = Command::FetchedDone { ch: ch.0 };
+        match self.inner.call_bytes(&c)? {
+            0 => Ok(None),
+            1 => Ok(Some(false)),
+            2 => Ok(Some(true)),
+            n => Err(self.inner.unexpected(&c, Reply::Bytes { n })),
+        }
     }
 
     fn module_load(&self, ctx: ContextId, module: u32, image: &[u8]) -> Result<()> {

@@ -29,6 +29,8 @@ pub struct Inflight<M> {
     pub host: Vec<HostAction>,
     pub waits: bool,
     pub copies: u64,
+    pub kernels: u64,
+    pub last_kernel: &'static str,
 }
 
 /// Front-end state of a channel (touched by the front end and by drains).
@@ -45,6 +47,38 @@ pub struct ChanState<D: Device> {
     pub signal_count: Option<u64>,
     /// Timeline time at which the last retired entry ended.
     pub last_end: u64,
+    /// Recent GP entries' time on the stream, start to end (1/8-weighted mean; 0 before
+    /// the first): with entries in flight, about how long a drain of the channel waits.
+    pub mean_entry_ns: u64,
+}
+
+impl<D: Device> ChanState<D> {
+    /// GP entries issued and not yet completed.
+    pub fn entries_in_flight(&self) -> u32 {
+        self.inflight.iter().map(|i| i.entries).sum()
+    }
+
+    /// Folds a completed batch of `entries` that ran `ns` on the stream into the mean.
+    pub fn note_entry_time(&mut self, ns: u64, entries: u32) {
+        let per_entry = ns / u64::from(entries.max(1));
+        self.mean_entry_ns = if self.mean_entry_ns == 0 {
+            per_entry
+        } else {
+            self.mean_entry_ns - self.mean_entry_ns / 8 + per_entry / 8
+        };
+    }
+
+    /// Most GP entries this channel may have in flight so that about `queue_ahead_ns`
+    /// of its work is queued on the GPU (0: no bound). Never fewer than two: one runs
+    /// while the next waits, so the GPU does not idle between entries.
+    pub fn entry_cap(&self, queue_ahead_ns: u64) -> u32 {
+        if queue_ahead_ns == 0 || self.mean_entry_ns == 0 {
+            return u32::MAX;
+        }
+        u32::try_from(queue_ahead_ns / self.mean_entry_ns)
+            .unwrap_or(u32::MAX)
+            .max(2)
+    }
 }
 
 pub struct CudaChannel<D: Device> {
@@ -80,6 +114,7 @@ impl<D: Device> CudaChannel<D> {
                 scratch: None,
                 signal_count: None,
                 last_end: 0,
+                mean_entry_ns: 0,
             }),
             busy_ns: AtomicU64::new(0),
             last_issue_ns: AtomicU64::new(0),

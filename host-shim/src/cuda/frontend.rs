@@ -14,7 +14,7 @@ use vgpu_protocol::{ControlPage, ErrorCode};
 use super::channel::{CudaChannel, Inflight};
 use super::device::Device;
 use super::hostreg::HostRegistry;
-use super::plan::{plan_entry, HostAction, Translate};
+use super::plan::{plan_entry, HostAction, Op, Translate};
 use super::timeline::Timeline;
 use super::vram::DeviceVram;
 use super::Shared;
@@ -37,6 +37,18 @@ pub(crate) struct GpuMemory<'a> {
     pub(crate) identity: &'a std::sync::Mutex<super::identity::Mirrors>,
 }
 
+/// How far the front end may issue ahead of the GPU on a channel.
+#[derive(Debug, Clone, Copy)]
+pub struct IssueLimits {
+    /// Most GP entries sharing one completion mark.
+    pub batch: u32,
+    /// Most completion marks in flight.
+    pub max_inflight: usize,
+    /// About how much of the channel's work (estimated from its recent entries) may be
+    /// queued on the GPU: what pausing it waits for (`CudaConfig::queue_ahead_ns`).
+    pub queue_ahead_ns: u64,
+}
+
 /// GP entries issued since the last mark.
 struct Batch {
     issued_ns: u64,
@@ -45,6 +57,9 @@ struct Batch {
     host: Vec<HostAction>,
     waits: bool,
     copies: u64,
+    kernels: u64,
+    /// The last builtin kernel's name (for the long-batch log).
+    last_kernel: &'static str,
 }
 
 /// What the front end issued: how many GP entries share a completion mark is what a
@@ -225,7 +240,7 @@ impl<D: Device> CudaChannel<D> {
         mem: GpuMemory<'_>,
         old_scratch: &mut Vec<u64>,
         tl: &mut Option<Timeline<D>>,
-        limits: (u32, usize),
+        limits: IssueLimits,
         issue: bool,
     ) -> bool {
         if self.core.is_stopped() {
@@ -276,13 +291,25 @@ impl<D: Device> CudaChannel<D> {
                         .from_host(done.issued_ns)
                         .map_or(st.last_end, |t| t.max(st.last_end));
                     if done.runs {
+                        let ran = end.saturating_sub(start);
+                        st.note_entry_time(ran, done.entries);
                         let ns = tl.charge(start.min(end), end, done.entries);
                         self.busy_ns.fetch_add(ns, Ordering::Relaxed);
                         charged = ns;
+                        if ran > LONG_BATCH_NS {
+                            log::debug!(
+                                "cuda channel {:?}: {} entries ({} kernels, last {}, {} copies) ran {} us",
+                                self.core.id,
+                                done.entries,
+                                done.kernels,
+                                done.last_kernel,
+                                done.copies,
+                                ran / 1000
+                            );
+                        }
                         log::trace!(
-                            "cuda channel {:?}: entry ran {} ns, charged {ns} ns",
+                            "cuda channel {:?}: entry ran {ran} ns, charged {ns} ns",
                             self.core.id,
-                            end.saturating_sub(start)
                         );
                     }
                     st.last_end = end;
@@ -318,14 +345,18 @@ impl<D: Device> CudaChannel<D> {
         dev: &D,
         mem: GpuMemory<'_>,
         old_scratch: &mut Vec<u64>,
-        (batch_limit, max_inflight): (u32, usize),
+        limits: IssueLimits,
     ) -> Result<bool, (ErrorCode, u64)> {
         let mut st = self.lock();
-        if st.inflight.len() >= max_inflight || st.inflight.iter().any(|i| i.waits) {
+        // Read under the lock: see `ChannelCore::set_fetch_held`.
+        if self.core.fetch_held()
+            || st.inflight.len() >= limits.max_inflight
+            || st.inflight.iter().any(|i| i.waits)
+        {
             return Ok(false);
         }
         let mut batch: Option<Batch> = None;
-        let res = self.issue_batch(dev, mem, old_scratch, &mut st, &mut batch, batch_limit);
+        let res = self.issue_batch(dev, mem, old_scratch, &mut st, &mut batch, limits);
         if let Some(b) = batch {
             // Whatever was issued is tracked, even when a later entry faulted.
             let next_get = st.fetched;
@@ -347,6 +378,8 @@ impl<D: Device> CudaChannel<D> {
                     host: b.host,
                     waits: b.waits,
                     copies: b.copies,
+                    kernels: b.kernels,
+                    last_kernel: b.last_kernel,
                 }),
                 Err(e) => {
                     log::warn!("cuda channel {:?}: {e}", self.core.id);
@@ -365,17 +398,21 @@ impl<D: Device> CudaChannel<D> {
         old_scratch: &mut Vec<u64>,
         st: &mut super::channel::ChanState<D>,
         batch: &mut Option<Batch>,
-        batch_limit: u32,
+        limits: IssueLimits,
     ) -> Result<bool, (ErrorCode, u64)> {
+        let cap = st.entry_cap(limits.queue_ahead_ns);
         loop {
             if batch
                 .as_ref()
-                .is_some_and(|b| b.waits || b.entries >= batch_limit)
+                .is_some_and(|b| b.waits || b.entries >= limits.batch)
             {
                 return Ok(true);
             }
-            let in_flight: u32 = st.inflight.iter().map(|i| i.entries).sum::<u32>()
-                + batch.as_ref().map_or(0, |b| b.entries);
+            let in_flight = st.entries_in_flight() + batch.as_ref().map_or(0, |b| b.entries);
+            if in_flight >= cap {
+                // Enough of its work is queued: a pause waits for no more than that.
+                return Ok(batch.is_some());
+            }
             let completed = st.fetched.wrapping_sub(in_flight);
             // Rings and push buffers must be in system memory: the front end cannot read
             // VRAM (device memory) without a copy, so an entry there faults the channel.
@@ -413,9 +450,14 @@ impl<D: Device> CudaChannel<D> {
                     host: Vec::new(),
                     waits: false,
                     copies: 0,
+                    kernels: 0,
+                    last_kernel: "",
                 });
             }
             for op in &plan.ops {
+                if let (Some(b), Op::Launch(a) | Op::LaunchSignal(a, _)) = (batch.as_mut(), op) {
+                    b.last_kernel = a.kernel().name();
+                }
                 // A launch the driver refuses (e.g. a grid beyond its limits) is the
                 // guest's bad argument, not a GPU failure.
                 dev.issue(&self.stream, op).map_err(|e| {
@@ -431,6 +473,7 @@ impl<D: Device> CudaChannel<D> {
                 b.host.extend(plan.host);
                 b.waits |= plan.waits;
                 b.copies += plan.copies;
+                b.kernels += plan.kernels;
             }
         }
     }
@@ -444,7 +487,7 @@ impl<D: Device> CudaChannel<D> {
 
     /// Whether GP_PUT is past what the front end fetched (work it could issue).
     pub fn has_pending(&self) -> bool {
-        if self.core.is_stopped() {
+        if self.core.is_stopped() || self.core.fetch_held() {
             return false;
         }
         let put = self.core.load(ControlPage::GP_PUT);
@@ -459,6 +502,9 @@ impl<D: Device> CudaChannel<D> {
             .is_none_or(|last| dev.reached(&last.end).unwrap_or(true))
     }
 }
+
+/// A batch running longer than this is logged (debug): what holds a pause of its channel.
+const LONG_BATCH_NS: u64 = 5_000_000;
 
 /// Busy-poll sweeps between two yields of the core (a sweep takes about a microsecond).
 const YIELD_EVERY_SPINS: u32 = 32;
@@ -540,7 +586,11 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
                 },
                 &mut old_scratch,
                 &mut tl,
-                (batch_limit, max_inflight),
+                IssueLimits {
+                    batch: batch_limit,
+                    max_inflight,
+                    queue_ahead_ns: shared.cfg.queue_ahead_ns,
+                },
                 issue,
             );
         }

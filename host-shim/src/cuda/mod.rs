@@ -92,6 +92,11 @@ pub struct CudaConfig {
     pub batch_quiet_ns: u64,
     /// Most completion marks one channel may have on its stream at once.
     pub max_inflight: usize,
+    /// About how much GPU time of a channel's work (its recent entries' mean times the
+    /// entries in flight) the front end queues ahead; 0: no bound beyond `max_inflight`
+    /// (64 marks of up to 32 entries). A VRAM move holds the channel's fetch and waits
+    /// for what is queued ([`Gpu::hold_fetch`]).
+    pub queue_ahead_ns: u64,
     /// Kernels of grids up to this many blocks that end a GP entry write its REF
     /// themselves (`kernels.cu`'s fence signal) instead of a stream write after them;
     /// 0: never. Default 1: on the H100 (2026-11-26) the signal raised back-to-back empty
@@ -124,6 +129,7 @@ impl Default for CudaConfig {
             batch: 32,
             batch_quiet_ns: 100_000_000,
             max_inflight: 64,
+            queue_ahead_ns: 2_000_000,
             signal_max_blocks: 1,
             turn: None,
             guest_modules: false,
@@ -831,6 +837,34 @@ impl<D: Device> Gpu for CudaGpuOf<D> {
         self.drain(&self.context_channels(ctx))?;
         self.unregister_released(ctx);
         Ok(())
+    }
+
+    /// Why a held fetch loses, repeats and runs early nothing: the front end fetches only
+    /// in `issue_new`, under the channel's lock, after reading the flag there; a fetch
+    /// under way keeps the lock through its whole batch. So once the flag is stored and
+    /// the lock taken once after it, no fetch is under way or can start, and
+    /// `fetched_done` (every issued mark reached) means nothing of the channel is on the
+    /// GPU. The fetch position (`ChanState::fetched`) is untouched: on resume the front
+    /// end goes on from the first entry it did not issue, each exactly once, planned on
+    /// the translations of that time.
+    fn hold_fetch(&self, ch: ChannelId, hold: bool) -> Result<bool> {
+        let c = self.shared.fifo.channel(ch)?;
+        c.core.set_fetch_held(hold);
+        if hold {
+            drop(c.lock());
+        } else {
+            // It may be asleep with the entries behind already published.
+            self.shared.fifo.wake();
+        }
+        Ok(true)
+    }
+
+    fn fetched_done(&self, ch: ChannelId) -> Result<Option<bool>> {
+        let c = self.shared.fifo.channel(ch)?;
+        if !c.core.fetch_held() {
+            return Ok(None);
+        }
+        Ok(Some(c.core.is_stopped() || c.drained(&*self.shared.dev)))
     }
 
     fn module_load(&self, ctx: ContextId, module: u32, image: &[u8]) -> Result<()> {

@@ -32,6 +32,9 @@ pub struct ChannelCore {
     error: Mutex<Option<(ErrorCode, u64)>>,
     /// Set once the channel has stopped (error, kill or destroy): engines drop its work.
     pub stopped: AtomicBool,
+    /// Set while a holder keeps the front end from fetching the channel's next entries
+    /// ([`crate::hal::Gpu::hold_fetch`]).
+    fetch_held: AtomicBool,
     /// GP entries completed before this channel existed (a channel resumed after live
     /// migration): where the front end starts fetching.
     start_get: AtomicU32,
@@ -70,6 +73,7 @@ impl ChannelCore {
             copies: AtomicU64::new(0),
             error: Mutex::new(None),
             stopped: AtomicBool::new(false),
+            fetch_held: AtomicBool::new(false),
             start_get: AtomicU32::new(0),
             activity: OnceLock::new(),
             slot_reusable: AtomicBool::new(true),
@@ -121,6 +125,17 @@ impl ChannelCore {
     /// with one.
     pub fn gpu_field_addr(&self, field: usize) -> Option<u64> {
         self.pages.gpu_field_addr(self.slot, field)
+    }
+
+    /// Keeps the front end from fetching new entries (`held`) or lets it again. The
+    /// front end reads the flag under its channel lock before each fetch, so a holder
+    /// that sets it and then takes that lock once knows no fetch is under way or to come.
+    pub fn set_fetch_held(&self, held: bool) {
+        self.fetch_held.store(held, Ordering::Release);
+    }
+
+    pub fn fetch_held(&self) -> bool {
+        self.fetch_held.load(Ordering::Acquire)
     }
 
     pub fn is_stopped(&self) -> bool {

@@ -57,6 +57,14 @@ impl Session {
         // failed unshadow to retry) is seen at the next tick.
         self.shared.note_change();
         let switch = self.shadows.set_hold(t, who, on, shm)?;
+        if who == Holder::Vram {
+            // The VRAM manager waits only for what the GPU fetched, where it can keep
+            // the GPU from fetching more (see `Session::context_drained`).
+            let hch = self.hal.channels.get(&ch).copied();
+            if let Some(Err(e)) = hch.map(|h| self.gpu.hold_fetch(h, on)) {
+                debug!("channel {ch}: hold fetch {on}: {e}");
+            }
+        }
         if !on && switch.changed {
             // The unshadow raised the real GP_PUT to what the guest stored meanwhile.
             self.shared.ring_doorbell(self.gpu.as_ref());

@@ -177,7 +177,10 @@ impl Session {
     }
 
     /// Whether the GPU finished everything the held channels of `ctx` released (a
-    /// channel stopped on an error is done).
+    /// channel stopped on an error is done). Where the GPU holds the channel's fetch
+    /// (`Gpu::hold_fetch`), what it fetched: the entries behind wait in the ring and are
+    /// planned after the move, on its translations, so a pause waits for about the GPU's
+    /// queue-ahead, not for every entry the guest published.
     fn context_drained(&mut self, ctx: u32) -> bool {
         for ch in self.context_channels(ctx) {
             let Some(hch) = self.hal.channels.get(&ch).copied() else {
@@ -185,6 +188,11 @@ impl Session {
             };
             if matches!(self.gpu.channel_error(hch), Ok(Some(_))) {
                 continue;
+            }
+            match self.gpu.fetched_done(hch) {
+                Ok(Some(true)) => continue,
+                Ok(Some(false)) => return false,
+                _ => {}
             }
             // `_any`: an operator-paused VM's released work must be waited for too.
             if matches!(self.peek_channel_any(ch), Ok(p) if p.gp_get != p.real_put) {

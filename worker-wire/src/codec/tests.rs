@@ -90,6 +90,12 @@ fn every_command() -> Vec<Command> {
             code: ErrorCode::WatchdogKilled,
         },
         Command::Doorbell { ch: 10 },
+        Command::HoldFetch { ch: 10, hold: true },
+        Command::HoldFetch {
+            ch: 11,
+            hold: false,
+        },
+        Command::FetchedDone { ch: 12 },
         Command::Copy {
             vram_offset: 2 << 20,
             buf_offset: 6 << 20,
