@@ -304,9 +304,25 @@ impl VhuVgpu {
         }
         // The frontend started the rings again after a device-state transfer: the VM
         // runs here (a loaded VM on the destination, or the source after a failed
-        // migration).
-        self.vm.migration_resume(self.shm.as_ref());
+        // migration). Under a ticket taken while the ring is ready, as a pop's: a stop of
+        // the ring (before the next transfer) waits for it, and a kick seen after the
+        // stop resumes nothing. Without it, a resume that started just before a stop ran
+        // on into the next save and unpaused it ("the VM is not paused for migration":
+        // `migrate_rings`' ping-pong, once in CI on 2026-11-27).
+        if let Some(_ticket) = self.ready_ticket(CONTROL_QUEUE, vring) {
+            self.vm.migration_resume(self.shm.as_ref());
+        }
         self.with_notifications(vring, |v| self.drain_control(v), || true);
+    }
+
+    /// A ticket of queue `queue` if its ring is ready (taken under the ring's lock, as
+    /// [`Self::pop_chain`]'s: see `inflight`).
+    fn ready_ticket(&self, queue: u16, vring: &Vring) -> Option<Ticket> {
+        let state = vring.get_mut();
+        state
+            .get_queue()
+            .ready()
+            .then(|| self.inflight.enter(usize::from(queue)))
     }
 
     fn drain_control(&self, vring: &Vring) {

@@ -27,7 +27,8 @@
 //!   shadow pages with the same compare-and-swap as every reconcile.
 //! - **Resume**: when the frontend starts the rings again (the first control-queue kick
 //!   after a load on the destination, or after a save on the source when the migration
-//!   failed), the pause is dropped and the channels unshadow through the normal path.
+//!   failed; taken while the ring is ready, under a ticket that the ring's stop waits
+//!   for), the pause is dropped and the channels unshadow through the normal path.
 
 pub(crate) mod chunks;
 pub mod load;
