@@ -64,7 +64,7 @@ impl<D: Device> ChanState<D> {
         self.mean_entry_ns = if self.mean_entry_ns == 0 {
             per_entry
         } else {
-            self.mean_entry_ns - self.mean_entry_ns / 8 + per_entry / 8
+            super::timeline::mean_with(self.mean_entry_ns, per_entry)
         };
     }
 

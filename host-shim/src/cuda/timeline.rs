@@ -164,9 +164,7 @@ impl<D: Device> Timeline<D> {
             self.ends.pop_first();
         }
         let ns = end.saturating_sub(start.max(others));
-        // Weight 1/8: follows a change of workload within a few dozen marks.
-        let per_entry = ns / u64::from(entries.max(1));
-        self.mean_entry_ns = self.mean_entry_ns - self.mean_entry_ns / 8 + per_entry / 8;
+        self.mean_entry_ns = mean_with(self.mean_entry_ns, ns / u64::from(entries.max(1)));
         ns
     }
 
@@ -174,6 +172,12 @@ impl<D: Device> Timeline<D> {
     pub fn mean_entry_ns(&self) -> u64 {
         self.mean_entry_ns
     }
+}
+
+/// `mean` moved 1/8 of the way to `sample`: follows a change of workload within a few
+/// dozen marks.
+pub(crate) fn mean_with(mean: u64, sample: u64) -> u64 {
+    mean - mean / 8 + sample / 8
 }
 
 /// Host time ↔ timeline time, from calibration marks.
