@@ -59,9 +59,12 @@ static unsigned blocks(u64 n) { return (unsigned)std::min<u64>(std::max<u64>((n 
 // 0.299 against 0.324 ms); `--fill zero` gives the old zeroed buffers.
 // Experiment flags (device run 7, issue 13): `--one-block` carves every device buffer out
 // of one cudaMalloc block at 2 MiB aligned offsets, as vgpu's VRAM is one block;
+// `--vmm` is `--one-block` with the block made as vgpu's VRAM is: a physical 2 MiB
+// allocation per granule (cuMemCreate), mapped back to back in one reserved range;
 // `--idle-ms N` idles N ms before each timed loop (vgpu's workloads run their CPU
 // reference between timed loops, so the GPU idles).
-static bool g_random = true, g_one_block = false;
+static cudaStream_t S;
+static bool g_random = true, g_one_block = false, g_vmm = false;
 static unsigned g_idle_ms = 0;
 static char* g_block = nullptr;
 static size_t g_block_len = 0, g_block_top = 0;
@@ -82,6 +85,27 @@ static void fill_random(void* p, size_t n) {
 
 static void settle() {
     if (g_idle_ms) usleep(g_idle_ms * 1000u);
+}
+
+// `--mark-each` (an experiment, issue 34): after each kernel of the saxpy, sgemm and
+// hotspot loops, what vgpu's front end puts in the stream per GP entry: the fence's REF
+// write (cuStreamWriteValue32 into mapped host memory) and an untimed event.
+static bool g_mark_each = false;
+static cudaEvent_t g_marks[64];
+static CUdeviceptr g_ref_dev = 0;
+static void mark(int i) {
+    if (!g_mark_each) return;
+    if (!g_ref_dev) {
+        u32* ref;
+        CK(cudaHostAlloc(&ref, 4, cudaHostAllocMapped));
+        CK(cudaHostGetDevicePointer((void**)&g_ref_dev, ref, 0));
+        for (auto& e : g_marks) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
+    if (cuStreamWriteValue32(S, g_ref_dev, (cuuint32_t)i, 0) != CUDA_SUCCESS) {
+        fprintf(stderr, "cuStreamWriteValue32 failed\n");
+        exit(1);
+    }
+    CK(cudaEventRecord(g_marks[i % 64], S));
 }
 
 struct Mem {
@@ -123,7 +147,6 @@ static double best(int reps, double (*f)(Mem&, bool), Mem& m, bool quick) {
     return b;
 }
 
-static cudaStream_t S;
 // --large: the issue's realistic sizes (saxpy 2^28, sgemm 4096^3, stencil 8192^2).
 static bool g_large = false;
 
@@ -143,7 +166,10 @@ static double w_saxpy(Mem& m, bool quick) {
     float *x = (float*)m.alloc(n * 4), *y = (float*)m.alloc(n * 4);
     settle();
     u64 t0 = now_ns();
-    for (int i = 0; i < it; i++) vgpu_saxpy<<<blocks(n), 256, 0, S>>>(x, y, n, 0.5f);
+    for (int i = 0; i < it; i++) {
+        vgpu_saxpy<<<blocks(n), 256, 0, S>>>(x, y, n, 0.5f);
+        mark(i);
+    }
     CK(cudaStreamSynchronize(S));
     double r = ms_since(t0);
     m.free(x); m.free(y);
@@ -159,7 +185,10 @@ static double w_sgemm(Mem& m, bool quick) {
     dim3 grid((N + 63) / 64, (M + 63) / 64);
     settle();
     u64 t0 = now_ns();
-    for (int i = 0; i < it; i++) vgpu_sgemm<<<grid, 256, 0, S>>>(a, b, c, M, N, K, 1.0f, 0.5f);
+    for (int i = 0; i < it; i++) {
+        vgpu_sgemm<<<grid, 256, 0, S>>>(a, b, c, M, N, K, 1.0f, 0.5f);
+        mark(i);
+    }
     CK(cudaStreamSynchronize(S));
     double r = ms_since(t0);
     m.free(a); m.free(b); m.free(c);
@@ -174,8 +203,10 @@ static double w_hotspot(Mem& m, bool quick) {
     dim3 grid((W + 31) / 32, (H + 7) / 8), blk(32, 8);
     settle();
     u64 t0 = now_ns();
-    for (int i = 0; i < it; i++)
+    for (int i = 0; i < it; i++) {
         vgpu_stencil2d<<<grid, blk, 0, S>>>(buf[i % 2], buf[(i + 1) % 2], W, H, 0.6f, 0.1f);
+        mark(i);
+    }
     CK(cudaStreamSynchronize(S));
     double r = ms_since(t0);
     m.free(buf[0]); m.free(buf[1]);
@@ -517,6 +548,8 @@ int main(int argc, char** argv) {
         else if (!strcmp(argv[i], "--workloads") && i + 1 < argc) g_workloads = argv[++i];
         else if (!strcmp(argv[i], "--fill") && i + 1 < argc) g_random = strcmp(argv[++i], "zero") != 0;
         else if (!strcmp(argv[i], "--one-block")) g_one_block = true;
+        else if (!strcmp(argv[i], "--vmm")) g_one_block = g_vmm = true;
+        else if (!strcmp(argv[i], "--mark-each")) g_mark_each = true;
         else if (!strcmp(argv[i], "--idle-ms") && i + 1 < argc) g_idle_ms = atoi(argv[++i]);
     }
     // Before this process touches CUDA: children initialise their own.
@@ -524,7 +557,27 @@ int main(int argc, char** argv) {
     CK(cudaSetDevice(0));
     CK(cudaStreamCreateWithFlags(&S, cudaStreamNonBlocking));
     calibrate();
-    if (g_one_block) {
+    if (g_vmm) {
+        const size_t CH = 2 << 20;
+        g_block_len = (size_t)1 << 30;
+        CUmemAllocationProp dp = {};
+        dp.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+        dp.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        dp.location.id = 0;
+        CUmemAccessDesc acc = {};
+        acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        acc.location.id = 0;
+        acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        CUdeviceptr va;
+        CU(cuMemAddressReserve(&va, g_block_len, CH, 0, 0));
+        for (size_t off = 0; off < g_block_len; off += CH) {
+            CUmemGenericAllocationHandle h;
+            CU(cuMemCreate(&h, CH, &dp, 0));
+            CU(cuMemMap(va + off, CH, 0, h, 0));
+        }
+        CU(cuMemSetAccess(va, g_block_len, &acc, 1));
+        g_block = (char*)va;
+    } else if (g_one_block) {
         g_block_len = (size_t)8 << 30;  // vgpu-bench cuda --vram-mib 8192
         CK(cudaMalloc((void**)&g_block, g_block_len));
     }

@@ -103,6 +103,10 @@ enum Suite {
         /// in-process GPU and the workers (0: no doorbell, idle polls) [default: 10000].
         #[arg(long)]
         doorbell_sleep_us: Option<u64>,
+        /// How long the in-process front end spins after activity before it sleeps, µs
+        /// [default: 200].
+        #[arg(long)]
+        busy_poll_us: Option<u64>,
     },
     /// Fair service of control requests: a victim VM's request latency alone and while
     /// another VM floods its control queue, or its event queue, side by side.
@@ -177,6 +181,7 @@ fn main() {
             b2b_rounds,
             signal_max_blocks,
             doorbell_sleep_us,
+            busy_poll_us,
         } => match gpu {
             vgpu_host_shim::GpuChoice::Sim => {
                 Err("vgpu-bench cuda needs --gpu cuda[:INDEX]".into())
@@ -202,6 +207,8 @@ fn main() {
                 opts.signal_max_blocks = signal_max_blocks.unwrap_or(opts.signal_max_blocks);
                 opts.doorbell_sleep_ns =
                     doorbell_sleep_us.map_or(opts.doorbell_sleep_ns, |us| us.saturating_mul(1000));
+                opts.busy_poll_ns =
+                    busy_poll_us.map_or(opts.busy_poll_ns, |us| us.saturating_mul(1000));
                 match workers.then(backend_beside_me).transpose() {
                     Ok(w) => {
                         opts.workers = w;

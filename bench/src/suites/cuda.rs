@@ -86,6 +86,8 @@ pub struct CudaOpts {
     /// The idle front end's longest sleep with the doorbell armed, ns (0: no doorbell;
     /// see `CudaConfig::doorbell_sleep_ns`), in process and in the workers.
     pub doorbell_sleep_ns: u64,
+    /// How long the in-process front end spins after activity (`CudaConfig::busy_poll_ns`).
+    pub busy_poll_ns: u64,
 }
 
 /// A part of the suite (`vgpu-bench cuda --only SECTION,…`; the native baseline program
@@ -157,6 +159,7 @@ impl CudaOpts {
             processes: 4,
             signal_max_blocks: CudaConfig::default().signal_max_blocks,
             doorbell_sleep_ns: CudaConfig::default().doorbell_sleep_ns,
+            busy_poll_ns: CudaConfig::default().busy_poll_ns,
         }
     }
 
@@ -1219,6 +1222,7 @@ pub fn run(opts: &CudaOpts) -> Result<Vec<Figure>, CudaSuiteError> {
         max_inflight: opts.max_inflight,
         signal_max_blocks: opts.signal_max_blocks,
         doorbell_sleep_ns: opts.doorbell_sleep_ns,
+        busy_poll_ns: opts.busy_poll_ns,
         ..CudaConfig::default()
     };
     let mut figs = if opts.fake {
