@@ -325,6 +325,31 @@ static void b2b(int n) {
     }
     CK(cudaStreamSynchronize(S));
     printf("b2b_with_ref_write_kernels_per_s %.1f kernels/s\n", n / ((now_ns() - t0) / 1e9));
+    // What vgpu's front end issues per GP entry of one-block kernels: the kernel writes
+    // its entry's REF itself (kernels.cu's fence signal), and a completion mark (an
+    // untimed event) after every 32 entries.
+    u32* count;
+    CK(cudaMalloc(&count, 4));
+    CK(cudaMemset(count, 0, 4));
+    cudaEvent_t marks[64];
+    for (auto& e : marks) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    CK(cudaStreamSynchronize(S));
+    t0 = now_ns();
+    for (int i = 0; i < n; i++) {
+        vgpu_empty<<<1, 1, 0, S>>>((u32*)ref_dev, (u32)i, count);
+        if (i % 32 == 31) CK(cudaEventRecord(marks[(i / 32) % 64], S));
+    }
+    CK(cudaStreamSynchronize(S));
+    printf("b2b_with_signal_kernels_per_s %.1f kernels/s\n", n / ((now_ns() - t0) / 1e9));
+    t0 = now_ns();
+    for (int i = 0; i < n; i++) {
+        vgpu_empty<<<1, 1, 0, S>>>();
+        if (i % 32 == 31) CK(cudaEventRecord(marks[(i / 32) % 64], S));
+    }
+    CK(cudaStreamSynchronize(S));
+    printf("b2b_with_marks_kernels_per_s %.1f kernels/s\n", n / ((now_ns() - t0) / 1e9));
+    for (auto& e : marks) cudaEventDestroy(e);
+    cudaFree(count);
     CK(cudaFreeHost(ref));
 }
 

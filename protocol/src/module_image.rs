@@ -9,9 +9,9 @@
 //! sections), and a fatbin through its first uncompressed PTX entry, else its first
 //! uncompressed cubin, else the same compressed (nvcc compresses the PTX of a fatbin with
 //! zstd by default since CUDA 12.8 and leaves the cubins as they are; `-compress-all`
-//! compresses them too). A compressed entry is unpacked by a memory-safe decoder to at most
-//! the size its header states, and at most [`MAX_UNPACKED`] bytes. Not read: entries
-//! compressed otherwise than with zstd (LZ4, from older nvcc).
+//! compresses them too; `--compress-mode=speed`, and as far as we know nvcc before 12.8,
+//! use LZ4 blocks). A compressed entry is unpacked by a memory-safe decoder (zstd or LZ4,
+//! as its flags say) to exactly the size its header states, at most [`MAX_UNPACKED`].
 
 use std::borrow::Cow;
 use std::io::Read;
@@ -34,27 +34,57 @@ pub enum ImageError {
 
 /// A fatbin entry's kind: a cubin (ELF).
 const FATBIN_ELF: u16 = 2;
-/// A fatbin entry's flag (in the header's word at 40): the payload is compressed.
-const FATBIN_COMPRESSED: u32 = 0x8000;
-/// Where a compressed entry's header states the payload's unpacked size (u64).
+/// A fatbin entry's flags (in the header's word at 40): the payload is compressed, with
+/// zstd (nvcc 12.8 and later by default) or as an LZ4 block (`--compress-mode=speed`;
+/// older nvcc). Seen in nvcc 13.0's fatbins (`tests/data/matmul_sm75*.fatbin`).
+const FATBIN_ZSTD: u32 = 0x8000;
+const FATBIN_LZ4: u32 = 0x2000;
+/// Where a compressed entry's header states its compressed length (u32; the payload is
+/// padded after it) and the payload's unpacked size (u64).
+const FATBIN_PACKED_LEN_AT: usize = 16;
 const FATBIN_UNPACKED_SIZE_AT: usize = 56;
 /// A zstd frame's first bytes.
 const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
 /// Most bytes a compressed entry may unpack to (a VM's images are bounded by the same).
 pub const MAX_UNPACKED: u64 = 256 << 20;
 
-/// A compressed entry's payload unpacked: exactly `size` bytes from one zstd frame, or
-/// nothing (another compression, a size over [`MAX_UNPACKED`], a corrupt or short frame).
-fn unpack(payload: &[u8], size: u64) -> Option<Vec<u8>> {
-    if size == 0 || size > MAX_UNPACKED || !payload.starts_with(&ZSTD_MAGIC) {
+/// How an entry's payload is packed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Packing {
+    Zstd,
+    /// An LZ4 block of the stated length (the rest of the payload is padding).
+    Lz4 {
+        len: usize,
+    },
+}
+
+/// A compressed entry's payload unpacked: exactly `size` bytes, or nothing (a size over
+/// [`MAX_UNPACKED`], a corrupt, short or long stream).
+fn unpack(payload: &[u8], packing: Packing, size: u64) -> Option<Vec<u8>> {
+    if size == 0 || size > MAX_UNPACKED {
         return None;
     }
-    let mut input = payload;
-    let decoder = ruzstd::decoding::StreamingDecoder::new(&mut input).ok()?;
-    let mut out = Vec::with_capacity(usize::try_from(size).ok()?);
-    // One byte more than stated: a frame that unpacks to more than its header says is refused.
-    decoder.take(size + 1).read_to_end(&mut out).ok()?;
-    (out.len() as u64 == size).then_some(out)
+    let size = usize::try_from(size).ok()?;
+    match packing {
+        Packing::Zstd => {
+            if !payload.starts_with(&ZSTD_MAGIC) {
+                return None;
+            }
+            let mut input = payload;
+            let decoder = ruzstd::decoding::StreamingDecoder::new(&mut input).ok()?;
+            let mut out = Vec::with_capacity(size);
+            // One byte more than stated: a frame that unpacks to more is refused.
+            decoder.take(size as u64 + 1).read_to_end(&mut out).ok()?;
+            (out.len() == size).then_some(out)
+        }
+        Packing::Lz4 { len } => {
+            let block = payload.get(..len)?;
+            let mut out = vec![0; size];
+            // A block that would write past `size` is an error, one that ends short too.
+            let n = lz4_flex::block::decompress_into(block, &mut out).ok()?;
+            (n == size).then_some(out)
+        }
+    }
 }
 
 /// The payload of the first entry of `kind` in a fatbin, uncompressed (`packed` false) or
@@ -74,18 +104,27 @@ fn fatbin_entry(image: &[u8], want: u16, packed: bool) -> Option<Cow<'_, [u8]>> 
         let (kind, header, payload) = (u16_at(at)?, u32_at(at + 4)? as usize, u64_at(at + 8)?);
         let start = at.checked_add(header)?;
         let stop = start.checked_add(usize::try_from(payload).ok()?)?;
-        let compressed = header >= 48 && u32_at(at + 40)? & FATBIN_COMPRESSED != 0;
-        if kind == want && compressed == packed {
+        let flags = if header >= 48 { u32_at(at + 40)? } else { 0 };
+        let packing = if flags & FATBIN_ZSTD != 0 {
+            Some(Packing::Zstd)
+        } else if flags & FATBIN_LZ4 != 0 {
+            Some(Packing::Lz4 {
+                len: u32_at(at + FATBIN_PACKED_LEN_AT)? as usize,
+            })
+        } else {
+            None
+        };
+        if kind == want && packing.is_some() == packed {
             let payload = image.get(start..stop)?;
-            if !packed {
+            let Some(packing) = packing else {
                 return Some(Cow::Borrowed(payload));
-            }
+            };
             let size = if header >= FATBIN_UNPACKED_SIZE_AT + 8 {
                 u64_at(at + FATBIN_UNPACKED_SIZE_AT)?
             } else {
                 0
             };
-            if let Some(v) = unpack(payload, size) {
+            if let Some(v) = unpack(payload, packing, size) {
                 return Some(Cow::Owned(v));
             }
         }
@@ -398,6 +437,57 @@ mod tests {
         }
         for i in (body + 4..packed.len()).step_by(37) {
             let mut b = packed.clone();
+            b[i] ^= 0x5a;
+            let _ = module_variables(&b);
+        }
+    }
+
+    /// nvcc 13.0's fatbin of the same program (`nvcc -fatbin -arch=sm_75
+    /// --compress-mode=speed -Xfatbin -compress-all matmul.cu`, on the H100 machine,
+    /// 2026-11-27): its cubin and its PTX are LZ4 blocks, each unpacked to the size its
+    /// header states. A stated size or length that
+    /// is off, a cut block or flipped bits are refused or read safely.
+    #[test]
+    fn an_lz4_packed_fatbin_is_read_through_its_unpacked_entries() {
+        let f = include_bytes!("../tests/data/matmul_sm75_lz4.fatbin");
+        assert!(fatbin_entry(f, FATBIN_PTX, false).is_none());
+        assert!(fatbin_entry(f, FATBIN_ELF, false).is_none());
+        assert_eq!(module_variables(f).unwrap(), ["calls"]);
+        let cubin = fatbin_entry(f, FATBIN_ELF, true).expect("the cubin unpacks");
+        assert_eq!(cubin.len(), 8032, "the size its entry's header states");
+        assert!(cubin.starts_with(b"\x7fELF"));
+        assert_eq!(module_variables(&cubin).unwrap(), ["calls"]);
+        let text = ptx_text(f).unwrap();
+        assert!(text.contains(".visible .entry"), "{text}");
+        assert_eq!(ptx_variables(&text).unwrap(), ["calls"]);
+
+        // The cubin is the first entry: its header at 16.
+        let (len_at, size_at) = (16 + FATBIN_PACKED_LEN_AT, 16 + FATBIN_UNPACKED_SIZE_AT);
+        let u32_at = |b: &[u8], o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+        let payload = u32_at(f, 16 + 8) as usize;
+        let packed_len = u32_at(f, len_at) as usize;
+        assert!(packed_len <= payload);
+        for wrong in [0u64, 8031, 8033, MAX_UNPACKED + 1, u64::MAX] {
+            let mut b = f.to_vec();
+            b[size_at..size_at + 8].copy_from_slice(&wrong.to_le_bytes());
+            assert!(fatbin_entry(&b, FATBIN_ELF, true).is_none(), "size {wrong}");
+        }
+        for wrong in [0u32, 1, packed_len as u32 - 1, payload as u32 + 1, u32::MAX] {
+            let mut b = f.to_vec();
+            b[len_at..len_at + 4].copy_from_slice(&wrong.to_le_bytes());
+            assert!(
+                fatbin_entry(&b, FATBIN_ELF, true).is_none(),
+                "length {wrong}"
+            );
+        }
+        let body = 16 + 80;
+        for cut in [body, body + 4, body + 100, f.len() - 8] {
+            let mut b = f.to_vec();
+            b.truncate(cut);
+            let _ = module_variables(&b);
+        }
+        for i in (body..f.len()).step_by(23) {
+            let mut b = f.to_vec();
             b[i] ^= 0x5a;
             let _ = module_variables(&b);
         }

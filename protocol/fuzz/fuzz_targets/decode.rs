@@ -46,10 +46,11 @@ fuzz_target!(|data: &[u8]| {
         }
         6 => {
             // A guest's module image, as a migration lists its variables; with the top
-            // bit, the bytes as the zstd frame of a fatbin's one compressed PTX entry.
+            // bit, the bytes as the zstd frame (or, with the next bit too, the LZ4 block)
+            // of a fatbin's one compressed PTX entry.
             let wrapped;
             let image = if selector & 0x80 != 0 {
-                wrapped = packed_fatbin(rest);
+                wrapped = packed_fatbin(rest, selector & 0x40 != 0);
                 &wrapped[..]
             } else {
                 rest
@@ -73,18 +74,24 @@ fuzz_target!(|data: &[u8]| {
 
 /// A fatbin whose one entry is compressed PTX: its payload zstd's magic and `rest` after
 /// the first two bytes, which give the unpacked size the header states.
-fn packed_fatbin(rest: &[u8]) -> Vec<u8> {
+fn packed_fatbin(rest: &[u8], lz4: bool) -> Vec<u8> {
     let (size, frame) = match rest {
         [a, b, frame @ ..] => (u64::from(u16::from_le_bytes([*a, *b])), frame),
         _ => (0, rest),
     };
-    let mut payload = vec![0x28, 0xb5, 0x2f, 0xfd];
+    let mut payload = if lz4 {
+        Vec::new()
+    } else {
+        vec![0x28, 0xb5, 0x2f, 0xfd]
+    };
     payload.extend_from_slice(frame);
     let mut entry = vec![0u8; 64];
     entry[0..2].copy_from_slice(&1u16.to_le_bytes()); // PTX
     entry[4..8].copy_from_slice(&64u32.to_le_bytes());
     entry[8..16].copy_from_slice(&(payload.len() as u64).to_le_bytes());
-    entry[40..44].copy_from_slice(&0x8000u32.to_le_bytes()); // compressed
+    entry[16..20].copy_from_slice(&(payload.len() as u32).to_le_bytes()); // packed length
+    let flags: u32 = if lz4 { 0x2000 } else { 0x8000 }; // compressed
+    entry[40..44].copy_from_slice(&flags.to_le_bytes());
     entry[56..64].copy_from_slice(&size.to_le_bytes());
     let mut out = vec![0u8; 16];
     out[0..4].copy_from_slice(&0xba55_ed50u32.to_le_bytes());

@@ -1738,6 +1738,49 @@ fn module_requests_check_everything_and_migrate() {
     assert!(s.save_device_state(VmRecord::default()).is_ok());
 }
 
+/// A fatbin nvcc packed with LZ4 (`--compress-mode=speed -Xfatbin -compress-all`, as
+/// older nvcc did by default) migrates with its variable: the source lists it from the
+/// unpacked image, the destination gets its contents.
+#[test]
+fn an_lz4_packed_fatbins_variable_migrates() {
+    use vgpu_protocol::migration::VmRecord;
+    use vm_memory::Bytes;
+    let image = include_bytes!("../../../protocol/tests/data/matmul_sm75_lz4.fatbin");
+    let mut s = Session::new(module_gpu(), limits());
+    let (mem, shm) = (guest_mem(), FakeShm::default());
+    let req = |s: &mut Session, ctx, op| {
+        let r = Request { pid: 7, ctx, op };
+        decode_reply(r.opcode(), &s.handle(&r.encode(), &mem, &shm)).unwrap()
+    };
+    mem.write_slice(image, GuestAddress(R0.0 + 0x1000)).unwrap();
+    let Ok(ReplyBody::Context { ctx, .. }) = req(&mut s, 0, Op::CreateContext) else {
+        panic!("no context");
+    };
+    let load = Op::ModuleLoad {
+        ranges: vec![range(R0.0 + 0x1000, image.len() as u64)],
+    };
+    let Ok(ReplyBody::Module { module }) = req(&mut s, ctx, load) else {
+        panic!("the fatbin loads");
+    };
+    let hctx = s.hal.contexts[&ctx].0;
+    s.gpu
+        .global_write(hctx, module, "calls", 0, &41u32.to_le_bytes())
+        .unwrap();
+    s.hold.paused = true;
+    let st = s.save_device_state(VmRecord::default()).unwrap();
+    assert_eq!(
+        st.modules.modules[0].variables,
+        [("calls".to_string(), 41u32.to_le_bytes().to_vec())]
+    );
+    let mut d = Session::new(module_gpu(), limits());
+    d.load_device_state(&st, &mem, &shm).unwrap();
+    let mut got = [0u8; 4];
+    d.gpu
+        .global_read(d.hal.contexts[&ctx].0, module, "calls", 0, &mut got)
+        .unwrap();
+    assert_eq!(u32::from_le_bytes(got), 41);
+}
+
 #[test]
 fn the_sim_refuses_module_loads_with_its_code() {
     let mut t = T::new();
