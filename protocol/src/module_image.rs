@@ -43,6 +43,8 @@ const FATBIN_LZ4: u32 = 0x2000;
 /// padded after it) and the payload's unpacked size (u64).
 const FATBIN_PACKED_LEN_AT: usize = 16;
 const FATBIN_UNPACKED_SIZE_AT: usize = 56;
+/// An LZ4 block's most bytes out per byte in (a match's length grows by 255 a byte).
+const LZ4_MAX_RATIO: usize = 256;
 /// A zstd frame's first bytes.
 const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
 /// Most bytes a compressed entry may unpack to (a VM's images are bounded by the same).
@@ -79,6 +81,15 @@ fn unpack(payload: &[u8], packing: Packing, size: u64) -> Option<Vec<u8>> {
         }
         Packing::Lz4 { len } => {
             let block = payload.get(..len)?;
+            // An LZ4 block unpacks to at most about 255 times its length: a larger stated
+            // size is a lie, refused before anything is allocated for it.
+            if size
+                > len
+                    .saturating_mul(LZ4_MAX_RATIO)
+                    .saturating_add(LZ4_MAX_RATIO)
+            {
+                return None;
+            }
             let mut out = vec![0; size];
             // A block that would write past `size` is an error, one that ends short too.
             let n = lz4_flex::block::decompress_into(block, &mut out).ok()?;
@@ -472,6 +483,10 @@ mod tests {
             b[size_at..size_at + 8].copy_from_slice(&wrong.to_le_bytes());
             assert!(fatbin_entry(&b, FATBIN_ELF, true).is_none(), "size {wrong}");
         }
+        // A stated size the block cannot reach is refused before any allocation: 8032
+        // bytes take more than 20 bytes of LZ4 (the cubin's payload starts at 80).
+        assert_eq!(unpack(&f[80..], Packing::Lz4 { len: 20 }, 8032), None);
+        assert_eq!(unpack(&[0x00], Packing::Lz4 { len: 1 }, MAX_UNPACKED), None);
         for wrong in [0u32, 1, packed_len as u32 - 1, payload as u32 + 1, u32::MAX] {
             let mut b = f.to_vec();
             b[len_at..len_at + 4].copy_from_slice(&wrong.to_le_bytes());
