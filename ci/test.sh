@@ -25,7 +25,7 @@ ci_step "cargo test (workspace)" \
 # One fuzz target: built (a target that no longer builds must fail the suite, not run
 # nothing), run for FUZZ_SECONDS, failed if it left a crash artifact. The fuzz crates
 # share one target directory, so what they have in common (the protocol crate and the
-# dependencies) is built once, not once per crate (~70 s of a clean clone's CI).
+# dependencies) is built once, not once per crate (80 s of a clean clone's CI).
 FUZZ_TARGET_DIR="$ROOT/target/fuzz"
 fuzz_target() {
     local crate="$1" target="$2"
