@@ -450,6 +450,22 @@ static void fairness(double secs) {
         }                                                                        \
     } while (0)
 
+// VMM API: pinned memory on device 0, and read-write access to it from device 0.
+static CUmemAllocationProp device_memory_prop() {
+    CUmemAllocationProp p = {};
+    p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    p.location.id = 0;
+    return p;
+}
+static CUmemAccessDesc device_rw_access() {
+    CUmemAccessDesc a = {};
+    a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    a.location.id = 0;
+    a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    return a;
+}
+
 // What vgpu's eviction would cost with VRAM in device memory (VMM API): 64 MiB in 2 MiB
 // chunks at a fixed VA, each copied by the copy engine into a host-located allocation
 // (CU_MEM_LOCATION_TYPE_HOST) and remapped at the same VA; against a plain device→host copy
@@ -459,17 +475,11 @@ static void vram_swap() {
     const size_t CH = 2 << 20, LEN = 64 << 20, NCH = LEN / CH;
     CUdevice dev;
     CU(cuDeviceGet(&dev, 0));
-    CUmemAllocationProp dp = {};
-    dp.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    dp.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    dp.location.id = 0;
+    CUmemAllocationProp dp = device_memory_prop();
     CUmemAllocationProp hp = dp;
     hp.location.type = CU_MEM_LOCATION_TYPE_HOST;
     hp.location.id = 0;
-    CUmemAccessDesc acc = {};
-    acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    acc.location.id = 0;
-    acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CUmemAccessDesc acc = device_rw_access();
     CUdeviceptr va, tmp;
     CU(cuMemAddressReserve(&va, LEN, CH, 0, 0));
     CU(cuMemAddressReserve(&tmp, CH, CH, 0, 0));
@@ -585,14 +595,8 @@ int main(int argc, char** argv) {
     if (g_vmm) {
         const size_t CH = 2 << 20;
         g_block_len = (size_t)1 << 30;
-        CUmemAllocationProp dp = {};
-        dp.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-        dp.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-        dp.location.id = 0;
-        CUmemAccessDesc acc = {};
-        acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-        acc.location.id = 0;
-        acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        CUmemAllocationProp dp = device_memory_prop();
+        CUmemAccessDesc acc = device_rw_access();
         CUdeviceptr va;
         CU(cuMemAddressReserve(&va, g_block_len, CH, 0, 0));
         for (size_t off = 0; off < g_block_len; off += CH) {
