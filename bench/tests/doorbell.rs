@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 
 use vgpu_backend::VmLimits;
 use vgpu_guest::{Context, Device, KernelArgs};
-use vgpu_host_shim::cuda::{CudaConfig, FakeCudaGpu, FakeDevice};
+use vgpu_host_shim::cuda::CudaConfig;
 use vgpu_host_shim::sim::{SimConfig, SimGpu};
 use vgpu_host_shim::Gpu;
 use vgpu_loopback::LoopbackVm;
-use vgpu_test_support::Host;
+use vgpu_test_support::{fake_cuda_gpu, Host};
 
 /// Longer than any test may take: a front end that is not woken serves nothing in time.
 const SLEEP_NS: u64 = 60_000_000_000;
@@ -30,15 +30,11 @@ fn sim() -> Arc<dyn Gpu> {
 }
 
 fn cuda_fake() -> Arc<dyn Gpu> {
-    FakeCudaGpu::with_device(
-        Arc::new(FakeDevice::default()),
-        CudaConfig {
-            vram_bytes: 128 << 20,
-            doorbell_sleep_ns: SLEEP_NS,
-            ..CudaConfig::default()
-        },
-    )
-    .expect("fake cuda GPU")
+    fake_cuda_gpu(CudaConfig {
+        vram_bytes: 128 << 20,
+        doorbell_sleep_ns: SLEEP_NS,
+        ..CudaConfig::default()
+    })
 }
 
 /// Rounds of: let the front end fall asleep, submit a memset, wait for it. Returns the

@@ -86,6 +86,10 @@ impl EventSink for WireSink {
     fn event(&self, ev: GpuEvent) {
         self.out.send(match ev {
             GpuEvent::Notify { token, .. } => Event::Notify { ch: self.ch, token },
+            GpuEvent::Fence { reference, .. } => Event::Fence {
+                ch: self.ch,
+                reference,
+            },
             GpuEvent::Error { code, info, .. } => Event::Error {
                 ch: self.ch,
                 code,

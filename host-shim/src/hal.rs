@@ -149,6 +149,8 @@ pub struct ChannelCounters {
 pub enum GpuEvent {
     /// A `NOTIFY` method executed.
     Notify { channel: ChannelId, token: u32 },
+    /// `REF` reached the value a sleeping waiter armed (`ControlPage::REF_WAKE`).
+    Fence { channel: ChannelId, reference: u32 },
     /// The channel faulted and stopped; `info` is the faulting address or method offset.
     Error {
         channel: ChannelId,

@@ -55,6 +55,11 @@ fn fake_fence_signals_before_its_batch_ends() {
 }
 
 #[test]
+fn fake_fence_wake_up_comes_when_ref_reaches_the_armed_value() {
+    fence_wake_up_comes_when_ref_reaches_the_armed_value(&gpu());
+}
+
+#[test]
 fn fake_counters_and_teardown_unregister_memory() {
     let g = gpu();
     counters_and_teardown(&g);

@@ -82,6 +82,13 @@ fn gpu_fence_signals_before_its_batch_ends() {
 }
 
 #[test]
+fn gpu_fence_wake_up_comes_when_ref_reaches_the_armed_value() {
+    if let Some(g) = gpu() {
+        fence_wake_up_comes_when_ref_reaches_the_armed_value(&g);
+    }
+}
+
+#[test]
 fn gpu_counters_and_teardown() {
     if let Some(g) = gpu() {
         counters_and_teardown(&g);

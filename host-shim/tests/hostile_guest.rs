@@ -261,9 +261,16 @@ fn hostile_submitter(gpu: &Arc<SimGpu>, p: &Proc, until: Instant, seed: u64) -> 
                 _ => put,
             };
             ch.ctrl.store(ControlPage::GP_PUT, shown);
+            // Now and then a fence wake-up armed for any value (at most one wake-up
+            // event per REF move of its own channel).
+            if rng.below(8) == 0 {
+                ch.ctrl.store(ControlPage::REF_WAKE, rng.next() as u32);
+                ch.ctrl
+                    .store(ControlPage::REF_WAKE_ARMED, rng.next() as u32);
+            }
         }
         report.completed += gpu.channel_counters(ch.id).map_or(0, |c| c.gp_completed);
-        // Only error events, and only for this channel.
+        // Only this channel's events, and errors only of the guest's making.
         for ev in ch.events.0.lock().unwrap().iter() {
             match ev {
                 GpuEvent::Error { channel, code, .. } => {
@@ -279,7 +286,9 @@ fn hostile_submitter(gpu: &Arc<SimGpu>, p: &Proc, until: Instant, seed: u64) -> 
                         "hostile channel fault {code:?} is not a guest error"
                     );
                 }
-                GpuEvent::Notify { channel, .. } => assert_eq!(*channel, ch.id),
+                GpuEvent::Notify { channel, .. } | GpuEvent::Fence { channel, .. } => {
+                    assert_eq!(*channel, ch.id)
+                }
             }
         }
         gpu.destroy_channel(ch.id).unwrap();

@@ -410,6 +410,12 @@ fn semaphores_order_channels() {
     common::cuda_cases::semaphores_order_channels(&gpu());
 }
 
+/// A sleeping fence waiter is woken by a `Fence` event once REF reaches its value.
+#[test]
+fn fence_wake_up_comes_when_ref_reaches_the_armed_value() {
+    common::cuda_cases::fence_wake_up_comes_when_ref_reaches_the_armed_value(&gpu());
+}
+
 /// A channel re-created at a saved ring position (live migration) continues with the
 /// next entry: nothing before it runs again, its control page shows the saved fields,
 /// and a stopped channel comes back stopped without a new event.

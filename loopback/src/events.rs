@@ -8,6 +8,8 @@ pub(crate) struct EvState {
     pub(crate) head_buf: Vec<Option<usize>>,
     pub(crate) pending: VecDeque<(Event, usize)>,
     pub(crate) dead: bool,
+    /// Events harvested so far, fence wake-ups included: what blocked waiters sleep on.
+    pub(crate) count: u64,
 }
 
 /// The event queue: pre-filled with writable EVENT_SIZE buffers, refilled as events are
@@ -61,8 +63,19 @@ impl Events {
                         )
                     };
                     match Event::decode(&b).filter(|_| u.len as usize >= EVENT_SIZE) {
+                        // A wake-up only (its waiter re-reads the control page): counted,
+                        // and its buffer goes straight back to the device.
+                        Some(ev) if ev.kind == vgpu_protocol::request::event::FENCE => {
+                            st.count += 1;
+                            any = true;
+                            if let Err(e) = self.post(&mut st, buf) {
+                                error!("event queue: {e}");
+                            }
+                            reposted = true;
+                        }
                         Some(ev) => {
                             st.pending.push_back((ev, buf));
+                            st.count += 1;
                             any = true;
                         }
                         None => {
@@ -124,6 +137,22 @@ impl Events {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+    }
+
+    /// How many events were harvested so far.
+    pub(crate) fn count(&self) -> u64 {
+        lock(&self.st).count
+    }
+
+    /// Sleeps until more than `seen` events were harvested, the queue dies, or `timeout`
+    /// passes; the count then.
+    pub(crate) fn wait_count(&self, seen: u64, timeout: Duration) -> u64 {
+        let st = lock(&self.st);
+        let (st, _) = self
+            .cv
+            .wait_timeout_while(st, timeout, |s| s.count == seen && !s.dead)
+            .unwrap_or_else(|e| e.into_inner());
+        st.count
     }
 
     pub(crate) fn kill(&self) {

@@ -214,6 +214,7 @@ impl LoopbackVm {
                 head_buf: vec![None; QUEUE_SIZE as usize],
                 pending: VecDeque::new(),
                 dead: false,
+                count: 0,
             }),
             cv: Condvar::new(),
             bufs,
@@ -394,9 +395,21 @@ impl LoopbackVm {
         self.ram.host_ptr(gpa, len)
     }
 
-    /// Next event from the event queue, waiting up to `timeout`.
+    /// Next event from the event queue, waiting up to `timeout`. Fence wake-ups
+    /// (`event::FENCE`) are not among them: they only count ([`Self::event_count`]).
     pub fn next_event(&self, timeout: Duration) -> Option<Event> {
         self.events.next(timeout)
+    }
+
+    /// How many events the event queue delivered so far (fence wake-ups included).
+    pub fn event_count(&self) -> u64 {
+        self.events.count()
+    }
+
+    /// Sleeps until [`Self::event_count`] differs from `seen` (an "interrupt"), the
+    /// device is gone, or `timeout` passes; the count then.
+    pub fn wait_event_count(&self, seen: u64, timeout: Duration) -> u64 {
+        self.events.wait_count(seen, timeout)
     }
 
     /// Number of SHMEM_MAP requests served.

@@ -36,8 +36,8 @@ typedef uint64_t vgpu_le64;
 #define VGPU_PAGE_SIZE 4096
 
 /* ---- Channel control page: byte offsets of its fields. ------------------------------
- * All fields are u32 except ERROR_INFO (u64). The application writes only GP_PUT; the
- * GPU writes the rest. Counters wrap and are compared modulo 2^32.
+ * All fields are u32 except ERROR_INFO (u64). The application writes GP_PUT and the
+ * fence waiter's REF_WAKE and REF_WAKE_ARMED; the GPU writes the rest. Counters wrap and are compared modulo 2^32.
  */
 #define VGPU_CTRL_GP_PUT 0x00     /* app: GP entries ever submitted (wrapping)       */
 #define VGPU_CTRL_GP_GET 0x04     /* GPU: GP entries ever completed (wrapping)       */
@@ -48,7 +48,9 @@ typedef uint64_t vgpu_le64;
 #define VGPU_CTRL_NOTIFY_SEQ 0x18 /* GPU: NOTIFY methods executed (wrapping)         */
 #define VGPU_CTRL_WANT_DOORBELL 0x1c /* GPU: nonzero while the front end sleeps      */
 #define VGPU_CTRL_ERROR_INFO 0x20 /* GPU: u64 detail for ERROR                       */
-#define VGPU_CTRL_USED_BYTES 0x28 /* bytes that carry state; the rest reads as zero  */
+#define VGPU_CTRL_REF_WAKE 0x28   /* app: the REF a sleeping waiter waits for        */
+#define VGPU_CTRL_REF_WAKE_ARMED 0x2c /* app sets, GPU clears with a FENCE event    */
+#define VGPU_CTRL_USED_BYTES 0x30 /* bytes that carry state; the rest reads as zero  */
 
 /* ---- GP ring. ---------------------------------------------------------------------- */
 #define VGPU_GP_ENTRY_SIZE 16
@@ -355,6 +357,7 @@ struct vgpu_wire_channel_status {
 /* ---- Events (event queue, 24 bytes each). ------------------------------------------ */
 #define VGPU_EVENT_NOTIFY 1
 #define VGPU_EVENT_CHANNEL_ERROR 2
+#define VGPU_EVENT_FENCE 3 /* REF reached the armed REF_WAKE: a wake-up only */
 #define VGPU_EVENT_SIZE 24
 
 struct vgpu_wire_event {

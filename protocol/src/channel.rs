@@ -1,7 +1,7 @@
 //! Layout of a channel's control page (Fermi's USERD in spirit).
 //!
-//! One 4 KiB page per channel. The application writes only `GP_PUT`; the GPU writes the
-//! rest. The page is what the backend maps into a VM's BAR, and what the scheduler swaps
+//! One 4 KiB page per channel. The application writes `GP_PUT` and the fence waiter's
+//! two words (`REF_WAKE`, `REF_WAKE_ARMED`); the GPU writes the rest. The page is what the backend maps into a VM's BAR, and what the scheduler swaps
 //! for a shadow page, so it must hold nothing the GPU needs that the application could
 //! corrupt: the ring's address and size live in GPU-private channel state; the copies
 //! here are for information only.
@@ -33,8 +33,15 @@ impl ControlPage {
     /// `u64`: detail for `ERROR`: the faulting GPU virtual address, or the GPU address of
     /// the malformed GP entry or method header.
     pub const ERROR_INFO: usize = 0x20;
+    /// The fence value a sleeping waiter waits for (`REF` reaching it, wrapping
+    /// compare), written by the application before it arms `REF_WAKE_ARMED`
+    /// (docs/protocol.md, "Blocking fence waits").
+    pub const REF_WAKE: usize = 0x28;
+    /// Nonzero while a waiter sleeps until `REF` reaches `REF_WAKE`: set by the
+    /// application, cleared by the GPU when it sends the channel's `FENCE` event.
+    pub const REF_WAKE_ARMED: usize = 0x2c;
     /// Bytes of the page that carry state; the rest reads as zero.
-    pub const USED_BYTES: usize = 0x28;
+    pub const USED_BYTES: usize = 0x30;
 }
 
 /// Limits on a channel's GP ring.
@@ -62,6 +69,8 @@ mod tests {
             (ControlPage::NOTIFY_SEQ, 4),
             (ControlPage::WANT_DOORBELL, 4),
             (ControlPage::ERROR_INFO, 8),
+            (ControlPage::REF_WAKE, 4),
+            (ControlPage::REF_WAKE_ARMED, 4),
         ];
         fields.sort();
         for w in fields.windows(2) {

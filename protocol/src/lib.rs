@@ -44,6 +44,12 @@ pub fn counter_after(a: u32, b: u32) -> bool {
     (a.wrapping_sub(b) as i32) > 0
 }
 
+/// Whether wrapping counter `now` has reached `target` (is at or past it): a fence's
+/// test, REF against the fence value.
+pub fn counter_reached(now: u32, target: u32) -> bool {
+    (now.wrapping_sub(target) as i32) >= 0
+}
+
 /// Number of entries between `from` and `to` (wrapping), `to` assumed not behind `from`.
 pub fn counter_distance(from: u32, to: u32) -> u32 {
     to.wrapping_sub(from)

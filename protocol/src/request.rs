@@ -796,6 +796,9 @@ pub fn decode_reply(opcode: u32, b: &[u8]) -> Result<Result<ReplyBody, ErrorCode
 pub mod event {
     pub const NOTIFY: u32 = 1;
     pub const CHANNEL_ERROR: u32 = 2;
+    /// The channel's `REF` reached the armed `REF_WAKE` (value: `REF` as the GPU saw it);
+    /// a wake-up only: the waiter re-reads the control page.
+    pub const FENCE: u32 = 3;
 }
 
 pub const EVENT_SIZE: usize = 24;
@@ -805,7 +808,7 @@ pub const EVENT_SIZE: usize = 24;
 pub struct Event {
     pub kind: u32,
     pub channel: u32,
-    /// Notify token, or the ErrorCode of a channel error.
+    /// Notify token, the ErrorCode of a channel error, or a fence event's REF.
     pub value: u32,
     pub info: u64,
 }

@@ -161,6 +161,8 @@ fn expected_defines() -> Vec<(String, u64)> {
         ("NOTIFY_SEQ", ControlPage::NOTIFY_SEQ),
         ("WANT_DOORBELL", ControlPage::WANT_DOORBELL),
         ("ERROR_INFO", ControlPage::ERROR_INFO),
+        ("REF_WAKE", ControlPage::REF_WAKE),
+        ("REF_WAKE_ARMED", ControlPage::REF_WAKE_ARMED),
         ("USED_BYTES", ControlPage::USED_BYTES),
     ] {
         add(&format!("VGPU_CTRL_{name}"), off as u64);
@@ -280,6 +282,7 @@ fn expected_defines() -> Vec<(String, u64)> {
     add("VGPU_WIRE_MAP_READ_ONLY", MAP_READ_ONLY as u64);
     add("VGPU_EVENT_NOTIFY", event::NOTIFY as u64);
     add("VGPU_EVENT_CHANNEL_ERROR", event::CHANNEL_ERROR as u64);
+    add("VGPU_EVENT_FENCE", event::FENCE as u64);
     add("VGPU_EVENT_SIZE", EVENT_SIZE as u64);
 
     // Guest modules (issue 31).

@@ -122,6 +122,16 @@ pub fn gpu_from_env(vram_bytes: u64) -> Arc<dyn Gpu> {
     }
 }
 
+/// The `cuda` GPU's front end on the CPU stand-in for a CUDA device, configured by `cfg`
+/// (tests of the front end's behaviour without a GPU).
+pub fn fake_cuda_gpu(cfg: CudaConfig) -> Arc<dyn Gpu> {
+    vgpu_host_shim::cuda::FakeCudaGpu::with_device(
+        Arc::new(vgpu_host_shim::cuda::FakeDevice::default()),
+        cfg,
+    )
+    .expect("fake cuda GPU")
+}
+
 /// A backend on a GPU (the sim unless the test says otherwise) serving VMs on
 /// `<dir>/<vm>.sock`.
 pub struct Host<G: Gpu + ?Sized = SimGpu> {

@@ -204,6 +204,12 @@ impl EventSink for ChannelSink {
                 value: token,
                 info: 0,
             },
+            GpuEvent::Fence { reference, .. } => Event {
+                kind: event::FENCE,
+                channel: self.channel,
+                value: reference,
+                info: 0,
+            },
             GpuEvent::Error { code, info, .. } => Event {
                 kind: event::CHANNEL_ERROR,
                 channel: self.channel,

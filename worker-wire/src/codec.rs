@@ -191,6 +191,7 @@ const REPLY_GLOBAL: u16 = 0x107;
 
 const EVENT_NOTIFY: u16 = 0x200;
 const EVENT_ERROR: u16 = 0x201;
+const EVENT_FENCE: u16 = 0x202;
 
 /// Largest VRAM size, alignment or swap store a frame may name (1 TiB).
 const MAX_BYTES: u64 = 1 << 40;
@@ -904,6 +905,10 @@ pub fn encode_event(seq: u32, ev: &Event) -> Vec<u8> {
             w.u32(ch).u32(code as u32).u64(info);
             EVENT_ERROR
         }
+        Event::Fence { ch, reference } => {
+            w.u32(ch).u32(reference);
+            EVENT_FENCE
+        }
     };
     frame(kind, seq, 0, w)
 }
@@ -915,6 +920,10 @@ pub fn decode_event(frame: &[u8], fds: u8) -> Result<(u32, Event), WireError> {
         EVENT_NOTIFY => Event::Notify {
             ch: r.u32()?,
             token: r.u32()?,
+        },
+        EVENT_FENCE => Event::Fence {
+            ch: r.u32()?,
+            reference: r.u32()?,
         },
         EVENT_ERROR => {
             let ch = r.u32()?;

@@ -234,4 +234,6 @@ pub enum Event {
     Notify { ch: u32, token: u32 },
     /// A channel faulted and stopped.
     Error { ch: u32, code: ErrorCode, info: u64 },
+    /// A channel's REF reached the value its sleeping waiter armed.
+    Fence { ch: u32, reference: u32 },
 }

@@ -29,6 +29,7 @@ use crate::report::{Better, Figure};
 use crate::sched_rig::{Tenant, TenantSpec};
 use crate::suites::measure::{min, submit_latency, Publish};
 
+mod long_wait;
 mod loop_overhead;
 
 const SUITE: &str = "cuda";
@@ -113,6 +114,9 @@ pub enum Section {
     /// Where a short loop's time goes, in the VM and vgpu native (asked for by name
     /// only; not a section of the baseline program).
     LoopOverhead,
+    /// A long wait's cost to the waiter, napping or asleep until the GPU's wake-up (asked
+    /// for by name only; not a section of the baseline program).
+    LongWait,
 }
 
 impl Section {
@@ -127,6 +131,7 @@ impl Section {
             Section::Fairness => "fairness",
             Section::Granularity => "granularity",
             Section::LoopOverhead => "loop-overhead",
+            Section::LongWait => "long-wait",
         }
     }
 }
@@ -713,7 +718,8 @@ fn run_on<D: CudaDeviceTrait>(
     }
     let vm_sections = [Section::Workloads, Section::Latency, Section::B2b];
     let loops = opts.only.contains(&Section::LoopOverhead);
-    if loops || vm_sections.iter().any(|&s| opts.runs(s)) {
+    let long_waits = opts.only.contains(&Section::LongWait);
+    if loops || long_waits || vm_sections.iter().any(|&s| opts.runs(s)) {
         let rig = Rig::new(&vm_gpus, &["bench"], 768 << 20)?;
         let native = Device::native(dyn_gpu.clone())?;
         let guest = Device::loopback(rig.vms[0].clone(), 1000)?;
@@ -735,6 +741,10 @@ fn run_on<D: CudaDeviceTrait>(
                 opts.small,
             )?);
             figs.extend(loop_overhead::loop_overhead(&gctx, "vm", opts.small)?);
+        }
+        if long_waits {
+            figs.extend(long_wait::long_wait(&nctx, "vgpu_native", opts.small)?);
+            figs.extend(long_wait::long_wait(&gctx, "vm", opts.small)?);
         }
     }
     // The in-process front end's CPU: not the VMs' with workers.

@@ -32,6 +32,13 @@ pub(super) fn run(inner: Arc<Inner>) {
                     token,
                 },
             ),
+            Event::Fence { ch, reference } => (
+                ch,
+                GpuEvent::Fence {
+                    channel: ChannelId(ch),
+                    reference,
+                },
+            ),
             Event::Error { ch, code, info } => (
                 ch,
                 GpuEvent::Error {

@@ -20,7 +20,7 @@ use crate::control::ControlView;
 use crate::error::{Error, Result};
 use crate::pushbuf::PushBuffer;
 use crate::transport::{ChanHandle, MemKind};
-use crate::wait::{poll_until, poll_until_expecting};
+use crate::wait::{poll_until, wait_until};
 
 /// Sizes of a channel's ring and arenas.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +93,12 @@ pub struct Channel {
     /// How long recent fence waits took, ns (a 1/4-weighted average): a loop's next wait
     /// keeps the core through about that long instead of napping past its end.
     expected_wait_ns: std::sync::atomic::AtomicU64,
+    /// How many times a fence wait went to sleep on the device's events, and how many
+    /// of those sleeps an event ended (the others ran out: the waiter's own re-check).
+    fence_sleeps: AtomicU64,
+    fence_wakeups: AtomicU64,
+    /// Whether long fence waits sleep until the device's event (else they nap).
+    sleep_on_events: bool,
 }
 
 impl std::fmt::Debug for Channel {
@@ -218,6 +224,9 @@ impl Channel {
             args: RingArena::new(opts.arg_bytes),
             submitted: 0,
             expected_wait_ns: std::sync::atomic::AtomicU64::new(0),
+            fence_sleeps: AtomicU64::new(0),
+            fence_wakeups: AtomicU64::new(0),
+            sleep_on_events: true,
             forwarded: desc.forwarded,
             api_remoting: desc.forwarded,
             stamp_publish: false,
@@ -414,6 +423,13 @@ impl Channel {
         self.forwarded
     }
 
+    /// Whether fence waits past 10 ms sleep until the device's event
+    /// (the default, where the transport has events) or keep napping (benchmarks compare
+    /// the two).
+    pub fn set_sleep_on_events(&mut self, on: bool) {
+        self.sleep_on_events = on;
+    }
+
     /// Records the clock (`CLOCK_MONOTONIC`, the host GPU clock when on a host) right before every GP_PUT
     /// store (or remoted submit), so benchmarks can time store → kernel start exactly.
     pub fn set_stamp_publish(&mut self, on: bool) {
@@ -463,14 +479,65 @@ impl Channel {
         use std::sync::atomic::Ordering::Relaxed;
         let start = Instant::now();
         let expected = Duration::from_nanos(self.expected_wait_ns.load(Relaxed));
-        poll_until_expecting(deadline, expected, || {
-            Ok(self.reached(fence)?.then_some(()))
-        })?;
+        let done = || Ok(self.reached(fence)?.then_some(()));
+        // Past its spin and yields, a wait sleeps until the GPU says REF moved, where the
+        // transport delivers the device's events and the page is the GPU's own.
+        let mut sleep = |most: Duration| self.sleep_on_fence(fence, most);
+        let block: Option<&mut dyn FnMut(Duration) -> Result<()>> = if !self.sleep_on_events
+            || self.forwarded
+            || self
+                .ctx
+                .transport
+                .device_events(self.ctx.handle, self.handle)
+                .is_none()
+        {
+            None
+        } else {
+            Some(&mut sleep)
+        };
+        wait_until(deadline, expected, done, block)?;
         let took = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
         let old = self.expected_wait_ns.load(Relaxed);
         self.expected_wait_ns
             .store(old - old / 4 + took / 4, Relaxed);
         Ok(())
+    }
+
+    /// How many times this channel's fence waits slept on the device's events, and how
+    /// many of those sleeps an event ended rather than the waiter's own re-check (every
+    /// 20 ms): (sleeps, woken).
+    pub fn fence_sleeps(&self) -> (u64, u64) {
+        (
+            self.fence_sleeps.load(Ordering::Relaxed),
+            self.fence_wakeups.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Sleeps until the device's next event (the GPU's wake-up for `fence`, or any other)
+    /// or for at most `most`, with the channel's fence wake-up armed for `fence` (a
+    /// channel has one waiter at a time: waiting borrows it, and it is not `Sync`).
+    fn sleep_on_fence(&self, fence: Fence, most: Duration) -> Result<()> {
+        let transport = &self.ctx.transport;
+        // Taken before arming: an event that comes between the arming and the sleep
+        // ends the sleep at once.
+        let Some(seen) = transport.device_events(self.ctx.handle, self.handle) else {
+            std::thread::sleep(most.min(Duration::from_micros(100)));
+            return Ok(());
+        };
+        self.control.arm_fence_wake(fence.value);
+        let result = match self.reached(fence) {
+            Ok(false) => {
+                self.fence_sleeps.fetch_add(1, Ordering::Relaxed);
+                if transport.wait_device_events(seen, most) {
+                    self.fence_wakeups.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(())
+            }
+            other => other.map(|_| ()),
+        };
+        // Woken by the GPU it is disarmed already; otherwise no wake-up is wanted now.
+        self.control.disarm_fence_wake();
+        result
     }
 
     /// Like [`Channel::wait_timeout`], but sleeps in the driver (woken by notify events,

@@ -107,6 +107,24 @@ impl ControlView {
             != 0
     }
 
+    /// Arms the channel's fence wake-up for REF reaching `target` (docs/protocol.md,
+    /// "Blocking fence waits"): the value first, then the armed word, then a full fence,
+    /// so the caller's next look at REF is ordered after the arming (the front end
+    /// orders its look at the armed word after REF moved).
+    pub(crate) fn arm_fence_wake(&self, target: u32) {
+        self.u32_at(ControlPage::REF_WAKE)
+            .store(target, Ordering::Relaxed);
+        self.u32_at(ControlPage::REF_WAKE_ARMED)
+            .store(1, Ordering::Release);
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    /// Disarms the fence wake-up (nobody sleeps on the channel any more).
+    pub(crate) fn disarm_fence_wake(&self) {
+        self.u32_at(ControlPage::REF_WAKE_ARMED)
+            .store(0, Ordering::Relaxed);
+    }
+
     pub(crate) fn gp_get(&self) -> u32 {
         let page = self.u32_at(ControlPage::GP_GET).load(Ordering::Acquire);
         monotonic(&self.seen_get, page)

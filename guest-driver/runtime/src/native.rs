@@ -20,6 +20,7 @@ use crate::mmap::Mmap;
 use crate::transport::{
     ChanHandle, ChannelDesc, CpuPtr, CtxHandle, DeviceInfo, MemHandle, NewContext, Transport,
 };
+use crate::wait::EventCount;
 
 /// The host memory a context's GPU mappings may reach: start address → length.
 ///
@@ -63,12 +64,17 @@ impl SysMemory for HostRegions {
     }
 }
 
-/// Logs GPU events; channel state itself is read from the control page.
-struct LogSink;
+/// Logs GPU events and counts those a waiter sleeps on (fence wake-ups, errors); channel
+/// state itself is read from the control page.
+struct WakeSink(Arc<EventCount>);
 
-impl EventSink for LogSink {
+impl EventSink for WakeSink {
     fn event(&self, ev: GpuEvent) {
         match ev {
+            GpuEvent::Fence { channel, reference } => {
+                log::trace!("channel {}: fence wake-up at REF {reference}", channel.0);
+                self.0.bump();
+            }
             GpuEvent::Notify { channel, token } => {
                 log::debug!("channel {}: notify {token:#x}", channel.0)
             }
@@ -76,7 +82,10 @@ impl EventSink for LogSink {
                 channel,
                 code,
                 info,
-            } => log::debug!("channel {}: error {code} (info {info:#x})", channel.0),
+            } => {
+                log::debug!("channel {}: error {code} (info {info:#x})", channel.0);
+                self.0.bump();
+            }
         }
     }
 }
@@ -118,6 +127,8 @@ pub struct NativeTransport {
     /// Module and function ids this transport hands the GPU (the owner chooses them).
     next_module: std::sync::atomic::AtomicU32,
     next_function: std::sync::atomic::AtomicU32,
+    /// The GPU's fence wake-ups and errors, which blocked waiters sleep on.
+    events: Arc<EventCount>,
 }
 
 impl NativeTransport {
@@ -128,6 +139,7 @@ impl NativeTransport {
             next_mem: AtomicU64::new(1),
             next_module: std::sync::atomic::AtomicU32::new(1),
             next_function: std::sync::atomic::AtomicU32::new(1),
+            events: Arc::default(),
         }
     }
 
@@ -381,7 +393,9 @@ impl Transport for NativeTransport {
             gp_ring_va,
             gp_entries,
         };
-        let ch = self.gpu.create_channel(id, cfg, Arc::new(LogSink))?;
+        let ch = self
+            .gpu
+            .create_channel(id, cfg, Arc::new(WakeSink(self.events.clone())))?;
         let page = self
             .gpu
             .control_page(ch)
@@ -424,6 +438,14 @@ impl Transport for NativeTransport {
         if let Ok(id) = u32::try_from(ch.0) {
             self.gpu.doorbell(ChannelId(id));
         }
+    }
+
+    fn device_events(&self, _ctx: CtxHandle, _ch: ChanHandle) -> Option<u64> {
+        Some(self.events.get())
+    }
+
+    fn wait_device_events(&self, seen: u64, timeout: std::time::Duration) -> bool {
+        self.events.wait(seen, timeout)
     }
 }
 

@@ -230,6 +230,20 @@ pub trait Transport: Send + Sync {
         ))
     }
 
+    /// How many device events (fence wake-ups, channel errors) this process has seen,
+    /// where a waiter on channel `ch` can sleep until the next
+    /// ([`Transport::wait_device_events`]); `None` where it cannot (it polls).
+    fn device_events(&self, _ctx: CtxHandle, _ch: ChanHandle) -> Option<u64> {
+        None
+    }
+
+    /// Sleeps until the count of [`Transport::device_events`] differs from `seen`, or
+    /// `timeout` passes; whether an event ended the sleep.
+    fn wait_device_events(&self, _seen: u64, timeout: Duration) -> bool {
+        std::thread::sleep(timeout.min(Duration::from_micros(100)));
+        false
+    }
+
     /// Sleeps in the driver until `what` is reached, the channel faults
     /// (`ChannelFault`) or `timeout` passes (`Timeout`). Transports without a kernel
     /// driver refuse; callers then poll the control page (`Channel::wait`).

@@ -247,6 +247,8 @@ impl<D: Device> CudaChannel<D> {
             return false;
         }
         let mut progress = self.retire(dev, tl);
+        // The GPU writes REF itself, at any time: look on every sweep.
+        self.core.wake_fence_waiter();
         if !issue {
             return progress;
         }

@@ -182,6 +182,49 @@ impl ChannelCore {
         });
     }
 
+    /// Wakes the channel's sleeping fence waiter once `REF` has reached the value it
+    /// armed (`REF_WAKE`): clears `REF_WAKE_ARMED` and sends a `Fence` event; whether it
+    /// did. Called by the front end whenever REF may have moved (the GPU writes it on
+    /// its own) — one load of the armed word when nobody sleeps.
+    ///
+    /// # Why no waiter sleeps past its fence
+    ///
+    /// The waiter stores `REF_WAKE`, then `REF_WAKE_ARMED = 1`, issues a full fence and
+    /// reads `REF`; it sleeps only if `REF` had not reached its value. The front end
+    /// calls this after REF may have moved and keeps calling it while the channel has
+    /// work on the GPU. If the waiter's load missed the final REF, that REF was written
+    /// after the waiter's fence, so a later call here sees both the armed word and the
+    /// REF, and sends the event; if REF never reaches the value, the waiter's own
+    /// timeout ends the sleep. A clear that races with a re-arm (another value stored
+    /// meanwhile) at worst wakes the waiter early: it re-reads REF and arms again.
+    pub fn wake_fence_waiter(&self) -> bool {
+        // Orders a REF this thread stored (the sim's SET_REF) before the look at the
+        // armed word, as the waiter orders its arming before its look at REF.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.load(ControlPage::REF_WAKE_ARMED) == 0 {
+            return false;
+        }
+        let armed_for = self.load(ControlPage::REF_WAKE);
+        let reached = self.load(ControlPage::REF);
+        let error = self.load(ControlPage::ERROR) != 0;
+        if !error && !vgpu_protocol::counter_reached(reached, armed_for) {
+            return false;
+        }
+        let armed = self.load(ControlPage::REF_WAKE_ARMED);
+        if armed == 0
+            || !self
+                .pages
+                .compare_store(self.slot, ControlPage::REF_WAKE_ARMED, armed, 0)
+        {
+            return false;
+        }
+        self.sink.event(GpuEvent::Fence {
+            channel: self.id,
+            reference: reached,
+        });
+        true
+    }
+
     /// The counters, with the busy time the GPU keeps its own way.
     pub fn counters(&self, busy_ns: u64) -> ChannelCounters {
         ChannelCounters {

@@ -111,6 +111,14 @@ impl ControlPages {
         }
     }
 
+    /// Stores `new` into a field that holds `current`; whether it did.
+    pub fn compare_store(&self, slot: u32, field: usize, current: u32, new: u32) -> bool {
+        self.word(slot, field).is_some_and(|w| {
+            w.compare_exchange(current, new, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        })
+    }
+
     pub fn bump(&self, slot: u32, field: usize) {
         if let Some(w) = self.word(slot, field) {
             w.fetch_add(1, Ordering::AcqRel);

@@ -97,7 +97,10 @@ pub fn run(ch: &SimChannel, vram: &SharedMem, item: &mut WorkItem, abort: &Atomi
             Method::LaunchFunction(l) => {
                 return Step::Fault(ErrorCode::ModulesNeedCudaGpu, l.function.into())
             }
-            Method::SetRef { value } => ch.core.store(ControlPage::REF, value),
+            Method::SetRef { value } => {
+                ch.core.store(ControlPage::REF, value);
+                ch.core.wake_fence_waiter();
+            }
             Method::Notify { token } => ch.core.notify(token),
             Method::SemRelease {
                 va,

@@ -420,6 +420,54 @@ pub fn fence_signals_before_its_batch_ends<G: Gpu + ?Sized + 'static>(gpu: &Arc<
     assert_eq!(ch.ctrl.load(vgpu_protocol::ControlPage::REF), 2);
 }
 
+/// A sleeping fence waiter's wake-up (issue 34): armed for REF 2, an entry that sets REF
+/// 1 sends nothing; the entry that sets REF 2 sends one `Fence` event and disarms the
+/// page; with nothing armed, REF moving sends nothing.
+pub fn fence_wake_up_comes_when_ref_reaches_the_armed_value<G: Gpu + ?Sized + 'static>(
+    gpu: &Arc<G>,
+) {
+    use vgpu_protocol::ControlPage;
+    let fences = |ch: &super::Chan| {
+        let ev = ch.events.0.lock().unwrap().clone();
+        ev.into_iter()
+            .filter_map(|e| match e {
+                GpuEvent::Fence { channel, reference } if channel == ch.id => Some(reference),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    let p = Proc::new(gpu, SYS_BASE);
+    let mut ch = p.channel(0);
+    ch.ctrl.store(ControlPage::REF_WAKE, 2);
+    ch.ctrl.store(ControlPage::REF_WAKE_ARMED, 1);
+    let short = ch.launch(&KernelArgs::Spin { ns: 100_000 });
+    ch.submit(&[short, Method::SetRef { value: 1 }]);
+    ch.wait_idle(T).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(
+        fences(&ch),
+        Vec::<u32>::new(),
+        "REF 1 is short of the armed 2"
+    );
+    assert_eq!(ch.ctrl.load(ControlPage::REF_WAKE_ARMED), 1);
+
+    let long = ch.launch(&KernelArgs::Spin { ns: 20_000_000 });
+    ch.submit(&[long, Method::SetRef { value: 2 }]);
+    let t0 = std::time::Instant::now();
+    while fences(&ch).is_empty() && t0.elapsed() < T {
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    assert_eq!(fences(&ch), vec![2], "one wake-up, with the REF reached");
+    assert_eq!(ch.ctrl.load(ControlPage::REF_WAKE_ARMED), 0, "disarmed");
+    assert_eq!(ch.ctrl.load(ControlPage::REF), 2);
+
+    let more = ch.launch(&KernelArgs::Spin { ns: 100_000 });
+    ch.submit(&[more, Method::SetRef { value: 3 }]);
+    ch.wait_idle(T).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(fences(&ch), vec![2], "nobody armed: no wake-up");
+}
+
 /// The activity count of a group of channels (issue 15): it moves when one of them
 /// fetches and completes work, stays put while they are idle, and a channel counts into
 /// one group only.

@@ -382,6 +382,20 @@ fn elapsed_ns(t0: Instant) -> u64 {
     u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
+/// Carries an armed fence waiter (`REF_WAKE`, then `REF_WAKE_ARMED`) from the page the
+/// guest wrote to the page the GPU reads, and disarms the source; whether one was armed.
+/// The GPU then wakes the waiter when REF reaches its value (a waiter whose arming sits
+/// in a page the GPU does not read wakes only at its own re-check).
+fn carry_fence_wake(from: &PageMap, to: &PageMap) -> bool {
+    if from.load(ControlPage::REF_WAKE_ARMED) == 0 {
+        return false;
+    }
+    to.store(ControlPage::REF_WAKE, from.load(ControlPage::REF_WAKE));
+    to.store(ControlPage::REF_WAKE_ARMED, 1);
+    from.store(ControlPage::REF_WAKE_ARMED, 0);
+    true
+}
+
 /// Copies the GPU-written fields from `real` to `shadow` (ERROR_INFO before ERROR).
 fn copy_gpu_fields(real: &PageMap, shadow: &PageMap) {
     shadow.store_u64(
@@ -563,6 +577,7 @@ impl Shadows {
         if before != after {
             self.stats.raced_on_shadow += 1;
         }
+        // A waiter armed in the real page sleeps on: the GPU still reads that page.
         let ns = elapsed_ns(t0);
         self.shadowed.insert(ch, Shadowed { page: idx });
         self.stats.shadows += 1;
@@ -610,6 +625,7 @@ impl Shadows {
         if before != after {
             self.stats.raised_on_unshadow += 1;
         }
+        carry_fence_wake(shadow, real);
         self.shadowed.remove(&ch);
         self.pool.give(idx);
         let ns = elapsed_ns(t0);
@@ -644,12 +660,14 @@ impl Shadows {
     }
 
     /// Copies the GPU's progress (GP_GET, REF, ERROR, ERROR_INFO, NOTIFY_SEQ) into the
-    /// shadow page of every shadowed channel; returns how many were refreshed.
+    /// shadow page of every shadowed channel, and a fence waiter the guest armed there
+    /// into the real page (the GPU wakes it); returns how many were refreshed.
     pub fn mirror(&mut self) -> usize {
         let mut n = 0;
         for (ch, s) in &self.shadowed {
             if let (Some(real), Some(shadow)) = (self.real.get(ch), self.pool.pages.get(s.page)) {
                 copy_gpu_fields(real, shadow);
+                carry_fence_wake(shadow, real);
                 n += 1;
             }
         }
@@ -955,6 +973,47 @@ mod tests {
         assert_eq!(guest.load(Ordering::Acquire), 9);
         assert_eq!(sh.stats().raised_on_unshadow, 1);
         assert_eq!(sh.stats().shadowed_now, 0);
+    }
+
+    /// A fence waiter the guest arms while its channel is shadowed lands in the shadow
+    /// page, which the GPU does not read: the mirror carries it into the real page (and
+    /// disarms the shadow's), and so does the unshadow.
+    #[test]
+    fn an_armed_fence_waiter_reaches_the_real_page() {
+        let f = Fixture::new();
+        let (gpu_view, shm) = (&f.gpu_view, &f.shm);
+        let t = ShadowTarget {
+            ch: 1,
+            page: f.page,
+            slot_off: Some(0),
+        };
+        let word = |field: usize| f.guest_word(field / 4);
+        let mut sh = Shadows::new();
+        sh.set_hold(t, Holder::Scheduler, true, shm).unwrap();
+        word(ControlPage::REF_WAKE).store(7, Ordering::Relaxed);
+        word(ControlPage::REF_WAKE_ARMED).store(1, Ordering::Release);
+        assert_eq!(
+            gpu_view.load(ControlPage::REF_WAKE_ARMED),
+            0,
+            "in the shadow"
+        );
+        sh.mirror();
+        assert_eq!(gpu_view.load(ControlPage::REF_WAKE), 7);
+        assert_eq!(gpu_view.load(ControlPage::REF_WAKE_ARMED), 1);
+        assert_eq!(word(ControlPage::REF_WAKE_ARMED).load(Ordering::Acquire), 0);
+
+        // The GPU woke and disarmed it; the guest arms again before the unshadow.
+        gpu_view.store(ControlPage::REF_WAKE_ARMED, 0);
+        word(ControlPage::REF_WAKE).store(9, Ordering::Relaxed);
+        word(ControlPage::REF_WAKE_ARMED).store(1, Ordering::Release);
+        sh.set_hold(t, Holder::Scheduler, false, shm).unwrap();
+        assert_eq!(gpu_view.load(ControlPage::REF_WAKE), 9);
+        assert_eq!(gpu_view.load(ControlPage::REF_WAKE_ARMED), 1);
+        // Nothing armed: a mirror carries nothing.
+        gpu_view.store(ControlPage::REF_WAKE_ARMED, 0);
+        sh.set_hold(t, Holder::Scheduler, true, shm).unwrap();
+        sh.mirror();
+        assert_eq!(gpu_view.load(ControlPage::REF_WAKE_ARMED), 0);
     }
 
     #[test]

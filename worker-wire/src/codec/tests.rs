@@ -216,6 +216,10 @@ fn every_reply_round_trips() {
 fn every_event_round_trips_and_a_fault_names_an_error() {
     let events = [
         Event::Notify { ch: 4, token: 99 },
+        Event::Fence {
+            ch: 4,
+            reference: 0xffff_fffe,
+        },
         Event::Error {
             ch: 4,
             code: ErrorCode::MmuFault,
