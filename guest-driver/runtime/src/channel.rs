@@ -528,7 +528,13 @@ impl Channel {
         let result = match self.reached(fence) {
             Ok(false) => {
                 self.fence_sleeps.fetch_add(1, Ordering::Relaxed);
-                if transport.wait_device_events(seen, most) {
+                if transport.wait_device_events(
+                    self.ctx.handle,
+                    self.handle,
+                    fence.value,
+                    seen,
+                    most,
+                ) {
                     self.fence_wakeups.fetch_add(1, Ordering::Relaxed);
                 }
                 Ok(())
@@ -540,19 +546,28 @@ impl Channel {
         result
     }
 
-    /// Like [`Channel::wait_timeout`], but sleeps in the driver (woken by notify events,
-    /// re-checked every few ms) instead of polling; `Unsupported` on transports without
-    /// a kernel driver.
+    /// Like [`Channel::wait_timeout`], but sleeps in the driver (woken by the GPU's fence
+    /// wake-up and other events, re-checked every few ms) instead of polling;
+    /// `Unsupported` on transports without a kernel driver.
     pub fn block_on(&self, fence: Fence, timeout: Duration) -> Result<()> {
         if fence.channel != self.uid {
             return Err(Error::WrongChannel);
         }
-        self.ctx.transport.block_on(
+        // The GPU's fence wake-up ends the sleep as soon as REF gets there (a forwarded
+        // channel's page is the driver's copy: there the driver's re-checks do).
+        if !self.forwarded {
+            self.control.arm_fence_wake(fence.value);
+        }
+        let r = self.ctx.transport.block_on(
             self.ctx.handle,
             self.handle,
             crate::transport::BlockOn::Fence(fence.value),
             timeout,
-        )
+        );
+        if !self.forwarded {
+            self.control.disarm_fence_wake();
+        }
+        r
     }
 
     /// Sleeps in the driver until the channel has executed `seq` NOTIFY methods (in

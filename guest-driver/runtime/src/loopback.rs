@@ -472,7 +472,14 @@ impl Transport for LoopbackTransport {
         Some(self.vm.event_count())
     }
 
-    fn wait_device_events(&self, seen: u64, timeout: std::time::Duration) -> bool {
+    fn wait_device_events(
+        &self,
+        _ctx: CtxHandle,
+        _ch: ChanHandle,
+        _fence: u32,
+        seen: u64,
+        timeout: std::time::Duration,
+    ) -> bool {
         self.vm.wait_event_count(seen, timeout) != seen
     }
 

@@ -444,7 +444,14 @@ impl Transport for NativeTransport {
         Some(self.events.get())
     }
 
-    fn wait_device_events(&self, seen: u64, timeout: std::time::Duration) -> bool {
+    fn wait_device_events(
+        &self,
+        _ctx: CtxHandle,
+        _ch: ChanHandle,
+        _fence: u32,
+        seen: u64,
+        timeout: std::time::Duration,
+    ) -> bool {
         self.events.wait(seen, timeout)
     }
 }

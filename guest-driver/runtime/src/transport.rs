@@ -237,9 +237,18 @@ pub trait Transport: Send + Sync {
         None
     }
 
-    /// Sleeps until the count of [`Transport::device_events`] differs from `seen`, or
-    /// `timeout` passes; whether an event ended the sleep.
-    fn wait_device_events(&self, _seen: u64, timeout: Duration) -> bool {
+    /// Sleeps, with channel `ch`'s fence wake-up armed for `fence`, until the count of
+    /// [`Transport::device_events`] differs from `seen` (or, in a kernel driver, until
+    /// an event finds the fence reached) or `timeout` passes; whether the sleep ended
+    /// before its time.
+    fn wait_device_events(
+        &self,
+        _ctx: CtxHandle,
+        _ch: ChanHandle,
+        _fence: u32,
+        _seen: u64,
+        timeout: Duration,
+    ) -> bool {
         std::thread::sleep(timeout.min(Duration::from_micros(100)));
         false
     }

@@ -1,7 +1,7 @@
 //! `vgpu-smoke`'s checks, written against the public runtime API so they run over every
 //! transport: every builtin kernel on VRAM and on host (guest-RAM) buffers, the copy
 //! engine, a fault, and — where the transport has a driver — blocking waits woken by
-//! notify events. Every result is compared with the CPU reference
+//! notify events and by the GPU's fence wake-up. Every result is compared with the CPU reference
 //! (`vgpu_protocol::reference`; the builtin kernels are bit-identical to it).
 
 use std::time::{Duration, Instant};
@@ -392,7 +392,16 @@ fn blocking_waits(ctx: &Context) -> Result<Blocking, String> {
         Err(Error::Timeout) => {}
         other => return Err(format!("expected a timeout, got {other:?}")),
     }
+    // Its plain wait outlasts the naps (10 ms): it arms the page and sleeps in the
+    // driver until the GPU's fence wake-up (protocol.md §2.2).
+    let (sleeps, woken) = ch.fence_sleeps();
     ch.wait(slow).map_err(e2s)?;
+    let (sleeps, woken) = (ch.fence_sleeps().0 - sleeps, ch.fence_sleeps().1 - woken);
+    if sleeps == 0 || woken == 0 {
+        return Err(format!(
+            "a 1 s wait slept {sleeps} times in the driver, {woken} ended before their time"
+        ));
+    }
     Ok(Blocking::Ok)
 }
 

@@ -461,6 +461,26 @@ impl Transport for DevVgpuTransport {
         }
     }
 
+    fn device_events(&self, _ctx: CtxHandle, _ch: ChanHandle) -> Option<u64> {
+        // The driver's wait counts the events itself (VGPU_IOC_WAIT below); a forwarded
+        // device's pages are the driver's copies, where nothing arms the GPU.
+        (!self.is_forwarded().unwrap_or(true)).then_some(0)
+    }
+
+    /// Sleeps in the driver's `VGPU_IOC_WAIT` (the page armed by the caller): every
+    /// device event wakes it to look at REF, the GPU's `FENCE` event among them.
+    fn wait_device_events(
+        &self,
+        ctx: CtxHandle,
+        ch: ChanHandle,
+        fence: u32,
+        _seen: u64,
+        timeout: Duration,
+    ) -> bool {
+        self.block_on(ctx, ch, BlockOn::Fence(fence), timeout)
+            .is_ok()
+    }
+
     fn refresh_control(&self, ctx: CtxHandle, ch: ChanHandle) -> Result<()> {
         if !self.state().chans.get(&ch).is_some_and(|c| c.forwarded) {
             return Ok(()); // a direct channel's page is the GPU's own
