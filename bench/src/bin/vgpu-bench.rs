@@ -107,6 +107,10 @@ enum Suite {
         /// [default: 200].
         #[arg(long)]
         busy_poll_us: Option<u64>,
+        /// Time the in-process front end's parts (fetch and plan, issue, marks, retire):
+        /// the b2b section reports each part's host time per GP entry.
+        #[arg(long)]
+        time_frontend: bool,
     },
     /// Fair service of control requests: a victim VM's request latency alone and while
     /// another VM floods its control queue, or its event queue, side by side.
@@ -182,6 +186,7 @@ fn main() {
             signal_max_blocks,
             doorbell_sleep_us,
             busy_poll_us,
+            time_frontend,
         } => match gpu {
             vgpu_host_shim::GpuChoice::Sim => {
                 Err("vgpu-bench cuda needs --gpu cuda[:INDEX]".into())
@@ -209,6 +214,7 @@ fn main() {
                     doorbell_sleep_us.map_or(opts.doorbell_sleep_ns, |us| us.saturating_mul(1000));
                 opts.busy_poll_ns =
                     busy_poll_us.map_or(opts.busy_poll_ns, |us| us.saturating_mul(1000));
+                opts.time_frontend = time_frontend;
                 match workers.then(backend_beside_me).transpose() {
                     Ok(w) => {
                         opts.workers = w;

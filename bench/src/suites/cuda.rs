@@ -89,6 +89,9 @@ pub struct CudaOpts {
     pub doorbell_sleep_ns: u64,
     /// How long the in-process front end spins after activity (`CudaConfig::busy_poll_ns`).
     pub busy_poll_ns: u64,
+    /// Time the in-process front end's parts (`CudaConfig::time_frontend`): the b2b
+    /// section then reports each part's host time per GP entry.
+    pub time_frontend: bool,
 }
 
 /// A part of the suite (`vgpu-bench cuda --only SECTION,…`; the native baseline program
@@ -165,6 +168,7 @@ impl CudaOpts {
             signal_max_blocks: CudaConfig::default().signal_max_blocks,
             doorbell_sleep_ns: CudaConfig::default().doorbell_sleep_ns,
             busy_poll_ns: CudaConfig::default().busy_poll_ns,
+            time_frontend: false,
         }
     }
 
@@ -351,6 +355,7 @@ fn b2b<D: CudaDeviceTrait>(
     let rounds = opts.b2b_rounds.max(1);
     let (mut rn, mut rg, mut rc, mut ratios) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut entries, mut marks) = (0, 0);
+    let mut parts = [0u64; 4];
     for _ in 0..rounds {
         let cuda = match &opts.baseline {
             Some(path) => baseline_b2b(path, opts)?,
@@ -362,6 +367,14 @@ fn b2b<D: CudaDeviceTrait>(
         let c1 = gpu.frontend_counts();
         entries += c1.entries - c0.entries;
         marks += c1.end_marks - c0.end_marks;
+        for (p, (a, b)) in parts.iter_mut().zip([
+            (c0.fetch_plan_ns, c1.fetch_plan_ns),
+            (c0.issue_ns, c1.issue_ns),
+            (c0.mark_ns, c1.mark_ns),
+            (c0.retire_ns, c1.retire_ns),
+        ]) {
+            *p += b - a;
+        }
         let vm = b2b_rate(gctx, opts.b2b_kernels, 1)?;
         rg.push(vm);
         if let Some(c) = cuda {
@@ -398,6 +411,17 @@ fn b2b<D: CudaDeviceTrait>(
             Better::Higher,
         ),
     ];
+    if opts.time_frontend {
+        // Where the front end's host time per entry went, vgpu native's runs.
+        for (name, ns) in ["fetch_plan", "issue", "mark", "retire"].iter().zip(parts) {
+            figs.push(fig(
+                &format!("b2b_vgpu_native_frontend_{name}_ns_per_entry"),
+                ns as f64 / entries.max(1) as f64,
+                "ns",
+                Better::Lower,
+            ));
+        }
+    }
     if !ratios.is_empty() {
         figs.push(fig(
             "b2b_paired_cuda_native_kernels_per_s",
@@ -1233,6 +1257,7 @@ pub fn run(opts: &CudaOpts) -> Result<Vec<Figure>, CudaSuiteError> {
         signal_max_blocks: opts.signal_max_blocks,
         doorbell_sleep_ns: opts.doorbell_sleep_ns,
         busy_poll_ns: opts.busy_poll_ns,
+        time_frontend: opts.time_frontend,
         ..CudaConfig::default()
     };
     let mut figs = if opts.fake {

@@ -57,8 +57,18 @@ fn check(call: &'static str, r: sys::CUresult) -> Result<(), DeviceError> {
 }
 
 /// One CUDA GPU: its primary context, the compiled kernels and the clock offset.
+/// Numbers the devices a process opens.
+static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    /// The context this thread made current last, and whose device (`CudaDevice::current`).
+    static CURRENT: std::cell::Cell<Option<(usize, u64)>> = const { std::cell::Cell::new(None) };
+}
+
 pub struct CudaDevice {
     ctx: sys::CUcontext,
+    /// This device among those the process opened (see `current`).
+    instance: u64,
     /// The device's ordinal: where physical allocations live and who may access them.
     ordinal: i32,
     name: String,
@@ -213,6 +223,7 @@ impl CudaDevice {
             }
             let d = CudaDevice {
                 ctx,
+                instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
                 ordinal: index as i32,
                 name,
                 attrs,
@@ -257,9 +268,19 @@ impl CudaDevice {
         p
     }
 
+    /// Makes the device's context current on this thread, unless it already is: the
+    /// front end asks before every launch and event query, and nothing in the process
+    /// makes another context current behind this (one primary context per device, set
+    /// only here).
     fn current(&self) -> Result<(), DeviceError> {
+        let key = (self.ctx as usize, self.instance);
+        if CURRENT.with(|c| c.get()) == Some(key) {
+            return Ok(());
+        }
         // SAFETY: `ctx` is the retained primary context, valid for the device's life.
-        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx) })
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx) })?;
+        CURRENT.with(|c| c.set(Some(key)));
+        Ok(())
     }
 
     /// Runs `f` on the host-copy stream and waits for it.

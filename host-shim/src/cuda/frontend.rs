@@ -64,12 +64,23 @@ struct Batch {
 
 /// What the front end issued: how many GP entries share a completion mark is what a
 /// small kernel's cost depends on (each mark is a driver call beside the launches).
+/// With `timed` on, also where its thread's time goes (host clock, ns in total).
 #[derive(Debug, Default)]
 pub struct FrontendStats {
     /// GP entries issued.
     pub entries: AtomicU64,
     /// Completion marks recorded after batches of entries.
     pub end_marks: AtomicU64,
+    /// Whether the front end times its parts (`CudaConfig::time_frontend`).
+    pub timed: std::sync::atomic::AtomicBool,
+    /// Fetching, decoding and planning GP entries.
+    pub fetch_plan_ns: AtomicU64,
+    /// Issuing the planned operations (the driver's launches, copies, stream writes).
+    pub issue_ns: AtomicU64,
+    /// Recording completion marks.
+    pub mark_ns: AtomicU64,
+    /// Retiring: asking whether marks were reached, reporting GP_GET, REF, busy time.
+    pub retire_ns: AtomicU64,
 }
 
 /// A copy of the front end's counters (`FrontendStats`) at one moment.
@@ -77,13 +88,34 @@ pub struct FrontendStats {
 pub struct FrontendCounts {
     pub entries: u64,
     pub end_marks: u64,
+    pub fetch_plan_ns: u64,
+    pub issue_ns: u64,
+    pub mark_ns: u64,
+    pub retire_ns: u64,
 }
 
 impl FrontendStats {
     pub fn snapshot(&self) -> FrontendCounts {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         FrontendCounts {
-            entries: self.entries.load(Ordering::Relaxed),
-            end_marks: self.end_marks.load(Ordering::Relaxed),
+            entries: get(&self.entries),
+            end_marks: get(&self.end_marks),
+            fetch_plan_ns: get(&self.fetch_plan_ns),
+            issue_ns: get(&self.issue_ns),
+            mark_ns: get(&self.mark_ns),
+            retire_ns: get(&self.retire_ns),
+        }
+    }
+
+    /// The host clock now, if the parts are timed.
+    fn start(&self) -> Option<u64> {
+        self.timed.load(Ordering::Relaxed).then(now_ns)
+    }
+
+    /// Adds the time since `start` (from [`Self::start`]) to `counter`.
+    fn add_since(counter: &AtomicU64, start: Option<u64>) {
+        if let Some(t) = start {
+            counter.fetch_add(now_ns().saturating_sub(t), Ordering::Relaxed);
         }
     }
 }
@@ -246,7 +278,9 @@ impl<D: Device> CudaChannel<D> {
         if self.core.is_stopped() {
             return false;
         }
+        let t = self.stats.start();
         let mut progress = self.retire(dev, tl);
+        FrontendStats::add_since(&self.stats.retire_ns, t);
         // The GPU writes REF itself, at any time: look on every sweep.
         self.core.wake_fence_waiter();
         if !issue {
@@ -370,7 +404,10 @@ impl<D: Device> CudaChannel<D> {
                 .entries
                 .fetch_add(u64::from(b.entries), Ordering::Relaxed);
             self.stats.end_marks.fetch_add(1, Ordering::Relaxed);
-            match dev.mark(&self.stream) {
+            let t = self.stats.start();
+            let mark = dev.mark(&self.stream);
+            FrontendStats::add_since(&self.stats.mark_ns, t);
+            match mark {
                 Ok(end) => st.inflight.push_back(Inflight {
                     next_get,
                     issued_ns: b.issued_ns,
@@ -416,6 +453,7 @@ impl<D: Device> CudaChannel<D> {
                 return Ok(batch.is_some());
             }
             let completed = st.fetched.wrapping_sub(in_flight);
+            let t_fetch = self.stats.start();
             // Rings and push buffers must be in system memory: the front end cannot read
             // VRAM (device memory) without a copy, so an entry there faults the channel.
             let Some(methods) = self.core.fetch_next(st.fetched, completed, None)? else {
@@ -442,6 +480,8 @@ impl<D: Device> CudaChannel<D> {
                     old_scratch.push(old);
                 }
             }
+            FrontendStats::add_since(&self.stats.fetch_plan_ns, t_fetch);
+            let t_issue = self.stats.start();
             if batch.is_none() {
                 // No start event in front of the launch: the host clock, which the
                 // timeline maps (timeline.rs), says when the batch could start.
@@ -467,6 +507,7 @@ impl<D: Device> CudaChannel<D> {
                     (e.issue_code(), 0)
                 })?;
             }
+            FrontendStats::add_since(&self.stats.issue_ns, t_issue);
             self.core.kernels.fetch_add(plan.kernels, Ordering::Relaxed);
             st.fetched = st.fetched.wrapping_add(1);
             if let Some(b) = batch.as_mut() {

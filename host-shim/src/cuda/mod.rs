@@ -104,6 +104,9 @@ pub struct CudaConfig {
     /// took 0.41 instead of 0.345 ms with it (its system-scope release after 4 MiB of
     /// output), so grids of several blocks keep the stream write.
     pub signal_max_blocks: u64,
+    /// Time the front end's parts (fetch and plan, issue, marks, retire) with the host
+    /// clock, for [`frontend::FrontendCounts`] (benchmarks: four clock reads per entry).
+    pub time_frontend: bool,
     /// The GPU turn shared with the other workers of a backend (one VM's GPU work per
     /// process, [`crate::gpu_turn`]); `None` in process, where one context's streams
     /// share the GPU without time-slicing.
@@ -131,6 +134,7 @@ impl Default for CudaConfig {
             max_inflight: 64,
             queue_ahead_ns: 2_000_000,
             signal_max_blocks: 1,
+            time_frontend: false,
             turn: None,
             guest_modules: false,
         }
@@ -256,7 +260,10 @@ impl<D: Device> CudaGpuOf<D> {
             vram,
             shutdown: AtomicBool::new(false),
             frontend_cpu_ns: AtomicU64::new(0),
-            stats: Arc::default(),
+            stats: Arc::new(frontend::FrontendStats {
+                timed: AtomicBool::new(cfg.time_frontend),
+                ..Default::default()
+            }),
             old_scratch: Mutex::new(Vec::new()),
             hostreg: Mutex::new(HostRegistry::default()),
             next_sys_map: AtomicU64::new(1),
