@@ -56,7 +56,6 @@ fn check(call: &'static str, r: sys::CUresult) -> Result<(), DeviceError> {
     }
 }
 
-/// One CUDA GPU: its primary context, the compiled kernels and the clock offset.
 /// Numbers the devices a process opens.
 static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
 
@@ -65,6 +64,7 @@ thread_local! {
     static CURRENT: std::cell::Cell<Option<(usize, u64)>> = const { std::cell::Cell::new(None) };
 }
 
+/// One CUDA GPU: its primary context, the compiled kernels and the clock offset.
 pub struct CudaDevice {
     ctx: sys::CUcontext,
     /// This device among those the process opened (see `current`).
