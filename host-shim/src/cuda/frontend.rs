@@ -357,7 +357,7 @@ impl<D: Device> CudaChannel<D> {
             }
             for a in &done.host {
                 match *a {
-                    HostAction::SetRef(v) => self.core.store(ControlPage::REF, v),
+                    HostAction::SetRef(v) => self.core.set_ref(v),
                     HostAction::Notify(t) => self.core.notify(t),
                 }
             }

@@ -197,10 +197,9 @@ impl ChannelCore {
     /// REF, and sends the event; if REF never reaches the value, the waiter's own
     /// timeout ends the sleep. A clear that races with a re-arm (another value stored
     /// meanwhile) at worst wakes the waiter early: it re-reads REF and arms again.
+    /// Where the GPU writes REF itself (the `cuda` front end's pass) no fence is needed:
+    /// no store of this thread's is ordered against the look at the armed word.
     pub fn wake_fence_waiter(&self) -> bool {
-        // Orders a REF this thread stored (the sim's SET_REF) before the look at the
-        // armed word, as the waiter orders its arming before its look at REF.
-        std::sync::atomic::fence(Ordering::SeqCst);
         if self.load(ControlPage::REF_WAKE_ARMED) == 0 {
             return false;
         }
@@ -223,6 +222,15 @@ impl ChannelCore {
             reference: reached,
         });
         true
+    }
+
+    /// Stores REF (a `SET_REF` the front end executes itself) and wakes a waiter armed
+    /// for it: the full fence orders the store before the look at the armed word, as the
+    /// waiter orders its arming before its look at REF.
+    pub fn set_ref(&self, value: u32) {
+        self.store(ControlPage::REF, value);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.wake_fence_waiter();
     }
 
     /// The counters, with the busy time the GPU keeps its own way.

@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use vgpu_protocol::method::Method;
-use vgpu_protocol::{ControlPage, ErrorCode, KernelArgs};
+use vgpu_protocol::{ErrorCode, KernelArgs};
 
 use super::channel::SimChannel;
 use crate::clock::now_ns;
@@ -97,10 +97,7 @@ pub fn run(ch: &SimChannel, vram: &SharedMem, item: &mut WorkItem, abort: &Atomi
             Method::LaunchFunction(l) => {
                 return Step::Fault(ErrorCode::ModulesNeedCudaGpu, l.function.into())
             }
-            Method::SetRef { value } => {
-                ch.core.store(ControlPage::REF, value);
-                ch.core.wake_fence_waiter();
-            }
+            Method::SetRef { value } => ch.core.set_ref(value),
             Method::Notify { token } => ch.core.notify(token),
             Method::SemRelease {
                 va,
