@@ -79,27 +79,38 @@ impl Guests {
                 ctx.create_channel().map_err(|e| e.to_string())?,
             ];
             let _ = ready_tx.send(());
-            // Each channel keeps a second batch queued behind the one it waits for, so
+            // Each channel keeps at least one batch queued behind the one that runs, so
             // whenever the source pauses (the pre-copy runs first, at any point of a
             // batch) the drain runs the fetched batch and the guest queues the next one
-            // behind the shadow GP_PUT meanwhile.
-            let mut pending = [None, None];
+            // behind the shadow GP_PUT meanwhile. It tops the queues up by looking at
+            // the fences rather than waiting on them: a wait past 10 ms sleeps until the
+            // device's next event, and while the VM moves no events come (the rings are
+            // stopped), so a waiting thread would let its rings run dry for up to a
+            // sleep's 20 ms slice.
+            let mut pending: [std::collections::VecDeque<vgpu_guest::Fence>; 2] =
+                Default::default();
             while !stop2.load(Ordering::Acquire) {
-                for (ch, prev) in chans.iter_mut().zip(pending.iter_mut()) {
-                    let mut last = None;
-                    for _ in 0..12 {
-                        ch.launch(&KernelArgs::Spin { ns: 1_000_000 }, [1, 1, 1])
-                            .map_err(|e| e.to_string())?;
-                        last = Some(ch.submit().map_err(|e| e.to_string())?);
+                for (ch, queued) in chans.iter_mut().zip(pending.iter_mut()) {
+                    while let Some(&f) = queued.front() {
+                        if !ch.is_complete(f).map_err(|e| format!("queue: {e}"))? {
+                            break;
+                        }
+                        queued.pop_front();
                     }
-                    if let Some(f) = std::mem::replace(prev, last) {
-                        ch.wait_timeout(f, Duration::from_secs(60))
-                            .map_err(|e| format!("queue: {e}"))?;
+                    while queued.len() < 2 {
+                        let mut last = None;
+                        for _ in 0..12 {
+                            ch.launch(&KernelArgs::Spin { ns: 1_000_000 }, [1, 1, 1])
+                                .map_err(|e| e.to_string())?;
+                            last = Some(ch.submit().map_err(|e| e.to_string())?);
+                        }
+                        queued.extend(last);
                     }
                 }
+                std::thread::sleep(Duration::from_millis(1));
             }
-            for (ch, prev) in chans.iter().zip(pending) {
-                if let Some(f) = prev {
+            for (ch, queued) in chans.iter().zip(pending) {
+                for f in queued {
                     ch.wait_timeout(f, Duration::from_secs(60))
                         .map_err(|e| format!("queue: {e}"))?;
                 }
@@ -145,7 +156,7 @@ impl Guests {
 
     /// Stops the guest processes and checks that each ended well, within a bound (a
     /// submission lost in the move leaves its process waiting for ever).
-    fn finish(self) {
+    fn finish(mut self) {
         self.stop.store(true, Ordering::Release);
         let t0 = Instant::now();
         while !self.threads.iter().all(|t| t.is_finished()) {
@@ -155,8 +166,23 @@ impl Guests {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        for t in self.threads {
+        for t in std::mem::take(&mut self.threads) {
             t.join().expect("guest thread").expect("guest process");
+        }
+    }
+}
+
+/// A test that fails with its guest processes still running stops them before its
+/// backends and VM go (they would touch a BAR whose pages the backends take away), so
+/// its own message is what it reports.
+impl Drop for Guests {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        let t0 = Instant::now();
+        while !self.threads.iter().all(|t| t.is_finished())
+            && t0.elapsed() < Duration::from_secs(30)
+        {
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 }
