@@ -342,3 +342,54 @@ fn fake_front_end_queues_about_its_queue_ahead_of_a_channels_work() {
         "{most_ahead} entries ahead of the GPU"
     );
 }
+
+/// After a channel appears the front end polls for its first submission instead of
+/// sleeping with the doorbell armed (`new_channel_poll_ns`, issue 34); without the poll
+/// it goes back to sleep at once, and the page asks for the doorbell.
+#[test]
+fn fake_front_end_polls_for_a_new_channels_first_submission() {
+    use std::time::{Duration, Instant};
+    use vgpu_protocol::{ControlPage, KernelArgs, Method};
+    let doorbell_wanted_after_creation = |poll_ns: u64| {
+        let g = FakeCudaGpu::with_device(
+            Arc::new(FakeDevice::default()),
+            CudaConfig {
+                vram_bytes: 64 << 20,
+                new_channel_poll_ns: poll_ns,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let p = common::Proc::new(&g, common::SYS_BASE);
+        let mut ch = p.channel(0);
+        // Long enough for a front end that sleeps to have armed the doorbell; far inside
+        // a poll of 10 s.
+        // (A sleeping front end clears the flag for a moment at each of its 10 ms
+        // wake-ups: look 20 times.)
+        std::thread::sleep(Duration::from_millis(100));
+        let wanted = (0..20)
+            .filter(|_| {
+                std::thread::sleep(Duration::from_millis(1));
+                ch.ctrl.load(ControlPage::WANT_DOORBELL) != 0
+            })
+            .count();
+        // Either way the first submission runs (rung or seen by the poll).
+        let m = ch.launch(&KernelArgs::Spin { ns: 1_000 });
+        ch.submit(&[m, Method::SetRef { value: 1 }]);
+        let t0 = Instant::now();
+        while ch.ctrl.load(ControlPage::REF) != 1 {
+            assert!(t0.elapsed() < Duration::from_secs(20), "the submission ran");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        wanted
+    };
+    assert_eq!(
+        doorbell_wanted_after_creation(10_000_000_000),
+        0,
+        "polling: no doorbell asked for"
+    );
+    assert!(
+        doorbell_wanted_after_creation(0) > 0,
+        "no poll: asleep with the doorbell armed"
+    );
+}

@@ -107,6 +107,10 @@ enum Suite {
         /// [default: 200].
         #[arg(long)]
         busy_poll_us: Option<u64>,
+        /// How long the in-process front end polls after a channel appears, µs (0: it
+        /// sleeps at once, as before 2026-11-28) [default: 2000].
+        #[arg(long)]
+        new_channel_poll_us: Option<u64>,
         /// Time the in-process front end's parts (fetch and plan, issue, marks, retire):
         /// the b2b section reports each part's host time per GP entry.
         #[arg(long)]
@@ -186,6 +190,7 @@ fn main() {
             signal_max_blocks,
             doorbell_sleep_us,
             busy_poll_us,
+            new_channel_poll_us,
             time_frontend,
         } => match gpu {
             vgpu_host_shim::GpuChoice::Sim => {
@@ -214,6 +219,8 @@ fn main() {
                     doorbell_sleep_us.map_or(opts.doorbell_sleep_ns, |us| us.saturating_mul(1000));
                 opts.busy_poll_ns =
                     busy_poll_us.map_or(opts.busy_poll_ns, |us| us.saturating_mul(1000));
+                opts.new_channel_poll_ns = new_channel_poll_us
+                    .map_or(opts.new_channel_poll_ns, |us| us.saturating_mul(1000));
                 opts.time_frontend = time_frontend;
                 match workers.then(backend_beside_me).transpose() {
                     Ok(w) => {

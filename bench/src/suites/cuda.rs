@@ -105,6 +105,9 @@ pub struct CudaOpts {
     pub doorbell_sleep_ns: u64,
     /// How long the in-process front end spins after activity (`CudaConfig::busy_poll_ns`).
     pub busy_poll_ns: u64,
+    /// How long the in-process front end polls after a channel appears
+    /// (`CudaConfig::new_channel_poll_ns`).
+    pub new_channel_poll_ns: u64,
     /// Time the in-process front end's parts (`CudaConfig::time_frontend`): the b2b
     /// section then reports each part's host time per GP entry.
     pub time_frontend: bool,
@@ -184,6 +187,7 @@ impl CudaOpts {
             signal_max_blocks: CudaConfig::default().signal_max_blocks,
             doorbell_sleep_ns: CudaConfig::default().doorbell_sleep_ns,
             busy_poll_ns: CudaConfig::default().busy_poll_ns,
+            new_channel_poll_ns: CudaConfig::default().new_channel_poll_ns,
             time_frontend: false,
         }
     }
@@ -610,6 +614,7 @@ pub fn run(opts: &CudaOpts) -> Result<Vec<Figure>, CudaSuiteError> {
         signal_max_blocks: opts.signal_max_blocks,
         doorbell_sleep_ns: opts.doorbell_sleep_ns,
         busy_poll_ns: opts.busy_poll_ns,
+        new_channel_poll_ns: opts.new_channel_poll_ns,
         time_frontend: opts.time_frontend,
         ..CudaConfig::default()
     };

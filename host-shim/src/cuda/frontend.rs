@@ -567,10 +567,21 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
     }
     let mut turn = shared.cfg.turn.clone().map(TurnUse::new);
     let mut spins = 0u32;
+    // Poll (do not sleep) until this time: a channel appeared.
+    let mut poll_until = 0u64;
     while !shared.shutdown.load(Ordering::Acquire) {
         let gen = shared.fifo.gen();
         if gen != seen_gen {
-            chans = shared.fifo.channels();
+            let fresh = shared.fifo.channels();
+            // A new channel gets its first submission soon: poll for it rather than
+            // sleep and be woken (`CudaConfig::new_channel_poll_ns`).
+            if fresh
+                .iter()
+                .any(|c| !chans.iter().any(|o| Arc::ptr_eq(o, c)))
+            {
+                poll_until = now_ns().saturating_add(shared.cfg.new_channel_poll_ns);
+            }
+            chans = fresh;
             seen_gen = gen;
         }
         let mut progress = false;
@@ -657,7 +668,7 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
         } else {
             shared.cfg.busy_poll_ns
         };
-        if now - last_active < spin_for {
+        if now - last_active < spin_for || now < poll_until {
             // Spin; yield the core only now and then: a yield is a system call on every
             // sweep, and the submission it delays is what the busy poll is for (measured
             // on the H100, 2026-11-27: about 1 µs of submit → start).

@@ -70,6 +70,11 @@ pub struct CudaConfig {
     /// the guest's next submission are seen at once, not after a nap (the front end costs
     /// a core while it spins; with the GPU turn only the holder has work on the GPU).
     pub busy_poll_inflight_ns: u64,
+    /// After a channel appears, the front end busy-polls this long: its first
+    /// submission usually follows within a few hundred µs (the guest's reply path), and a
+    /// sleeping front end's wake-up (doorbell, then kick thread, then front end) cost that
+    /// submission 120–190 µs on the H100 (2026-11-27, `--only loop-overhead`).
+    pub new_channel_poll_ns: u64,
     /// Sleep between polls while the front end's own work is on the GPU (completions are
     /// found by polling), and the shortest sleep when idle without the doorbell.
     pub min_idle_sleep_ns: u64,
@@ -125,6 +130,7 @@ impl Default for CudaConfig {
             max_contexts: 256,
             busy_poll_ns: 200_000,
             busy_poll_inflight_ns: 2_000_000,
+            new_channel_poll_ns: 2_000_000,
             min_idle_sleep_ns: 10_000,
             max_idle_sleep_ns: 1_000_000,
             doorbell_sleep_ns: crate::fifo::doze::DEFAULT_SLEEP_NS,
