@@ -309,6 +309,10 @@ struct vgpu_virtio_config {
 #define VGPU_OP_FUNCTION_GET 18
 #define VGPU_OP_GLOBAL_GET 19
 #define VGPU_OP_GET_ATTRIBUTES 20
+#define VGPU_OP_GLOBAL_WRITE 21
+#define VGPU_OP_GLOBAL_READ 22
+#define VGPU_MAX_GLOBAL_COPY_BYTES 0x1000000
+#define VGPU_MAX_GLOBAL_COPY_RANGES 256
 #define VGPU_MAX_ATTRIBUTES 128
 
 /* Guest modules (docs/design/guest-modules.md). */

@@ -43,7 +43,17 @@ pub mod op {
     pub const GLOBAL_GET: u32 = 19;
     /// The real GPU's device attributes (CUDA's numbering), as the host reports them.
     pub const GET_ATTRIBUTES: u32 = 20;
+    /// Copies guest RAM into a module global (`cuMemcpyHtoD` at its address).
+    pub const GLOBAL_WRITE: u32 = 21;
+    /// Copies a module global into guest RAM (`cuMemcpyDtoH` at its address).
+    pub const GLOBAL_READ: u32 = 22;
 }
+
+/// Most bytes one GLOBAL_WRITE or GLOBAL_READ moves (a larger copy is several requests).
+pub const MAX_GLOBAL_COPY_BYTES: u64 = 16 << 20;
+/// Most guest RAM ranges one GLOBAL_WRITE or GLOBAL_READ names (with the longest name,
+/// the request stays within [`MAX_REQUEST_SIZE`]).
+pub const MAX_GLOBAL_COPY_RANGES: usize = 256;
 
 /// Most attributes one GET_ATTRIBUTES reply carries.
 pub const MAX_ATTRIBUTES: usize = 128;
@@ -145,6 +155,53 @@ pub enum Op {
         module: u32,
         name: Vec<u8>,
     },
+    /// Copies the bytes of `ranges` of guest RAM (read once) to `offset` of `module`'s
+    /// global `name`.
+    GlobalWrite(GlobalCopy),
+    /// Copies `offset` onwards of `module`'s global `name` into `ranges` of guest RAM.
+    GlobalRead(GlobalCopy),
+}
+
+/// A copy between guest RAM and a module global: GLOBAL_WRITE and GLOBAL_READ.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GlobalCopy {
+    pub module: u32,
+    pub name: Vec<u8>,
+    /// Where in the global the copy starts.
+    pub offset: u64,
+    /// Guest RAM, in order; 1..=[`MAX_GLOBAL_COPY_RANGES`] ranges, none empty, at most
+    /// [`MAX_GLOBAL_COPY_BYTES`] in all.
+    pub ranges: Vec<GuestRange>,
+}
+
+impl GlobalCopy {
+    /// The bytes the copy moves: its ranges' total.
+    pub fn len(&self) -> u64 {
+        self.ranges.iter().map(|r| r.len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The total length of a global copy's ranges: 1..=[`MAX_GLOBAL_COPY_BYTES`], no range
+/// empty.
+pub fn global_copy_len(ranges: &[GuestRange]) -> Result<u64, RequestError> {
+    if ranges.is_empty() || ranges.len() > MAX_GLOBAL_COPY_RANGES {
+        return Err(RequestError::BadSgCount(ranges.len() as u32));
+    }
+    let mut total = 0u64;
+    for g in ranges {
+        if g.len == 0 {
+            return Err(RequestError::CopySize(0));
+        }
+        total = total.saturating_add(g.len);
+    }
+    if total > MAX_GLOBAL_COPY_BYTES {
+        return Err(RequestError::CopySize(total));
+    }
+    Ok(total)
 }
 
 /// A request: who asks (`pid`), in which context (`ctx`, 0 where none applies), what.
@@ -175,13 +232,17 @@ pub enum RequestError {
     ModuleSize(u64),
     #[error("bad symbol name")]
     BadName,
+    #[error("global copy of {0} bytes is empty or over the limit")]
+    CopySize(u64),
 }
 
 impl RequestError {
     pub fn code(&self) -> ErrorCode {
         match self {
             RequestError::UnknownOp(_) => ErrorCode::Unsupported,
-            RequestError::ModuleSize(n) if *n > 0 => ErrorCode::LimitExceeded,
+            RequestError::ModuleSize(n) | RequestError::CopySize(n) if *n > 0 => {
+                ErrorCode::LimitExceeded
+            }
             _ => ErrorCode::InvalidArgument,
         }
     }
@@ -236,6 +297,11 @@ fn read_ranges(r: &mut Reader<'_>, count: u32) -> Result<Vec<GuestRange>, Reques
 fn read_symbol(r: &mut Reader<'_>) -> Result<(u32, Vec<u8>), RequestError> {
     let module = r.u32()?;
     let len = r.u32()? as usize;
+    Ok((module, read_name(r, len)?))
+}
+
+/// Reads `len` bytes of a symbol name.
+fn read_name(r: &mut Reader<'_>, len: usize) -> Result<Vec<u8>, RequestError> {
     if len > crate::module::MAX_SYMBOL_LEN {
         return Err(RequestError::BadName);
     }
@@ -247,7 +313,32 @@ fn read_symbol(r: &mut Reader<'_>) -> Result<(u32, Vec<u8>), RequestError> {
     if !valid_symbol(&name) {
         return Err(RequestError::BadName);
     }
-    Ok((module, name))
+    Ok(name)
+}
+
+/// Reads a GLOBAL_WRITE or GLOBAL_READ body: `module, name_len, offset, count, 0`, the
+/// name, then `count` ranges.
+fn read_global_copy(r: &mut Reader<'_>) -> Result<GlobalCopy, RequestError> {
+    let module = r.u32()?;
+    let len = r.u32()? as usize;
+    let offset = r.u64()?;
+    let count = r.u32()?;
+    r.zero32()?;
+    let name = read_name(r, len)?;
+    if count == 0 || count as usize > MAX_GLOBAL_COPY_RANGES {
+        return Err(RequestError::BadSgCount(count));
+    }
+    let ranges = read_ranges(r, count)?;
+    let total = global_copy_len(&ranges)?;
+    if offset.checked_add(total).is_none() {
+        return Err(RequestError::CopySize(total));
+    }
+    Ok(GlobalCopy {
+        module,
+        name,
+        offset,
+        ranges,
+    })
 }
 
 /// The total length of a module image's ranges, within [`MAX_MODULE_BYTES`].
@@ -304,6 +395,8 @@ impl Request {
             Op::ModuleUnload { .. } => op::MODULE_UNLOAD,
             Op::FunctionGet { .. } => op::FUNCTION_GET,
             Op::GlobalGet { .. } => op::GLOBAL_GET,
+            Op::GlobalWrite(_) => op::GLOBAL_WRITE,
+            Op::GlobalRead(_) => op::GLOBAL_READ,
         }
     }
 
@@ -390,6 +483,18 @@ impl Request {
                 p32(&mut o, *module);
                 p32(&mut o, name.len() as u32);
                 o.extend_from_slice(name);
+            }
+            Op::GlobalWrite(c) | Op::GlobalRead(c) => {
+                p32(&mut o, c.module);
+                p32(&mut o, c.name.len() as u32);
+                p64(&mut o, c.offset);
+                p32(&mut o, c.ranges.len() as u32);
+                p32(&mut o, 0);
+                o.extend_from_slice(&c.name);
+                for r in &c.ranges {
+                    p64(&mut o, r.gpa);
+                    p64(&mut o, r.len);
+                }
             }
         }
         o
@@ -494,6 +599,14 @@ impl Request {
             op::GLOBAL_GET => {
                 let (module, name) = read_symbol(&mut r)?;
                 Op::GlobalGet { module, name }
+            }
+            op::GLOBAL_WRITE | op::GLOBAL_READ => {
+                let copy = read_global_copy(&mut r)?;
+                if opcode == op::GLOBAL_WRITE {
+                    Op::GlobalWrite(copy)
+                } else {
+                    Op::GlobalRead(copy)
+                }
             }
             other => return Err(RequestError::UnknownOp(other)),
         };
@@ -899,6 +1012,29 @@ mod tests {
                 module,
                 name: n.into_bytes()
             }),
+            (
+                any::<u32>(),
+                "[!-~]{1,40}",
+                0u64..1 << 40,
+                proptest::collection::vec((any::<u64>(), 1u64..1 << 16), 1..8),
+                any::<bool>()
+            )
+                .prop_map(|(module, n, offset, rs, write)| {
+                    let copy = GlobalCopy {
+                        module,
+                        name: n.into_bytes(),
+                        offset,
+                        ranges: rs
+                            .into_iter()
+                            .map(|(gpa, len)| GuestRange { gpa, len })
+                            .collect(),
+                    };
+                    if write {
+                        Op::GlobalWrite(copy)
+                    } else {
+                        Op::GlobalRead(copy)
+                    }
+                }),
         ]
     }
 
@@ -1083,6 +1219,77 @@ mod tests {
         .encode();
         lying[20] = 8;
         assert_eq!(Request::decode(&lying), Err(RequestError::Truncated(25)));
+    }
+
+    #[test]
+    fn global_copies_are_bounded() {
+        let r = |gpa, len| GuestRange { gpa, len };
+        let copy = |offset, name: &[u8], ranges: Vec<GuestRange>| {
+            Request::decode(
+                &Request {
+                    pid: 1,
+                    ctx: 1,
+                    op: Op::GlobalWrite(GlobalCopy {
+                        module: 1,
+                        name: name.to_vec(),
+                        offset,
+                        ranges,
+                    }),
+                }
+                .encode(),
+            )
+        };
+        assert!(copy(8, b"g", vec![r(0x1000, 4)]).is_ok());
+        assert_eq!(
+            copy(0, b"g", vec![r(0, MAX_GLOBAL_COPY_BYTES)])
+                .unwrap()
+                .op
+                .clone(),
+            Op::GlobalWrite(GlobalCopy {
+                module: 1,
+                name: b"g".to_vec(),
+                offset: 0,
+                ranges: vec![r(0, MAX_GLOBAL_COPY_BYTES)],
+            })
+        );
+        let over = copy(0, b"g", vec![r(0, MAX_GLOBAL_COPY_BYTES), r(0, 1)]).unwrap_err();
+        assert_eq!(over, RequestError::CopySize(MAX_GLOBAL_COPY_BYTES + 1));
+        assert_eq!(over.code(), ErrorCode::LimitExceeded);
+        assert_eq!(
+            copy(0, b"g", vec![r(0, u64::MAX), r(0, u64::MAX)])
+                .unwrap_err()
+                .code(),
+            ErrorCode::LimitExceeded
+        );
+        assert_eq!(copy(0, b"g", vec![r(0, 0)]), Err(RequestError::CopySize(0)));
+        assert_eq!(copy(0, b"g", vec![]), Err(RequestError::BadSgCount(0)));
+        let many = vec![r(0, 1); MAX_GLOBAL_COPY_RANGES + 1];
+        assert_eq!(
+            copy(0, b"g", many),
+            Err(RequestError::BadSgCount(MAX_GLOBAL_COPY_RANGES as u32 + 1))
+        );
+        // The longest name with the most ranges still fits one request.
+        let name = [b'n'; crate::module::MAX_SYMBOL_LEN];
+        assert!(copy(0, &name, vec![r(0, 1); MAX_GLOBAL_COPY_RANGES]).is_ok());
+        assert_eq!(copy(0, b"", vec![r(0, 1)]), Err(RequestError::BadName));
+        assert_eq!(
+            copy(u64::MAX, b"g", vec![r(0, 2)]),
+            Err(RequestError::CopySize(2))
+        );
+        // A name length or range count that runs past the request.
+        let mut lying = Request {
+            pid: 1,
+            ctx: 1,
+            op: Op::GlobalRead(GlobalCopy {
+                module: 1,
+                name: b"g".to_vec(),
+                offset: 0,
+                ranges: vec![r(0, 1)],
+            }),
+        }
+        .encode();
+        lying[32] = 2;
+        assert_eq!(Request::decode(&lying), Err(RequestError::Truncated(57)));
     }
 
     #[test]

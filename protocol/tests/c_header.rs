@@ -270,6 +270,8 @@ fn expected_defines() -> Vec<(String, u64)> {
         ("FUNCTION_GET", req::op::FUNCTION_GET),
         ("GLOBAL_GET", req::op::GLOBAL_GET),
         ("GET_ATTRIBUTES", req::op::GET_ATTRIBUTES),
+        ("GLOBAL_WRITE", req::op::GLOBAL_WRITE),
+        ("GLOBAL_READ", req::op::GLOBAL_READ),
     ] {
         add(&format!("VGPU_OP_{name}"), opcode as u64);
     }
@@ -278,6 +280,11 @@ fn expected_defines() -> Vec<(String, u64)> {
     add("VGPU_MAX_SG_ENTRIES", MAX_SG_ENTRIES as u64);
     add("VGPU_MAX_REQUEST_SIZE", MAX_REQUEST_SIZE as u64);
     add("VGPU_MAX_REPLY_SIZE", MAX_REPLY_SIZE as u64);
+    add("VGPU_MAX_GLOBAL_COPY_BYTES", req::MAX_GLOBAL_COPY_BYTES);
+    add(
+        "VGPU_MAX_GLOBAL_COPY_RANGES",
+        req::MAX_GLOBAL_COPY_RANGES as u64,
+    );
     add("VGPU_WIRE_PAGE_4K", PAGE_4K as u64);
     add("VGPU_WIRE_MAP_READ_ONLY", MAP_READ_ONLY as u64);
     add("VGPU_EVENT_NOTIFY", event::NOTIFY as u64);

@@ -162,6 +162,19 @@ pub struct CtxState {
     /// on it returns this.
     pub sticky: Option<CUresult>,
     pub primary: bool,
+    /// Module globals whose addresses this context handed out (`cuModuleGetGlobal`), by
+    /// address: copies there go to the device as global copies.
+    pub globals: std::collections::BTreeMap<u64, GlobalRef>,
+}
+
+/// A module global the program knows the address of.
+#[derive(Debug, Clone)]
+pub struct GlobalRef {
+    pub size: u64,
+    /// The module's handle (`CUmodule`) and its device id.
+    pub module: u64,
+    pub device_module: u32,
+    pub name: String,
 }
 
 impl CtxState {
@@ -178,6 +191,7 @@ impl CtxState {
             free_slots: Vec::new(),
             sticky: None,
             primary,
+            globals: Default::default(),
         })
     }
 
@@ -245,6 +259,14 @@ impl CtxState {
     /// The allocation holding `len` bytes at `ptr`, and where `ptr` lies in it.
     pub fn find(&self, ptr: u64, len: u64) -> CuResult<crate::allocs::Found<'_>> {
         self.allocs.find(ptr, len)
+    }
+
+    /// The module global holding `ptr..ptr+len`, and `ptr`'s offset in it.
+    pub fn global_at(&self, ptr: u64, len: u64) -> Option<(GlobalRef, u64)> {
+        let (&base, g) = self.globals.range(..=ptr).next_back()?;
+        let off = ptr - base;
+        let end = off.checked_add(len)?;
+        (end <= g.size).then(|| (g.clone(), off))
     }
 
     /// A free event slot: its index (its GPU address is `event_va(slot)`).

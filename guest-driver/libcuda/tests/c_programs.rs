@@ -160,7 +160,13 @@ fn programs_run_through_the_library_as_through_the_driver() {
         "{out}"
     );
     let out = run_ok(&backend, "b", "device_global", &[PTX, "0x1234567"]);
-    assert_eq!(out.trim(), "device_global value=19088743");
+    assert_eq!(
+        out.trim(),
+        format!(
+            "device_global value=19088743 copied_in={}",
+            0x1234567u32 ^ 0x5a5a5a5a
+        )
+    );
     let out = run_ok(&backend, "b", "api_edges", &[PTX]);
     assert_eq!(out.trim(), "api_edges modules=loaded");
     // The GPU's attributes as the worker's device reports them (the fake device's: an

@@ -108,7 +108,7 @@ fn a_runtime_program_runs_through_the_guest_libraries() {
     assert_eq!(
         stdout.trim(),
         // The fake device's compute capability and SMs, through cudaGetDeviceProperties.
-        format!("runtime_program n={n} sum={sum} global=4242 cc=9.0 sms=132")
+        format!("runtime_program n={n} sum={sum} global=4242 symbol=777 cc=9.0 sms=132")
     );
     backend.stop();
 

@@ -133,6 +133,23 @@ impl Context {
         self.inner.handle
     }
 
+    /// Copies `data` to `offset` of global `name` of this context's module `module` (its
+    /// device id, [`crate::Module::id`]): `cuMemcpyHtoD` at a global's address. Not
+    /// ordered against the context's GPU work: the caller waits for it first.
+    pub fn global_write(&self, module: u32, name: &str, offset: u64, data: &[u8]) -> Result<()> {
+        self.inner
+            .transport
+            .global_write(self.inner.handle, module, name, offset, data)
+    }
+
+    /// Reads `buf.len()` bytes from `offset` of global `name` of module `module`, as
+    /// [`Context::global_write`].
+    pub fn global_read(&self, module: u32, name: &str, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.inner
+            .transport
+            .global_read(self.inner.handle, module, name, offset, buf)
+    }
+
     pub(crate) fn new(transport: Arc<dyn Transport>) -> Result<Self> {
         let made = transport.create_context()?;
         // The host's slot keeps the VM's contexts apart (identity addressing); without

@@ -19,7 +19,8 @@ use vgpu_loopback::{GuestAlloc, LoopbackVm};
 use vgpu_protocol::device::{slot_offset, NO_SLOT};
 use vgpu_protocol::mem::{MapFlags, PageSize};
 use vgpu_protocol::request::{
-    decode_reply, GuestRange, Op, ReplyBody, Request, MAP_READ_ONLY, PAGE_2M, PAGE_4K, PAGE_64K,
+    decode_reply, GlobalCopy, GuestRange, Op, ReplyBody, Request, MAP_READ_ONLY,
+    MAX_GLOBAL_COPY_BYTES, PAGE_2M, PAGE_4K, PAGE_64K,
 };
 use vgpu_protocol::ControlPage;
 use vgpu_protocol::ErrorCode;
@@ -136,6 +137,57 @@ impl LoopbackTransport {
         }
     }
 
+    /// A copy of `len` bytes between a module global and guest RAM, in requests of at
+    /// most [`MAX_GLOBAL_COPY_BYTES`], each through a guest RAM buffer of its own that
+    /// `fill` writes before a write's request, or reads after a read's.
+    #[allow(clippy::too_many_arguments)]
+    fn global_copy(
+        &self,
+        ctx: CtxHandle,
+        module: u32,
+        name: &str,
+        offset: u64,
+        len: usize,
+        dir: GlobalCopyDir,
+        mut fill: impl FnMut(usize, usize, *mut u8),
+    ) -> Result<()> {
+        let ctx = Self::ctx_id(ctx)?;
+        let mut at = 0usize;
+        while at < len {
+            let piece = (len - at).min(MAX_GLOBAL_COPY_BYTES as usize);
+            let alloc = self
+                .vm
+                .alloc_guest(piece as u64, 4096)
+                .map_err(transport_err)?;
+            if dir == GlobalCopyDir::Write {
+                fill(piece, at, alloc.ptr);
+            }
+            let copy = GlobalCopy {
+                module,
+                name: name.as_bytes().to_vec(),
+                offset: offset.saturating_add(at as u64),
+                ranges: vec![GuestRange {
+                    gpa: alloc.gpa,
+                    len: piece as u64,
+                }],
+            };
+            let op = match dir {
+                GlobalCopyDir::Write => Op::GlobalWrite(copy),
+                GlobalCopyDir::Read => Op::GlobalRead(copy),
+            };
+            let r = self.call(ctx, op);
+            if r.is_ok() && dir == GlobalCopyDir::Read {
+                fill(piece, at, alloc.ptr);
+            }
+            if let Err(e) = self.vm.free_guest(alloc.gpa) {
+                log::warn!("freeing a global copy's guest memory: {e}");
+            }
+            r?;
+            at += piece;
+        }
+        Ok(())
+    }
+
     fn ctx_id(ctx: CtxHandle) -> Result<u32> {
         u32::try_from(ctx.0).map_err(|_| Error::UnknownHandle("context"))
     }
@@ -169,6 +221,13 @@ impl LoopbackTransport {
         }
         Ok(())
     }
+}
+
+/// Which way a global copy goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GlobalCopyDir {
+    Write,
+    Read,
 }
 
 impl Drop for LoopbackTransport {
@@ -542,6 +601,48 @@ impl Transport for LoopbackTransport {
             ReplyBody::Global { addr, size } => Ok((addr, size)),
             _ => Err(Error::Device(ErrorCode::Internal)),
         }
+    }
+
+    fn global_write(
+        &self,
+        ctx: CtxHandle,
+        module: u32,
+        name: &str,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<()> {
+        let copy = GlobalCopyDir::Write;
+        self.global_copy(
+            ctx,
+            module,
+            name,
+            offset,
+            data.len(),
+            copy,
+            |piece, at, host| {
+                let src = &data[at..at + piece];
+                // SAFETY: `host` is a fresh guest RAM allocation of at least `piece` bytes,
+                // this call's alone until it is freed.
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), host, piece) };
+            },
+        )
+    }
+
+    fn global_read(
+        &self,
+        ctx: CtxHandle,
+        module: u32,
+        name: &str,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        let len = buf.len();
+        let copy = GlobalCopyDir::Read;
+        self.global_copy(ctx, module, name, offset, len, copy, |piece, at, host| {
+            let dst = &mut buf[at..at + piece];
+            // SAFETY: as in `global_write`; the device wrote the piece before replying.
+            unsafe { std::ptr::copy_nonoverlapping(host, dst.as_mut_ptr(), piece) };
+        })
     }
 
     fn remote_submit(&self, ctx: CtxHandle, ch: ChanHandle, gp_put: u32) -> Result<()> {

@@ -167,6 +167,22 @@ impl Module {
         Ok(Global { addr, size })
     }
 
+    /// Copies `data` to `offset` of the module's global `name`. Ordered after nothing:
+    /// the caller waits for the context's GPU work that reads or writes the global.
+    pub fn global_write(&self, name: &str, offset: u64, data: &[u8]) -> Result<()> {
+        self.ctx
+            .transport
+            .global_write(self.ctx.handle, self.id, name, offset, data)
+    }
+
+    /// Reads `buf.len()` bytes from `offset` of the module's global `name` (after the
+    /// caller waited for the work that writes it).
+    pub fn global_read(&self, name: &str, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.ctx
+            .transport
+            .global_read(self.ctx.handle, self.id, name, offset, buf)
+    }
+
     /// Unloads the module (after the context's channels finished what they were given).
     pub fn unload(mut self) -> Result<()> {
         self.loaded = false;

@@ -229,6 +229,30 @@ impl Transport for NativeTransport {
         Ok((g.addr, g.size))
     }
 
+    fn global_write(
+        &self,
+        ctx: CtxHandle,
+        module: u32,
+        name: &str,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<()> {
+        let id = Self::ctx_id(&self.state(), ctx)?;
+        Ok(self.gpu.global_write(id, module, name, offset, data)?)
+    }
+
+    fn global_read(
+        &self,
+        ctx: CtxHandle,
+        module: u32,
+        name: &str,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        let id = Self::ctx_id(&self.state(), ctx)?;
+        Ok(self.gpu.global_read(id, module, name, offset, buf)?)
+    }
+
     fn info(&self) -> Result<DeviceInfo> {
         let i = self.gpu.info();
         Ok(DeviceInfo {

@@ -229,6 +229,34 @@ pub trait Transport: Send + Sync {
             vgpu_protocol::ErrorCode::Unsupported,
         ))
     }
+    /// Copies `data` to `offset` of global `name` of `module` (GLOBAL_WRITE). Not
+    /// ordered against the context's GPU work: callers wait for it first.
+    fn global_write(
+        &self,
+        _ctx: CtxHandle,
+        _module: u32,
+        _name: &str,
+        _offset: u64,
+        _data: &[u8],
+    ) -> Result<()> {
+        Err(crate::error::Error::Device(
+            vgpu_protocol::ErrorCode::Unsupported,
+        ))
+    }
+    /// Copies `buf.len()` bytes from `offset` of global `name` of `module` into `buf`
+    /// (GLOBAL_READ); as [`Transport::global_write`], after the context's work.
+    fn global_read(
+        &self,
+        _ctx: CtxHandle,
+        _module: u32,
+        _name: &str,
+        _offset: u64,
+        _buf: &mut [u8],
+    ) -> Result<()> {
+        Err(crate::error::Error::Device(
+            vgpu_protocol::ErrorCode::Unsupported,
+        ))
+    }
 
     /// How many device events (fence wake-ups, channel errors) this process has seen,
     /// where a waiter on channel `ch` can sleep until the next

@@ -169,6 +169,13 @@ fn htod(dst: CUdeviceptr, src: *const c_void, n: usize, on: On) -> CuResult {
     let data = unsafe { std::slice::from_raw_parts(src.cast::<u8>(), n) };
     driver::with_current(|st| {
         settle(st, on)?;
+        // A module global (its address from cuModuleGetGlobal): the device copies.
+        if let Some((g, off)) = st.global_at(dst, n as u64) {
+            return st
+                .ctx
+                .global_write(g.device_module, &g.name, off, data)
+                .map_err(|e| from_error(&e));
+        }
         let f = st.find(dst, n as u64)?;
         f.buf.write(f.offset, data).map_err(|e| from_error(&e))
     })
@@ -186,6 +193,12 @@ fn dtoh(dst: *mut c_void, src: CUdeviceptr, n: usize, on: On) -> CuResult {
     let data = unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), n) };
     driver::with_current(|st| {
         settle(st, on)?;
+        if let Some((g, off)) = st.global_at(src, n as u64) {
+            return st
+                .ctx
+                .global_read(g.device_module, &g.name, off, data)
+                .map_err(|e| from_error(&e));
+        }
         let f = st.find(src, n as u64)?;
         f.buf.read(f.offset, data).map_err(|e| from_error(&e))
     })

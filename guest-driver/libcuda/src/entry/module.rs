@@ -97,6 +97,9 @@ pub extern "C" fn cuModuleUnload(m: CUmodule) -> CUresult {
                 }
             }
             d.functions.retain(|_, (_, f)| f.module != id);
+            if let Ok(st) = d.ctx(ctx) {
+                st.globals.retain(|_, g| g.module != id);
+            }
             let (_, module) = d.modules.remove(&id).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
             module.unload().map_err(|e| from_error(&e))
         })
@@ -138,8 +141,22 @@ pub extern "C" fn cuModuleGetGlobal_v2(
     guard("cuModuleGetGlobal", || {
         let name = c_str(name)?;
         let g = driver::with(|d| {
-            let (_, module) = d.modules.get(&id_of(m)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-            module.global(name).map_err(|e| from_error(&e))
+            let (ctx, module) = d.modules.get(&id_of(m)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+            let (ctx, device_module) = (*ctx, module.id());
+            let g = module.global(name).map_err(|e| from_error(&e))?;
+            // Copies at its address go to the device as global copies.
+            if g.size > 0 {
+                d.ctx(ctx)?.globals.insert(
+                    g.addr,
+                    driver::GlobalRef {
+                        size: g.size,
+                        module: id_of(m),
+                        device_module,
+                        name: name.to_string(),
+                    },
+                );
+            }
+            Ok(g)
         })?;
         if !dptr.is_null() {
             out(dptr, g.addr)?;

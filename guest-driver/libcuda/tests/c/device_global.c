@@ -1,4 +1,5 @@
-/* Driver API: a module's __device__ global, set by one kernel and read by another.
+/* Driver API: a module's __device__ global, set by one kernel and read by another, then
+ * read and written by copies at its address (cuMemcpyDtoH/HtoD, as cudaMemcpyToSymbol).
  * usage: device_global MODULE.ptx VALUE */
 #include <stdint.h>
 #include "check.h"
@@ -32,8 +33,29 @@ int main(int argc, char **argv) {
         fprintf(stderr, "global read back %#x, expected %#x\n", got, v);
         return 1;
     }
+    /* The global itself, copied out at its address; then a new value copied in, which
+     * the next kernel reads. */
+    uint32_t direct = 0, w = v ^ 0x5a5a5a5au;
+    CHECK(cuMemcpyDtoH(&direct, g, 4));
+    if (direct != v) {
+        fprintf(stderr, "global copied out %#x, expected %#x\n", direct, v);
+        return 1;
+    }
+    CHECK(cuMemcpyHtoD(g, &w, 4));
+    CHECK(cuLaunchKernel(copy, 1, 1, 1, 32, 1, 1, 0, 0, p2, 0));
+    CHECK(cuMemcpyDtoH(&got, out, 4));
+    if (got != w) {
+        fprintf(stderr, "global copied in %#x, kernel read %#x\n", w, got);
+        return 1;
+    }
+    /* Past its end: refused, as CUDA refuses a copy beyond an allocation. */
+    uint32_t two[2] = {0, 0};
+    if (cuMemcpyHtoD(g, two, 8) == CUDA_SUCCESS) {
+        fprintf(stderr, "a copy past the global's end succeeded\n");
+        return 1;
+    }
     CHECK(cuMemFree(out));
     CHECK(cuModuleUnload(mod));
-    printf("device_global value=%u\n", got);
+    printf("device_global value=%u copied_in=%u\n", v, w);
     return 0;
 }

@@ -186,8 +186,7 @@ fn symbol_at(sym: *const c_void, n: usize, offset: usize) -> CudaResult<u64> {
 }
 
 /// Copies to and from a module variable go through the driver at the variable's
-/// address (vgpu's guest `libcuda` does not copy at module addresses yet:
-/// docs/guest-cuda.md).
+/// address (vgpu's guest `libcuda` hands them to the device as global copies).
 #[no_mangle]
 pub extern "C" fn cudaMemcpyToSymbol(
     sym: *const c_void,
@@ -223,5 +222,45 @@ pub extern "C" fn cudaMemcpyFromSymbol(
             kind
         };
         copy(dst, at as usize as *const c_void, n, kind, None)
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cudaMemcpyToSymbolAsync(
+    sym: *const c_void,
+    src: *const c_void,
+    n: usize,
+    offset: usize,
+    kind: c_int,
+    stream: Ptr,
+) -> CudaError {
+    guard("cudaMemcpyToSymbolAsync", || {
+        let at = symbol_at(sym, n, offset)?;
+        let kind = if kind == DEFAULT {
+            HOST_TO_DEVICE
+        } else {
+            kind
+        };
+        copy(at as usize as *mut c_void, src, n, kind, Some(stream))
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cudaMemcpyFromSymbolAsync(
+    dst: *mut c_void,
+    sym: *const c_void,
+    n: usize,
+    offset: usize,
+    kind: c_int,
+    stream: Ptr,
+) -> CudaError {
+    guard("cudaMemcpyFromSymbolAsync", || {
+        let at = symbol_at(sym, n, offset)?;
+        let kind = if kind == DEFAULT {
+            DEVICE_TO_HOST
+        } else {
+            kind
+        };
+        copy(dst, at as usize as *const c_void, n, kind, Some(stream))
     })
 }

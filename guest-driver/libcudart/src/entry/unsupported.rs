@@ -41,8 +41,6 @@ unsupported_entries!(
     cudaMemcpy3D,
     cudaMemcpyPeer,
     cudaMemcpyPeerAsync,
-    cudaMemcpyToSymbolAsync,
-    cudaMemcpyFromSymbolAsync,
     cudaMemset2D,
     cudaMemPrefetchAsync,
     cudaMemAdvise,

@@ -39,6 +39,10 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cudaMemcp
                             cudaStream_t s);
 cudaError_t cudaMemset(void *p, int v, size_t n);
 cudaError_t cudaGetSymbolAddress(void **p, const void *symbol);
+cudaError_t cudaMemcpyToSymbol(const void *symbol, const void *src, size_t n, size_t offset,
+                               enum cudaMemcpyKind k);
+cudaError_t cudaMemcpyFromSymbol(void *dst, const void *symbol, size_t n, size_t offset,
+                                 enum cudaMemcpyKind k);
 cudaError_t cudaStreamCreate(cudaStream_t *s);
 cudaError_t cudaStreamDestroy(cudaStream_t s);
 cudaError_t cudaStreamSynchronize(cudaStream_t s);

@@ -176,6 +176,29 @@ int main(int argc, char **argv) {
         fprintf(stderr, "the __device__ variable read %u, expected 4242\n", got);
         return 1;
     }
+    /* The variable by symbol: read out, written in, read by the next kernel. */
+    uint32_t sym = 0, put = 777;
+    CHECK(cudaMemcpyFromSymbol(&sym, &vgpu_test_counter, 4, 0, cudaMemcpyDeviceToHost));
+    if (sym != 4242) {
+        fprintf(stderr, "cudaMemcpyFromSymbol read %u, expected 4242\n", sym);
+        return 1;
+    }
+    CHECK(cudaMemcpyToSymbol(&vgpu_test_counter, &put, 4, 0, cudaMemcpyHostToDevice));
+    if (__cudaPushCallConfiguration(one, warp, 0, 0) == 0)
+        copy_stub(c, counter, 1);
+    CHECK(cudaDeviceSynchronize());
+    CHECK(cudaMemcpy(&got, c, 4, cudaMemcpyDeviceToHost));
+    if (got != 777) {
+        fprintf(stderr, "after cudaMemcpyToSymbol a kernel read %u, expected 777\n", got);
+        return 1;
+    }
+    /* Past the variable's end: refused. */
+    if (cudaMemcpyToSymbol(&vgpu_test_counter, &put, 4, 2, cudaMemcpyHostToDevice) ==
+        cudaSuccess) {
+        fprintf(stderr, "cudaMemcpyToSymbol past the end succeeded\n");
+        return 1;
+    }
+    (void)cudaGetLastError();
 
     /* A stub nvcc never registered: the launch fails, and cudaGetLastError says why. */
     if (cudaLaunchKernel((const void *)unregistered_stub, one, one, 0, 0, 0) !=
@@ -207,7 +230,7 @@ int main(int argc, char **argv) {
     CHECK(cudaFreeHost(ha));
     CHECK(cudaDeviceReset());
     __cudaUnregisterFatBinary(fatbin_handle);
-    printf("runtime_program n=%u sum=%llu global=%u cc=%d.%d sms=%d\n", n, sum, got, major,
-           minor, sms);
+    printf("runtime_program n=%u sum=%llu global=%u symbol=%u cc=%d.%d sms=%d\n", n, sum,
+           sym, got, major, minor, sms);
     return 0;
 }

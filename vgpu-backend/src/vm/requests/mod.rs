@@ -168,6 +168,8 @@ impl Session {
             Op::ModuleUnload { module } => self.module_unload(pid, ctx, *module),
             Op::FunctionGet { module, name } => self.function_get(pid, ctx, *module, name),
             Op::GlobalGet { module, name } => self.global_get(pid, ctx, *module, name),
+            Op::GlobalWrite(copy) => self.global_write(pid, ctx, copy, mem),
+            Op::GlobalRead(copy) => self.global_read(pid, ctx, copy, mem),
         }
     }
 

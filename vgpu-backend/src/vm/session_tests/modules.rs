@@ -1,6 +1,7 @@
 //! Guest modules: the requests, their checks, and their migration.
 
 use super::*;
+use vgpu_protocol::request::GlobalCopy;
 
 /// The fake cuda GPU set up as a worker sets it up: guest modules load.
 fn module_gpu() -> Arc<vgpu_host_shim::cuda::FakeCudaGpu> {
@@ -225,4 +226,145 @@ fn the_sim_refuses_module_loads_with_its_code() {
     );
     assert_eq!(r, Err(ErrorCode::ModulesNeedCudaGpu));
     assert!(t.s.state.modules.is_empty());
+}
+
+/// GLOBAL_WRITE and GLOBAL_READ (`cuMemcpyHtoD`/`DtoH` at a global's address): guest RAM
+/// to the variable and back, split over ranges; arguments, then ownership, then the
+/// variable's bounds are checked before anything moves, and a refused copy changes
+/// nothing.
+#[test]
+fn global_copies_move_guest_ram_to_a_variable_and_back() {
+    use vm_memory::Bytes;
+    let mut s = Session::new(module_gpu(), limits());
+    let (mem, shm) = (guest_mem(), FakeShm::default());
+    let req = |s: &mut Session, pid, ctx, op| {
+        let r = Request { pid, ctx, op };
+        decode_reply(r.opcode(), &s.handle(&r.encode(), &mem, &shm)).unwrap()
+    };
+    let ptx = b".version 7.0\n.target sm_50\n.global .align 4 .b8 table[16];\n";
+    mem.write_slice(ptx, GuestAddress(R0.0 + 0x1000)).unwrap();
+    let Ok(ReplyBody::Context { ctx, .. }) = req(&mut s, 7, 0, Op::CreateContext) else {
+        panic!("no context");
+    };
+    let load = Op::ModuleLoad {
+        ranges: vec![range(R0.0 + 0x1000, ptx.len() as u64)],
+    };
+    let Ok(ReplyBody::Module { module }) = req(&mut s, 7, ctx, load) else {
+        panic!("the module loads");
+    };
+    let copy = |name: &[u8], offset, ranges: Vec<GuestRange>| GlobalCopy {
+        module,
+        name: name.to_vec(),
+        offset,
+        ranges,
+    };
+    // 12 bytes from two guest RAM regions to bytes 4..16 of the table.
+    let src: Vec<u8> = (1..=12).collect();
+    mem.write_slice(&src[..5], GuestAddress(R0.0 + 0x3000))
+        .unwrap();
+    mem.write_slice(&src[5..], GuestAddress(R1.0 + 0x100))
+        .unwrap();
+    let two = vec![range(R0.0 + 0x3000, 5), range(R1.0 + 0x100, 7)];
+    assert_eq!(
+        req(
+            &mut s,
+            7,
+            ctx,
+            Op::GlobalWrite(copy(b"table", 4, two.clone()))
+        ),
+        Ok(ReplyBody::Empty)
+    );
+    let hctx = s.hal.contexts[&ctx].0;
+    let mut whole = [0u8; 16];
+    s.gpu
+        .global_read(hctx, module, "table", 0, &mut whole)
+        .unwrap();
+    assert_eq!(whole[..4], [0; 4]);
+    assert_eq!(whole[4..], src[..]);
+    // And back, into other guest RAM.
+    let dst = vec![range(R0.0 + 0x5000, 16)];
+    assert_eq!(
+        req(&mut s, 7, ctx, Op::GlobalRead(copy(b"table", 0, dst))),
+        Ok(ReplyBody::Empty)
+    );
+    let mut back = [0u8; 16];
+    mem.read_slice(&mut back, GuestAddress(R0.0 + 0x5000))
+        .unwrap();
+    assert_eq!(back, whole);
+    // Refused, each with its code, the variable unchanged: past its end, outside guest
+    // RAM, another process, another context, an unknown module or variable, a bad name.
+    let refused = [
+        (
+            7,
+            ctx,
+            copy(b"table", 5, two.clone()),
+            ErrorCode::InvalidArgument,
+        ),
+        (
+            7,
+            ctx,
+            copy(b"table", u64::MAX - 4, two.clone()),
+            ErrorCode::InvalidArgument,
+        ),
+        (
+            7,
+            ctx,
+            copy(b"table", 0, vec![range(3 << 30, 4)]),
+            ErrorCode::InvalidArgument,
+        ),
+        (
+            8,
+            ctx,
+            copy(b"table", 4, two.clone()),
+            ErrorCode::PermissionDenied,
+        ),
+        (
+            7,
+            ctx + 1,
+            copy(b"table", 4, two.clone()),
+            ErrorCode::NotFound,
+        ),
+        (7, ctx, copy(b"nope", 0, two.clone()), ErrorCode::NotFound),
+        (
+            7,
+            ctx,
+            copy(b"a b", 0, two.clone()),
+            ErrorCode::InvalidArgument,
+        ),
+    ];
+    mem.write_slice(&[0xee; 12], GuestAddress(R1.0 + 0x100))
+        .unwrap();
+    for (pid, c, bad, code) in refused {
+        // Built in process, past the decoder (a name with a space would not decode).
+        let write = Request {
+            pid,
+            ctx: c,
+            op: Op::GlobalWrite(bad.clone()),
+        };
+        assert_eq!(
+            s.execute(&write, &mem, &shm),
+            Err(code),
+            "{bad:?} by {pid} in {c}"
+        );
+        let read = Request {
+            pid,
+            ctx: c,
+            op: Op::GlobalRead(bad),
+        };
+        assert_eq!(s.execute(&read, &mem, &shm), Err(code));
+    }
+    let mut after = [0u8; 16];
+    s.gpu
+        .global_read(hctx, module, "table", 0, &mut after)
+        .unwrap();
+    assert_eq!(after, whole, "refused copies changed nothing");
+    // The module gone, its variables go with it.
+    assert_eq!(
+        req(&mut s, 7, ctx, Op::ModuleUnload { module }),
+        Ok(ReplyBody::Empty)
+    );
+    assert_eq!(
+        req(&mut s, 7, ctx, Op::GlobalWrite(copy(b"table", 4, two))),
+        Err(ErrorCode::NotFound)
+    );
 }
