@@ -43,7 +43,7 @@ mod loop_overhead;
 mod vram_swap;
 
 use b2b::b2b;
-use baseline::{baseline, ratios};
+use baseline::{baseline, baseline_after_idle, ratios};
 use fairness::{fairness, gpu_used_mib, weighted};
 use granularity::granularity;
 use vram_swap::vram_swap;
@@ -629,6 +629,9 @@ pub fn run(opts: &CudaOpts) -> Result<Vec<Figure>, CudaSuiteError> {
     };
     if let Some(path) = &opts.baseline {
         figs.extend(baseline(path, opts)?);
+        if opts.runs(Section::Workloads) {
+            figs.extend(baseline_after_idle(path, opts)?);
+        }
         let r = ratios(&figs);
         figs.extend(r);
     }

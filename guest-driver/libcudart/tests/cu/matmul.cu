@@ -1,6 +1,7 @@
 // A CUDA runtime program as a user writes it: a matrix multiply launched with <<<>>>
 // REPS times, timed with events, checked against the CPU, plus a __device__ counter
-// the kernel bumps and another kernel reads. Built with `nvcc -cudart shared` on a
+// set with cudaMemcpyToSymbol, bumped by the kernel, read by another kernel and by
+// cudaMemcpyFromSymbol. Built with `nvcc -cudart shared` on a
 // machine with the toolkit (ci/device/run.sh run libcuda), it runs unmodified against
 // NVIDIA's libraries and against vgpu's guest libcudart.so/libcuda.so.1.
 // usage: matmul [N] [REPS]
@@ -53,6 +54,8 @@ int main(int argc, char **argv) {
     CHECK(cudaMalloc(&dcalls, sizeof(unsigned int)));
     CHECK(cudaMemcpy(da, a.data(), bytes, cudaMemcpyHostToDevice));
     CHECK(cudaMemcpy(db, b.data(), bytes, cudaMemcpyHostToDevice));
+    const unsigned int first = 1000;
+    CHECK(cudaMemcpyToSymbol(calls, &first, sizeof first));
     dim3 block(16, 16), grid((n + 15) / 16, (n + 15) / 16);
     matmul<<<grid, block>>>(da, db, dc, n); // warm-up (module load)
     CHECK(cudaGetLastError());
@@ -71,6 +74,12 @@ int main(int argc, char **argv) {
     read_calls<<<1, 1>>>(dcalls);
     CHECK(cudaMemcpy(c.data(), dc, bytes, cudaMemcpyDeviceToHost));
     CHECK(cudaMemcpy(&got, dcalls, sizeof got, cudaMemcpyDeviceToHost));
+    unsigned int by_symbol = 0;
+    CHECK(cudaMemcpyFromSymbol(&by_symbol, calls, sizeof by_symbol));
+    if (by_symbol != got) {
+        fprintf(stderr, "calls: %u by symbol, %u by kernel\n", by_symbol, got);
+        return 1;
+    }
     double checksum = 0;
     for (int row = 0; row < n; row += 97)
         for (int col = 0; col < n; col++) {
@@ -90,5 +99,5 @@ int main(int argc, char **argv) {
     CHECK(cudaFree(db));
     CHECK(cudaFree(dc));
     CHECK(cudaFree(dcalls));
-    return got == (unsigned)(reps + 1) ? 0 : 1;
+    return got == first + (unsigned)(reps + 1) ? 0 : 1;
 }
