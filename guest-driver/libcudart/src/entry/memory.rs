@@ -185,8 +185,31 @@ fn symbol_at(sym: *const c_void, n: usize, offset: usize) -> CudaResult<u64> {
     }
 }
 
-/// Copies to and from a module variable go through the driver at the variable's
-/// address (vgpu's guest `libcuda` hands them to the device as global copies).
+/// A copy to (`to`) or from module variable `sym`, `offset` bytes in: through the driver
+/// at the variable's address (vgpu's guest `libcuda` hands it to the device as a global
+/// copy); `cudaMemcpyDefault` means host to device, or device to host.
+fn symbol_copy(
+    to: bool,
+    sym: *const c_void,
+    host: *mut c_void,
+    n: usize,
+    offset: usize,
+    kind: c_int,
+    stream: Option<Ptr>,
+) -> CudaResult {
+    let at = symbol_at(sym, n, offset)? as usize as *mut c_void;
+    let kind = match kind {
+        DEFAULT if to => HOST_TO_DEVICE,
+        DEFAULT => DEVICE_TO_HOST,
+        k => k,
+    };
+    if to {
+        copy(at, host, n, kind, stream)
+    } else {
+        copy(host, at, n, kind, stream)
+    }
+}
+
 #[no_mangle]
 pub extern "C" fn cudaMemcpyToSymbol(
     sym: *const c_void,
@@ -196,13 +219,7 @@ pub extern "C" fn cudaMemcpyToSymbol(
     kind: c_int,
 ) -> CudaError {
     guard("cudaMemcpyToSymbol", || {
-        let at = symbol_at(sym, n, offset)?;
-        let kind = if kind == DEFAULT {
-            HOST_TO_DEVICE
-        } else {
-            kind
-        };
-        copy(at as usize as *mut c_void, src, n, kind, None)
+        symbol_copy(true, sym, src as *mut c_void, n, offset, kind, None)
     })
 }
 
@@ -215,13 +232,7 @@ pub extern "C" fn cudaMemcpyFromSymbol(
     kind: c_int,
 ) -> CudaError {
     guard("cudaMemcpyFromSymbol", || {
-        let at = symbol_at(sym, n, offset)?;
-        let kind = if kind == DEFAULT {
-            DEVICE_TO_HOST
-        } else {
-            kind
-        };
-        copy(dst, at as usize as *const c_void, n, kind, None)
+        symbol_copy(false, sym, dst, n, offset, kind, None)
     })
 }
 
@@ -235,13 +246,7 @@ pub extern "C" fn cudaMemcpyToSymbolAsync(
     stream: Ptr,
 ) -> CudaError {
     guard("cudaMemcpyToSymbolAsync", || {
-        let at = symbol_at(sym, n, offset)?;
-        let kind = if kind == DEFAULT {
-            HOST_TO_DEVICE
-        } else {
-            kind
-        };
-        copy(at as usize as *mut c_void, src, n, kind, Some(stream))
+        symbol_copy(true, sym, src as *mut c_void, n, offset, kind, Some(stream))
     })
 }
 
@@ -255,12 +260,6 @@ pub extern "C" fn cudaMemcpyFromSymbolAsync(
     stream: Ptr,
 ) -> CudaError {
     guard("cudaMemcpyFromSymbolAsync", || {
-        let at = symbol_at(sym, n, offset)?;
-        let kind = if kind == DEFAULT {
-            DEVICE_TO_HOST
-        } else {
-            kind
-        };
-        copy(dst, at as usize as *const c_void, n, kind, Some(stream))
+        symbol_copy(false, sym, dst, n, offset, kind, Some(stream))
     })
 }

@@ -33,6 +33,18 @@ fn read_guest(mem: &GuestMemory, ranges: &[GuestRange], buf: &mut [u8]) -> Resul
     Ok(())
 }
 
+/// Writes `data` (exactly the ranges' total length) into `ranges` of guest RAM, in order.
+fn write_guest(mem: &GuestMemory, ranges: &[GuestRange], data: &[u8]) -> Result<(), ErrorCode> {
+    let mut at = 0usize;
+    for r in ranges {
+        let end = at + r.len as usize;
+        mem.write_slice(&data[at..end], GuestAddress(r.gpa))
+            .map_err(|_| ErrorCode::InvalidArgument)?;
+        at = end;
+    }
+    Ok(())
+}
+
 impl Session {
     /// The module `module`, if (pid, ctx) owns it.
     fn owned_module(&self, pid: u32, ctx: u32, module: u32) -> Result<ModuleState, ErrorCode> {
@@ -224,13 +236,7 @@ impl Session {
         self.gpu
             .global_read(hctx, c.module, name, c.offset, &mut data)
             .map_err(|e| e.code())?;
-        let mut at = 0usize;
-        for r in &c.ranges {
-            let end = at + r.len as usize;
-            mem.write_slice(&data[at..end], GuestAddress(r.gpa))
-                .map_err(|_| ErrorCode::InvalidArgument)?;
-            at = end;
-        }
+        write_guest(mem, &c.ranges, &data)?;
         Ok(ReplyBody::Empty)
     }
 }
