@@ -89,8 +89,9 @@ static void settle() {
 
 // `--mark-each` (an experiment, issue 34): after each kernel of the saxpy, sgemm and
 // hotspot loops, what vgpu's front end puts in the stream per GP entry: the fence's REF
-// write (cuStreamWriteValue32 into mapped host memory) and an untimed event.
-static bool g_mark_each = false;
+// write (cuStreamWriteValue32 into mapped host memory) and an untimed event;
+// `--mark-each ref` or `--mark-each event` puts only the one.
+static bool g_mark_each = false, g_mark_ref = true, g_mark_event = true;
 static cudaEvent_t g_marks[64];
 static CUdeviceptr g_ref_dev = 0;
 static void mark(int i) {
@@ -101,11 +102,11 @@ static void mark(int i) {
         CK(cudaHostGetDevicePointer((void**)&g_ref_dev, ref, 0));
         for (auto& e : g_marks) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     }
-    if (cuStreamWriteValue32(S, g_ref_dev, (cuuint32_t)i, 0) != CUDA_SUCCESS) {
+    if (g_mark_ref && cuStreamWriteValue32(S, g_ref_dev, (cuuint32_t)i, 0) != CUDA_SUCCESS) {
         fprintf(stderr, "cuStreamWriteValue32 failed\n");
         exit(1);
     }
-    CK(cudaEventRecord(g_marks[i % 64], S));
+    if (g_mark_event) CK(cudaEventRecord(g_marks[i % 64], S));
 }
 
 struct Mem {
@@ -584,7 +585,11 @@ int main(int argc, char** argv) {
         else if (!strcmp(argv[i], "--fill") && i + 1 < argc) g_random = strcmp(argv[++i], "zero") != 0;
         else if (!strcmp(argv[i], "--one-block")) g_one_block = true;
         else if (!strcmp(argv[i], "--vmm")) g_one_block = g_vmm = true;
-        else if (!strcmp(argv[i], "--mark-each")) g_mark_each = true;
+        else if (!strcmp(argv[i], "--mark-each")) {
+            g_mark_each = true;
+            if (i + 1 < argc && !strcmp(argv[i + 1], "ref")) g_mark_event = false, i++;
+            else if (i + 1 < argc && !strcmp(argv[i + 1], "event")) g_mark_ref = false, i++;
+        }
         else if (!strcmp(argv[i], "--idle-ms") && i + 1 < argc) g_idle_ms = atoi(argv[++i]);
     }
     // Before this process touches CUDA: children initialise their own.

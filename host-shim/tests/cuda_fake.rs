@@ -393,3 +393,183 @@ fn fake_front_end_polls_for_a_new_channels_first_submission() {
         "no poll: asleep with the doorbell armed"
     );
 }
+
+/// The fake with kernels that never write their fence signal themselves, as a real GPU's
+/// large grids: every entry's REF write is left owed, for the next kernel or a stream
+/// write (`CudaChannel::settle_owed`).
+fn owing_gpu() -> Arc<FakeCudaGpu> {
+    owing_gpu_with(CudaConfig {
+        vram_bytes: 64 << 20,
+        ..Default::default()
+    })
+}
+
+fn owing_gpu_with(cfg: CudaConfig) -> Arc<FakeCudaGpu> {
+    let dev = Arc::new(FakeDevice::default());
+    dev.set_no_kernel_signals(true);
+    FakeCudaGpu::with_device(dev, cfg).unwrap()
+}
+
+#[test]
+fn owed_ref_every_kernel_on_vram() {
+    every_kernel_on_vram(&owing_gpu());
+}
+
+#[test]
+fn owed_ref_semaphores_order_channels() {
+    semaphores_order_channels(&owing_gpu());
+}
+
+#[test]
+fn owed_ref_fence_signals_before_its_batch_ends() {
+    fence_signals_before_its_batch_ends(&owing_gpu());
+}
+
+#[test]
+fn owed_ref_fence_wake_up_comes_when_ref_reaches_the_armed_value() {
+    fence_wake_up_comes_when_ref_reaches_the_armed_value(&owing_gpu());
+}
+
+#[test]
+fn owed_ref_resumed_channel_continues_at_its_saved_position() {
+    resumed_channel_continues_at_its_saved_position(&owing_gpu());
+}
+
+/// Kernels that cannot signal themselves (issue 34): of a loop of entries published at
+/// once, each entry's REF write rides on the next entry's kernel, which does it as it
+/// starts; only the last of a run of entries takes a stream write. REF never runs ahead
+/// of the work (it moves in order, to each entry's value) and ends at the last.
+#[test]
+fn owed_ref_writes_ride_on_the_next_kernel() {
+    use std::time::{Duration, Instant};
+    use vgpu_host_shim::cuda::plan::Op;
+    use vgpu_protocol::{ControlPage, KernelArgs, Method};
+    const T: Duration = Duration::from_secs(20);
+    let g = owing_gpu();
+    let p = common::Proc::new(&g, common::SYS_BASE);
+    let mut ch = p.channel(0);
+    let entries = 64u32;
+    for i in 0..entries {
+        let m = ch.launch(&KernelArgs::Spin { ns: 200_000 });
+        ch.stage(&[m, Method::SetRef { value: 1 + i }]);
+    }
+    let log_before = g.device().log.ops.lock().unwrap().len();
+    ch.publish();
+    let t0 = Instant::now();
+    let mut seen = vec![];
+    while ch.ctrl.load(ControlPage::REF) != entries && t0.elapsed() < T {
+        let r = ch.ctrl.load(ControlPage::REF);
+        if seen.last() != Some(&r) {
+            seen.push(r);
+        }
+        std::thread::sleep(Duration::from_micros(50));
+    }
+    ch.wait_idle(T).unwrap();
+    assert_eq!(
+        ch.ctrl.load(ControlPage::REF),
+        entries,
+        "every fence reached"
+    );
+    assert!(
+        seen.windows(2).all(|w| w[0] < w[1]),
+        "REF moved in order: {seen:?}"
+    );
+    assert!(seen.len() > 8, "REF moved entry by entry: {seen:?}");
+    let ops = g.device().log.ops.lock().unwrap()[log_before..].to_vec();
+    let launches = ops
+        .iter()
+        .filter(|o| matches!(o, Op::LaunchSignal(..)))
+        .count();
+    let stream_writes = ops
+        .iter()
+        .filter(|o| matches!(o, Op::WriteValue { .. }))
+        .count();
+    assert_eq!(launches, entries as usize);
+    // One per run of entries the front end issued together (batches of up to 32, and
+    // the sweeps that found the ring's tail): far fewer than one per entry.
+    assert!(
+        (1..=entries as usize / 8).contains(&stream_writes),
+        "{stream_writes} stream REF writes for {entries} entries"
+    );
+}
+
+/// A REF write left owed is never lost: a channel whose fetch is held right after its
+/// last kernel was issued (a VRAM move, a migration's pause) drains only once the REF
+/// write is done, and REF then names the last entry.
+#[test]
+fn owed_ref_is_written_before_a_held_channel_counts_as_drained() {
+    use std::time::{Duration, Instant};
+    use vgpu_host_shim::hal::Gpu;
+    use vgpu_protocol::{ControlPage, KernelArgs, Method};
+    const T: Duration = Duration::from_secs(20);
+    // A mark per entry: every sweep issues one entry and may leave its REF owed.
+    let g = owing_gpu_with(CudaConfig {
+        vram_bytes: 64 << 20,
+        batch: 1,
+        ..Default::default()
+    });
+    let p = common::Proc::new(&g, common::SYS_BASE);
+    let mut ch = p.channel(0);
+    for i in 0..8u32 {
+        let m = ch.launch(&KernelArgs::Spin { ns: 2_000_000 });
+        ch.stage(&[m, Method::SetRef { value: 1 + i }]);
+    }
+    let before = g.frontend_counts().entries;
+    ch.publish();
+    // Hold the fetch while the front end is still issuing: whatever it issued last
+    // may have left its REF write owed.
+    std::thread::sleep(Duration::from_millis(1));
+    assert!(g.hold_fetch(ch.id, true).unwrap());
+    let t0 = Instant::now();
+    while g.fetched_done(ch.id).unwrap() != Some(true) {
+        assert!(t0.elapsed() < T, "the held channel drains");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    let get = ch.ctrl.load(ControlPage::GP_GET);
+    let reference = ch.ctrl.load(ControlPage::REF);
+    let issued = g.frontend_counts().entries - before;
+    assert!(issued > 0, "some entries were issued before the hold");
+    // GP_GET follows at the front end's next retire; REF is on the stream.
+    assert_eq!(
+        u64::from(reference),
+        issued,
+        "drained: REF names the last entry issued (GP_GET {get})"
+    );
+    assert!(g.hold_fetch(ch.id, false).unwrap());
+    ch.wait_idle(T).unwrap();
+    assert_eq!(ch.ctrl.load(ControlPage::REF), 8);
+}
+
+/// A REF write is not left waiting for a next entry that cannot be issued yet: with at
+/// most one completion mark in flight, the second entry waits for the first to complete,
+/// so the first's REF goes on the stream as a write of its own, right behind its kernel.
+#[test]
+fn owed_ref_is_not_kept_for_an_entry_held_back_by_the_caps() {
+    use std::time::Duration;
+    use vgpu_host_shim::cuda::plan::Op;
+    use vgpu_protocol::{KernelArgs, Method};
+    let g = owing_gpu_with(CudaConfig {
+        vram_bytes: 64 << 20,
+        batch: 1,
+        max_inflight: 1,
+        ..Default::default()
+    });
+    let p = common::Proc::new(&g, common::SYS_BASE);
+    let mut ch = p.channel(0);
+    for i in 0..2u32 {
+        let m = ch.launch(&KernelArgs::Spin { ns: 20_000_000 });
+        ch.stage(&[m, Method::SetRef { value: 1 + i }]);
+    }
+    let before = g.device().log.ops.lock().unwrap().len();
+    ch.publish();
+    ch.wait_idle(Duration::from_secs(20)).unwrap();
+    let kinds: Vec<&str> = g.device().log.ops.lock().unwrap()[before..]
+        .iter()
+        .map(|o| match o {
+            Op::LaunchSignal(..) => "kernel",
+            Op::WriteValue { .. } => "write",
+            _ => "other",
+        })
+        .collect();
+    assert_eq!(kinds, ["kernel", "write", "kernel", "write"]);
+}

@@ -111,6 +111,11 @@ enum Suite {
         /// sleeps at once, as before 2026-11-28) [default: 2000].
         #[arg(long)]
         new_channel_poll_us: Option<u64>,
+        /// How long a channel of the in-process GPU with nothing on the GPU still counts
+        /// as active after its last entry, µs: while channels of two contexts are active
+        /// every GP entry gets its own completion mark [default: 5000].
+        #[arg(long)]
+        batch_quiet_us: Option<u64>,
         /// Time the in-process front end's parts (fetch and plan, issue, marks, retire):
         /// the b2b section reports each part's host time per GP entry.
         #[arg(long)]
@@ -191,6 +196,7 @@ fn main() {
             doorbell_sleep_us,
             busy_poll_us,
             new_channel_poll_us,
+            batch_quiet_us,
             time_frontend,
         } => match gpu {
             vgpu_host_shim::GpuChoice::Sim => {
@@ -221,6 +227,8 @@ fn main() {
                     busy_poll_us.map_or(opts.busy_poll_ns, |us| us.saturating_mul(1000));
                 opts.new_channel_poll_ns = new_channel_poll_us
                     .map_or(opts.new_channel_poll_ns, |us| us.saturating_mul(1000));
+                opts.batch_quiet_ns =
+                    batch_quiet_us.map_or(opts.batch_quiet_ns, |us| us.saturating_mul(1000));
                 opts.time_frontend = time_frontend;
                 match workers.then(backend_beside_me).transpose() {
                     Ok(w) => {

@@ -108,6 +108,9 @@ pub struct CudaOpts {
     /// How long the in-process front end polls after a channel appears
     /// (`CudaConfig::new_channel_poll_ns`).
     pub new_channel_poll_ns: u64,
+    /// How long an idle channel still counts as active for batching
+    /// (`CudaConfig::batch_quiet_ns`).
+    pub batch_quiet_ns: u64,
     /// Time the in-process front end's parts (`CudaConfig::time_frontend`): the b2b
     /// section then reports each part's host time per GP entry.
     pub time_frontend: bool,
@@ -188,6 +191,7 @@ impl CudaOpts {
             doorbell_sleep_ns: CudaConfig::default().doorbell_sleep_ns,
             busy_poll_ns: CudaConfig::default().busy_poll_ns,
             new_channel_poll_ns: CudaConfig::default().new_channel_poll_ns,
+            batch_quiet_ns: CudaConfig::default().batch_quiet_ns,
             time_frontend: false,
         }
     }
@@ -615,6 +619,7 @@ pub fn run(opts: &CudaOpts) -> Result<Vec<Figure>, CudaSuiteError> {
         doorbell_sleep_ns: opts.doorbell_sleep_ns,
         busy_poll_ns: opts.busy_poll_ns,
         new_channel_poll_ns: opts.new_channel_poll_ns,
+        batch_quiet_ns: opts.batch_quiet_ns,
         time_frontend: opts.time_frontend,
         ..CudaConfig::default()
     };

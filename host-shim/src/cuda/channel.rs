@@ -8,8 +8,10 @@ use std::sync::{Arc, Mutex};
 use vgpu_protocol::ControlPage;
 
 use super::device::Device;
+use super::error::DeviceError;
 use super::frontend::FrontendStats;
-use super::plan::HostAction;
+use super::plan::{HostAction, Op, RefWrite};
+use crate::clock::now_ns;
 use crate::fifo::channel_core::ChannelCore;
 use crate::fifo::tables::FifoChannel;
 use crate::hal::ChannelCounters;
@@ -50,6 +52,10 @@ pub struct ChanState<D: Device> {
     /// Recent GP entries' time on the stream, start to end (1/8-weighted mean; 0 before
     /// the first): with entries in flight, about how long a drain of the channel waits.
     pub mean_entry_ns: u64,
+    /// The REF write the stream's last kernel left owed (its grid too large to signal
+    /// itself), kept for the next kernel to do as it starts: see
+    /// [`CudaChannel::settle_owed`] for why it is never lost or late.
+    pub owed_ref: Option<RefWrite>,
 }
 
 impl<D: Device> ChanState<D> {
@@ -115,6 +121,7 @@ impl<D: Device> CudaChannel<D> {
                 signal_count: None,
                 last_end: 0,
                 mean_entry_ns: 0,
+                owed_ref: None,
             }),
             busy_ns: AtomicU64::new(0),
             last_issue_ns: AtomicU64::new(0),
@@ -125,6 +132,65 @@ impl<D: Device> CudaChannel<D> {
 
     pub fn lock(&self) -> std::sync::MutexGuard<'_, ChanState<D>> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Issues the REF write `st` owes as a stream write, and moves the last batch's end
+    /// mark behind it (a batch of no entries when none is in flight).
+    ///
+    /// # Why an owed REF write is never lost, nor late
+    ///
+    /// A kernel too large to signal itself leaves its entry's REF write owed
+    /// ([`Device::issue`]). The front end keeps it only while the sweep that issued the
+    /// kernel ended on its batch limit with more entries fetchable, none of its entries
+    /// asks for a host action, and nothing failed: the next sweep then issues the next
+    /// entry, and its first op does the write as it starts (a kernel) or before it
+    /// (anything else), behind the owing kernel in stream order, so never early. Every
+    /// other way out of a sweep issues it: as a stream write before the batch's mark
+    /// ([`CudaChannel::issue_owed`]) when the batch will not be followed at once, and
+    /// here when a sweep issues nothing (its fetch is held, its caps are reached, the
+    /// GPU turn is another worker's, or the channel is stopped: drains come here through
+    /// [`CudaChannel::drained`]). So a write is owed for at most one sweep, and whatever
+    /// waits for the channel's last mark (retire, drains, migration) waits for it too:
+    /// the mark is recorded after it.
+    pub fn settle_owed(&self, dev: &D, st: &mut ChanState<D>) -> Result<(), DeviceError> {
+        if !self.issue_owed(dev, st)? {
+            return Ok(());
+        }
+        let end = dev.mark(&self.stream)?;
+        self.stats.end_marks.fetch_add(1, Ordering::Relaxed);
+        match st.inflight.back_mut() {
+            Some(last) => last.end = end,
+            None => st.inflight.push_back(Inflight {
+                entries: 0,
+                next_get: st.fetched,
+                issued_ns: now_ns(),
+                end,
+                runs: false,
+                host: Vec::new(),
+                waits: false,
+                copies: 0,
+                kernels: 0,
+                last_kernel: "",
+            }),
+        }
+        Ok(())
+    }
+
+    /// Issues the REF write `st` owes, if any, as a stream write (no mark: the caller
+    /// records one after it); whether there was one.
+    pub fn issue_owed(&self, dev: &D, st: &mut ChanState<D>) -> Result<bool, DeviceError> {
+        let Some(w) = st.owed_ref.take() else {
+            return Ok(false);
+        };
+        let write = Op::WriteValue {
+            ptr: w.ptr,
+            value: w.value,
+        };
+        if let Err(e) = dev.issue(&self.stream, &write, None) {
+            st.owed_ref = Some(w);
+            return Err(e);
+        }
+        Ok(true)
     }
 }
 

@@ -7,7 +7,7 @@ use std::ffi::CStr;
 use vgpu_protocol::module::ParamInfo;
 
 use super::error::DeviceError;
-use super::plan::Op;
+use super::plan::{Op, RefWrite};
 
 /// The granule of the VMM API calls ([`Device::create_physical`] and friends): 2 MiB,
 /// the H100's allocation granularity and the GPU MMU's huge page.
@@ -108,8 +108,18 @@ pub trait Device: Send + Sync + 'static {
     fn zero_device(&self, dst: u64, len: usize) -> Result<(), DeviceError>;
 
     fn create_stream(&self) -> Result<Self::Stream, DeviceError>;
-    /// Enqueues one operation; it runs after everything issued earlier on `s`.
-    fn issue(&self, s: &Self::Stream, op: &Op) -> Result<(), DeviceError>;
+    /// Enqueues one operation; it runs after everything issued earlier on `s`. `prior` is
+    /// a REF write the work before it owes, done first (by a builtin kernel itself as it
+    /// starts, else by a stream write). Returns the REF write `op` leaves owed: an
+    /// [`Op::LaunchSignal`] whose kernel could not signal itself (its grid is over the
+    /// signal's block limit); the caller issues it later, as a later op's `prior` or an
+    /// [`Op::WriteValue`].
+    fn issue(
+        &self,
+        s: &Self::Stream,
+        op: &Op,
+        prior: Option<RefWrite>,
+    ) -> Result<Option<RefWrite>, DeviceError>;
     fn mark(&self, s: &Self::Stream) -> Result<Self::Mark, DeviceError>;
     /// Whether the mark has been reached (never blocks).
     fn reached(&self, m: &Self::Mark) -> Result<bool, DeviceError>;

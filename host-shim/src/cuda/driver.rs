@@ -12,12 +12,40 @@ use vgpu_protocol::{KernelArgs, SemaphoreMode};
 
 use super::device::{Device, VM_GRANULE};
 use super::error::DeviceError;
-use super::plan::{Op, Signal};
+use super::plan::{Op, RefWrite, Signal};
 use crate::clock::now_ns;
 
 const KERNELS_CU: &str = include_str!("kernels.cu");
-/// The most parameters of a builtin kernel before its fence signal's three.
+/// The most parameters of a builtin kernel before its fence signal's three and its prior
+/// write's two (`kernels.cu`'s `VGPU_SIGNAL_PARAMS`).
 const MAX_PARAMS: usize = 8;
+/// Parameters every builtin kernel takes after its own.
+const TAIL_PARAMS: usize = 5;
+
+// The sgemm kernel indexes its matrices with 32-bit integers: every element index of an
+// m×k, k×n or m×n matrix must fit (kernels.cu).
+const _: () = assert!(
+    vgpu_protocol::kernel::MAX_DIM as u64 * vgpu_protocol::kernel::MAX_DIM as u64 <= 1 << 32
+);
+
+/// What a builtin kernel carries besides its own parameters: its GP entry's fence signal
+/// (written as it ends) and the REF write the work before it owes (written as it starts).
+#[derive(Clone, Copy, Default)]
+struct Tail<'a> {
+    signal: Option<&'a Signal>,
+    prior: Option<RefWrite>,
+}
+
+/// What a builtin launch did with its [`Tail`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Launched {
+    /// No kernel ran (an empty matrix or grid): neither write was done.
+    Nothing,
+    /// The kernel does the prior write, but its grid is too large to signal.
+    Unsignalled,
+    /// The kernel does both.
+    Signalled,
+}
 
 /// The names of the kernels in `kernels.cu`, in [`Kern`] order.
 const KERNEL_NAMES: [&CStr; 9] = [
@@ -43,6 +71,18 @@ enum Kern {
     Reduce,
     Checksum,
     Stencil,
+}
+
+impl Kern {
+    /// Whether the kernel does a prior REF write itself as it starts (`kernels.cu`'s
+    /// `VGPU_PRIOR`). The stencil does not: its 65,536 blocks of one element each ran
+    /// 17 % slower with the write (a system-scope release from one block; 4 % slower
+    /// even without the release) where a stream write before it costs 3 %, and the
+    /// prologue alone, never taken, cost it 2 % (H100, 2026-11-28). Saxpy's loop ran 3 %
+    /// faster with it.
+    fn does_prior(self) -> bool {
+        !matches!(self, Kern::Stencil)
+    }
 }
 
 fn check(call: &'static str, r: sys::CUresult) -> Result<(), DeviceError> {
@@ -340,7 +380,14 @@ impl CudaDevice {
                 &mut zero as *mut u64 as *mut c_void,
             ];
             let t0 = now_ns();
-            self.launch(s, Kern::Timestamp, (1, 1), (1, 1), &mut params, None)?;
+            self.launch(
+                s,
+                Kern::Timestamp,
+                (1, 1),
+                (1, 1),
+                &mut params,
+                Tail::default(),
+            )?;
             // SAFETY: `s` is a live stream.
             check("cuStreamSynchronize", unsafe {
                 sys::cuStreamSynchronize(s.0)
@@ -374,17 +421,27 @@ impl CudaDevice {
         grid: (u32, u32),
         block: (u32, u32),
         params: &mut [*mut c_void],
-        signal: Option<&Signal>,
-    ) -> Result<bool, DeviceError> {
+        tail: Tail<'_>,
+    ) -> Result<Launched, DeviceError> {
         let blocks = u64::from(grid.0) * u64::from(grid.1);
-        // Larger grids run long enough that a stream write after them costs nothing
-        // noticeable, and their blocks need not all count themselves done on one word.
+        // Larger grids' blocks need not all count themselves done on one word (on the
+        // H100 that slowed a 65,536-block stencil by ~50 %, 2026-11-28); their REF is
+        // owed, for the next kernel's prior write or a stream write.
         let max = self.signal_max_blocks.load(Ordering::Relaxed);
-        let signal = signal.filter(|_| blocks <= max);
-        // Every kernel ends with the signal's three parameters; null: no signal.
+        let signal = tail.signal.filter(|_| blocks <= max);
+        // Every kernel ends with the signal's three parameters and the prior write's
+        // two; null: none.
         let (mut ref_ptr, mut value, mut count) =
             signal.map_or((0u64, 0u32, 0u64), |g| (g.ptr, g.value, g.count));
-        let mut all = [std::ptr::null_mut::<c_void>(); MAX_PARAMS + 3];
+        let prior = match tail.prior {
+            Some(p) if !k.does_prior() => {
+                self.write_value(s, p.ptr, p.value)?;
+                None
+            }
+            p => p,
+        };
+        let (mut prior_ptr, mut prior_value) = prior.map_or((0u64, 0u32), |p| (p.ptr, p.value));
+        let mut all = [std::ptr::null_mut::<c_void>(); MAX_PARAMS + TAIL_PARAMS];
         let n = params.len();
         if n > MAX_PARAMS {
             return Err(DeviceError::Driver {
@@ -396,11 +453,14 @@ impl CudaDevice {
         all[n] = &mut ref_ptr as *mut u64 as *mut c_void;
         all[n + 1] = &mut value as *mut u32 as *mut c_void;
         all[n + 2] = &mut count as *mut u64 as *mut c_void;
+        all[n + 3] = &mut prior_ptr as *mut u64 as *mut c_void;
+        all[n + 4] = &mut prior_value as *mut u32 as *mut c_void;
         // SAFETY: `all` holds one pointer per kernel parameter, each to a live value of
         // the parameter's type (built by the caller from the kernel's signature, then the
-        // signal's u32*, u32, u32*), and every pointer argument names memory the planner
-        // checked against the context's mappings (REF: the channel's registered control
-        // page; the count: the channel's own device word).
+        // signal's u32*, u32, u32* and the prior write's u32*, u32), and every pointer
+        // argument names memory the planner checked against the context's mappings (REF
+        // and the prior REF: the channel's registered control page; the count: the
+        // channel's own device word).
         check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(
                 self.funcs[k as usize],
@@ -416,7 +476,11 @@ impl CudaDevice {
                 std::ptr::null_mut(),
             )
         })?;
-        Ok(signal.is_some())
+        Ok(if signal.is_some() {
+            Launched::Signalled
+        } else {
+            Launched::Unsignalled
+        })
     }
 
     /// A stream write of `value` at `ptr`.
@@ -432,41 +496,50 @@ impl CudaDevice {
         })
     }
 
-    /// Launches a builtin kernel and, with `signal`, writes REF after it: by the kernel
-    /// itself where it can, else by a stream write.
+    /// Launches a builtin kernel with its [`Tail`]; returns the REF write left owed: the
+    /// signal, where the kernel cannot do it (or none ran).
     fn launch_builtin(
         &self,
         s: &CudaStream,
         args: &KernelArgs,
-        signal: Option<&Signal>,
-    ) -> Result<(), DeviceError> {
-        let signalled = self.launch_args(s, args, signal)?;
-        match signal {
-            Some(g) if !signalled => self.write_value(s, g.ptr, g.value),
-            _ => Ok(()),
+        tail: Tail<'_>,
+    ) -> Result<Option<RefWrite>, DeviceError> {
+        let owed = tail.signal.map(|g| RefWrite {
+            ptr: g.ptr,
+            value: g.value,
+        });
+        match self.launch_args(s, args, tail)? {
+            Launched::Signalled => Ok(None),
+            Launched::Unsignalled => Ok(owed),
+            Launched::Nothing => {
+                if let Some(p) = tail.prior {
+                    self.write_value(s, p.ptr, p.value)?;
+                }
+                Ok(owed)
+            }
         }
     }
 
-    /// Launches a builtin kernel; returns whether it carries `signal`.
+    /// Launches a builtin kernel; says what it did with `tail`.
     fn launch_args(
         &self,
         s: &CudaStream,
         args: &KernelArgs,
-        signal: Option<&Signal>,
-    ) -> Result<bool, DeviceError> {
+        tail: Tail<'_>,
+    ) -> Result<Launched, DeviceError> {
         macro_rules! p {
             ($($v:ident),*) => { [$(&mut $v as *mut _ as *mut c_void),*] };
         }
         let blocks = |n: u64| (n.div_ceil(256).clamp(1, 8192)) as u32;
         match *args {
-            KernelArgs::Empty => self.launch(s, Kern::Empty, (1, 1), (1, 1), &mut [], signal),
+            KernelArgs::Empty => self.launch(s, Kern::Empty, (1, 1), (1, 1), &mut [], tail),
             KernelArgs::Spin { mut ns } => self.launch(
                 s,
                 Kern::Spin,
                 (self.spin_blocks, 1),
                 (1024, 1),
                 &mut p!(ns),
-                signal,
+                tail,
             ),
             KernelArgs::Memset {
                 mut dst,
@@ -480,7 +553,7 @@ impl CudaDevice {
                     (g, 1),
                     (256, 1),
                     &mut p!(dst, len, pattern),
-                    signal,
+                    tail,
                 )
             }
             KernelArgs::Saxpy {
@@ -494,7 +567,7 @@ impl CudaDevice {
                 (blocks(n), 1),
                 (256, 1),
                 &mut p!(x, y, n, a),
-                signal,
+                tail,
             ),
             KernelArgs::Sgemm {
                 mut a,
@@ -507,7 +580,7 @@ impl CudaDevice {
                 mut beta,
             } => {
                 if m == 0 || n == 0 {
-                    return Ok(false);
+                    return Ok(Launched::Nothing);
                 }
                 let grid = (n.div_ceil(64), m.div_ceil(64));
                 self.launch(
@@ -516,7 +589,7 @@ impl CudaDevice {
                     grid,
                     (256, 1),
                     &mut p!(a, b, c, m, n, k, alpha, beta),
-                    signal,
+                    tail,
                 )
             }
             KernelArgs::ReduceSum {
@@ -529,7 +602,7 @@ impl CudaDevice {
                 (1, 1),
                 (1024, 1),
                 &mut p!(src, n, dst),
-                signal,
+                tail,
             ),
             KernelArgs::Checksum {
                 mut src,
@@ -541,7 +614,7 @@ impl CudaDevice {
                 (1, 1),
                 (1024, 1),
                 &mut p!(src, len, dst),
-                signal,
+                tail,
             ),
             KernelArgs::Stencil2d {
                 mut src,
@@ -552,7 +625,7 @@ impl CudaDevice {
                 mut c_neighbor,
             } => {
                 if width == 0 || height == 0 {
-                    return Ok(false);
+                    return Ok(Launched::Nothing);
                 }
                 let grid = (width.div_ceil(32), height.div_ceil(8));
                 self.launch(
@@ -561,7 +634,7 @@ impl CudaDevice {
                     grid,
                     (32, 8),
                     &mut p!(src, dst, width, height, c_center, c_neighbor),
-                    signal,
+                    tail,
                 )
             }
             KernelArgs::Memcpy { .. } | KernelArgs::Timestamp { .. } => Err(DeviceError::Driver {
@@ -757,22 +830,51 @@ impl CudaDevice {
         r
     }
 
-    fn issue_op(&self, s: &CudaStream, op: &Op) -> Result<(), DeviceError> {
+    fn issue_op(
+        &self,
+        s: &CudaStream,
+        op: &Op,
+        prior: Option<RefWrite>,
+    ) -> Result<Option<RefWrite>, DeviceError> {
         self.current()?;
+        // A builtin kernel does the prior write itself as it starts; before anything
+        // else, a stream write does.
+        let kernel = matches!(
+            op,
+            Op::Launch(_) | Op::LaunchSignal(..) | Op::Timestamp { .. }
+        );
+        if let (Some(p), false) = (prior, kernel) {
+            self.write_value(s, p.ptr, p.value)?;
+        }
         match *op {
             Op::Launch(ref args) => {
                 log::trace!("cuda: launch {args:?}");
-                self.launch_builtin(s, args, None)
+                self.launch_builtin(
+                    s,
+                    args,
+                    Tail {
+                        signal: None,
+                        prior,
+                    },
+                )
             }
             Op::LaunchSignal(ref args, ref signal) => {
                 log::trace!("cuda: launch {args:?}, then REF {}", signal.value);
-                self.launch_builtin(s, args, Some(signal))
+                self.launch_builtin(
+                    s,
+                    args,
+                    Tail {
+                        signal: Some(signal),
+                        prior,
+                    },
+                )
             }
             // SAFETY: both ranges were checked by the planner (registered host memory or
             // device memory, `len` bytes each).
             Op::Copy { dst, src, len } => check("cuMemcpyAsync", unsafe {
                 sys::cuMemcpyAsync(dst, src, len as usize, s.0)
-            }),
+            })
+            .map(|()| None),
             Op::Timestamp { ptr } => {
                 if now_ns().saturating_sub(self.calibrated_at.load(Ordering::Relaxed))
                     > 1_000_000_000
@@ -786,10 +888,14 @@ impl CudaDevice {
                     &mut dst as *mut u64 as *mut c_void,
                     &mut off as *mut u64 as *mut c_void,
                 ];
-                self.launch(s, Kern::Timestamp, (1, 1), (1, 1), &mut params, None)
-                    .map(|_| ())
+                let tail = Tail {
+                    signal: None,
+                    prior,
+                };
+                self.launch(s, Kern::Timestamp, (1, 1), (1, 1), &mut params, tail)
+                    .map(|_| None)
             }
-            Op::WriteValue { ptr, value } => self.write_value(s, ptr, value),
+            Op::WriteValue { ptr, value } => self.write_value(s, ptr, value).map(|()| None),
             Op::LaunchFunction {
                 func,
                 grid,
@@ -831,6 +937,7 @@ impl CudaDevice {
                         extra,
                     )
                 })
+                .map(|()| None)
             }
             Op::WaitValue { ptr, value, mode } => {
                 let flags = match mode {
@@ -846,6 +953,7 @@ impl CudaDevice {
                 check("cuStreamWaitValue32", unsafe {
                     sys::cuStreamWaitValue32_v2(s.0, ptr, value, flags as u32)
                 })
+                .map(|()| None)
             }
         }
     }
@@ -860,7 +968,7 @@ impl CudaDevice {
             pattern: 0,
             len: 1 << 20,
         });
-        self.issue(&s, &op)?;
+        self.issue(&s, &op, None)?;
         // The fault shows at the next query of the stream: wait for it, so the context
         // is known lost even when no channel has work to notice it.
         let m = self.mark(&s)?;
@@ -1067,8 +1175,13 @@ impl Device for CudaDevice {
         Ok(CudaStream(s))
     }
 
-    fn issue(&self, s: &CudaStream, op: &Op) -> Result<(), DeviceError> {
-        let r = self.issue_op(s, op);
+    fn issue(
+        &self,
+        s: &CudaStream,
+        op: &Op,
+        prior: Option<RefWrite>,
+    ) -> Result<Option<RefWrite>, DeviceError> {
+        let r = self.issue_op(s, op, prior);
         self.note(r)
     }
 

@@ -15,7 +15,7 @@ use vgpu_protocol::module::ParamInfo;
 use super::device::Device;
 use super::error::DeviceError;
 use super::fake_modules::{self, FakeLaunch, TestKernel, TEST_GLOBAL};
-use super::plan::Op;
+use super::plan::{Op, RefWrite};
 
 /// The fake device's attributes: an H100 SXM's figures for a few that programs size
 /// their work by (compute capability, SMs, limits), so the guest path has values to carry.
@@ -127,6 +127,9 @@ pub struct FakeDevice {
     next_handle: AtomicU64,
     /// Physical allocations, reservations and mappings (the VMM API).
     vmm: super::fake_vmm::FakeVmm,
+    /// Kernels never write their fence signal themselves, as a real GPU's grids over
+    /// the signal's block limit: the REF write is left owed ([`Device::issue`]).
+    no_kernel_signals: AtomicBool,
 }
 
 struct FakeModule {
@@ -142,6 +145,12 @@ struct FakeFunction {
 }
 
 impl FakeDevice {
+    /// Makes kernels leave their fence signal owed (`true`), as a real GPU's large grids
+    /// do, or write it themselves (`false`, the default).
+    pub fn set_no_kernel_signals(&self, on: bool) {
+        self.no_kernel_signals.store(on, Ordering::Relaxed);
+    }
+
     /// Acts out a kernel that faulted the GPU (a wild write): the context is lost, and
     /// every later issue, mark and query fails with the driver's sticky error.
     pub fn poison(&self) {
@@ -440,8 +449,16 @@ impl Device for FakeDevice {
         })
     }
 
-    fn issue(&self, s: &FakeStream, op: &Op) -> Result<(), DeviceError> {
+    fn issue(
+        &self,
+        s: &FakeStream,
+        op: &Op,
+        prior: Option<RefWrite>,
+    ) -> Result<Option<RefWrite>, DeviceError> {
         self.check_poison()?;
+        // The stream runs one item after another, so the prior write as an item of its
+        // own before `op` is what a kernel doing it as it starts amounts to.
+        let mut owed = None;
         let work = match op {
             Op::LaunchFunction {
                 func,
@@ -450,6 +467,13 @@ impl Device for FakeDevice {
                 params,
                 ..
             } => Work::Function(self.resolve(*func, *grid, *block, params)?, self.memory()),
+            Op::LaunchSignal(args, signal) if self.no_kernel_signals.load(Ordering::Relaxed) => {
+                owed = Some(RefWrite {
+                    ptr: signal.ptr,
+                    value: signal.value,
+                });
+                Work::Op(Op::Launch(*args))
+            }
             op => Work::Op(op.clone()),
         };
         self.log
@@ -457,14 +481,20 @@ impl Device for FakeDevice {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(op.clone());
+        let mut q = s.sh.q.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = prior {
+            let seq = s.sh.issued.fetch_add(1, Ordering::AcqRel) + 1;
+            let write = Op::WriteValue {
+                ptr: p.ptr,
+                value: p.value,
+            };
+            q.ops.push_back((seq, Some(Work::Op(write)), None));
+        }
         let seq = s.sh.issued.fetch_add(1, Ordering::AcqRel) + 1;
-        s.sh.q
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .ops
-            .push_back((seq, Some(work), None));
+        q.ops.push_back((seq, Some(work), None));
+        drop(q);
         s.sh.cv.notify_all();
-        Ok(())
+        Ok(owed)
     }
 
     fn mark(&self, s: &FakeStream) -> Result<FakeMark, DeviceError> {

@@ -284,6 +284,13 @@ impl<D: Device> CudaChannel<D> {
         // The GPU writes REF itself, at any time: look on every sweep.
         self.core.wake_fence_waiter();
         if !issue {
+            // Nothing is issued behind what a kernel left owed: write it now.
+            let mut st = self.lock();
+            if let Err(e) = self.settle_owed(dev, &mut st) {
+                drop(st);
+                self.core.fault(e.fault_code(), 0);
+                return true;
+            }
             return progress;
         }
         match self.issue_new(dev, mem, old_scratch, limits) {
@@ -384,16 +391,34 @@ impl<D: Device> CudaChannel<D> {
         limits: IssueLimits,
     ) -> Result<bool, (ErrorCode, u64)> {
         let mut st = self.lock();
+        let fault = |e: super::DeviceError| (e.fault_code(), 0);
         // Read under the lock: see `ChannelCore::set_fetch_held`.
         if self.core.fetch_held()
             || st.inflight.len() >= limits.max_inflight
             || st.inflight.iter().any(|i| i.waits)
         {
+            // No kernel follows soon to write what the last one left owed.
+            self.settle_owed(dev, &mut st).map_err(fault)?;
             return Ok(false);
         }
         let mut batch: Option<Batch> = None;
         let res = self.issue_batch(dev, mem, old_scratch, &mut st, &mut batch, limits);
+        if batch.is_none() {
+            self.settle_owed(dev, &mut st).map_err(fault)?;
+        }
         if let Some(b) = batch {
+            // An owed REF write waits for the next sweep's first entry only when that
+            // sweep will issue it at once (`CudaChannel::settle_owed`).
+            let followed = res.is_ok()
+                && !b.waits
+                && b.host.is_empty()
+                && b.entries >= limits.batch
+                && !self.core.is_stopped()
+                && !self.core.fetch_held()
+                && vgpu_protocol::counter_after(self.core.load(ControlPage::GP_PUT), st.fetched);
+            if !followed {
+                self.issue_owed(dev, &mut st).map_err(fault)?;
+            }
             // Whatever was issued is tracked, even when a later entry faulted.
             let next_get = st.fetched;
             if b.waits {
@@ -501,9 +526,12 @@ impl<D: Device> CudaChannel<D> {
                     b.last_kernel = a.kernel().name();
                 }
                 // A launch the driver refuses (e.g. a grid beyond its limits) is the
-                // guest's bad argument, not a GPU failure.
-                dev.issue(&self.stream, op).map_err(|e| {
+                // guest's bad argument, not a GPU failure. What the work before owes
+                // is done by this op (`Device::issue`), or stays owed if it failed.
+                let prior = st.owed_ref.take();
+                st.owed_ref = dev.issue(&self.stream, op, prior).map_err(|e| {
                     log::debug!("cuda channel {:?}: issue {op:?}: {e}", self.core.id);
+                    st.owed_ref = prior;
                     (e.issue_code(), 0)
                 })?;
             }
@@ -537,9 +565,13 @@ impl<D: Device> CudaChannel<D> {
         vgpu_protocol::counter_after(put, self.lock().fetched)
     }
 
-    /// Whether every entry issued so far has completed on the GPU.
+    /// Whether every entry issued so far has completed on the GPU (a REF write still
+    /// owed is issued first, and waited for).
     pub fn drained(&self, dev: &D) -> bool {
-        let st = self.lock();
+        let mut st = self.lock();
+        if let Err(e) = self.settle_owed(dev, &mut st) {
+            log::warn!("cuda channel {:?}: REF write: {e}", self.core.id);
+        }
         st.inflight
             .back()
             .is_none_or(|last| dev.reached(&last.end).unwrap_or(true))
@@ -585,25 +617,23 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
             seen_gen = gen;
         }
         let mut progress = false;
-        // Batch completion marks only while a single channel is active (work on the GPU,
-        // or an entry issued within `batch_quiet_ns`): with several, a batch's span
-        // includes other channels' kernels interleaved with it and blurs the busy time the
-        // scheduler charges (measured on the H200: the fair policy's 10 ms vs 1 ms split
-        // went from 50/50 to 85/15 with batches of 32, even when limited to sweeps with
-        // one busy channel; docs/bench-logs/cuda-fairness-batching-*.txt). Channels that
-        // merely exist (a context's stager between copies, an idle application's) do not
-        // stop it; one that wakes up blurs at most the batches already in flight.
+        // Batch completion marks only while the active channels (work on the GPU, or an
+        // entry issued within `batch_quiet_ns`) all belong to one context: with several
+        // contexts, a batch's span includes other contexts' kernels interleaved with it
+        // and blurs the busy time the scheduler charges between them (measured on the
+        // H200: the fair policy's 10 ms vs 1 ms split went from 50/50 to 85/15 with
+        // batches of 32, even when limited to sweeps with one busy channel;
+        // docs/bench-logs/cuda-fairness-batching-*.txt). The scheduler shares the GPU
+        // between VMs and their processes, never between one context's channels, so a
+        // context's own stager and kernel channels may blur each other. Channels that
+        // merely exist (an idle application's) do not stop it; one that wakes up blurs
+        // at most the batches already in flight (about `queue_ahead_ns` of work).
         let now = now_ns();
         let quiet = shared.cfg.batch_quiet_ns;
-        let active = chans
-            .iter()
-            .filter(|c| c.recently_active(now, quiet))
-            .count();
-        let mut batch_limit = if active > 1 {
-            1
-        } else {
-            shared.cfg.batch.max(1)
-        };
+        let mut active = chans.iter().filter(|c| c.recently_active(now, quiet));
+        let first_ctx = active.next().map(|c| c.core.ctx);
+        let several = active.any(|c| Some(c.core.ctx) != first_ctx);
+        let mut batch_limit = if several { 1 } else { shared.cfg.batch.max(1) };
         let mut max_inflight = shared.cfg.max_inflight.max(1);
         let mut waiting_for_turn = false;
         let issue = match turn.as_mut() {

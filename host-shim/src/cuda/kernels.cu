@@ -25,8 +25,27 @@ __device__ __forceinline__ u64 vgpu_globaltimer() {
 // so one word per channel suffices. `ref` is null when the kernel signals nothing (the
 // native baseline's launches; grids too large to be worth it: the front end then issues
 // the write itself).
-#define VGPU_SIGNAL_PARAMS u32 *vgpu_ref = 0, u32 vgpu_ref_value = 0, u32 *vgpu_ref_count = 0
+//
+// The prior write: the REF write the stream's work before this kernel still owes (a kernel
+// whose grid was too large to signal itself ended just before this one, which starts only
+// after it: stream order). One thread stores it as the kernel starts, with release
+// semantics at system scope (cumulative over the earlier kernel's writes, which happen
+// before this kernel in stream order), where a stream write between the two kernels would
+// cost the GPU ~2.4 us (native CUDA's saxpy loop with a REF write after each kernel ran
+// 3.3 % slower on the H100, 2026-11-28). `vgpu_prior_ref` is null when nothing is owed.
+// The stencil has no prologue: it runs slower with the write than behind a stream write
+// (driver.rs, `Kern::does_prior`).
+#define VGPU_SIGNAL_PARAMS                                                                  \
+    u32 *vgpu_ref = 0, u32 vgpu_ref_value = 0, u32 *vgpu_ref_count = 0,                     \
+        u32 *vgpu_prior_ref = 0, u32 vgpu_prior_value = 0
 #define VGPU_SIGNAL , VGPU_SIGNAL_PARAMS
+#define VGPU_PRIOR vgpu_prior(vgpu_prior_ref, vgpu_prior_value)
+
+__device__ __forceinline__ void vgpu_prior(u32* ref, u32 value) {
+    if (ref == 0) return;
+    if ((blockIdx.x | blockIdx.y | blockIdx.z | threadIdx.x | threadIdx.y | threadIdx.z) != 0) return;
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(ref), "r"(value) : "memory");
+}
 
 __device__ __forceinline__ void vgpu_signal(u32* ref, u32 value, u32* count) {
     if (ref == 0) return;
@@ -46,12 +65,14 @@ __device__ __forceinline__ void vgpu_signal(u32* ref, u32 value, u32* count) {
 }
 
 extern "C" __global__ void vgpu_empty(VGPU_SIGNAL_PARAMS) {
+    VGPU_PRIOR;
     vgpu_signal(vgpu_ref, vgpu_ref_value, vgpu_ref_count);
 }
 
 // Each thread spins for `ns` nanoseconds of the GPU clock; launched with enough blocks to
 // fill every SM, it occupies the whole GPU.
 extern "C" __global__ void vgpu_spin(u64 ns VGPU_SIGNAL) {
+    VGPU_PRIOR;
     u64 start = vgpu_globaltimer();
     while (vgpu_globaltimer() - start < ns) {
     }
@@ -60,12 +81,14 @@ extern "C" __global__ void vgpu_spin(u64 ns VGPU_SIGNAL) {
 
 // Writes the GPU clock minus `offset` (so it reads as host CLOCK_MONOTONIC).
 extern "C" __global__ void vgpu_timestamp(u64* dst, u64 offset VGPU_SIGNAL) {
+    VGPU_PRIOR;
     *dst = vgpu_globaltimer() - offset;
     vgpu_signal(vgpu_ref, vgpu_ref_value, vgpu_ref_count);
 }
 
 // Byte i of the fill is byte (i % 4) of the little-endian pattern.
 extern "C" __global__ void vgpu_memset(unsigned char* dst, u64 len, u32 pattern VGPU_SIGNAL) {
+    VGPU_PRIOR;
     u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 w = (u64)blockIdx.x * blockDim.x + threadIdx.x; w * 4 < len; w += stride) {
         u64 i = w * 4;
@@ -81,6 +104,7 @@ extern "C" __global__ void vgpu_memset(unsigned char* dst, u64 len, u32 pattern 
 }
 
 extern "C" __global__ void vgpu_saxpy(const float* x, float* y, u64 n, float a VGPU_SIGNAL) {
+    VGPU_PRIOR;
     u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         y[i] = __fadd_rn(y[i], __fmul_rn(a, x[i]));
@@ -97,10 +121,15 @@ extern "C" __global__ void __launch_bounds__(256) vgpu_sgemm(const float* A, con
                                                              float* C, u32 m, u32 n, u32 k,
                                                              float alpha,
                                                              float beta VGPU_SIGNAL) {
+    VGPU_PRIOR;
     __shared__ float As[TK][TM + 1];
     __shared__ float Bs[TK][TN];
     u32 tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-    u64 row0 = (u64)blockIdx.y * TM, col0 = (u64)blockIdx.x * TN;
+    // 32-bit indices: the protocol caps m, n and k at 2^16 (MAX_DIM), so every index of
+    // an element inside a matrix is below 2^32, and out-of-range ones are never formed
+    // into an address. 64-bit address arithmetic made the loop ~11 % slower with both
+    // NVRTC and nvcc (1024^3 on the H100, 2026-11-28).
+    u32 row0 = blockIdx.y * TM, col0 = blockIdx.x * TN;
     float acc[4][4];
     for (int i = 0; i < 4; i++)
         for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
@@ -109,10 +138,10 @@ extern "C" __global__ void __launch_bounds__(256) vgpu_sgemm(const float* A, con
         for (int l = 0; l < 4; l++) {
             u32 e = threadIdx.x + 256 * l;
             u32 ar = e / TK, ac = e % TK;
-            u64 gr = row0 + ar, gc = p0 + ac;
+            u32 gr = row0 + ar, gc = p0 + ac;
             As[ac][ar] = (gr < m && gc < k) ? A[gr * k + gc] : 0.0f;
             u32 br = e / TN, bc = e % TN;
-            u64 hr = p0 + br, hc = col0 + bc;
+            u32 hr = p0 + br, hc = col0 + bc;
             Bs[br][bc] = (hr < k && hc < n) ? B[hr * n + hc] : 0.0f;
         }
         __syncthreads();
@@ -141,10 +170,10 @@ extern "C" __global__ void __launch_bounds__(256) vgpu_sgemm(const float* A, con
         __syncthreads();
     }
     for (int i = 0; i < 4; i++) {
-        u64 r = row0 + ty + 16 * i;
+        u32 r = row0 + ty + 16 * i;
         if (r >= m) continue;
         for (int j = 0; j < 4; j++) {
-            u64 c = col0 + tx + 16 * j;
+            u32 c = col0 + tx + 16 * j;
             if (c >= n) continue;
             float* cp = &C[r * n + c];
             *cp = __fadd_rn(__fmul_rn(alpha, acc[i][j]), __fmul_rn(beta, *cp));
@@ -157,6 +186,7 @@ extern "C" __global__ void __launch_bounds__(256) vgpu_sgemm(const float* A, con
 // stage the data through shared memory so the single adder never waits on DRAM.
 #define RB 1024
 extern "C" __global__ void vgpu_reduce_sum(const float* src, u64 n, float* dst VGPU_SIGNAL) {
+    VGPU_PRIOR;
     __shared__ float buf[2][RB];
     double sum = 0.0;
     u64 tiles = (n + RB - 1) / RB;
@@ -184,6 +214,7 @@ extern "C" __global__ void vgpu_reduce_sum(const float* src, u64 n, float* dst V
 // (which may be host memory across the PCIe/C2C link).
 #define CB 8192
 extern "C" __global__ void vgpu_checksum(const unsigned char* src, u64 len, u64* dst VGPU_SIGNAL) {
+    VGPU_PRIOR;
     __shared__ unsigned char buf[2][CB];
     u64 h = 0xcbf29ce484222325ULL;
     u64 tiles = (len + CB - 1) / CB;
@@ -213,6 +244,8 @@ extern "C" __global__ void vgpu_checksum(const unsigned char* src, u64 len, u64*
 // front end stages an overlapping source first).
 extern "C" __global__ void vgpu_stencil2d(const float* src, float* dst, u32 width, u32 height,
                                           float cc, float cn VGPU_SIGNAL) {
+    // No VGPU_PRIOR: the front end writes what is owed before this kernel (driver.rs,
+    // `Kern::does_prior`).
     u32 x = blockIdx.x * blockDim.x + threadIdx.x;
     u32 y = blockIdx.y * blockDim.y + threadIdx.y;
     // No early return: every thread reaches the signal's barrier.

@@ -88,12 +88,15 @@ pub struct CudaConfig {
     pub doorbell_sleep_ns: u64,
     /// How long `invalidate_tlb`/`destroy_context` wait for a context's GPU work.
     pub drain_timeout: Duration,
-    /// Most GP entries sharing one completion mark while the GPU has a single active
-    /// channel (with several, every entry gets its own mark, so busy time stays exact per
-    /// entry).
+    /// Most GP entries sharing one completion mark while the GPU's active channels
+    /// belong to a single context (with several contexts, every entry gets its own mark,
+    /// so busy time stays exact per entry).
     pub batch: u32,
     /// A channel with nothing on the GPU and no entry issued for this long does not count
-    /// as active for batching.
+    /// as active for batching. Default 5 ms: longer than the gaps of a channel whose
+    /// process waits for each entry before the next, shorter than a benchmark's CPU work
+    /// between two runs (the 100 ms before 2026-11-28 kept one context's readback
+    /// unbatching the next context's timed loop).
     pub batch_quiet_ns: u64,
     /// Most completion marks one channel may have on its stream at once.
     pub max_inflight: usize,
@@ -136,7 +139,7 @@ impl Default for CudaConfig {
             doorbell_sleep_ns: crate::fifo::doze::DEFAULT_SLEEP_NS,
             drain_timeout: Duration::from_secs(10),
             batch: 32,
-            batch_quiet_ns: 100_000_000,
+            batch_quiet_ns: 5_000_000,
             max_inflight: 64,
             queue_ahead_ns: 2_000_000,
             signal_max_blocks: 1,

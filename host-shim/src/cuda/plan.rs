@@ -66,6 +66,15 @@ pub struct Signal {
     pub count: u64,
 }
 
+/// A REF write owed to a stream: `value` into the channel's REF at `ptr`, once the work
+/// issued before it has completed (a kernel too large to signal itself leaves one; the
+/// next builtin kernel does it as it starts, else a stream write).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RefWrite {
+    pub ptr: u64,
+    pub value: u32,
+}
+
 /// What the front end does on the host once the entry's stream work has completed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HostAction {
