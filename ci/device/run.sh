@@ -13,8 +13,9 @@
 #
 # Suites (GPU: the cuda GPU; CPU: the sim, for a quiet many-core host):
 #   gpu         GPU   host-shim's cuda_gpu tests
-#   vram        GPU   the 3-VM VRAM stress on the GPU (bench/tests/vram_swap.rs three_vms;
-#                     SECS, default 60, EVICTIONS, default 4000)
+#   vram        GPU   the 3-VM VRAM stress on the GPU (bench/tests/vram_swap.rs three_vms:
+#                     in process, then through GPU workers; SECS, default 60, EVICTIONS,
+#                     default 4000)
 #   large       GPU   vgpu-bench cuda --large --only workloads against native CUDA
 #   cuda        GPU   the whole vgpu-bench cuda suite, standard sizes, against native CUDA
 #   swap        GPU   vgpu-bench swap --gpu cuda (oversubscription)
@@ -69,7 +70,7 @@ FUZZ_CRATES="protocol vgpu-backend"
 needs() {
     case "$1" in
         gpu) echo "test:vgpu-host-shim:cuda_gpu" ;;
-        vram) echo "test:vgpu-bench:vram_swap" ;;
+        vram) echo "test:vgpu-bench:vram_swap bin:vgpu-backend:vgpu-backend" ;;
         large|cuda|swap) echo "bin:vgpu-bench:vgpu-bench" ;;
         sandboxed) echo "test:vgpu-backend:sandboxed_daemon bin:vgpu-backend:vgpu-backend" \
                         "bin:vgpu-guest-tools:vgpu-smoke:native,loopback" ;;
@@ -172,8 +173,12 @@ suite_gpu() {
 }
 
 suite_vram() {
-    VGPU_TEST_GPU=cuda VGPU_SWAP_SECS="${SECS:-60}" VGPU_SWAP_EVICTIONS="${EVICTIONS:-4000}" \
-        timeout 200 "$B/vram_swap" three_vms --nocapture 2>&1 | tee "$O/vram_stress.txt" \
+    # three_vms_through_workers: the workers are this vgpu-backend, on the GPU. One test
+    # at a time: two stresses on one GPU lengthen each other's pauses.
+    VGPU_TEST_GPU=cuda VGPU_WORKER_GPU=cuda VGPU_BACKEND_BIN="$B/vgpu-backend" \
+        VGPU_SWAP_SECS="${SECS:-60}" VGPU_SWAP_EVICTIONS="${EVICTIONS:-4000}" \
+        timeout 400 "$B/vram_swap" three_vms --nocapture --test-threads 1 2>&1 \
+        | tee "$O/vram_stress.txt" \
         | grep -vE "^\s*$" | tail -8
 }
 

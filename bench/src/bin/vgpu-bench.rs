@@ -113,7 +113,7 @@ enum Suite {
         new_channel_poll_us: Option<u64>,
         /// How long a channel of the in-process GPU with nothing on the GPU still counts
         /// as active after its last entry, µs: while channels of two contexts are active
-        /// every GP entry gets its own completion mark [default: 5000].
+        /// every GP entry gets its own completion mark [default: 100000].
         #[arg(long)]
         batch_quiet_us: Option<u64>,
         /// Time the in-process front end's parts (fetch and plan, issue, marks, retire):

@@ -93,10 +93,10 @@ pub struct CudaConfig {
     /// so busy time stays exact per entry).
     pub batch: u32,
     /// A channel with nothing on the GPU and no entry issued for this long does not count
-    /// as active for batching. Default 5 ms: longer than the gaps of a channel whose
-    /// process waits for each entry before the next, shorter than a benchmark's CPU work
-    /// between two runs (the 100 ms before 2026-11-28 kept one context's readback
-    /// unbatching the next context's timed loop).
+    /// as active for batching. Default 100 ms: longer than the scheduler keeps a VM's
+    /// channel shadowed. With 5 ms the weights 1:2:4 split drifted from 0.01–0.12 to
+    /// 0.6–1.9 pp off (H100, 2026-11-28): a VM waiting out its slice went quiet, and the
+    /// others' batches blurred its charge when it came back.
     pub batch_quiet_ns: u64,
     /// Most completion marks one channel may have on its stream at once.
     pub max_inflight: usize,
@@ -139,7 +139,7 @@ impl Default for CudaConfig {
             doorbell_sleep_ns: crate::fifo::doze::DEFAULT_SLEEP_NS,
             drain_timeout: Duration::from_secs(10),
             batch: 32,
-            batch_quiet_ns: 5_000_000,
+            batch_quiet_ns: 100_000_000,
             max_inflight: 64,
             queue_ahead_ns: 2_000_000,
             signal_max_blocks: 1,
