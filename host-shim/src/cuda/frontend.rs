@@ -416,9 +416,12 @@ impl<D: Device> CudaChannel<D> {
                 && !self.core.is_stopped()
                 && !self.core.fetch_held()
                 && vgpu_protocol::counter_after(self.core.load(ControlPage::GP_PUT), st.fetched);
-            if !followed {
-                self.issue_owed(dev, &mut st).map_err(fault)?;
-            }
+            // (A failed write still lets the batch get its mark below.)
+            let owed = if followed {
+                Ok(false)
+            } else {
+                self.issue_owed(dev, &mut st)
+            };
             // Whatever was issued is tracked, even when a later entry faulted.
             let next_get = st.fetched;
             if b.waits {
@@ -450,6 +453,7 @@ impl<D: Device> CudaChannel<D> {
                     return Err((e.fault_code(), 0));
                 }
             }
+            owed.map_err(fault)?;
             return res.map(|_| true);
         }
         res
