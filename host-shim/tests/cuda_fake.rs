@@ -573,3 +573,46 @@ fn owed_ref_is_not_kept_for_an_entry_held_back_by_the_caps() {
         .collect();
     assert_eq!(kinds, ["kernel", "write", "kernel", "write"]);
 }
+
+/// Completion marks are shared by a batch of entries while the active channels belong to
+/// one context (its second channel, active, does not stop it), and not while a channel of
+/// another context is active (the scheduler charges contexts apart: a shared mark would
+/// blur their busy time), not even by the first batch of a channel that was quiet.
+#[test]
+fn fake_marks_are_shared_within_one_context_not_across_two() {
+    use std::time::Duration;
+    use vgpu_protocol::{KernelArgs, Method};
+    const T: Duration = Duration::from_secs(20);
+    let entries_per_mark = |other_context: bool| {
+        let g = gpu();
+        let a = common::Proc::new(&g, common::SYS_BASE);
+        let b = common::Proc::new(&g, common::SYS_BASE + (64 << 20));
+        // The other channel has run an entry just now: active for `batch_quiet_ns`.
+        let mut other = if other_context {
+            b.channel(0)
+        } else {
+            a.channel(1)
+        };
+        let m = other.launch(&KernelArgs::Spin { ns: 1_000 });
+        other.submit(&[m, Method::SetRef { value: 1 }]);
+        other.wait_idle(T).unwrap();
+        let mut ch = a.channel(0);
+        let entries = 48u32;
+        for i in 0..entries {
+            let m = ch.launch(&KernelArgs::Spin { ns: 100_000 });
+            ch.stage(&[m, Method::SetRef { value: 1 + i }]);
+        }
+        let before = g.frontend_counts();
+        ch.publish();
+        ch.wait_idle(T).unwrap();
+        let after = g.frontend_counts();
+        (after.entries - before.entries) as f64 / (after.end_marks - before.end_marks) as f64
+    };
+    let one_context = entries_per_mark(false);
+    let two_contexts = entries_per_mark(true);
+    assert!(
+        one_context >= 4.0,
+        "one context's channels share marks: {one_context} entries per mark"
+    );
+    assert_eq!(two_contexts, 1.0, "two contexts: a mark per entry");
+}

@@ -634,10 +634,16 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
         // at most the batches already in flight (about `queue_ahead_ns` of work).
         let now = now_ns();
         let quiet = shared.cfg.batch_quiet_ns;
-        let mut active = chans.iter().filter(|c| c.recently_active(now, quiet));
-        let first_ctx = active.next().map(|c| c.core.ctx);
-        let several = active.any(|c| Some(c.core.ctx) != first_ctx);
-        let mut batch_limit = if several { 1 } else { shared.cfg.batch.max(1) };
+        // A channel about to issue counts as active itself: one that was quiet must not
+        // issue its first batch on one mark beside another context's work.
+        let mut active = chans
+            .iter()
+            .filter(|c| c.recently_active(now, quiet))
+            .map(|c| c.core.ctx);
+        let first_ctx = active.next();
+        let several = active.any(|x| Some(x) != first_ctx);
+        let alone = |c: &CudaChannel<D>| !several && first_ctx.is_none_or(|x| x == c.core.ctx);
+        let mut batch_limit = shared.cfg.batch.max(1);
         let mut max_inflight = shared.cfg.max_inflight.max(1);
         let mut waiting_for_turn = false;
         let issue = match turn.as_mut() {
@@ -675,7 +681,7 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
                 &mut old_scratch,
                 &mut tl,
                 IssueLimits {
-                    batch: batch_limit,
+                    batch: if alone(ch) { batch_limit } else { 1 },
                     max_inflight,
                     queue_ahead_ns: shared.cfg.queue_ahead_ns,
                 },
