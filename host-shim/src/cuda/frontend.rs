@@ -413,9 +413,7 @@ impl<D: Device> CudaChannel<D> {
                 && !b.waits
                 && b.host.is_empty()
                 && b.entries >= limits.batch
-                && !self.core.is_stopped()
-                && !self.core.fetch_held()
-                && vgpu_protocol::counter_after(self.core.load(ControlPage::GP_PUT), st.fetched);
+                && self.fetchable(&st);
             // (A failed write still lets the batch get its mark below.)
             let owed = if followed {
                 Ok(false)
@@ -562,11 +560,14 @@ impl<D: Device> CudaChannel<D> {
 
     /// Whether GP_PUT is past what the front end fetched (work it could issue).
     pub fn has_pending(&self) -> bool {
-        if self.core.is_stopped() || self.core.fetch_held() {
-            return false;
-        }
-        let put = self.core.load(ControlPage::GP_PUT);
-        vgpu_protocol::counter_after(put, self.lock().fetched)
+        self.fetchable(&self.lock())
+    }
+
+    /// [`CudaChannel::has_pending`] with the state already locked.
+    fn fetchable(&self, st: &super::channel::ChanState<D>) -> bool {
+        !self.core.is_stopped()
+            && !self.core.fetch_held()
+            && vgpu_protocol::counter_after(self.core.load(ControlPage::GP_PUT), st.fetched)
     }
 
     /// Whether every entry issued so far has completed on the GPU (a REF write still
