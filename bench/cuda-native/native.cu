@@ -90,8 +90,10 @@ static void settle() {
 // `--mark-each` (an experiment, issue 34): after each kernel of the saxpy, sgemm and
 // hotspot loops, what vgpu's front end puts in the stream per GP entry: the fence's REF
 // write (cuStreamWriteValue32 into mapped host memory) and an untimed event;
-// `--mark-each ref` or `--mark-each event` puts only the one.
-static bool g_mark_each = false, g_mark_ref = true, g_mark_event = true;
+// `--mark-each ref` or `--mark-each event` puts only the one; `--mark-each timed` only an
+// event with timing (what vgpu's completion marks are: the scheduler's timeline reads
+// their times), `--mark-each ref+timed` both.
+static bool g_mark_each = false, g_mark_ref = true, g_mark_event = true, g_mark_timed = false;
 static cudaEvent_t g_marks[64];
 static CUdeviceptr g_ref_dev = 0;
 static void mark(int i) {
@@ -100,7 +102,8 @@ static void mark(int i) {
         u32* ref;
         CK(cudaHostAlloc(&ref, 4, cudaHostAllocMapped));
         CK(cudaHostGetDevicePointer((void**)&g_ref_dev, ref, 0));
-        for (auto& e : g_marks) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+        for (auto& e : g_marks)
+            CK(cudaEventCreateWithFlags(&e, g_mark_timed ? cudaEventDefault : cudaEventDisableTiming));
     }
     if (g_mark_ref && cuStreamWriteValue32(S, g_ref_dev, (cuuint32_t)i, 0) != CUDA_SUCCESS) {
         fprintf(stderr, "cuStreamWriteValue32 failed\n");
@@ -589,6 +592,9 @@ int main(int argc, char** argv) {
             g_mark_each = true;
             if (i + 1 < argc && !strcmp(argv[i + 1], "ref")) g_mark_event = false, i++;
             else if (i + 1 < argc && !strcmp(argv[i + 1], "event")) g_mark_ref = false, i++;
+            else if (i + 1 < argc && !strcmp(argv[i + 1], "timed"))
+                g_mark_ref = false, g_mark_timed = true, i++;
+            else if (i + 1 < argc && !strcmp(argv[i + 1], "ref+timed")) g_mark_timed = true, i++;
         }
         else if (!strcmp(argv[i], "--idle-ms") && i + 1 < argc) g_idle_ms = atoi(argv[++i]);
     }

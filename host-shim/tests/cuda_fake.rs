@@ -6,7 +6,7 @@ mod common;
 use std::sync::Arc;
 
 use common::cuda_cases::*;
-use vgpu_host_shim::cuda::{CudaConfig, FakeCudaGpu, FakeDevice};
+use vgpu_host_shim::cuda::{CudaConfig, FakeCudaGpu, FakeDevice, FakeSignals};
 
 fn gpu() -> Arc<FakeCudaGpu> {
     FakeCudaGpu::with_device(
@@ -394,9 +394,28 @@ fn fake_front_end_polls_for_a_new_channels_first_submission() {
     );
 }
 
+/// The REF values seen on `ch` (each change once) until it reads `last` or 20 s pass,
+/// looking again after `pause` (spinning without one).
+fn watch_ref(ch: &common::Chan, last: u32, pause: Option<std::time::Duration>) -> Vec<u32> {
+    use vgpu_protocol::ControlPage;
+    let t0 = std::time::Instant::now();
+    let mut seen = vec![];
+    while ch.ctrl.load(ControlPage::REF) != last && t0.elapsed().as_secs() < 20 {
+        let r = ch.ctrl.load(ControlPage::REF);
+        if seen.last() != Some(&r) {
+            seen.push(r);
+        }
+        match pause {
+            Some(p) => std::thread::sleep(p),
+            None => std::hint::spin_loop(),
+        }
+    }
+    seen
+}
+
 /// The fake with kernels that never write their fence signal themselves, as a real GPU's
-/// large grids: every entry's REF write is left owed, for the next kernel or a stream
-/// write (`CudaChannel::settle_owed`).
+/// large grids: every entry's REF write is left owed, for the next op of its batch or
+/// the front end's store once the batch's mark is reached (`DueRef`).
 fn owing_gpu() -> Arc<FakeCudaGpu> {
     owing_gpu_with(CudaConfig {
         vram_bytes: 64 << 20,
@@ -406,7 +425,7 @@ fn owing_gpu() -> Arc<FakeCudaGpu> {
 
 fn owing_gpu_with(cfg: CudaConfig) -> Arc<FakeCudaGpu> {
     let dev = Arc::new(FakeDevice::default());
-    dev.set_no_kernel_signals(true);
+    dev.set_kernel_signals(FakeSignals::None);
     FakeCudaGpu::with_device(dev, cfg).unwrap()
 }
 
@@ -436,12 +455,13 @@ fn owed_ref_resumed_channel_continues_at_its_saved_position() {
 }
 
 /// Kernels that cannot signal themselves (issue 34): of a loop of entries published at
-/// once, each entry's REF write rides on the next entry's kernel, which does it as it
-/// starts; only the last of a run of entries takes a stream write. REF never runs ahead
-/// of the work (it moves in order, to each entry's value) and ends at the last.
+/// once, each entry's REF write rides on the next kernel of its batch, which does it as
+/// it starts, and the front end stores the batch's last once its mark is reached: no
+/// stream write between kernels. REF never runs ahead of the work (it moves in order, to
+/// each entry's value) and ends at the last.
 #[test]
 fn owed_ref_writes_ride_on_the_next_kernel() {
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
     use vgpu_host_shim::cuda::plan::Op;
     use vgpu_protocol::{ControlPage, KernelArgs, Method};
     const T: Duration = Duration::from_secs(20);
@@ -455,15 +475,7 @@ fn owed_ref_writes_ride_on_the_next_kernel() {
     }
     let log_before = g.device().log.ops.lock().unwrap().len();
     ch.publish();
-    let t0 = Instant::now();
-    let mut seen = vec![];
-    while ch.ctrl.load(ControlPage::REF) != entries && t0.elapsed() < T {
-        let r = ch.ctrl.load(ControlPage::REF);
-        if seen.last() != Some(&r) {
-            seen.push(r);
-        }
-        std::thread::sleep(Duration::from_micros(50));
-    }
+    let seen = watch_ref(&ch, entries, Some(Duration::from_micros(50)));
     ch.wait_idle(T).unwrap();
     assert_eq!(
         ch.ctrl.load(ControlPage::REF),
@@ -485,11 +497,59 @@ fn owed_ref_writes_ride_on_the_next_kernel() {
         .filter(|o| matches!(o, Op::WriteValue { .. }))
         .count();
     assert_eq!(launches, entries as usize);
-    // One per run of entries the front end issued together (batches of up to 32, and
-    // the sweeps that found the ring's tail): far fewer than one per entry.
+    assert_eq!(stream_writes, 0, "no stream REF writes");
+}
+
+/// A kernel that cannot do the REF write the batch owes as it starts (the stencil) starts
+/// a batch of its own instead of taking a stream write before it: the mark between takes
+/// the write, and the stream holds the kernels and marks alone. REF still ends at the
+/// last entry's value, moving only forward.
+#[test]
+fn owed_ref_before_a_stencil_ends_the_batch_instead_of_a_stream_write() {
+    use std::time::Duration;
+    use vgpu_host_shim::cuda::plan::Op;
+    use vgpu_protocol::{ControlPage, KernelArgs, Method};
+    const T: Duration = Duration::from_secs(20);
+    let g = owing_gpu();
+    let p = common::Proc::new(&g, common::SYS_BASE);
+    let mut ch = p.channel(0);
+    let (a, b) = (
+        common::SYS_VA + common::DATA_OFF,
+        common::SYS_VA + common::DATA_OFF + 0x1_0000,
+    );
+    let entries = 32u32;
+    for i in 0..entries {
+        let (src, dst) = if i % 2 == 0 { (a, b) } else { (b, a) };
+        let m = ch.launch(&KernelArgs::Stencil2d {
+            src,
+            dst,
+            width: 64,
+            height: 64,
+            c_center: 0.5,
+            c_neighbor: 0.125,
+        });
+        ch.stage(&[m, Method::SetRef { value: 1 + i }]);
+    }
+    let log_before = g.device().log.ops.lock().unwrap().len();
+    let marks_before = g.frontend_counts().end_marks;
+    ch.publish();
+    let seen = watch_ref(&ch, entries, None);
+    ch.wait_idle(T).unwrap();
+    assert_eq!(ch.ctrl.load(ControlPage::REF), entries);
     assert!(
-        (1..=entries as usize / 8).contains(&stream_writes),
-        "{stream_writes} stream REF writes for {entries} entries"
+        seen.windows(2).all(|w| w[0] < w[1]),
+        "REF moved forward only: {seen:?}"
+    );
+    let ops = g.device().log.ops.lock().unwrap()[log_before..].to_vec();
+    let writes = ops
+        .iter()
+        .filter(|o| matches!(o, Op::WriteValue { .. }))
+        .count();
+    assert_eq!(writes, 0, "no stream REF writes: {ops:?}");
+    assert_eq!(
+        g.frontend_counts().end_marks - marks_before,
+        u64::from(entries),
+        "a mark between every two stencils"
     );
 }
 
@@ -529,7 +589,7 @@ fn owed_ref_is_written_before_a_held_channel_counts_as_drained() {
     let reference = ch.ctrl.load(ControlPage::REF);
     let issued = g.frontend_counts().entries - before;
     assert!(issued > 0, "some entries were issued before the hold");
-    // GP_GET follows at the front end's next retire; REF is on the stream.
+    // GP_GET follows at the front end's next retire; REF was stored by the drain.
     assert_eq!(
         u64::from(reference),
         issued,
@@ -540,29 +600,39 @@ fn owed_ref_is_written_before_a_held_channel_counts_as_drained() {
     assert_eq!(ch.ctrl.load(ControlPage::REF), 8);
 }
 
-/// A REF write is not left waiting for a next entry that cannot be issued yet: with at
-/// most one completion mark in flight, the second entry waits for the first to complete,
-/// so the first's REF goes on the stream as a write of its own, right behind its kernel.
+/// With a mark per entry, each entry's owed REF write is the front end's store once its
+/// mark is reached, not a stream write: the stream holds the kernels alone, and REF shows
+/// every entry's value in turn, each soon after its kernel ends.
 #[test]
-fn owed_ref_is_not_kept_for_an_entry_held_back_by_the_caps() {
+fn owed_ref_of_each_batch_is_stored_by_the_front_end_at_its_mark() {
     use std::time::Duration;
     use vgpu_host_shim::cuda::plan::Op;
-    use vgpu_protocol::{KernelArgs, Method};
+    use vgpu_protocol::{ControlPage, KernelArgs, Method};
+    const T: Duration = Duration::from_secs(20);
     let g = owing_gpu_with(CudaConfig {
         vram_bytes: 64 << 20,
         batch: 1,
-        max_inflight: 1,
         ..Default::default()
     });
     let p = common::Proc::new(&g, common::SYS_BASE);
     let mut ch = p.channel(0);
-    for i in 0..2u32 {
+    let entries = 4u32;
+    for i in 0..entries {
         let m = ch.launch(&KernelArgs::Spin { ns: 20_000_000 });
         ch.stage(&[m, Method::SetRef { value: 1 + i }]);
     }
     let before = g.device().log.ops.lock().unwrap().len();
     ch.publish();
-    ch.wait_idle(Duration::from_secs(20)).unwrap();
+    let mut seen = watch_ref(&ch, entries, Some(Duration::from_micros(200)));
+    seen.insert(0, 0);
+    ch.wait_idle(T).unwrap();
+    seen.push(ch.ctrl.load(ControlPage::REF));
+    seen.dedup();
+    assert_eq!(
+        seen,
+        [0, 1, 2, 3, 4],
+        "REF took every entry's value in turn"
+    );
     let kinds: Vec<&str> = g.device().log.ops.lock().unwrap()[before..]
         .iter()
         .map(|o| match o {
@@ -571,7 +641,51 @@ fn owed_ref_is_not_kept_for_an_entry_held_back_by_the_caps() {
             _ => "other",
         })
         .collect();
-    assert_eq!(kinds, ["kernel", "write", "kernel", "write"]);
+    assert_eq!(kinds, ["kernel"; 4]);
+}
+
+/// Where some kernels write their REF themselves (one-block grids, on the GPU) and others
+/// leave it to the front end's store at their mark, REF still moves only forward, in
+/// order, through the entries' values: a store at a mark never undoes a later value the
+/// GPU wrote meanwhile (`DueRef`).
+#[test]
+fn owed_ref_stores_and_kernel_signals_keep_ref_in_order() {
+    use std::time::Duration;
+    use vgpu_protocol::{ControlPage, KernelArgs, Method};
+    const T: Duration = Duration::from_secs(20);
+    for batch in [1, 4] {
+        let dev = Arc::new(FakeDevice::default());
+        dev.set_kernel_signals(FakeSignals::OneBlock);
+        let g = FakeCudaGpu::with_device(
+            dev,
+            CudaConfig {
+                vram_bytes: 64 << 20,
+                batch,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let p = common::Proc::new(&g, common::SYS_BASE);
+        let mut ch = p.channel(0);
+        let entries = 48u32;
+        for i in 0..entries {
+            let kernel = if i % 3 == 0 {
+                KernelArgs::Spin { ns: 300_000 }
+            } else {
+                KernelArgs::Empty
+            };
+            let m = ch.launch(&kernel);
+            ch.stage(&[m, Method::SetRef { value: 1 + i }]);
+        }
+        ch.publish();
+        let seen = watch_ref(&ch, entries, None);
+        ch.wait_idle(T).unwrap();
+        assert_eq!(ch.ctrl.load(ControlPage::REF), entries, "batch {batch}");
+        assert!(
+            seen.windows(2).all(|w| w[0] < w[1]),
+            "batch {batch}: REF moved forward only: {seen:?}"
+        );
+    }
 }
 
 /// Completion marks are shared by a batch of entries while the active channels belong to
@@ -615,4 +729,45 @@ fn fake_marks_are_shared_within_one_context_not_across_two() {
         "one context's channels share marks: {one_context} entries per mark"
     );
     assert_eq!(two_contexts, 1.0, "two contexts: a mark per entry");
+}
+
+/// A context alone on the GPU gets completion marks without timing (an event with timing
+/// costs the GPU ~1.4 µs between kernels) and is still charged its busy time, up to when
+/// the front end saw each mark reached; while another context is active, the marks
+/// record the GPU's time again, so the timeline splits it between the two.
+#[test]
+fn fake_marks_are_untimed_only_while_a_context_is_alone() {
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+    use vgpu_host_shim::hal::Gpu;
+    use vgpu_protocol::{KernelArgs, Method};
+    const T: Duration = Duration::from_secs(20);
+    let g = gpu();
+    let a = common::Proc::new(&g, common::SYS_BASE);
+    let b = common::Proc::new(&g, common::SYS_BASE + (64 << 20));
+    let untimed = || g.device().log.untimed_marks.load(Ordering::Relaxed);
+    let mut ch = a.channel(0);
+    let run = |ch: &mut common::Chan, first: u32| {
+        for i in 0..8 {
+            let m = ch.launch(&KernelArgs::Spin { ns: 1_000_000 });
+            ch.submit(&[m, Method::SetRef { value: first + i }]);
+        }
+        ch.wait_idle(T).unwrap();
+    };
+    let before = untimed();
+    run(&mut ch, 1);
+    assert!(untimed() > before, "alone: untimed marks");
+    let busy = g.channel_counters(ch.id).unwrap().busy_ns;
+    assert!(
+        busy >= 8_000_000,
+        "alone: charged {busy} ns for 8 ms of kernels"
+    );
+    // The other context has run an entry just now: active for `batch_quiet_ns`.
+    let mut other = b.channel(0);
+    let m = other.launch(&KernelArgs::Spin { ns: 1_000 });
+    other.submit(&[m, Method::SetRef { value: 1 }]);
+    other.wait_idle(T).unwrap();
+    let before = untimed();
+    run(&mut ch, 9);
+    assert_eq!(untimed(), before, "two contexts: every mark timed");
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use thiserror::Error;
 use vgpu_backend::{VgpuBackend, VmLimits};
-use vgpu_guest::workloads::Workload;
+use vgpu_guest::workloads::{Expected, Workload};
 use vgpu_guest::Device;
 use vgpu_host_shim::{HalError, SimConfig, SimGpu};
 use vgpu_loopback::{LoopbackConfig, LoopbackVm};
@@ -143,13 +143,15 @@ pub fn run(opts: &VirtOpts) -> Result<Vec<Figure>, VirtSuiteError> {
         };
         let (mut n, mut g, mut f) = (Vec::new(), Vec::new(), Vec::new());
         // Warm-up on every side, then alternate so drift hits all equally.
-        w.run(&nctx)?;
-        w.run(&gctx)?;
-        w.run(&fctx)?;
+        // The CPU reference once (`Expected`), every run checked against it.
+        let mut expected = Expected::default();
+        w.run_expecting(&nctx, &mut expected)?;
+        w.run_expecting(&gctx, &mut expected)?;
+        w.run_expecting(&fctx, &mut expected)?;
         for _ in 0..opts.reps {
-            n.push(w.run(&nctx)?.elapsed.as_secs_f64());
-            g.push(w.run(&gctx)?.elapsed.as_secs_f64());
-            f.push(w.run(&fctx)?.elapsed.as_secs_f64());
+            n.push(w.run_expecting(&nctx, &mut expected)?.elapsed.as_secs_f64());
+            g.push(w.run_expecting(&gctx, &mut expected)?.elapsed.as_secs_f64());
+            f.push(w.run_expecting(&fctx, &mut expected)?.elapsed.as_secs_f64());
         }
         // Best of N on each side: interference on a small shared host only ever adds
         // time, so the minimum is the least noisy estimate of what each path costs.

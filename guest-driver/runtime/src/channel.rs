@@ -93,6 +93,9 @@ pub struct Channel {
     /// How long recent fence waits took, ns (a 1/4-weighted average): a loop's next wait
     /// keeps the core through about that long instead of napping past its end.
     expected_wait_ns: std::sync::atomic::AtomicU64,
+    /// The context's expectation, which this channel's waits update (application
+    /// channels only).
+    context_wait_ns: Option<Arc<AtomicU64>>,
     /// How many times a fence wait went to sleep on the device's events, and how many
     /// of those sleeps an event ended (the others ran out: the waiter's own re-check).
     fence_sleeps: AtomicU64,
@@ -145,7 +148,13 @@ fn alloc_wait(arena: &mut RingArena, control: &ControlView, len: u64, align: u64
 
 impl Channel {
     pub(crate) fn new(ctx: &Context, opts: ChannelOptions) -> Result<Self> {
-        Self::with_link(ctx.inner(), CtxLink::keeping(ctx.inner()), opts)
+        let mut ch = Self::with_link(ctx.inner(), CtxLink::keeping(ctx.inner()), opts)?;
+        // An application's channel learns from, and teaches, its context's waits (the
+        // stager's copies are no guide to the application's loops).
+        let shared = ctx.inner().expected_wait_ns.clone();
+        ch.expected_wait_ns = AtomicU64::new(shared.load(Ordering::Relaxed));
+        ch.context_wait_ns = Some(shared);
+        Ok(ch)
     }
 
     /// A channel in `inner` that reaches it through `link` (see [`CtxLink`]).
@@ -224,6 +233,7 @@ impl Channel {
             args: RingArena::new(opts.arg_bytes),
             submitted: 0,
             expected_wait_ns: std::sync::atomic::AtomicU64::new(0),
+            context_wait_ns: None,
             fence_sleeps: AtomicU64::new(0),
             fence_wakeups: AtomicU64::new(0),
             sleep_on_events: true,
@@ -498,9 +508,18 @@ impl Channel {
         wait_until(deadline, expected, done, block)?;
         let took = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
         let old = self.expected_wait_ns.load(Relaxed);
-        self.expected_wait_ns
-            .store(old - old / 4 + took / 4, Relaxed);
+        let new = old - old / 4 + took / 4;
+        self.expected_wait_ns.store(new, Relaxed);
+        if let Some(shared) = &self.context_wait_ns {
+            shared.store(new, Relaxed);
+        }
         Ok(())
+    }
+
+    /// About how long this channel expects its next fence wait to take (its recent waits
+    /// or, before its first, those of its context's last application channel).
+    pub fn expected_wait(&self) -> Duration {
+        Duration::from_nanos(self.expected_wait_ns.load(Ordering::Relaxed))
     }
 
     /// How many times this channel's fence waits slept on the device's events, and how

@@ -19,6 +19,11 @@ pub(crate) struct CtxInner {
     /// The copy channel and guest-RAM buffer that move bytes to and from VRAM the CPU
     /// cannot map ([`Stager`]), made on first need.
     stager: Mutex<Option<Stager>>,
+    /// How long the application's channels' recent fence waits took, ns: what a new
+    /// channel of the context expects of its first waits (an application that makes a
+    /// channel per loop, as the workloads do, would otherwise start each loop knowing
+    /// nothing and nap past its end).
+    pub(crate) expected_wait_ns: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl CtxInner {
@@ -163,6 +168,7 @@ impl Context {
                 handle: made.handle,
                 va: Mutex::new(va),
                 stager: Mutex::new(None),
+                expected_wait_ns: Arc::default(),
             }),
         })
     }

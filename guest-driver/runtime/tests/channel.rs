@@ -258,3 +258,28 @@ fn copies_between_vram_and_host() {
     v.read(0, &mut got).unwrap();
     assert_eq!(got, data);
 }
+
+/// A new channel starts with what its context's last application channel learnt of its
+/// fence waits, so a program that makes a channel per loop does not start each loop
+/// knowing nothing (and nap past its end); the stager's copies teach it nothing.
+#[test]
+fn a_new_channel_expects_its_contexts_recent_waits() {
+    let (_gpu, dev) = common::device();
+    let ctx = dev.create_context().unwrap();
+    let mut first = ctx.create_channel().unwrap();
+    assert_eq!(first.expected_wait(), Duration::ZERO, "nothing learnt yet");
+    for _ in 0..4 {
+        first
+            .launch(&KernelArgs::Spin { ns: 2_000_000 }, [1, 1, 1])
+            .unwrap();
+        let f = first.submit().unwrap();
+        first.wait(f).unwrap();
+    }
+    let learnt = first.expected_wait();
+    assert!(learnt >= Duration::from_micros(500), "{learnt:?}");
+    // A copy through the stager waits too, on a channel of its own.
+    let buf = ctx.alloc_vram(1 << 20).unwrap();
+    buf.write_f32(0, &[1.0; 1024]).unwrap();
+    let second = ctx.create_channel().unwrap();
+    assert_eq!(second.expected_wait(), learnt);
+}

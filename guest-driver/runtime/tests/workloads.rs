@@ -165,3 +165,39 @@ fn every_workload_at_benchmark_size_verifies() {
         assert!(r.verified);
     }
 }
+
+/// A caller that keeps a workload's `Expected` between runs computes the CPU reference
+/// once, and every run is still checked against it: one kept from another configuration
+/// (other inputs) makes the run fail with a mismatch rather than pass unchecked.
+#[test]
+fn kept_expected_results_still_check_every_run() {
+    let (_gpu, dev) = common::device();
+    let ctx = dev.create_context().unwrap();
+    for name in ["saxpy", "sgemm", "hotspot"] {
+        let w = Workload::by_name(name, true).unwrap();
+        let mut expected = Expected::default();
+        for _ in 0..3 {
+            let r = w.run_expecting(&ctx, &mut expected).unwrap();
+            assert!(r.verified, "{name}: {r:?}");
+        }
+        let other = match w.clone() {
+            Workload::Saxpy(c) => Workload::Saxpy(SaxpyConfig {
+                seed: c.seed + 1,
+                ..c
+            }),
+            Workload::Sgemm(c) => Workload::Sgemm(SgemmConfig {
+                seed: c.seed + 1,
+                ..c
+            }),
+            Workload::Hotspot(c) => Workload::Hotspot(HotspotConfig {
+                seed: c.seed + 1,
+                ..c
+            }),
+            _ => unreachable!(),
+        };
+        match other.run_expecting(&ctx, &mut expected) {
+            Err(vgpu_guest::Error::Mismatch { .. }) => {}
+            r => panic!("{name}: another input checked against the kept result: {r:?}"),
+        }
+    }
+}

@@ -153,10 +153,12 @@ pub fn run(opts: &GuestOpts) -> Result<Vec<Figure>, GuestSuiteError> {
         let Some(w) = Workload::by_name(name, opts.small) else {
             continue;
         };
-        w.run(&ctx)?;
+        // The CPU reference once, every run checked against it.
+        let mut expected = vgpu_guest::workloads::Expected::default();
+        w.run_expecting(&ctx, &mut expected)?;
         let mut t = Vec::new();
         for _ in 0..opts.reps.max(1) {
-            t.push(w.run(&ctx)?.elapsed.as_secs_f64());
+            t.push(w.run_expecting(&ctx, &mut expected)?.elapsed.as_secs_f64());
         }
         figs.push(fig(
             &format!("{name}_{side}"),

@@ -11,7 +11,6 @@ use super::device::Device;
 use super::error::DeviceError;
 use super::frontend::FrontendStats;
 use super::plan::{HostAction, Op, RefWrite};
-use crate::clock::now_ns;
 use crate::fifo::channel_core::ChannelCore;
 use crate::fifo::tables::FifoChannel;
 use crate::hal::ChannelCounters;
@@ -33,6 +32,8 @@ pub struct Inflight<M> {
     pub copies: u64,
     pub kernels: u64,
     pub last_kernel: &'static str,
+    /// The REF value to store once the mark is reached.
+    pub due_ref: Option<DueRef>,
 }
 
 /// Front-end state of a channel (touched by the front end and by drains).
@@ -52,10 +53,50 @@ pub struct ChanState<D: Device> {
     /// Recent GP entries' time on the stream, start to end (1/8-weighted mean; 0 before
     /// the first): with entries in flight, about how long a drain of the channel waits.
     pub mean_entry_ns: u64,
-    /// The REF write the stream's last kernel left owed (its grid too large to signal
-    /// itself), kept for the next kernel to do as it starts: see
-    /// [`CudaChannel::settle_owed`] for why it is never lost or late.
+    /// The REF write the stream's last op left owed (a kernel whose grid is too large to
+    /// signal itself), for the next op of the batch to do first; the batch's mark takes
+    /// what is still owed when it ends ([`DueRef`]). Never kept past a sweep.
     pub owed_ref: Option<RefWrite>,
+    /// REF's value in stream order just before `owed_ref`'s.
+    pub owed_from: u32,
+    /// The last REF value issued, in stream order (done or owed).
+    pub ref_last: u32,
+    /// REF writes issued to the GPU (kernels' signals, prior writes, stream writes).
+    pub gpu_ref_writes: u64,
+}
+
+/// A REF value the front end stores itself once its batch's mark is reached: the batch's
+/// last kernel could not write it (its grid is too large to signal itself), and no op
+/// followed in the batch to do it. Where a stream write between two kernels costs the
+/// GPU ~2.4 µs (H100, 2026-11-28), the host's store costs it nothing.
+///
+/// # Why REF is never early, never lost and never undone
+///
+/// - *Never early.* A due value is stored once its batch's mark is reached, and the mark
+///   is recorded after the kernel that owes it, which has therefore completed, with all
+///   stream work before it. An owed write done by the next op of the batch runs after the
+///   owing kernel in stream order.
+/// - *Never lost.* An owed write is done by the next op of its batch
+///   ([`CudaChannel::issue_op`]) or taken by the batch's mark, which every batch gets (also
+///   one cut short by a faulting entry; only a failing mark faults the whole channel).
+///   A reached batch's due value is stored by the front end's retire, or before that by
+///   [`CudaChannel::drained`]: a channel counts as drained (pauses, VRAM moves,
+///   migration) only with its REF stored.
+/// - *Never undone.* REF holds the last value in stream order. Due values are stored in
+///   batch order under the channel's lock, so a later due value never precedes an
+///   earlier one. If no REF write went to the GPU after the batch's mark
+///   (`gpu_writes` unchanged), no later value can be in REF yet: a plain store. Otherwise
+///   the GPU may already have written a later one, and the store is a compare-and-swap
+///   from `from`, the value REF holds in stream order just before this one: it lands
+///   only where no later value has. (A guest whose `SET_REF` values repeat can see the
+///   swap miss on an equal later value: REF then holds that value; its own channel only.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DueRef {
+    pub value: u32,
+    /// REF's value in stream order just before this one.
+    pub from: u32,
+    /// [`ChanState::gpu_ref_writes`] when the batch's mark was recorded.
+    pub gpu_writes: u64,
 }
 
 impl<D: Device> ChanState<D> {
@@ -72,6 +113,15 @@ impl<D: Device> ChanState<D> {
         } else {
             super::timeline::mean_with(self.mean_entry_ns, per_entry)
         };
+    }
+
+    /// The REF write still owed as a batch ends: its mark takes it.
+    pub fn take_due(&mut self) -> Option<DueRef> {
+        self.owed_ref.take().map(|w| DueRef {
+            value: w.value,
+            from: self.owed_from,
+            gpu_writes: self.gpu_ref_writes,
+        })
     }
 
     /// Most GP entries this channel may have in flight so that about `queue_ahead_ns`
@@ -111,6 +161,8 @@ impl<D: Device> CudaChannel<D> {
     pub fn new(core: ChannelCore, stream: D::Stream, stats: Arc<FrontendStats>) -> Self {
         let ref_ptr = core.gpu_field_addr(ControlPage::REF);
         let fetched = core.start_get();
+        // Where a migrated channel's REF stood.
+        let ref_last = core.load(ControlPage::REF);
         CudaChannel {
             core,
             stream,
@@ -122,6 +174,9 @@ impl<D: Device> CudaChannel<D> {
                 last_end: 0,
                 mean_entry_ns: 0,
                 owed_ref: None,
+                owed_from: 0,
+                ref_last,
+                gpu_ref_writes: 0,
             }),
             busy_ns: AtomicU64::new(0),
             last_issue_ns: AtomicU64::new(0),
@@ -134,63 +189,44 @@ impl<D: Device> CudaChannel<D> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Issues the REF write `st` owes as a stream write, and moves the last batch's end
-    /// mark behind it (a batch of no entries when none is in flight).
-    ///
-    /// # Why an owed REF write is never lost, nor late
-    ///
-    /// A kernel too large to signal itself leaves its entry's REF write owed
-    /// ([`Device::issue`]). The front end keeps it only while the sweep that issued the
-    /// kernel ended on its batch limit with more entries fetchable, none of its entries
-    /// asks for a host action, and nothing failed: the next sweep then issues the next
-    /// entry, and its first op does the write as it starts (a kernel) or before it
-    /// (anything else), behind the owing kernel in stream order, so never early. Every
-    /// other way out of a sweep issues it: as a stream write before the batch's mark
-    /// ([`CudaChannel::issue_owed`]) when the batch will not be followed at once, and
-    /// here when a sweep issues nothing (its fetch is held, its caps are reached, the
-    /// GPU turn is another worker's, or the channel is stopped: drains come here through
-    /// [`CudaChannel::drained`]). So a write is owed for at most one sweep, and whatever
-    /// waits for the channel's last mark (retire, drains, migration) waits for it too:
-    /// the mark is recorded after it.
-    pub fn settle_owed(&self, dev: &D, st: &mut ChanState<D>) -> Result<(), DeviceError> {
-        if !self.issue_owed(dev, st)? {
-            return Ok(());
+    /// Issues `op` behind the REF write the stream owes so far (the op does it first:
+    /// a builtin kernel as it starts, anything else by a stream write before it), and
+    /// keeps what `op` leaves owed, with REF's bookkeeping (see [`DueRef`]).
+    pub fn issue_op(&self, dev: &D, st: &mut ChanState<D>, op: &Op) -> Result<(), DeviceError> {
+        let prior = st.owed_ref.take();
+        let owed = match dev.issue(&self.stream, op, prior) {
+            Ok(owed) => owed,
+            Err(e) => {
+                st.owed_ref = prior;
+                return Err(e);
+            }
+        };
+        let own = match *op {
+            Op::LaunchSignal(_, ref s) => Some(s.value),
+            Op::WriteValue { ptr, value } if Some(ptr) == self.ref_ptr => Some(value),
+            _ => None,
+        };
+        let before = st.ref_last;
+        if let Some(v) = own {
+            st.ref_last = v;
         }
-        let end = dev.mark(&self.stream)?;
-        self.stats.end_marks.fetch_add(1, Ordering::Relaxed);
-        match st.inflight.back_mut() {
-            Some(last) => last.end = end,
-            None => st.inflight.push_back(Inflight {
-                entries: 0,
-                next_get: st.fetched,
-                issued_ns: now_ns(),
-                end,
-                runs: false,
-                host: Vec::new(),
-                waits: false,
-                copies: 0,
-                kernels: 0,
-                last_kernel: "",
-            }),
+        let on_gpu = u64::from(prior.is_some()) + u64::from(own.is_some() && owed.is_none());
+        st.gpu_ref_writes += on_gpu;
+        if owed.is_some() {
+            st.owed_from = before;
         }
+        st.owed_ref = owed;
         Ok(())
     }
 
-    /// Issues the REF write `st` owes, if any, as a stream write (no mark: the caller
-    /// records one after it); whether there was one.
-    pub fn issue_owed(&self, dev: &D, st: &mut ChanState<D>) -> Result<bool, DeviceError> {
-        let Some(w) = st.owed_ref.take() else {
-            return Ok(false);
-        };
-        let write = Op::WriteValue {
-            ptr: w.ptr,
-            value: w.value,
-        };
-        if let Err(e) = dev.issue(&self.stream, &write, None) {
-            st.owed_ref = Some(w);
-            return Err(e);
+    /// Stores a reached batch's [`DueRef`]: plainly when no REF write was issued to the
+    /// GPU after the batch's mark, else only over the value REF held before it.
+    pub fn store_due(&self, due: DueRef, gpu_ref_writes: u64) {
+        if gpu_ref_writes == due.gpu_writes {
+            self.core.set_ref(due.value);
+        } else {
+            self.core.advance_ref(due.from, due.value);
         }
-        Ok(true)
     }
 }
 

@@ -131,6 +131,8 @@ pub struct CudaDevice {
     /// non-blocking, so they wait for no channel's work.
     host_copies: Mutex<Option<CudaStream>>,
     events: EventPool,
+    /// The same, of events without timing ([`Device::mark_untimed`]).
+    untimed_events: EventPool,
     /// The first sticky error seen: the context is unusable from then on.
     lost: std::sync::OnceLock<String>,
 }
@@ -167,6 +169,8 @@ type EventPool = Arc<Mutex<Vec<IdleEvent>>>;
 pub struct CudaMark {
     ev: sys::CUevent,
     pool: EventPool,
+    /// Whether the event records a time (one without is cheaper on the GPU).
+    timed: bool,
 }
 // SAFETY: an event handle may be queried from any thread with its context current.
 unsafe impl Send for CudaMark {}
@@ -276,6 +280,7 @@ impl CudaDevice {
                 calib: Mutex::new(None),
                 host_copies: Mutex::new(None),
                 events: Arc::new(Mutex::new(Vec::new())),
+                untimed_events: Arc::new(Mutex::new(Vec::new())),
                 lost: std::sync::OnceLock::new(),
             };
             d.calibrate_clock()?;
@@ -958,6 +963,42 @@ impl CudaDevice {
         }
     }
 
+    /// Records an event on `s`, with timing or without (a completion mark).
+    fn record(&self, s: &CudaStream, timed: bool) -> Result<CudaMark, DeviceError> {
+        self.current()?;
+        let pool = if timed {
+            &self.events
+        } else {
+            &self.untimed_events
+        };
+        let pooled = pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let e = match pooled {
+            Some(IdleEvent(e)) => e,
+            None => {
+                let flags = if timed {
+                    sys::CUevent_flags_enum::CU_EVENT_DEFAULT
+                } else {
+                    sys::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING
+                };
+                let mut e = std::ptr::null_mut();
+                // SAFETY: valid out-pointer.
+                check("cuEventCreate", unsafe {
+                    sys::cuEventCreate(&mut e, flags as u32)
+                })?;
+                e
+            }
+        };
+        let m = CudaMark {
+            ev: e,
+            pool: pool.clone(),
+            timed,
+        };
+        // SAFETY: `e` is a live event no other mark holds (it came from the pool or was
+        // just created); `s` is a live stream. Re-recording a reused event is allowed.
+        check("cuEventRecord", unsafe { sys::cuEventRecord(e, s.0) })?;
+        Ok(m)
+    }
+
     /// Test-only fault injection: a kernel that writes a wild address, as a faulty or
     /// hostile kernel would (the context is lost once the GPU runs it; every later call
     /// of this process fails).
@@ -1190,27 +1231,11 @@ impl Device for CudaDevice {
     }
 
     fn mark(&self, s: &CudaStream) -> Result<CudaMark, DeviceError> {
-        self.current()?;
-        let pooled = self.events.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        let e = match pooled {
-            Some(IdleEvent(e)) => e,
-            None => {
-                let mut e = std::ptr::null_mut();
-                // SAFETY: valid out-pointer.
-                check("cuEventCreate", unsafe {
-                    sys::cuEventCreate(&mut e, sys::CUevent_flags_enum::CU_EVENT_DEFAULT as u32)
-                })?;
-                e
-            }
-        };
-        let m = CudaMark {
-            ev: e,
-            pool: self.events.clone(),
-        };
-        // SAFETY: `e` is a live event no other mark holds (it came from the pool or was
-        // just created); `s` is a live stream. Re-recording a reused event is allowed.
-        check("cuEventRecord", unsafe { sys::cuEventRecord(e, s.0) })?;
-        Ok(m)
+        self.record(s, true)
+    }
+
+    fn mark_untimed(&self, s: &CudaStream) -> Result<CudaMark, DeviceError> {
+        self.record(s, false)
     }
 
     fn reached(&self, m: &CudaMark) -> Result<bool, DeviceError> {
@@ -1272,6 +1297,9 @@ impl Device for CudaDevice {
     }
 
     fn elapsed_ns(&self, from: &CudaMark, to: &CudaMark) -> Option<u64> {
+        if !(from.timed && to.timed) {
+            return None;
+        }
         self.current().ok()?;
         let mut ms = 0f32;
         // SAFETY: both events are live and recorded with timing enabled.

@@ -55,6 +55,8 @@ impl KernelMemory for RawMemory {
 #[derive(Default)]
 pub struct FakeLog {
     pub ops: Mutex<Vec<Op>>,
+    /// Marks recorded without timing ([`Device::mark_untimed`]).
+    pub untimed_marks: AtomicU64,
 }
 
 /// What a stream runs: an op, or a module function resolved when it was issued, with the
@@ -108,6 +110,8 @@ pub struct FakeMark {
     sh: Arc<StreamShared>,
     seq: u64,
     at: Arc<AtomicU64>,
+    /// Whether it records a time ([`Device::mark_untimed`]: none).
+    timed: bool,
 }
 
 /// The fake device.
@@ -127,9 +131,22 @@ pub struct FakeDevice {
     next_handle: AtomicU64,
     /// Physical allocations, reservations and mappings (the VMM API).
     vmm: super::fake_vmm::FakeVmm,
-    /// Kernels never write their fence signal themselves, as a real GPU's grids over
-    /// the signal's block limit: the REF write is left owed ([`Device::issue`]).
-    no_kernel_signals: AtomicBool,
+    /// Which kernels write their fence signal themselves ([`FakeSignals`], as u8).
+    kernel_signals: std::sync::atomic::AtomicU8,
+}
+
+/// Which of the fake's kernels write their fence signal themselves; the others leave
+/// their REF write owed ([`Device::issue`]), as a real GPU's grids over the signal's
+/// block limit do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FakeSignals {
+    /// Every kernel (the default).
+    All = 0,
+    /// None.
+    None = 1,
+    /// The empty kernel only: the real GPU's default, where only one-block grids signal.
+    OneBlock = 2,
 }
 
 struct FakeModule {
@@ -145,10 +162,39 @@ struct FakeFunction {
 }
 
 impl FakeDevice {
-    /// Makes kernels leave their fence signal owed (`true`), as a real GPU's large grids
-    /// do, or write it themselves (`false`, the default).
-    pub fn set_no_kernel_signals(&self, on: bool) {
-        self.no_kernel_signals.store(on, Ordering::Relaxed);
+    /// Which kernels write their fence signal themselves from now on.
+    pub fn set_kernel_signals(&self, which: FakeSignals) {
+        self.kernel_signals.store(which as u8, Ordering::Relaxed);
+    }
+
+    /// Whether the kernel `args` writes its fence signal itself.
+    fn signals(&self, args: &vgpu_protocol::KernelArgs) -> bool {
+        match self.kernel_signals.load(Ordering::Relaxed) {
+            x if x == FakeSignals::None as u8 => false,
+            x if x == FakeSignals::OneBlock as u8 => {
+                matches!(args, vgpu_protocol::KernelArgs::Empty)
+            }
+            _ => true,
+        }
+    }
+
+    /// A mark at the stream's tail, with a time or without.
+    fn record(&self, s: &FakeStream, timed: bool) -> Result<FakeMark, DeviceError> {
+        self.check_poison()?;
+        let seq = s.sh.issued.fetch_add(1, Ordering::AcqRel) + 1;
+        let at = Arc::new(AtomicU64::new(0));
+        s.sh.q
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .ops
+            .push_back((seq, None, Some(at.clone())));
+        s.sh.cv.notify_all();
+        Ok(FakeMark {
+            sh: s.sh.clone(),
+            seq,
+            at,
+            timed,
+        })
     }
 
     /// Acts out a kernel that faulted the GPU (a wild write): the context is lost, and
@@ -467,7 +513,7 @@ impl Device for FakeDevice {
                 params,
                 ..
             } => Work::Function(self.resolve(*func, *grid, *block, params)?, self.memory()),
-            Op::LaunchSignal(args, signal) if self.no_kernel_signals.load(Ordering::Relaxed) => {
+            Op::LaunchSignal(args, signal) if !self.signals(args) => {
                 owed = Some(RefWrite {
                     ptr: signal.ptr,
                     value: signal.value,
@@ -476,11 +522,17 @@ impl Device for FakeDevice {
             }
             op => Work::Op(op.clone()),
         };
-        self.log
-            .ops
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(op.clone());
+        {
+            let mut log = self.log.ops.lock().unwrap_or_else(|e| e.into_inner());
+            // What the real device puts in the stream for a prior write the op cannot do.
+            if let Some(p) = prior.filter(|_| !self.does_prior(op)) {
+                log.push(Op::WriteValue {
+                    ptr: p.ptr,
+                    value: p.value,
+                });
+            }
+            log.push(op.clone());
+        }
         let mut q = s.sh.q.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = prior {
             let seq = s.sh.issued.fetch_add(1, Ordering::AcqRel) + 1;
@@ -498,20 +550,12 @@ impl Device for FakeDevice {
     }
 
     fn mark(&self, s: &FakeStream) -> Result<FakeMark, DeviceError> {
-        self.check_poison()?;
-        let seq = s.sh.issued.fetch_add(1, Ordering::AcqRel) + 1;
-        let at = Arc::new(AtomicU64::new(0));
-        s.sh.q
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .ops
-            .push_back((seq, None, Some(at.clone())));
-        s.sh.cv.notify_all();
-        Ok(FakeMark {
-            sh: s.sh.clone(),
-            seq,
-            at,
-        })
+        self.record(s, true)
+    }
+
+    fn mark_untimed(&self, s: &FakeStream) -> Result<FakeMark, DeviceError> {
+        self.log.untimed_marks.fetch_add(1, Ordering::Relaxed);
+        self.record(s, false)
     }
 
     fn reached(&self, m: &FakeMark) -> Result<bool, DeviceError> {
@@ -607,6 +651,9 @@ impl Device for FakeDevice {
     }
 
     fn elapsed_ns(&self, from: &FakeMark, to: &FakeMark) -> Option<u64> {
+        if !(from.timed && to.timed) {
+            return None;
+        }
         let (a, b) = (
             from.at.load(Ordering::Acquire),
             to.at.load(Ordering::Acquire),

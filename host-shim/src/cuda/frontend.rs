@@ -47,6 +47,12 @@ pub struct IssueLimits {
     /// About how much of the channel's work (estimated from its recent entries) may be
     /// queued on the GPU: what pausing it waits for (`CudaConfig::queue_ahead_ns`).
     pub queue_ahead_ns: u64,
+    /// Whether completion marks record the GPU's time. Only needed while another
+    /// context is active: the timeline then splits the GPU's time between contexts
+    /// entry by entry. A context alone on the GPU is charged up to when the front end
+    /// sees its mark reached (it polls while work is in flight), and its marks cost the
+    /// GPU nothing between kernels ([`Device::mark_untimed`]).
+    pub timed_marks: bool,
 }
 
 /// GP entries issued since the last mark.
@@ -284,13 +290,6 @@ impl<D: Device> CudaChannel<D> {
         // The GPU writes REF itself, at any time: look on every sweep.
         self.core.wake_fence_waiter();
         if !issue {
-            // Nothing is issued behind what a kernel left owed: write it now.
-            let mut st = self.lock();
-            if let Err(e) = self.settle_owed(dev, &mut st) {
-                drop(st);
-                self.core.fault(e.fault_code(), 0);
-                return true;
-            }
             return progress;
         }
         match self.issue_new(dev, mem, old_scratch, limits) {
@@ -327,7 +326,9 @@ impl<D: Device> CudaChannel<D> {
             };
             let mut charged = 0;
             if let Some(tl) = tl.as_mut() {
-                if let Some(end) = tl.at(dev, &done.end) {
+                // An untimed mark (a context alone on the GPU) ended by now.
+                let end = tl.at(dev, &done.end).or_else(|| tl.from_host(now_ns()));
+                if let Some(end) = end {
                     // From its host issue time; queued behind its own stream's previous
                     // entry, no earlier than that one's end.
                     let start = tl
@@ -357,6 +358,9 @@ impl<D: Device> CudaChannel<D> {
                     }
                     st.last_end = end;
                 }
+            }
+            if let Some(due) = done.due_ref {
+                self.store_due(due, st.gpu_ref_writes);
             }
             if done.waits {
                 // Its semaphore wait was satisfied (less the time its kernels ran).
@@ -391,50 +395,53 @@ impl<D: Device> CudaChannel<D> {
         limits: IssueLimits,
     ) -> Result<bool, (ErrorCode, u64)> {
         let mut st = self.lock();
-        let fault = |e: super::DeviceError| (e.fault_code(), 0);
         // Read under the lock: see `ChannelCore::set_fetch_held`.
         if self.core.fetch_held()
             || st.inflight.len() >= limits.max_inflight
             || st.inflight.iter().any(|i| i.waits)
         {
-            // No kernel follows soon to write what the last one left owed.
-            self.settle_owed(dev, &mut st).map_err(fault)?;
             return Ok(false);
         }
         let mut batch: Option<Batch> = None;
         let res = self.issue_batch(dev, mem, old_scratch, &mut st, &mut batch, limits);
-        if batch.is_none() {
-            self.settle_owed(dev, &mut st).map_err(fault)?;
-        }
         if let Some(b) = batch {
-            // An owed REF write waits for the next sweep's first entry only when that
-            // sweep will issue it at once (`CudaChannel::settle_owed`).
-            let followed = res.is_ok()
-                && !b.waits
-                && b.host.is_empty()
-                && b.entries >= limits.batch
-                && self.fetchable(&st);
-            // (A failed write still lets the batch get its mark below.)
-            let owed = if followed {
-                Ok(false)
-            } else {
-                self.issue_owed(dev, &mut st)
-            };
             // Whatever was issued is tracked, even when a later entry faulted.
-            let next_get = st.fetched;
-            if b.waits {
-                // Nothing is issued behind it until its wait is satisfied.
-                self.core.sem_wait.begin(now_ns());
-            }
-            self.stats
-                .entries
-                .fetch_add(u64::from(b.entries), Ordering::Relaxed);
-            self.stats.end_marks.fetch_add(1, Ordering::Relaxed);
-            let t = self.stats.start();
-            let mark = dev.mark(&self.stream);
-            FrontendStats::add_since(&self.stats.mark_ns, t);
-            match mark {
-                Ok(end) => st.inflight.push_back(Inflight {
+            self.close_batch(dev, &mut st, b, limits.timed_marks)?;
+            return res.map(|_| true);
+        }
+        res
+    }
+
+    /// Records the batch's completion mark and tracks it in flight; the mark takes the
+    /// REF write the batch's last kernel could not do, which the front end stores once the
+    /// mark is reached ([`DueRef`](super::channel::DueRef)).
+    fn close_batch(
+        &self,
+        dev: &D,
+        st: &mut super::channel::ChanState<D>,
+        b: Batch,
+        timed: bool,
+    ) -> Result<(), (ErrorCode, u64)> {
+        let due_ref = st.take_due();
+        let next_get = st.fetched;
+        if b.waits {
+            // Nothing is issued behind it until its wait is satisfied.
+            self.core.sem_wait.begin(now_ns());
+        }
+        self.stats
+            .entries
+            .fetch_add(u64::from(b.entries), Ordering::Relaxed);
+        self.stats.end_marks.fetch_add(1, Ordering::Relaxed);
+        let t = self.stats.start();
+        let mark = if timed {
+            dev.mark(&self.stream)
+        } else {
+            dev.mark_untimed(&self.stream)
+        };
+        FrontendStats::add_since(&self.stats.mark_ns, t);
+        match mark {
+            Ok(end) => {
+                st.inflight.push_back(Inflight {
                     next_get,
                     issued_ns: b.issued_ns,
                     end,
@@ -445,16 +452,15 @@ impl<D: Device> CudaChannel<D> {
                     copies: b.copies,
                     kernels: b.kernels,
                     last_kernel: b.last_kernel,
-                }),
-                Err(e) => {
-                    log::warn!("cuda channel {:?}: {e}", self.core.id);
-                    return Err((e.fault_code(), 0));
-                }
+                    due_ref,
+                });
+                Ok(())
             }
-            owed.map_err(fault)?;
-            return res.map(|_| true);
+            Err(e) => {
+                log::warn!("cuda channel {:?}: {e}", self.core.id);
+                Err((e.fault_code(), 0))
+            }
         }
-        res
     }
 
     fn issue_batch(
@@ -508,6 +514,15 @@ impl<D: Device> CudaChannel<D> {
                 }
             }
             FrontendStats::add_since(&self.stats.fetch_plan_ns, t_fetch);
+            // An entry that cannot do the REF write the batch owes as it starts (the
+            // stencil, copies, semaphores) starts a batch of its own: the mark between
+            // takes the write (the front end's store), where a stream write between the
+            // two kernels would cost the GPU ~2.5 µs (H200, 2026-11-28).
+            if st.owed_ref.is_some() && plan.ops.first().is_some_and(|op| !dev.does_prior(op)) {
+                if let Some(b) = batch.take() {
+                    self.close_batch(dev, st, b, limits.timed_marks)?;
+                }
+            }
             let t_issue = self.stats.start();
             if batch.is_none() {
                 // No start event in front of the launch: the host clock, which the
@@ -529,11 +544,9 @@ impl<D: Device> CudaChannel<D> {
                 }
                 // A launch the driver refuses (e.g. a grid beyond its limits) is the
                 // guest's bad argument, not a GPU failure. What the work before owes
-                // is done by this op (`Device::issue`), or stays owed if it failed.
-                let prior = st.owed_ref.take();
-                st.owed_ref = dev.issue(&self.stream, op, prior).map_err(|e| {
+                // is done by this op, or stays owed if it failed.
+                self.issue_op(dev, st, op).map_err(|e| {
                     log::debug!("cuda channel {:?}: issue {op:?}: {e}", self.core.id);
-                    st.owed_ref = prior;
                     (e.issue_code(), 0)
                 })?;
             }
@@ -570,16 +583,21 @@ impl<D: Device> CudaChannel<D> {
             && vgpu_protocol::counter_after(self.core.load(ControlPage::GP_PUT), st.fetched)
     }
 
-    /// Whether every entry issued so far has completed on the GPU (a REF write still
-    /// owed is issued first, and waited for).
+    /// Whether every entry issued so far has completed on the GPU; the REF values due
+    /// at the reached marks are stored first (GP_GET follows at the next retire).
     pub fn drained(&self, dev: &D) -> bool {
         let mut st = self.lock();
-        if let Err(e) = self.settle_owed(dev, &mut st) {
-            log::warn!("cuda channel {:?}: REF write: {e}", self.core.id);
+        let gpu_ref_writes = st.gpu_ref_writes;
+        for b in st.inflight.iter_mut() {
+            // A failed query (a lost context) has nothing left to wait for.
+            if !dev.reached(&b.end).unwrap_or(true) {
+                return false;
+            }
+            if let Some(due) = b.due_ref.take() {
+                self.store_due(due, gpu_ref_writes);
+            }
         }
-        st.inflight
-            .back()
-            .is_none_or(|last| dev.reached(&last.end).unwrap_or(true))
+        true
     }
 }
 
@@ -685,6 +703,7 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
                     batch: if alone(ch) { batch_limit } else { 1 },
                     max_inflight,
                     queue_ahead_ns: shared.cfg.queue_ahead_ns,
+                    timed_marks: !alone(ch),
                 },
                 issue,
             );

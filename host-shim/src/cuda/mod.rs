@@ -46,7 +46,7 @@ use self::channel::CudaChannel;
 pub use self::device::Device;
 pub use self::driver::CudaDevice;
 pub use self::error::DeviceError;
-pub use self::fake::FakeDevice;
+pub use self::fake::{FakeDevice, FakeSignals};
 pub use self::frontend::FrontendCounts;
 use self::hostreg::HostRegistry;
 use self::vram::DeviceVram;

@@ -233,6 +233,17 @@ impl ChannelCore {
         self.wake_fence_waiter();
     }
 
+    /// [`ChannelCore::set_ref`], but only while REF still holds `from`: the GPU may
+    /// already have written a later value, which must not be undone. Whether it stored.
+    pub fn advance_ref(&self, from: u32, value: u32) -> bool {
+        let stored = self
+            .pages
+            .compare_store(self.slot, ControlPage::REF, from, value);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.wake_fence_waiter();
+        stored
+    }
+
     /// The counters, with the busy time the GPU keeps its own way.
     pub fn counters(&self, busy_ns: u64) -> ChannelCounters {
         ChannelCounters {

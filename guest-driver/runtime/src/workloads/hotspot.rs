@@ -6,7 +6,7 @@ use std::time::Instant;
 use vgpu_protocol::reference;
 use vgpu_protocol::KernelArgs;
 
-use super::{compare_f32, f32_bytes, host_len, WorkloadReport, XorShift};
+use super::{compare_f32, f32_bytes, host_len, Expected, WorkloadReport, XorShift};
 use crate::context::Context;
 use crate::error::{Error, Result};
 
@@ -50,6 +50,15 @@ impl HotspotConfig {
 }
 
 pub fn run(ctx: &Context, cfg: &HotspotConfig) -> Result<WorkloadReport> {
+    run_expecting(ctx, cfg, &mut Expected::default())
+}
+
+/// [`run`], checking against `expected` (see [`Expected`]).
+pub fn run_expecting(
+    ctx: &Context,
+    cfg: &HotspotConfig,
+    expected: &mut Expected,
+) -> Result<WorkloadReport> {
     let cells = (cfg.width as u64)
         .checked_mul(cfg.height as u64)
         .ok_or(Error::InvalidArgument("grid too large"))?;
@@ -89,14 +98,17 @@ pub fn run(ctx: &Context, cfg: &HotspotConfig) -> Result<WorkloadReport> {
     let elapsed = start.elapsed();
 
     let (w, h) = (cfg.width as usize, cfg.height as usize);
-    let mut cur = init;
-    let mut next = vec![0f32; cur.len()];
-    for _ in 0..cfg.iterations {
-        reference::parallel::stencil2d(w, h, cfg.c_center, cfg.c_neighbor, &cur, &mut next);
-        std::mem::swap(&mut cur, &mut next);
-    }
+    let want = expected.get_or(|| {
+        let mut cur = init;
+        let mut next = vec![0f32; cur.len()];
+        for _ in 0..cfg.iterations {
+            reference::parallel::stencil2d(w, h, cfg.c_center, cfg.c_neighbor, &cur, &mut next);
+            std::mem::swap(&mut cur, &mut next);
+        }
+        cur
+    });
     let out = &bufs[(cfg.iterations % 2) as usize];
-    compare_f32("hotspot", &out.read_f32_vec(0, cur.len())?, &cur)?;
+    compare_f32("hotspot", &out.read_f32_vec(0, want.len())?, want)?;
     Ok(WorkloadReport {
         name: "hotspot",
         iterations: cfg.iterations as u64,

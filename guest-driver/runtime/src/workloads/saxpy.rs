@@ -5,7 +5,7 @@ use std::time::Instant;
 use vgpu_protocol::reference;
 use vgpu_protocol::KernelArgs;
 
-use super::{compare_f32, f32_bytes, grid_1d, host_len, WorkloadReport, XorShift};
+use super::{compare_f32, f32_bytes, grid_1d, host_len, Expected, WorkloadReport, XorShift};
 use crate::context::Context;
 use crate::error::Result;
 
@@ -40,10 +40,19 @@ impl SaxpyConfig {
 }
 
 pub fn run(ctx: &Context, cfg: &SaxpyConfig) -> Result<WorkloadReport> {
+    run_expecting(ctx, cfg, &mut Expected::default())
+}
+
+/// [`run`], checking against `expected` (see [`Expected`]).
+pub fn run_expecting(
+    ctx: &Context,
+    cfg: &SaxpyConfig,
+    expected: &mut Expected,
+) -> Result<WorkloadReport> {
     let bytes = f32_bytes(cfg.n)?;
     let mut rng = XorShift::new(cfg.seed);
     let x = rng.f32_vec(host_len(cfg.n)?);
-    let mut y = rng.f32_vec(x.len());
+    let y = rng.f32_vec(x.len());
     let xb = ctx.alloc_vram(bytes)?;
     let yb = ctx.alloc_vram(bytes)?;
     xb.write_f32(0, &x)?;
@@ -69,10 +78,14 @@ pub fn run(ctx: &Context, cfg: &SaxpyConfig) -> Result<WorkloadReport> {
     }
     let elapsed = start.elapsed();
 
-    for _ in 0..cfg.iterations {
-        reference::parallel::saxpy(cfg.a, &x, &mut y);
-    }
-    compare_f32("saxpy", &yb.read_f32_vec(0, y.len())?, &y)?;
+    let want = expected.get_or(|| {
+        let mut y = y;
+        for _ in 0..cfg.iterations {
+            reference::parallel::saxpy(cfg.a, &x, &mut y);
+        }
+        y
+    });
+    compare_f32("saxpy", &yb.read_f32_vec(0, want.len())?, want)?;
     Ok(WorkloadReport {
         name: "saxpy",
         iterations: cfg.iterations as u64,

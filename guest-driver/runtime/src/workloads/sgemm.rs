@@ -5,7 +5,7 @@ use std::time::Instant;
 use vgpu_protocol::reference;
 use vgpu_protocol::KernelArgs;
 
-use super::{compare_f32, f32_bytes, host_len, WorkloadReport, XorShift};
+use super::{compare_f32, f32_bytes, host_len, Expected, WorkloadReport, XorShift};
 use crate::context::Context;
 use crate::error::{Error, Result};
 
@@ -55,12 +55,21 @@ fn elems(r: u32, c: u32) -> Result<u64> {
 }
 
 pub fn run(ctx: &Context, cfg: &SgemmConfig) -> Result<WorkloadReport> {
+    run_expecting(ctx, cfg, &mut Expected::default())
+}
+
+/// [`run`], checking against `expected` (see [`Expected`]).
+pub fn run_expecting(
+    ctx: &Context,
+    cfg: &SgemmConfig,
+    expected: &mut Expected,
+) -> Result<WorkloadReport> {
     let (m, n, k) = (cfg.m, cfg.n, cfg.k);
     let (a_n, b_n, c_n) = (elems(m, k)?, elems(k, n)?, elems(m, n)?);
     let mut rng = XorShift::new(cfg.seed);
     let a = rng.f32_vec(host_len(a_n)?);
     let b = rng.f32_vec(host_len(b_n)?);
-    let mut c = rng.f32_vec(host_len(c_n)?);
+    let c = rng.f32_vec(host_len(c_n)?);
     let ab = ctx.alloc_vram(f32_bytes(a_n)?)?;
     let bb = ctx.alloc_vram(f32_bytes(b_n)?)?;
     let cb = ctx.alloc_vram(f32_bytes(c_n)?)?;
@@ -92,10 +101,14 @@ pub fn run(ctx: &Context, cfg: &SgemmConfig) -> Result<WorkloadReport> {
     let elapsed = start.elapsed();
 
     let (mu, nu, ku) = (m as usize, n as usize, k as usize);
-    for _ in 0..cfg.iterations {
-        reference::parallel::sgemm(mu, nu, ku, cfg.alpha, &a, &b, cfg.beta, &mut c);
-    }
-    compare_f32("sgemm", &cb.read_f32_vec(0, c.len())?, &c)?;
+    let want = expected.get_or(|| {
+        let mut c = c;
+        for _ in 0..cfg.iterations {
+            reference::parallel::sgemm(mu, nu, ku, cfg.alpha, &a, &b, cfg.beta, &mut c);
+        }
+        c
+    });
+    compare_f32("sgemm", &cb.read_f32_vec(0, want.len())?, want)?;
     Ok(WorkloadReport {
         name: "sgemm",
         iterations: cfg.iterations as u64,
