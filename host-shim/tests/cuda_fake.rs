@@ -731,10 +731,11 @@ fn fake_marks_are_shared_within_one_context_not_across_two() {
     assert_eq!(two_contexts, 1.0, "two contexts: a mark per entry");
 }
 
-/// A context alone on the GPU gets completion marks without timing (an event with timing
-/// costs the GPU ~1.4 µs between kernels) and is still charged its busy time, up to when
-/// the front end saw each mark reached; while another context is active, the marks
-/// record the GPU's time again, so the timeline splits it between the two.
+/// A context alone on the GPU gets completion marks without timing for batches queued
+/// behind its own work (an event with timing costs the GPU ~1.4 µs between kernels) and
+/// is still charged its busy time, up to when the front end saw each mark reached; a
+/// batch to an idle stream, and every batch while another context is active, gets a
+/// timed mark, so the timeline splits the GPU between contexts.
 #[test]
 fn fake_marks_are_untimed_only_while_a_context_is_alone() {
     use std::sync::atomic::Ordering;
@@ -747,20 +748,36 @@ fn fake_marks_are_untimed_only_while_a_context_is_alone() {
     let b = common::Proc::new(&g, common::SYS_BASE + (64 << 20));
     let untimed = || g.device().log.untimed_marks.load(Ordering::Relaxed);
     let mut ch = a.channel(0);
+    // The first entry (20 ms) is issued to an idle stream; the others queue behind it.
     let run = |ch: &mut common::Chan, first: u32| {
+        let issued = g.frontend_counts().entries;
         for i in 0..8 {
-            let m = ch.launch(&KernelArgs::Spin { ns: 1_000_000 });
+            let ns = if i == 0 { 20_000_000 } else { 1_000_000 };
+            let m = ch.launch(&KernelArgs::Spin { ns });
             ch.submit(&[m, Method::SetRef { value: first + i }]);
+            let t0 = std::time::Instant::now();
+            while i == 0 && g.frontend_counts().entries == issued {
+                assert!(t0.elapsed() < T, "the first entry is issued");
+                std::thread::sleep(Duration::from_micros(50));
+            }
         }
         ch.wait_idle(T).unwrap();
     };
+    // One entry to an idle stream: nothing before it to delay, a timed mark.
     let before = untimed();
+    let m = ch.launch(&KernelArgs::Spin { ns: 1_000 });
+    ch.submit(&[m, Method::SetRef { value: 0 }]);
+    ch.wait_idle(T).unwrap();
+    assert_eq!(untimed(), before, "alone, an idle stream: a timed mark");
     run(&mut ch, 1);
-    assert!(untimed() > before, "alone: untimed marks");
+    assert!(
+        untimed() > before,
+        "alone, queued behind its own work: untimed marks"
+    );
     let busy = g.channel_counters(ch.id).unwrap().busy_ns;
     assert!(
-        busy >= 8_000_000,
-        "alone: charged {busy} ns for 8 ms of kernels"
+        busy >= 27_000_000,
+        "alone: charged {busy} ns for 27 ms of kernels"
     );
     // The other context has run an entry just now: active for `batch_quiet_ns`.
     let mut other = b.channel(0);

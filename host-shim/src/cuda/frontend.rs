@@ -47,11 +47,12 @@ pub struct IssueLimits {
     /// About how much of the channel's work (estimated from its recent entries) may be
     /// queued on the GPU: what pausing it waits for (`CudaConfig::queue_ahead_ns`).
     pub queue_ahead_ns: u64,
-    /// Whether completion marks record the GPU's time. Only needed while another
-    /// context is active: the timeline then splits the GPU's time between contexts
-    /// entry by entry. A context alone on the GPU is charged up to when the front end
-    /// sees its mark reached (it polls while work is in flight), and its marks cost the
-    /// GPU nothing between kernels ([`Device::mark_untimed`]).
+    /// Whether completion marks record the GPU's time. Needed while another context is
+    /// active: the timeline then splits the GPU's time between contexts entry by entry.
+    /// A context alone on the GPU gets untimed marks for batches queued behind its own
+    /// work ([`Device::mark_untimed`]: they cost the GPU nothing between kernels), which
+    /// are charged up to when the front end sees them reached (it polls while work is
+    /// in flight).
     pub timed_marks: bool,
 }
 
@@ -433,7 +434,9 @@ impl<D: Device> CudaChannel<D> {
             .fetch_add(u64::from(b.entries), Ordering::Relaxed);
         self.stats.end_marks.fetch_add(1, Ordering::Relaxed);
         let t = self.stats.start();
-        let mark = if timed {
+        // A batch to an idle stream has no kernel before it to delay: its mark is timed,
+        // so the batch is charged exactly, at no cost between kernels.
+        let mark = if timed || st.inflight.is_empty() {
             dev.mark(&self.stream)
         } else {
             dev.mark_untimed(&self.stream)
