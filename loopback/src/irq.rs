@@ -90,7 +90,7 @@ pub(crate) fn irq_loop(
             sock = -1;
             // The backend has freed what it mapped into the BAR. Cleared before the
             // requests fail, so whoever sees the device dead sees the window empty too.
-            shm.clear();
+            shm.clear_to(vgpu_vmm::shm_window::HoleFill::Scratch);
             ctrl.kill();
             events.kill();
             ctrl.link.report_lost("the backend hung up");

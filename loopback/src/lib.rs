@@ -355,8 +355,9 @@ impl LoopbackVm {
     }
 
     /// Host view of the shared-memory region (the BAR). Pages the backend SHMEM_MAPped are
-    /// live there; the rest is PROT_NONE (all of it again after a disconnect). The
-    /// address range stays reserved while this LoopbackVm lives.
+    /// live there; the rest is PROT_NONE, or scratch zeros with reconnect and after the
+    /// connection ends (a guest thread of the old connection may still read its channel
+    /// page once). The address range stays reserved while this LoopbackVm lives.
     pub fn shm_base(&self) -> *mut u8 {
         self.shm.base()
     }
@@ -446,8 +447,9 @@ impl LoopbackVm {
         self.events.kill();
         lock(&self.irq).stop();
         lock(&self.dev).disconnect();
-        // The backend frees the VM's objects; drop our view of them.
-        self.shm.clear();
+        // The backend frees the VM's objects; drop our view of them (scratch: a guest
+        // thread may still read its channel page once, see `ShmWindow::clear_to`).
+        self.shm.clear_to(HoleFill::Scratch);
         debug!("loopback VM disconnected");
     }
 }

@@ -149,7 +149,7 @@ impl LoopbackVm {
         // Also stops the backend-request thread: a hung backend's late SHMEM_MAP can no
         // longer land in the window after the clear below.
         dev.disconnect();
-        self.shm.clear();
+        self.shm.clear_to(vgpu_vmm::shm_window::HoleFill::Scratch);
     }
 
     /// One reconnect attempt: connect, negotiate, start the device over on fresh rings.

@@ -315,19 +315,31 @@ impl ShmWindow {
     /// Drops every mapping in the window (all holes again). Done when the connection
     /// ends: the backend frees the VM's objects and may hand the pages to another VM.
     pub fn clear(&self) {
+        self.clear_to(self.fill);
+    }
+
+    /// [`ShmWindow::clear`], filling the window with `fill` rather than the window's own:
+    /// a loopback VM whose connection ended clears to scratch, since a guest thread of
+    /// the old connection may read its channel page between its last look at the device
+    /// and the read, and a fault there would end the whole process.
+    pub fn clear_to(&self, fill: HoleFill) {
         let mut ro = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        self.fill_hole(self.base, self.len);
+        self.fill_hole_with(self.base, self.len, fill);
         self.set_read_only(&mut ro, 0, self.len, false);
     }
 
     fn fill_hole(&self, at: *mut u8, len: u64) -> bool {
+        self.fill_hole_with(at, len, self.fill)
+    }
+
+    fn fill_hole_with(&self, at: *mut u8, len: u64, fill: HoleFill) -> bool {
         // SAFETY: callers pass a range inside the window; replacing it with a fresh
         // anonymous mapping affects nothing outside the reservation.
         let p = unsafe {
             libc::mmap(
                 at.cast(),
                 len as usize,
-                Self::hole_prot(self.fill),
+                Self::hole_prot(fill),
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
                 -1,
                 0,
