@@ -576,9 +576,13 @@ fn owed_ref_is_written_before_a_held_channel_counts_as_drained() {
     }
     let before = g.frontend_counts().entries;
     ch.publish();
-    // Hold the fetch while the front end is still issuing: whatever it issued last
-    // may have left its REF write owed.
-    std::thread::sleep(Duration::from_millis(1));
+    // Hold the fetch while the front end is still issuing (its first entry is out, the
+    // rest take 2 ms each): whatever it issued last may have left its REF write owed.
+    let t0 = Instant::now();
+    while g.frontend_counts().entries == before {
+        assert!(t0.elapsed() < T, "the front end issues the first entry");
+        std::thread::sleep(Duration::from_micros(50));
+    }
     assert!(g.hold_fetch(ch.id, true).unwrap());
     let t0 = Instant::now();
     while g.fetched_done(ch.id).unwrap() != Some(true) {
@@ -602,7 +606,7 @@ fn owed_ref_is_written_before_a_held_channel_counts_as_drained() {
 
 /// With a mark per entry, each entry's owed REF write is the front end's store once its
 /// mark is reached, not a stream write: the stream holds the kernels alone, and REF shows
-/// every entry's value in turn, each soon after its kernel ends.
+/// the entries' values in turn, each soon after its kernel ends.
 #[test]
 fn owed_ref_of_each_batch_is_stored_by_the_front_end_at_its_mark() {
     use std::time::Duration;
@@ -628,10 +632,11 @@ fn owed_ref_of_each_batch_is_stored_by_the_front_end_at_its_mark() {
     ch.wait_idle(T).unwrap();
     seen.push(ch.ctrl.load(ControlPage::REF));
     seen.dedup();
-    assert_eq!(
-        seen,
-        [0, 1, 2, 3, 4],
-        "REF took every entry's value in turn"
+    // Each value stands ~20 ms; a front end stalled that long on a loaded machine could
+    // store two in one sweep, so the watcher may miss one, never see one out of order.
+    assert!(
+        seen.windows(2).all(|w| w[0] < w[1]) && seen.last() == Some(&4) && seen.len() >= 4,
+        "REF took the entries' values in turn: {seen:?}"
     );
     let kinds: Vec<&str> = g.device().log.ops.lock().unwrap()[before..]
         .iter()
