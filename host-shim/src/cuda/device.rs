@@ -160,7 +160,9 @@ pub trait Device: Send + Sync + 'static {
 
 /// Whether `op` is a builtin kernel that does a prior REF write as it starts
 /// (`kernels.cu`'s `VGPU_PRIOR`): all of them but the stencil, whose 65,536 one-element
-/// blocks ran 17 % slower with it (H100, 2026-11-28).
+/// blocks ran 17 % slower with it (a system-scope release from one block; 4 % slower
+/// without the release), and 2 % slower with the prologue alone, never taken (H100,
+/// 2026-11-28). Saxpy's loop ran 3 % faster with it.
 pub fn prior_in_kernel(op: &Op) -> bool {
     match op {
         Op::Launch(a) | Op::LaunchSignal(a, _) => !matches!(

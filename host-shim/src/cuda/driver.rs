@@ -73,18 +73,6 @@ enum Kern {
     Stencil,
 }
 
-impl Kern {
-    /// Whether the kernel does a prior REF write itself as it starts (`kernels.cu`'s
-    /// `VGPU_PRIOR`). The stencil does not: its 65,536 blocks of one element each ran
-    /// 17 % slower with the write (a system-scope release from one block; 4 % slower
-    /// even without the release) where a stream write before it costs 3 %, and the
-    /// prologue alone, never taken, cost it 2 % (H100, 2026-11-28). Saxpy's loop ran 3 %
-    /// faster with it.
-    fn does_prior(self) -> bool {
-        !matches!(self, Kern::Stencil)
-    }
-}
-
 fn check(call: &'static str, r: sys::CUresult) -> Result<(), DeviceError> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
@@ -438,14 +426,9 @@ impl CudaDevice {
         // two; null: none.
         let (mut ref_ptr, mut value, mut count) =
             signal.map_or((0u64, 0u32, 0u64), |g| (g.ptr, g.value, g.count));
-        let prior = match tail.prior {
-            Some(p) if !k.does_prior() => {
-                self.write_value(s, p.ptr, p.value)?;
-                None
-            }
-            p => p,
-        };
-        let (mut prior_ptr, mut prior_value) = prior.map_or((0u64, 0u32), |p| (p.ptr, p.value));
+        // Only kernels that do it as they start get a prior write (`issue_op`).
+        let (mut prior_ptr, mut prior_value) =
+            tail.prior.map_or((0u64, 0u32), |p| (p.ptr, p.value));
         let mut all = [std::ptr::null_mut::<c_void>(); MAX_PARAMS + TAIL_PARAMS];
         let n = params.len();
         if n > MAX_PARAMS {
@@ -843,14 +826,14 @@ impl CudaDevice {
     ) -> Result<Option<RefWrite>, DeviceError> {
         self.current()?;
         // A builtin kernel does the prior write itself as it starts; before anything
-        // else, a stream write does.
-        let kernel = matches!(
-            op,
-            Op::Launch(_) | Op::LaunchSignal(..) | Op::Timestamp { .. }
-        );
-        if let (Some(p), false) = (prior, kernel) {
-            self.write_value(s, p.ptr, p.value)?;
-        }
+        // else (the stencil among them), a stream write does.
+        let prior = match prior {
+            Some(p) if !super::device::prior_in_kernel(op) => {
+                self.write_value(s, p.ptr, p.value)?;
+                None
+            }
+            p => p,
+        };
         match *op {
             Op::Launch(ref args) => {
                 log::trace!("cuda: launch {args:?}");

@@ -34,7 +34,7 @@ __device__ __forceinline__ u64 vgpu_globaltimer() {
 // cost the GPU ~2.4 us (native CUDA's saxpy loop with a REF write after each kernel ran
 // 3.3 % slower on the H100, 2026-11-28). `vgpu_prior_ref` is null when nothing is owed.
 // The stencil has no prologue: it runs slower with the write than behind a stream write
-// (driver.rs, `Kern::does_prior`).
+// (device.rs, `prior_in_kernel`).
 #define VGPU_SIGNAL_PARAMS                                                                  \
     u32 *vgpu_ref = 0, u32 vgpu_ref_value = 0, u32 *vgpu_ref_count = 0,                     \
         u32 *vgpu_prior_ref = 0, u32 vgpu_prior_value = 0
@@ -244,8 +244,8 @@ extern "C" __global__ void vgpu_checksum(const unsigned char* src, u64 len, u64*
 // front end stages an overlapping source first).
 extern "C" __global__ void vgpu_stencil2d(const float* src, float* dst, u32 width, u32 height,
                                           float cc, float cn VGPU_SIGNAL) {
-    // No VGPU_PRIOR: the front end writes what is owed before this kernel (driver.rs,
-    // `Kern::does_prior`).
+    // No VGPU_PRIOR: the front end writes what is owed before this kernel (device.rs,
+    // `prior_in_kernel`).
     u32 x = blockIdx.x * blockDim.x + threadIdx.x;
     u32 y = blockIdx.y * blockDim.y + threadIdx.y;
     // No early return: every thread reaches the signal's barrier.
