@@ -793,3 +793,53 @@ fn fake_marks_are_untimed_only_while_a_context_is_alone() {
     run(&mut ch, 9);
     assert_eq!(untimed(), before, "two contexts: every mark timed");
 }
+
+/// A destroyed channel's fence-signal counter serves the next channel: no driver
+/// allocation for it, and zeroed first even if a kernel left it counting.
+#[test]
+fn fake_a_destroyed_channels_signal_counter_is_zeroed_for_the_next_channel() {
+    use std::collections::HashSet;
+    use std::time::{Duration, Instant};
+    use vgpu_host_shim::hal::Gpu;
+    use vgpu_protocol::{ControlPage, KernelArgs, Method};
+    let g = gpu();
+    let p = common::Proc::new(&g, common::SYS_BASE);
+    let allocations = || -> HashSet<u64> { g.device().device_allocations().into_iter().collect() };
+    let run_fenced = |ch: &mut common::Chan, values: std::ops::RangeInclusive<u32>| {
+        for v in values {
+            let m = ch.launch(&KernelArgs::Empty);
+            ch.submit(&[m, Method::SetRef { value: v }]);
+            let t0 = Instant::now();
+            while ch.ctrl.load(ControlPage::REF) != v {
+                assert!(t0.elapsed() < Duration::from_secs(20), "REF {v}");
+                std::thread::yield_now();
+            }
+        }
+    };
+    let before = allocations();
+    let mut first = p.channel(0);
+    let made: Vec<u64> = allocations().difference(&before).copied().collect();
+    assert_eq!(made.len(), 1, "the channel's counter: {made:x?}");
+    let counter = made[0];
+    run_fenced(&mut first, 1..=3);
+    g.destroy_channel(first.id).unwrap();
+    assert!(
+        allocations().contains(&counter),
+        "kept for the next channel"
+    );
+    // As a kernel that faulted halfway would leave it.
+    // SAFETY: the fake's device memory is host memory; the counter's 256 bytes are live
+    // (kept) and no channel uses them now.
+    unsafe { std::ptr::write_bytes(counter as *mut u8, 0xff, 4) };
+    let held = allocations();
+    let mut second = p.channel(1);
+    assert_eq!(
+        allocations(),
+        held,
+        "no new allocation for the second channel"
+    );
+    // SAFETY: as above; the second channel's kernels have not run yet.
+    let count = unsafe { std::ptr::read(counter as *const u32) };
+    assert_eq!(count, 0, "zeroed");
+    run_fenced(&mut second, 1..=3);
+}

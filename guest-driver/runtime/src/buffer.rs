@@ -113,6 +113,12 @@ impl Buffer {
     }
 
     /// Bytes asked for (the mapping may be larger, up to the page size).
+    /// Changes how the buffer reaches its context (a channel's memory kept by the
+    /// context between channels: see `CtxInner::keep_spare_arena`).
+    pub(crate) fn relink(&mut self, link: CtxLink) {
+        self.ctx = link;
+    }
+
     pub fn len(&self) -> u64 {
         self.len
     }

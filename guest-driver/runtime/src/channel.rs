@@ -5,6 +5,7 @@
 //! mapped control page. Ring slots and arena space are reused only after GP_GET shows
 //! the GPU has finished with them.
 
+use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -68,8 +69,9 @@ pub struct Channel {
     ctx: CtxLink,
     handle: ChanHandle,
     control: ControlView,
-    /// GP ring, push-buffer arena and argument arena, in that order.
-    mem: Buffer,
+    /// GP ring, push-buffer arena and argument arena, in that order. Taken out only by
+    /// `drop` (back to the context for its next channel).
+    mem: ManuallyDrop<Buffer>,
     uid: u64,
     gp_entries: u32,
     pb_base: u64,
@@ -186,7 +188,14 @@ impl Channel {
         let total = arg_base
             .checked_add(opts.arg_bytes)
             .ok_or(Error::InvalidArgument("arena too large"))?;
-        let mem = Buffer::new(inner, link.clone(), MemKind::Host, total, page_for(total))?;
+        // The context's last destroyed channel's memory if it fits: registered and
+        // touched on the host already (nothing of the old ring is read again: the new
+        // channel's GP_PUT and GP_GET start equal, and every entry is written before it
+        // is published).
+        let mem = match inner.take_spare_arena(total, &link) {
+            Some(m) => m,
+            None => Buffer::new(inner, link.clone(), MemKind::Host, total, page_for(total))?,
+        };
         let desc = inner
             .transport
             .create_channel(inner.handle, mem.gpu_va(), opts.gp_entries)?;
@@ -221,7 +230,7 @@ impl Channel {
             ctx: link,
             handle: desc.handle,
             control,
-            mem,
+            mem: ManuallyDrop::new(mem),
             uid: NEXT_CHANNEL_UID.fetch_add(1, Ordering::Relaxed),
             gp_entries: opts.gp_entries,
             pb_base,
@@ -658,17 +667,71 @@ impl Channel {
     pub fn handle(&self) -> ChanHandle {
         self.handle
     }
+
+    /// The GPU address of the channel's memory (its GP ring first, then its arenas).
+    pub fn ring_va(&self) -> u64 {
+        self.mem.gpu_va()
+    }
 }
 
 impl Drop for Channel {
     fn drop(&mut self) {
-        // Destroy first: the GPU must stop reading the ring before its memory goes.
-        if let Err(e) = self
+        // Destroy first: the GPU must stop reading the ring before its memory goes or
+        // another channel reuses it.
+        let destroyed = self
             .ctx
             .transport
-            .destroy_channel(self.ctx.handle, self.handle)
-        {
-            log::warn!("destroying channel {}: {e}", self.handle.0);
+            .destroy_channel(self.ctx.handle, self.handle);
+        // SAFETY: `mem` is taken once, here, and the channel is not used after `drop`.
+        let mem = unsafe { ManuallyDrop::take(&mut self.mem) };
+        match (destroyed, self.ctx.inner()) {
+            (Ok(()), Some(ctx)) => ctx.keep_spare_arena(mem),
+            (Err(e), _) => log::warn!("destroying channel {}: {e}", self.handle.0),
+            (Ok(()), None) => {}
         }
+    }
+}
+
+#[cfg(all(test, feature = "native"))]
+mod tests {
+    use std::sync::Arc;
+
+    use vgpu_host_shim::sim::{SimConfig, SimGpu};
+
+    use crate::Device;
+
+    fn device() -> Device {
+        let gpu = SimGpu::new(SimConfig {
+            vram_bytes: 64 << 20,
+            ..Default::default()
+        })
+        .expect("sim GPU");
+        Device::native(gpu as Arc<dyn vgpu_host_shim::hal::Gpu>).expect("native device")
+    }
+
+    /// A new channel starts on the memory of its context's last destroyed channel (its
+    /// bytes are still there), and only one channel at a time gets it.
+    #[test]
+    fn a_new_channel_starts_on_the_last_destroyed_channels_memory() {
+        let ctx = device().create_context().unwrap();
+        let first = ctx.create_channel().unwrap();
+        let end = first.mem.len() - 4;
+        first.mem.write_u32(end, &[0xfeed_f00d]).unwrap();
+        drop(first);
+        let second = ctx.create_channel().unwrap();
+        assert_eq!(second.mem.read_u32_vec(end, 1).unwrap(), [0xfeed_f00d]);
+        let third = ctx.create_channel().unwrap();
+        assert_eq!(third.mem.read_u32_vec(end, 1).unwrap(), [0], "fresh memory");
+        // A channel of another size leaves the spare to one of its size.
+        third.mem.write_u32(end, &[0xbeef]).unwrap();
+        drop(third);
+        let _other = ctx
+            .create_channel_with(super::ChannelOptions {
+                gp_entries: 4096,
+                ..Default::default()
+            })
+            .unwrap();
+        let fourth = ctx.create_channel().unwrap();
+        assert_eq!(fourth.mem.read_u32_vec(end, 1).unwrap(), [0xbeef]);
     }
 }

@@ -24,11 +24,36 @@ pub(crate) struct CtxInner {
     /// channel per loop, as the workloads do, would otherwise start each loop knowing
     /// nothing and nap past its end).
     pub(crate) expected_wait_ns: Arc<std::sync::atomic::AtomicU64>,
+    /// The memory (ring and arenas) of the context's last destroyed channel, kept for its
+    /// next: a channel made per loop then starts on memory the host has already
+    /// registered and touched, not on fresh pages (see [`Channel`](crate::Channel)'s
+    /// drop). Owned by the context (a weak link), freed with it.
+    spare_arena: Mutex<Option<Buffer>>,
 }
 
 impl CtxInner {
     pub(crate) fn va(&self) -> MutexGuard<'_, VaSpace> {
         self.va.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Keeps `mem`, a destroyed channel's memory, for the context's next channel (one
+    /// at most: a second is freed).
+    pub(crate) fn keep_spare_arena(self: &Arc<Self>, mut mem: Buffer) {
+        mem.relink(CtxLink::owned_by(self));
+        let mut slot = self.spare_arena.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            *slot = Some(mem);
+        }
+    }
+
+    /// The spare channel memory (see [`Self::keep_spare_arena`]) if it is `len` bytes,
+    /// linked to its new owner by `link`.
+    pub(crate) fn take_spare_arena(&self, len: u64, link: &CtxLink) -> Option<Buffer> {
+        let mut slot = self.spare_arena.lock().unwrap_or_else(|p| p.into_inner());
+        let mut mem = slot.take_if(|m| m.len() == len)?;
+        drop(slot);
+        mem.relink(link.clone());
+        Some(mem)
     }
 
     /// Runs `f` with this context's stager, making it first if needed.
@@ -93,8 +118,15 @@ impl CtxLink {
 
 impl Drop for CtxInner {
     fn drop(&mut self) {
-        // The stager's channel and buffer go while the context still exists.
+        // The stager's channel and buffer, and a spare channel's memory, go while the
+        // context still exists.
         drop(self.stager.lock().unwrap_or_else(|p| p.into_inner()).take());
+        drop(
+            self.spare_arena
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take(),
+        );
         if let Err(e) = self.transport.destroy_context(self.handle) {
             log::warn!("destroying context {}: {e}", self.handle.0);
         }
@@ -169,6 +201,7 @@ impl Context {
                 va: Mutex::new(va),
                 stager: Mutex::new(None),
                 expected_wait_ns: Arc::default(),
+                spare_arena: Mutex::new(None),
             }),
         })
     }

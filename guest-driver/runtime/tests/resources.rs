@@ -109,3 +109,67 @@ fn contexts_and_channels_run_out_cleanly() {
     assert_eq!(dev.info().transport, "native");
     assert_eq!(dev.info().max_contexts, 16);
 }
+
+/// Memsets `len` bytes of `buf` to `pattern` through `ch` and checks them.
+fn memset_through(ch: &mut vgpu_guest::Channel, buf: &vgpu_guest::Buffer, pattern: u32) {
+    for _ in 0..3 {
+        ch.launch(
+            &vgpu_guest::KernelArgs::Memset {
+                dst: buf.gpu_va(),
+                len: 64,
+                pattern,
+            },
+            [1, 1, 1],
+        )
+        .unwrap();
+        ch.submit().unwrap();
+    }
+    ch.finish().unwrap();
+    assert_eq!(buf.read_u32_vec(0, 16).unwrap(), vec![pattern; 16]);
+}
+
+#[test]
+fn channels_on_a_destroyed_channels_memory_run_and_never_share_it() {
+    // (That the memory is reused is checked inside the crate: `channel.rs`'s tests.)
+    let (_gpu, dev) = common::device();
+    let ctx = dev.create_context().unwrap();
+    let buf = ctx.alloc_vram(4096).unwrap();
+    let mut first = ctx.create_channel().unwrap();
+    memset_through(&mut first, &buf, 7);
+    drop(first);
+    let mut second = ctx.create_channel().unwrap();
+    memset_through(&mut second, &buf, 9);
+    // Two live channels never share memory.
+    let mut third = ctx.create_channel().unwrap();
+    assert_ne!(third.ring_va(), second.ring_va());
+    memset_through(&mut third, &buf, 11);
+    drop(second);
+    // A channel of another size gets memory of its own.
+    let bigger = vgpu_guest::ChannelOptions {
+        gp_entries: 4096,
+        ..Default::default()
+    };
+    let mut other = ctx.create_channel_with(bigger).unwrap();
+    assert_ne!(other.ring_va(), third.ring_va());
+    memset_through(&mut other, &buf, 13);
+}
+
+#[test]
+fn contexts_keeping_a_spare_channel_memory_are_still_freed() {
+    // The sim allows 16 contexts: a spare channel memory that kept its context alive
+    // would run them out.
+    let (gpu, dev) = common::device();
+    let before = gpu.vram_free_bytes();
+    for i in 0..40 {
+        let ctx = dev
+            .create_context()
+            .unwrap_or_else(|e| panic!("context {i}: {e}"));
+        let buf = ctx.alloc_vram(4096).unwrap();
+        let mut ch = ctx.create_channel().unwrap();
+        memset_through(&mut ch, &buf, i);
+        drop(ch);
+        let _second = ctx.create_channel().unwrap();
+        drop(ctx.create_channel().unwrap());
+    }
+    assert_eq!(gpu.vram_free_bytes(), before);
+}

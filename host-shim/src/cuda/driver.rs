@@ -119,6 +119,8 @@ pub struct CudaDevice {
     /// non-blocking, so they wait for no channel's work.
     host_copies: Mutex<Option<CudaStream>>,
     events: EventPool,
+    /// Idle streams of dropped channels, for the next channels ([`Device::create_stream`]).
+    streams: StreamPool,
     /// The same, of events without timing ([`Device::mark_untimed`]).
     untimed_events: EventPool,
     /// The first sticky error seen: the context is unusable from then on.
@@ -131,8 +133,19 @@ unsafe impl Send for CudaDevice {}
 // SAFETY: as above; the driver API is thread-safe.
 unsafe impl Sync for CudaDevice {}
 
-/// A CUDA stream (non-blocking with respect to the legacy default stream).
-pub struct CudaStream(sys::CUstream);
+/// A CUDA stream (non-blocking with respect to the legacy default stream). Dropped idle,
+/// it goes back to its device's pool.
+pub struct CudaStream(sys::CUstream, StreamPool);
+
+/// A stream handle with nothing queued, not in use.
+struct IdleStream(sys::CUstream);
+// SAFETY: a stream handle may be used from any thread with its context current.
+unsafe impl Send for IdleStream {}
+
+/// Streams not in use, kept for reuse: a channel made per loop (each workload run makes
+/// one) then issues its first kernels to a stream the driver has used before, not a new
+/// one, and the driver destroys and creates no stream per channel.
+type StreamPool = Arc<Mutex<Vec<IdleStream>>>;
 // SAFETY: a stream handle may be used from any thread with its context current.
 unsafe impl Send for CudaStream {}
 // SAFETY: as above.
@@ -167,11 +180,25 @@ unsafe impl Sync for CudaMark {}
 
 impl Drop for CudaStream {
     fn drop(&mut self) {
-        // SAFETY: the handle came from cuStreamCreate and is destroyed once; work still
-        // queued completes before the driver frees it.
+        // Only a stream with nothing left queued is reused: work still on it (a
+        // semaphore wait nobody releases) must not hold up its next owner.
+        // SAFETY: a live stream handle; the query only reads its state.
+        let idle = unsafe { sys::cuStreamQuery(self.0) } == sys::CUresult::CUDA_SUCCESS;
+        if idle {
+            let mut pool = self.1.lock().unwrap_or_else(|e| e.into_inner());
+            if pool.len() < MAX_IDLE_STREAMS {
+                pool.push(IdleStream(self.0));
+                return;
+            }
+        }
+        // SAFETY: the handle came from cuStreamCreate and is destroyed once (it is not
+        // in the pool); work still queued completes before the driver frees it.
         unsafe { sys::cuStreamDestroy_v2(self.0) };
     }
 }
+
+/// Idle streams kept at most (more are destroyed).
+const MAX_IDLE_STREAMS: usize = 64;
 
 impl Drop for CudaMark {
     fn drop(&mut self) {
@@ -268,6 +295,7 @@ impl CudaDevice {
                 calib: Mutex::new(None),
                 host_copies: Mutex::new(None),
                 events: Arc::new(Mutex::new(Vec::new())),
+                streams: Arc::new(Mutex::new(Vec::new())),
                 untimed_events: Arc::new(Mutex::new(Vec::new())),
                 lost: std::sync::OnceLock::new(),
             };
@@ -1188,6 +1216,10 @@ impl Device for CudaDevice {
 
     fn create_stream(&self) -> Result<CudaStream, DeviceError> {
         self.current()?;
+        let idle = self.streams.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        if let Some(IdleStream(s)) = idle {
+            return Ok(CudaStream(s, self.streams.clone()));
+        }
         let mut s = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
         check("cuStreamCreate", unsafe {
@@ -1196,7 +1228,7 @@ impl Device for CudaDevice {
                 sys::CUstream_flags_enum::CU_STREAM_NON_BLOCKING as u32,
             )
         })?;
-        Ok(CudaStream(s))
+        Ok(CudaStream(s, self.streams.clone()))
     }
 
     fn issue(

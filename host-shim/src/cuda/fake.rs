@@ -162,6 +162,13 @@ struct FakeFunction {
 }
 
 impl FakeDevice {
+    /// Where the device memory handed out and not yet freed starts (VRAM chunks are
+    /// physical allocations, not in here).
+    pub fn device_allocations(&self) -> Vec<u64> {
+        let bufs = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        bufs.iter().map(|b| b.as_ptr() as u64).collect()
+    }
+
     /// Which kernels write their fence signal themselves from now on.
     pub fn set_kernel_signals(&self, which: FakeSignals) {
         self.kernel_signals.store(which as u8, Ordering::Relaxed);

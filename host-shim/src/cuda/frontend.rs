@@ -128,7 +128,7 @@ impl FrontendStats {
 }
 
 /// Bytes allocated for a channel's signal counter (one u32 used; the allocator's alignment).
-const SIGNAL_COUNT_BYTES: u64 = 256;
+pub(crate) const SIGNAL_COUNT_BYTES: u64 = 256;
 
 /// Resolves a context's ranges through its page tables to registered host memory.
 pub(crate) struct CtxTranslate<'a, D: Device> {

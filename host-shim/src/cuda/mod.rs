@@ -162,6 +162,9 @@ pub(crate) struct Shared<D: Device> {
     stats: Arc<frontend::FrontendStats>,
     /// Scratch buffers replaced while work may still use them; freed at drop.
     old_scratch: Mutex<Vec<u64>>,
+    /// Fence-signal counters of destroyed channels, for new channels (zeroed again
+    /// before reuse); freed at drop.
+    spare_counts: Mutex<Vec<u64>>,
     /// Host memory registered with the driver (the front end splits operands at its
     /// pieces' ends: one driver call must not span two registrations).
     hostreg: Mutex<HostRegistry>,
@@ -274,6 +277,7 @@ impl<D: Device> CudaGpuOf<D> {
                 ..Default::default()
             }),
             old_scratch: Mutex::new(Vec::new()),
+            spare_counts: Mutex::new(Vec::new()),
             hostreg: Mutex::new(HostRegistry::default()),
             next_sys_map: AtomicU64::new(1),
             modules: Mutex::new(Default::default()),
@@ -439,7 +443,7 @@ impl<D: Device> CudaGpuOf<D> {
                     self.shared.dev.free_device(p);
                 }
                 if let Some(p) = st.signal_count.take().filter(|&p| p != 0) {
-                    self.shared.dev.free_device(p);
+                    self.keep_signal_count(p);
                 }
             }
         } else {
@@ -464,7 +468,7 @@ impl<D: Device> CudaGpuOf<D> {
         if self.shared.cfg.signal_max_blocks > 0 {
             // The fence-signal counter now, not at the channel's first kernel: a driver
             // allocation and a synchronous zeroing there cost a short timed loop ~0.1 ms.
-            ch.lock().signal_count = Some(frontend::new_signal_count(&*self.shared.dev));
+            ch.lock().signal_count = Some(self.signal_count());
         }
         let id = self.shared.fifo.insert_channel(ch.clone());
         if id.is_err() {
@@ -474,6 +478,47 @@ impl<D: Device> CudaGpuOf<D> {
             }
         }
         id
+    }
+
+    /// A zeroed fence-signal counter for a new channel: a destroyed channel's if one is
+    /// kept (no driver allocation), else a new one (0 if none can be had).
+    fn signal_count(&self) -> u64 {
+        let dev = &*self.shared.dev;
+        loop {
+            let spare = self
+                .shared
+                .spare_counts
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .pop();
+            let Some(p) = spare else {
+                return frontend::new_signal_count(dev);
+            };
+            match dev.zero_device(p, frontend::SIGNAL_COUNT_BYTES as usize) {
+                Ok(()) => return p,
+                Err(e) => {
+                    log::warn!("cuda: zeroing a kept signal counter: {e}");
+                    dev.free_device(p);
+                }
+            }
+        }
+    }
+
+    /// Keeps a drained channel's signal counter for the next channel (a few at most; the
+    /// rest are freed).
+    fn keep_signal_count(&self, p: u64) {
+        const KEPT: usize = 64;
+        let mut spare = self
+            .shared
+            .spare_counts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if spare.len() < KEPT {
+            spare.push(p);
+        } else {
+            drop(spare);
+            self.shared.dev.free_device(p);
+        }
     }
 
     /// A registry key for a new system-memory mapping.
@@ -601,13 +646,11 @@ impl<D: Device> Drop for CudaGpuOf<D> {
             log::warn!("cuda: GPU dropped with work in flight; its memory stays registered");
             return;
         }
-        for p in std::mem::take(
-            &mut *self
-                .shared
-                .old_scratch
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()),
-        ) {
+        let kept = [&self.shared.old_scratch, &self.shared.spare_counts];
+        for p in kept
+            .into_iter()
+            .flat_map(|l| std::mem::take(&mut *l.lock().unwrap_or_else(|e| e.into_inner())))
+        {
             self.shared.dev.free_device(p);
         }
         self.shared
