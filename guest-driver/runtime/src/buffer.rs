@@ -112,13 +112,13 @@ impl Buffer {
         self.va
     }
 
-    /// Bytes asked for (the mapping may be larger, up to the page size).
     /// Changes how the buffer reaches its context (a channel's memory kept by the
     /// context between channels: see `CtxInner::keep_spare_arena`).
     pub(crate) fn relink(&mut self, link: CtxLink) {
         self.ctx = link;
     }
 
+    /// Bytes asked for (the mapping may be larger, up to the page size).
     pub fn len(&self) -> u64 {
         self.len
     }
