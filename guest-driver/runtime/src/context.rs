@@ -39,9 +39,9 @@ impl CtxInner {
     /// Keeps `mem`, a destroyed channel's memory, for the context's next channel (one
     /// at most: a second is freed).
     pub(crate) fn keep_spare_arena(self: &Arc<Self>, mut mem: Buffer) {
-        mem.relink(CtxLink::owned_by(self));
         let mut slot = self.spare_arena.lock().unwrap_or_else(|p| p.into_inner());
         if slot.is_none() {
+            mem.relink(CtxLink::owned_by(self));
             *slot = Some(mem);
         }
     }
