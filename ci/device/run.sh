@@ -597,6 +597,10 @@ run() {
         "suite_$suite"
         echo "== $suite done ($(( $(date +%s) - t0 )) s)"
     done
+    # Everything once more in one archive: a lent machine may send back only a few of
+    # the files a run leaves (the name sorts first).
+    tar czf "$WORK/all-results.tgz" -C "$O" --exclude all-results.tgz . \
+        && mv "$WORK/all-results.tgz" "$O/all-results.tgz"
 }
 
 [ $# -gt 0 ] || { sed -n '2,33p' "$0"; exit 2; }
