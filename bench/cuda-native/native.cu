@@ -112,6 +112,22 @@ static void mark(int i) {
     if (g_mark_event) CK(cudaEventRecord(g_marks[i % 64], S));
 }
 
+// `--prior-ref` (an experiment, issue 34): each saxpy and sgemm kernel after its loop's
+// first stores the kernel before it's REF as it starts (one thread, a release store at
+// system scope into mapped host memory), as vgpu's kernels do for the REF write of a
+// predecessor too large to signal itself (kernels.cu, "The prior write").
+static bool g_prior_ref = false;
+static u32* g_prior_dev = nullptr;
+static u32* prior(int i) {
+    if (!g_prior_ref || i == 0) return nullptr;
+    if (!g_prior_dev) {
+        u32* ref;
+        CK(cudaHostAlloc(&ref, 4, cudaHostAllocMapped));
+        CK(cudaHostGetDevicePointer((void**)&g_prior_dev, ref, 0));
+    }
+    return g_prior_dev;
+}
+
 struct Mem {
     bool pinned;
     void* alloc(size_t n) {
@@ -171,7 +187,8 @@ static double w_saxpy(Mem& m, bool quick) {
     settle();
     u64 t0 = now_ns();
     for (int i = 0; i < it; i++) {
-        vgpu_saxpy<<<blocks(n), 256, 0, S>>>(x, y, n, 0.5f);
+        vgpu_saxpy<<<blocks(n), 256, 0, S>>>(x, y, n, 0.5f, nullptr, 0u, nullptr, prior(i),
+                                             (u32)(i - 1));
         mark(i);
     }
     CK(cudaStreamSynchronize(S));
@@ -190,7 +207,8 @@ static double w_sgemm(Mem& m, bool quick) {
     settle();
     u64 t0 = now_ns();
     for (int i = 0; i < it; i++) {
-        vgpu_sgemm<<<grid, 256, 0, S>>>(a, b, c, M, N, K, 1.0f, 0.5f);
+        vgpu_sgemm<<<grid, 256, 0, S>>>(a, b, c, M, N, K, 1.0f, 0.5f, nullptr, 0u, nullptr,
+                                        prior(i), (u32)(i - 1));
         mark(i);
     }
     CK(cudaStreamSynchronize(S));
@@ -604,6 +622,7 @@ int main(int argc, char** argv) {
             else if (i + 1 < argc && !strcmp(argv[i + 1], "ref+timed")) g_mark_timed = true, i++;
         }
         else if (!strcmp(argv[i], "--idle-ms") && i + 1 < argc) g_idle_ms = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--prior-ref")) g_prior_ref = true;
     }
     // Before this process touches CUDA: children initialise their own.
     if (runs("fairness")) fairness(quick ? 0.5 : 4.0);
