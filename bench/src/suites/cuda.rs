@@ -38,6 +38,7 @@ mod b2b;
 mod baseline;
 mod fairness;
 mod granularity;
+mod latency;
 mod long_wait;
 mod loop_overhead;
 mod vram_swap;
@@ -388,7 +389,7 @@ fn run_on<D: CudaDeviceTrait>(
             figs.extend(run_workloads(&gpu, &nctx, &gctx, opts)?);
         }
         if opts.runs(Section::Latency) {
-            figs.extend(latency(&nctx, &gctx, opts)?);
+            figs.extend(latency::latency(&gpu, &nctx, &gctx, opts)?);
         }
         if opts.runs(Section::B2b) {
             figs.extend(b2b(&gpu, &nctx, &gctx, opts)?);
@@ -563,42 +564,6 @@ fn run_workloads<D: CudaDeviceTrait>(
     Ok(figs)
 }
 
-/// Submission latency (guest store → GPU clock at kernel start), native and in the VM.
-fn latency(
-    nctx: &vgpu_guest::Context,
-    gctx: &vgpu_guest::Context,
-    opts: &CudaOpts,
-) -> Result<Vec<Figure>, CudaSuiteError> {
-    let mut figs = Vec::new();
-    let n = submit_latency(nctx, opts.latency_samples, Publish::Store)?;
-    let g = submit_latency(gctx, opts.latency_samples, Publish::Store)?;
-    figs.push(fig(
-        "submit_to_kernel_start_p50_vgpu_native",
-        n.0,
-        "us",
-        Better::Lower,
-    ));
-    figs.push(fig(
-        "submit_to_kernel_start_p99_vgpu_native",
-        n.1,
-        "us",
-        Better::Lower,
-    ));
-    figs.push(fig(
-        "submit_to_kernel_start_p50_vm",
-        g.0,
-        "us",
-        Better::Lower,
-    ));
-    figs.push(fig(
-        "submit_to_kernel_start_p99_vm",
-        g.1,
-        "us",
-        Better::Lower,
-    ));
-    Ok(figs)
-}
-
 /// The front end's CPU in the second after work and in the second after that: it spins
 /// briefly after activity, then sleeps until a doorbell (protocol.md, "Doorbell").
 fn frontend_cpu<D: CudaDeviceTrait>(gpu: &CudaGpuOf<D>) -> Vec<Figure> {
@@ -644,4 +609,22 @@ pub fn run(opts: &CudaOpts) -> Result<Vec<Figure>, CudaSuiteError> {
         figs.extend(r);
     }
     Ok(figs)
+}
+
+/// Runs `section` alone on the fake device and looks its figures up by name (the
+/// sections' tests).
+#[cfg(test)]
+fn fake_section_figures(section: Section) -> impl Fn(&str) -> f64 {
+    let opts = CudaOpts {
+        fake: true,
+        only: vec![section],
+        ..CudaOpts::quick(0)
+    };
+    let figs = run(&opts).unwrap_or_else(|e| panic!("{section:?} on the fake device: {e}"));
+    move |n: &str| {
+        figs.iter()
+            .find(|f| f.name == n)
+            .map(|f| f.value)
+            .unwrap_or_else(|| panic!("no figure {n}"))
+    }
 }

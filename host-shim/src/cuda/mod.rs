@@ -23,6 +23,7 @@
 mod attributes;
 mod channel;
 pub mod device;
+mod direct;
 pub mod driver;
 pub mod error;
 pub mod fake;
@@ -322,6 +323,15 @@ impl<D: Device> CudaGpuOf<D> {
             .host_range()
             .filter(|_| pages.device_mapped())
             .map(|(p, len)| (p as usize, len))
+    }
+
+    /// CUDA's own launch → kernel start in this process, ns per sample: TIMESTAMP
+    /// kernels launched straight on a stream of the GPU's context, one after another.
+    pub fn direct_launch_to_start_ns(
+        &self,
+        samples: u32,
+    ) -> std::result::Result<Vec<u64>, DeviceError> {
+        direct::launch_to_start(&*self.shared.dev, samples)
     }
 
     /// CPU time of the front-end thread so far, in ns.

@@ -84,7 +84,7 @@ pub(super) fn long_wait(
 
 #[cfg(test)]
 mod tests {
-    use super::super::{run, CudaOpts, Section};
+    use super::super::{fake_section_figures, Section};
 
     /// On the fake device: both ways ran, in the VM and natively, and the event way's
     /// sleeps were ended by the GPU's wake-up, not by running out (a 25 ms kernel: the
@@ -92,18 +92,7 @@ mod tests {
     /// sleep's end just before the event, so 2 of the 3 waits are asked for).
     #[test]
     fn long_waits_are_woken_by_the_gpu_on_the_fake_device() {
-        let opts = CudaOpts {
-            fake: true,
-            only: vec![Section::LongWait],
-            ..CudaOpts::quick(0)
-        };
-        let figs = run(&opts).expect("long-wait on the fake device");
-        let get = |n: &str| {
-            figs.iter()
-                .find(|f| f.name == n)
-                .unwrap_or_else(|| panic!("{n} missing"))
-                .value
-        };
+        let get = fake_section_figures(Section::LongWait);
         for tag in ["vm", "vgpu_native"] {
             for way in ["naps", "event"] {
                 assert!(get(&format!("long_wait_{tag}_{way}_waiter_cpu_us")) > 0.0);

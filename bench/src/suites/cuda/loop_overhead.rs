@@ -125,24 +125,13 @@ pub(super) fn loop_overhead(
 
 #[cfg(test)]
 mod tests {
-    use super::super::{run, CudaOpts, Section};
+    use super::super::{fake_section_figures, Section};
 
     /// On the fake device: every part of every way is there, and each loop's wall time
     /// holds its GPU span (the timestamps were read back, not left at zero).
     #[test]
     fn splits_the_loop_on_the_fake_device() {
-        let opts = CudaOpts {
-            fake: true,
-            only: vec![Section::LoopOverhead],
-            ..CudaOpts::quick(0)
-        };
-        let figs = run(&opts).expect("loop-overhead on the fake device");
-        let get = |n: &str| {
-            figs.iter()
-                .find(|f| f.name == n)
-                .map(|f| f.value)
-                .unwrap_or_else(|| panic!("no figure {n}"))
-        };
+        let get = fake_section_figures(Section::LoopOverhead);
         for tag in ["vgpu_native", "vm"] {
             for way in ["warm", "idle", "fresh"] {
                 let p = |part: &str| get(&format!("loop_{tag}_{way}_{part}_us"));
