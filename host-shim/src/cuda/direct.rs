@@ -27,7 +27,7 @@ pub(crate) fn launch_to_start<D: Device>(dev: &D, samples: u32) -> Result<Vec<u6
     let res = (0..WARMUP + samples)
         .map(|_| one_sample(dev, &stream, ptr))
         .collect::<Result<Vec<u64>, DeviceError>>()
-        .map(|v| v[WARMUP as usize..].to_vec());
+        .map(|mut v| v.split_off(WARMUP as usize));
     dev.free_device(ptr);
     res
 }
