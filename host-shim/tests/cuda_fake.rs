@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use common::cuda_cases::*;
@@ -458,14 +459,19 @@ fn owed_ref_resumed_channel_continues_at_its_saved_position() {
 /// once, each entry's REF write rides on the next kernel of its batch, which does it as
 /// it starts, and the front end stores the batch's last once its mark is reached: no
 /// stream write between kernels. REF never runs ahead of the work (it moves in order, to
-/// each entry's value) and ends at the last.
+/// each entry's value) and ends at the last. (Entries of any length: see
+/// `owed_ref_of_long_entries_is_left_to_marks` for the default.)
 #[test]
 fn owed_ref_writes_ride_on_the_next_kernel() {
     use std::time::Duration;
     use vgpu_host_shim::cuda::plan::Op;
     use vgpu_protocol::{ControlPage, KernelArgs, Method};
     const T: Duration = Duration::from_secs(20);
-    let g = owing_gpu();
+    let g = owing_gpu_with(CudaConfig {
+        vram_bytes: 64 << 20,
+        mark_owed_ref_over_ns: u64::MAX,
+        ..Default::default()
+    });
     let p = common::Proc::new(&g, common::SYS_BASE);
     let mut ch = p.channel(0);
     let entries = 64u32;
@@ -498,6 +504,70 @@ fn owed_ref_writes_ride_on_the_next_kernel() {
         .count();
     assert_eq!(launches, entries as usize);
     assert_eq!(stream_writes, 0, "no stream REF writes");
+    assert!(
+        g.device().log.kernel_prior_writes.load(Ordering::Relaxed) > 0,
+        "kernels did the prior writes"
+    );
+}
+
+/// A channel whose entries are long (`CudaConfig::mark_owed_ref_over_ns`, by their
+/// recent mean) leaves each owed REF write to a completion mark instead of the next
+/// kernel: once the front end knows the entries' length, a mark per entry, no kernel's
+/// prior write and no stream write, and REF still moves in order to the last value.
+#[test]
+fn owed_ref_of_long_entries_is_left_to_marks() {
+    use std::time::Duration;
+    use vgpu_host_shim::cuda::plan::Op;
+    use vgpu_protocol::{ControlPage, KernelArgs, Method};
+    const T: Duration = Duration::from_secs(20);
+    let g = owing_gpu_with(CudaConfig {
+        vram_bytes: 64 << 20,
+        mark_owed_ref_over_ns: 50_000,
+        ..Default::default()
+    });
+    let p = common::Proc::new(&g, common::SYS_BASE);
+    let mut ch = p.channel(0);
+    let spin = |ch: &mut common::Chan, value| {
+        let m = ch.launch(&KernelArgs::Spin { ns: 500_000 });
+        ch.stage(&[m, Method::SetRef { value }]);
+    };
+    // A few entries first: the front end learns how long they take.
+    for i in 0..4 {
+        spin(&mut ch, 1 + i);
+        ch.publish();
+        ch.wait_idle(T).unwrap();
+    }
+    let entries = 24u32;
+    for i in 0..entries {
+        spin(&mut ch, 5 + i);
+    }
+    let log_before = g.device().log.ops.lock().unwrap().len();
+    let marks_before = g.frontend_counts().end_marks;
+    let priors_before = g.device().log.kernel_prior_writes.load(Ordering::Relaxed);
+    ch.publish();
+    let seen = watch_ref(&ch, 4 + entries, Some(Duration::from_micros(50)));
+    ch.wait_idle(T).unwrap();
+    assert_eq!(ch.ctrl.load(ControlPage::REF), 4 + entries);
+    assert!(
+        seen.windows(2).all(|w| w[0] < w[1]),
+        "REF moved in order: {seen:?}"
+    );
+    assert!(seen.len() > 8, "REF moved entry by entry: {seen:?}");
+    assert_eq!(
+        g.device().log.kernel_prior_writes.load(Ordering::Relaxed) - priors_before,
+        0,
+        "no kernel did a prior write"
+    );
+    let ops = g.device().log.ops.lock().unwrap()[log_before..].to_vec();
+    assert!(
+        !ops.iter().any(|o| matches!(o, Op::WriteValue { .. })),
+        "no stream REF writes: {ops:?}"
+    );
+    assert_eq!(
+        g.frontend_counts().end_marks - marks_before,
+        u64::from(entries),
+        "a mark after every entry"
+    );
 }
 
 /// A kernel that cannot do the REF write the batch owes as it starts (the stencil) starts
@@ -743,7 +813,6 @@ fn fake_marks_are_shared_within_one_context_not_across_two() {
 /// timed mark, so the timeline splits the GPU between contexts.
 #[test]
 fn fake_marks_are_untimed_only_while_a_context_is_alone() {
-    use std::sync::atomic::Ordering;
     use std::time::Duration;
     use vgpu_host_shim::hal::Gpu;
     use vgpu_protocol::{KernelArgs, Method};

@@ -75,6 +75,13 @@ pub(crate) fn poll_until_expecting<T>(
     wait_until(deadline, expected, done, None)
 }
 
+/// A wait expected to end before [`BLOCK_AFTER`] yields again from this long before its
+/// expected end up to 5/4 of it, where it would nap: a nap asked for 10 µs ended ~45 µs
+/// later on the H100's host, so a 3.8 ms saxpy loop, past its 2 ms of yields, was seen
+/// done up to that late (VM ÷ native 1.03; issue 34). Longer than such a nap's
+/// overshoot, so the naps before it end before the work does.
+const YIELD_LEAD: Duration = Duration::from_micros(100);
+
 /// The longest a blocked waiter sleeps before it looks again by itself: the safety net
 /// for a wake-up that cannot come (a channel moved by live migration while its waiter
 /// slept: the new page has nothing armed). 50 wake-ups a second cost nothing noticeable.
@@ -113,7 +120,7 @@ pub(crate) fn wait_until<T>(
             for _ in 0..64 {
                 std::hint::spin_loop();
             }
-        } else if waited < yield_until {
+        } else if waited < yield_until || near_expected_end(waited, expected) {
             std::thread::yield_now();
         } else if let Some(block) = block.as_mut().filter(|_| waited >= BLOCK_AFTER) {
             let left = deadline.map_or(MAX_BLOCK, |d| d.saturating_duration_since(now));
@@ -136,6 +143,13 @@ pub(crate) fn wait_until<T>(
     }
 }
 
+/// Whether a wait that has lasted `waited` is within [`YIELD_LEAD`] of its expected end,
+/// or past it by up to a quarter (a wait expected to outlast [`BLOCK_AFTER`] blocks
+/// instead).
+fn near_expected_end(waited: Duration, expected: Duration) -> bool {
+    expected < BLOCK_AFTER && waited + YIELD_LEAD >= expected && waited < expected + expected / 4
+}
+
 /// Once per thread: its naps end within about a microsecond of their time, not Linux's
 /// default 50 µs later (which was most of a small kernel's loop overhead on the H100).
 fn tight_timer_slack() {
@@ -156,6 +170,22 @@ fn tight_timer_slack() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A wait expected to take 4 ms naps through its middle and yields from 100 µs
+    /// before its expected end to a quarter past it; a wait that long with no
+    /// expectation, or one expected past the blocking point, never yields there.
+    #[test]
+    fn yields_only_near_the_expected_end() {
+        let ms = Duration::from_millis;
+        let us = Duration::from_micros;
+        assert!(!near_expected_end(ms(3), ms(4)));
+        assert!(!near_expected_end(us(3_899), ms(4)));
+        assert!(near_expected_end(us(3_900), ms(4)));
+        assert!(near_expected_end(us(4_999), ms(4)));
+        assert!(!near_expected_end(ms(5), ms(4)));
+        assert!(!near_expected_end(ms(3), Duration::ZERO));
+        assert!(!near_expected_end(ms(20), ms(20)));
+    }
 
     #[test]
     fn returns_value_or_times_out() {

@@ -1,7 +1,7 @@
 //! Small statistics helpers for benchmarks.
 
 /// The `p`-th percentile (0..=100) of `samples` by nearest rank; `None` if empty.
-pub fn percentile(samples: &mut [u64], p: f64) -> Option<u64> {
+pub fn percentile<T: Ord + Copy>(samples: &mut [T], p: f64) -> Option<T> {
     if samples.is_empty() {
         return None;
     }
@@ -21,6 +21,8 @@ mod tests {
         assert_eq!(percentile(&mut v, 99.0), Some(99));
         assert_eq!(percentile(&mut v, 100.0), Some(100));
         assert_eq!(percentile(&mut v, 0.0), Some(1));
-        assert_eq!(percentile(&mut [], 50.0), None);
+        assert_eq!(percentile::<u64>(&mut [], 50.0), None);
+        let mut signed = [3i64, -2, -7, 5];
+        assert_eq!(percentile(&mut signed, 50.0), Some(-2));
     }
 }

@@ -20,20 +20,21 @@ const SAMPLE_TIMEOUT: Duration = Duration::from_secs(10);
 const WARMUP: u32 = 100;
 
 /// Launch → start, ns, of `samples` TIMESTAMP kernels, each launched after the previous
-/// one ended (as the VM's samples are submitted).
-pub(crate) fn launch_to_start<D: Device>(dev: &D, samples: u32) -> Result<Vec<u64>, DeviceError> {
+/// one ended (as the VM's samples are submitted). Signed, as the VM's: the GPU clock's
+/// mapping onto the host's may put a start before its launch.
+pub(crate) fn launch_to_start<D: Device>(dev: &D, samples: u32) -> Result<Vec<i64>, DeviceError> {
     let stream = dev.create_stream()?;
     let ptr = dev.alloc_device(8)?;
     let res = (0..WARMUP + samples)
         .map(|_| one_sample(dev, &stream, ptr))
-        .collect::<Result<Vec<u64>, DeviceError>>()
+        .collect::<Result<Vec<i64>, DeviceError>>()
         .map(|mut v| v.split_off(WARMUP as usize));
     dev.free_device(ptr);
     res
 }
 
 /// One launch, waited for by polling its mark (CUDA's synchronize spins too).
-fn one_sample<D: Device>(dev: &D, stream: &D::Stream, ptr: u64) -> Result<u64, DeviceError> {
+fn one_sample<D: Device>(dev: &D, stream: &D::Stream, ptr: u64) -> Result<i64, DeviceError> {
     let t0 = now_ns();
     dev.issue(stream, &Op::Timestamp { ptr }, None)?;
     let done = dev.mark_untimed(stream)?;
@@ -51,7 +52,8 @@ fn one_sample<D: Device>(dev: &D, stream: &D::Stream, ptr: u64) -> Result<u64, D
     // SAFETY: `stamp` is 8 writable bytes; `ptr` is this function's own 8-byte device
     // allocation, written by the kernel that has ended.
     unsafe { dev.copy_to_host(stamp.as_mut_ptr(), ptr, 8)? };
-    Ok(u64::from_le_bytes(stamp).saturating_sub(t0))
+    // Two's complement: the wrapped difference read as signed.
+    Ok(u64::from_le_bytes(stamp).wrapping_sub(t0) as i64)
 }
 
 #[cfg(test)]
@@ -66,7 +68,7 @@ mod tests {
         let dev = FakeDevice::default();
         let t0 = now_ns();
         let v = launch_to_start(&dev, 50).expect("samples on the fake device");
-        let wall = now_ns() - t0;
+        let wall = (now_ns() - t0) as i64;
         assert_eq!(v.len(), 50);
         assert!(v.iter().all(|&ns| ns > 0 && ns < wall), "{v:?}");
         assert!(

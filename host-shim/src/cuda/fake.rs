@@ -57,6 +57,9 @@ pub struct FakeLog {
     pub ops: Mutex<Vec<Op>>,
     /// Marks recorded without timing ([`Device::mark_untimed`]).
     pub untimed_marks: AtomicU64,
+    /// Prior REF writes done by the op issued behind them (a builtin kernel as it
+    /// starts), not by a stream write of their own.
+    pub kernel_prior_writes: AtomicU64,
 }
 
 /// What a stream runs: an op, or a module function resolved when it was issued, with the
@@ -532,11 +535,15 @@ impl Device for FakeDevice {
         {
             let mut log = self.log.ops.lock().unwrap_or_else(|e| e.into_inner());
             // What the real device puts in the stream for a prior write the op cannot do.
-            if let Some(p) = prior.filter(|_| !self.does_prior(op)) {
-                log.push(Op::WriteValue {
+            match prior {
+                Some(p) if !self.does_prior(op) => log.push(Op::WriteValue {
                     ptr: p.ptr,
                     value: p.value,
-                });
+                }),
+                Some(_) => {
+                    self.log.kernel_prior_writes.fetch_add(1, Ordering::Relaxed);
+                }
+                None => {}
             }
             log.push(op.clone());
         }

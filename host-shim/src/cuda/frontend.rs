@@ -54,6 +54,9 @@ pub struct IssueLimits {
     /// are charged up to when the front end sees them reached (it polls while work is
     /// in flight).
     pub timed_marks: bool,
+    /// Entries this long on the GPU (the channel's mean) leave an owed REF write to a
+    /// mark (`CudaConfig::mark_owed_ref_over_ns`).
+    pub mark_owed_ref_over_ns: u64,
 }
 
 /// GP entries issued since the last mark.
@@ -520,8 +523,16 @@ impl<D: Device> CudaChannel<D> {
             // An entry that cannot do the REF write the batch owes as it starts (the
             // stencil, copies, semaphores) starts a batch of its own: the mark between
             // takes the write (the front end's store), where a stream write between the
-            // two kernels would cost the GPU ~2.5 µs (H200, 2026-11-28).
-            if st.owed_ref.is_some() && plan.ops.first().is_some_and(|op| !dev.does_prior(op)) {
+            // two kernels would cost the GPU ~2.5 µs (H200, 2026-11-28). So does one of a
+            // channel whose entries are long: its kernel's store would cost the GPU more
+            // than the mark costs the front end.
+            let long_entries = st.mean_entry_ns >= limits.mark_owed_ref_over_ns;
+            if st.owed_ref.is_some()
+                && plan
+                    .ops
+                    .first()
+                    .is_some_and(|op| long_entries || !dev.does_prior(op))
+            {
                 if let Some(b) = batch.take() {
                     self.close_batch(dev, st, b, limits.timed_marks)?;
                 }
@@ -707,6 +718,7 @@ pub fn run<D: Device>(shared: Arc<Shared<D>>) {
                     max_inflight,
                     queue_ahead_ns: shared.cfg.queue_ahead_ns,
                     timed_marks: !alone(ch),
+                    mark_owed_ref_over_ns: shared.cfg.mark_owed_ref_over_ns,
                 },
                 issue,
             );

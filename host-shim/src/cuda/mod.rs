@@ -113,6 +113,15 @@ pub struct CudaConfig {
     /// took 0.41 instead of 0.345 ms with it (its system-scope release after 4 MiB of
     /// output), so grids of several blocks keep the stream write.
     pub signal_max_blocks: u64,
+    /// A channel whose entries take this long on the GPU or longer (its recent mean)
+    /// leaves a REF write its last kernel owes to a completion mark (the front end stores
+    /// it once the mark is reached) rather than to the next kernel's first thread. The
+    /// mark costs the GPU nothing between kernels but the front end ~1 µs of CPU time,
+    /// which the GPU does not wait for behind entries this long; the kernel's
+    /// system-scope store cost ~1.5 µs of GPU time a kernel (native saxpy 2²⁴ × 50 with
+    /// it: 3.83–3.84 ms, without: 3.75–3.77, with an untimed event after each kernel:
+    /// 3.76–3.77; H100, 2026-12-07). 0: always a mark; `u64::MAX`: always the kernel.
+    pub mark_owed_ref_over_ns: u64,
     /// Time the front end's parts (fetch and plan, issue, marks, retire) with the host
     /// clock, for [`frontend::FrontendCounts`] (benchmarks: four clock reads per entry).
     pub time_frontend: bool,
@@ -144,6 +153,7 @@ impl Default for CudaConfig {
             max_inflight: 64,
             queue_ahead_ns: 2_000_000,
             signal_max_blocks: 1,
+            mark_owed_ref_over_ns: 20_000,
             time_frontend: false,
             turn: None,
             guest_modules: false,
@@ -330,7 +340,7 @@ impl<D: Device> CudaGpuOf<D> {
     pub fn direct_launch_to_start_ns(
         &self,
         samples: u32,
-    ) -> std::result::Result<Vec<u64>, DeviceError> {
+    ) -> std::result::Result<Vec<i64>, DeviceError> {
         direct::launch_to_start(&*self.shared.dev, samples)
     }
 
