@@ -469,6 +469,16 @@ pub fn decode_all(words: &[u32]) -> Result<Vec<Method>, MethodError> {
     MethodDecoder::new(words).collect()
 }
 
+/// [`decode_all`] into `out`, emptied first (a front end reuses one buffer for every
+/// entry); on an error `out` holds what came before it.
+pub fn decode_into(words: &[u32], out: &mut Vec<Method>) -> Result<(), MethodError> {
+    out.clear();
+    for m in MethodDecoder::new(words) {
+        out.push(m?);
+    }
+    Ok(())
+}
+
 /// Encodes a list of methods into push-buffer words.
 pub fn encode_all(methods: &[Method]) -> Vec<u32> {
     let mut out = Vec::with_capacity(methods.iter().map(Method::len_words).sum());
@@ -567,7 +577,10 @@ mod tests {
         fn round_trip(methods in proptest::collection::vec(any_method(), 0..16)) {
             let words = encode_all(&methods);
             prop_assert_eq!(words.len(), methods.iter().map(Method::len_words).sum::<usize>());
-            prop_assert_eq!(decode_all(&words), Ok(methods));
+            prop_assert_eq!(decode_all(&words), Ok(methods.clone()));
+            let mut out = vec![Method::Nop; 3];
+            prop_assert_eq!(decode_into(&words, &mut out), Ok(()));
+            prop_assert_eq!(out, methods);
         }
 
         #[test]

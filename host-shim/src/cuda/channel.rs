@@ -63,6 +63,10 @@ pub struct ChanState<D: Device> {
     pub ref_last: u32,
     /// REF writes issued to the GPU (kernels' signals, prior writes, stream writes).
     pub gpu_ref_writes: u64,
+    /// The last entry's methods and plan, kept for their buffers: the next entry is
+    /// fetched and planned into them.
+    pub methods: Vec<vgpu_protocol::Method>,
+    pub plan: super::plan::Plan,
 }
 
 /// A REF value the front end stores itself once its batch's mark is reached: the batch's
@@ -177,6 +181,8 @@ impl<D: Device> CudaChannel<D> {
                 owed_from: 0,
                 ref_last,
                 gpu_ref_writes: 0,
+                methods: Vec::new(),
+                plan: Default::default(),
             }),
             busy_ns: AtomicU64::new(0),
             last_issue_ns: AtomicU64::new(0),

@@ -14,7 +14,7 @@ use vgpu_protocol::{ControlPage, ErrorCode};
 use super::channel::{CudaChannel, Inflight};
 use super::device::Device;
 use super::hostreg::HostRegistry;
-use super::plan::{plan_entry, HostAction, Op, Translate};
+use super::plan::{plan_entry_into, HostAction, Op, Translate};
 use super::timeline::Timeline;
 use super::vram::DeviceVram;
 use super::Shared;
@@ -495,11 +495,17 @@ impl<D: Device> CudaChannel<D> {
             let t_fetch = self.stats.start();
             // Rings and push buffers must be in system memory: the front end cannot read
             // VRAM (device memory) without a copy, so an entry there faults the channel.
-            let Some(methods) = self.core.fetch_next(st.fetched, completed, None)? else {
+            let mut methods = std::mem::take(&mut st.methods);
+            let fetched = self
+                .core
+                .fetch_next_into(st.fetched, completed, None, &mut methods);
+            st.methods = methods;
+            if !fetched? {
                 return Ok(batch.is_some());
-            };
+            }
             let scratch_before = st.scratch;
-            let plan = {
+            let mut plan = std::mem::take(&mut st.plan);
+            let planned = {
                 let tr = std::cell::RefCell::new(CtxTranslate {
                     space: &self.core.space,
                     mem,
@@ -512,8 +518,12 @@ impl<D: Device> CudaChannel<D> {
                 });
                 let mut view = GpuView::new(&self.core.space, None);
                 let mut read = |va, buf: &mut [u8]| view.read(va, buf);
-                plan_entry(&methods, &tr, &mut read)?
+                plan_entry_into(&st.methods, &tr, &mut read, &mut plan)
             };
+            if let Err(e) = planned {
+                st.plan = plan;
+                return Err(e);
+            }
             if let (Some((old, _)), Some((new, _))) = (scratch_before, st.scratch) {
                 if old != new {
                     old_scratch.push(old);
@@ -570,11 +580,12 @@ impl<D: Device> CudaChannel<D> {
             if let Some(b) = batch.as_mut() {
                 b.entries += 1;
                 b.runs |= plan.ops.len() > plan.ref_writes;
-                b.host.extend(plan.host);
+                b.host.append(&mut plan.host);
                 b.waits |= plan.waits;
                 b.copies += plan.copies;
                 b.kernels += plan.kernels;
             }
+            st.plan = plan;
         }
     }
 

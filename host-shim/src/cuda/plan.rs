@@ -617,10 +617,34 @@ pub fn plan_entry(
     read_args: &mut ArgReader<'_>,
 ) -> Result<Plan, PlanError> {
     let mut plan = Plan::default();
+    plan_entry_into(methods, t, read_args, &mut plan)?;
+    Ok(plan)
+}
+
+/// [`plan_entry`] into `plan`, emptied first: a front end reuses one plan's buffers for
+/// every entry (two allocations fewer per entry on its path to every launch). On an
+/// error `plan` holds a part of the entry, which must not be issued.
+pub fn plan_entry_into(
+    methods: &[Method],
+    t: &dyn Translate,
+    read_args: &mut ArgReader<'_>,
+    plan: &mut Plan,
+) -> Result<(), PlanError> {
+    let (mut ops, mut host) = (
+        std::mem::take(&mut plan.ops),
+        std::mem::take(&mut plan.host),
+    );
+    ops.clear();
+    host.clear();
+    *plan = Plan {
+        ops,
+        host,
+        ..Plan::default()
+    };
     for m in methods {
         match *m {
             Method::Nop => {}
-            Method::LaunchFunction(ref l) => launch_function(t, l, &mut plan)?,
+            Method::LaunchFunction(ref l) => launch_function(t, l, plan)?,
             // On the GPU, REF moves as soon as the stream gets there, whatever entries
             // share the completion mark (a guest waiting on an entry's fence must not wait
             // for the whole batch).
@@ -678,7 +702,7 @@ pub fn plan_entry(
             } => {
                 let args = launch_args(kernel, args_va, args_len, read_args)?;
                 debug_assert_eq!(args.kernel(), kernel);
-                launch(t, args, &mut plan)?;
+                launch(t, args, plan)?;
             }
             Method::Copy { src, dst, len } => {
                 copy_va(t, &mut plan.ops, dst, src, len)?;
@@ -686,7 +710,7 @@ pub fn plan_entry(
             }
         }
     }
-    Ok(plan)
+    Ok(())
 }
 
 #[cfg(test)]
@@ -792,6 +816,43 @@ mod tests {
             })]
         );
         assert_eq!(p.kernels, 1);
+    }
+
+    /// A plan reused for the next entry (the front end's) holds that entry alone: the
+    /// same as a fresh one, whatever the last entry left in it.
+    #[test]
+    fn a_reused_plan_holds_the_next_entry_alone() {
+        let args = KernelArgs::Saxpy {
+            x: 0x10_0000,
+            y: 0x10_8000,
+            n: 1024,
+            a: 2.0,
+        };
+        let t = Fake {
+            signal: Some((0xf000_0010, 0xe000_0000)),
+            ..fake()
+        };
+        let copy = Method::Copy {
+            src: 0x10_0000,
+            dst: 0x10_8000,
+            len: 64,
+        };
+        let entries = [
+            vec![
+                copy.clone(),
+                Method::SetRef { value: 1 },
+                Method::Notify { token: 9 },
+            ],
+            vec![launch_of(args), Method::SetRef { value: 2 }],
+            vec![Method::Nop],
+        ];
+        let mut reused = Plan::default();
+        for methods in &entries {
+            let fresh = plan_entry(methods, &t, &mut args_reader(args)).unwrap();
+            plan_entry_into(methods, &t, &mut args_reader(args), &mut reused).unwrap();
+            assert_eq!(reused, fresh, "{methods:?}");
+        }
+        assert!(reused.ops.is_empty() && reused.host.is_empty());
     }
 
     #[test]

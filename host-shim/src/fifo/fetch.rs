@@ -2,7 +2,7 @@
 //! plan an entry's methods.
 
 use vgpu_protocol::gp::GP_ENTRY_SIZE;
-use vgpu_protocol::method::{decode_all, Method};
+use vgpu_protocol::method::{decode_into, Method};
 use vgpu_protocol::{counter_after, counter_distance, ControlPage, ErrorCode, GpEntry};
 use vgpu_protocol::{KernelArgs, KernelId};
 
@@ -32,20 +32,41 @@ impl ChannelCore {
         completed: u32,
         vram: Option<&SharedMem>,
     ) -> Result<Option<Vec<Method>>, FetchError> {
+        let mut methods = Vec::new();
+        Ok(self
+            .fetch_next_into(next, completed, vram, &mut methods)?
+            .then_some(methods))
+    }
+
+    /// [`ChannelCore::fetch_next`] into `methods` (emptied first; a front end reuses one
+    /// buffer for every entry): whether there was an entry.
+    pub fn fetch_next_into(
+        &self,
+        next: u32,
+        completed: u32,
+        vram: Option<&SharedMem>,
+        methods: &mut Vec<Method>,
+    ) -> Result<bool, FetchError> {
         let put = self.load(ControlPage::GP_PUT);
         if !counter_after(put, next) {
-            return Ok(None);
+            return Ok(false);
         }
         if counter_distance(completed, put) > self.cfg.gp_entries {
             return Err((ErrorCode::BadGpEntry, put as u64));
         }
-        let methods = self.fetch(vram, next)?;
+        self.fetch(vram, next, methods)?;
         self.note_activity();
-        Ok(Some(methods))
+        Ok(true)
     }
 
-    /// Reads and decodes GP entry number `seq` of the channel's ring and its push buffer.
-    fn fetch(&self, vram: Option<&SharedMem>, seq: u32) -> Result<Vec<Method>, FetchError> {
+    /// Reads and decodes GP entry number `seq` of the channel's ring and its push buffer
+    /// into `methods`.
+    fn fetch(
+        &self,
+        vram: Option<&SharedMem>,
+        seq: u32,
+        methods: &mut Vec<Method>,
+    ) -> Result<(), FetchError> {
         let mut view = GpuView::new(&self.space, vram);
         let index = (seq % self.cfg.gp_entries) as u64;
         let entry_va = self.cfg.gp_ring_va + index * GP_ENTRY_SIZE as u64;
@@ -75,7 +96,8 @@ impl ChannelCore {
         for (w, c) in words.iter_mut().zip(bytes.chunks_exact(4)) {
             *w = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
         }
-        decode_all(words).map_err(|e| (ErrorCode::BadMethod, entry.pb_va + e.offset() as u64 * 4))
+        decode_into(words, methods)
+            .map_err(|e| (ErrorCode::BadMethod, entry.pb_va + e.offset() as u64 * 4))
     }
 }
 
