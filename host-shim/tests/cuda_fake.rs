@@ -459,8 +459,8 @@ fn owed_ref_resumed_channel_continues_at_its_saved_position() {
 /// once, each entry's REF write rides on the next kernel of its batch, which does it as
 /// it starts, and the front end stores the batch's last once its mark is reached: no
 /// stream write between kernels. REF never runs ahead of the work (it moves in order, to
-/// each entry's value) and ends at the last. (Entries of any length: see
-/// `owed_ref_of_long_entries_is_left_to_marks` for the default.)
+/// each entry's value) and ends at the last. (Entries of any length, the default: see
+/// `owed_ref_of_long_entries_is_left_to_marks` for the option.)
 #[test]
 fn owed_ref_writes_ride_on_the_next_kernel() {
     use std::time::Duration;

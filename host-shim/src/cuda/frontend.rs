@@ -534,8 +534,8 @@ impl<D: Device> CudaChannel<D> {
             // stencil, copies, semaphores) starts a batch of its own: the mark between
             // takes the write (the front end's store), where a stream write between the
             // two kernels would cost the GPU ~2.5 µs (H200, 2026-11-28). So does one of a
-            // channel whose entries are long: its kernel's store would cost the GPU more
-            // than the mark costs the front end.
+            // channel whose entries are long, where configured
+            // (`CudaConfig::mark_owed_ref_over_ns`, off by default).
             let long_entries = st.mean_entry_ns >= limits.mark_owed_ref_over_ns;
             if st.owed_ref.is_some()
                 && plan

@@ -116,11 +116,13 @@ pub struct CudaConfig {
     /// A channel whose entries take this long on the GPU or longer (its recent mean)
     /// leaves a REF write its last kernel owes to a completion mark (the front end stores
     /// it once the mark is reached) rather than to the next kernel's first thread. The
-    /// mark costs the GPU nothing between kernels but the front end ~1 µs of CPU time,
-    /// which the GPU does not wait for behind entries this long; the kernel's
-    /// system-scope store cost ~1.5 µs of GPU time a kernel (native saxpy 2²⁴ × 50 with
-    /// it: 3.83–3.84 ms, without: 3.75–3.77, with an untimed event after each kernel:
-    /// 3.76–3.77; H100, 2026-12-07). 0: always a mark; `u64::MAX`: always the kernel.
+    /// mark costs the GPU nothing between kernels but the front end ~1 µs of CPU time;
+    /// the kernel's system-scope store cost native CUDA ~1.5 µs of GPU time a kernel
+    /// (saxpy 2²⁴ × 50 with it: 3.83–3.84 ms, without: 3.75–3.77, with an untimed event
+    /// after each kernel: 3.76–3.77; H100, 2026-12-07). In the VM the same saxpy loop did
+    /// not move with 20 µs (3.85–3.86 against 3.84 ms: past the loop's first entries each
+    /// batch is one entry, whose owed write its mark takes anyway), so the default,
+    /// `u64::MAX`, keeps the kernel's store; 0: always a mark.
     pub mark_owed_ref_over_ns: u64,
     /// Time the front end's parts (fetch and plan, issue, marks, retire) with the host
     /// clock, for [`frontend::FrontendCounts`] (benchmarks: four clock reads per entry).
@@ -153,7 +155,7 @@ impl Default for CudaConfig {
             max_inflight: 64,
             queue_ahead_ns: 2_000_000,
             signal_max_blocks: 1,
-            mark_owed_ref_over_ns: 20_000,
+            mark_owed_ref_over_ns: u64::MAX,
             time_frontend: false,
             turn: None,
             guest_modules: false,
