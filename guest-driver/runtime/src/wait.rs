@@ -77,9 +77,10 @@ pub(crate) fn poll_until_expecting<T>(
 
 /// A wait expected to end before [`BLOCK_AFTER`] yields again from this long before its
 /// expected end up to 5/4 of it, where it would nap: a nap asked for 10 µs ended ~45 µs
-/// later on the H100's host, so a 3.8 ms saxpy loop, past its 2 ms of yields, was seen
-/// done up to that late (VM ÷ native 1.03; issue 34). Longer than such a nap's
-/// overshoot, so the naps before it end before the work does.
+/// later on the H100's host, so a 3.8 ms saxpy loop, past its 2 ms of yields, could be
+/// seen done up to that late. Longer than such a nap's overshoot, so the naps before it
+/// end before the work does. (The VM's saxpy loop did not measurably move with it: 3.85
+/// and 3.86 against 3.84 ms, H100 2026-12-07; issue 34.)
 const YIELD_LEAD: Duration = Duration::from_micros(100);
 
 /// The longest a blocked waiter sleeps before it looks again by itself: the safety net
