@@ -495,12 +495,10 @@ impl<D: Device> CudaChannel<D> {
             let t_fetch = self.stats.start();
             // Rings and push buffers must be in system memory: the front end cannot read
             // VRAM (device memory) without a copy, so an entry there faults the channel.
-            let mut methods = std::mem::take(&mut st.methods);
-            let fetched = self
+            if !self
                 .core
-                .fetch_next_into(st.fetched, completed, None, &mut methods);
-            st.methods = methods;
-            if !fetched? {
+                .fetch_next_into(st.fetched, completed, None, &mut st.methods)?
+            {
                 return Ok(batch.is_some());
             }
             let scratch_before = st.scratch;

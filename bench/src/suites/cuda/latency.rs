@@ -19,25 +19,19 @@ pub(super) fn latency<D: CudaDeviceTrait>(
             .map_err(|e| CudaSuiteError::Backend(e.to_string()))
     };
     let half = (opts.latency_samples / 2).max(1);
-    let mut figs = Vec::new();
     let mut d = direct(half)?;
     let n = submit_latency(nctx, opts.latency_samples, Publish::Store)?;
     let g = submit_latency(gctx, opts.latency_samples, Publish::Store)?;
     d.extend(direct(half)?);
     let d50 = percentile(&mut d, 50.0).unwrap_or(0) as f64 / 1e3;
     let d99 = percentile(&mut d, 99.0).unwrap_or(0) as f64 / 1e3;
-    figs.push(fig(
-        "cuda_direct_launch_to_kernel_start_p50_us",
-        d50,
-        "us",
-        Better::Lower,
-    ));
-    figs.push(fig(
-        "cuda_direct_launch_to_kernel_start_p99_us",
-        d99,
-        "us",
-        Better::Lower,
-    ));
+    let mut figs: Vec<Figure> = [
+        ("cuda_direct_launch_to_kernel_start_p50_us", d50),
+        ("cuda_direct_launch_to_kernel_start_p99_us", d99),
+    ]
+    .into_iter()
+    .map(|(name, v)| fig(name, v, "us", Better::Lower))
+    .collect();
     // Issue 34's target, judged in one process.
     figs.push(
         fig(
@@ -48,30 +42,16 @@ pub(super) fn latency<D: CudaDeviceTrait>(
         )
         .target(2.0),
     );
-    figs.push(fig(
-        "submit_to_kernel_start_p50_vgpu_native",
-        n.0,
-        "us",
-        Better::Lower,
-    ));
-    figs.push(fig(
-        "submit_to_kernel_start_p99_vgpu_native",
-        n.1,
-        "us",
-        Better::Lower,
-    ));
-    figs.push(fig(
-        "submit_to_kernel_start_p50_vm",
-        g.0,
-        "us",
-        Better::Lower,
-    ));
-    figs.push(fig(
-        "submit_to_kernel_start_p99_vm",
-        g.1,
-        "us",
-        Better::Lower,
-    ));
+    figs.extend(
+        [
+            ("submit_to_kernel_start_p50_vgpu_native", n.0),
+            ("submit_to_kernel_start_p99_vgpu_native", n.1),
+            ("submit_to_kernel_start_p50_vm", g.0),
+            ("submit_to_kernel_start_p99_vm", g.1),
+        ]
+        .into_iter()
+        .map(|(name, v)| fig(name, v, "us", Better::Lower)),
+    );
     Ok(figs)
 }
 
