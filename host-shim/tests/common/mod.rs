@@ -128,6 +128,10 @@ pub const ARGS_OFF: u64 = 0x20_0000;
 /// Free for test data (offset from SYS_VA).
 pub const DATA_OFF: u64 = 0x40_0000;
 pub const ENTRIES: u32 = 64;
+/// Bytes of a channel's push-buffer area per ring slot: its 16 KiB piece holds one for
+/// each of the `ENTRIES` slots.
+const PB_SLOT: u64 = 0x100;
+const _: () = assert!(ENTRIES as u64 * PB_SLOT <= 0x4000);
 
 /// A context with its system memory mapped at SYS_VA, and channels on it.
 pub struct Proc<G: Gpu + ?Sized = SimGpu> {
@@ -198,7 +202,6 @@ impl<G: Gpu + ?Sized> Proc<G> {
             pb_off: PB_OFF + index * 0x4000,
             args_off: ARGS_OFF + index * 0x4000,
             put: 0,
-            pb_cursor: 0,
             args_cursor: 0,
         }
     }
@@ -215,7 +218,6 @@ pub struct Chan {
     pb_off: u64,
     args_off: u64,
     pub put: u32,
-    pb_cursor: u64,
     args_cursor: u64,
 }
 
@@ -239,6 +241,13 @@ impl Chan {
         }
     }
 
+    /// Where the push buffer of the next entry goes: the slot of its ring slot, so a
+    /// push buffer is reused only when its ring slot is (the space checks of `submit_words`
+    /// and `stage` cover both).
+    fn pb_slot(&self) -> u64 {
+        self.pb_off + u64::from(self.put % ENTRIES) * PB_SLOT
+    }
+
     /// Writes raw push-buffer words and one GP entry for them, then stores GP_PUT.
     pub fn submit_words(&mut self, words: &[u32]) {
         // Wait for ring space (never overwrite unexecuted entries).
@@ -246,9 +255,8 @@ impl Chan {
             std::thread::yield_now();
         }
         let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-        let off = self.pb_off + (self.pb_cursor % 0x3000);
-        self.pb_cursor += 0x100;
-        assert!(bytes.len() <= 0x100);
+        let off = self.pb_slot();
+        assert!(bytes.len() <= PB_SLOT as usize);
         self.sys.write(self.sys.base + off, &bytes);
         let e = GpEntry::new(SYS_VA + off, words.len() as u32).unwrap();
         self.write_entry(&e.encode());
@@ -281,8 +289,12 @@ impl Chan {
     pub fn stage(&mut self, methods: &[Method]) {
         let words = encode_all(methods);
         let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-        let off = self.pb_off + (self.pb_cursor % 0x3000);
-        self.pb_cursor += 0x100;
+        assert!(
+            self.put.wrapping_sub(self.ctrl.load(ControlPage::GP_GET)) < ENTRIES,
+            "staging over an entry not yet executed"
+        );
+        let off = self.pb_slot();
+        assert!(bytes.len() <= PB_SLOT as usize);
         self.sys.write(self.sys.base + off, &bytes);
         let e = GpEntry::new(SYS_VA + off, words.len() as u32).unwrap();
         self.stage_entry(&e.encode());
