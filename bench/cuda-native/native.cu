@@ -586,6 +586,55 @@ static void vram_swap() {
     printf("swap_saxpy_64mib_resident_ms %.3f ms\n", dev_rd * 100);
 }
 
+// Where saxpy's loop goes on the GPU (`--only loop-overhead`, issue 34): the standard
+// saxpy loop (2^24 x 50) between two TIMESTAMP kernels, 15 times: the GPU span from the
+// first stamp to the last (what the VM's `loop_vm_saxpy_*_gpu_span_us` compares to), and
+// the loop with a stamp before every saxpy: how long each step takes on the GPU.
+static double median_of(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+static void loop_overhead(bool quick) {
+    u64 n = quick ? 4099 : (1ull << 24);
+    int it = quick ? 8 : 50, loops = quick ? 3 : 15;
+    Mem m{false};
+    float *x = (float*)m.alloc(n * 4), *y = (float*)m.alloc(n * 4);
+    u64* ts;
+    CK(cudaHostAlloc(&ts, 8 * (it + 2), cudaHostAllocMapped));
+    volatile u64* vts = ts;
+    std::vector<double> wall, span, step;
+    for (int l = 0; l <= loops; l++) {
+        u64 t0 = now_ns();
+        vgpu_timestamp<<<1, 1, 0, S>>>(ts, 0);
+        for (int i = 0; i < it; i++) vgpu_saxpy<<<blocks(n), 256, 0, S>>>(x, y, n, 0.5f);
+        vgpu_timestamp<<<1, 1, 0, S>>>(ts + 1, 0);
+        CK(cudaStreamSynchronize(S));
+        if (l == 0) continue;  // warm-up
+        wall.push_back((now_ns() - t0) / 1e3);
+        span.push_back((vts[1] - vts[0]) / 1e3);
+    }
+    for (int l = 0; l <= loops; l++) {
+        for (int i = 0; i < it; i++) {
+            vgpu_timestamp<<<1, 1, 0, S>>>(ts + i, 0);
+            vgpu_saxpy<<<blocks(n), 256, 0, S>>>(x, y, n, 0.5f);
+        }
+        vgpu_timestamp<<<1, 1, 0, S>>>(ts + it, 0);
+        CK(cudaStreamSynchronize(S));
+        if (l == 0) continue;
+        for (int i = 0; i < it; i++) step.push_back((vts[i + 1] - vts[i]) / 1e3);
+    }
+    std::sort(step.begin(), step.end());
+    printf("loop_saxpy_wall_us %.2f us\n", median_of(wall));
+    printf("loop_saxpy_gpu_span_us %.2f us\n", median_of(span));
+    printf("loop_saxpy_step_p10_us %.3f us\n", step[step.size() / 10]);
+    printf("loop_saxpy_step_p50_us %.3f us\n", step[step.size() / 2]);
+    printf("loop_saxpy_step_p90_us %.3f us\n", step[step.size() * 9 / 10]);
+    printf("loop_saxpy_step_max_us %.3f us\n", step.back());
+    CK(cudaFreeHost(ts));
+    m.free(x);
+    m.free(y);
+}
+
 // `--only a,b`: run only the named sections (the names `vgpu-bench cuda --only` takes).
 static const char* g_only = nullptr;
 static const char* g_workloads = nullptr;
@@ -666,5 +715,6 @@ int main(int argc, char** argv) {
     if (runs("latency")) latency(quick ? 200 : 2000);
     if (runs("b2b")) b2b(quick ? 500 : 20000);
     if (runs("swap")) vram_swap();
+    if (runs("loop-overhead")) loop_overhead(quick);
     return 0;
 }

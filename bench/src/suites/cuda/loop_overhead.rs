@@ -6,7 +6,8 @@
 //! fence. The three ways tell apart what a loop pays always (`warm`: the same channel,
 //! loops back to back), after the GPU and the front end idled (`idle`: 200 ms asleep
 //! before each loop, as the workloads' CPU reference idles them), and for a channel of
-//! its own (`fresh`: a new channel per loop, as each workload run makes one).
+//! its own (`fresh`: a new channel per loop, as each workload run makes one). The saxpy
+//! loop (2²⁴ × 50) likewise, and with a stamp before every kernel (its steps' GPU times).
 
 use std::time::Duration;
 
@@ -120,6 +121,119 @@ pub(super) fn loop_overhead(
         put("gpu_span", |p| p.gpu_span);
         put("seen_lag", |p| p.seen_lag);
     }
+    figs.extend(saxpy_loops(ctx, tag, small)?);
+    Ok(figs)
+}
+
+/// The standard saxpy loop (2²⁴ × 50; 8 × 4,099 when small) between two `TIMESTAMP`
+/// kernels, on a warm channel and on a new channel per loop (as each workload run makes
+/// one), and once more with a stamp before every saxpy: how long each step takes on the
+/// GPU. The native baseline's `--only loop-overhead` times the same loops
+/// (`cuda_native_loop_saxpy_*`), so the two GPU spans and step times compare side by side.
+fn saxpy_loops(ctx: &Context, tag: &str, small: bool) -> Result<Vec<Figure>, CudaSuiteError> {
+    let (n, iters, loops) = if small {
+        (4099u64, 8u64, 3)
+    } else {
+        (1u64 << 24, 50, 15)
+    };
+    let x = ctx.alloc_vram(n * 4)?;
+    let y = ctx.alloc_vram(n * 4)?;
+    x.write_f32(0, &vec![0.5; n as usize])?;
+    y.write_f32(0, &vec![0.25; n as usize])?;
+    let ts = ctx.alloc_host(8 * (iters + 2))?;
+    let args = KernelArgs::Saxpy {
+        x: x.gpu_va(),
+        y: y.gpu_va(),
+        n,
+        a: 0.5,
+    };
+    let grid = [n.div_ceil(256).min(u64::from(u32::MAX)) as u32, 1, 1];
+    let stamp = |i: u64| KernelArgs::Timestamp {
+        dst: ts.gpu_va() + 8 * i,
+    };
+    let mut figs = Vec::new();
+    for way in ["warm", "fresh"] {
+        let mut ch = ctx.create_channel()?;
+        let mut parts = Vec::new();
+        for l in 0..=loops {
+            if way == "fresh" && l > 0 {
+                ch = ctx.create_channel()?;
+            }
+            ch.set_stamp_publish(true);
+            let t0 = now_ns();
+            ch.launch(&stamp(0), [1, 1, 1])?;
+            ch.launch(&args, grid)?;
+            ch.submit()?;
+            let published = ch.last_publish_ns();
+            for _ in 1..iters {
+                ch.launch(&args, grid)?;
+                ch.submit()?;
+            }
+            ch.launch(&stamp(1), [1, 1, 1])?;
+            let f = ch.submit()?;
+            ch.wait(f)?;
+            let seen = now_ns();
+            let (first, last) = (ts.read_u64(0)?, ts.read_u64(8)?);
+            let us = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1e3;
+            if l > 0 {
+                parts.push(Parts {
+                    wall: us(t0, seen),
+                    start_lag: us(published, first),
+                    gpu_span: us(first, last),
+                    seen_lag: us(last, seen),
+                });
+            }
+        }
+        let mut put = |part: &str, get: fn(&Parts) -> f64| {
+            let mut v: Vec<f64> = parts.iter().map(get).collect();
+            figs.push(fig(
+                &format!("loop_{tag}_saxpy_{way}_{part}_us"),
+                median(&mut v),
+                "us",
+                Better::Lower,
+            ));
+        };
+        put("wall", |p| p.wall);
+        put("start_lag", |p| p.start_lag);
+        put("gpu_span", |p| p.gpu_span);
+        put("seen_lag", |p| p.seen_lag);
+    }
+    // A stamp before every saxpy, each pair one GP entry, on one warm channel.
+    let mut ch = ctx.create_channel()?;
+    let mut steps = Vec::new();
+    for l in 0..=loops {
+        for i in 0..iters {
+            ch.launch(&stamp(i), [1, 1, 1])?;
+            ch.launch(&args, grid)?;
+            ch.submit()?;
+        }
+        ch.launch(&stamp(iters), [1, 1, 1])?;
+        let f = ch.submit()?;
+        ch.wait(f)?;
+        if l > 0 {
+            let mut prev = ts.read_u64(0)?;
+            for i in 1..=iters {
+                let t = ts.read_u64(8 * i)?;
+                steps.push(t.saturating_sub(prev) as f64 / 1e3);
+                prev = t;
+            }
+        }
+    }
+    steps.sort_by(f64::total_cmp);
+    let at = |q: usize| steps[(steps.len() * q / 100).min(steps.len() - 1)];
+    for (name, v) in [
+        ("p10", at(10)),
+        ("p50", at(50)),
+        ("p90", at(90)),
+        ("max", at(100)),
+    ] {
+        figs.push(fig(
+            &format!("loop_{tag}_saxpy_step_{name}_us"),
+            v,
+            "us",
+            Better::Lower,
+        ));
+    }
     Ok(figs)
 }
 
@@ -140,6 +254,20 @@ mod tests {
                 assert!(wall >= span, "{tag} {way}: wall {wall} < span {span}");
                 assert!(p("start_lag").is_finite() && p("seen_lag").is_finite());
             }
+            for way in ["warm", "fresh"] {
+                let p = |part: &str| get(&format!("loop_{tag}_saxpy_{way}_{part}_us"));
+                assert!(p("gpu_span") > 0.0, "{tag} saxpy {way}: no GPU span");
+                assert!(p("wall") >= p("gpu_span"), "{tag} saxpy {way}");
+            }
+            let step = |q: &str| get(&format!("loop_{tag}_saxpy_step_{q}_us"));
+            assert!(
+                step("p10") > 0.0 && step("p10") <= step("p50"),
+                "{tag} steps"
+            );
+            assert!(
+                step("p50") <= step("p90") && step("p90") <= step("max"),
+                "{tag}"
+            );
         }
     }
 }
