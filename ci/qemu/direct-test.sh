@@ -56,7 +56,8 @@ python3 "$HERE/shmem_probe.py" --qemu "$QEMU" --device "$QEMU_DEVICE" --work "$W
 
 # --- 2. the backend's regions in one BAR ----------------------------------------------
 if [ "$BUILD" = 1 ]; then
-    (cd "$ROOT" && cargo build --release -p vgpu-backend --bin vgpu-backend >&2)
+    # As the test suite builds it (see guest-test.sh).
+    (cd "$ROOT" && cargo test --release --workspace --no-run >&2)
 fi
 [ -x "$HOSTBIN/vgpu-backend" ] || die "no $HOSTBIN/vgpu-backend (drop --no-build)"
 "$HOSTBIN/vgpu-backend" --socket-dir "$WORK" --vm probe >"$WORK/backend.log" 2>&1 &
