@@ -1,7 +1,8 @@
 //! A CPU stand-in for the CUDA device, for GPU-free tests of the whole `cuda` GPU: every
 //! stream is a thread that runs its operations in order on host memory (device pointers
 //! are host pointers, as with unified addressing), kernels are the sim's own kernels, and
-//! semaphore waits block the stream, not the front end. Guest modules: a few test kernels
+//! semaphore waits block the stream, not the front end. A mark recorded on an idle stream
+//! is reached at once, as a GPU's event there completes. Guest modules: a few test kernels
 //! picked by name from a PTX text (`fake_modules`; a test device, not a GPU).
 
 use std::collections::{HashMap, VecDeque};
@@ -191,14 +192,22 @@ impl FakeDevice {
     /// A mark at the stream's tail, with a time or without.
     fn record(&self, s: &FakeStream, timed: bool) -> Result<FakeMark, DeviceError> {
         self.check_poison()?;
-        let seq = s.sh.issued.fetch_add(1, Ordering::AcqRel) + 1;
         let at = Arc::new(AtomicU64::new(0));
-        s.sh.q
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .ops
-            .push_back((seq, None, Some(at.clone())));
-        s.sh.cv.notify_all();
+        let mut q = s.sh.q.lock().unwrap_or_else(|e| e.into_inner());
+        let seq = s.sh.issued.fetch_add(1, Ordering::AcqRel) + 1;
+        if q.ops.is_empty() {
+            // An idle stream: everything issued before has run (the worker takes an op
+            // off the queue only once it ran). A GPU's event there completes at once,
+            // where the worker would reach the mark only after a thread wake-up, which
+            // on a loaded machine is milliseconds late: the timeline's calibrations and
+            // an idle stream's batch would be mapped that late.
+            at.store(now_ns(), Ordering::Release);
+            s.sh.done.fetch_max(seq, Ordering::AcqRel);
+        } else {
+            q.ops.push_back((seq, None, Some(at.clone())));
+            drop(q);
+            s.sh.cv.notify_all();
+        }
         Ok(FakeMark {
             sh: s.sh.clone(),
             seq,
@@ -378,7 +387,8 @@ fn worker(sh: Arc<StreamShared>) {
             .unwrap_or_else(|e| e.into_inner())
             .ops
             .pop_front();
-        sh.done.store(seq, Ordering::Release);
+        // A mark recorded on the emptied queue may already have moved `done` past `seq`.
+        sh.done.fetch_max(seq, Ordering::AcqRel);
     }
 }
 

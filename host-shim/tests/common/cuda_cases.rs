@@ -312,6 +312,10 @@ pub fn counters_and_teardown<G: Gpu + ?Sized + 'static>(gpu: &Arc<G>) {
     let mut ch = p.channel(0);
     let x = data(1 << 16, 3);
     p.poke(DATA_OFF, &f32s(&x));
+    // A kernel long against the busy time's precision (a launch latency; on the fake a
+    // thread's wake-up, which on a loaded machine outlasted all 20 short saxpys).
+    let m = ch.launch(&KernelArgs::Spin { ns: 3_000_000 });
+    ch.submit(&[m]);
     for _ in 0..20 {
         let m = ch.launch(&KernelArgs::Saxpy {
             x: SYS_VA + DATA_OFF,
@@ -323,9 +327,9 @@ pub fn counters_and_teardown<G: Gpu + ?Sized + 'static>(gpu: &Arc<G>) {
     }
     ch.wait_idle(T).unwrap();
     let c = gpu.channel_counters(ch.id).unwrap();
-    assert_eq!(c.kernels, 20);
-    assert_eq!(c.gp_completed, 20);
-    assert!(c.busy_ns > 0);
+    assert_eq!(c.kernels, 21);
+    assert_eq!(c.gp_completed, 21);
+    assert!(c.busy_ns >= 2_900_000, "busy {} ns", c.busy_ns);
     let mut want = x.clone();
     for _ in 0..20 {
         let snapshot = want.clone();
