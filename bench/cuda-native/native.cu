@@ -606,8 +606,10 @@ static void loop_overhead(bool quick) {
     for (int l = 0; l <= loops; l++) {
         u64 t0 = now_ns();
         vgpu_timestamp<<<1, 1, 0, S>>>(ts, 0);
-        for (int i = 0; i < it; i++) vgpu_saxpy<<<blocks(n), 256, 0, S>>>(x, y, n, 0.5f);
-        vgpu_timestamp<<<1, 1, 0, S>>>(ts + 1, 0);
+        for (int i = 0; i < it; i++)
+            vgpu_saxpy<<<blocks(n), 256, 0, S>>>(x, y, n, 0.5f, nullptr, 0u, nullptr, prior(i),
+                                                 (u32)(i - 1));
+        vgpu_timestamp<<<1, 1, 0, S>>>(ts + 1, 0, nullptr, 0u, nullptr, prior(it), (u32)it);
         CK(cudaStreamSynchronize(S));
         if (l == 0) continue;  // warm-up
         wall.push_back((now_ns() - t0) / 1e3);
@@ -615,10 +617,12 @@ static void loop_overhead(bool quick) {
     }
     for (int l = 0; l <= loops; l++) {
         for (int i = 0; i < it; i++) {
-            vgpu_timestamp<<<1, 1, 0, S>>>(ts + i, 0);
+            // With --prior-ref each stamp stores the REF its preceding saxpy owes, as
+            // the first kernel of vgpu's next GP entry does.
+            vgpu_timestamp<<<1, 1, 0, S>>>(ts + i, 0, nullptr, 0u, nullptr, prior(i), (u32)i);
             vgpu_saxpy<<<blocks(n), 256, 0, S>>>(x, y, n, 0.5f);
         }
-        vgpu_timestamp<<<1, 1, 0, S>>>(ts + it, 0);
+        vgpu_timestamp<<<1, 1, 0, S>>>(ts + it, 0, nullptr, 0u, nullptr, prior(it), (u32)it);
         CK(cudaStreamSynchronize(S));
         if (l == 0) continue;
         for (int i = 0; i < it; i++) step.push_back((vts[i + 1] - vts[i]) / 1e3);

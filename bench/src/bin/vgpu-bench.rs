@@ -120,6 +120,11 @@ enum Suite {
         /// the b2b section reports each part's host time per GP entry.
         #[arg(long)]
         time_frontend: bool,
+        /// A channel whose entries take this long on the GPU leaves the REF write its
+        /// last kernel owes to a completion mark, µs (0: always; default: never; see
+        /// `CudaConfig::mark_owed_ref_over_ns`).
+        #[arg(long)]
+        mark_owed_ref_over_us: Option<u64>,
     },
     /// Fair service of control requests: a victim VM's request latency alone and while
     /// another VM floods its control queue, or its event queue, side by side.
@@ -198,6 +203,7 @@ fn main() {
             new_channel_poll_us,
             batch_quiet_us,
             time_frontend,
+            mark_owed_ref_over_us,
         } => match gpu {
             vgpu_host_shim::GpuChoice::Sim => {
                 Err("vgpu-bench cuda needs --gpu cuda[:INDEX]".into())
@@ -230,6 +236,8 @@ fn main() {
                 opts.batch_quiet_ns =
                     batch_quiet_us.map_or(opts.batch_quiet_ns, |us| us.saturating_mul(1000));
                 opts.time_frontend = time_frontend;
+                opts.mark_owed_ref_over_ns = mark_owed_ref_over_us
+                    .map_or(opts.mark_owed_ref_over_ns, |us| us.saturating_mul(1000));
                 match workers.then(backend_beside_me).transpose() {
                     Ok(w) => {
                         opts.workers = w;

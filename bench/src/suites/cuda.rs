@@ -115,6 +115,9 @@ pub struct CudaOpts {
     /// Time the in-process front end's parts (`CudaConfig::time_frontend`): the b2b
     /// section then reports each part's host time per GP entry.
     pub time_frontend: bool,
+    /// Entries this long leave an owed REF write to a completion mark, ns
+    /// (`CudaConfig::mark_owed_ref_over_ns`), in process.
+    pub mark_owed_ref_over_ns: u64,
 }
 
 /// A part of the suite (`vgpu-bench cuda --only SECTION,…`; the native baseline program
@@ -194,6 +197,7 @@ impl CudaOpts {
             new_channel_poll_ns: CudaConfig::default().new_channel_poll_ns,
             batch_quiet_ns: CudaConfig::default().batch_quiet_ns,
             time_frontend: false,
+            mark_owed_ref_over_ns: CudaConfig::default().mark_owed_ref_over_ns,
         }
     }
 
@@ -589,6 +593,7 @@ pub fn run(opts: &CudaOpts) -> Result<Vec<Figure>, CudaSuiteError> {
         new_channel_poll_ns: opts.new_channel_poll_ns,
         batch_quiet_ns: opts.batch_quiet_ns,
         time_frontend: opts.time_frontend,
+        mark_owed_ref_over_ns: opts.mark_owed_ref_over_ns,
         ..CudaConfig::default()
     };
     let mut figs = if opts.fake {
