@@ -18,6 +18,11 @@
 #                     default 4000)
 #   large       GPU   vgpu-bench cuda --large --only workloads against native CUDA
 #   cuda        GPU   the whole vgpu-bench cuda suite, standard sizes, against native CUDA
+#   saxpy-step  GPU   issue 34: what costs each saxpy step ~1.5 us of GPU time in the VM
+#                     (--only loop-overhead, RUNS rounds, default 2): native CUDA plain,
+#                     with the prior REF write (--prior-ref) and built for sm_90; the VM
+#                     as built, with every owed REF write at a mark, and with its kernels
+#                     JIT-compiled from compute_75 PTX as nvcc's default build's are
 #   swap        GPU   vgpu-bench swap --gpu cuda (oversubscription)
 #   sandboxed   GPU   the sandboxed_daemon test on the GPU, and vgpu-smoke --loopback
 #                     through `vgpu-backend --gpu cuda --seccomp kill`
@@ -61,7 +66,7 @@ ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
 die() { echo "device/run: $*" >&2; exit 1; }
 
-ALL_SUITES="gpu vram large cuda swap sandboxed mps seccomp quiet-sched workers granularity modules libcuda migration fuzz"
+ALL_SUITES="gpu vram large cuda saxpy-step swap sandboxed mps seccomp quiet-sched workers granularity modules libcuda migration fuzz"
 FUZZ_CRATES="protocol vgpu-backend"
 
 # What each suite needs from the build machine: "bin:CRATE:NAME[:FEATURES]",
@@ -71,7 +76,7 @@ needs() {
     case "$1" in
         gpu) echo "test:vgpu-host-shim:cuda_gpu" ;;
         vram) echo "test:vgpu-bench:vram_swap bin:vgpu-backend:vgpu-backend" ;;
-        large|cuda|swap) echo "bin:vgpu-bench:vgpu-bench" ;;
+        large|cuda|saxpy-step|swap) echo "bin:vgpu-bench:vgpu-bench" ;;
         sandboxed) echo "test:vgpu-backend:sandboxed_daemon bin:vgpu-backend:vgpu-backend" \
                         "bin:vgpu-guest-tools:vgpu-smoke:native,loopback" ;;
         mps) ;;
@@ -195,6 +200,32 @@ suite_cuda() {
     timeout 450 "$B/vgpu-bench" --json cuda --gpu cuda --baseline "$WORK/cuda-native" --vram-mib 8192 \
         > "$O/cuda-full.json" 2> "$O/cuda-full.log"; echo "rc $?"
     grep -E "ratio|b2b|latency|share|off_by|evict|pause" "$O/cuda-full.json" | cut -c1-140
+}
+
+# One VM loop-overhead run for suite_saxpy-step: NAME, then vgpu-bench's extra arguments;
+# prints the saxpy loop's GPU span and step p50.
+saxpy_step_vm() {
+    local n=$1; shift
+    timeout 100 "$B/vgpu-bench" --json cuda --gpu cuda --baseline "$WORK/cuda-native" \
+        --vram-mib 8192 --only loop-overhead "$@" > "$O/saxpy-step-$n.json" 2> "$O/saxpy-step-$n.log"
+    echo "$n (rc $?): $(grep -hoE '"loop_vm_saxpy_(step_p50|warm_gpu_span)_us","value":[0-9.]+' \
+        "$O/saxpy-step-$n.json" | tr '\n' ' ')"
+}
+
+suite_saxpy-step() {
+    native_baseline
+    nvcc -O2 -fmad=false -arch=sm_90 -o "$WORK/cuda-native-sm90" bench/cuda-native/native.cu -lcuda 2>&1 | tail -3
+    local r runs="${RUNS:-2}"
+    for r in $(seq "$runs"); do
+        echo "-- round $r"
+        timeout 60 "$WORK/cuda-native" --only loop-overhead > "$O/saxpy-step-native-$r.txt"
+        timeout 60 "$WORK/cuda-native" --only loop-overhead --prior-ref > "$O/saxpy-step-native-prior-$r.txt"
+        timeout 60 "$WORK/cuda-native-sm90" --only loop-overhead > "$O/saxpy-step-native-sm90-$r.txt"
+        grep -HE "gpu_span|step_p50" "$O"/saxpy-step-native*-"$r".txt
+        saxpy_step_vm "vm-$r"
+        saxpy_step_vm "vm-marks-$r" --mark-owed-ref-over-us 0
+        VGPU_NVRTC_ARCH=compute_75 saxpy_step_vm "vm-compute75-$r"
+    done
 }
 
 suite_swap() {
