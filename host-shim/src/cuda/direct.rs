@@ -1,9 +1,11 @@
-//! CUDA's own launch → kernel start, measured inside this process: a TIMESTAMP kernel
-//! launched straight on a stream of the GPU's context, with no front end in between.
-//! The benchmarks put the VM's submit → start beside it, on the same clock calibration
-//! and within the same second. A separate native program's figure is measured seconds
-//! apart, with a calibration of its own, and drifts by microseconds between runs (its
-//! launch call alone took 3.1–5.9 µs p50 per run on one H100, 2026-12-07).
+//! CUDA's own launches, measured inside this process: kernels launched straight on a
+//! stream of the GPU's context, with no front end in between. Launch → kernel start (a
+//! TIMESTAMP kernel), which the benchmarks put the VM's submit → start beside, on the
+//! same clock calibration and within the same second; and the back-to-back launch rate
+//! of empty kernels, which they interleave with the VM's. A separate native program's
+//! figures are measured seconds apart and drift between runs (its launch call alone took
+//! 3.1–5.9 µs p50 per run on one H100, 2026-12-07; its back-to-back rate 215–337 k
+//! kernels/s between runs of one night).
 
 use std::time::Duration;
 
@@ -33,21 +35,43 @@ pub(crate) fn launch_to_start<D: Device>(dev: &D, samples: u32) -> Result<Vec<i6
     res
 }
 
+/// Kernels per second of `kernels` empty kernels launched back to back on a stream of
+/// the GPU's context (one launch call each, as CUDA's `<<<>>>` makes), from the first
+/// launch to the last kernel's end seen, polled as CUDA's synchronize spins.
+pub(crate) fn b2b_rate<D: Device>(dev: &D, kernels: u32) -> Result<f64, DeviceError> {
+    let stream = dev.create_stream()?;
+    let empty = Op::Launch(vgpu_protocol::KernelArgs::Empty);
+    let t0 = now_ns();
+    for _ in 0..kernels {
+        dev.issue(&stream, &empty, None)?;
+    }
+    let done = dev.mark_untimed(&stream)?;
+    wait_reached(dev, &done, t0)?;
+    let secs = now_ns().saturating_sub(t0).max(1) as f64 / 1e9;
+    Ok(f64::from(kernels) / secs)
+}
+
+/// Spins until `mark` is reached, or fails [`SAMPLE_TIMEOUT`] after `t0`.
+fn wait_reached<D: Device>(dev: &D, mark: &D::Mark, t0: u64) -> Result<(), DeviceError> {
+    let deadline = t0.saturating_add(SAMPLE_TIMEOUT.as_nanos() as u64);
+    while !dev.reached(mark)? {
+        if now_ns() > deadline {
+            return Err(DeviceError::Driver {
+                call: "direct",
+                code: format!("the GPU did not finish within {SAMPLE_TIMEOUT:?}"),
+            });
+        }
+        std::hint::spin_loop();
+    }
+    Ok(())
+}
+
 /// One launch, waited for by polling its mark (CUDA's synchronize spins too).
 fn one_sample<D: Device>(dev: &D, stream: &D::Stream, ptr: u64) -> Result<i64, DeviceError> {
     let t0 = now_ns();
     dev.issue(stream, &Op::Timestamp { ptr }, None)?;
     let done = dev.mark_untimed(stream)?;
-    let deadline = t0.saturating_add(SAMPLE_TIMEOUT.as_nanos() as u64);
-    while !dev.reached(&done)? {
-        if now_ns() > deadline {
-            return Err(DeviceError::Driver {
-                call: "launch_to_start",
-                code: format!("no kernel start within {SAMPLE_TIMEOUT:?}"),
-            });
-        }
-        std::hint::spin_loop();
-    }
+    wait_reached(dev, &done, t0)?;
     let mut stamp = [0u8; 8];
     // SAFETY: `stamp` is 8 writable bytes; `ptr` is this function's own 8-byte device
     // allocation, written by the kernel that has ended.
@@ -75,5 +99,22 @@ mod tests {
             dev.device_allocations().is_empty(),
             "the stamp's memory was freed"
         );
+    }
+
+    /// The rate is the kernels over a time within the call (at least the call's wall
+    /// time gives a lower bound), and a poisoned context's launches fail it rather than
+    /// count.
+    #[test]
+    fn back_to_back_rate_is_timed_within_the_call_and_fails_on_a_lost_context() {
+        let dev = FakeDevice::default();
+        let t0 = now_ns();
+        let rate = b2b_rate(&dev, 200).expect("rate on the fake device");
+        let wall = (now_ns() - t0) as f64 / 1e9;
+        assert!(
+            rate.is_finite() && rate >= 200.0 / wall,
+            "{rate} kernels/s over {wall} s"
+        );
+        dev.poison();
+        assert!(b2b_rate(&dev, 10).is_err());
     }
 }

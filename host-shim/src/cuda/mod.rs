@@ -346,6 +346,12 @@ impl<D: Device> CudaGpuOf<D> {
         direct::launch_to_start(&*self.shared.dev, samples)
     }
 
+    /// CUDA's own back-to-back launch rate in this process, kernels per second: `kernels`
+    /// empty kernels launched straight on a stream of the GPU's context.
+    pub fn direct_b2b_rate(&self, kernels: u32) -> std::result::Result<f64, DeviceError> {
+        direct::b2b_rate(&*self.shared.dev, kernels)
+    }
+
     /// CPU time of the front-end thread so far, in ns.
     pub fn frontend_cpu_ns(&self) -> u64 {
         self.shared.frontend_cpu_ns.load(Ordering::Relaxed)

@@ -1,6 +1,7 @@
-//! Back-to-back empty kernels (`--only b2b`): vgpu native, the VM and, with a baseline
-//! program, CUDA native, in paired rounds; with `--time-frontend`, where the front end's
-//! host time per GP entry goes.
+//! Back-to-back empty kernels (`--only b2b`): vgpu native, the VM between two runs of
+//! CUDA's own launches in this process and, with a baseline program, CUDA native, in
+//! paired rounds; with `--time-frontend`, where the front end's host time per GP entry
+//! goes.
 
 use super::*;
 use crate::suites::measure::median;
@@ -42,6 +43,11 @@ pub(super) fn b2b<D: CudaDeviceTrait>(
 ) -> Result<Vec<Figure>, CudaSuiteError> {
     let rounds = opts.b2b_rounds.max(1);
     let (mut rn, mut rg, mut rc, mut ratios) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut rd, mut direct_ratios) = (Vec::new(), Vec::new());
+    let direct = || {
+        gpu.direct_b2b_rate(opts.b2b_kernels)
+            .map_err(|e| CudaSuiteError::Backend(e.to_string()))
+    };
     let (mut entries, mut marks) = (0, 0);
     let mut parts = [0u64; 4];
     for _ in 0..rounds {
@@ -63,7 +69,16 @@ pub(super) fn b2b<D: CudaDeviceTrait>(
         ]) {
             *p += b - a;
         }
+        // CUDA's own launches in this process right before and after the VM's: the
+        // host's launch rate swings between runs and within one (215–337 k kernels/s for
+        // the native program on one H100, 2026-12-07), and this pairs the VM with it
+        // within milliseconds.
+        let before = direct()?;
         let vm = b2b_rate(gctx, opts.b2b_kernels, 1)?;
+        let after = direct()?;
+        let d = (before + after) / 2.0;
+        rd.push(d);
+        direct_ratios.push(vm / d);
         rg.push(vm);
         if let Some(c) = cuda {
             rc.push(c);
@@ -110,6 +125,24 @@ pub(super) fn b2b<D: CudaDeviceTrait>(
             ));
         }
     }
+    let (lo, hi) = min_max(&direct_ratios);
+    figs.extend([
+        fig(
+            "b2b_cuda_direct_kernels_per_s",
+            median(&mut rd),
+            "kernels/s",
+            Better::Higher,
+        ),
+        fig(
+            "b2b_vm_vs_cuda_direct",
+            median(&mut direct_ratios),
+            "ratio",
+            Better::Higher,
+        )
+        .target(0.9),
+        fig("b2b_vm_vs_cuda_direct_min", lo, "ratio", Better::Higher),
+        fig("b2b_vm_vs_cuda_direct_max", hi, "ratio", Better::Higher),
+    ]);
     if !ratios.is_empty() {
         figs.push(fig(
             "b2b_paired_cuda_native_kernels_per_s",
@@ -117,8 +150,7 @@ pub(super) fn b2b<D: CudaDeviceTrait>(
             "kernels/s",
             Better::Higher,
         ));
-        let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
-        let hi = ratios.iter().copied().fold(0.0, f64::max);
+        let (lo, hi) = min_max(&ratios);
         figs.push(
             fig(
                 "b2b_paired_vm_vs_cuda_native",
@@ -154,4 +186,32 @@ pub(super) fn baseline_b2b(path: &PathBuf, opts: &CudaOpts) -> Result<Option<f64
         .iter()
         .find(|f| f.name == "cuda_native_b2b_empty_kernels_per_s")
         .map(|f| f.value))
+}
+
+/// The smallest and largest of `v` (NaN-free rates; `(inf, 0)` when empty).
+fn min_max(v: &[f64]) -> (f64, f64) {
+    (
+        v.iter().copied().fold(f64::INFINITY, f64::min),
+        v.iter().copied().fold(0.0, f64::max),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{fake_section_figures, Section};
+
+    /// On the fake device: CUDA's own back-to-back rate is measured beside the VM's in
+    /// every round, and the VM's ratio to it lies within its rounds' range.
+    #[test]
+    fn pairs_the_vm_with_cudas_own_launches_on_the_fake_device() {
+        let get = fake_section_figures(Section::B2b);
+        let direct = get("b2b_cuda_direct_kernels_per_s");
+        assert!(direct > 0.0, "direct {direct} kernels/s");
+        let (lo, mid, hi) = (
+            get("b2b_vm_vs_cuda_direct_min"),
+            get("b2b_vm_vs_cuda_direct"),
+            get("b2b_vm_vs_cuda_direct_max"),
+        );
+        assert!(lo > 0.0 && lo <= mid && mid <= hi, "{lo} {mid} {hi}");
+    }
 }
