@@ -28,12 +28,51 @@ fn sizes(small: bool) -> (u32, usize, Duration) {
     }
 }
 
+/// Reads one part of a loop's [`Parts`].
+type PartOf = fn(&Parts) -> f64;
+
 /// One loop's parts, in µs.
 struct Parts {
     wall: f64,
     start_lag: f64,
     gpu_span: f64,
     seen_lag: f64,
+}
+
+impl Parts {
+    /// From the host clock (ns) at the loop's start, its first entry's publish and the
+    /// fence seen, and the GPU's stamps of the first and last kernel.
+    fn from_times(t0: u64, published: u64, first: u64, last: u64, seen: u64) -> Self {
+        let us = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1e3;
+        Parts {
+            wall: us(t0, seen),
+            start_lag: us(published, first),
+            gpu_span: us(first, last),
+            seen_lag: us(last, seen),
+        }
+    }
+
+    /// The median of each part over `loops`, as figures `{prefix}_{part}_us`.
+    fn medians(loops: &[Parts], prefix: &str) -> Vec<Figure> {
+        let parts: [(&str, PartOf); 4] = [
+            ("wall", |p| p.wall),
+            ("start_lag", |p| p.start_lag),
+            ("gpu_span", |p| p.gpu_span),
+            ("seen_lag", |p| p.seen_lag),
+        ];
+        parts
+            .into_iter()
+            .map(|(part, get)| {
+                let mut v: Vec<f64> = loops.iter().map(get).collect();
+                fig(
+                    &format!("{prefix}_{part}_us"),
+                    median(&mut v),
+                    "us",
+                    Better::Lower,
+                )
+            })
+            .collect()
+    }
 }
 
 fn one_loop(
@@ -60,13 +99,7 @@ fn one_loop(
     ch.wait(f)?;
     let seen = now_ns();
     let (first, last) = (ts.read_u64(0)?, ts.read_u64(8)?);
-    let us = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1e3;
-    Ok(Parts {
-        wall: us(t0, seen),
-        start_lag: us(published, first),
-        gpu_span: us(first, last),
-        seen_lag: us(last, seen),
-    })
+    Ok(Parts::from_times(t0, published, first, last, seen))
 }
 
 /// The figures of the three ways, each the median over its loops.
@@ -107,19 +140,7 @@ pub(super) fn loop_overhead(
             }
             parts.push(one_loop(&mut ch, &args, side, &ts)?);
         }
-        let mut put = |part: &str, get: fn(&Parts) -> f64| {
-            let mut v: Vec<f64> = parts.iter().map(get).collect();
-            figs.push(fig(
-                &format!("loop_{tag}_{way}_{part}_us"),
-                median(&mut v),
-                "us",
-                Better::Lower,
-            ));
-        };
-        put("wall", |p| p.wall);
-        put("start_lag", |p| p.start_lag);
-        put("gpu_span", |p| p.gpu_span);
-        put("seen_lag", |p| p.seen_lag);
+        figs.extend(Parts::medians(&parts, &format!("loop_{tag}_{way}")));
     }
     figs.extend(saxpy_loops(ctx, tag, small)?);
     Ok(figs)
@@ -174,29 +195,11 @@ fn saxpy_loops(ctx: &Context, tag: &str, small: bool) -> Result<Vec<Figure>, Cud
             ch.wait(f)?;
             let seen = now_ns();
             let (first, last) = (ts.read_u64(0)?, ts.read_u64(8)?);
-            let us = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1e3;
             if l > 0 {
-                parts.push(Parts {
-                    wall: us(t0, seen),
-                    start_lag: us(published, first),
-                    gpu_span: us(first, last),
-                    seen_lag: us(last, seen),
-                });
+                parts.push(Parts::from_times(t0, published, first, last, seen));
             }
         }
-        let mut put = |part: &str, get: fn(&Parts) -> f64| {
-            let mut v: Vec<f64> = parts.iter().map(get).collect();
-            figs.push(fig(
-                &format!("loop_{tag}_saxpy_{way}_{part}_us"),
-                median(&mut v),
-                "us",
-                Better::Lower,
-            ));
-        };
-        put("wall", |p| p.wall);
-        put("start_lag", |p| p.start_lag);
-        put("gpu_span", |p| p.gpu_span);
-        put("seen_lag", |p| p.seen_lag);
+        figs.extend(Parts::medians(&parts, &format!("loop_{tag}_saxpy_{way}")));
     }
     // A stamp before every saxpy, each pair one GP entry, on one warm channel.
     let mut ch = ctx.create_channel()?;
