@@ -572,6 +572,64 @@ fn owed_ref_of_long_entries_is_left_to_marks() {
     );
 }
 
+/// A channel whose entries have not been timed yet leaves each owed REF write to a
+/// mark (`CudaConfig::mark_owed_ref_over_ns`: a loop of long kernels published at once
+/// would otherwise pay the kernel's store before the front end learns their length);
+/// once its entries are known to be short, the writes ride on the next kernel.
+#[test]
+fn owed_ref_of_an_untimed_channel_is_left_to_marks_until_its_entries_are_known() {
+    use std::time::Duration;
+    use vgpu_host_shim::cuda::plan::Op;
+    use vgpu_protocol::{ControlPage, KernelArgs, Method};
+    const T: Duration = Duration::from_secs(20);
+    let g = owing_gpu_with(CudaConfig {
+        vram_bytes: 64 << 20,
+        mark_owed_ref_over_ns: 200_000_000,
+        ..Default::default()
+    });
+    let p = common::Proc::new(&g, common::SYS_BASE);
+    let mut ch = p.channel(0);
+    let spin = |ch: &mut common::Chan, ns, value| {
+        let m = ch.launch(&KernelArgs::Spin { ns });
+        ch.stage(&[m, Method::SetRef { value }]);
+    };
+    let priors = || g.device().log.kernel_prior_writes.load(Ordering::Relaxed);
+    // The first entry spins 30 ms: the three behind it are planned long before the
+    // front end has timed any.
+    let first = 4u32;
+    for i in 0..first {
+        spin(&mut ch, if i == 0 { 30_000_000 } else { 100_000 }, 1 + i);
+    }
+    let marks_before = g.frontend_counts().end_marks;
+    ch.publish();
+    ch.wait_idle(T).unwrap();
+    assert_eq!(ch.ctrl.load(ControlPage::REF), first);
+    assert_eq!(
+        priors(),
+        0,
+        "no kernel did a prior write before the entries were timed"
+    );
+    assert!(
+        g.frontend_counts().end_marks - marks_before >= u64::from(first),
+        "a mark after every entry"
+    );
+    // Timed now, and far under the threshold: a loop's writes ride on its kernels.
+    let entries = 32u32;
+    for i in 0..entries {
+        spin(&mut ch, 100_000, first + 1 + i);
+    }
+    let log_before = g.device().log.ops.lock().unwrap().len();
+    ch.publish();
+    ch.wait_idle(T).unwrap();
+    assert_eq!(ch.ctrl.load(ControlPage::REF), first + entries);
+    assert!(priors() > 0, "kernels did the prior writes once timed");
+    let ops = g.device().log.ops.lock().unwrap()[log_before..].to_vec();
+    assert!(
+        !ops.iter().any(|o| matches!(o, Op::WriteValue { .. })),
+        "no stream REF writes: {ops:?}"
+    );
+}
+
 /// A kernel that cannot do the REF write the batch owes as it starts (the stencil) starts
 /// a batch of its own instead of taking a stream write before it: the mark between takes
 /// the write, and the stream holds the kernels and marks alone. REF still ends at the

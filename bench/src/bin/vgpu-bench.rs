@@ -120,10 +120,11 @@ enum Suite {
         /// the b2b section reports each part's host time per GP entry.
         #[arg(long)]
         time_frontend: bool,
-        /// A channel whose entries take this long on the GPU leaves the REF write its
-        /// last kernel owes to a completion mark, µs (0: always; default: never; see
+        /// A channel whose entries take this long on the GPU (or are not timed yet)
+        /// leaves the REF write its last kernel owes to a completion mark, µs, or
+        /// `never` (the next kernel's store always; 0: a mark always; default: 10; see
         /// `CudaConfig::mark_owed_ref_over_ns`).
-        #[arg(long)]
+        #[arg(long, value_parser = parse_us_or_never)]
         mark_owed_ref_over_us: Option<u64>,
     },
     /// Fair service of control requests: a victim VM's request latency alone and while
@@ -334,4 +335,13 @@ fn main() {
             std::process::exit(1);
         }
     }
+}
+
+/// A count of microseconds, or `never` (`u64::MAX`, which stays so once scaled to ns).
+fn parse_us_or_never(s: &str) -> Result<u64, String> {
+    if s == "never" {
+        return Ok(u64::MAX);
+    }
+    s.parse()
+        .map_err(|e| format!("{s:?}: a count of microseconds or `never`: {e}"))
 }

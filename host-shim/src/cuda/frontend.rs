@@ -54,9 +54,18 @@ pub struct IssueLimits {
     /// are charged up to when the front end sees them reached (it polls while work is
     /// in flight).
     pub timed_marks: bool,
-    /// Entries this long on the GPU (the channel's mean) leave an owed REF write to a
-    /// mark (`CudaConfig::mark_owed_ref_over_ns`).
+    /// Entries this long on the GPU (the channel's mean), or of a length not yet known,
+    /// leave an owed REF write to a mark (`CudaConfig::mark_owed_ref_over_ns`).
     pub mark_owed_ref_over_ns: u64,
+}
+
+impl IssueLimits {
+    /// Whether a channel whose entries take `mean_entry_ns` on the GPU (0: not known
+    /// yet) leaves an owed REF write to a mark rather than to the next kernel.
+    pub fn owed_ref_to_mark(&self, mean_entry_ns: u64) -> bool {
+        self.mark_owed_ref_over_ns != u64::MAX
+            && (mean_entry_ns == 0 || mean_entry_ns >= self.mark_owed_ref_over_ns)
+    }
 }
 
 /// GP entries issued since the last mark.
@@ -532,9 +541,10 @@ impl<D: Device> CudaChannel<D> {
             // stencil, copies, semaphores) starts a batch of its own: the mark between
             // takes the write (the front end's store), where a stream write between the
             // two kernels would cost the GPU ~2.5 µs (H200, 2026-11-28). So does one of a
-            // channel whose entries are long, where configured
-            // (`CudaConfig::mark_owed_ref_over_ns`, off by default).
-            let long_entries = st.mean_entry_ns >= limits.mark_owed_ref_over_ns;
+            // channel whose entries are long or not yet timed
+            // (`CudaConfig::mark_owed_ref_over_ns`): there the kernel's store would cost
+            // the GPU more than the mark costs the front end.
+            let long_entries = limits.owed_ref_to_mark(st.mean_entry_ns);
             if st.owed_ref.is_some()
                 && plan
                     .ops

@@ -113,16 +113,17 @@ pub struct CudaConfig {
     /// took 0.41 instead of 0.345 ms with it (its system-scope release after 4 MiB of
     /// output), so grids of several blocks keep the stream write.
     pub signal_max_blocks: u64,
-    /// A channel whose entries take this long on the GPU or longer (its recent mean)
-    /// leaves a REF write its last kernel owes to a completion mark (the front end stores
-    /// it once the mark is reached) rather than to the next kernel's first thread. The
-    /// mark costs the GPU nothing between kernels but the front end ~1 µs of CPU time;
-    /// the kernel's system-scope store cost native CUDA ~1.5 µs of GPU time a kernel
-    /// (saxpy 2²⁴ × 50 with it: 3.83–3.84 ms, without: 3.75–3.77, with an untimed event
-    /// after each kernel: 3.76–3.77; H100, 2026-12-07). In the VM the same saxpy loop did
-    /// not move with 20 µs (3.85–3.86 against 3.84 ms: past the loop's first entries each
-    /// batch is one entry, whose owed write its mark takes anyway), so the default,
-    /// `u64::MAX`, keeps the kernel's store; 0: always a mark.
+    /// A channel whose entries take this long on the GPU or longer (its recent mean), or
+    /// whose entries have not been timed yet, leaves a REF write its last kernel owes to
+    /// a completion mark (the front end stores it once the mark is reached) rather than
+    /// to the next kernel's first thread. The mark costs the GPU nothing between kernels
+    /// but the front end ~1 µs of CPU time a GP entry; the kernel's system-scope store
+    /// costs the GPU ~1.5 µs a kernel (native CUDA's saxpy 2²⁴ × 50 step loop with it:
+    /// 3.75–3.76 ms of GPU time, without: 3.67–3.68; the VM's with the store:
+    /// 3.79–3.80, with marks: 3.70; H100, 2026-12-08). Only kernels of several blocks
+    /// owe a write (one block signals itself, `signal_max_blocks`), so a loop of them
+    /// this short is the front end's to keep up with, and the GPU's store is free.
+    /// `u64::MAX`: always the kernel's store.
     pub mark_owed_ref_over_ns: u64,
     /// Time the front end's parts (fetch and plan, issue, marks, retire) with the host
     /// clock, for [`frontend::FrontendCounts`] (benchmarks: four clock reads per entry).
@@ -155,7 +156,7 @@ impl Default for CudaConfig {
             max_inflight: 64,
             queue_ahead_ns: 2_000_000,
             signal_max_blocks: 1,
-            mark_owed_ref_over_ns: u64::MAX,
+            mark_owed_ref_over_ns: 10_000,
             time_frontend: false,
             turn: None,
             guest_modules: false,
