@@ -23,6 +23,11 @@
 #                     with the prior REF write (--prior-ref) and built for sm_90; the VM
 #                     as built, with every owed REF write at a mark, and with its kernels
 #                     JIT-compiled from compute_75 PTX as nvcc's default build's are
+#   owed-ref    GPU   issue 34: the owed-REF rule's A/B, RUNS rounds (default 5), each the
+#                     standard workloads (saxpy, sgemm, hotspot) VM / CUDA native with the
+#                     kernels' stores (--mark-owed-ref-over-us never, the rule before
+#                     2026-12-08) then with the default (marks on untimed or long
+#                     channels); then loop-overhead and b2b,latency twice with the default
 #   swap        GPU   vgpu-bench swap --gpu cuda (oversubscription)
 #   sandboxed   GPU   the sandboxed_daemon test on the GPU, and vgpu-smoke --loopback
 #                     through `vgpu-backend --gpu cuda --seccomp kill`
@@ -66,7 +71,7 @@ ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
 die() { echo "device/run: $*" >&2; exit 1; }
 
-ALL_SUITES="gpu vram large cuda saxpy-step swap sandboxed mps seccomp quiet-sched workers granularity modules libcuda migration fuzz"
+ALL_SUITES="gpu vram large cuda saxpy-step owed-ref swap sandboxed mps seccomp quiet-sched workers granularity modules libcuda migration fuzz"
 FUZZ_CRATES="protocol vgpu-backend"
 
 # What each suite needs from the build machine: "bin:CRATE:NAME[:FEATURES]",
@@ -76,7 +81,7 @@ needs() {
     case "$1" in
         gpu) echo "test:vgpu-host-shim:cuda_gpu" ;;
         vram) echo "test:vgpu-bench:vram_swap bin:vgpu-backend:vgpu-backend" ;;
-        large|cuda|saxpy-step|swap) echo "bin:vgpu-bench:vgpu-bench" ;;
+        large|cuda|saxpy-step|owed-ref|swap) echo "bin:vgpu-bench:vgpu-bench" ;;
         sandboxed) echo "test:vgpu-backend:sandboxed_daemon bin:vgpu-backend:vgpu-backend" \
                         "bin:vgpu-guest-tools:vgpu-smoke:native,loopback" ;;
         mps) ;;
@@ -225,6 +230,29 @@ suite_saxpy-step() {
         saxpy_step_vm "vm-$r"
         saxpy_step_vm "vm-marks-$r" --mark-owed-ref-over-us 0
         VGPU_NVRTC_ARCH=compute_75 saxpy_step_vm "vm-compute75-$r"
+    done
+}
+
+# One vgpu-bench cuda run for suite_owed-ref: NAME, then vgpu-bench's extra arguments;
+# prints the VM / CUDA native ratios and the issue-34 figures the run has.
+owed_ref_run() {
+    local n=$1; shift
+    timeout 150 "$B/vgpu-bench" --json cuda --gpu cuda --baseline "$WORK/cuda-native" \
+        --vram-mib 8192 "$@" > "$O/owed-ref-$n.json" 2> "$O/owed-ref-$n.log"
+    echo "$n (rc $?): $(grep -hoE '"([a-z]+_vm_vs_cuda_native(_after_idle)?_device|b2b_vm_vs_cuda_direct|submit_latency_vm_minus_cuda_direct_p50|loop_vm_saxpy_(warm_gpu_span|step_p50)_us)","value":[0-9.-]+' \
+        "$O/owed-ref-$n.json" | sed 's/"value"://; s/"//g' | tr '\n' ' ')"
+}
+
+suite_owed-ref() {
+    native_baseline
+    local r runs="${RUNS:-5}"
+    for r in $(seq "$runs"); do
+        owed_ref_run "never-$r" --only workloads --workloads saxpy,sgemm,hotspot --mark-owed-ref-over-us never
+        owed_ref_run "default-$r" --only workloads --workloads saxpy,sgemm,hotspot
+    done
+    for r in 1 2; do
+        owed_ref_run "loop-$r" --only loop-overhead
+        owed_ref_run "b2b-$r" --only b2b,latency
     done
 }
 
