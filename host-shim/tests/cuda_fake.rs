@@ -455,6 +455,12 @@ fn owed_ref_resumed_channel_continues_at_its_saved_position() {
     resumed_channel_continues_at_its_saved_position(&owing_gpu());
 }
 
+/// Stages one GP entry: a kernel spinning `ns` on the GPU, then `SET_REF value`.
+fn stage_spin(ch: &mut common::Chan, ns: u64, value: u32) {
+    let m = ch.launch(&vgpu_protocol::KernelArgs::Spin { ns });
+    ch.stage(&[m, vgpu_protocol::Method::SetRef { value }]);
+}
+
 /// Kernels that cannot signal themselves (issue 34): of a loop of entries published at
 /// once, each entry's REF write rides on the next kernel of its batch, which does it as
 /// it starts, and the front end stores the batch's last once its mark is reached: no
@@ -465,7 +471,7 @@ fn owed_ref_resumed_channel_continues_at_its_saved_position() {
 fn owed_ref_writes_ride_on_the_next_kernel() {
     use std::time::Duration;
     use vgpu_host_shim::cuda::plan::Op;
-    use vgpu_protocol::{ControlPage, KernelArgs, Method};
+    use vgpu_protocol::ControlPage;
     const T: Duration = Duration::from_secs(20);
     let g = owing_gpu_with(CudaConfig {
         vram_bytes: 64 << 20,
@@ -476,8 +482,7 @@ fn owed_ref_writes_ride_on_the_next_kernel() {
     let mut ch = p.channel(0);
     let entries = 64u32;
     for i in 0..entries {
-        let m = ch.launch(&KernelArgs::Spin { ns: 200_000 });
-        ch.stage(&[m, Method::SetRef { value: 1 + i }]);
+        stage_spin(&mut ch, 200_000, 1 + i);
     }
     let log_before = g.device().log.ops.lock().unwrap().len();
     ch.publish();
@@ -518,7 +523,7 @@ fn owed_ref_writes_ride_on_the_next_kernel() {
 fn owed_ref_of_long_entries_is_left_to_marks() {
     use std::time::Duration;
     use vgpu_host_shim::cuda::plan::Op;
-    use vgpu_protocol::{ControlPage, KernelArgs, Method};
+    use vgpu_protocol::ControlPage;
     const T: Duration = Duration::from_secs(20);
     let g = owing_gpu_with(CudaConfig {
         vram_bytes: 64 << 20,
@@ -527,21 +532,17 @@ fn owed_ref_of_long_entries_is_left_to_marks() {
     });
     let p = common::Proc::new(&g, common::SYS_BASE);
     let mut ch = p.channel(0);
-    let spin = |ch: &mut common::Chan, value| {
-        let m = ch.launch(&KernelArgs::Spin { ns: 500_000 });
-        ch.stage(&[m, Method::SetRef { value }]);
-    };
     // A few entries first: the front end learns how long they take (eight: each one's
     // time is good to within a stream thread's wake-up, up to a millisecond on a loaded
     // machine, where four once left the mean under the threshold).
     for i in 0..8 {
-        spin(&mut ch, 1 + i);
+        stage_spin(&mut ch, 500_000, 1 + i);
         ch.publish();
         ch.wait_idle(T).unwrap();
     }
     let entries = 24u32;
     for i in 0..entries {
-        spin(&mut ch, 9 + i);
+        stage_spin(&mut ch, 500_000, 9 + i);
     }
     let log_before = g.device().log.ops.lock().unwrap().len();
     let marks_before = g.frontend_counts().end_marks;
@@ -580,7 +581,7 @@ fn owed_ref_of_long_entries_is_left_to_marks() {
 fn owed_ref_of_an_untimed_channel_is_left_to_marks_until_its_entries_are_known() {
     use std::time::Duration;
     use vgpu_host_shim::cuda::plan::Op;
-    use vgpu_protocol::{ControlPage, KernelArgs, Method};
+    use vgpu_protocol::ControlPage;
     const T: Duration = Duration::from_secs(20);
     let g = owing_gpu_with(CudaConfig {
         vram_bytes: 64 << 20,
@@ -589,16 +590,12 @@ fn owed_ref_of_an_untimed_channel_is_left_to_marks_until_its_entries_are_known()
     });
     let p = common::Proc::new(&g, common::SYS_BASE);
     let mut ch = p.channel(0);
-    let spin = |ch: &mut common::Chan, ns, value| {
-        let m = ch.launch(&KernelArgs::Spin { ns });
-        ch.stage(&[m, Method::SetRef { value }]);
-    };
     let priors = || g.device().log.kernel_prior_writes.load(Ordering::Relaxed);
     // The first entry spins 30 ms: the three behind it are planned long before the
     // front end has timed any.
     let first = 4u32;
     for i in 0..first {
-        spin(&mut ch, if i == 0 { 30_000_000 } else { 100_000 }, 1 + i);
+        stage_spin(&mut ch, if i == 0 { 30_000_000 } else { 100_000 }, 1 + i);
     }
     let marks_before = g.frontend_counts().end_marks;
     ch.publish();
@@ -616,7 +613,7 @@ fn owed_ref_of_an_untimed_channel_is_left_to_marks_until_its_entries_are_known()
     // Timed now, and far under the threshold: a loop's writes ride on its kernels.
     let entries = 32u32;
     for i in 0..entries {
-        spin(&mut ch, 100_000, first + 1 + i);
+        stage_spin(&mut ch, 100_000, first + 1 + i);
     }
     let log_before = g.device().log.ops.lock().unwrap().len();
     ch.publish();

@@ -80,3 +80,8 @@ pub fn median(v: &mut [f64]) -> f64 {
 pub fn min(v: &[f64]) -> f64 {
     v.iter().copied().fold(f64::INFINITY, f64::min)
 }
+
+/// The largest value of `v`, of values ≥ 0 (0 when empty).
+pub fn max(v: &[f64]) -> f64 {
+    v.iter().copied().fold(0.0, f64::max)
+}

@@ -4,7 +4,7 @@
 //! goes.
 
 use super::*;
-use crate::suites::measure::median;
+use crate::suites::measure::{max, median, min};
 
 /// Back-to-back empty kernels, `per_entry` to a GP entry (each entry with its fence);
 /// kernels per second.
@@ -125,7 +125,7 @@ pub(super) fn b2b<D: CudaDeviceTrait>(
             ));
         }
     }
-    let (lo, hi) = min_max(&direct_ratios);
+    let (lo, hi) = (min(&direct_ratios), max(&direct_ratios));
     figs.extend([
         fig(
             "b2b_cuda_direct_kernels_per_s",
@@ -150,7 +150,7 @@ pub(super) fn b2b<D: CudaDeviceTrait>(
             "kernels/s",
             Better::Higher,
         ));
-        let (lo, hi) = min_max(&ratios);
+        let (lo, hi) = (min(&ratios), max(&ratios));
         figs.push(
             fig(
                 "b2b_paired_vm_vs_cuda_native",
@@ -186,14 +186,6 @@ pub(super) fn baseline_b2b(path: &PathBuf, opts: &CudaOpts) -> Result<Option<f64
         .iter()
         .find(|f| f.name == "cuda_native_b2b_empty_kernels_per_s")
         .map(|f| f.value))
-}
-
-/// The smallest and largest of `v` (NaN-free rates; `(inf, 0)` when empty).
-fn min_max(v: &[f64]) -> (f64, f64) {
-    (
-        v.iter().copied().fold(f64::INFINITY, f64::min),
-        v.iter().copied().fold(0.0, f64::max),
-    )
 }
 
 #[cfg(test)]
